@@ -1,0 +1,503 @@
+"""Typed run configuration: YAML in, dotted overrides, validated before any process group exists.
+
+Field names follow Megatron-Core / NeMo where the meaning is the same. Every error names the field
+(``section.name``), the value given and what is allowed. A field whose behaviour is not built yet is
+rejected with "not implemented yet" when set to anything but its default, never accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field, the value and what is allowed."""
+
+    def __init__(self, field_name: str, value: Any, allowed: str):
+        self.field_name, self.value, self.allowed = field_name, value, allowed
+        super().__init__(f"{field_name}={value!r}: {allowed}")
+
+
+def _not_implemented(field_name: str, value: Any, default: Any, waits_for: str) -> ConfigError:
+    return ConfigError(field_name, value, f"not implemented yet ({waits_for}); only {default!r} is supported")
+
+
+# Which later capability each not-yet-built field waits for; the message tells the user.
+_WAITS_FOR_EP_OVERLAP = "waits for the overlapped EP dispatch/combine"
+_WAITS_FOR_TP = "waits for tensor parallelism"
+_WAITS_FOR_DIST_OPT = "waits for the distributed optimizer"
+_WAITS_FOR_PP = "waits for pipeline parallelism"
+_WAITS_FOR_CP = "waits for context parallelism"
+_WAITS_FOR_ROUTER = "waits for the full router"
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 384
+    num_attention_heads: int = 8
+    num_query_groups: Optional[int] = None  # None: multi-head attention (= num_attention_heads)
+    vocab_size: int = 256
+    seq_length: int = 128
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    share_embeddings_and_output_weights: bool = False
+    # MoE. num_moe_experts None: a dense model.
+    num_moe_experts: Optional[int] = None
+    # Megatron semantics: an int N makes every N-th layer (0, N, 2N, ...) MoE; a list of 0/1 per layer.
+    moe_layer_freq: Union[int, list[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
+    moe_router_topk: int = 2
+    # False (Mixtral): softmax over the top-k logits. True: softmax over all experts, then top-k.
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_overlap: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        if self.num_moe_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return layer_index % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer_index])
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # None: tensor_model_parallel_size
+    sequence_parallel: bool = False
+
+
+@dataclass
+class OverlapConfig:
+    overlap_grad_sync: bool = False
+    overlap_param_sync: bool = False
+    grad_sync_dtype: Literal["fp32", "bf16"] = "fp32"
+    tp_comm_overlap: bool = False
+    tp_comm_overlap_ag: bool = False
+    tp_comm_overlap_rs: bool = False
+    tp_comm_overlap_rs_dgrad: bool = False
+    tp_comm_bulk_dgrad: bool = False
+    tp_comm_bulk_wgrad: bool = False
+    tp_comm_num_splits: int = 4
+    overlap_p2p_comm: bool = False
+    batch_p2p_comm: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    moe_overlap_dispatch: bool = False
+    moe_a2a_backend: Literal["auto", "nccl", "symm", "gloo"] = "auto"
+    moe_a2a_chunks: int = 1
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    max_steps: int = 200
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup_steps: int = 10
+    lr_decay_steps: Optional[int] = None  # None: max_steps
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    recompute_granularity: Literal["none", "full"] = "none"
+    eval_interval: int = 50  # 0: never
+    eval_iters: int = 4
+    log_interval: int = 1
+    output_dir: str = "runs/default"
+    resume: bool = False
+    distributed_timeout_s: float = 120.0
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # None: the bundled public-domain corpus, byte-level tokens
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    validation_fraction: float = 0.05
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 0  # steps between saves; 0: only the final save
+    save_final: bool = True
+    dir: Optional[str] = None  # None: <train.output_dir>/checkpoints
+    keep_last: int = 2
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.train.output_dir) / "checkpoints"
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        return self.parallel.expert_tensor_parallel_size or self.parallel.tensor_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        p = self.parallel
+        return world_size // (p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size)
+
+    def num_micro_batches(self, world_size: int) -> int:
+        """Micro-batches each data-parallel rank runs per step (gradient accumulation)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size(world_size))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """YAML file (or the defaults) plus ``section.field=value`` overrides, typed and checked field by field.
+
+    World-size rules are checked separately by :func:`validate_for_world`, once the world size is known.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("config", str(path), "no such file")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError("config", str(path), "the YAML must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError("override", item, "expected section.field=value, e.g. parallel.expert_model_parallel_size=2")
+    section, name = parts
+    if section in raw and not isinstance(raw[section], dict):
+        raise ConfigError(section, raw[section], "a section must be a mapping")
+    # YAML parses the value, so `true`, `3`, `1e-3`, `null` and `[0,1,1]` mean what they do in the file.
+    raw.setdefault(section, {})[name] = yaml.safe_load(text) if text.strip() else None
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f"unknown field; did you mean {close[0]!r}?" if close else f"unknown field; known: {', '.join(choices)}"
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(where, raw, "expected a mapping")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}", raw[key], _suggest(str(key), names))
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = _build(tp, raw[f.name], f"{prefix}{f.name}.")
+        else:
+            values[f.name] = _coerce(raw[f.name], tp, f"{prefix}{f.name}")
+    return cls(**values)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError:
+                continue
+        raise ConfigError(name, value, f"expected {_describe(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            return [_coerce(v, typing.get_args(tp)[0], name) for v in value]
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(name, value, f"expected {_describe(tp)}")
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(name, value, allowed)
+
+
+def validate(cfg: Config) -> None:
+    """Ranges, cross-field rules and not-yet-implemented features; independent of the world size."""
+    m, p, o, t, d, c = cfg.model, cfg.parallel, cfg.overlap, cfg.train, cfg.data, cfg.checkpoint
+
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+                 "seq_length"):
+        _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
+    for name in ("hidden_size", "ffn_hidden_size"):
+        # torch._grouped_mm needs 16-byte row strides; multiples of 8 keep bf16 and fp32 both aligned.
+        _require(getattr(m, name) % 8 == 0, f"model.{name}", getattr(m, name), "must be a multiple of 8")
+    _require(m.hidden_size % m.num_attention_heads == 0, "model.num_attention_heads", m.num_attention_heads,
+             f"must divide model.hidden_size={m.hidden_size}")
+    _require(m.head_dim % 2 == 0, "model.num_attention_heads", m.num_attention_heads,
+             f"head dim hidden_size/num_attention_heads={m.head_dim} must be even for rotary embeddings")
+    if m.num_query_groups is not None:
+        _require(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
+                 "model.num_query_groups", m.num_query_groups,
+                 f"must be >= 1 and divide model.num_attention_heads={m.num_attention_heads}")
+    _require(m.rotary_base > 0, "model.rotary_base", m.rotary_base, "must be > 0")
+    _require(m.norm_epsilon > 0, "model.norm_epsilon", m.norm_epsilon, "must be > 0")
+    _require(m.init_method_std > 0, "model.init_method_std", m.init_method_std, "must be > 0")
+    _validate_moe(m)
+
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        _require(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1")
+    if p.expert_tensor_parallel_size is not None:
+        _require(p.expert_tensor_parallel_size >= 1, "parallel.expert_tensor_parallel_size",
+                 p.expert_tensor_parallel_size, "must be >= 1 (or null: tensor_model_parallel_size)")
+    if m.num_moe_experts is not None:
+        _require(m.num_moe_experts % p.expert_model_parallel_size == 0, "parallel.expert_model_parallel_size",
+                 p.expert_model_parallel_size, f"must divide model.num_moe_experts={m.num_moe_experts}")
+    else:
+        _require(p.expert_model_parallel_size == 1, "parallel.expert_model_parallel_size",
+                 p.expert_model_parallel_size, "must be 1 for a dense model (model.num_moe_experts is null)")
+    tp = p.tensor_model_parallel_size
+    _require(m.num_attention_heads % tp == 0, "model.num_attention_heads", m.num_attention_heads,
+             f"must be divisible by parallel.tensor_model_parallel_size={tp}")
+    _require(m.query_groups % tp == 0, "model.num_query_groups", m.query_groups,
+             f"must be divisible by parallel.tensor_model_parallel_size={tp}")
+    _require(m.ffn_hidden_size % tp == 0, "model.ffn_hidden_size", m.ffn_hidden_size,
+             f"must be divisible by parallel.tensor_model_parallel_size={tp}")
+    _require(m.expert_ffn_hidden_size % cfg.expert_tensor_parallel_size == 0, "model.moe_ffn_hidden_size",
+             m.expert_ffn_hidden_size,
+             f"must be divisible by parallel.expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}")
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    _require(vpp >= 1, "parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size,
+             "must be >= 1 or null")
+    _require(m.num_layers % (p.pipeline_model_parallel_size * vpp) == 0, "model.num_layers", m.num_layers,
+             f"must be divisible by pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"
+             f"={p.pipeline_model_parallel_size * vpp}")
+    if p.sequence_parallel:
+        _require(m.seq_length % tp == 0, "model.seq_length", m.seq_length,
+                 f"must be divisible by parallel.tensor_model_parallel_size={tp} under sequence_parallel")
+    _require(m.seq_length % (2 * p.context_parallel_size) == 0 or p.context_parallel_size == 1, "model.seq_length",
+             m.seq_length, f"must be divisible by 2 x parallel.context_parallel_size={2 * p.context_parallel_size}")
+    # Not built yet: accepted only at their defaults.
+    for name, waits in (("tensor_model_parallel_size", _WAITS_FOR_TP), ("pipeline_model_parallel_size", _WAITS_FOR_PP),
+                        ("context_parallel_size", _WAITS_FOR_CP)):
+        if getattr(p, name) != 1:
+            raise _not_implemented(f"parallel.{name}", getattr(p, name), 1, waits)
+    if p.virtual_pipeline_model_parallel_size is not None:
+        raise _not_implemented("parallel.virtual_pipeline_model_parallel_size",
+                               p.virtual_pipeline_model_parallel_size, None, _WAITS_FOR_PP)
+    if p.expert_tensor_parallel_size not in (None, 1):
+        raise _not_implemented("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, 1, _WAITS_FOR_TP)
+    if p.sequence_parallel:
+        raise _not_implemented("parallel.sequence_parallel", True, False, _WAITS_FOR_TP)
+
+    _validate_overlap(o, p)
+
+    for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_iters", "log_interval"):
+        _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
+    _require(t.global_batch_size % t.micro_batch_size == 0, "train.global_batch_size", t.global_batch_size,
+             f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
+    _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _require(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr={t.lr}]")
+    _require(t.lr_warmup_steps >= 0, "train.lr_warmup_steps", t.lr_warmup_steps, "must be >= 0")
+    if t.lr_decay_steps is not None:
+        _require(t.lr_decay_steps > t.lr_warmup_steps, "train.lr_decay_steps", t.lr_decay_steps,
+                 f"must be > train.lr_warmup_steps={t.lr_warmup_steps}")
+    _require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")
+    _require(t.adam_eps > 0, "train.adam_eps", t.adam_eps, "must be > 0")
+    _require(t.clip_grad >= 0, "train.clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)")
+    _require(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+    _require(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0: never)")
+    _require(t.distributed_timeout_s > 0, "train.distributed_timeout_s", t.distributed_timeout_s, "must be > 0")
+    _require(bool(t.output_dir), "train.output_dir", t.output_dir, "must be a non-empty path")
+
+    _require(0 < d.validation_fraction <= 0.5, "data.validation_fraction", d.validation_fraction,
+             "must be in (0, 0.5]")
+    if d.path is not None:
+        _require(m.vocab_size <= (65536 if d.dtype == "uint16" else 2**32), "model.vocab_size", m.vocab_size,
+                 f"must fit data.dtype={d.dtype}")
+    else:
+        _require(m.vocab_size >= 256, "model.vocab_size", m.vocab_size,
+                 "must be >= 256 for the bundled byte-level corpus (data.path is null)")
+
+    _require(c.save_interval >= 0, "checkpoint.save_interval", c.save_interval, "must be >= 0 (0: final save only)")
+    _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    if m.num_moe_experts is None:
+        return
+    _require(m.num_moe_experts >= 1, "model.num_moe_experts", m.num_moe_experts, "must be >= 1 (or null: dense)")
+    _require(1 <= m.moe_router_topk <= m.num_moe_experts, "model.moe_router_topk", m.moe_router_topk,
+             f"must be in [1, model.num_moe_experts={m.num_moe_experts}]")
+    if isinstance(m.moe_layer_freq, int):
+        _require(m.moe_layer_freq >= 1, "model.moe_layer_freq", m.moe_layer_freq, "must be >= 1 (or a list of 0/1)")
+    else:
+        _require(len(m.moe_layer_freq) == m.num_layers and set(m.moe_layer_freq) <= {0, 1}, "model.moe_layer_freq",
+                 m.moe_layer_freq, f"a list must hold one 0 or 1 per layer (model.num_layers={m.num_layers})")
+    if m.moe_ffn_hidden_size is not None:
+        _require(m.moe_ffn_hidden_size >= 8 and m.moe_ffn_hidden_size % 8 == 0, "model.moe_ffn_hidden_size",
+                 m.moe_ffn_hidden_size, "must be a positive multiple of 8")
+    _require(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be >= 0")
+    _require(m.moe_z_loss_coeff >= 0, "model.moe_z_loss_coeff", m.moe_z_loss_coeff, "must be >= 0")
+    if m.moe_router_load_balancing_type == "none":
+        _require(m.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff,
+                 "must be 0 when model.moe_router_load_balancing_type is 'none'")
+    if m.moe_expert_capacity_factor is not None:
+        _require(m.moe_expert_capacity_factor > 0, "model.moe_expert_capacity_factor", m.moe_expert_capacity_factor,
+                 "must be > 0 (or null: dropless)")
+    defaults = ModelConfig()
+    for name, waits in (
+        ("moe_router_score_function", _WAITS_FOR_ROUTER),
+        ("moe_router_num_groups", _WAITS_FOR_ROUTER),
+        ("moe_router_group_topk", _WAITS_FOR_ROUTER),
+        ("moe_router_enable_expert_bias", _WAITS_FOR_ROUTER),
+        ("moe_router_bias_update_rate", _WAITS_FOR_ROUTER),
+        ("moe_expert_capacity_factor", _WAITS_FOR_ROUTER),
+        ("moe_token_drop_policy", _WAITS_FOR_ROUTER),
+        ("moe_pad_expert_input_to_capacity", _WAITS_FOR_ROUTER),
+        ("moe_shared_expert_intermediate_size", _WAITS_FOR_EP_OVERLAP),
+        ("moe_shared_expert_overlap", _WAITS_FOR_EP_OVERLAP),
+    ):
+        if getattr(m, name) != getattr(defaults, name):
+            raise _not_implemented(f"model.{name}", getattr(m, name), getattr(defaults, name), waits)
+    if m.moe_router_load_balancing_type in ("seq_aux_loss", "global_aux_loss"):
+        raise ConfigError("model.moe_router_load_balancing_type", m.moe_router_load_balancing_type,
+                          f"not implemented yet ({_WAITS_FOR_ROUTER}); 'aux_loss' and 'none' are supported")
+
+
+def _validate_overlap(o: OverlapConfig, p: ParallelConfig) -> None:
+    _require(o.tp_comm_num_splits >= 1, "overlap.tp_comm_num_splits", o.tp_comm_num_splits, "must be >= 1")
+    _require(o.moe_a2a_chunks >= 1, "overlap.moe_a2a_chunks", o.moe_a2a_chunks, "must be >= 1")
+    tp_switches = ("tp_comm_overlap", "tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad",
+                   "tp_comm_bulk_dgrad", "tp_comm_bulk_wgrad")
+    for name in tp_switches:
+        if getattr(o, name) and not p.sequence_parallel:
+            raise ConfigError(f"overlap.{name}", True, "TP communication overlap needs parallel.sequence_parallel=true")
+    defaults = OverlapConfig()
+    waits = {name: _WAITS_FOR_TP for name in tp_switches + ("tp_comm_num_splits",)}
+    waits.update(overlap_grad_sync=_WAITS_FOR_DIST_OPT, overlap_param_sync=_WAITS_FOR_DIST_OPT,
+                 overlap_p2p_comm=_WAITS_FOR_PP, batch_p2p_comm=_WAITS_FOR_PP,
+                 overlap_moe_expert_parallel_comm=_WAITS_FOR_PP, delay_wgrad_compute=_WAITS_FOR_EP_OVERLAP,
+                 moe_overlap_dispatch=_WAITS_FOR_EP_OVERLAP, moe_a2a_chunks=_WAITS_FOR_EP_OVERLAP)
+    for name, why in waits.items():
+        if getattr(o, name) != getattr(defaults, name):
+            raise _not_implemented(f"overlap.{name}", getattr(o, name), getattr(defaults, name), why)
+    if o.moe_a2a_backend == "symm":
+        raise ConfigError("overlap.moe_a2a_backend", "symm",
+                          f"not implemented yet ({_WAITS_FOR_EP_OVERLAP}); 'auto', 'nccl' and 'gloo' are supported")
+
+
+def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
+    """Rules that need the world size and device: divisibility of the layout and the batch."""
+    p, t = cfg.parallel, cfg.train
+    model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
+    _require(world_size % model_parallel == 0, "parallel", f"world_size={world_size}",
+             f"world size must be divisible by tensor x context x pipeline parallel sizes = {model_parallel}")
+    expert_ranks = p.expert_model_parallel_size * cfg.expert_tensor_parallel_size
+    stage_ranks = world_size // p.pipeline_model_parallel_size
+    _require(stage_ranks % expert_ranks == 0, "parallel.expert_model_parallel_size", p.expert_model_parallel_size,
+             f"expert_model_parallel_size x expert_tensor_parallel_size = {expert_ranks} must divide "
+             f"world_size / pipeline_model_parallel_size = {stage_ranks}")
+    dp = cfg.data_parallel_size(world_size)
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size", t.global_batch_size,
+             f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+    backend = cfg.overlap.moe_a2a_backend
+    wanted = {"cpu": "gloo", "cuda": "nccl"}[device_type]
+    _require(backend in ("auto", wanted), "overlap.moe_a2a_backend", backend,
+             f"'{backend}' cannot run on device {device_type!r}; use 'auto' or '{wanted}'")

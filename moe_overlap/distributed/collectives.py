@@ -1,0 +1,86 @@
+"""The one place that calls torch collectives whose names or behaviour differ between torch 2.11 and 2.13.
+
+Every function takes a process group that may be ``None``: a group of one rank, where the collective is
+the identity. Timeouts are set when the groups are made (``Mesh.create``), so every call here inherits one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+def group_size(group: ProcessGroup) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; the identity on a one-rank group."""
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Gather equal shards along dim 0 into ``output``; torch 2.13 renamed all_gather_into_tensor."""
+    if group is None:
+        return output.copy_(tensor)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+    return output
+
+
+def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup,
+                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum ``tensor`` over the group and keep this rank's dim-0 shard; renamed in torch 2.13 too."""
+    if group is None:
+        return output.copy_(tensor)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, tensor, op=op, group=group)
+    return output
+
+
+def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-to-all of equal dim-0 slices, no autograd (used for the per-expert token counts)."""
+    if group is None:
+        return tensor.clone()
+    output = torch.empty_like(tensor)
+    dist.all_to_all_single(output, tensor.contiguous(), group=group)
+    return output
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+                    group: ProcessGroup) -> torch.Tensor:
+    """All-to-all of uneven row blocks, no autograd: rank r's block i goes to rank i."""
+    if group is None:
+        return x.clone()
+    output = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(output, x.contiguous(), list(output_splits), list(input_splits), group=group)
+    return output
+
+
+class AllToAllRows(torch.autograd.Function):
+    """Differentiable uneven all-to-all; its backward is the all-to-all with the splits swapped.
+
+    Written here because torch 2.13 deprecates torch.distributed.nn.functional; the MoE stages call its
+    forward and backward as separate steps.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return all_to_all_rows(grad_output, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def barrier(group: ProcessGroup = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)

@@ -1,0 +1,54 @@
+"""Grouped-query self-attention with rotary position embeddings, through scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from moe_overlap.layers.init import SCALED_NORMAL
+from moe_overlap.layers.linear import Linear
+
+
+def rotary_tables(seq_length: int, head_dim: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (S, head_dim/2) in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x_BNSD: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + D/2), the GPT-NeoX / Llama convention, in fp32."""
+    x1, x2 = x_BNSD.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos_SD2 - x2 * sin_SD2, x2 * cos_SD2 + x1 * sin_SD2), dim=-1)
+    return rotated.to(x_BNSD.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV in Megatron's grouped layout: for each query group, its queries, then its key and value.
+
+    Grouping the rows by query group keeps a tensor-parallel shard (whole groups) contiguous.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_query_groups: int, rotary_base: float,
+                 device=None, dtype=None):
+        super().__init__()
+        self.num_heads, self.num_groups = num_heads, num_query_groups
+        self.head_dim = hidden_size // num_heads
+        self.rotary_base = rotary_base
+        qkv_rows = (num_heads + 2 * num_query_groups) * self.head_dim
+        self.linear_qkv = Linear(hidden_size, qkv_rows, device=device, dtype=dtype)
+        self.linear_proj = Linear(num_heads * self.head_dim, hidden_size, SCALED_NORMAL, device, dtype)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        seq_length = x_BSH.shape[1]
+        heads_per_group = self.num_heads // self.num_groups
+        qkv = rearrange(self.linear_qkv(x_BSH), "b s (g r d) -> b g r s d", g=self.num_groups, d=self.head_dim)
+        q_BNSD = rearrange(qkv[:, :, :heads_per_group], "b g r s d -> b (g r) s d")
+        k_BGSD, v_BGSD = qkv[:, :, heads_per_group], qkv[:, :, heads_per_group + 1]
+        cos, sin = rotary_tables(seq_length, self.head_dim, self.rotary_base, x_BSH.device)
+        q_BNSD, k_BGSD = apply_rotary(q_BNSD, cos, sin), apply_rotary(k_BGSD, cos, sin)
+        out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True,
+                                                  enable_gqa=heads_per_group > 1)
+        return self.linear_proj(rearrange(out_BNSD, "b n s d -> b s (n d)"))

@@ -1,0 +1,208 @@
+"""Training data: byte tokenizer, token splits and a deterministic, data-parallel-sharded batch sampler.
+
+Everything the sampler returns is a pure function of (seed, step) and the sizes, so resuming needs only
+the step number, and any data-parallel layout sees the same global batch as a single process: rank d
+takes the d-th contiguous slice of it, which keeps the micro-batch order of gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_overlap.config import ConfigError
+
+# Files are little-endian so a token file moves between machines unchanged.
+TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), int64 [micro_batch_size, seq_length]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: no vocabulary file, and any text round-trips."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids) -> str:
+        """Inverse of encode; bytes that do not form UTF-8 (e.g. a cut sequence) become U+FFFD."""
+        id_array = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if id_array.size and (id_array.min() < 0 or id_array.max() >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}) for ByteTokenizer, "
+                             f"got range [{id_array.min()}, {id_array.max()}]")
+        return id_array.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _token_dtype(dtype: str) -> np.dtype:
+    if dtype not in TOKEN_DTYPES:
+        raise ConfigError("data.dtype", dtype, f"must be one of {', '.join(TOKEN_DTYPES)}")
+    return TOKEN_DTYPES[dtype]
+
+
+def load_bundled_corpus() -> np.ndarray:
+    """The bundled public-domain text (moe_overlap/data/corpus.txt, see NOTICE.md) as byte tokens."""
+    text = (resources.files("moe_overlap") / "data" / "corpus.txt").read_text(encoding="utf-8")
+    return ByteTokenizer().encode(text)
+
+
+def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fraction: float,
+                      seq_length: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) token arrays; validation is the contiguous tail of `validation_fraction`.
+
+    path None: the bundled corpus, byte-tokenised. Otherwise a flat file of `dtype` tokens, memory-mapped
+    read-only so it is never loaded whole. Both splits must hold one sample of seq_length + 1 tokens;
+    pass model.seq_length so a too-small file fails here rather than in the sampler.
+    """
+    token_dtype = _token_dtype(dtype)
+    if not 0 < validation_fraction <= 0.5:
+        raise ConfigError("data.validation_fraction", validation_fraction, "must be in (0, 0.5]")
+    if path is None:
+        tokens = load_bundled_corpus()
+        source = "the bundled corpus"
+    else:
+        file_path = Path(path).expanduser()
+        if not file_path.is_file():
+            raise ConfigError("data.path", str(path), "must be an existing token file (or null: the bundled corpus)")
+        size = file_path.stat().st_size
+        if size == 0 or size % token_dtype.itemsize:
+            raise ConfigError("data.path", str(path), f"file size {size} B must be a positive multiple of "
+                              f"{token_dtype.itemsize} B (data.dtype={dtype}); is data.dtype right?")
+        tokens = np.memmap(file_path, dtype=token_dtype, mode="r")
+        source = str(path)
+
+    sample_tokens = seq_length + 1
+    if len(tokens) < 2 * sample_tokens:  # validation_fraction <= 0.5, so the train split is never the smaller
+        raise ConfigError("data.path", path, f"{source} holds {len(tokens)} tokens; a train and a validation "
+                          f"sample of model.seq_length+1={sample_tokens} tokens each need {2 * sample_tokens}")
+    num_validation = int(len(tokens) * validation_fraction)
+    if num_validation < sample_tokens:
+        raise ConfigError("data.validation_fraction", validation_fraction,
+                          f"leaves {num_validation} of {len(tokens)} tokens for validation; one sample needs "
+                          f"model.seq_length+1={sample_tokens}")
+    split = len(tokens) - num_validation
+    return tokens[:split], tokens[split:]
+
+
+def write_token_file(path: str | os.PathLike, tokens, dtype: str) -> None:
+    """Write tokens as the flat little-endian file load_token_splits reads; refuses ids that would wrap."""
+    token_dtype = _token_dtype(dtype)
+    token_array = np.asarray(tokens).reshape(-1)
+    if token_array.size and not np.issubdtype(token_array.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {token_array.dtype}")
+    limit = np.iinfo(token_dtype).max
+    if token_array.size and (token_array.min() < 0 or token_array.max() > limit):
+        raise ValueError(f"token ids span [{token_array.min()}, {token_array.max()}], "
+                         f"outside [0, {limit}] of data.dtype={dtype}")
+    token_array.astype(token_dtype).tofile(Path(path).expanduser())
+
+
+def _windows(tokens: np.ndarray, sample_indices: np.ndarray, seq_length: int) -> torch.Tensor:
+    """Sample i is tokens[i*S : i*S + S + 1]; one fancy-index read, so a memmap reads only those rows."""
+    offsets = sample_indices.astype(np.int64)[:, None] * seq_length + np.arange(seq_length + 1)
+    return torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))
+
+
+def _to_micro_batches(windows: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
+    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+            for chunk in windows.split(micro_batch_size)]
+
+
+def _count_samples(tokens: np.ndarray, seq_length: int) -> int:
+    if seq_length < 1:
+        raise ConfigError("model.seq_length", seq_length, "must be >= 1")
+    num_samples = (len(tokens) - 1) // seq_length
+    if num_samples < 1:
+        raise ConfigError("model.seq_length", seq_length,
+                          f"a sample needs model.seq_length+1={seq_length + 1} tokens; the split holds {len(tokens)}")
+    return num_samples
+
+
+def _check_dp(dp_rank: int, dp_size: int) -> None:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+
+
+class BatchSampler:
+    """Shuffled, epoch-wrapping training batches, sharded over data-parallel ranks.
+
+    Samples are windows of seq_length+1 tokens at offsets i*seq_length (neighbours share one token, the
+    label of the last position). Each epoch is a permutation of the sample indices drawn from (seed, epoch);
+    step s's global batch is positions [s*G, (s+1)*G) of the concatenated epoch permutations, so a batch
+    may straddle an epoch boundary and a corpus smaller than G samples simply wraps. DP rank d takes the
+    d-th contiguous G/dp slice and cuts it into micro-batches, so the ranks' micro-batches in rank order
+    are the dp_size=1 micro-batches.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_length: int, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, seed: int):
+        self.num_samples = _count_samples(tokens, seq_length)
+        if micro_batch_size < 1:
+            raise ConfigError("train.micro_batch_size", micro_batch_size, "must be >= 1")
+        _check_dp(dp_rank, dp_size)
+        if global_batch_size < 1 or global_batch_size % (micro_batch_size * dp_size):
+            raise ConfigError("train.global_batch_size", global_batch_size,
+                              f"must be a positive multiple of train.micro_batch_size x data-parallel size "
+                              f"= {micro_batch_size} x {dp_size}")
+        if seed < 0:
+            raise ConfigError("train.seed", seed, "must be >= 0")
+        self.tokens, self.seq_length, self.seed = tokens, seq_length, seed
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
+        self._permutations: dict[int, np.ndarray] = {}  # only the epochs the last step touched
+
+    def epoch_permutation(self, epoch: int) -> np.ndarray:
+        """Sample order of one epoch; depends on (seed, epoch) only."""
+        return np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.num_samples)
+
+    def sample_indices(self, step: int) -> np.ndarray:
+        """Indices of this rank's samples at `step`, in micro-batch order."""
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+        per_rank = self.global_batch_size // self.dp_size
+        first = step * self.global_batch_size + self.dp_rank * per_rank
+        positions = np.arange(first, first + per_rank, dtype=np.int64)
+        epochs, within_epoch = np.divmod(positions, self.num_samples)
+        self._permutations = {int(e): self._permutations[e] if e in self._permutations
+                              else self.epoch_permutation(int(e)) for e in np.unique(epochs).tolist()}
+        indices = np.empty_like(positions)
+        for epoch, permutation in self._permutations.items():
+            in_epoch = epochs == epoch
+            indices[in_epoch] = permutation[within_epoch[in_epoch]]
+        return indices
+
+    def micro_batches(self, step: int) -> list[MicroBatch]:
+        """This rank's (input_ids, labels) micro-batches of `step`; int64 CPU tensors [mbs, seq_length]."""
+        windows = _windows(self.tokens, self.sample_indices(step), self.seq_length)
+        return _to_micro_batches(windows, self.micro_batch_size)
+
+
+def eval_batches(tokens: np.ndarray, seq_length: int, micro_batch_size: int, num_batches: int,
+                 dp_rank: int, dp_size: int) -> list[MicroBatch]:
+    """This rank's share of a fixed validation set: the first num_batches*micro_batch_size windows.
+
+    num_batches counts micro-batches over all DP ranks together (to evaluate k global batches, pass
+    k * global_batch_size / micro_batch_size); each rank gets an equal contiguous share, so the mean of
+    the ranks' mean losses is the single-process mean loss over the same windows.
+    """
+    num_samples = _count_samples(tokens, seq_length)
+    if micro_batch_size < 1:
+        raise ConfigError("train.micro_batch_size", micro_batch_size, "must be >= 1")
+    _check_dp(dp_rank, dp_size)
+    # Plain ValueErrors: num_batches may be derived from train.eval_iters, so its value is not the field's.
+    if num_batches < 1 or num_batches % dp_size:
+        raise ValueError(f"num_batches={num_batches} evaluation micro-batches (from train.eval_iters) must be "
+                         f"a positive multiple of the data-parallel size {dp_size}")
+    needed = num_batches * micro_batch_size
+    if needed > num_samples:
+        raise ValueError(f"the validation split holds {num_samples} samples of model.seq_length+1={seq_length + 1} "
+                         f"tokens; evaluation needs {needed}: raise data.validation_fraction or lower train.eval_iters")
+    per_rank = needed // dp_size
+    rank_indices = np.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    return _to_micro_batches(_windows(tokens, rank_indices, seq_length), micro_batch_size)

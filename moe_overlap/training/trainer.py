@@ -1,0 +1,200 @@
+"""The training loop: gradient accumulation, AdamW with warmup + decay, evaluation, metrics, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from moe_overlap.config import Config, validate_for_world
+from moe_overlap.distributed.collectives import all_reduce_
+from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.models.mixtral import build_model
+from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
+from moe_overlap.training.optimizer import MixedPrecisionAdamW, lr_at
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    wanted = cfg.train.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("train.device='cuda': no CUDA device is visible; use 'cpu' or 'auto'")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
+    """Join the job torchrun started (or run as a single process) and build the mesh for the config."""
+    device = resolve_device(cfg)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    validate_for_world(cfg, world_size, device.type)
+    if world_size == 1 and not dist.is_initialized():
+        return Mesh.single(), device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=cfg.train.distributed_timeout_s))
+    return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s), device
+
+
+def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
+    p = cfg.parallel
+    return MeshLayout(world_size=world_size, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
+                      pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+                      etp=cfg.expert_tensor_parallel_size)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
+        validate_for_world(cfg, mesh.world_size, device.type)
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        t = cfg.train
+        torch.manual_seed(t.seed)
+        self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
+                                 recompute=t.recompute_granularity == "full")
+        self.optimizer = MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype)
+        train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
+                                                     seq_length=cfg.model.seq_length)
+        dp = mesh.dp
+        self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
+                                    dp.rank, dp.size, t.seed)
+        self.val_batches = eval_batches(val_tokens, cfg.model.seq_length, t.micro_batch_size,
+                                        t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size)
+        self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
+        self.step = 0
+        self.is_logger = mesh.rank == 0
+
+    # ------------------------------------------------------------------------------------------ steps
+    def forward_backward(self, step: int) -> tuple[float, float]:
+        """Accumulate one global batch's gradients; returns this rank's mean LM and auxiliary losses."""
+        self.model.train()
+        # Each micro-batch's loss is a mean over its tokens; dividing by every micro-batch of every
+        # data-parallel rank makes the summed gradients those of the global-batch mean.
+        loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
+        lm_total = aux_total = 0.0
+        for input_ids, labels in self.sampler.micro_batches(step):
+            out = self.model(input_ids.to(self.device), labels.to(self.device))
+            (out.loss * loss_scale).backward()
+            lm_total += float(out.lm_loss)
+            aux_total += float(out.aux_loss)
+        return lm_total / self.num_micro_batches, aux_total / self.num_micro_batches
+
+    def train_step(self) -> dict:
+        start = time.perf_counter()
+        lm_loss, aux_loss = self.forward_backward(self.step)
+        self.optimizer.reduce_grads()
+        lr = lr_at(self.step, self.cfg.train)
+        grad_norm, stepped = self.optimizer.step(lr, self.step)
+        losses = self._dp_mean(torch.tensor([lm_loss, aux_loss], dtype=torch.float64, device=self.device))
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        metrics = {"step": self.step, "loss": losses[0], "aux_loss": losses[1], "lr": lr, "grad_norm": grad_norm,
+                   "skipped": not stepped, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
+        metrics.update(self._expert_load())
+        return metrics
+
+    def _dp_mean(self, values: torch.Tensor) -> list[float]:
+        all_reduce_(values, self.mesh.dp.group)
+        return (values / self.mesh.dp.size).tolist()
+
+    def _expert_load(self) -> dict:
+        """Copies routed to each expert this step, summed over the data-parallel ranks, per MoE layer."""
+        loads = {}
+        for index, layer in enumerate(self.model.layers):
+            if layer.is_moe:
+                counts = all_reduce_(layer.mlp.tokens_per_expert.clone(), self.mesh.dp.group)
+                loads[str(index)] = counts.tolist()
+                layer.mlp.tokens_per_expert.zero_()
+        return {"tokens_per_expert": loads} if loads else {}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = sum(float(self.model(ids.to(self.device), labels.to(self.device)).lm_loss)
+                    for ids, labels in self.val_batches)
+        for layer in self.model.moe_layers():
+            layer.tokens_per_expert.zero_()  # evaluation traffic is not training load
+        return self._dp_mean(torch.tensor([total / len(self.val_batches)], dtype=torch.float64,
+                                          device=self.device))[0]
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        per_rank = {"torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        tensors = dict(self.optimizer.logical_state(), **{"train.step": torch.tensor(self.step)})
+        return save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, per_rank, self.cfg.checkpoint.keep_last)
+
+    def resume(self) -> bool:
+        """Continue from the newest complete checkpoint, if any (also under another EP or DP size)."""
+        step = latest_step(self.cfg.checkpoint_dir)
+        if step is None:
+            return False
+        tensors = dict(self.optimizer.logical_state(), **{"train.step": torch.tensor(0)})
+        per_rank = load_checkpoint(self.cfg.checkpoint_dir, step, tensors)
+        self.optimizer.after_load()
+        self.step = int(tensors["train.step"])
+        if per_rank is not None:
+            torch.set_rng_state(per_rank["torch_rng"])
+            if per_rank["cuda_rng"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(per_rank["cuda_rng"])
+        log.info("resumed from %s at step %d", self.cfg.checkpoint_dir, self.step)
+        return True
+
+    # -------------------------------------------------------------------------------------- the loop
+    def fit(self) -> list[dict]:
+        t, ckpt = self.cfg.train, self.cfg.checkpoint
+        if t.resume:
+            self.resume()
+        out_dir = Path(t.output_dir)
+        if self.is_logger:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        history = []
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)
+        with bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file:
+            while self.step < t.max_steps:
+                metrics = self.train_step()
+                if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
+                    metrics["val_loss"] = self.evaluate()
+                if ckpt.save_interval and self.step % ckpt.save_interval == 0 and self.step < t.max_steps:
+                    self.save()
+                history.append(metrics)
+                if self.is_logger and (self.step % t.log_interval == 0 or self.step == t.max_steps):
+                    metrics_file.write(json.dumps(metrics) + "\n")
+                    metrics_file.flush()
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.update(1)
+        if ckpt.save_final and history:
+            self.save()
+        return history
+
+
+class _Null:
+    """A do-nothing metrics file for ranks that do not log."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
