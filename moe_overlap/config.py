@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -201,6 +202,16 @@ class Config:
 # --------------------------------------------------------------------------------------------- loading
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` and ``1.0e5`` as floats (YAML 1.2); PyYAML's YAML 1.1 rules
+    need a dot and a signed exponent, and would hand ``lr: 1e-4`` over as the string '1e-4'."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """YAML file (or the defaults) plus ``section.field=value`` overrides, typed and checked field by field.
 
@@ -212,7 +223,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError("config", str(path), "no such file")
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            raw = yaml.load(f, Loader=_YamlLoader) or {}
         if not isinstance(raw, dict):
             raise ConfigError("config", str(path), "the YAML must be a mapping of sections")
     for item in overrides:
@@ -228,15 +239,17 @@ def _apply_override(raw: dict, item: str) -> None:
     if not sep or len(parts) != 2 or not all(parts):
         raise ConfigError("override", item, "expected section.field=value, e.g. parallel.expert_model_parallel_size=2")
     section, name = parts
-    if section in raw and not isinstance(raw[section], dict):
+    if raw.get(section) is None:  # absent, or an empty section in the file (`parallel:` with no fields)
+        raw[section] = {}
+    if not isinstance(raw[section], dict):
         raise ConfigError(section, raw[section], "a section must be a mapping")
     # YAML parses the value, so `true`, `3`, `1e-3`, `null` and `[0,1,1]` mean what they do in the file.
-    raw.setdefault(section, {})[name] = yaml.safe_load(text) if text.strip() else None
+    raw[section][name] = yaml.load(text, Loader=_YamlLoader) if text.strip() else None
 
 
-def _suggest(name: str, choices: list[str]) -> str:
+def _suggest(name: str, choices: list[str], kind: str = "field") -> str:
     close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-    return f"unknown field; did you mean {close[0]!r}?" if close else f"unknown field; known: {', '.join(choices)}"
+    return f"unknown {kind}; did you mean {close[0]!r}?" if close else f"unknown {kind}; known: {', '.join(choices)}"
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -249,7 +262,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            raise ConfigError(f"{prefix}{key}", raw[key], _suggest(str(key), names))
+            raise ConfigError(f"{prefix}{key}", raw[key], _suggest(str(key), names, "field" if prefix else "section"))
     values = {}
     for f in dataclasses.fields(cls):
         if f.name not in raw:
@@ -360,7 +373,7 @@ def validate(cfg: Config) -> None:
     _require(m.expert_ffn_hidden_size % cfg.expert_tensor_parallel_size == 0, "model.moe_ffn_hidden_size",
              m.expert_ffn_hidden_size,
              f"must be divisible by parallel.expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}")
-    vpp = p.virtual_pipeline_model_parallel_size or 1
+    vpp = 1 if p.virtual_pipeline_model_parallel_size is None else p.virtual_pipeline_model_parallel_size
     _require(vpp >= 1, "parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size,
              "must be >= 1 or null")
     _require(m.num_layers % (p.pipeline_model_parallel_size * vpp) == 0, "model.num_layers", m.num_layers,
@@ -421,6 +434,11 @@ def validate(cfg: Config) -> None:
 
 def _validate_moe(m: ModelConfig) -> None:
     if m.num_moe_experts is None:
+        defaults = ModelConfig()
+        for f in dataclasses.fields(m):
+            if f.name.startswith("moe_") and getattr(m, f.name) != getattr(defaults, f.name):
+                raise ConfigError(f"model.{f.name}", getattr(m, f.name),
+                                  "has no effect on a dense model; set model.num_moe_experts or remove it")
         return
     _require(m.num_moe_experts >= 1, "model.num_moe_experts", m.num_moe_experts, "must be >= 1 (or null: dense)")
     _require(1 <= m.moe_router_topk <= m.num_moe_experts, "model.moe_router_topk", m.moe_router_topk,
@@ -487,8 +505,8 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     """Rules that need the world size and device: divisibility of the layout and the batch."""
     p, t = cfg.parallel, cfg.train
     model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
-    _require(world_size % model_parallel == 0, "parallel", f"world_size={world_size}",
-             f"world size must be divisible by tensor x context x pipeline parallel sizes = {model_parallel}")
+    _require(world_size % model_parallel == 0, "world_size", world_size,
+             f"must be divisible by tensor x context x pipeline parallel sizes = {model_parallel}")
     expert_ranks = p.expert_model_parallel_size * cfg.expert_tensor_parallel_size
     stage_ranks = world_size // p.pipeline_model_parallel_size
     _require(stage_ranks % expert_ranks == 0, "parallel.expert_model_parallel_size", p.expert_model_parallel_size,

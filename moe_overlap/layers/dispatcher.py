@@ -45,7 +45,7 @@ class WeightedUnpermute(torch.autograd.Function):
         num_tokens, topk = probs_TK.shape
         copies_TKH = rows_RH.new_empty((num_tokens * topk, rows_RH.shape[1]))
         copies_TKH[copy_of_row_R] = rows_RH
-        copies_TKH = copies_TKH.view(num_tokens, topk, -1)
+        copies_TKH = copies_TKH.view(num_tokens, topk, rows_RH.shape[1])
         ctx.save_for_backward(copies_TKH, probs_TK, copy_of_row_R)
         return torch.einsum("tk,tkh->th", probs_TK, copies_TKH.float()).to(rows_RH.dtype)
 

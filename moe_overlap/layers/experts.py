@@ -43,6 +43,8 @@ class GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_TH: torch.Tensor):
         x_TH, offsets_E, w13_EHF2, w2_EFH, h_TF2 = ctx.saved_tensors
+        if x_TH.shape[0] == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
+            return torch.zeros_like(x_TH), None, torch.zeros_like(w13_EHF2), torch.zeros_like(w2_EFH)
         grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
         a_TF = _swiglu_fwd(h_TF2)
         grad_a_TF = torch._grouped_mm(grad_y_TH, w2_EFH.transpose(-2, -1), offs=offsets_E)

@@ -14,11 +14,7 @@ from moe_overlap.layers.router import Router
 
 
 class MoELayer(nn.Module):
-    """Dropless top-k MoE over the expert-parallel group ``ep``; rank r holds experts [r*E/EP, (r+1)*E/EP).
-
-    ``tokens_per_expert`` accumulates the routed copies per global expert (summed over this rank's
-    micro-batches) for the trainer's metrics; the trainer reads and resets it.
-    """
+    """Dropless top-k MoE over the expert-parallel group ``ep``; rank r holds experts [r*E/EP, (r+1)*E/EP)."""
 
     def __init__(self, cfg: ModelConfig, ep: GroupHandle, device=None, dtype=None):
         super().__init__()
@@ -30,15 +26,12 @@ class MoELayer(nn.Module):
                              device, dtype)
         self.experts = GroupedExperts(local_experts, ep.rank * local_experts, cfg.hidden_size,
                                       cfg.expert_ffn_hidden_size, device, dtype)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
-                             persistent=False)
 
-    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the output and this layer's auxiliary losses (load balancing + z), already scaled."""
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns the output, the auxiliary losses (load balancing + z, already scaled) and the copies
+        routed to each global expert (for metrics; an output, so recomputation does not count twice)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         routing = self.router(x_TH)
-        with torch.no_grad():
-            self.tokens_per_expert += routing.tokens_per_expert_E
         plan = plan_dispatch(routing.experts_TK, routing.tokens_per_expert_E, self.ep.size, self.ep.group)
         permuted_RH = GatherRows.apply(x_TH, plan.token_of_row)
         received_RH = AllToAllRows.apply(permuted_RH, plan.output_splits, plan.input_splits, self.ep.group)
@@ -47,4 +40,4 @@ class MoELayer(nn.Module):
         ungrouped_RH = GatherRows.apply(expert_out_RH, plan.ungroup_index)
         combined_RH = AllToAllRows.apply(ungrouped_RH, plan.input_splits, plan.output_splits, self.ep.group)
         out_TH = WeightedUnpermute.apply(combined_RH, routing.probs_TK, plan.copy_of_row)
-        return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss
+        return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E

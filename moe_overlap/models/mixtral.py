@@ -32,14 +32,14 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype)
 
-    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the output and, for a MoE layer, its auxiliary loss and tokens per expert."""
         x_BSH = x_BSH + self.self_attention(self.input_layernorm(x_BSH))
         mlp_in = self.pre_mlp_layernorm(x_BSH)
         if self.is_moe:
-            mlp_out, aux_loss = self.mlp(mlp_in)
-        else:
-            mlp_out, aux_loss = self.mlp(mlp_in), x_BSH.new_zeros((), dtype=torch.float32)
-        return x_BSH + mlp_out, aux_loss
+            mlp_out, aux_loss, tokens_per_expert = self.mlp(mlp_in)
+            return x_BSH + mlp_out, aux_loss, tokens_per_expert
+        return x_BSH + self.mlp(mlp_in), None, None
 
 
 @dataclass
@@ -47,6 +47,7 @@ class ModelOutput:
     loss: torch.Tensor  # what backward runs on: cross-entropy + auxiliary losses
     lm_loss: torch.Tensor  # detached cross-entropy, for logging
     aux_loss: torch.Tensor  # detached sum of the MoE auxiliary losses
+    tokens_per_expert: dict[int, torch.Tensor]  # layer index -> copies routed to each global expert
 
 
 class MixtralModel(nn.Module):
@@ -62,21 +63,21 @@ class MixtralModel(nn.Module):
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers)
 
-    def moe_layers(self) -> list[MoELayer]:
-        return [layer.mlp for layer in self.layers if layer.is_moe]
-
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> ModelOutput:
         x_BSH = self.embedding(input_ids_BS)
         aux_loss = x_BSH.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
+        tokens_per_expert = {}
+        for index, layer in enumerate(self.layers):
             if self.recompute and torch.is_grad_enabled():
-                x_BSH, layer_aux = checkpoint(layer, x_BSH, use_reentrant=False)
+                x_BSH, layer_aux, layer_tokens = checkpoint(layer, x_BSH, use_reentrant=False)
             else:
-                x_BSH, layer_aux = layer(x_BSH)
-            aux_loss = aux_loss + layer_aux
+                x_BSH, layer_aux, layer_tokens = layer(x_BSH)
+            if layer_aux is not None:
+                aux_loss = aux_loss + layer_aux
+                tokens_per_expert[index] = layer_tokens
         output_weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
         lm_loss = lm_cross_entropy(self.final_layernorm(x_BSH), output_weight, labels_BS)
-        return ModelOutput(lm_loss + aux_loss, lm_loss.detach(), aux_loss.detach())
+        return ModelOutput(lm_loss + aux_loss, lm_loss.detach(), aux_loss.detach(), tokens_per_expert)
 
 
 def build_model(cfg: ModelConfig, mesh: Mesh, device: torch.device | str, dtype: torch.dtype, seed: int,

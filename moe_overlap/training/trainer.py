@@ -8,6 +8,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,7 @@ class Trainer:
                                         t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size)
         self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
         self.step = 0
+        self.tokens_per_expert: dict[int, torch.Tensor] = {}
         self.is_logger = mesh.rank == 0
 
     # ------------------------------------------------------------------------------------------ steps
@@ -87,17 +89,23 @@ class Trainer:
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
         lm_total = aux_total = 0.0
+        self.tokens_per_expert = {}
         for input_ids, labels in self.sampler.micro_batches(step):
             out = self.model(input_ids.to(self.device), labels.to(self.device))
             (out.loss * loss_scale).backward()
             lm_total += float(out.lm_loss)
             aux_total += float(out.aux_loss)
+            for layer, counts in out.tokens_per_expert.items():
+                self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
         return lm_total / self.num_micro_batches, aux_total / self.num_micro_batches
 
-    def train_step(self) -> dict:
+    def train_step(self, inspect_grads: Callable[[MixedPrecisionAdamW], None] | None = None) -> dict:
+        """One optimizer step; ``inspect_grads`` sees the reduced gradients before the update (tests)."""
         start = time.perf_counter()
         lm_loss, aux_loss = self.forward_backward(self.step)
         self.optimizer.reduce_grads()
+        if inspect_grads is not None:
+            inspect_grads(self.optimizer)
         lr = lr_at(self.step, self.cfg.train)
         grad_norm, stepped = self.optimizer.step(lr, self.step)
         losses = self._dp_mean(torch.tensor([lm_loss, aux_loss], dtype=torch.float64, device=self.device))
@@ -106,6 +114,8 @@ class Trainer:
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
         metrics = {"step": self.step, "loss": losses[0], "aux_loss": losses[1], "lr": lr, "grad_norm": grad_norm,
                    "skipped": not stepped, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
+        if self.device.type == "cuda":
+            metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics.update(self._expert_load())
         return metrics
 
@@ -115,12 +125,8 @@ class Trainer:
 
     def _expert_load(self) -> dict:
         """Copies routed to each expert this step, summed over the data-parallel ranks, per MoE layer."""
-        loads = {}
-        for index, layer in enumerate(self.model.layers):
-            if layer.is_moe:
-                counts = all_reduce_(layer.mlp.tokens_per_expert.clone(), self.mesh.dp.group)
-                loads[str(index)] = counts.tolist()
-                layer.mlp.tokens_per_expert.zero_()
+        loads = {str(layer): all_reduce_(counts, self.mesh.dp.group).tolist()
+                 for layer, counts in self.tokens_per_expert.items()}
         return {"tokens_per_expert": loads} if loads else {}
 
     @torch.no_grad()
@@ -128,8 +134,6 @@ class Trainer:
         self.model.eval()
         total = sum(float(self.model(ids.to(self.device), labels.to(self.device)).lm_loss)
                     for ids, labels in self.val_batches)
-        for layer in self.model.moe_layers():
-            layer.tokens_per_expert.zero_()  # evaluation traffic is not training load
         return self._dp_mean(torch.tensor([total / len(self.val_batches)], dtype=torch.float64,
                                           device=self.device))[0]
 

@@ -1,0 +1,1 @@
+"""Makes test modules importable as `tests.<name>`, the name multi-rank workers import cases by."""

@@ -1,0 +1,83 @@
+"""The master test over NCCL in bf16 on 2 GPUs (`pytest -m gpu`): DESIGN.md's bf16 tolerance rule.
+
+The EP=2 bf16 run's error against an fp32 single-process run must be at most 2x the single-process bf16
+run's own error against it, per tensor (normwise), for the losses and every gradient of the first step.
+Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
+    import torch.distributed as dist
+
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.training.trainer import Trainer, init_distributed
+    from tests.test_master import logical_grads, rel_err, small_config
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    global_batch = 8
+    layout_cfg = small_config(output_dir, 2, global_batch, **{"train.precision": "bf16", "train.device": "cuda"})
+    mesh, device = init_distributed(layout_cfg)
+    runs = {
+        "layout_bf16": Trainer(layout_cfg, mesh, device),
+        "single_bf16": Trainer(small_config(output_dir, 1, global_batch, **{"train.precision": "bf16"}),
+                               Mesh.single(), device),
+        "single_fp32": Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), device),
+    }
+    losses = {name: [] for name in runs}
+    grads = {}
+    for step in range(steps):
+        for name, trainer in runs.items():
+            captured = {}
+            losses[name].append(trainer.train_step(lambda opt: captured.update(logical_grads(opt)))["loss"])
+            if step == 0:
+                grads[name] = captured
+    ref = grads["single_fp32"]
+    report = {"rank": dist.get_rank(), "losses": losses, "violations": [], "tensors": 0}
+    for key, grad in grads["layout_bf16"].items():
+        layout_err, single_err = rel_err(grad, ref[key]), rel_err(grads["single_bf16"][key], ref[key])
+        report["tensors"] += 1
+        if layout_err > 2 * single_err:
+            report["violations"].append((key, layout_err, single_err))
+    for step in range(steps):
+        layout_err = abs(losses["layout_bf16"][step] - losses["single_fp32"][step])
+        single_err = abs(losses["single_bf16"][step] - losses["single_fp32"][step])
+        if layout_err > 2 * single_err:
+            report["violations"].append((f"loss step {step + 1}", layout_err, single_err))
+    mesh.destroy()
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.gpu
+def test_master_over_nccl_bf16(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.fail("needs 2 CUDA GPUs")
+    env = dict(os.environ, **MULTICAST_OFF, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           str(tmp_path)]
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2
+    for report in reports:
+        print(json.dumps(report))
+        assert report["tensors"] > 0 and not report["violations"], report["violations"]
+
+
+if __name__ == "__main__":  # one rank under torchrun
+    sys.path.insert(0, str(REPO))
+    print(json.dumps(gpu_equivalence(sys.argv[1])), flush=True)
