@@ -74,8 +74,9 @@ class Trainer:
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
                                     dp.rank, dp.size, t.seed)
-        self.val_batches = eval_batches(val_tokens, cfg.model.seq_length, t.micro_batch_size,
-                                        t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size)
+        self.val_batches = [] if not t.eval_interval else eval_batches(
+            val_tokens, cfg.model.seq_length, t.micro_batch_size,
+            t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size)
         self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
         self.step = 0
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
