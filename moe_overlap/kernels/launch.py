@@ -1,0 +1,63 @@
+"""How every Triton kernel here is launched: compiled on CUDA tensors, interpreted on CPU tensors or under
+TRITON_INTERPRET=1 (read at each launch, so tests can switch it per test), the torch twin when triton is
+missing (with a warning naming the kernel, once).
+
+An interpreted kernel cannot call triton's JIT helpers (tl.sum, tl.zeros) unless the interpreter was on when
+triton was imported, so the kernels use builtins only: sums go through ``tl.reduce(x, axis, sum_combine)``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+try:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    sum_combine = tl.standard._sum_combine  # the combine function tl.sum uses; the interpreter knows it
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    HAVE_TRITON = False
+
+_TRUE = ("1", "true", "yes", "on", "y")
+_warned: set[str] = set()
+
+
+def interpreter_requested() -> bool:
+    """TRITON_INTERPRET=1 in the environment now (read at every call, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+def use_triton(t: torch.Tensor, what: str) -> bool:
+    """Triton on CUDA tensors (or anywhere under TRITON_INTERPRET=1); the torch twin otherwise."""
+    if not HAVE_TRITON:
+        if t.is_cuda and what not in _warned:
+            warnings.warn(f"triton is not importable: {what} runs its torch twin on CUDA instead of the fused "
+                          "Triton kernel", RuntimeWarning, stacklevel=3)
+            _warned.add(what)
+        return False
+    return t.is_cuda or interpreter_requested()
+
+
+class Kernel:
+    """One kernel function, compiled for CUDA or interpreted for CPU / TRITON_INTERPRET=1, chosen per launch."""
+
+    def __init__(self, fn, do_not_specialize=()):
+        self.fn = fn
+        self.do_not_specialize = list(do_not_specialize)  # runtime sizes that change every step
+        self._compiled = None
+        self._interpreted = None
+
+    def __getitem__(self, grid_and_device):
+        grid, device = grid_and_device
+        if device.type != "cuda" or interpreter_requested():
+            if self._interpreted is None:
+                self._interpreted = InterpretedFunction(self.fn)
+            return self._interpreted[grid]
+        if self._compiled is None:
+            self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
+        return self._compiled[grid]

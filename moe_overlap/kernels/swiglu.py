@@ -1,0 +1,91 @@
+"""SwiGLU of the expert FFN, fused: one pass over fc1's output forward, one pass backward that also
+rebuilds the activation the fc2 weight gradient needs. fp32 arithmetic in registers, the tensors in their
+own dtype (bf16 on GPU): the torch twin's fp32 temporaries cost several full passes over T x 2F.
+
+h_TF2 holds [gate | up] along its last dimension; a = silu(gate) * up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    def _swiglu_fwd_kernel(h_ptr, a_ptr, N, FF, BLOCK: tl.constexpr):
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < N
+        row, col = idx // FF, idx % FF
+        gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
+        silu = gate * (1.0 / (1.0 + tl.exp(-gate)))  # the backward's formula: both passes give the same a
+        tl.store(a_ptr + idx, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+
+    def _swiglu_bwd_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, N, FF, BLOCK: tl.constexpr):
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < N
+        row, col = idx // FF, idx % FF
+        gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(grad_a_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        silu = gate * sig
+        out_ty = grad_h_ptr.dtype.element_ty
+        tl.store(grad_h_ptr + row * 2 * FF + col, (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty), mask=mask)
+        tl.store(grad_h_ptr + row * 2 * FF + FF + col, (grad * silu).to(out_ty), mask=mask)
+        tl.store(a_ptr + idx, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+
+    _fwd = Kernel(_swiglu_fwd_kernel, do_not_specialize=["N"])
+    _bwd = Kernel(_swiglu_bwd_kernel, do_not_specialize=["N"])
+
+_BLOCK = 1024
+
+
+def swiglu_forward_torch(h_TF2: torch.Tensor) -> torch.Tensor:
+    gate, up = h_TF2.float().chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up).to(h_TF2.dtype)
+
+
+def swiglu_backward_torch(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = h_TF2.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    grad = grad_a_TF.float()
+    grad_gate = grad * up * sig * (1 + gate * (1 - sig))
+    grad_h = torch.cat((grad_gate, grad * gate * sig), dim=-1).to(h_TF2.dtype)
+    return grad_h, (gate * sig * up).to(h_TF2.dtype)
+
+
+def swiglu_forward_triton(h_TF2: torch.Tensor) -> torch.Tensor:
+    h_TF2 = h_TF2.contiguous()
+    ffn = h_TF2.shape[-1] // 2
+    a_TF = h_TF2.new_empty(h_TF2.shape[:-1] + (ffn,))
+    n = a_TF.numel()
+    if n:
+        _fwd[(triton.cdiv(n, _BLOCK),), h_TF2.device](h_TF2, a_TF, n, ffn, BLOCK=_BLOCK)
+    return a_TF
+
+
+def swiglu_backward_triton(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h_TF2, grad_a_TF = h_TF2.contiguous(), grad_a_TF.contiguous()
+    ffn = h_TF2.shape[-1] // 2
+    grad_h_TF2 = torch.empty_like(h_TF2)
+    a_TF = h_TF2.new_empty(grad_a_TF.shape)
+    n = a_TF.numel()
+    if n:
+        _bwd[(triton.cdiv(n, _BLOCK),), h_TF2.device](h_TF2, grad_a_TF, grad_h_TF2, a_TF, n, ffn, BLOCK=_BLOCK)
+    return grad_h_TF2, a_TF
+
+
+def swiglu_forward(h_TF2: torch.Tensor) -> torch.Tensor:
+    """a = silu(gate) * up."""
+    return swiglu_forward_triton(h_TF2) if use_triton(h_TF2, "swiglu") else swiglu_forward_torch(h_TF2)
+
+
+def swiglu_backward(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_h, a): fc1's output gradient, and the activation again for fc2's weight gradient."""
+    if use_triton(h_TF2, "swiglu"):
+        return swiglu_backward_triton(h_TF2, grad_a_TF)
+    return swiglu_backward_torch(h_TF2, grad_a_TF)
