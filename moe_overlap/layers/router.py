@@ -1,50 +1,183 @@
-"""Top-k token router in fp32: softmax scores, the switch-style load-balancing loss and the z-loss."""
+"""Top-k token router, Megatron-Core semantics, computed in fp32 (or wider, for float64 gradient checks).
+
+Scores: softmax (Mixtral: softmax over the k largest logits; ``pre_softmax``: softmax over all experts, then
+top-k) or sigmoid (weights = the chosen scores, normalised to sum 1 when k > 1). Optional group-limited
+top-k: experts form ``num_groups`` contiguous groups, each scored by the sum of its top ``topk // group_topk``
+scores; only the best ``group_topk`` groups stay eligible. Optional expert bias (aux-loss-free balancing,
+sigmoid only): added to the scores for selection only, never to the weights; :meth:`Router.update_load` moves
+it after each optimizer step.
+
+Auxiliary losses follow Megatron: they use the normalised scores of every expert and the load of a plain
+top-k over them (no bias, no group limit, no capacity), so they measure what the router prefers.
+  aux_loss         E * sum_e(mean score_e * fraction of copies to e) over this micro-batch's tokens.
+  seq_aux_loss     the same per sequence (consecutive runs of ``seq_length`` tokens), averaged over sequences.
+  global_aux_loss  the load fractions are those of the previous optimizer step's whole global batch (every
+                   micro-batch of every data-parallel rank; zero before the first step, so no loss then).
+                   Megatron sums counts over the micro-batches run so far, which depends on which rank runs
+                   which micro-batch; the previous step's load is known identically by every layout and costs
+                   no extra communication (the trainer reduces the counts anyway).
+Capacity (``capacity_factor``, per micro-batch, Megatron's token drop): each expert takes at most
+C = ceil(tokens * topk / num_experts * capacity_factor) copies; ``drop_policy`` "probs" keeps the C
+highest-weight copies, "position" the earliest tokens (ties go to the earlier copy). Dropped copies keep
+their expert index, get weight 0 and are not counted in ``tokens_per_expert_E``.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_overlap.config import ModelConfig
 from moe_overlap.layers.init import NORMAL, make_param
 
 
 @dataclass
 class Routing:
-    probs_TK: torch.Tensor  # fp32 routing weights of the k chosen experts per token
-    experts_TK: torch.Tensor  # int64 global expert indices
-    tokens_per_expert_E: torch.Tensor  # int64 copies routed to each global expert
+    probs_TK: torch.Tensor  # fp32 routing weights of the k chosen experts per token; 0 for dropped copies
+    experts_TK: torch.Tensor  # int64 global expert indices (dropped copies keep theirs)
+    tokens_per_expert_E: torch.Tensor  # int64 copies actually sent to each global expert
     aux_loss: torch.Tensor  # fp32 scalar, already scaled by its coefficient (0 when off)
     z_loss: torch.Tensor  # fp32 scalar, already scaled by its coefficient (0 when off)
+    keep_TK: Optional[torch.Tensor] = None  # bool, False for copies over capacity; None when dropless
+    capacity: Optional[int] = None  # copies each expert takes from this micro-batch; None when dropless
 
 
 class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, topk: int, pre_softmax: bool, load_balancing_type: str,
-                 aux_loss_coeff: float, z_loss_coeff: float, device=None, dtype=None):
+                 aux_loss_coeff: float, z_loss_coeff: float, device=None, dtype=None, *,
+                 score_function: str = "softmax", num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                 enable_expert_bias: bool = False, bias_update_rate: float = 1e-3,
+                 capacity_factor: Optional[float] = None, drop_policy: str = "probs",
+                 seq_length: Optional[int] = None):
         super().__init__()
         self.num_experts, self.topk, self.pre_softmax = num_experts, topk, pre_softmax
-        self.aux_loss_coeff = aux_loss_coeff if load_balancing_type == "aux_loss" else 0.0
+        self.score_function, self.num_groups, self.group_topk = score_function, num_groups, group_topk
+        self.capacity_factor, self.drop_policy, self.bias_update_rate = capacity_factor, drop_policy, bias_update_rate
+        self.load_balancing_type, self.seq_length = load_balancing_type, seq_length
+        self.aux_loss_coeff = aux_loss_coeff if load_balancing_type != "none" else 0.0
         self.z_loss_coeff = z_loss_coeff
         self.weight = make_param((num_experts, hidden_size), NORMAL, device, dtype)
+        # Buffers, not parameters: the optimizer never sees them; the trainer checkpoints them by logical name.
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+                             if enable_expert_bias else None)
+        self.register_buffer("previous_step_load", torch.zeros(num_experts, dtype=torch.float32, device=device)
+                             if load_balancing_type == "global_aux_loss" and self.aux_loss_coeff > 0 else None)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, device=None, dtype=None) -> "Router":
+        return cls(cfg.hidden_size, cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_router_pre_softmax,
+                   cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, device, dtype,
+                   score_function=cfg.moe_router_score_function, num_groups=cfg.moe_router_num_groups,
+                   group_topk=cfg.moe_router_group_topk, enable_expert_bias=cfg.moe_router_enable_expert_bias,
+                   bias_update_rate=cfg.moe_router_bias_update_rate, capacity_factor=cfg.moe_expert_capacity_factor,
+                   drop_policy=cfg.moe_token_drop_policy, seq_length=cfg.seq_length)
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
-        logits_TE = F.linear(x_TH.float(), self.weight.float())
-        if self.pre_softmax:
-            probs_TK, experts_TK = torch.topk(torch.softmax(logits_TE, dim=-1), self.topk, dim=-1)
-        else:  # Mixtral: the k largest logits, renormalised by a softmax over just those
-            top_logits_TK, experts_TK = torch.topk(logits_TE, self.topk, dim=-1)
-            probs_TK = torch.softmax(top_logits_TK, dim=-1)
-        tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
-        zero = logits_TE.new_zeros(())
-        aux_loss = self._aux_loss(logits_TE, tokens_per_expert_E) if self.aux_loss_coeff > 0 else zero
-        z_loss = self.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean() if self.z_loss_coeff > 0 else zero
-        return Routing(probs_TK, experts_TK, tokens_per_expert_E, aux_loss, z_loss)
+        """Route the tokens of one micro-batch; ``x_TH`` is (batch, seq) flattened sequence-major."""
+        return self.route(self.logits(x_TH))
 
-    def _aux_loss(self, logits_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """Switch-Transformer balance loss, as Megatron: E * sum_e(mean prob_e * fraction of copies to e)."""
-        num_tokens = logits_TE.shape[0]
-        mean_prob_E = torch.softmax(logits_TE, dim=-1).mean(dim=0)
-        fraction_E = tokens_per_expert_E.float() / (num_tokens * self.topk)
-        return self.aux_loss_coeff * self.num_experts * (mean_prob_E * fraction_E).sum()
+    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        return F.linear(x_TH.to(compute_dtype), self.weight.to(compute_dtype))
+
+    def route(self, logits_TE: torch.Tensor) -> Routing:
+        """Routing from the logits of one micro-batch's tokens (a separate step so that, under sequence
+        parallelism, the logits of the whole micro-batch can be gathered first: layers/sp_router.py)."""
+        probs_TK, experts_TK = self._choose(logits_TE)
+        keep_TK = capacity = None
+        if self.capacity_factor is not None:
+            capacity = math.ceil(logits_TE.shape[0] * self.topk / self.num_experts * self.capacity_factor)
+            keep_TK = self._within_capacity(probs_TK, experts_TK, capacity)
+            probs_TK = probs_TK * keep_TK
+        tokens_per_expert_E = self._count(experts_TK, keep_TK)
+        zero = logits_TE.new_zeros(())
+        aux_loss = self._aux_loss(logits_TE) if self.aux_loss_coeff > 0 else zero
+        z_loss = (self.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean() if self.z_loss_coeff > 0
+                  else zero)
+        return Routing(probs_TK, experts_TK, tokens_per_expert_E, aux_loss, z_loss, keep_TK, capacity)
+
+    @torch.no_grad()
+    def update_load(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """After an optimizer step, with the step's copies per expert summed over every micro-batch and the
+        whole data-parallel group (so identical on every rank): nudge the expert bias towards the mean load
+        (DeepSeek's aux-loss-free balancing) and keep the load fractions for global_aux_loss."""
+        load_E = tokens_per_expert_E.to(torch.float32)
+        if self.expert_bias is not None:
+            self.expert_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        if self.previous_step_load is not None:
+            self.previous_step_load.copy_(load_E / load_E.sum().clamp_min(1.0))
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _choose(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and global expert indices of each token's k experts."""
+        if self.score_function == "sigmoid":
+            scores_TE = torch.sigmoid(logits_TE)
+            experts_TK = self._top_k(scores_TE if self.expert_bias is None else scores_TE + self.expert_bias)
+            probs_TK = scores_TE.gather(1, experts_TK)
+            return (probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20) if self.topk > 1 else probs_TK), experts_TK
+        if self.pre_softmax:
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+            experts_TK = self._top_k(scores_TE)
+            return scores_TE.gather(1, experts_TK), experts_TK
+        experts_TK = self._top_k(logits_TE)  # Mixtral: the k largest logits, renormalised by a softmax over them
+        return torch.softmax(logits_TE.gather(1, experts_TK), dim=-1), experts_TK
+
+    def _top_k(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """Indices of the k best experts; with groups, only among each token's best ``group_topk`` groups."""
+        scores_TE = scores_TE.detach()
+        if self.num_groups is not None:
+            scores_TGX = scores_TE.view(scores_TE.shape[0], self.num_groups, -1)
+            group_scores_TG = scores_TGX.topk(self.topk // self.group_topk, dim=-1).values.sum(-1)
+            best_groups_TJ = group_scores_TG.topk(self.group_topk, dim=-1).indices
+            eligible_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_groups_TJ, True)
+            scores_TE = scores_TGX.masked_fill(~eligible_TG.unsqueeze(-1), float("-inf")).flatten(1)
+        return scores_TE.topk(self.topk, dim=-1).indices
+
+    def _count(self, experts: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """Copies per expert (kept ones only). A scatter-add, not bincount or a boolean mask: both would
+        sync with the host on CUDA, and the layer allows itself one sync at most."""
+        ones = torch.ones_like(experts, dtype=torch.int64) if keep is None else keep.to(torch.int64)
+        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=experts.device)
+        return counts_E.scatter_add_(0, experts.flatten(), ones.flatten())
+
+    def _within_capacity(self, probs_TK: torch.Tensor, experts_TK: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Which copies fit their expert's capacity: rank the copies of each expert by the drop policy."""
+        experts_C = experts_TK.flatten()
+        if self.drop_policy == "probs":  # highest weight first; a stable sort gives ties to the earlier copy
+            priority_C = torch.argsort(probs_TK.detach().flatten(), descending=True, stable=True)
+        else:  # "position": earliest token first (a token holds at most one copy per expert)
+            priority_C = torch.arange(experts_C.numel(), device=experts_C.device)
+        order_C = priority_C[torch.argsort(experts_C[priority_C], stable=True)]  # by expert, priority within
+        copies_E = self._count(experts_C, None)
+        first_slot_E = torch.cumsum(copies_E, 0) - copies_E
+        slot_C = torch.arange(order_C.numel(), device=order_C.device) - first_slot_E[experts_C[order_C]]
+        keep_C = torch.empty_like(experts_C, dtype=torch.bool)
+        keep_C[order_C] = slot_C < capacity
+        return keep_C.view_as(experts_TK)
+
+    def _aux_loss(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """Switch-Transformer balance loss in Megatron's form: E * sum_e(mean score_e * load fraction_e)."""
+        if self.score_function == "sigmoid":
+            scores_TE = torch.sigmoid(logits_TE)
+            scores_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
+        else:
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+        if self.load_balancing_type == "global_aux_loss":
+            return self.aux_loss_coeff * self.num_experts * (scores_TE.mean(0) * self.previous_step_load).sum()
+        num_tokens = scores_TE.shape[0]
+        if self.load_balancing_type == "seq_aux_loss":
+            if self.seq_length is None or num_tokens % self.seq_length:
+                raise ValueError(f"seq_aux_loss: {num_tokens} tokens are not whole sequences of "
+                                 f"seq_length={self.seq_length}")
+            num_sequences = num_tokens // self.seq_length
+        else:
+            num_sequences = 1
+        chosen_TE = torch.zeros_like(scores_TE).scatter_(1, scores_TE.detach().topk(self.topk, dim=-1).indices, 1.0)
+        scores_BSE = scores_TE.view(num_sequences, -1, self.num_experts)
+        fraction_BE = chosen_TE.view_as(scores_BSE).mean(1) / self.topk
+        return self.aux_loss_coeff * self.num_experts * (scores_BSE.mean(1) * fraction_BE).sum(-1).mean()

@@ -1,0 +1,373 @@
+"""The router against straightforward per-token references: score functions, group-limited top-k, expert bias
+(selection only; its update, identical on every rank and kept in checkpoints), the auxiliary losses, capacity
+with both drop policies, gradients, and the config rules. tests/test_master.py runs the variants on 2 ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_overlap.config import ConfigError, load_config
+from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.layers.router import Router
+from moe_overlap.models.mixtral import build_model
+from moe_overlap.training.trainer import Trainer
+from tests.test_master import CPU, small_config, world_and_mesh
+
+H, E, TOKENS, SEQ = 16, 8, 24, 6
+
+
+def make_router(topk: int = 2, dtype=torch.float32, seed: int = 0, **options) -> Router:
+    """A router with spread-out random weights (no near-ties); options are Router's keyword arguments."""
+    balancing = options.pop("load_balancing_type", "aux_loss")
+    pre_softmax = options.pop("pre_softmax", False)
+    aux_coeff, z_coeff = options.pop("aux_loss_coeff", 0.1), options.pop("z_loss_coeff", 0.01)
+    router = Router(H, E, topk, pre_softmax, balancing, aux_coeff, z_coeff, dtype=dtype, seq_length=SEQ, **options)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, H, generator=torch.Generator().manual_seed(seed)))
+    return router
+
+
+def tokens(num_tokens: int = TOKENS, seed: int = 1, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def logits_of(router: Router, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, router.weight).detach()
+
+
+def reference_routing(logits_TE, topk, score_function="softmax", pre_softmax=False, num_groups=None,
+                      group_topk=None, bias_E=None):
+    """Token by token: scores, the eligible groups, the k best experts, their weights."""
+    probs, experts = [], []
+    for logits_E in logits_TE:
+        if score_function == "sigmoid":
+            scores = torch.sigmoid(logits_E)
+        else:
+            scores = torch.softmax(logits_E, 0) if pre_softmax else logits_E
+        select = scores if bias_E is None else scores + bias_E
+        eligible = range(E)
+        if num_groups is not None:
+            size = E // num_groups
+            group_score = [sorted(select[g * size:(g + 1) * size].tolist(), reverse=True)[:topk // group_topk]
+                           for g in range(num_groups)]
+            best = sorted(range(num_groups), key=lambda g: -sum(group_score[g]))[:group_topk]
+            eligible = [e for e in range(E) if e // size in best]
+        chosen = sorted(eligible, key=lambda e: -float(select[e]))[:topk]
+        weights = scores[chosen]
+        if score_function == "sigmoid":
+            weights = weights / weights.sum() if topk > 1 else weights
+        elif not pre_softmax:
+            weights = torch.softmax(weights, 0)
+        probs.append(weights)
+        experts.append(chosen)
+    return torch.stack(probs), torch.tensor(experts)
+
+
+def reference_aux_loss(logits_TE, topk, kind, score_function="softmax", previous_load_E=None):
+    """E * sum_e(mean score_e * fraction of a plain top-k's copies to e), per sequence for seq_aux_loss."""
+    if score_function == "sigmoid":
+        scores_TE = torch.sigmoid(logits_TE)
+        scores_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
+    else:
+        scores_TE = torch.softmax(logits_TE, -1)
+    if kind == "global_aux_loss":
+        return E * float((scores_TE.mean(0) * previous_load_E).sum())
+    length = SEQ if kind == "seq_aux_loss" else scores_TE.shape[0]
+    losses = []
+    for start in range(0, scores_TE.shape[0], length):
+        seq_TE = scores_TE[start:start + length]
+        counts = torch.zeros(E)
+        for scores_E in seq_TE:
+            for e in scores_E.argsort(descending=True)[:topk]:
+                counts[e] += 1
+        losses.append(E * float((seq_TE.mean(0) * counts / (length * topk)).sum()))
+    return sum(losses) / len(losses)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------ selection
+
+VARIANTS = {
+    "softmax": dict(topk=2),
+    "pre_softmax": dict(topk=2, pre_softmax=True),
+    "sigmoid": dict(topk=3, score_function="sigmoid"),
+    "sigmoid_top1": dict(topk=1, score_function="sigmoid"),
+    "sigmoid_bias": dict(topk=2, score_function="sigmoid", enable_expert_bias=True),
+    "softmax_groups": dict(topk=2, num_groups=4, group_topk=2),
+    "pre_softmax_groups": dict(topk=3, pre_softmax=True, num_groups=2, group_topk=1),
+    "sigmoid_groups_bias": dict(topk=4, score_function="sigmoid", num_groups=4, group_topk=2,
+                                enable_expert_bias=True),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_routing_matches_reference(variant):
+    options = dict(VARIANTS[variant])
+    router = make_router(**options)
+    if router.expert_bias is not None:
+        router.expert_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(7)) * 0.1)
+    x = tokens()
+    routing = router(x)
+    logits = logits_of(router, x)
+    want_probs, want_experts = reference_routing(
+        logits, options["topk"], options.get("score_function", "softmax"), options.get("pre_softmax", False),
+        options.get("num_groups"), options.get("group_topk"), router.expert_bias)
+    assert torch.equal(routing.experts_TK, want_experts)
+    assert rel_err(routing.probs_TK, want_probs) < 1e-6
+    assert torch.equal(routing.tokens_per_expert_E, torch.bincount(want_experts.flatten(), minlength=E))
+    assert routing.keep_TK is None and routing.capacity is None
+    assert routing.probs_TK.dtype == torch.float32
+
+
+def test_router_math_is_fp32_under_bf16():
+    router = make_router(score_function="sigmoid", enable_expert_bias=True, dtype=torch.bfloat16)
+    routing = router(tokens(dtype=torch.bfloat16))
+    assert router.expert_bias.dtype == torch.float32
+    assert {routing.probs_TK.dtype, routing.aux_loss.dtype, routing.z_loss.dtype} == {torch.float32}
+
+
+def test_group_limited_never_picks_a_masked_group():
+    topk, groups, group_topk = 4, 4, 2
+    router = make_router(topk, score_function="sigmoid", num_groups=groups, group_topk=group_topk,
+                         enable_expert_bias=True)
+    router.expert_bias.copy_(torch.tensor([0.3, 0.3, 0.3, 0.3, 0.0, 0.0, -0.2, -0.2]))  # pulls towards group 0
+    x = tokens(512)
+    experts_TK = router(x).experts_TK
+    select_TGX = (torch.sigmoid(logits_of(router, x)) + router.expert_bias).view(-1, groups, E // groups)
+    group_scores_TG = select_TGX.topk(topk // group_topk, dim=-1).values.sum(-1)
+    kept_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(
+        1, group_scores_TG.topk(group_topk, dim=-1).indices, True)
+    assert kept_TG.gather(1, experts_TK // (E // groups)).all()
+    # The limit binds: without it, some tokens would have picked from a third group.
+    free = make_router(topk, score_function="sigmoid", enable_expert_bias=True)
+    free.expert_bias.copy_(router.expert_bias)
+    free_groups_TK = free(x).experts_TK // (E // groups)
+    assert max(len(set(row.tolist())) for row in free_groups_TK) > group_topk
+
+
+def test_expert_bias_changes_selection_not_weights():
+    router = make_router(2, score_function="sigmoid", enable_expert_bias=True)
+    x = tokens()
+    unbiased = router(x)
+    router.expert_bias[5] = 10.0  # every token now picks expert 5
+    biased = router(x)
+    assert (biased.experts_TK == 5).any(1).all() and not (unbiased.experts_TK == 5).any(1).all()
+    scores_TE = torch.sigmoid(logits_of(router, x))
+    chosen_TK = scores_TE.gather(1, biased.experts_TK)  # weights from the unbiased scores of the chosen
+    assert rel_err(biased.probs_TK, chosen_TK / chosen_TK.sum(-1, keepdim=True)) < 1e-6
+    router.expert_bias.fill_(3.0)  # a uniform shift changes nothing
+    shifted = router(x)
+    assert torch.equal(shifted.experts_TK, unbiased.experts_TK) and torch.equal(shifted.probs_TK, unbiased.probs_TK)
+
+
+def test_bias_update_moves_towards_the_mean_load():
+    router = make_router(score_function="sigmoid", enable_expert_bias=True, bias_update_rate=0.01)
+    router.update_load(torch.tensor([10, 2, 6, 6, 0, 14, 6, 4]))  # mean 6
+    want = 0.01 * torch.tensor([-1.0, 1.0, 0.0, 0.0, 1.0, -1.0, 0.0, 1.0])
+    assert torch.equal(router.expert_bias, want)
+    assert make_router().expert_bias is None  # off by default: no buffer, nothing in checkpoints
+
+
+# -------------------------------------------------------------------------------------------- losses
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+@torch.no_grad()
+def test_aux_losses_match_reference(kind, score_function):
+    router = make_router(2, score_function=score_function, load_balancing_type=kind, num_groups=4, group_topk=2,
+                         aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    x = tokens()
+    logits = logits_of(router, x)
+    previous_load_E = None
+    if kind == "global_aux_loss":
+        assert float(router(x).aux_loss) == 0.0  # before the first step: no load yet
+        counts = torch.tensor([30, 2, 8, 8, 0, 12, 4, 0])
+        router.update_load(counts)
+        previous_load_E = counts / counts.sum()
+    routing = router(x)
+    want = 0.1 * reference_aux_loss(logits, 2, kind, score_function, previous_load_E)
+    assert abs(float(routing.aux_loss) - want) < 1e-6 * want
+    want_z = 0.01 * float((torch.logsumexp(logits, -1) ** 2).mean())
+    assert abs(float(routing.z_loss) - want_z) < 1e-6 * want_z
+
+
+@torch.no_grad()
+def test_seq_aux_loss_is_per_sequence():
+    x = tokens()
+    seq = make_router(load_balancing_type="seq_aux_loss")(x).aux_loss
+    whole = make_router(load_balancing_type="aux_loss")(x).aux_loss
+    assert abs(float(seq - whole)) > 1e-4  # balance within each sequence is a stronger demand
+    with pytest.raises(ValueError, match="seq_aux_loss: 20 tokens are not whole sequences of seq_length=6"):
+        make_router(load_balancing_type="seq_aux_loss")(tokens(20))
+
+
+@torch.no_grad()
+def test_load_balancing_none_has_no_aux_loss():
+    routing = make_router(load_balancing_type="none")(tokens())
+    assert float(routing.aux_loss) == 0.0 and float(routing.z_loss) > 0
+
+
+# ---------------------------------------------------------------------------------------- gradients
+
+GRAD_VARIANTS = {
+    "softmax_aux": dict(topk=2),
+    "pre_softmax_seq_aux": dict(topk=2, pre_softmax=True, load_balancing_type="seq_aux_loss"),
+    "sigmoid_groups_bias": dict(topk=2, score_function="sigmoid", num_groups=2, group_topk=1,
+                                enable_expert_bias=True),
+    "capacity_probs": dict(topk=2, capacity_factor=0.5),
+    "global_aux": dict(topk=2, load_balancing_type="global_aux_loss"),
+}
+
+
+@pytest.mark.parametrize("variant", GRAD_VARIANTS)
+def test_gradients_flow_to_router_weights(variant):
+    """gradcheck in float64 (the router widens to float64 when given it): selection is piecewise constant,
+    so the check covers the weights, the auxiliary losses and the z-loss where they are differentiable."""
+    router = make_router(dtype=torch.float64, **GRAD_VARIANTS[variant])
+    if router.expert_bias is not None:
+        router.expert_bias.copy_(torch.linspace(-0.2, 0.2, E))
+    if router.previous_step_load is not None:
+        router.update_load(torch.arange(E))
+    x = tokens(2 * SEQ, dtype=torch.float64).requires_grad_(True)
+    weight = router.weight.detach().clone().requires_grad_(True)
+
+    def route(x, weight):
+        routing = torch.func.functional_call(router, {"weight": weight}, (x,))
+        return routing.probs_TK, routing.aux_loss, routing.z_loss
+
+    assert torch.autograd.gradcheck(route, (x, weight), eps=1e-6, atol=1e-8)
+    probs_TK, aux_loss, _ = route(x, weight)
+    (probs_TK.sum() + aux_loss).backward()
+    assert weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------- capacity
+
+
+def reference_keep(probs_TK, experts_TK, capacity, policy):
+    """Per expert: its copies by weight (descending) or by token, the first ``capacity`` of them kept."""
+    keep = torch.zeros_like(experts_TK, dtype=torch.bool)
+    for e in range(E):
+        copies = [(t, j) for t in range(experts_TK.shape[0]) for j in range(experts_TK.shape[1])
+                  if experts_TK[t, j] == e]
+        if policy == "probs":
+            copies.sort(key=lambda c: (-float(probs_TK[c]), c))
+        for t, j in copies[:capacity]:
+            keep[t, j] = True
+    return keep
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_keeps_the_right_copies(policy):
+    factor = 0.75
+    router = make_router(2, capacity_factor=factor, drop_policy=policy)
+    dropless = make_router(2)
+    with torch.no_grad():  # skew the load onto expert 0 so that it overflows
+        router.weight[0] += 2.0 * router.weight[1]
+        dropless.weight.copy_(router.weight)
+    x = tokens(40)
+    routing, free = router(x), dropless(x)
+    capacity = math.ceil(40 * 2 / E * factor)
+    assert routing.capacity == capacity
+    assert torch.equal(routing.experts_TK, free.experts_TK)  # dropped copies keep their expert
+    want_keep = reference_keep(free.probs_TK.detach(), free.experts_TK, capacity, policy)
+    assert torch.equal(routing.keep_TK, want_keep) and not want_keep.all()
+    assert torch.equal(routing.probs_TK, torch.where(want_keep, free.probs_TK, 0.0))
+    kept_E = torch.bincount(free.experts_TK[want_keep], minlength=E)
+    assert torch.equal(routing.tokens_per_expert_E, kept_E) and int(kept_E.max()) <= capacity
+
+
+def test_capacity_large_enough_drops_nothing():
+    routing = make_router(2, capacity_factor=float(E))(tokens())
+    assert routing.keep_TK.all() and int(routing.tokens_per_expert_E.sum()) == TOKENS * 2
+
+
+# ------------------------------------------------------------------------------------ model and config
+
+ROUTER_CONFIG = {"model.moe_router_score_function": "sigmoid", "model.moe_router_num_groups": 4,
+                 "model.moe_router_group_topk": 2, "model.moe_router_enable_expert_bias": "true",
+                 "model.moe_router_bias_update_rate": 0.01, "model.moe_router_load_balancing_type": "seq_aux_loss"}
+
+
+def test_model_routers_follow_the_config(tmp_path):
+    cfg = small_config(str(tmp_path), 1, 4, **ROUTER_CONFIG)
+    model = build_model(cfg.model, Mesh.single(), "cpu", torch.bfloat16, seed=1)
+    routers = model.routers()
+    assert sorted(routers) == [1, 2]
+    for router in routers.values():
+        assert (router.score_function, router.num_groups, router.group_topk) == ("sigmoid", 4, 2)
+        assert router.load_balancing_type == "seq_aux_loss" and router.seq_length == cfg.model.seq_length
+        assert router.expert_bias.dtype == torch.float32 and router.weight.dtype == torch.bfloat16
+
+
+def bias_and_checkpoint_case(output_dir: str) -> list[float]:
+    """Two steps on this layout: the bias moves by rate * sign(mean load - load) with the step's whole load,
+    then survives a checkpoint into a fresh trainer."""
+    cfg = small_config(output_dir, 2, 8, **ROUTER_CONFIG)
+    _, mesh = world_and_mesh(cfg)
+    try:
+        trainer = Trainer(cfg, mesh, CPU)
+        key = "model.layers.1.mlp.router.expert_bias"
+        for _ in range(2):
+            before = trainer.model_buffers()[key].clone()
+            load = torch.tensor(trainer.train_step()["tokens_per_expert"]["1"], dtype=torch.float32)
+            assert int(load.sum()) == 8 * cfg.model.seq_length * 2  # the global batch's copies, every rank
+            step = trainer.model_buffers()[key] - before
+            assert torch.allclose(step, 0.01 * torch.sign(load.mean() - load)), (step, load)
+        saved = {k: v.clone() for k, v in trainer.model_buffers().items()}
+        trainer.save()
+        resumed = Trainer(cfg, mesh, CPU)
+        assert resumed.model_buffers()[key].abs().sum() == 0
+        assert resumed.resume()
+        assert all(torch.equal(resumed.model_buffers()[k], v) for k, v in saved.items())
+        return saved[key].tolist()
+    finally:
+        mesh.destroy()
+
+
+def test_expert_bias_is_identical_on_every_rank_and_checkpointed(rank_pool, tmp_path):
+    biases = rank_pool(2).run(bias_and_checkpoint_case, str(tmp_path))
+    assert biases[0] == biases[1] and any(biases[0])
+
+
+BASE = ["model.num_moe_experts=8", "model.moe_router_topk=2"]
+BAD_ROUTER = [
+    (["model.moe_expert_capacity_factor=0"], "model.moe_expert_capacity_factor", "must be > 0"),
+    (["model.moe_router_topk=9"], "model.moe_router_topk", "must be in [1, model.num_moe_experts=8]"),
+    (["model.moe_router_num_groups=4"], "model.moe_router_group_topk", "must be set with"),
+    (["model.moe_router_group_topk=2"], "model.moe_router_num_groups", "must be set with"),
+    (["model.moe_router_num_groups=3", "model.moe_router_group_topk=1"], "model.moe_router_num_groups",
+     "divide model.num_moe_experts=8"),
+    (["model.moe_router_num_groups=4", "model.moe_router_group_topk=5"], "model.moe_router_group_topk",
+     "must be in [1, model.moe_router_num_groups=4]"),
+    (["model.moe_router_num_groups=4", "model.moe_router_group_topk=0"], "model.moe_router_group_topk",
+     "must be in [1"),
+    (["model.moe_router_num_groups=2", "model.moe_router_group_topk=2", "model.moe_router_topk=1"],
+     "model.moe_router_group_topk", "must be <= model.moe_router_topk=1"),
+    (["model.moe_router_num_groups=4", "model.moe_router_group_topk=1", "model.moe_router_topk=3"],
+     "model.moe_router_topk", "= 2"),
+    (["model.moe_router_enable_expert_bias=true"], "model.moe_router_enable_expert_bias", "'sigmoid'"),
+    (["model.moe_router_bias_update_rate=0"], "model.moe_router_bias_update_rate", "must be > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,field,fragment", BAD_ROUTER, ids=[" ".join(c[0]) for c in BAD_ROUTER])
+def test_bad_router_config_names_the_field(overrides, field, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, BASE + overrides)
+    assert info.value.field_name == field and fragment in str(info.value), str(info.value)
+
+
+def test_router_fields_are_accepted():
+    cfg = load_config(None, BASE + [f"{k}={v}" for k, v in ROUTER_CONFIG.items()])
+    assert cfg.model.moe_router_score_function == "sigmoid" and cfg.model.moe_router_enable_expert_bias
+    load_config(None, BASE + ["model.moe_router_load_balancing_type=global_aux_loss",
+                              "model.moe_expert_capacity_factor=1.25", "model.moe_token_drop_policy=position"])
