@@ -6,11 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_overlap.config import ModelConfig
+from types import SimpleNamespace
+
+from moe_overlap.config import ModelConfig, OverlapConfig
+from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, grouped_swiglu_reference
 from moe_overlap.layers.moe import MoELayer
-from moe_overlap.layers.router import Routing
+from moe_overlap.layers.mlp import swiglu
 
 H, F, E, TOKENS = 16, 24, 8, 12
 
@@ -63,16 +66,25 @@ def naive_moe(x_TH, probs_TK, experts_TK, w13, w2):
 
 
 class FixedRouter(torch.nn.Module):
-    """Stands in for the router so a test can dictate where every token goes."""
+    """Stands in for the router so a test can dictate where every token goes (and, with a capacity,
+    which copies are dropped: the later ones, Megatron's "position" policy)."""
 
-    def __init__(self, probs_TK: torch.Tensor, experts_TK: torch.Tensor):
+    def __init__(self, probs_TK: torch.Tensor, experts_TK: torch.Tensor, capacity: int | None):
         super().__init__()
-        self.probs_TK, self.experts_TK = probs_TK, experts_TK
+        self.probs_TK, self.experts_TK, self.capacity = probs_TK, experts_TK, capacity
 
     def forward(self, x_TH):
-        counts = torch.bincount(self.experts_TK.flatten(), minlength=E)
+        keep_TK = None
+        if self.capacity is not None:
+            one_hot = torch.nn.functional.one_hot(self.experts_TK.flatten(), E)
+            position = ((one_hot.cumsum(0) - 1) * one_hot).sum(1).view_as(self.experts_TK)
+            keep_TK = position < self.capacity
+        kept = self.experts_TK if keep_TK is None else self.experts_TK[keep_TK]
         zero = torch.zeros(())
-        return Routing(self.probs_TK, self.experts_TK, counts, zero, zero)
+        probs = self.probs_TK if keep_TK is None else self.probs_TK * keep_TK
+        return SimpleNamespace(probs_TK=probs, experts_TK=self.experts_TK, keep_TK=keep_TK, capacity=self.capacity,
+                               tokens_per_expert_E=torch.bincount(kept.flatten(), minlength=E),
+                               aux_loss=zero, z_loss=zero)
 
 
 def rank_inputs(rank: int, routing: str, topk: int):
@@ -96,38 +108,67 @@ def rank_inputs(rank: int, routing: str, topk: int):
     return x, upstream, probs, experts
 
 
-def moe_case(routing: str, topk: int) -> float:
-    """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula."""
+SHARED_F = 16
+
+
+def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = None, pad: bool = False,
+             shared: str = "off", delay_wgrad: bool = False) -> float:
+    """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula.
+
+    chunks 0 is the serial path; >= 1 the overlapped pipeline with that many chunks. shared: off, serial
+    (shared expert outside the pipeline), overlap (inside the dispatch gap).
+    """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60) if world > 1 else Mesh.single()
     try:
-        cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk)
-        layer = MoELayer(cfg, mesh.ep)
+        cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
+                          moe_pad_expert_input_to_capacity=pad,
+                          moe_shared_expert_intermediate_size=SHARED_F if shared != "off" else None,
+                          moe_shared_expert_overlap=shared == "overlap")
+        overlap = OverlapConfig(moe_overlap_dispatch=chunks > 0, moe_a2a_chunks=max(chunks, 1),
+                                delay_wgrad_compute=delay_wgrad)
+        transports = (TransportSelector("auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), max(chunks, 1), 60)
+                      if chunks else None)
+        layer = MoELayer(cfg, overlap, mesh.ep, transports)
         w13, w2 = full_expert_weights()
+        g = torch.Generator().manual_seed(7)
+        shared_fc1, shared_fc2 = torch.randn(2 * SHARED_F, H, generator=g) * 0.3, torch.randn(H, SHARED_F, generator=g) * 0.3
         local = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
         with torch.no_grad():
             layer.experts.w13.copy_(w13[local])
             layer.experts.w2.copy_(w2[local])
+            if layer.shared_expert is not None:
+                layer.shared_expert.linear_fc1.weight.copy_(shared_fc1)
+                layer.shared_expert.linear_fc2.weight.copy_(shared_fc2)
         x, upstream, probs, experts = rank_inputs(rank, routing, topk)
         x.requires_grad_(True)
         probs.requires_grad_(True)
-        layer.router = FixedRouter(probs, experts)
+        layer.router = FixedRouter(probs, experts, capacity)
         out, _, tokens_per_expert = layer(x.unsqueeze(0))
-        assert torch.equal(tokens_per_expert, torch.bincount(experts.flatten(), minlength=E))
+        kept = FixedRouter(probs, experts, capacity)(x)
+        assert torch.equal(tokens_per_expert, kept.tokens_per_expert_E)
         out.squeeze(0).backward(upstream)
 
         # Reference: every rank's tokens through the naive formula; expert grads sum over all of them.
         ref_w13, ref_w2 = w13.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+        ref_fc1, ref_fc2 = shared_fc1.clone().requires_grad_(True), shared_fc2.clone().requires_grad_(True)
         errors = []
         for r in range(world):
             rx, rup, rprobs, rexperts = rank_inputs(r, routing, topk)
             rx.requires_grad_(True)
             rprobs.requires_grad_(True)
-            ref_out = naive_moe(rx, rprobs, rexperts, ref_w13, ref_w2)
+            rkept = FixedRouter(rprobs, rexperts, capacity)(rx)
+            ref_out = naive_moe(rx, rkept.probs_TK, rexperts, ref_w13, ref_w2)
+            if shared != "off":
+                ref_out = ref_out + swiglu(rx @ ref_fc1.T) @ ref_fc2.T
+            ref_fc1.grad, ref_fc2.grad = None, None  # the shared expert sees one rank's tokens only
             ref_out.backward(rup)
             if r == rank and rx.shape[0] > 0:
                 errors += [rel_err(out.squeeze(0), ref_out), rel_err(x.grad, rx.grad), rel_err(probs.grad, rprobs.grad)]
+                if shared != "off":
+                    errors += [rel_err(layer.shared_expert.linear_fc1.weight.grad, ref_fc1.grad),
+                               rel_err(layer.shared_expert.linear_fc2.weight.grad, ref_fc2.grad)]
         for got, want in ((layer.experts.w13.grad, ref_w13.grad[local]), (layer.experts.w2.grad, ref_w2.grad[local])):
             if want.norm() == 0:
                 assert got.abs().max() == 0, "an expert that received nothing has a gradient"
@@ -150,3 +191,28 @@ def test_moe_layer_single_process(routing, topk):
 def test_moe_layer_expert_parallel_skewed_routing(rank_pool, world, routing):
     errors = rank_pool(world).run(moe_case, routing, 2)
     assert max(errors) < 1e-5
+
+
+# The overlapped pipeline against the same formula (the serial path passes it too): chunks, capacity with
+# and without padding, shared expert in and out of the dispatch gap, deferred wgrad, skewed routing.
+OVERLAP_CASES = [
+    dict(chunks=1), dict(chunks=2), dict(chunks=4), dict(chunks=4, delay_wgrad=True),
+    dict(chunks=2, capacity=3), dict(chunks=2, capacity=3, pad=True), dict(capacity=3, pad=True),
+    dict(chunks=2, shared="overlap"), dict(chunks=2, shared="serial", delay_wgrad=True), dict(shared="serial"),
+]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("routing", ["random", "sparse"])
+def test_overlapped_dispatch_ep2(rank_pool, routing, case):
+    assert max(rank_pool(2).run(moe_case, routing, 2, **case)) < 1e-5
+
+
+@pytest.mark.parametrize("routing", ["random", "first_rank_only", "last_rank_only"])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_overlapped_dispatch_ep4_skewed(rank_pool, routing, chunks):
+    assert max(rank_pool(4).run(moe_case, routing, 2, chunks=chunks, delay_wgrad=chunks == 2)) < 1e-5
+
+
+def test_overlapped_dispatch_single_process_chunk_without_rows():
+    assert moe_case("first_rank_only", 2, chunks=4) < 1e-5  # chunks 1..3 carry no rows at all

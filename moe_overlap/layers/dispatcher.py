@@ -1,27 +1,33 @@
-"""Serial expert-parallel token dispatch: the reference path every overlapped path is tested against.
+"""Expert-parallel token dispatch: the plan both paths share, and the serial path (the reference).
 
 Stages, each a separately callable unit with its own forward and backward:
-  permute    token copies gathered in (destination EP rank, local expert) order      GatherRows
-  dispatch   rows to the EP rank that holds their expert                             AllToAllRows
-  regroup    received rows from (source rank, expert) to (expert, source rank) order GatherRows
-  experts    grouped GEMMs                                                           experts.GroupedSwiGLU
-  ungroup    back to (source rank, expert) order                                     GatherRows
-  combine    rows back to the rank that owns their token                             AllToAllRows
-  unpermute  weighted sum of each token's k expert outputs                           WeightedUnpermute
+  permute    token copies into rows ordered (chunk, destination EP rank, local expert)  kernels.Permute
+  dispatch   rows to the EP rank that holds their expert                              AllToAllRows
+  regroup    received rows from (source rank, expert) to (expert, source rank) order  GatherRows
+  experts    grouped GEMMs                                                            experts.GroupedSwiGLU
+  ungroup    back to (source rank, expert) order                                      GatherRows
+  combine    rows back to the rank that owns their token                              AllToAllRows
+  unpermute  weighted sum of each token's k expert outputs                            kernels.Unpermute
+The overlapped path (dispatcher_overlap.py) runs the same units chunk by chunk; with one chunk the row
+order is the serial one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 
-from moe_overlap.distributed.collectives import ProcessGroup, all_to_all_equal
-from moe_overlap.layers.experts import expert_offsets
+from moe_overlap.distributed.a2a import ExchangeLayout, exchange_layout
+from moe_overlap.distributed.collectives import AllToAllRows, all_gather_into
+from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 
 
 class GatherRows(torch.autograd.Function):
-    """rows = x[index]; the backward scatter-adds in fp32 (a token's k copies meet there)."""
+    """rows = x[index]; the backward scatter-adds in fp32."""
 
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
@@ -37,74 +43,132 @@ class GatherRows(torch.autograd.Function):
         return grad_TH.to(grad_rows_RH.dtype), None
 
 
-class WeightedUnpermute(torch.autograd.Function):
-    """out[t] = sum_k probs[t, k] * rows[slot of copy (t, k)], in fp32; differentiable in rows and probs."""
+def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
+    """Local experts cut into ``chunks`` contiguous runs, as even as possible (larger runs first)."""
+    base, extra = divmod(local_experts, chunks)
+    bounds, start = [], 0
+    for chunk in range(chunks):
+        stop = start + base + (chunk < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
-    @staticmethod
-    def forward(ctx, rows_RH: torch.Tensor, probs_TK: torch.Tensor, copy_of_row_R: torch.Tensor) -> torch.Tensor:
-        num_tokens, topk = probs_TK.shape
-        copies_TKH = rows_RH.new_empty((num_tokens * topk, rows_RH.shape[1]))
-        copies_TKH[copy_of_row_R] = rows_RH
-        copies_TKH = copies_TKH.view(num_tokens, topk, rows_RH.shape[1])
-        ctx.save_for_backward(copies_TKH, probs_TK, copy_of_row_R)
-        return torch.einsum("tk,tkh->th", probs_TK, copies_TKH.float()).to(rows_RH.dtype)
 
-    @staticmethod
-    def backward(ctx, grad_out_TH: torch.Tensor):
-        copies_TKH, probs_TK, copy_of_row_R = ctx.saved_tensors
-        grad32_TH = grad_out_TH.float()
-        grad_probs_TK = torch.einsum("tkh,th->tk", copies_TKH.float(), grad32_TH)
-        grad_copies_TKH = (probs_TK.unsqueeze(-1) * grad32_TH.unsqueeze(1)).to(grad_out_TH.dtype)
-        grad_rows_RH = grad_copies_TKH.flatten(0, 1).index_select(0, copy_of_row_R)
-        return grad_rows_RH, grad_probs_TK, None
+@dataclass
+class ExchangePlan:
+    """The host-derived part of a dispatch: the exchange layout and each chunk's local regrouping."""
+
+    layout: ExchangeLayout  # the dispatch exchange; combine is layout.reversed()
+    chunk_experts: list[tuple[int, int]]  # local experts of each chunk
+    regroup_index: list[torch.Tensor]  # per chunk: its received rows in (local expert, source) order
+    ungroup_index: list[torch.Tensor]  # per chunk: the inverse permutation
+    offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets of its experts
 
 
 @dataclass
 class DispatchPlan:
-    """Where every token copy goes and comes back; built once per layer call from the routing."""
+    """Where every token copy goes and comes back for one layer call."""
 
-    copy_of_row: torch.Tensor  # (R,) flat copy index t*k + j of each permuted row, sorted by global expert
-    token_of_row: torch.Tensor  # (R,) source token of each permuted row
-    input_splits: list[int]  # rows sent to each EP rank
-    output_splits: list[int]  # rows received from each EP rank
-    regroup_index: torch.Tensor  # received rows in (local expert, source rank) order
-    ungroup_index: torch.Tensor  # the inverse permutation
-    rows_per_local_expert: list[int]
-    offsets: torch.Tensor  # int32 end offsets per local expert, for grouped_mm
+    row_of_copy_TK: torch.Tensor  # int32 permuted row of each copy, -1 if dropped
+    all_rows_mapped: bool  # every permuted row holds a copy (no capacity padding, no drops)
+    exchange: ExchangePlan
+
+    @property
+    def num_rows(self) -> int:  # rows of the permuted (send) buffer
+        return self.exchange.layout.send_total
 
 
-def plan_dispatch(experts_TK: torch.Tensor, tokens_per_expert_E: torch.Tensor, ep_size: int,
-                  ep_group: ProcessGroup) -> DispatchPlan:
-    """Sort copies by expert, exchange counts, and derive the splits and the local regrouping.
+def start_counts_fetch(tokens_per_expert_E: torch.Tensor, ep: GroupHandle) -> Callable[[], torch.Tensor]:
+    """Start gathering every EP rank's copies per global expert to the host; the returned function
+    waits for them: [source rank, global expert], int64 on the CPU.
 
-    Dropless routing needs the received counts on the host to size the exchange: this is the layer's one
-    device-to-host sync (both count tables are fetched together).
+    Dropless routing needs them to size the exchange: this is the layer's one device-to-host sync. It is
+    started before the permutation kernels and waited for only when the sizes are needed.
     """
-    num_experts = tokens_per_expert_E.numel()
-    local_experts = num_experts // ep_size
-    copy_of_row = torch.argsort(experts_TK.flatten(), stable=True)
-    token_of_row = copy_of_row // experts_TK.shape[1]
-    sent_RE = tokens_per_expert_E.view(ep_size, local_experts)  # [destination rank, local expert]
-    received_SE = all_to_all_equal(sent_RE, ep_group)  # [source rank, local expert]
-    counts = torch.cat((sent_RE.flatten(), received_SE.flatten())).cpu()  # the one host sync
-    sent_rows = counts[:num_experts].view(ep_size, local_experts)
-    received_rows = counts[num_experts:].view(ep_size, local_experts)
-    # Received rows arrive in (source, expert) blocks; the grouped GEMM wants (expert, source).
-    block_expert = torch.arange(local_experts, device=experts_TK.device).repeat(ep_size)
-    block_source = torch.arange(ep_size, device=experts_TK.device).repeat_interleave(local_experts)
-    rows_total = int(received_rows.sum())
-    block_counts = received_SE.flatten()
-    row_key = (block_expert * ep_size + block_source).repeat_interleave(block_counts, output_size=rows_total)
-    regroup_index = torch.argsort(row_key, stable=True)
-    ungroup_index = torch.empty_like(regroup_index)
-    ungroup_index[regroup_index] = torch.arange(rows_total, device=regroup_index.device)
-    return DispatchPlan(
-        copy_of_row=copy_of_row,
-        token_of_row=token_of_row,
-        input_splits=sent_rows.sum(1).tolist(),
-        output_splits=received_rows.sum(1).tolist(),
-        regroup_index=regroup_index,
-        ungroup_index=ungroup_index,
-        rows_per_local_expert=received_rows.sum(0).tolist(),
-        offsets=expert_offsets(received_SE.sum(0)),
-    )
+    counts_SE = tokens_per_expert_E.new_empty((ep.size, tokens_per_expert_E.numel()))
+    all_gather_into(counts_SE.view(-1), tokens_per_expert_E.contiguous(), ep.group)
+    if counts_SE.device.type != "cuda":
+        return lambda: counts_SE
+    host_SE = torch.empty(counts_SE.shape, dtype=counts_SE.dtype, pin_memory=True)
+    host_SE.copy_(counts_SE, non_blocking=True)
+    landed = torch.cuda.Event()
+    landed.record()
+
+    def wait() -> torch.Tensor:
+        landed.synchronize()
+        return host_SE
+
+    return wait
+
+
+def _to_device(host_arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host index arrays to the device in one pinned, non-blocking copy (one launch, no stall; also legal
+    in graph capture), returned as views of that one device buffer."""
+    packed = torch.from_numpy(np.concatenate([a.astype(np.int64) for a in host_arrays]))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return list(torch.split(packed, [a.size for a in host_arrays]))
+
+
+class DispatchPlanner:
+    """Builds a layer's DispatchPlan each call. Rows are ordered (chunk, destination rank, local expert), so
+    each chunk's rows are contiguous on both sides of the exchange; with one chunk this is the serial order.
+    Padded-capacity plans have static sizes and are built once (no host sync, CUDA-graph capturable).
+    """
+
+    def __init__(self, num_experts: int, ep: GroupHandle, chunks: int, device: torch.device):
+        self.num_experts, self.ep, self.device = num_experts, ep, device
+        self.local = num_experts // ep.size
+        self.bounds = chunk_bounds(self.local, chunks)
+        order = [d * self.local + l for start, stop in self.bounds for d in range(ep.size) for l in range(start, stop)]
+        slot_of_expert = torch.empty(num_experts, dtype=torch.long)
+        slot_of_expert[torch.tensor(order)] = torch.arange(num_experts)
+        self.slot_of_expert = slot_of_expert.to(device)
+        # A chunk's rows arrive in (source, local expert) blocks; sorting by this key puts them in
+        # (local expert, source) order, the grouped GEMM's.
+        self.block_keys = [np.add.outer(np.arange(ep.size), np.arange(stop - start) * ep.size).ravel()
+                           for start, stop in self.bounds]
+        self._static: dict[int, ExchangePlan] = {}
+
+    def plan(self, experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, capacity: int | None,
+             fetch_counts: Callable[[], torch.Tensor] | None) -> DispatchPlan:
+        """``fetch_counts`` (from :func:`start_counts_fetch`) sizes a variable exchange; None means the
+        routing has a capacity and every (rank, expert) block is padded to exactly ``capacity`` rows."""
+        static = fetch_counts is None
+        row_of_copy_TK, _, _ = copy_rows(self.slot_of_expert[experts_TK], self.num_experts,
+                                         capacity if static else None, keep_TK)
+        if static:
+            if capacity not in self._static:
+                counts = torch.full((self.ep.size, self.num_experts), capacity, dtype=torch.int64)
+                self._static[capacity] = self._exchange_plan(counts)
+            return DispatchPlan(row_of_copy_TK, False, self._static[capacity])
+        return DispatchPlan(row_of_copy_TK, keep_TK is None, self._exchange_plan(fetch_counts()))
+
+    def _exchange_plan(self, counts_SE: torch.Tensor) -> ExchangePlan:
+        """Host work on every dropless call, after the sync: numpy on a few hundred integers."""
+        ep = self.ep
+        rows_SDL = counts_SE.numpy().reshape(ep.size, ep.size, self.local)  # [source, destination, local expert]
+        rows_SDC = np.stack([rows_SDL[:, :, a:b].sum(-1) for a, b in self.bounds], axis=-1)
+        host = []  # per chunk: regroup index, its inverse, grouped-GEMM end offsets
+        for (start, stop), block_key in zip(self.bounds, self.block_keys):
+            block_rows = rows_SDL[:, ep.rank, start:stop]  # [source, local expert] of this chunk
+            index = np.argsort(np.repeat(block_key, block_rows.ravel()), kind="stable")
+            inverse = np.empty_like(index)
+            inverse[index] = np.arange(index.size)
+            host += [index, inverse, np.cumsum(block_rows.sum(0))]
+        device = _to_device(host, self.device)
+        offsets = [o.to(torch.int32) for o in device[2::3]]  # grouped_mm takes int32 offsets
+        return ExchangePlan(exchange_layout(rows_SDC, ep.rank), self.bounds, device[0::3], device[1::3], offsets)
+
+
+def serial_dispatch_combine(x_TH: torch.Tensor, probs_TK: torch.Tensor, plan: DispatchPlan, ep: GroupHandle,
+                            experts) -> torch.Tensor:
+    """The reference path: permute, all-to-all, grouped experts, all-to-all, unpermute; one chunk."""
+    layout = plan.exchange.layout
+    permuted_RH = Permute.apply(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
+    received_RH = AllToAllRows.apply(permuted_RH, layout.recv_rows[0], layout.send_rows[0], ep.group)
+    grouped_RH = GatherRows.apply(received_RH, plan.exchange.regroup_index[0])
+    expert_out_RH = experts(grouped_RH, plan.exchange.offsets[0])
+    ungrouped_RH = GatherRows.apply(expert_out_RH, plan.exchange.ungroup_index[0])
+    combined_RH = AllToAllRows.apply(ungrouped_RH, layout.send_rows[0], layout.recv_rows[0], ep.group)
+    return Unpermute.apply(combined_RH, plan.row_of_copy_TK, probs_TK, plan.all_rows_mapped)

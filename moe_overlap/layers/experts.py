@@ -7,8 +7,9 @@ w13 holds [gate | up] along its last dimension.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_forward_torch
 
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
 
@@ -18,27 +19,37 @@ def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(rows_per_expert, dim=0).to(torch.int32)
 
 
-def _swiglu_fwd(h_TF2: torch.Tensor) -> torch.Tensor:
-    gate, up = h_TF2.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def experts_forward(x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
+                    w2_EFH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1 -> SwiGLU -> fc2; returns the output and fc1's output (kept for the backward)."""
+    h_TF2 = torch._grouped_mm(x_TH, w13_EHF2, offs=offsets_E)
+    return torch._grouped_mm(swiglu_forward(h_TF2), w2_EFH, offs=offsets_E), h_TF2
 
 
-def _swiglu_bwd(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> torch.Tensor:
-    gate, up = h_TF2.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    grad = grad_a_TF.float()
-    grad_gate = grad * up * sig * (1 + gate * (1 - sig))
-    return torch.cat((grad_gate, grad * gate * sig), dim=-1).to(h_TF2.dtype)
+def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
+                  w2_EFH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input gradient; also fc1's output gradient and the SwiGLU activation, which the weight gradients need
+    (the fused backward rebuilds the activation in the same pass, so the forward need not keep it)."""
+    grad_a_TF = torch._grouped_mm(grad_y_TH, w2_EFH.transpose(-2, -1), offs=offsets_E)
+    grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF)
+    return torch._grouped_mm(grad_h_TF2, w13_EHF2.transpose(-2, -1), offs=offsets_E), grad_h_TF2, a_TF
+
+
+def experts_wgrad(x_TH: torch.Tensor, a_TF: torch.Tensor, grad_h_TF2: torch.Tensor, grad_y_TH: torch.Tensor,
+                  offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight gradients (separate from dgrad so a pipeline can defer them into communication gaps)."""
+    grad_w2_EFH = torch._grouped_mm(a_TF.t(), grad_y_TH, offs=offsets_E)
+    grad_w13_EHF2 = torch._grouped_mm(x_TH.t(), grad_h_TF2, offs=offsets_E)
+    return grad_w13_EHF2, grad_w2_EFH
 
 
 class GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
                 w2_EFH: torch.Tensor) -> torch.Tensor:
-        h_TF2 = torch._grouped_mm(x_TH, w13_EHF2, offs=offsets_E)
-        a_TF = _swiglu_fwd(h_TF2)
+        y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH)
         ctx.save_for_backward(x_TH, offsets_E, w13_EHF2, w2_EFH, h_TF2)
-        return torch._grouped_mm(a_TF, w2_EFH, offs=offsets_E)
+        return y_TH
 
     @staticmethod
     def backward(ctx, grad_y_TH: torch.Tensor):
@@ -46,12 +57,8 @@ class GroupedSwiGLU(torch.autograd.Function):
         if x_TH.shape[0] == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
             return torch.zeros_like(x_TH), None, torch.zeros_like(w13_EHF2), torch.zeros_like(w2_EFH)
         grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
-        a_TF = _swiglu_fwd(h_TF2)
-        grad_a_TF = torch._grouped_mm(grad_y_TH, w2_EFH.transpose(-2, -1), offs=offsets_E)
-        grad_w2_EFH = torch._grouped_mm(a_TF.t(), grad_y_TH, offs=offsets_E)
-        grad_h_TF2 = _swiglu_bwd(h_TF2, grad_a_TF)
-        grad_x_TH = torch._grouped_mm(grad_h_TF2, w13_EHF2.transpose(-2, -1), offs=offsets_E)
-        grad_w13_EHF2 = torch._grouped_mm(x_TH.t(), grad_h_TF2, offs=offsets_E)
+        grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
+        grad_w13_EHF2, grad_w2_EFH = experts_wgrad(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH
 
 
@@ -61,7 +68,7 @@ def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13
     outputs, start = [], 0
     for expert, rows in enumerate(rows_per_expert):
         x = x_TH[start:start + rows]
-        outputs.append(_swiglu_fwd(x @ w13_EHF2[expert]) @ w2_EFH[expert])
+        outputs.append(swiglu_forward_torch(x @ w13_EHF2[expert]) @ w2_EFH[expert])
         start += rows
     return torch.cat(outputs) if outputs else x_TH.new_zeros((0, w2_EFH.shape[-1]))
 

@@ -1,43 +1,83 @@
-"""The MoE block: router -> permute -> dispatch -> grouped experts -> combine -> unpermute (serial path)."""
+"""The MoE block: router -> permute -> dispatch -> grouped experts -> combine -> unpermute, plus an
+optional shared expert. ``overlap.moe_overlap_dispatch`` picks the chunked pipeline (dispatcher_overlap)
+or the serial reference (dispatcher); the math is the same."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from moe_overlap.config import ModelConfig
-from moe_overlap.distributed.collectives import AllToAllRows
+from moe_overlap.config import ModelConfig, OverlapConfig
+from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.layers.dispatcher import GatherRows, WeightedUnpermute, plan_dispatch
+from moe_overlap.kernels.permute import Permute, Unpermute
+from moe_overlap.layers.dispatcher import DispatchPlanner, serial_dispatch_combine, start_counts_fetch
+from moe_overlap.layers.dispatcher_overlap import DispatchStart, ExpertsCombine, PipelineState
 from moe_overlap.layers.experts import GroupedExperts
+from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.router import Router
 
 
 class MoELayer(nn.Module):
-    """Dropless top-k MoE over the expert-parallel group ``ep``; rank r holds experts [r*E/EP, (r+1)*E/EP)."""
+    """Top-k MoE over the expert-parallel group ``ep``; rank r holds experts [r*E/EP, (r+1)*E/EP).
 
-    def __init__(self, cfg: ModelConfig, ep: GroupHandle, device=None, dtype=None):
+    ``transports`` (shared by the model's MoE layers) is needed only with the overlapped dispatch.
+    ``router``: the sequence-parallel router under SP; by default the plain one from the config.
+    """
+
+    def __init__(self, cfg: ModelConfig, overlap: OverlapConfig, ep: GroupHandle,
+                 transports: TransportSelector | None = None, device=None, dtype=None, router: Router | None = None):
         super().__init__()
-        self.ep = ep
-        num_experts = cfg.num_moe_experts
-        local_experts = num_experts // ep.size
-        self.router = Router(cfg.hidden_size, num_experts, cfg.moe_router_topk, cfg.moe_router_pre_softmax,
-                             cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff,
-                             device, dtype)
+        self.ep, self.transports = ep, transports
+        self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
+        self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
+        self.overlap_dispatch, self.chunks = overlap.moe_overlap_dispatch, overlap.moe_a2a_chunks
+        self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
+        if self.overlap_dispatch and transports is None:
+            raise ValueError("overlap.moe_overlap_dispatch=true needs the model's TransportSelector")
+        local_experts = self.num_experts // ep.size
+        self.router = router if router is not None else Router.from_config(cfg, device, dtype)
         self.experts = GroupedExperts(local_experts, ep.rank * local_experts, cfg.hidden_size,
                                       cfg.expert_ffn_hidden_size, device, dtype)
+        self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, device, dtype)
+                              if cfg.moe_shared_expert_intermediate_size else None)
+        self._planners: dict[int, DispatchPlanner] = {}  # by chunk count
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the output, the auxiliary losses (load balancing + z, already scaled) and the copies
         routed to each global expert (for metrics; an output, so recomputation does not count twice)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         routing = self.router(x_TH)
-        plan = plan_dispatch(routing.experts_TK, routing.tokens_per_expert_E, self.ep.size, self.ep.group)
-        permuted_RH = GatherRows.apply(x_TH, plan.token_of_row)
-        received_RH = AllToAllRows.apply(permuted_RH, plan.output_splits, plan.input_splits, self.ep.group)
-        grouped_RH = GatherRows.apply(received_RH, plan.regroup_index)
-        expert_out_RH = self.experts(grouped_RH, plan.offsets)
-        ungrouped_RH = GatherRows.apply(expert_out_RH, plan.ungroup_index)
-        combined_RH = AllToAllRows.apply(ungrouped_RH, plan.input_splits, plan.output_splits, self.ep.group)
-        out_TH = WeightedUnpermute.apply(combined_RH, routing.probs_TK, plan.copy_of_row)
+        keep_TK, capacity = getattr(routing, "keep_TK", None), getattr(routing, "capacity", None)
+        static = capacity is not None and self.pad_to_capacity
+        fetch = None if static else start_counts_fetch(routing.tokens_per_expert_E, self.ep)
+        plan = self._planner(x_TH.device).plan(routing.experts_TK, keep_TK, capacity, fetch)
+        if not self.overlap_dispatch:
+            out_TH = serial_dispatch_combine(x_TH, routing.probs_TK, plan, self.ep, self.experts)
+            if self.shared_expert is not None:
+                out_TH = out_TH + self.shared_expert(x_TH)
+        else:
+            worst_rows = (self.num_experts * capacity if static  # full capacity blocks from every rank
+                          else self.ep.size * x_TH.shape[0] * self.topk)  # every rank's copies landing here
+            out_TH = self._pipelined(x_TH, routing.probs_TK, plan, worst_rows)
         return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
+
+    def _planner(self, device: torch.device) -> DispatchPlanner:
+        chunks = self.chunks if self.overlap_dispatch else 1
+        if chunks not in self._planners:
+            self._planners[chunks] = DispatchPlanner(self.num_experts, self.ep, chunks, device)
+        return self._planners[chunks]
+
+    def _pipelined(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, plan, worst_rows: int) -> torch.Tensor:
+        shared_TH = None
+        if self.shared_expert is not None and not self.shared_overlap:
+            shared_TH = self.shared_expert(x_TH)
+        permuted_RH = Permute.apply(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
+        transport = self.transports.transport(worst_rows * x_TH.shape[1] * x_TH.element_size())
+        state = PipelineState(plan.exchange, transport, self.delay_wgrad)
+        token = DispatchStart.apply(permuted_RH, state)
+        if self.shared_expert is not None and self.shared_overlap:  # runs while the dispatch travels
+            shared_TH = self.shared_expert(x_TH)
+        combined_RH = ExpertsCombine.apply(token, self.experts.w13, self.experts.w2, state)
+        out_TH = Unpermute.apply(combined_RH, plan.row_of_copy_TK, probs_TK, plan.all_rows_mapped)
+        return out_TH if shared_TH is None else out_TH + shared_TH

@@ -1,0 +1,283 @@
+"""All-to-all transports behind one interface: ``nccl`` / ``gloo`` collectives, and ``symm``, a copy-engine
+exchange through torch symmetric memory (no SMs move the data; see DESIGN.md for why it overlaps a GEMM
+where NCCL does not).
+
+An exchange moves rows in chunks. Both buffers are chunk-major: chunk i's rows for (or from) every peer are
+contiguous, in peer order, so one chunk is one contiguous region on each side. ``ExchangeLayout`` holds
+where every chunk's rows sit on both sides (host integers), derived from the full count matrix that every
+rank holds after the counts all-gather.
+
+    ex = transport.exchange(send_RH, layout)   # the receive buffer is ex.recv_buffer
+    ex.send(i)        # start chunk i (after the current stream's writes to its rows)
+    rows = ex.recv(i) # the current stream waits until chunk i's rows have landed
+    ex.finish()       # the receive buffer has been read: a symmetric slot may be reused
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_overlap.distributed.collectives import ProcessGroup
+from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmWorkspace, symm_unavailable_reason
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "symm", "gloo")
+
+
+@dataclass
+class ExchangeLayout:
+    """Rows per (chunk, peer) and their first row on each side; all lists are [chunk][peer]."""
+
+    send_rows: list[list[int]]
+    send_offsets: list[list[int]]  # in this rank's send buffer
+    recv_rows: list[list[int]]
+    recv_offsets: list[list[int]]  # in this rank's receive buffer
+    remote_recv_offsets: list[list[int]]  # where this rank's rows land in each peer's receive buffer
+    remote_send_offsets: list[list[int]]  # where each peer's rows for this rank sit in its send buffer
+    send_total: int
+    recv_total: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.send_rows)
+
+    def send_range(self, chunk: int) -> tuple[int, int]:
+        return self.send_offsets[chunk][0], self.send_offsets[chunk][0] + sum(self.send_rows[chunk])
+
+    def recv_range(self, chunk: int) -> tuple[int, int]:
+        return self.recv_offsets[chunk][0], self.recv_offsets[chunk][0] + sum(self.recv_rows[chunk])
+
+    def reversed(self) -> ExchangeLayout:
+        """The same rows travelling back (combine after dispatch, or the gradients of either)."""
+        return ExchangeLayout(self.recv_rows, self.recv_offsets, self.send_rows, self.send_offsets,
+                              self.remote_send_offsets, self.remote_recv_offsets, self.recv_total, self.send_total)
+
+
+def exchange_layout(rows_SDC: np.ndarray, rank: int) -> ExchangeLayout:
+    """Layout of a chunked exchange from ``rows_SDC[source, destination, chunk]`` (every rank's counts).
+
+    Host work on every layer call, so numpy on a few dozen integers rather than torch ops.
+    """
+    rows_SDC = np.asarray(rows_SDC, dtype=np.int64)
+    peers, chunks = rows_SDC.shape[1], rows_SDC.shape[2]
+
+    def exclusive_offsets(rows_RCP: np.ndarray) -> np.ndarray:  # per rank: chunk-major, peers inside a chunk
+        flat = rows_RCP.reshape(peers, chunks * peers)
+        return (np.cumsum(flat, axis=1) - flat).reshape(peers, chunks, peers)
+
+    send_offsets_RCD = exclusive_offsets(rows_SDC.transpose(0, 2, 1))  # [rank, chunk, destination]
+    recv_offsets_RCS = exclusive_offsets(rows_SDC.transpose(1, 2, 0))  # [rank, chunk, source]
+    return ExchangeLayout(
+        send_rows=rows_SDC[rank].T.tolist(),
+        send_offsets=send_offsets_RCD[rank].tolist(),
+        recv_rows=rows_SDC[:, rank].T.tolist(),
+        recv_offsets=recv_offsets_RCS[rank].tolist(),
+        remote_recv_offsets=recv_offsets_RCS[:, :, rank].T.tolist(),  # [chunk, destination]
+        remote_send_offsets=send_offsets_RCD[:, :, rank].T.tolist(),  # [chunk, source]
+        send_total=int(rows_SDC[rank].sum()),
+        recv_total=int(rows_SDC[:, rank].sum()),
+    )
+
+
+class Exchange:
+    def __init__(self, send_RH: torch.Tensor, recv_RH: torch.Tensor, layout: ExchangeLayout):
+        self.send_buffer, self.recv_buffer, self.layout = send_RH, recv_RH, layout
+
+    def chunk_view(self, chunk: int) -> torch.Tensor:
+        start, stop = self.layout.recv_range(chunk)
+        return self.recv_buffer[start:stop]
+
+    def result(self) -> torch.Tensor:
+        """The whole receive buffer as a tensor the caller may keep (call before ``finish``)."""
+        return self.recv_buffer
+
+
+class CollectiveExchange(Exchange):
+    """One asynchronous all_to_all_single per chunk (NCCL on its own stream, or gloo's thread)."""
+
+    def __init__(self, send_RH, recv_RH, layout, group: ProcessGroup):
+        super().__init__(send_RH, recv_RH, layout)
+        self.group, self.works = group, {}
+
+    def send(self, chunk: int) -> None:
+        send_start, send_stop = self.layout.send_range(chunk)
+        recv_start, recv_stop = self.layout.recv_range(chunk)
+        if self.group is None:  # one rank: its own rows are all there is
+            self.recv_buffer[recv_start:recv_stop].copy_(self.send_buffer[send_start:send_stop])
+            return
+        self.works[chunk] = dist.all_to_all_single(
+            self.recv_buffer[recv_start:recv_stop], self.send_buffer[send_start:send_stop],
+            self.layout.recv_rows[chunk], self.layout.send_rows[chunk], group=self.group, async_op=True)
+
+    def recv(self, chunk: int) -> torch.Tensor:
+        work = self.works.pop(chunk, None)
+        if work is not None:
+            work.wait()
+        return self.chunk_view(chunk)
+
+    def finish(self) -> None:
+        assert not self.works, f"chunks {sorted(self.works)} were sent but never received"
+
+
+class CollectiveTransport:
+    def __init__(self, name: str, group: ProcessGroup):
+        self.name, self.group = name, group
+
+    def exchange(self, send_RH: torch.Tensor, layout: ExchangeLayout) -> CollectiveExchange:
+        recv_RH = send_RH.new_empty((layout.recv_total,) + tuple(send_RH.shape[1:]))
+        return CollectiveExchange(send_RH, recv_RH, layout, self.group)
+
+
+class SymmExchange(Exchange):
+    """Pushes each chunk into the peers' registered receive slots with copy-engine peer copies on a copy
+    stream, then raises one signal per (peer, chunk); the receiver's stream waits on those signals.
+
+    Flow control: before writing into a peer's slot, the copy stream waits for that peer's "slot free"
+    signal, which the peer raises in ``finish`` once it has read the slot (and once at start-up).
+    """
+
+    def __init__(self, transport: SymmTransport, send_RH: torch.Tensor, layout: ExchangeLayout, slot: int):
+        ws = transport.workspace
+        row_shape = tuple(send_RH.shape[1:])
+        recv_RH = ws.view(ws.rank, (layout.recv_total,) + row_shape, send_RH.dtype, transport.slot_offset(slot))
+        super().__init__(send_RH, recv_RH, layout)
+        self.transport, self.slot, self.row_shape = transport, slot, row_shape
+        self.row_bytes = send_RH[0:1].numel() * send_RH.element_size() if send_RH.shape[0] else 0
+        self.landed = {}
+        stream = transport.copy_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        send_RH.record_stream(stream)
+        with torch.cuda.stream(stream):
+            for peer in transport.peers:
+                ws.wait(peer, transport.free_channel(slot))
+
+    def send(self, chunk: int) -> None:
+        transport, ws, layout = self.transport, self.transport.workspace, self.layout
+        stream = transport.copy_stream
+        stream.wait_stream(torch.cuda.current_stream())  # the chunk's rows were written on this stream
+        with torch.cuda.stream(stream):
+            for peer in range(ws.size):
+                rows = layout.send_rows[chunk][peer]
+                if rows == 0:
+                    continue
+                start = layout.send_offsets[chunk][peer]
+                dest = ws.view(peer, (rows,) + self.row_shape, self.send_buffer.dtype,
+                               transport.slot_offset(self.slot) + layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
+                dest.copy_(self.send_buffer[start:start + rows], non_blocking=True)
+            for peer in transport.peers:
+                ws.signal(peer, transport.data_channel(self.slot, chunk))
+            self.landed[chunk] = torch.cuda.Event()
+            self.landed[chunk].record(stream)  # covers the local rows, which no signal announces
+
+    def recv(self, chunk: int) -> torch.Tensor:
+        current = torch.cuda.current_stream()
+        current.wait_event(self.landed.pop(chunk))
+        for peer in self.transport.peers:
+            self.transport.workspace.wait(peer, self.transport.data_channel(self.slot, chunk))
+        return self.chunk_view(chunk)
+
+    def result(self) -> torch.Tensor:
+        return self.recv_buffer.clone()  # the slot is reused once released
+
+    def finish(self) -> None:
+        assert not self.landed, f"chunks {sorted(self.landed)} were sent but never received"
+        for peer in self.transport.peers:  # on the current stream: after everything that read the slot
+            self.transport.workspace.signal(peer, self.transport.free_channel(self.slot))
+
+
+class SymmTransport:
+    """Copy-engine exchange over one symmetric workspace cut into ``slots`` receive slots used in turn.
+
+    A slot holds the worst case of one exchange (every token copy of every rank landing here, dropless),
+    so several exchanges (dispatch and combine of two micro-batches, by default) can be in flight.
+    """
+
+    name = "symm"
+
+    def __init__(self, group: dist.ProcessGroup, slot_bytes: int, device: torch.device, max_chunks: int,
+                 slots: int = 4, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        self.slot_bytes = -(-slot_bytes // 256) * 256  # keep every slot 256-byte aligned
+        self.slots, self.max_chunks, self.next_slot = slots, max_chunks, 0
+        self.workspace = SymmWorkspace(group, self.slot_bytes * slots, device, timeout_ms)
+        self.peers = [p for p in range(self.workspace.size) if p != self.workspace.rank]
+        self.copy_stream = torch.cuda.Stream(device=device)
+        for slot in range(slots):  # every slot starts free on every peer
+            for peer in self.peers:
+                self.workspace.signal(peer, self.free_channel(slot))
+
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def free_channel(self, slot: int) -> int:
+        return slot
+
+    def data_channel(self, slot: int, chunk: int) -> int:
+        return self.slots + slot * self.max_chunks + chunk
+
+    def exchange(self, send_RH: torch.Tensor, layout: ExchangeLayout) -> SymmExchange:
+        if layout.num_chunks > self.max_chunks:
+            raise ValueError(f"{layout.num_chunks} chunks exceed the transport's {self.max_chunks}")
+        need = max(layout.recv_total, 1) * send_RH[0:1].numel() * send_RH.element_size()
+        if need > self.slot_bytes:
+            raise ValueError(f"an exchange of {layout.recv_total} rows ({need} bytes) does not fit the "
+                             f"{self.slot_bytes}-byte receive slot; the workspace was sized too small")
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.slots
+        return SymmExchange(self, send_RH, layout, slot)
+
+
+class TransportSelector:
+    """Picks the EP transport once (logging which and why) and sizes the symmetric one lazily.
+
+    The symmetric workspace is sized for the worst exchange of the first call (every rank's copies landing
+    on one rank, dropless); all EP ranks see the same micro-batch shape, so they grow it together.
+    """
+
+    def __init__(self, requested: str, group: ProcessGroup, group_ranks: list[int], device: torch.device,
+                 max_chunks: int, timeout_s: float):
+        reason = symm_unavailable_reason(group, device) if device.type == "cuda" else "the device is the CPU"
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", len(group_ranks)))
+        self.name, why = choose_backend(requested, device.type, group_ranks, local, reason)
+        self.group, self.device, self.max_chunks = group, device, max_chunks
+        self.timeout_ms = int(timeout_s * 1000)
+        self._symm: SymmTransport | None = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("MoE all-to-all transport: %s (moe_a2a_backend=%s: %s)", self.name, requested, why)
+
+    def transport(self, worst_case_bytes: int):
+        if self.name != "symm":
+            return CollectiveTransport(self.name, self.group)
+        if self._symm is None or self._symm.slot_bytes < worst_case_bytes:
+            self._symm = SymmTransport(self.group, worst_case_bytes, self.device, self.max_chunks,
+                                       timeout_ms=self.timeout_ms)
+        return self._symm
+
+
+def choose_backend(requested: str, device_type: str, group_ranks: list[int], local_world_size: int,
+                   symm_reason: str | None) -> tuple[str, str]:
+    """The transport to use and why. ``symm_reason`` says why symmetric memory cannot run (None: it can).
+
+    auto: symm when every EP rank shares one host with peer access, nccl otherwise (gloo on CPU).
+    Asking for a transport that cannot run is an error that says why.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"overlap.moe_a2a_backend={requested!r}: allowed {', '.join(BACKENDS)}")
+    collective = "gloo" if device_type == "cpu" else "nccl"
+    hosts = {r // max(local_world_size, 1) for r in group_ranks}
+    if len(hosts) > 1 and symm_reason is None:
+        symm_reason = f"the EP ranks {group_ranks} span {len(hosts)} hosts (LOCAL_WORLD_SIZE={local_world_size})"
+    if requested == "auto":
+        if symm_reason is None:
+            return "symm", "every EP rank shares one host with peer access"
+        return collective, f"symm cannot run: {symm_reason}"
+    if requested == "symm" and symm_reason is not None:
+        raise ValueError(f"overlap.moe_a2a_backend='symm' cannot run: {symm_reason}; use 'auto' or '{collective}'")
+    if requested in ("nccl", "gloo") and requested != collective:
+        raise ValueError(f"overlap.moe_a2a_backend={requested!r} cannot run on {device_type}; use '{collective}'")
+    return requested, "requested"

@@ -1,0 +1,87 @@
+"""The one owner of symmetric-memory buffers and signals (torch.distributed._symmetric_memory).
+
+A workspace is one registered buffer per group and purpose, allocated once; peers' buffers are reachable
+as ordinary tensors, so a copy into them is a peer-to-peer copy-engine transfer that takes no SMs.
+Signals are one-slot semaphores per (peer, channel): ``signal`` sets the peer's slot, ``wait`` consumes
+ours; both are stream-ordered and every wait has a non-zero timeout (torch's default, 0, waits forever).
+NVLink multicast is never used: a handle that reports a multicast pointer is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_MS = 60_000
+
+
+def symm_unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
+    """Why the copy-engine transport cannot run here, or None when it can."""
+    if device.type != "cuda":
+        return f"symmetric memory needs CUDA tensors; the device is {device.type}"
+    if group is None:
+        return "the expert-parallel group has one rank: nothing to exchange"
+    if dist.get_backend(group) != "nccl":
+        return f"the process group's backend is {dist.get_backend(group)!r}, not nccl"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as err:
+        return f"torch.distributed._symmetric_memory is missing ({err})"
+    ranks = dist.get_process_group_ranks(group)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    hosts = {r // local for r in ranks}
+    if len(hosts) > 1:
+        return f"the group's ranks {ranks} span {len(hosts)} hosts (LOCAL_WORLD_SIZE={local}); peer copies need one"
+    me = torch.cuda.current_device()
+    for peer in range(torch.cuda.device_count()):
+        if peer != me and not torch.cuda.can_device_access_peer(me, peer):
+            return f"GPU {me} has no peer access to GPU {peer}"
+    return None
+
+
+class SymmWorkspace:
+    """A registered buffer of ``nbytes`` on every rank of ``group`` (a collective: all ranks construct it)."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if timeout_ms <= 0:
+            raise ValueError(f"timeout_ms={timeout_ms}: must be > 0 (0 waits forever)")
+        self.group, self.timeout_ms = group, timeout_ms
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        with warnings.catch_warnings():  # deprecated in newer torch, still required by 2.11
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        self.nbytes = nbytes
+        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        if getattr(self.handle, "multicast_ptr", 0):
+            raise RuntimeError("symmetric memory came with an NVLink multicast pointer; set "
+                               "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (multicast must stay off on shared hosts)")
+
+    def view(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
+        """``rank``'s buffer (this rank's own when rank == self.rank) as a tensor of ``shape`` at an offset."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset_bytes % itemsize:
+            raise ValueError(f"offset {offset_bytes} is not a multiple of the {dtype} item size {itemsize}")
+        end = offset_bytes + math.prod(shape) * itemsize
+        if end > self.nbytes:
+            raise ValueError(f"a view ending at byte {end} does not fit the {self.nbytes}-byte workspace")
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // itemsize)
+
+    def signal(self, peer: int, channel: int) -> None:
+        """Set ``peer``'s semaphore ``channel`` for us, on the current stream (after its earlier work)."""
+        self.handle.put_signal(peer, channel=channel, timeout_ms=self.timeout_ms)
+
+    def wait(self, peer: int, channel: int) -> None:
+        """Block the current stream until ``peer`` signalled ``channel``, then clear it; times out loudly."""
+        self.handle.wait_signal(peer, channel=channel, timeout_ms=self.timeout_ms)
+
+    def barrier(self, channel: int = 0) -> None:
+        self.handle.barrier(channel=channel, timeout_ms=self.timeout_ms)

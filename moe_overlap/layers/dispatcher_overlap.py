@@ -1,0 +1,124 @@
+"""The overlapped twin of the serial dispatch: the exchange cut into chunks of local experts, pipelined
+under the grouped GEMMs, forward and backward.
+
+Forward: every dispatch chunk is queued on the transport at once; chunk i's GEMM starts as soon as its
+rows have landed, and its combine leaves while chunk i+1 computes. Backward mirrors it: the gradient
+rows travel the dispatch way chunk by chunk under the dgrad GEMMs, and go back the combine way; with
+``delay_wgrad`` each chunk's weight-gradient GEMMs run after its gradient has left, filling the gap.
+
+Two autograd Functions bracket the work so that whatever the caller runs between them (the shared
+expert) fills the dispatch gap in the forward and the combine gap in the backward:
+    token = DispatchStart.apply(permuted_RH, state)      # queue every dispatch chunk
+    shared_out = shared_expert(x)                         # runs while rows travel
+    combined_RH = ExpertsCombine.apply(token, w13, w2, state)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_overlap.distributed.a2a import Exchange
+from moe_overlap.layers.dispatcher import ExchangePlan
+from moe_overlap.layers.experts import experts_dgrad, experts_forward, experts_wgrad
+
+
+@dataclass
+class PipelineState:
+    """What the two Functions of one layer call share."""
+
+    plan: ExchangePlan
+    transport: object  # a2a transport: CollectiveTransport or SymmTransport
+    delay_wgrad: bool
+    dispatch: Exchange | None = None
+    grad_combine: Exchange | None = None
+    saved: list = field(default_factory=list)  # per chunk: (grouped rows, fc1 output)
+
+
+class DispatchStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, permuted_RH: torch.Tensor, state: PipelineState) -> torch.Tensor:
+        state.dispatch = state.transport.exchange(permuted_RH, state.plan.layout)
+        for chunk in range(state.plan.layout.num_chunks):
+            state.dispatch.send(chunk)
+        ctx.state = state
+        return permuted_RH.new_empty(0)  # orders ExpertsCombine after this; carries no data
+
+    @staticmethod
+    def backward(ctx, _grad_token: torch.Tensor):
+        """Collect the input gradient rows that ExpertsCombine.backward sent back the combine way."""
+        state, exchange = ctx.state, ctx.state.grad_combine
+        for chunk in range(state.plan.layout.num_chunks):
+            exchange.recv(chunk)
+        grad_RH = exchange.result()
+        exchange.finish()
+        state.grad_combine = None
+        return grad_RH, None
+
+
+class ExpertsCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, _token: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
+                state: PipelineState) -> torch.Tensor:
+        plan, dispatch = state.plan, state.dispatch
+        expert_out_RH = dispatch.send_buffer.new_empty((plan.layout.recv_total, w2_EFH.shape[-1]))
+        combine = state.transport.exchange(expert_out_RH, plan.layout.reversed())
+        state.saved = []
+        for chunk, (first, last) in enumerate(plan.chunk_experts):
+            grouped_RH = dispatch.recv(chunk).index_select(0, plan.regroup_index[chunk])
+            y_RH, h_RF2 = experts_forward(grouped_RH, plan.offsets[chunk], w13_EHF2[first:last], w2_EFH[first:last])
+            start, stop = plan.layout.recv_range(chunk)
+            torch.index_select(y_RH, 0, plan.ungroup_index[chunk], out=expert_out_RH[start:stop])
+            combine.send(chunk)
+            state.saved.append((grouped_RH, h_RF2))
+        dispatch.finish()
+        state.dispatch = None
+        for chunk in range(plan.layout.num_chunks):
+            combine.recv(chunk)
+        combined_RH = combine.result()
+        combine.finish()
+        ctx.state = state
+        ctx.save_for_backward(w13_EHF2, w2_EFH)
+        return combined_RH
+
+    @staticmethod
+    def backward(ctx, grad_combined_RH: torch.Tensor):
+        state = ctx.state
+        plan = state.plan
+        w13_EHF2, w2_EFH = ctx.saved_tensors
+        # Chunks own disjoint runs of experts: each writes its slice once (no zero fill, no accumulation).
+        grad_w13, grad_w2 = torch.empty_like(w13_EHF2), torch.empty_like(w2_EFH)
+        grad_dispatch = state.transport.exchange(grad_combined_RH.contiguous(), plan.layout)
+        for chunk in range(plan.layout.num_chunks):
+            grad_dispatch.send(chunk)
+        grad_in_RH = grad_combined_RH.new_empty((plan.layout.recv_total, w13_EHF2.shape[1]))
+        grad_combine = state.transport.exchange(grad_in_RH, plan.layout.reversed())
+        for chunk, (first, last) in enumerate(plan.chunk_experts):
+            grouped_RH, h_RF2 = state.saved[chunk]
+            grad_y_RH = grad_dispatch.recv(chunk).index_select(0, plan.regroup_index[chunk])
+            weights = (w13_EHF2[first:last], w2_EFH[first:last])
+            start, stop = plan.layout.recv_range(chunk)
+            if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients: no rows, zero weight gradient
+                grad_w13[first:last].zero_()
+                grad_w2[first:last].zero_()
+                grad_combine.send(chunk)
+                continue
+            grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, plan.offsets[chunk], *weights)
+            wgrad = (grouped_RH, a_RF, grad_h_RF2, grad_y_RH, plan.offsets[chunk])
+            if not state.delay_wgrad:
+                _write_wgrad(grad_w13, grad_w2, first, last, wgrad)
+            torch.index_select(grad_x_RH, 0, plan.ungroup_index[chunk], out=grad_in_RH[start:stop])
+            grad_combine.send(chunk)
+            if state.delay_wgrad:  # fills the gap while this chunk's gradient travels
+                _write_wgrad(grad_w13, grad_w2, first, last, wgrad)
+        grad_dispatch.finish()
+        state.saved = []
+        state.grad_combine = grad_combine
+        return grad_combined_RH.new_zeros(0), grad_w13, grad_w2, None
+
+
+def _write_wgrad(grad_w13: torch.Tensor, grad_w2: torch.Tensor, first: int, last: int, wgrad: tuple) -> None:
+    g13, g2 = experts_wgrad(*wgrad)
+    grad_w13[first:last].copy_(g13)
+    grad_w2[first:last].copy_(g2)

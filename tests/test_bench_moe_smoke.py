@@ -1,0 +1,33 @@
+"""The MoE layer benchmark runs end to end on CPU with gloo (the `tiny` shape), and writes the JSON the
+GPU runs commit: every field the issue names, with limit = max(comm, gemm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_moe_layer_benchmark_smoke(tmp_path):
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "benchmarks" / "moe_layer.py"), "--shapes", "tiny", "--rounds", "2", "--warmup", "1",
+           "--chunks", "1,2", "--skew", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"device", "world_size", "date", "command", "env", "rows"} <= set(result)
+    assert result["world_size"] == 2 and "TORCH_SYMM_MEM_DISABLE_MULTICAST" in result["env"]
+    assert [row["shape"] for row in result["rows"]] == ["tiny", "tiny_skew"]
+    for row in result["rows"]:
+        for suffix in ("fwd", "fwdbwd"):
+            for kind in ("serial", "overlapped", "comm", "gemm", "limit", "baseline"):
+                assert row[f"{kind}_{suffix}_ms"] > 0, (kind, suffix)
+            assert row[f"limit_{suffix}_ms"] == max(row[f"comm_{suffix}_ms"], row[f"gemm_{suffix}_ms"])
+        assert row["backend"] == "gloo" and row["chunks"] in (1, 2)
+        assert row["tokens_per_rank_max"] >= row["tokens_per_rank_mean"] > 0
