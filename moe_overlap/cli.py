@@ -1,4 +1,4 @@
-"""`moe-overlap train | info`: the command line.
+"""`moe-overlap train | info | bench`: the command line.
 
 Config errors are printed as one line naming the field, without a traceback; so are failed collectives
 (a peer rank died, or did not answer within train.distributed_timeout_s).
@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from moe_overlap.config import Config, ConfigError, load_config
 
@@ -26,10 +27,39 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("config")
     info.add_argument("overrides", nargs="*")
     info.add_argument("--world-size", type=int, default=None, help="layout to print (default: the smallest valid)")
+    sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ...")
     return parser
 
 
+BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_throughput.py"}
+
+
+def _bench(argv: list[str]) -> int:
+    """`moe-overlap bench NAME [--nproc N] [benchmark options]`: the benchmark script under torchrun."""
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"moe-overlap: bench: name one of {', '.join(BENCHMARKS)} (got {argv[0] if argv else 'nothing'})",
+              file=sys.stderr)
+        return 2
+    name, rest, nproc = argv[0], list(argv[1:]), 2
+    if "--nproc" in rest:
+        at = rest.index("--nproc")
+        nproc = int(rest[at + 1])
+        del rest[at:at + 2]
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / BENCHMARKS[name]
+    if not script.is_file():
+        print(f"moe-overlap: bench: {script} is missing: the benchmarks ship with the source checkout "
+              "(git clone, then pip install -e .)", file=sys.stderr)
+        return 2
+    from torch.distributed.run import main as torchrun
+
+    torchrun(["--standalone", f"--nproc-per-node={nproc}", str(script), *rest])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     parser = _parser()
     # Overrides may come after options (`train CFG --nproc 2 train.max_steps=5`), which argparse does not
     # gather into one positional list by itself.

@@ -33,12 +33,9 @@ def _not_implemented(field_name: str, value: Any, default: Any, waits_for: str) 
 
 
 # Which later capability each not-yet-built field waits for; the message tells the user.
-_WAITS_FOR_EP_OVERLAP = "waits for the overlapped EP dispatch/combine"
-_WAITS_FOR_TP = "waits for tensor parallelism"
-_WAITS_FOR_DIST_OPT = "waits for the distributed optimizer"
+_WAITS_FOR_ETP = "waits for expert tensor parallelism in the dispatcher"
 _WAITS_FOR_PP = "waits for pipeline parallelism"
 _WAITS_FOR_CP = "waits for context parallelism"
-_WAITS_FOR_ROUTER = "waits for the full router"
 
 
 @dataclass
@@ -112,6 +109,9 @@ class OverlapConfig:
     overlap_grad_sync: bool = False
     overlap_param_sync: bool = False
     grad_sync_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Distributed optimizer buckets (Megatron's ddp_bucket_size, in MB of grad_sync_dtype payload);
+    # None: one Transformer layer per bucket (dense and expert parameters in separate buckets).
+    bucket_size_mb: Optional[float] = None
     tp_comm_overlap: bool = False
     tp_comm_overlap_ag: bool = False
     tp_comm_overlap_rs: bool = False
@@ -143,6 +143,10 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
+    on_nonfinite_grad: Literal["skip", "stop"] = "skip"  # a NaN/inf gradient norm skips the step, or stops
+    # Shard fp32 master weights and Adam states over data-parallel ranks (Megatron's name); false: the
+    # plain all-reduce optimizer, the serial reference.
+    use_distributed_optimizer: bool = False
     seed: int = 1234
     precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -370,6 +374,8 @@ def validate(cfg: Config) -> None:
              f"must be divisible by parallel.tensor_model_parallel_size={tp}")
     _require(m.ffn_hidden_size % tp == 0, "model.ffn_hidden_size", m.ffn_hidden_size,
              f"must be divisible by parallel.tensor_model_parallel_size={tp}")
+    _require(m.vocab_size % tp == 0, "model.vocab_size", m.vocab_size,
+             f"must be divisible by parallel.tensor_model_parallel_size={tp} (each TP rank holds a vocabulary block)")
     _require(m.expert_ffn_hidden_size % cfg.expert_tensor_parallel_size == 0, "model.moe_ffn_hidden_size",
              m.expert_ffn_hidden_size,
              f"must be divisible by parallel.expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}")
@@ -385,19 +391,26 @@ def validate(cfg: Config) -> None:
     _require(m.seq_length % (2 * p.context_parallel_size) == 0 or p.context_parallel_size == 1, "model.seq_length",
              m.seq_length, f"must be divisible by 2 x parallel.context_parallel_size={2 * p.context_parallel_size}")
     # Not built yet: accepted only at their defaults.
-    for name, waits in (("tensor_model_parallel_size", _WAITS_FOR_TP), ("pipeline_model_parallel_size", _WAITS_FOR_PP),
-                        ("context_parallel_size", _WAITS_FOR_CP)):
+    for name, waits in (("pipeline_model_parallel_size", _WAITS_FOR_PP), ("context_parallel_size", _WAITS_FOR_CP)):
         if getattr(p, name) != 1:
             raise _not_implemented(f"parallel.{name}", getattr(p, name), 1, waits)
     if p.virtual_pipeline_model_parallel_size is not None:
         raise _not_implemented("parallel.virtual_pipeline_model_parallel_size",
                                p.virtual_pipeline_model_parallel_size, None, _WAITS_FOR_PP)
     if p.expert_tensor_parallel_size not in (None, 1):
-        raise _not_implemented("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, 1, _WAITS_FOR_TP)
-    if p.sequence_parallel:
-        raise _not_implemented("parallel.sequence_parallel", True, False, _WAITS_FOR_TP)
+        raise _not_implemented("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, 1, _WAITS_FOR_ETP)
+    if tp > 1 and m.num_moe_experts is not None:
+        _require(p.expert_tensor_parallel_size == 1, "parallel.expert_tensor_parallel_size",
+                 p.expert_tensor_parallel_size,
+                 f"defaults to parallel.tensor_model_parallel_size={tp}, and expert tensor parallelism > 1 is not "
+                 f"implemented yet ({_WAITS_FOR_ETP}): set it to 1 for a MoE model with TP > 1")
+        _require(p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
+                 "must be true for a MoE model with tensor_model_parallel_size > 1 (as Megatron-Core: each TP rank "
+                 "routes its own sequence block)")
 
-    _validate_overlap(o, p)
+    _validate_overlap(o, p, m)
+    _validate_moe_overlap(m, o, p)
+    _validate_distributed_optimizer(o, t)
 
     for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_iters", "log_interval"):
         _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
@@ -459,46 +472,113 @@ def _validate_moe(m: ModelConfig) -> None:
     if m.moe_expert_capacity_factor is not None:
         _require(m.moe_expert_capacity_factor > 0, "model.moe_expert_capacity_factor", m.moe_expert_capacity_factor,
                  "must be > 0 (or null: dropless)")
-    defaults = ModelConfig()
-    for name, waits in (
-        ("moe_router_score_function", _WAITS_FOR_ROUTER),
-        ("moe_router_num_groups", _WAITS_FOR_ROUTER),
-        ("moe_router_group_topk", _WAITS_FOR_ROUTER),
-        ("moe_router_enable_expert_bias", _WAITS_FOR_ROUTER),
-        ("moe_router_bias_update_rate", _WAITS_FOR_ROUTER),
-        ("moe_expert_capacity_factor", _WAITS_FOR_ROUTER),
-        ("moe_token_drop_policy", _WAITS_FOR_ROUTER),
-        ("moe_pad_expert_input_to_capacity", _WAITS_FOR_ROUTER),
-        ("moe_shared_expert_intermediate_size", _WAITS_FOR_EP_OVERLAP),
-        ("moe_shared_expert_overlap", _WAITS_FOR_EP_OVERLAP),
-    ):
-        if getattr(m, name) != getattr(defaults, name):
-            raise _not_implemented(f"model.{name}", getattr(m, name), getattr(defaults, name), waits)
-    if m.moe_router_load_balancing_type in ("seq_aux_loss", "global_aux_loss"):
-        raise ConfigError("model.moe_router_load_balancing_type", m.moe_router_load_balancing_type,
-                          f"not implemented yet ({_WAITS_FOR_ROUTER}); 'aux_loss' and 'none' are supported")
+    _validate_router_groups(m)
+    if m.moe_router_enable_expert_bias:
+        _require(m.moe_router_score_function == "sigmoid", "model.moe_router_enable_expert_bias", True,
+                 "needs model.moe_router_score_function='sigmoid' (as Megatron-Core)")
+    _require(m.moe_router_bias_update_rate > 0, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
+             "must be > 0")
+    if m.moe_pad_expert_input_to_capacity:
+        _require(m.moe_expert_capacity_factor is not None, "model.moe_pad_expert_input_to_capacity", True,
+                 "needs model.moe_expert_capacity_factor (padding fills each expert's capacity)")
+    if m.moe_shared_expert_intermediate_size is not None:
+        _require(m.moe_shared_expert_intermediate_size >= 8 and m.moe_shared_expert_intermediate_size % 8 == 0,
+                 "model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size,
+                 "must be a positive multiple of 8 (or null: no shared expert)")
+    if m.moe_shared_expert_overlap:
+        _require(m.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_overlap", True,
+                 "needs model.moe_shared_expert_intermediate_size (there is no shared expert to overlap)")
 
 
-def _validate_overlap(o: OverlapConfig, p: ParallelConfig) -> None:
+def _validate_router_groups(m: ModelConfig) -> None:
+    """Group-limited top-k: groups split the experts evenly and leave at least top-k experts to choose from."""
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups is None and group_topk is None:
+        return
+    _require(groups is not None, "model.moe_router_num_groups", groups,
+             f"must be set with model.moe_router_group_topk={group_topk}")
+    _require(group_topk is not None, "model.moe_router_group_topk", group_topk,
+             f"must be set with model.moe_router_num_groups={groups}")
+    _require(groups >= 1 and m.num_moe_experts % groups == 0, "model.moe_router_num_groups", groups,
+             f"must be >= 1 and divide model.num_moe_experts={m.num_moe_experts}")
+    _require(1 <= group_topk <= groups, "model.moe_router_group_topk", group_topk,
+             f"must be in [1, model.moe_router_num_groups={groups}]")
+    # Megatron scores a group by the sum of its top (topk // group_topk) scores: that must be at least one.
+    _require(group_topk <= m.moe_router_topk, "model.moe_router_group_topk", group_topk,
+             f"must be <= model.moe_router_topk={m.moe_router_topk} (a group scores its top topk // group_topk)")
+    eligible = group_topk * (m.num_moe_experts // groups)
+    _require(m.moe_router_topk <= eligible, "model.moe_router_topk", m.moe_router_topk,
+             f"must be <= the experts of the chosen groups, moe_router_group_topk x num_moe_experts / "
+             f"moe_router_num_groups = {eligible}")
+
+
+def _validate_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
     _require(o.tp_comm_num_splits >= 1, "overlap.tp_comm_num_splits", o.tp_comm_num_splits, "must be >= 1")
     _require(o.moe_a2a_chunks >= 1, "overlap.moe_a2a_chunks", o.moe_a2a_chunks, "must be >= 1")
-    tp_switches = ("tp_comm_overlap", "tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad",
-                   "tp_comm_bulk_dgrad", "tp_comm_bulk_wgrad")
-    for name in tp_switches:
-        if getattr(o, name) and not p.sequence_parallel:
-            raise ConfigError(f"overlap.{name}", True, "TP communication overlap needs parallel.sequence_parallel=true")
+    _validate_tp_overlap(o, p, m)
     defaults = OverlapConfig()
-    waits = {name: _WAITS_FOR_TP for name in tp_switches + ("tp_comm_num_splits",)}
-    waits.update(overlap_grad_sync=_WAITS_FOR_DIST_OPT, overlap_param_sync=_WAITS_FOR_DIST_OPT,
-                 overlap_p2p_comm=_WAITS_FOR_PP, batch_p2p_comm=_WAITS_FOR_PP,
-                 overlap_moe_expert_parallel_comm=_WAITS_FOR_PP, delay_wgrad_compute=_WAITS_FOR_EP_OVERLAP,
-                 moe_overlap_dispatch=_WAITS_FOR_EP_OVERLAP, moe_a2a_chunks=_WAITS_FOR_EP_OVERLAP)
+    waits = dict(overlap_p2p_comm=_WAITS_FOR_PP, batch_p2p_comm=_WAITS_FOR_PP,
+                 overlap_moe_expert_parallel_comm=_WAITS_FOR_PP)
     for name, why in waits.items():
         if getattr(o, name) != getattr(defaults, name):
             raise _not_implemented(f"overlap.{name}", getattr(o, name), getattr(defaults, name), why)
-    if o.moe_a2a_backend == "symm":
-        raise ConfigError("overlap.moe_a2a_backend", "symm",
-                          f"not implemented yet ({_WAITS_FOR_EP_OVERLAP}); 'auto', 'nccl' and 'gloo' are supported")
+
+
+def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
+    """One switch per overlap, each under the master switch tp_comm_overlap, all only with sequence parallelism."""
+    sub_switches = ("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad", "tp_comm_bulk_dgrad",
+                    "tp_comm_bulk_wgrad")
+    for name in ("tp_comm_overlap",) + sub_switches:
+        if getattr(o, name) and not p.sequence_parallel:
+            raise ConfigError(f"overlap.{name}", True, "TP communication overlap needs parallel.sequence_parallel=true")
+    for name in sub_switches:
+        _require(not getattr(o, name) or o.tp_comm_overlap, f"overlap.{name}", True,
+                 "needs the master switch overlap.tp_comm_overlap=true")
+    if o.tp_comm_overlap:
+        _require(any(getattr(o, name) for name in sub_switches), "overlap.tp_comm_overlap", True,
+                 "turns nothing on by itself: set one or more of " + ", ".join(f"overlap.{n}" for n in sub_switches))
+    _require(not (o.tp_comm_bulk_wgrad and o.tp_comm_overlap_rs_dgrad), "overlap.tp_comm_bulk_wgrad", True,
+             "has nothing to hide with overlap.tp_comm_overlap_rs_dgrad=true (that ring already carries the dgrad's "
+             "reduce-scatter); set one of them")
+    pipelined = o.tp_comm_overlap_ag or o.tp_comm_overlap_rs or o.tp_comm_overlap_rs_dgrad
+    if not pipelined:
+        _require(o.tp_comm_num_splits == OverlapConfig().tp_comm_num_splits, "overlap.tp_comm_num_splits",
+                 o.tp_comm_num_splits, "has no effect without a pipelined overlap (overlap.tp_comm_overlap_ag, "
+                 "overlap.tp_comm_overlap_rs or overlap.tp_comm_overlap_rs_dgrad)")
+        return
+    block = m.seq_length // p.tensor_model_parallel_size
+    _require(block % o.tp_comm_num_splits == 0, "overlap.tp_comm_num_splits", o.tp_comm_num_splits,
+             f"must divide the per-rank sequence block, model.seq_length / parallel.tensor_model_parallel_size "
+             f"= {block}")
+
+
+def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -> None:
+    """The chunked EP pipeline's switches: each needs the pipeline, and chunks are runs of local experts."""
+    for name in ("moe_a2a_chunks", "delay_wgrad_compute", "moe_a2a_backend"):
+        if getattr(o, name) != getattr(OverlapConfig(), name):
+            _require(o.moe_overlap_dispatch, f"overlap.{name}", getattr(o, name),
+                     "needs overlap.moe_overlap_dispatch=true (the serial dispatch has no chunks, no deferred "
+                     "wgrad and uses the process group's own all-to-all)")
+    if m.moe_shared_expert_overlap:
+        _require(o.moe_overlap_dispatch, "model.moe_shared_expert_overlap", True,
+                 "needs overlap.moe_overlap_dispatch=true (the shared expert fills the dispatch gap)")
+    if m.num_moe_experts is not None:
+        local = m.num_moe_experts // p.expert_model_parallel_size
+        _require(o.moe_a2a_chunks <= local, "overlap.moe_a2a_chunks", o.moe_a2a_chunks,
+                 f"must be <= the local experts, model.num_moe_experts / parallel.expert_model_parallel_size "
+                 f"= {local} (a chunk is a run of local experts)")
+
+
+def _validate_distributed_optimizer(o: OverlapConfig, t: TrainConfig) -> None:
+    if o.bucket_size_mb is not None:
+        _require(o.bucket_size_mb > 0, "overlap.bucket_size_mb", o.bucket_size_mb,
+                 "must be > 0 (or null: one Transformer layer per bucket)")
+    if t.use_distributed_optimizer:
+        return
+    needs = "needs train.use_distributed_optimizer=true (the plain all-reduce optimizer has no buckets)"
+    for name in ("overlap_grad_sync", "overlap_param_sync"):
+        _require(not getattr(o, name), f"overlap.{name}", getattr(o, name), needs)
+    _require(o.bucket_size_mb is None, "overlap.bucket_size_mb", o.bucket_size_mb, needs)
 
 
 def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
@@ -516,6 +596,6 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size", t.global_batch_size,
              f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
     backend = cfg.overlap.moe_a2a_backend
-    wanted = {"cpu": "gloo", "cuda": "nccl"}[device_type]
-    _require(backend in ("auto", wanted), "overlap.moe_a2a_backend", backend,
-             f"'{backend}' cannot run on device {device_type!r}; use 'auto' or '{wanted}'")
+    wanted = {"cpu": ("auto", "gloo"), "cuda": ("auto", "nccl", "symm")}[device_type]
+    _require(backend in wanted, "overlap.moe_a2a_backend", backend,
+             f"'{backend}' cannot run on device {device_type!r}; use one of {', '.join(wanted)}")

@@ -1,7 +1,8 @@
 """The master test over NCCL in bf16 on 2 GPUs (`pytest -m gpu`): DESIGN.md's bf16 tolerance rule.
 
-The EP=2 bf16 run's error against an fp32 single-process run must be at most 2x the single-process bf16
-run's own error against it, per tensor (normwise), for the losses and every gradient of the first step.
+The EP=2 bf16 runs' error (plain all-reduce optimizer; distributed optimizer with both overlaps) against an
+fp32 single-process run must be at most 2x the single-process bf16 run's own error against it, per tensor
+(normwise), for the losses and every gradient of the first step.
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
 
@@ -31,8 +32,13 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     global_batch = 8
     layout_cfg = small_config(output_dir, 2, global_batch, **{"train.precision": "bf16", "train.device": "cuda"})
     mesh, device = init_distributed(layout_cfg)
+    dist_cfg = small_config(output_dir, 2, global_batch, **{
+        "train.precision": "bf16", "train.device": "cuda", "train.use_distributed_optimizer": "true",
+        "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true"})
+    layouts = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap")
     runs = {
-        "layout_bf16": Trainer(layout_cfg, mesh, device),
+        layouts[0]: Trainer(layout_cfg, mesh, device),
+        layouts[1]: Trainer(dist_cfg, mesh, device),
         "single_bf16": Trainer(small_config(output_dir, 1, global_batch, **{"train.precision": "bf16"}),
                                Mesh.single(), device),
         "single_fp32": Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), device),
@@ -47,16 +53,17 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
                 grads[name] = captured
     ref = grads["single_fp32"]
     report = {"rank": dist.get_rank(), "losses": losses, "violations": [], "tensors": 0}
-    for key, grad in grads["layout_bf16"].items():
-        layout_err, single_err = rel_err(grad, ref[key]), rel_err(grads["single_bf16"][key], ref[key])
-        report["tensors"] += 1
-        if layout_err > 2 * single_err:
-            report["violations"].append((key, layout_err, single_err))
-    for step in range(steps):
-        layout_err = abs(losses["layout_bf16"][step] - losses["single_fp32"][step])
-        single_err = abs(losses["single_bf16"][step] - losses["single_fp32"][step])
-        if layout_err > 2 * single_err:
-            report["violations"].append((f"loss step {step + 1}", layout_err, single_err))
+    for layout in layouts:
+        for key, grad in grads[layout].items():
+            layout_err, single_err = rel_err(grad, ref[key]), rel_err(grads["single_bf16"][key], ref[key])
+            report["tensors"] += 1
+            if layout_err > 2 * single_err:
+                report["violations"].append((layout, key, layout_err, single_err))
+        for step in range(steps):
+            layout_err = abs(losses[layout][step] - losses["single_fp32"][step])
+            single_err = abs(losses["single_bf16"][step] - losses["single_fp32"][step])
+            if layout_err > 2 * single_err:
+                report["violations"].append((layout, f"loss step {step + 1}", layout_err, single_err))
     mesh.destroy()
     dist.destroy_process_group()
     return report

@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.training.optimizer import MixedPrecisionAdamW
-from moe_overlap.training.trainer import Trainer, mesh_layout
+from moe_overlap.training.trainer import Optimizer, Trainer, mesh_layout
 
 TOL = 1e-5
 CPU = torch.device("cpu")
@@ -36,8 +35,8 @@ def small_config(output_dir: str, ep: int, global_batch_size: int, **extra: str)
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
-def logical_grads(optimizer: MixedPrecisionAdamW) -> dict[str, torch.Tensor]:
-    return {key: view.clone() for e in optimizer.entries for key, view in e.logical_slices(e.main_grad).items()}
+def logical_grads(optimizer: Optimizer) -> dict[str, torch.Tensor]:
+    return optimizer.logical_grads()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,16 +49,21 @@ def world_and_mesh(cfg) -> tuple[int, Mesh]:
     return world, mesh
 
 
-def equivalence_case(ep: int, steps: int, output_dir: str, recompute: str = "none") -> dict:
-    """Layout run vs the single-process run of the same global batch, step by step."""
+def equivalence_case(ep: int, steps: int, output_dir: str, recompute: str = "none",
+                     router: dict | None = None, layout: dict | None = None) -> dict:
+    """Layout run vs the single-process run of the same global batch, step by step; ``router``: overrides
+    of the router variant both runs use; ``layout``: overrides only the layout run uses (TP, overlap)."""
     world = dist.get_world_size()
-    dp = world  # tp = cp = pp = 1
+    layout = layout or {}
+    dp = world // int(layout.get("parallel.tensor_model_parallel_size", 1))  # cp = pp = 1
     global_batch = 2 * 2 * dp  # micro-batch 2, two micro-batches per data-parallel rank
-    cfg = small_config(output_dir, ep, global_batch, **{"train.recompute_granularity": recompute})
+    router = router or {}
+    cfg = small_config(output_dir, ep, global_batch, **{"train.recompute_granularity": recompute}, **router,
+                       **layout)
     _, mesh = world_and_mesh(cfg)
     try:
         layout_run = Trainer(cfg, mesh, CPU)
-        reference = Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), CPU)
+        reference = Trainer(small_config(output_dir, 1, global_batch, **router), Mesh.single(), CPU)
         worst = {"loss": 0.0, "grad": 0.0, "grad_norm": 0.0}
         for _ in range(steps):
             got, want = {}, {}
@@ -73,6 +77,9 @@ def equivalence_case(ep: int, steps: int, output_dir: str, recompute: str = "non
                 assert err < TOL, f"step {m['step']} {key}: {err:.2e}"
                 worst["grad"] = max(worst["grad"], err)
             assert m["tokens_per_expert"] == r["tokens_per_expert"]
+            want_buffers = reference.model_buffers()
+            for key, buffer in layout_run.model_buffers().items():  # expert bias, previous step's load
+                assert torch.equal(buffer, want_buffers[key]), f"step {m['step']} {key}"
         assert max(worst.values()) < TOL, worst
         assert r["aux_loss"] > 0  # the auxiliary losses were on, so they were compared
         return worst
@@ -83,6 +90,52 @@ def equivalence_case(ep: int, steps: int, output_dir: str, recompute: str = "non
 @pytest.mark.parametrize("world,ep", [(2, 2), (2, 1), (4, 2), (4, 4)], ids=["ep2", "dp2", "ep2xdp2", "ep4"])
 def test_layouts_match_single_process(rank_pool, tmp_path, world, ep):
     worst = rank_pool(world).run(equivalence_case, ep, 3, str(tmp_path))
+    assert all(max(w.values()) < TOL for w in worst)
+
+
+# Tensor parallelism, with sequence parallelism (MoE needs it) and expert-TP 1: experts fold over the TP ranks.
+def tp_layout(tp: int, *overlaps: str, **extra) -> dict:
+    layout = {"parallel.tensor_model_parallel_size": tp, "parallel.sequence_parallel": "true",
+              "parallel.expert_tensor_parallel_size": 1, **extra}
+    if overlaps:
+        layout.update({"overlap.tp_comm_overlap": "true", **{f"overlap.{name}": "true" for name in overlaps}})
+    return layout
+
+
+ALL_TP_OVERLAPS = ("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_bulk_dgrad", "tp_comm_bulk_wgrad")
+
+
+@pytest.mark.parametrize("world,ep,layout", [
+    (2, 1, tp_layout(2)),
+    (2, 2, tp_layout(2)),  # TP=2 with EP=2 on the same 2 ranks
+    (4, 2, tp_layout(2, *ALL_TP_OVERLAPS, **{"overlap.tp_comm_num_splits": 2})),  # x DP=2, every overlap on
+    (4, 2, tp_layout(4, "tp_comm_overlap_rs_dgrad", "tp_comm_bulk_dgrad")),
+], ids=["tp2", "tp2_ep2_folded", "tp2xep2xdp2_overlap", "tp4_ep2"])
+def test_tensor_parallel_layouts_match_single_process(rank_pool, tmp_path, world, ep, layout):
+    # Both runs: 4 query groups (TP=4 needs them), and an Adam eps above round-off. TP sums GEMM partials in
+    # another order (~3e-7 here); Adam's early steps scale each element by its own magnitude, so the elements
+    # whose gradient is round-off sized move by O(lr) either way, and step 2 would compare that noise (1e-5).
+    both = {"model.num_query_groups": 4, "train.adam_eps": 1e-4}
+    worst = rank_pool(world).run(equivalence_case, ep, 2, str(tmp_path), router=both, layout=layout)
+    assert all(max(w.values()) < TOL for w in worst)
+
+
+# Router variants (tests/test_router.py checks each against a reference); the bias and the previous step's load
+# move after every step, so three steps also check that every layout updates them alike.
+ROUTER_VARIANTS = {
+    "sigmoid_groups_bias": {"model.moe_router_score_function": "sigmoid", "model.moe_router_num_groups": 4,
+                            "model.moe_router_group_topk": 2, "model.moe_router_enable_expert_bias": "true",
+                            "model.moe_router_bias_update_rate": 0.01},
+    "seq_aux_loss": {"model.moe_router_load_balancing_type": "seq_aux_loss"},
+    "global_aux_loss": {"model.moe_router_load_balancing_type": "global_aux_loss"},
+    "pre_softmax": {"model.moe_router_pre_softmax": "true"},
+    "capacity": {"model.moe_expert_capacity_factor": 1.0},  # per micro-batch: the same drops on every layout
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ROUTER_VARIANTS))
+def test_router_variants_match_single_process(rank_pool, tmp_path, variant):
+    worst = rank_pool(2).run(equivalence_case, 2, 3, str(tmp_path), router=ROUTER_VARIANTS[variant])
     assert all(max(w.values()) < TOL for w in worst)
 
 

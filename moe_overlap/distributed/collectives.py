@@ -25,22 +25,58 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = d
     return tensor
 
 
-def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Gather equal shards along dim 0 into ``output``; torch 2.13 renamed all_gather_into_tensor."""
+class _Completed:
+    """The handle of a collective that finished when it was called: a one-rank group."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_COMPLETED = _Completed()
+
+
+def _copy_unless_same(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    """A one-rank collective: a copy, skipped when ``tensor`` already is ``output`` (an in-place call)."""
+    if (output.data_ptr(), output.shape) != (tensor.data_ptr(), tensor.shape):
+        output.copy_(tensor)
+
+
+def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup):
+    """Start gathering equal dim-0 shards into ``output``; returns a handle to ``wait()`` on before reading.
+
+    ``tensor`` may be this rank's own shard of ``output`` (in place: NCCL and gloo both allow it).
+    torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch 2.11 lacks the new name.
+    """
     if group is None:
-        return output.copy_(tensor)
+        _copy_unless_same(output, tensor)
+        return _COMPLETED
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    return gather(output, tensor, group=group, async_op=True)
+
+
+def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup,
+                         op: dist.ReduceOp = dist.ReduceOp.SUM):
+    """Start summing ``tensor`` over the group into this rank's dim-0 shard ``output``; returns a handle.
+
+    ``output`` may be this rank's own shard of ``tensor`` (in place). Renamed in torch 2.13 too.
+    """
+    if group is None:
+        _copy_unless_same(output, tensor)
+        return _COMPLETED
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, tensor, op=op, group=group, async_op=True)
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Gather equal shards along dim 0 into ``output`` (blocking)."""
+    start_all_gather(output, tensor, group).wait()
     return output
 
 
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup,
                         op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """Sum ``tensor`` over the group and keep this rank's dim-0 shard; renamed in torch 2.13 too."""
-    if group is None:
-        return output.copy_(tensor)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, op=op, group=group)
+    """Sum ``tensor`` over the group and keep this rank's dim-0 shard in ``output`` (blocking)."""
+    start_reduce_scatter(output, tensor, group, op).wait()
     return output
 
 

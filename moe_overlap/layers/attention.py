@@ -1,4 +1,9 @@
-"""Grouped-query self-attention with rotary position embeddings, through scaled_dot_product_attention."""
+"""Grouped-query self-attention with rotary position embeddings, through scaled_dot_product_attention.
+
+Tensor parallel: each rank holds num_heads/TP query heads and num_query_groups/TP key-value groups
+(column-parallel QKV, row-parallel output projection). Under sequence parallelism the input is this rank's
+sequence block and the QKV projection gathers the whole sequence (rank-major rows, see tp_linear).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from moe_overlap.distributed.ring import TPComm
 from moe_overlap.layers.init import SCALED_NORMAL
-from moe_overlap.layers.linear import Linear
+from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
 
 def rotary_tables(seq_length: int, head_dim: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,23 +38,28 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_query_groups: int, rotary_base: float,
-                 device=None, dtype=None):
+                 comm: TPComm, device=None, dtype=None):
         super().__init__()
-        self.num_heads, self.num_groups = num_heads, num_query_groups
+        self.comm = comm
+        self.num_heads, self.num_groups = num_heads // comm.size, num_query_groups // comm.size  # this rank's
         self.head_dim = hidden_size // num_heads
         self.rotary_base = rotary_base
         qkv_rows = (num_heads + 2 * num_query_groups) * self.head_dim
-        self.linear_qkv = Linear(hidden_size, qkv_rows, device=device, dtype=dtype)
-        self.linear_proj = Linear(num_heads * self.head_dim, hidden_size, SCALED_NORMAL, device, dtype)
+        self.linear_qkv = ColumnParallelLinear(hidden_size, qkv_rows, comm, device=device, dtype=dtype)
+        self.linear_proj = RowParallelLinear(num_heads * self.head_dim, hidden_size, comm, SCALED_NORMAL, device,
+                                             dtype)
 
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        seq_length = x_BSH.shape[1]
+    def forward(self, x_BRH: torch.Tensor) -> torch.Tensor:
+        batch, t = x_BRH.shape[0], self.comm.sequence_shards
         heads_per_group = self.num_heads // self.num_groups
-        qkv = rearrange(self.linear_qkv(x_BSH), "b s (g r d) -> b g r s d", g=self.num_groups, d=self.head_dim)
+        qkv_SF = self.linear_qkv(x_BRH.reshape(-1, x_BRH.shape[-1]))
+        qkv = rearrange(qkv_SF, "(t b s) (g r d) -> b g r (t s) d", t=t, b=batch, g=self.num_groups,
+                        d=self.head_dim)
         q_BNSD = rearrange(qkv[:, :, :heads_per_group], "b g r s d -> b (g r) s d")
         k_BGSD, v_BGSD = qkv[:, :, heads_per_group], qkv[:, :, heads_per_group + 1]
-        cos, sin = rotary_tables(seq_length, self.head_dim, self.rotary_base, x_BSH.device)
+        cos, sin = rotary_tables(q_BNSD.shape[2], self.head_dim, self.rotary_base, x_BRH.device)
         q_BNSD, k_BGSD = apply_rotary(q_BNSD, cos, sin), apply_rotary(k_BGSD, cos, sin)
         out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True,
                                                   enable_gqa=heads_per_group > 1)
-        return self.linear_proj(rearrange(out_BNSD, "b n s d -> b s (n d)"))
+        out_RH = self.linear_proj(rearrange(out_BNSD, "b n (t s) d -> (t b s) (n d)", t=t))
+        return out_RH.view_as(x_BRH)

@@ -1,24 +1,77 @@
-"""Token embedding and the output layer's fp32 cross-entropy."""
+"""Vocab-parallel token embedding and the output layer's fp32 vocab-parallel cross-entropy.
+
+Each TP rank holds a contiguous block of the vocabulary (rows of the embedding / output weight). No rank
+ever holds full-vocabulary logits: the loss needs only three per-token numbers reduced over the TP group
+(max logit, sum of exponentials, the label's logit), as Megatron's vocab-parallel cross-entropy.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_overlap.layers.init import NORMAL, make_param
+from moe_overlap.distributed.collectives import all_reduce_
+from moe_overlap.distributed.ring import TPComm
+from moe_overlap.layers.init import NORMAL, TPShard, make_param
+from moe_overlap.layers.tp_linear import ColumnParallelLinearFn, ScatterToRegion, region_rows
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, device=None, dtype=None):
+    """Rows [rank*V/TP, (rank+1)*V/TP) of the (V, H) table; returns this rank's (batch, seq block, H)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, comm: TPComm, device=None, dtype=None):
         super().__init__()
-        self.weight = make_param((vocab_size, hidden_size), NORMAL, device, dtype)
+        self.comm = comm
+        self.vocab_start = comm.rank * (vocab_size // comm.size)
+        shard = TPShard(dim=0, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks))
+        self.weight = make_param((vocab_size // comm.size, hidden_size), NORMAL, device, dtype, tp=shard)
 
     def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids_BS, self.weight)
+        ids_S = region_rows(input_ids_BS, self.comm)
+        if self.comm.size == 1:
+            return F.embedding(ids_S, self.weight).view(*input_ids_BS.shape, -1)
+        local_S = ids_S - self.vocab_start
+        outside_S = (local_S < 0) | (local_S >= self.weight.shape[0])
+        partial_SH = F.embedding(local_S.masked_fill(outside_S, 0), self.weight).masked_fill(outside_S[:, None], 0)
+        x_RH = ScatterToRegion.apply(partial_SH, self.comm)
+        return x_RH.view(input_ids_BS.shape[0], -1, x_RH.shape[-1])
 
 
-def lm_cross_entropy(hidden_BSH: torch.Tensor, output_weight_VH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over the micro-batch, with the logits upcast to fp32."""
-    logits = F.linear(hidden_BSH, output_weight_VH).float()
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels_BS.reshape(-1))
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss from this rank's vocabulary block of fp32 logits; the same on every TP rank."""
+
+    @staticmethod
+    def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor, vocab_start: int, comm: TPComm) -> torch.Tensor:
+        group = comm.group.group
+        max_T = logits_TV.max(dim=-1).values
+        all_reduce_(max_T, group, dist.ReduceOp.MAX)
+        exp_TV = (logits_TV - max_T[:, None]).exp_()
+        local_T = labels_T - vocab_start
+        inside_T = (local_T >= 0) & (local_T < logits_TV.shape[1])
+        local_T = local_T.masked_fill(~inside_T, 0)
+        label_logit_T = logits_TV.gather(1, local_T[:, None]).squeeze(1).masked_fill(~inside_T, 0.0)
+        sums_2T = all_reduce_(torch.stack((exp_TV.sum(-1), label_logit_T)), group)
+        sum_exp_T, label_logit_T = sums_2T[0], sums_2T[1]
+        exp_TV.div_(sum_exp_T[:, None])  # this block of the softmax, kept for backward
+        ctx.save_for_backward(exp_TV, local_T, inside_T)
+        return sum_exp_T.log() + max_T - label_logit_T
+
+    @staticmethod
+    def backward(ctx, grad_loss_T: torch.Tensor):
+        softmax_TV, local_T, inside_T = ctx.saved_tensors
+        grad_TV = softmax_TV.clone()
+        rows_T = torch.arange(grad_TV.shape[0], device=grad_TV.device)
+        grad_TV[rows_T, local_T] -= inside_T.to(grad_TV.dtype)
+        return grad_TV.mul_(grad_loss_T[:, None]), None, None, None
+
+
+def lm_cross_entropy(hidden_BRH: torch.Tensor, output_weight_VH: torch.Tensor, labels_BS: torch.Tensor,
+                     comm: TPComm) -> torch.Tensor:
+    """Mean next-token loss over the micro-batch; the output layer is column-parallel over the vocabulary
+    and its logits are upcast to fp32."""
+    logits_SV = ColumnParallelLinearFn.apply(hidden_BRH.reshape(-1, hidden_BRH.shape[-1]), output_weight_VH, comm)
+    labels_S = region_rows(labels_BS, comm).reshape(-1)
+    vocab_start = comm.rank * output_weight_VH.shape[0]
+    return VocabParallelCrossEntropy.apply(logits_SV.float(), labels_S, vocab_start, comm).mean()

@@ -1,4 +1,8 @@
-"""Dense SwiGLU MLP; fc1 holds [gate; up] stacked on the output dimension, as Megatron's swiglu."""
+"""Dense SwiGLU MLP; fc1 holds [gate; up] stacked on the output dimension, as Megatron's swiglu.
+
+Tensor parallel: fc1 is column-parallel with each of gate and up split over the ranks (a rank holds
+[gate_r; up_r], so SwiGLU stays local), fc2 row-parallel.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_overlap.distributed.ring import TPComm
 from moe_overlap.layers.init import SCALED_NORMAL
-from moe_overlap.layers.linear import Linear
+from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -16,10 +21,15 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, device=None, dtype=None):
+    """Maps (..., H) to (..., H); under sequence parallelism the leading dims are this rank's rows."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, device=None, dtype=None, comm: TPComm | None = None):
         super().__init__()
-        self.linear_fc1 = Linear(hidden_size, 2 * ffn_hidden_size, device=device, dtype=dtype)
-        self.linear_fc2 = Linear(ffn_hidden_size, hidden_size, SCALED_NORMAL, device, dtype)
+        comm = comm or TPComm.single()
+        self.linear_fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, comm, stack=2, device=device,
+                                               dtype=dtype)
+        self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, comm, SCALED_NORMAL, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(swiglu(self.linear_fc1(x)))
+        out_RH = self.linear_fc2(swiglu(self.linear_fc1(x.reshape(-1, x.shape[-1]))))
+        return out_RH.view_as(x)

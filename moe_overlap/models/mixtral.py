@@ -1,4 +1,8 @@
-"""Mixtral-style decoder assembled from the config: dense or MoE MLP per layer, GQA attention, RMSNorm."""
+"""Mixtral-style decoder assembled from the config: dense or MoE MLP per layer, GQA attention, RMSNorm.
+
+Activations are (batch, seq, hidden); under sequence parallelism each TP rank holds (batch, seq / TP, hidden),
+its block of every sequence, between the tensor-parallel regions (attention, dense MLP, output layer).
+"""
 
 from __future__ import annotations
 
@@ -8,29 +12,36 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moe_overlap.config import ModelConfig
+from moe_overlap.config import ModelConfig, OverlapConfig
+from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.distributed.ring import TPComm, TPOverlap
 from moe_overlap.layers.attention import SelfAttention
 from moe_overlap.layers.embedding import Embedding, lm_cross_entropy
-from moe_overlap.layers.init import init_parameters
-from moe_overlap.layers.linear import Linear
+from moe_overlap.layers.init import init_parameters, is_expert_param, is_tp_split
 from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.norm import RMSNorm
+from moe_overlap.layers.router import Router
+from moe_overlap.layers.sp_router import SequenceParallelRouter
+from moe_overlap.layers.tp_linear import ColumnParallelLinear
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, overlap: OverlapConfig, layer_index: int, mesh: Mesh,
+                 transports: TransportSelector | None, comm: TPComm, device=None, dtype=None):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(layer_index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         self.self_attention = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups,
-                                            cfg.rotary_base, device, dtype)
+                                            cfg.rotary_base, comm, device, dtype)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         if self.is_moe:
-            self.mlp = MoELayer(cfg, mesh.ep, device, dtype)
+            router = (SequenceParallelRouter.from_config(cfg, device, dtype, comm=comm)
+                      if comm.sequence_shards > 1 else None)
+            self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router)
         else:
-            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype)
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype, comm)
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns the output and, for a MoE layer, its auxiliary loss and tokens per expert."""
@@ -51,14 +62,42 @@ class ModelOutput:
 
 
 class MixtralModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, device=None, dtype=None, recompute: bool = False):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, device=None, dtype=None, recompute: bool = False,
+                 overlap: OverlapConfig | None = None, timeout_s: float = 120.0, sequence_parallel: bool = False):
         super().__init__()
         self.cfg, self.recompute = cfg, recompute
-        self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i, mesh, device, dtype) for i in range(cfg.num_layers))
+        overlap = overlap or OverlapConfig()
+        self.tp_comm = TPComm(mesh.tp, sequence_parallel, tp_overlap(overlap))
+        transports = None
+        if overlap.moe_overlap_dispatch and cfg.num_moe_experts:  # one transport shared by every MoE layer
+            transports = TransportSelector(overlap.moe_a2a_backend, mesh.ep.group, mesh.ep.ranks,
+                                           torch.device(device or "cpu"), overlap.moe_a2a_chunks, timeout_s)
+        self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, overlap, i, mesh, transports, self.tp_comm, device, dtype)
+                                    for i in range(cfg.num_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         self.output_layer = (None if cfg.share_embeddings_and_output_weights
-                             else Linear(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype))
+                             else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, self.tp_comm, device=device,
+                                                       dtype=dtype))
+        if self.tp_comm.sequence_shards > 1:
+            # Megatron's sequence-parallel parameters: replicated over TP (norms, routers), each rank's gradient
+            # from its own sequence block, so the optimizer sums them over the TP group.
+            for param in self.parameters():
+                param.sequence_parallel = not (is_expert_param(param) or is_tp_split(param))
+
+    def routers(self) -> dict[int, Router]:
+        """The router of each MoE layer, keyed like ``ModelOutput.tokens_per_expert`` (layer index)."""
+        return {index: layer.mlp.router for index, layer in enumerate(self.layers) if layer.is_moe}
+
+    def forward_units(self) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        """The model's parts in the order forward first uses them, as (the module whose forward starts
+        the part, the name prefixes of its parameters): the embedding, each layer, then the head -- the
+        final norm and the output layer, whose weight the loss reads without calling its forward. The
+        distributed optimizer buckets parameters and waits for their all-gather by these parts."""
+        head = ("final_layernorm",) + (() if self.output_layer is None else ("output_layer",))
+        return [(self.embedding, ("embedding",)),
+                *((layer, (f"layers.{index}",)) for index, layer in enumerate(self.layers)),
+                (self.final_layernorm, head)]
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers)
@@ -76,16 +115,25 @@ class MixtralModel(nn.Module):
                 aux_loss = aux_loss + layer_aux
                 tokens_per_expert[index] = layer_tokens
         output_weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
-        lm_loss = lm_cross_entropy(self.final_layernorm(x_BSH), output_weight, labels_BS)
+        lm_loss = lm_cross_entropy(self.final_layernorm(x_BSH), output_weight, labels_BS, self.tp_comm)
         return ModelOutput(lm_loss + aux_loss, lm_loss.detach(), aux_loss.detach(), tokens_per_expert)
 
 
 def build_model(cfg: ModelConfig, mesh: Mesh, device: torch.device | str, dtype: torch.dtype, seed: int,
-                recompute: bool = False) -> MixtralModel:
+                recompute: bool = False, overlap: OverlapConfig | None = None,
+                timeout_s: float = 120.0, sequence_parallel: bool = False) -> MixtralModel:
     """This rank's part of the model, initialised from the seed and each parameter's logical name."""
-    model = MixtralModel(cfg, mesh, device, dtype, recompute)
+    model = MixtralModel(cfg, mesh, device, dtype, recompute, overlap, timeout_s, sequence_parallel)
     model.init_weights(seed)
     return model
+
+
+def tp_overlap(overlap: OverlapConfig) -> TPOverlap:
+    """The TP overlap switches in force: each needs the master switch tp_comm_overlap."""
+    on = overlap.tp_comm_overlap
+    return TPOverlap(ag=on and overlap.tp_comm_overlap_ag, rs=on and overlap.tp_comm_overlap_rs,
+                     rs_dgrad=on and overlap.tp_comm_overlap_rs_dgrad, bulk_dgrad=on and overlap.tp_comm_bulk_dgrad,
+                     bulk_wgrad=on and overlap.tp_comm_bulk_wgrad, num_splits=overlap.tp_comm_num_splits)
 
 
 def count_parameters(cfg: ModelConfig) -> int:

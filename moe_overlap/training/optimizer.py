@@ -4,7 +4,8 @@ Megatron's precision recipe: the model computes in its own dtype (bf16 on GPU), 
 gradient into the parameter's fp32 ``main_grad``, and the optimizer updates fp32 masters, then copies them
 back. ``grad_sync_dtype`` is only the payload of the gradient all-reduce. The loss each rank backpropagates
 is already divided by (micro-batches x data-parallel size), so the reduction is a plain sum: dense grads
-over the data-parallel group, expert grads over the expert-data-parallel group.
+over the data-parallel group, expert grads over the expert-data-parallel group. Under tensor parallelism,
+see training/tp_grads.py; a TP-split parameter's checkpoint keys are its block of the logical tensor.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from torch import nn
 
 from moe_overlap.config import TrainConfig
 from moe_overlap.distributed.collectives import all_reduce_
-from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.layers.init import expert_key, is_expert_param
+from moe_overlap.distributed.mesh import GroupHandle, Mesh
+from moe_overlap.layers.init import expert_key, is_expert_param, is_tp_split, tp_shard
+from moe_overlap.training.checkpoint import tp_logical_tensor
+from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,47 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
 
 
+def decays(param: torch.Tensor) -> bool:
+    """Megatron's rule: weight decay on matrices, none on 1-D parameters (norm weights)."""
+    return param.dim() > 1
+
+
+def logical_parts(name: str, param: torch.Tensor) -> list[tuple[str, int, torch.Size]]:
+    """(logical key, element offset in the parameter, logical shape) of each checkpointed tensor: the
+    parameter itself, or one per expert for expert weights (global experts [first_expert, +shape[0])). A
+    tensor-parallel parameter's shape is its block's, in the logical tensor's axes (TPShard.local_shape)."""
+    if not is_expert_param(param):
+        shard = tp_shard(param)
+        return [(name, 0, param.shape if shard is None else shard.local_shape(param.shape))]
+    per_expert = param[0].numel()
+    return [(expert_key(name, param.first_expert + local), local * per_expert, param.shape[1:])
+            for local in range(param.shape[0])]
+
+
+def step_is_finite(norm: float, step_index: int, policy: str) -> bool:
+    """False (with a warning naming the step) when the gradient norm is NaN/inf under policy 'skip';
+    raises under 'stop'. ``step_index`` counts from 0; messages count from 1, as the metrics do."""
+    if math.isfinite(norm):
+        return True
+    if policy == "stop":
+        raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm}; stopping "
+                                 "(train.on_nonfinite_grad=stop)")
+    log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index + 1, norm)
+    return False
+
+
+def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: GroupHandle) -> dict[str, torch.Tensor]:
+    """Copies of one parameter's gradient (contiguous, shaped like it) by logical name; a TP-split one
+    gathered into its logical tensor (a collective over TP)."""
+    if is_tp_split(param):
+        blocks = [torch.empty_like(grad) for _ in range(tp.size)]
+        torch.distributed.all_gather(blocks, grad, group=tp.group)
+        return {name: tp_shard(param).assemble(blocks)}
+    flat = grad.view(-1)
+    return {key: flat[offset:offset + shape.numel()].view(shape).clone()
+            for key, offset, shape in logical_parts(name, param)}
+
+
 @dataclass
 class ParamEntry:
     name: str  # logical name in the model
@@ -50,11 +94,11 @@ class ParamEntry:
     is_expert: bool
 
     def logical_slices(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of ``tensor`` (shaped like the parameter) keyed by logical name; experts one key each."""
-        if not self.is_expert:
-            return {self.name: tensor}
-        first = self.param.first_expert
-        return {expert_key(self.name, first + local): tensor[local] for local in range(tensor.shape[0])}
+        """Views of ``tensor`` (contiguous, shaped like the parameter) keyed by logical name; experts one
+        key each; a tensor-parallel block as its logical tensor (a ShardedTensor)."""
+        flat = tensor.view(-1)
+        return {key: tp_logical_tensor(flat[offset:offset + shape.numel()].view(shape), tp_shard(self.param))
+                for key, offset, shape in logical_parts(self.name, self.param)}
 
 
 class MixedPrecisionAdamW:
@@ -68,9 +112,8 @@ class MixedPrecisionAdamW:
             param.main_grad = main_grad
             param.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
             self.entries.append(ParamEntry(name, param, master, main_grad, is_expert_param(param)))
-        # Megatron's rule: no weight decay on 1-D parameters (norm weights).
-        decay = [e.master for e in self.entries if e.param.dim() > 1]
-        no_decay = [e.master for e in self.entries if e.param.dim() <= 1]
+        decay = [e.master for e in self.entries if decays(e.param)]
+        no_decay = [e.master for e in self.entries if not decays(e.param)]
         self.adamw = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
@@ -81,6 +124,9 @@ class MixedPrecisionAdamW:
                 "exp_avg_sq": torch.zeros_like(entry.master),
             }
 
+    def start_micro_batch(self, is_last: bool) -> None:
+        """Nothing to arm: this optimizer all-reduces after the whole backward (reduce_grads)."""
+
     def zero_grad(self) -> None:
         for entry in self.entries:
             entry.main_grad.zero_()
@@ -88,7 +134,9 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
-        """Sum main grads over data-parallel replicas: dense over DP, experts over expert-DP."""
+        """Sum main grads over data-parallel replicas: dense over DP, experts over expert-DP (and the
+        sequence-parallel ones over TP first)."""
+        sum_sequence_parallel_grads(((e.param, e.main_grad) for e in self.entries), self.mesh.tp)
         for entry in self.entries:
             group = self.mesh.edp.group if entry.is_expert else self.mesh.dp.group
             if group is None:
@@ -100,25 +148,26 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def grad_norm(self) -> float:
-        """Global L2 norm over every distinct gradient: experts differ across EP ranks, dense ones do not."""
+        """Global L2 norm over every distinct gradient: experts differ across EP ranks, dense ones across TP
+        ranks when TP-split (replicated ones count once)."""
         device = self.entries[0].main_grad.device
-        dense_sq = torch.zeros((), dtype=torch.float32, device=device)
-        expert_sq = torch.zeros((), dtype=torch.float32, device=device)
+        dense_sq = torch.zeros((), dtype=torch.float64, device=device)  # fp64: any split sums alike
+        expert_sq = torch.zeros((), dtype=torch.float64, device=device)
         for entry in self.entries:
-            square = entry.main_grad.square().sum()
+            square = entry.main_grad.square().sum(dtype=torch.float64)
             if entry.is_expert:
                 expert_sq += square
-            else:
+            elif counts_in_dense_norm(entry.param, self.mesh.tp):
                 dense_sq += square
         all_reduce_(expert_sq, self.mesh.ep.group)
+        all_reduce_(dense_sq, self.mesh.mp.group)
         return math.sqrt(float(dense_sq + expert_sq))
 
     @torch.no_grad()
     def step(self, lr: float, step_index: int) -> tuple[float, bool]:
         """Clip, update the masters and copy them into the model; returns (grad norm, whether stepped)."""
         norm = self.grad_norm()
-        if not math.isfinite(norm):
-            log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index, norm)
+        if not step_is_finite(norm, step_index, self.cfg.on_nonfinite_grad):
             self.zero_grad()
             return norm, False
         scale = self.cfg.clip_grad / (norm + 1e-6) if 0 < self.cfg.clip_grad < norm else 1.0
@@ -135,6 +184,14 @@ class MixedPrecisionAdamW:
                 entry.param.copy_(entry.master)
         self.zero_grad()
         return norm, True
+
+    def logical_grads(self) -> dict[str, torch.Tensor]:
+        """Copies of the reduced gradients by logical name, tensor-parallel blocks gathered into their logical
+        tensors (after reduce_grads; a collective over TP, for tests)."""
+        grads = {}
+        for e in self.entries:
+            grads.update(logical_grad_copies(e.name, e.param, e.main_grad, self.mesh.tp))
+        return grads
 
     def logical_state(self) -> dict[str, torch.Tensor]:
         """Model and optimizer tensors keyed by logical name (views: loading into them restores in place)."""

@@ -20,11 +20,13 @@ from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
+from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, lr_at
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Optimizer = MixedPrecisionAdamW | DistributedOptimizer  # train.use_distributed_optimizer picks one
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -39,9 +41,10 @@ def resolve_device(cfg: Config) -> torch.device:
 
 
 def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
-    """Join the job torchrun started (or run as a single process) and build the mesh for the config."""
+    """Join the job torchrun started (or the process group already there, or run as a single process)
+    and build the mesh for the config."""
     device = resolve_device(cfg)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     validate_for_world(cfg, world_size, device.type)
     if world_size == 1 and not dist.is_initialized():
         return Mesh.single(), device
@@ -67,8 +70,10 @@ class Trainer:
         t = cfg.train
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
-                                 recompute=t.recompute_granularity == "full")
-        self.optimizer = MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype)
+                                 recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
+                                 timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel)
+        self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
+                          else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
                                                      seq_length=cfg.model.seq_length)
         dp = mesh.dp
@@ -91,7 +96,8 @@ class Trainer:
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
         lm_total = aux_total = 0.0
         self.tokens_per_expert = {}
-        for input_ids, labels in self.sampler.micro_batches(step):
+        for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
+            self.optimizer.start_micro_batch(is_last=index == self.num_micro_batches - 1)
             out = self.model(input_ids.to(self.device), labels.to(self.device))
             (out.loss * loss_scale).backward()
             lm_total += float(out.lm_loss)
@@ -100,7 +106,7 @@ class Trainer:
                 self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
         return lm_total / self.num_micro_batches, aux_total / self.num_micro_batches
 
-    def train_step(self, inspect_grads: Callable[[MixedPrecisionAdamW], None] | None = None) -> dict:
+    def train_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> dict:
         """One optimizer step; ``inspect_grads`` sees the reduced gradients before the update (tests)."""
         start = time.perf_counter()
         lm_loss, aux_loss = self.forward_backward(self.step)
@@ -109,6 +115,9 @@ class Trainer:
             inspect_grads(self.optimizer)
         lr = lr_at(self.step, self.cfg.train)
         grad_norm, stepped = self.optimizer.step(lr, self.step)
+        loads = self._step_expert_load()
+        for layer, router in self.model.routers().items():
+            router.update_load(loads[layer])
         losses = self._dp_mean(torch.tensor([lm_loss, aux_loss], dtype=torch.float64, device=self.device))
         elapsed = time.perf_counter() - start
         self.step += 1
@@ -117,18 +126,20 @@ class Trainer:
                    "skipped": not stepped, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
         if self.device.type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        metrics.update(self._expert_load())
+        if loads:
+            metrics["tokens_per_expert"] = {str(layer): counts.tolist() for layer, counts in loads.items()}
         return metrics
 
     def _dp_mean(self, values: torch.Tensor) -> list[float]:
         all_reduce_(values, self.mesh.dp.group)
         return (values / self.mesh.dp.size).tolist()
 
-    def _expert_load(self) -> dict:
-        """Copies routed to each expert this step, summed over the data-parallel ranks, per MoE layer."""
-        loads = {str(layer): all_reduce_(counts, self.mesh.dp.group).tolist()
-                 for layer, counts in self.tokens_per_expert.items()}
-        return {"tokens_per_expert": loads} if loads else {}
+    def _step_expert_load(self) -> dict[int, torch.Tensor]:
+        """Copies sent to each expert this step per MoE layer, summed over the micro-batches, the
+        data-parallel ranks and the TP ranks (under sequence parallelism each routes its own sequence
+        block): the same on every rank, as the routers' bias update needs."""
+        return {layer: all_reduce_(all_reduce_(counts, self.mesh.tp.group), self.mesh.dp.group)
+                for layer, counts in self.tokens_per_expert.items()}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -139,18 +150,29 @@ class Trainer:
                                           device=self.device))[0]
 
     # ------------------------------------------------------------------------------------ checkpoints
+    def model_buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent model buffers (the routers' expert bias and load) under their logical names. The
+        optimizer owns the parameters; these are not trained, and are the same on every rank."""
+        params = {name for name, _ in self.model.named_parameters()}
+        return {f"model.{name}": tensor for name, tensor in self.model.state_dict(keep_vars=True).items()
+                if name not in params}
+
+    def _checkpoint_state(self, step: int) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds, by logical name: optimizer state, model buffers and the step."""
+        return dict(self.optimizer.logical_state(), **self.model_buffers(), **{"train.step": torch.tensor(step)})
+
     def save(self) -> Path:
         per_rank = {"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
-        tensors = dict(self.optimizer.logical_state(), **{"train.step": torch.tensor(self.step)})
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, per_rank, self.cfg.checkpoint.keep_last)
+        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self._checkpoint_state(self.step), per_rank,
+                               self.cfg.checkpoint.keep_last)
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint, if any (also under another EP or DP size)."""
         step = latest_step(self.cfg.checkpoint_dir)
         if step is None:
             return False
-        tensors = dict(self.optimizer.logical_state(), **{"train.step": torch.tensor(0)})
+        tensors = self._checkpoint_state(0)
         per_rank = load_checkpoint(self.cfg.checkpoint_dir, step, tensors)
         self.optimizer.after_load()
         self.step = int(tensors["train.step"])

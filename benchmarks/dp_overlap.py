@@ -1,0 +1,435 @@
+"""Data-parallel communication overlap of the distributed optimizer: training-step time with the gradient
+reduce-scatter and parameter all-gather serial (overlap off), overlapped (overlap on), and replaced by
+no-ops (compute only: the limit), in one run; plus a probe of the DP collectives beside a full-chip GEMM.
+
+    torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric nvlink --probe \
+        --json benchmarks/results/dp_overlap_2xh200_nvlink.json
+    torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric slow --probe \
+        --json benchmarks/results/dp_overlap_2xh200_slow.json
+    torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --smoke      # CPU, gloo: the code path, no claims
+
+Rows:
+  step      per variant (serial, overlapped, compute_only): median step time, from the start of one training
+            step to the start of the next, so an all-gather left running by a step counts where the next
+            forward waits for it. Variants run round-robin in blocks of --block steps (A B C A B C ...,
+            DESIGN.md: clocks drift); a block's first step follows a switch and is left out.
+  buckets   each bucket's reduce-scatter (with its payload cast) and all-gather, alone
+  summary   exposed communication (overlapped - compute_only) against the serial cost (serial -
+            compute_only), the largest bucket's communication, and the targets of the issue
+  probe     (--probe) one bucket's reduce-scatter and all-gather alone, beside back-to-back bf16 GEMMs
+            of 8192^3 on the compute stream, and the GEMMs alone: plain NCCL, NCCL held to 2 and 8 CTAs
+            (ProcessGroupNCCL.Options), and on NVLink a copy-engine all-gather and copy-then-add
+            reduce-scatter through symmetric memory
+The default model is configs/small_gpu.yaml as pure data parallelism (EP=1: DP=2 reduces dense and expert
+gradients alike, about 515M parameters, 1 GB of bf16 payload each way) with one micro-batch of 16 x 1024
+tokens per rank: in slow-fabric mode the reduce-scatter and the all-gather each take about as long as the
+backward and the forward they hide under, so communication matters and can still hide.
+`--fabric slow` sets NCCL_P2P_DISABLE=1 before init (NCCL through host memory: an inter-node stand-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_OVERRIDES = ["parallel.expert_model_parallel_size=1", "train.micro_batch_size=16", "train.global_batch_size=32",
+                 "overlap.grad_sync_dtype=bf16"]
+SMOKE_OVERRIDES = ["model.num_layers=2", "model.moe_layer_freq=[0,1]", "model.hidden_size=64",
+                   "model.ffn_hidden_size=128", "model.moe_ffn_hidden_size=64", "model.seq_length=32",
+                   "parallel.expert_model_parallel_size=1", "train.micro_batch_size=2", "train.global_batch_size=4",
+                   "train.device=cpu"]
+# Every variant runs the distributed optimizer; only its switches and collectives change between blocks.
+FORCED = ["train.use_distributed_optimizer=true", "train.eval_interval=0", "checkpoint.save_final=false",
+          "checkpoint.save_interval=0", "train.max_steps=100000", "train.lr=1e-5", "train.min_lr=0"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/small_gpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.field=value, after the benchmark's own")
+    parser.add_argument("--fabric", choices=("nvlink", "slow"), default="nvlink")
+    parser.add_argument("--rounds", type=int, default=6, help="round-robin rounds of the three variants")
+    parser.add_argument("--block", type=int, default=5, help="steps per variant per round (>= 3)")
+    parser.add_argument("--probe", action="store_true", help="also time DP collectives beside a big GEMM")
+    parser.add_argument("--probe-rounds", type=int, default=15)
+    parser.add_argument("--nccl-max-ctas", type=int, default=None,
+                        help="cap every NCCL communicator at this many CTAs (NCCL_MAX_CTAS) for the step rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo (CI)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--allow-multicast", action="store_true", help="do not force NVLink multicast off")
+    args = parser.parse_args(argv)
+    if args.block < 3:
+        parser.error("--block must be >= 3: a block's first step is left out and its last only ends a sample")
+    if args.smoke:
+        args.rounds, args.block, args.probe_rounds = min(args.rounds, 2), 3, min(args.probe_rounds, 2)
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    """Run under torchrun (or on ranks that already share a process group); returns the rows."""
+    args = parse_args(argv)
+    disable_multicast(args.allow_multicast)
+    if args.fabric == "slow":
+        os.environ["NCCL_P2P_DISABLE"] = "1"  # before init_process_group
+    if args.nccl_max_ctas is not None:
+        os.environ["NCCL_MAX_CTAS"] = str(args.nccl_max_ctas)
+
+    import torch.distributed as dist
+
+    from moe_overlap.config import load_config
+    from moe_overlap.training.trainer import Trainer, init_distributed
+
+    owns_process_group = not dist.is_initialized()
+    config = args.config or str(REPO / ("configs/tiny.yaml" if args.smoke else "configs/small_gpu.yaml"))
+    cfg = load_config(config, (SMOKE_OVERRIDES if args.smoke else GPU_OVERRIDES) + args.overrides + FORCED)
+    mesh, device = init_distributed(cfg)
+    try:
+        if mesh.dp.size != mesh.world_size:
+            raise SystemExit(f"dp_overlap measures pure data parallelism; DP={mesh.dp.size} of world "
+                             f"{mesh.world_size} (set parallel sizes to 1)")
+        bench = StepBench(Trainer(cfg, mesh, device), args)
+        rows = bench.run()
+        if args.probe:
+            rows += Probe(mesh, device, bench.largest_bucket_numel(), args).run()
+        if mesh.rank == 0:
+            print_rows(rows)
+            write_json(args.json, run_header(mesh.world_size), rows)
+        return rows
+    finally:
+        mesh.destroy()
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class NoCollectives:
+    """The DP collectives as no-ops: the same run's computation alone."""
+
+    @staticmethod
+    def start_reduce_scatter(output, tensor, group):
+        return _Done()
+
+    @staticmethod
+    def start_all_gather(output, tensor, group):
+        return _Done()
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_over_ranks(values: list[float], device) -> list[float]:
+    """Each value's maximum over ranks: a data-parallel step is as slow as its slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+class StepBench:
+    def __init__(self, trainer, args):
+        from moe_overlap.distributed import collectives
+
+        self.trainer, self.args = trainer, args
+        self.optimizer, self.device = trainer.optimizer, trainer.device
+        self.variants = {  # name: (overlap_grad_sync, overlap_param_sync, collectives)
+            "serial": (False, False, collectives),
+            "overlapped": (True, True, collectives),
+            "compute_only": (False, False, NoCollectives),
+        }
+
+    def largest_bucket_numel(self) -> int:
+        return max(bucket.numel for bucket in self.optimizer.buckets)
+
+    def block(self, variant: str) -> list[float]:
+        """Milliseconds between the starts of consecutive steps of one block of ``variant``."""
+        optimizer = self.optimizer
+        optimizer.finish_param_sync()  # the previous block's last all-gathers: outside every sample
+        _synchronize(self.device)
+        optimizer.overlap_grad_sync, optimizer.overlap_param_sync, optimizer.collectives = self.variants[variant]
+        starts = []
+        for _ in range(self.args.block):
+            starts.append(time.perf_counter())
+            self.trainer.train_step()
+        return [(b - a) * 1e3 for a, b in zip(starts[1:], starts[2:])]
+
+    def bucket_syncs(self) -> list[tuple[float, float]]:
+        """(reduce-scatter, all-gather) milliseconds of each bucket alone, through the real collectives."""
+        from moe_overlap.distributed import collectives
+
+        times = []
+        for bucket in self.optimizer.buckets:
+            pair = []
+            for start, finish in ((bucket.start_grad_sync, bucket.finish_grad_sync),
+                                  (bucket.start_param_sync, bucket.finish_param_sync)):
+                _synchronize(self.device)
+                t0 = time.perf_counter()
+                start(collectives)
+                finish()
+                _synchronize(self.device)
+                pair.append((time.perf_counter() - t0) * 1e3)
+            times.append(tuple(pair))
+        return times
+
+    def run(self) -> list[dict]:
+        import torch.distributed as dist
+
+        for variant in self.variants:  # warm-up: one block each
+            self.block(variant)
+        samples = {variant: [] for variant in self.variants}
+        bucket_samples = []
+        for _ in range(self.args.rounds):
+            for variant in self.variants:
+                dist.barrier()
+                samples[variant] += self.block(variant)
+            self.optimizer.finish_param_sync()
+            bucket_samples.append(self.bucket_syncs())
+        step_ms = dict(zip(samples, _max_over_ranks([statistics.median(v) for v in samples.values()],
+                                                    self.device)))
+        buckets = self.optimizer.buckets
+        rs_ms = _max_over_ranks([statistics.median(r[i][0] for r in bucket_samples) for i in range(len(buckets))],
+                                self.device)
+        ag_ms = _max_over_ranks([statistics.median(r[i][1] for r in bucket_samples) for i in range(len(buckets))],
+                                self.device)
+        return self.rows(step_ms, rs_ms, ag_ms, samples)
+
+    def rows(self, step_ms, rs_ms, ag_ms, samples) -> list[dict]:
+        cfg, trainer = self.trainer.cfg, self.trainer
+        buckets = self.optimizer.buckets
+        rows = [{"section": "step", "variant": v, "step_ms": round(ms, 3), "samples": len(samples[v]),
+                 "step_ms_spread": [round(min(samples[v]), 3), round(max(samples[v]), 3)]}
+                for v, ms in step_ms.items()]
+        for index, bucket in enumerate(buckets):
+            rows.append({"section": "buckets", "bucket": index, "first_part": bucket.first_unit,
+                         "group_size": bucket.group.size, "numel": bucket.numel,
+                         "params": [slot.name for slot in bucket.slots][:4] + (["..."] if len(bucket.slots) > 4 else []),
+                         "reduce_scatter_ms": round(rs_ms[index], 3), "all_gather_ms": round(ag_ms[index], 3)})
+        exposed = step_ms["overlapped"] - step_ms["compute_only"]
+        serial_comm = step_ms["serial"] - step_ms["compute_only"]
+        bucket_comm = [rs + ag for rs, ag in zip(rs_ms, ag_ms)]
+        off_ratio = step_ms["serial"] / step_ms["compute_only"]
+        on_ratio = step_ms["overlapped"] / step_ms["compute_only"]
+        summary = {
+            "section": "summary", "fabric": self.args.fabric, "nccl_max_ctas": self.args.nccl_max_ctas,
+            "parameters": sum(p.numel() for p in trainer.model.parameters()),
+            "buckets": len(buckets), "grad_sync_dtype": cfg.overlap.grad_sync_dtype,
+            "precision": cfg.train.precision, "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_length,
+            "micro_batches_per_rank": trainer.num_micro_batches,
+            "exposed_comm_ms": round(exposed, 3), "serial_comm_ms": round(serial_comm, 3),
+            "hidden_fraction": round(1 - exposed / serial_comm, 3) if serial_comm > 0 else None,
+            "comm_alone_ms": round(sum(bucket_comm), 3), "largest_bucket_comm_ms": round(max(bucket_comm), 3),
+            "overlap_off_vs_compute_only": round(off_ratio, 4), "overlap_on_vs_compute_only": round(on_ratio, 4),
+        }
+        if self.args.fabric == "nvlink":
+            summary["target_overlap_on_within_3pct"] = on_ratio <= 1.03
+        else:
+            summary["target_overlap_off_at_least_1.15x"] = off_ratio >= 1.15
+            summary["target_exposed_at_most_one_bucket"] = exposed <= max(bucket_comm)
+        return rows + [summary]
+
+
+MAX_GEMMS = 64
+
+
+class Probe:
+    """One bucket's DP collectives alone and beside back-to-back GEMMs that hold the whole chip."""
+
+    def __init__(self, mesh, device, numel: int, args):
+        import torch
+
+        self.torch, self.mesh, self.device, self.args = torch, mesh, device, args
+        self.numel = numel
+        cuda = device.type == "cuda"
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        size = 8192 if cuda else 256
+        self.a = torch.randn(size, size, dtype=self.dtype, device=device)
+        self.b = torch.randn(size, size, dtype=self.dtype, device=device)
+        self.c = torch.empty(size, size, dtype=self.dtype, device=device)
+        self.gemm_shape = [size, size, size]
+        shard = numel // mesh.dp.size
+        self.grads = torch.zeros(numel, dtype=self.dtype, device=device)
+        self.params = torch.zeros(numel, dtype=self.dtype, device=device)
+        self.shard = slice(mesh.dp.rank * shard, (mesh.dp.rank + 1) * shard)
+        self.skipped: list[dict] = []
+
+    def transports(self) -> dict:
+        """name -> {op: start function returning a handle}."""
+        import torch.distributed as dist
+
+        from moe_overlap.distributed import collectives
+
+        groups = {"nccl" if self.device.type == "cuda" else "gloo": self.mesh.dp.group}
+        if self.device.type == "cuda":
+            for ctas in (2, 8):
+                options = dist.ProcessGroupNCCL.Options()
+                options.config.min_ctas = options.config.max_ctas = ctas
+                groups[f"nccl_{ctas}_ctas"] = dist.new_group(self.mesh.dp.ranks, backend="nccl", pg_options=options)
+        ops = {name: {
+            "reduce_scatter": lambda g=group: collectives.start_reduce_scatter(self.grads[self.shard], self.grads, g),
+            "all_gather": lambda g=group: collectives.start_all_gather(self.params, self.params[self.shard], g),
+        } for name, group in groups.items()}
+        reason = self.copy_engine_unavailable()
+        if reason is None:
+            try:  # optional: a failure here is recorded, and the NCCL rows still come
+                copy_engine = CopyEngineCollectives(self.mesh.dp.group, self.grads, self.params, self.device).ops()
+                for start in copy_engine.values():
+                    self.timed(lambda s=start: s().wait())
+                ops["copy_engine"] = copy_engine
+            except Exception as error:  # noqa: BLE001 -- any failure of the optional transport is reported
+                reason = f"{type(error).__name__}: {error}"
+        if reason is not None:
+            self.skipped.append({"section": "probe", "transport": "copy_engine", "skipped": reason})
+        return ops
+
+    def copy_engine_unavailable(self) -> str | None:
+        from moe_overlap.distributed.symm import symm_unavailable_reason
+
+        if self.args.fabric == "slow":
+            return "slow fabric: symmetric memory would still use NVLink (DESIGN.md); NCCL only"
+        return symm_unavailable_reason(self.mesh.dp.group, self.device)
+
+    def timed(self, fn) -> float:
+        _synchronize(self.device)
+        t0 = time.perf_counter()
+        fn()
+        _synchronize(self.device)
+        return (time.perf_counter() - t0) * 1e3
+
+    def gemms(self, count: int) -> None:
+        for _ in range(count):
+            self.torch.mm(self.a, self.b, out=self.c)
+
+    def run(self) -> list[dict]:
+        import torch.distributed as dist
+
+        transports = self.transports()
+        cases = {(name, op): start for name, ops in transports.items() for op, start in ops.items()}
+        # Enough GEMMs to cover the slowest collective alone (up to MAX_GEMMS), so that a collective that
+        # hides costs nothing extra.
+        for start in cases.values():
+            self.timed(lambda s=start: s().wait())
+        gemm_ms = statistics.median(self.timed(lambda: self.gemms(1)) for _ in range(3))
+        slowest = max(self.timed(lambda s=start: s().wait()) for start in cases.values())
+        count = int(_max_over_ranks([min(MAX_GEMMS, max(1, math.ceil(slowest / gemm_ms)))], self.device)[0])
+
+        def beside(start):
+            work = start()
+            self.gemms(count)
+            work.wait()
+
+        variants = {("gemm", "alone"): lambda: self.gemms(count)}
+        for key, start in cases.items():
+            variants[key + ("alone",)] = lambda s=start: s().wait()
+            variants[key + ("beside_gemm",)] = lambda s=start: beside(s)
+        samples = {key: [] for key in variants}
+        for _ in range(self.args.probe_rounds):
+            for key, fn in variants.items():
+                dist.barrier()
+                samples[key].append(self.timed(fn))
+        medians = dict(zip(samples, _max_over_ranks([statistics.median(v) for v in samples.values()], self.device)))
+        gemm_block = medians[("gemm", "alone")]
+        rows = []
+        for (name, op) in cases:
+            alone, together = medians[(name, op, "alone")], medians[(name, op, "beside_gemm")]
+            exposed = together - gemm_block
+            rows.append({"section": "probe", "transport": name, "op": op,
+                         "payload_mb": round(self.numel * self.grads.element_size() / 2**20, 2),
+                         "gemm_shape": self.gemm_shape, "gemm_count": count, "gemm_alone_ms": round(gemm_block, 3),
+                         "alone_ms": round(alone, 3), "beside_gemm_ms": round(together, 3),
+                         "back_to_back_ms": round(gemm_block + alone, 3), "exposed_ms": round(exposed, 3),
+                         "hidden_fraction": round(1 - exposed / alone, 3)})
+        return rows + self.skipped
+
+
+class CopyEngineCollectives:
+    """A copy-engine all-gather (each rank pushes its shard into every peer's symmetric buffer) and a
+    copy-then-add reduce-scatter (each rank pushes the peer's shard of its gradients to that peer, which
+    adds it to its own), on a side stream: the copies take no SMs; only the add is a kernel."""
+
+    def __init__(self, group, grads, params, device):
+        import torch
+
+        from moe_overlap.distributed.symm import SymmWorkspace
+
+        self.torch, self.grads, self.params = torch, grads, params
+        self.workspace = SymmWorkspace(group, grads.numel() * grads.element_size(), device, timeout_ms=10_000)
+        self.rank, self.size = self.workspace.rank, self.workspace.size
+        self.shard_numel = grads.numel() // self.size
+        self.stream = torch.cuda.Stream(device)
+        self.channel = 0
+
+    def _slot(self, owner: int, sender: int):
+        """``sender``'s slot in ``owner``'s buffer."""
+        return self.workspace.view(owner, (self.shard_numel,), self.grads.dtype,
+                                   sender * self.shard_numel * self.grads.element_size())
+
+    def _exchange(self, payload_for) -> None:
+        """Push ``payload_for(peer)`` into every peer's slot for us, then wait for every peer's push."""
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        for peer in peers:
+            self._slot(peer, self.rank).copy_(payload_for(peer))
+        for peer in peers:
+            self.workspace.signal(peer, self.channel)
+        for peer in peers:
+            self.workspace.wait(peer, self.channel)
+
+    def _run(self, body):
+        torch = self.torch
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            body()
+
+        class Handle:
+            def wait(_self):
+                caller.wait_stream(self.stream)
+                return True
+
+        return Handle()
+
+    def ops(self) -> dict:
+        n = self.shard_numel
+
+        def all_gather():
+            mine = self.params[self.rank * n:(self.rank + 1) * n]
+            self._exchange(lambda peer: mine)
+            for peer in range(self.size):  # gathered in our buffer; into the parameters, rank order
+                if peer != self.rank:
+                    self.params[peer * n:(peer + 1) * n].copy_(self._slot(self.rank, peer))
+
+        def reduce_scatter():
+            self._exchange(lambda peer: self.grads[peer * n:(peer + 1) * n])
+            mine = self.grads[self.rank * n:(self.rank + 1) * n]
+            for peer in range(self.size):
+                if peer != self.rank:
+                    mine.add_(self._slot(self.rank, peer))
+
+        return {"reduce_scatter": lambda: self._run(reduce_scatter), "all_gather": lambda: self._run(all_gather)}
+
+
+def print_rows(rows: list[dict]) -> None:
+    for row in rows:
+        print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

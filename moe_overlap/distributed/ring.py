@@ -1,0 +1,340 @@
+"""Tensor-parallel communication, serial or overlapped with the GEMM next to it (userbuffer-style).
+
+Two kinds of overlap, as Transformer Engine's userbuffers:
+  pipelined  a GEMM that needs an all-gather, or feeds a reduce-scatter, runs chunk by chunk while the chunks
+             travel a ring: step k sends one chunk to the next rank and receives one from the previous rank.
+             All-gather: each arriving chunk's GEMM starts at once (and the chunk is forwarded).
+             Reduce-scatter: each rank computes the partial for the block the ring reaches next, adds the
+             partial sum that arrived, and passes it on; after size-1 hops every rank holds its sum.
+  bulk       an all-gather or reduce-scatter that the next GEMM does not need is started before it and waited
+             on after it (an async collective).
+Every overlapped call sits beside its serial twin (the reference) below; :class:`TPComm` picks by switch.
+
+Nothing here knows what a transformer is. Tensors are 2-D token rows; a TP group's gathered row order is
+rank-major: rank r's R rows are rows [r*R, (r+1)*R). With ``sequence_parallel`` off the "gather" is the
+identity and the "scatter" an all-reduce (Megatron's f and g), and the overlaps do not exist.
+
+Transports move the ring's chunks, one hop per step (:class:`RingTransport`):
+  p2p  torch.distributed batch_isend_irecv: gloo on CPU, NCCL on GPU. ProcessGroupNCCL runs P2P on its own
+       stream, ordered after the work the current stream has queued when the call is made; ``wait`` makes the
+       current stream wait for it without blocking the host. So no side stream of ours is involved.
+Every wait is bounded by the group's timeout (set in Mesh.create): gloo raises, NCCL's watchdog aborts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_overlap.distributed.collectives import all_reduce_, start_all_gather, start_reduce_scatter
+from moe_overlap.distributed.mesh import GroupHandle
+
+# ------------------------------------------------------------------------------------------ transports
+
+
+class RingRound(ABC):
+    """One round of ``num_steps`` hops. Step k sends a chunk to rank+1 and receives the twin chunk from
+    rank-1 into slot k; every rank starts the same steps in the same order."""
+
+    @abstractmethod
+    def start(self, step: int, send_CK: torch.Tensor) -> None:
+        """Begin step ``step``; ``send_CK`` stays untouched until the step has been waited on."""
+
+    @abstractmethod
+    def wait(self, step: int) -> torch.Tensor:
+        """The chunk received at ``step``, ready for the current stream; valid until the round is finished."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """End the round: every step has been waited on; buffers may be reused by the next round."""
+
+
+class RingTransport(ABC):
+    """Moves fixed-shape chunks one hop along a group's ring."""
+
+    name: str
+
+    @abstractmethod
+    def open(self, num_steps: int, chunk_shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> RingRound:
+        ...
+
+
+class P2PTransport(RingTransport):
+    """batch_isend_irecv over the group: gloo on CPU, NCCL on GPU."""
+
+    name = "p2p"
+
+    def __init__(self, group: GroupHandle):
+        self.group = group.group
+        self.next_rank = group.ranks[(group.rank + 1) % group.size]  # global ranks: torch 2.11 and 2.13 agree
+        self.prev_rank = group.ranks[(group.rank - 1) % group.size]
+
+    def open(self, num_steps, chunk_shape, dtype, device) -> RingRound:
+        return _P2PRound(self, torch.empty((num_steps, *chunk_shape), dtype=dtype, device=device))
+
+
+class _P2PRound(RingRound):
+    def __init__(self, transport: P2PTransport, recv_NCK: torch.Tensor):
+        self.transport, self.recv_NCK = transport, recv_NCK
+        self.pending: dict[int, tuple[list, torch.Tensor]] = {}
+
+    def start(self, step: int, send_CK: torch.Tensor) -> None:
+        t = self.transport
+        send_CK = send_CK.contiguous()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_CK, t.next_rank, t.group),
+                                        dist.P2POp(dist.irecv, self.recv_NCK[step], t.prev_rank, t.group)])
+        self.pending[step] = (works, send_CK)  # the send buffer lives until the step is waited on
+
+    def wait(self, step: int) -> torch.Tensor:
+        works, _ = self.pending.pop(step)
+        for work in works:
+            work.wait()
+        return self.recv_NCK[step]
+
+    def finish(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"ring round finished with steps {sorted(self.pending)} never waited on")
+
+
+# ------------------------------------------------------------------------------------------- the rings
+
+
+def ring_all_gather(x_RK: torch.Tensor, group: GroupHandle, transport: RingTransport, num_splits: int,
+                    consume: Callable[[torch.Tensor, int], None]) -> None:
+    """Every rank's ``x_RK``, chunk by chunk: ``consume(chunk_CK, first_row)`` once per chunk of the gathered
+    (size*R, K) rows, the local chunks first, the others as they arrive (each forwarded on at once)."""
+    rows = x_RK.shape[0]
+    _check_splits(rows, num_splits)
+    local = x_RK.contiguous().chunk(num_splits)
+    chunk_rows = rows // num_splits
+    steps = (group.size - 1) * num_splits
+    ring = transport.open(steps, local[0].shape, x_RK.dtype, x_RK.device) if steps else None
+    if ring is not None:
+        for j, chunk_CK in enumerate(local):  # hop 0 sends the local chunks
+            ring.start(j, chunk_CK)
+    for j, chunk_CK in enumerate(local):
+        consume(chunk_CK, group.rank * rows + j * chunk_rows)
+    for k in range(steps):
+        hop, j = divmod(k, num_splits)
+        chunk_CK = ring.wait(k)
+        if k + num_splits < steps:
+            ring.start(k + num_splits, chunk_CK)
+        consume(chunk_CK, (group.rank - hop - 1) % group.size * rows + j * chunk_rows)
+    if ring is not None:
+        ring.finish()
+
+
+def ring_reduce_scatter(rows: int, group: GroupHandle, transport: RingTransport, num_splits: int,
+                        partial: Callable[[int, int, Optional[torch.Tensor]], torch.Tensor],
+                        out_RN: torch.Tensor) -> torch.Tensor:
+    """This rank's ``rows`` rows of the sum over ranks of P, each rank's (size*rows, N) P produced chunk by chunk:
+    ``partial(first_row, num_rows, out)`` returns a new tensor (or ``out`` when given) holding
+    P[first_row:first_row+num_rows]. Hop h computes the block of rank (rank-h-1), then adds the partial sum
+    that arrived for it (waited on only after the GEMM, so the transfer runs under it) and passes it on:
+    the ring ends at the block's owner."""
+    _check_splits(rows, num_splits)
+    chunk_rows = rows // num_splits
+    steps = (group.size - 1) * num_splits
+    ring = transport.open(steps, (chunk_rows, out_RN.shape[1]), out_RN.dtype, out_RN.device) if steps else None
+    for hop in range(group.size):
+        block = (group.rank - hop - 1) % group.size
+        last = hop == group.size - 1
+        for j in range(num_splits):
+            k = hop * num_splits + j
+            out = out_RN[j * chunk_rows:(j + 1) * chunk_rows] if last else None
+            sum_CN = partial(block * rows + j * chunk_rows, chunk_rows, out)
+            if hop > 0:
+                sum_CN.add_(ring.wait(k - num_splits))
+            if not last:
+                ring.start(k, sum_CN)
+    if ring is not None:
+        ring.finish()
+    return out_RN
+
+
+def _check_splits(rows: int, num_splits: int) -> None:
+    if rows % num_splits:
+        raise ValueError(f"overlap.tp_comm_num_splits={num_splits} must divide this rank's {rows} rows (micro-batch "
+                         "x sequence block)")
+
+
+# --------------------------------------------------------------------------- serial and overlapped ops
+
+
+def all_gather_matmul(x_RK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
+                      keep_gathered: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Serial: gather the rows, then one GEMM. Returns (AG(x) @ b, AG(x) if ``keep_gathered``)."""
+    x_SK = gather_rows(x_RK, group)
+    return torch.mm(x_SK, b_KN), (x_SK if keep_gathered else None)
+
+
+def ring_all_gather_matmul(x_RK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle, transport: RingTransport,
+                           num_splits: int, keep_gathered: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Pipelined twin of :func:`all_gather_matmul`: each chunk's GEMM runs as the chunk arrives."""
+    total = group.size * x_RK.shape[0]
+    y_SN = x_RK.new_empty((total, b_KN.shape[1]))
+    x_SK = x_RK.new_empty((total, x_RK.shape[1])) if keep_gathered else None
+
+    def consume(chunk_CK: torch.Tensor, first: int) -> None:
+        rows = slice(first, first + chunk_CK.shape[0])
+        torch.mm(chunk_CK, b_KN, out=y_SN[rows])
+        if x_SK is not None:
+            x_SK[rows].copy_(chunk_CK)
+
+    ring_all_gather(x_RK, group, transport, num_splits, consume)
+    return y_SN, x_SK
+
+
+def matmul_reduce_scatter(a_SK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+    """Serial: one GEMM, then reduce-scatter its rows."""
+    return scatter_rows(torch.mm(a_SK, b_KN), group)
+
+
+def ring_matmul_reduce_scatter(a_SK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
+                               transport: RingTransport, num_splits: int) -> torch.Tensor:
+    """Pipelined twin of :func:`matmul_reduce_scatter`: partial sums travel the ring while the next GEMM runs."""
+    _check_rows(a_SK.shape[0], group.size)
+    rows = a_SK.shape[0] // group.size
+    out_RN = a_SK.new_empty((rows, b_KN.shape[1]))
+
+    def partial(first: int, num: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.mm(a_SK[first:first + num], b_KN, out=out)
+
+    return ring_reduce_scatter(rows, group, transport, num_splits, partial, out_RN)
+
+
+def gather_rows(x_RK: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+    """All-gather along rows (rank-major), blocking."""
+    if group.size == 1:
+        return x_RK
+    out = x_RK.new_empty((group.size * x_RK.shape[0], *x_RK.shape[1:]))
+    start_all_gather(out, x_RK.contiguous(), group.group).wait()
+    return out
+
+
+def scatter_rows(x_SK: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+    """Reduce-scatter along rows (sum; rank r keeps block r), blocking."""
+    return start_scatter_rows(x_SK, group).wait()
+
+
+def _check_rows(rows: int, size: int) -> None:
+    if rows % size:
+        raise ValueError(f"reduce-scatter of {rows} rows over {size} TP ranks: the rows must divide evenly")
+
+
+class Pending:
+    """A communication in flight; ``wait()`` returns its result, ready for the current stream."""
+
+    def __init__(self, result: torch.Tensor, work=None):
+        self._result, self._work = result, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._result
+
+
+def start_gather_rows(x_RK: torch.Tensor, group: GroupHandle) -> Pending:
+    """Bulk twin of :func:`gather_rows`: started now, waited on later."""
+    if group.size == 1:
+        return Pending(x_RK)
+    out = x_RK.new_empty((group.size * x_RK.shape[0], *x_RK.shape[1:]))
+    return Pending(out, start_all_gather(out, x_RK.contiguous(), group.group))
+
+
+def start_scatter_rows(x_SK: torch.Tensor, group: GroupHandle) -> Pending:
+    """Bulk twin of :func:`scatter_rows`."""
+    if group.size == 1:
+        return Pending(x_SK)
+    _check_rows(x_SK.shape[0], group.size)
+    out = x_SK.new_empty((x_SK.shape[0] // group.size, *x_SK.shape[1:]))
+    return Pending(out, start_reduce_scatter(out, x_SK.contiguous(), group.group))
+
+
+# ------------------------------------------------------------------------------------------- TPComm
+
+
+@dataclass(frozen=True)
+class TPOverlap:
+    """Which TP communications overlap (Megatron/NeMo switch names); all off: the serial reference."""
+
+    ag: bool = False  # tp_comm_overlap_ag: pipelined all-gather -> GEMM
+    rs: bool = False  # tp_comm_overlap_rs: pipelined GEMM -> reduce-scatter, forward
+    rs_dgrad: bool = False  # tp_comm_overlap_rs_dgrad: the same for a column-parallel dgrad
+    bulk_dgrad: bool = False  # tp_comm_bulk_dgrad: the wgrad's input all-gather under the dgrad GEMM
+    bulk_wgrad: bool = False  # tp_comm_bulk_wgrad: the dgrad's reduce-scatter under the wgrad GEMM
+    num_splits: int = 1  # tp_comm_num_splits: chunks per rank block in a pipelined overlap
+
+    @property
+    def any(self) -> bool:
+        return self.ag or self.rs or self.rs_dgrad or self.bulk_dgrad or self.bulk_wgrad
+
+
+class TPComm:
+    """A TP group's communication for layers: gather / scatter token rows, alone or beside a GEMM.
+
+    With ``sequence_parallel`` the rows are sharded over the group (gather = all-gather, scatter =
+    reduce-scatter); without, they are replicated (gather = identity, scatter = all-reduce). Each call's
+    ``overlap`` flag picks the overlapped twin; overlaps exist only under sequence parallelism.
+    """
+
+    def __init__(self, group: GroupHandle, sequence_parallel: bool, overlap: TPOverlap = TPOverlap(),
+                 transport: RingTransport | None = None):
+        if group.size > 1 and overlap.any and not sequence_parallel:
+            raise ValueError(f"TP communication overlap {overlap} needs sequence parallelism")
+        self.group, self.sequence_parallel, self.overlap = group, sequence_parallel, overlap
+        self.size, self.rank = group.size, group.rank
+        self.transport = transport if transport is not None or group.size == 1 else P2PTransport(group)
+
+    @classmethod
+    def single(cls) -> "TPComm":
+        """No tensor parallelism: every call is the identity or a plain GEMM."""
+        return cls(GroupHandle(ranks=[0], group=None, rank=0, size=1), sequence_parallel=False)
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many blocks a gathered tensor's rows form (rank-major): the TP size under SP, else 1."""
+        return self.size if self.sequence_parallel else 1
+
+    def _sharded(self) -> bool:
+        return self.sequence_parallel and self.size > 1
+
+    def gather(self, x_RK: torch.Tensor) -> torch.Tensor:
+        return gather_rows(x_RK, self.group) if self._sharded() else x_RK
+
+    def scatter(self, x_SK: torch.Tensor) -> torch.Tensor:
+        return self.start_scatter(x_SK, overlap=False).wait()
+
+    def start_gather(self, x_RK: torch.Tensor, overlap: bool) -> Pending:
+        if not self._sharded():
+            return Pending(x_RK)
+        return start_gather_rows(x_RK, self.group) if overlap else Pending(gather_rows(x_RK, self.group))
+
+    def start_scatter(self, x_SK: torch.Tensor, overlap: bool) -> Pending:
+        if not self._sharded():
+            return Pending(all_reduce_(x_SK.contiguous(), self.group.group))
+        return start_scatter_rows(x_SK, self.group) if overlap else Pending(scatter_rows(x_SK, self.group))
+
+    def gather_matmul(self, x_RK: torch.Tensor, b_KN: torch.Tensor, overlap: bool,
+                      keep_gathered: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(gather(x) @ b, gather(x) if ``keep_gathered``)."""
+        if not self._sharded():
+            return torch.mm(x_RK, b_KN), (x_RK if keep_gathered else None)
+        if overlap:
+            return ring_all_gather_matmul(x_RK, b_KN, self.group, self.transport, self.overlap.num_splits,
+                                          keep_gathered)
+        return all_gather_matmul(x_RK, b_KN, self.group, keep_gathered)
+
+    def matmul_scatter(self, a_SK: torch.Tensor, b_KN: torch.Tensor, overlap: bool) -> torch.Tensor:
+        """scatter(a @ b)."""
+        if not self._sharded():
+            return all_reduce_(torch.mm(a_SK, b_KN), self.group.group)
+        if overlap:
+            return ring_matmul_reduce_scatter(a_SK, b_KN, self.group, self.transport, self.overlap.num_splits)
+        return matmul_reduce_scatter(a_SK, b_KN, self.group)

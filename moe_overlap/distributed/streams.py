@@ -1,0 +1,72 @@
+"""Communication / compute streams and events, with the same calls on CPU (where they are no-ops).
+
+Code that overlaps communication with computation orders work across streams with events; on CPU there is
+one stream of execution, so the same code runs there unchanged and is testable with gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator, Optional
+
+import torch
+
+_COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def comm_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """The device's side stream for communication (one per device, made on first use); None on CPU."""
+    if device.type != "cuda":
+        return None
+    if device not in _COMM_STREAMS:
+        _COMM_STREAMS[device] = torch.cuda.Stream(device)
+    return _COMM_STREAMS[device]
+
+
+@contextlib.contextmanager
+def use_stream(stream: Optional[torch.cuda.Stream]) -> Iterator[None]:
+    """Make ``stream`` current inside the block; a no-op for None (CPU)."""
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def wait_stream(waiter: Optional[torch.cuda.Stream], waited: Optional[torch.cuda.Stream]) -> None:
+    """Work queued on ``waiter`` from now on starts after what ``waited`` has queued so far."""
+    if waiter is not None and waited is not None and waiter != waited:
+        waiter.wait_stream(waited)
+
+
+class Event:
+    """A point in a stream's work: a CUDA event on GPU, the host clock on CPU (where work is synchronous)."""
+
+    def __init__(self, device: torch.device, timing: bool = False):
+        self._cuda = torch.cuda.Event(enable_timing=timing) if device.type == "cuda" else None
+        self._host_s: float | None = None
+
+    def record(self, stream: Optional[torch.cuda.Stream] = None) -> "Event":
+        if self._cuda is not None:
+            self._cuda.record(stream)
+        else:
+            self._host_s = time.perf_counter()
+        return self
+
+    def wait(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """``stream`` (default: the current one) waits for this event; the host never blocks."""
+        if self._cuda is not None:
+            self._cuda.wait(stream)
+
+    def elapsed_ms(self, end: "Event") -> float:
+        """Milliseconds from this event to ``end`` (both recorded with ``timing``); synchronises on GPU."""
+        if self._cuda is not None:
+            end._cuda.synchronize()
+            return self._cuda.elapsed_time(end._cuda)
+        return (end._host_s - self._host_s) * 1e3
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

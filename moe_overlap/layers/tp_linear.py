@@ -1,0 +1,170 @@
+"""Tensor-parallel linears (Megatron's column / row parallel), optionally sequence parallel.
+
+R: this rank's token rows (its sequence block under SP); S: the rows of the TP region (all ranks' blocks,
+rank-major, under SP; the same rows as R without SP). Every communication goes through a TPComm, which
+picks the serial path or its overlapped twin by switch; the math here is the same either way.
+
+  column  y_SF = gather(x_RH) @ W_FH^T        (W split on its output dim)
+          dgrad  grad_x_RH = scatter(grad_y_SF @ W_FH)       pipelined: tp_comm_overlap_rs_dgrad
+          wgrad  grad_W_FH = grad_y_SF^T @ gather(x_RH)      that gather hides under dgrad: tp_comm_bulk_dgrad;
+                                                             dgrad's scatter hides under wgrad: tp_comm_bulk_wgrad
+  row     y_RH = scatter(x_SF @ W_HF^T)        (W split on its input dim)   pipelined: tp_comm_overlap_rs
+          dgrad  grad_x_SF = gather(grad_y_RH) @ W_HF        pipelined: tp_comm_overlap_ag (keeps the gather)
+          wgrad  grad_W_HF = gather(grad_y_RH)^T @ x_SF
+The column forward's gather is pipelined with tp_comm_overlap_ag. Under SP only the local rows of x are saved
+for backward (re-gathered there), which is the point of sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from moe_overlap.distributed.ring import Pending, TPComm
+from moe_overlap.layers.init import NORMAL, TPShard, make_param
+
+# -------------------------------------------------------------------------------------- column parallel
+
+
+def column_dgrad_start(grad_y_SF: torch.Tensor, w_FH: torch.Tensor, comm: TPComm) -> Pending:
+    """grad_x = scatter(grad_y @ W): pipelined, or the GEMM now and its scatter in flight (bulk) or done."""
+    if comm.overlap.rs_dgrad:
+        return Pending(comm.matmul_scatter(grad_y_SF, w_FH, overlap=True))
+    return comm.start_scatter(torch.mm(grad_y_SF, w_FH), overlap=comm.overlap.bulk_wgrad)
+
+
+def column_wgrad(grad_y_SF: torch.Tensor, x_SH: torch.Tensor) -> torch.Tensor:
+    return torch.mm(grad_y_SF.t(), x_SH)
+
+
+class ColumnParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH: torch.Tensor, w_FH: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        ctx.save_for_backward(x_RH, w_FH)
+        ctx.comm = comm
+        return comm.gather_matmul(x_RH, w_FH.t(), overlap=comm.overlap.ag)[0]
+
+    @staticmethod
+    def backward(ctx, grad_y_SF: torch.Tensor):
+        x_RH, w_FH = ctx.saved_tensors
+        comm = ctx.comm
+        grad_y_SF = grad_y_SF.contiguous()
+        x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
+        grad_x = column_dgrad_start(grad_y_SF, w_FH, comm)
+        grad_w_FH = column_wgrad(grad_y_SF, x_gather.wait())
+        return grad_x.wait(), grad_w_FH, None
+
+
+# ----------------------------------------------------------------------------------------- row parallel
+
+
+def row_dgrad(grad_y_RH: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather(grad_y) @ W, gather(grad_y)): the gathered gradient is what wgrad needs."""
+    return comm.gather_matmul(grad_y_RH, w_HF, overlap=comm.overlap.ag, keep_gathered=True)
+
+
+def row_wgrad(grad_y_SH: torch.Tensor, x_SF: torch.Tensor) -> torch.Tensor:
+    return torch.mm(grad_y_SH.t(), x_SF)
+
+
+class RowParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_SF: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        ctx.save_for_backward(x_SF, w_HF)
+        ctx.comm = comm
+        return comm.matmul_scatter(x_SF, w_HF.t(), overlap=comm.overlap.rs)
+
+    @staticmethod
+    def backward(ctx, grad_y_RH: torch.Tensor):
+        x_SF, w_HF = ctx.saved_tensors
+        grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm)
+        return grad_x_SF, row_wgrad(grad_y_SH, x_SF), None
+
+
+# ------------------------------------------------------------------------------------ region boundaries
+
+
+class ScatterToRegion(torch.autograd.Function):
+    """Partial sums of every row -> this rank's rows, summed (SP: reduce-scatter; else all-reduce).
+    Backward: gather (SP: all-gather; else identity). The vocab-parallel embedding ends with it."""
+
+    @staticmethod
+    def forward(ctx, x_SH: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        ctx.comm = comm
+        return comm.scatter(x_SH)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor):
+        return ctx.comm.gather(grad_RH.contiguous()), None
+
+
+class GatherReplicated(torch.autograd.Function):
+    """Every rank's rows, for a computation each rank repeats on all of them (the router's choices and its
+    auxiliary losses over the whole micro-batch). Backward keeps this rank's rows only: each rank holds the
+    full gradient of the repeated computation, so summing the copies would count it ``size`` times."""
+
+    @staticmethod
+    def forward(ctx, x_RK: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        ctx.comm, ctx.rows = comm, x_RK.shape[0]
+        return comm.gather(x_RK.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad_SK: torch.Tensor):
+        if not ctx.comm.sequence_parallel:
+            return grad_SK, None
+        rank, rows = ctx.comm.rank, ctx.rows
+        return grad_SK[rank * rows:(rank + 1) * rows], None
+
+
+def region_rows(x_BS_: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    """Per-token tensor (batch, seq, ...) -> rows in the TP region's order: rank-major sequence blocks."""
+    return rearrange(x_BS_, "b (t s) ... -> (t b s) ...", t=comm.sequence_shards)
+
+
+def batch_major(x_S_: torch.Tensor, batch: int, comm: TPComm) -> torch.Tensor:
+    """Rows in the TP region's order -> (batch, seq) flattened batch-major, the single-process token order."""
+    return rearrange(x_S_, "(t b s) ... -> (b t s) ...", t=comm.sequence_shards, b=batch)
+
+
+def local_of_batch_major(x_T_: torch.Tensor, batch: int, comm: TPComm) -> torch.Tensor:
+    """This rank's rows of a batch-major per-token tensor (its sequence block of every sequence)."""
+    t = comm.sequence_shards
+    if t == 1:
+        return x_T_
+    return x_T_.unflatten(0, (batch, t, -1))[:, comm.rank].flatten(0, 1)
+
+
+# ------------------------------------------------------------------------------------------------ modules
+
+
+class ColumnParallelLinear(nn.Module):
+    """Bias-free; the weight holds this rank's rows of the logical (out_features, in_features) weight.
+
+    ``stack``: the logical weight is that many blocks stacked on the output dim (SwiGLU's [gate; up]), each
+    split over the ranks, so a rank's rows are its slice of every block.
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: TPComm, init: str = NORMAL, stack: int = 1,
+                 device=None, dtype=None):
+        super().__init__()
+        self.comm = comm
+        shard = TPShard(dim=0, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks), stack=stack)
+        self.weight = make_param((out_features // comm.size, in_features), init, device, dtype, tp=shard)
+
+    def forward(self, x_RH: torch.Tensor) -> torch.Tensor:
+        return ColumnParallelLinearFn.apply(x_RH, self.weight, self.comm)
+
+
+class RowParallelLinear(nn.Module):
+    """Bias-free; the weight holds this rank's columns of the logical (out_features, in_features) weight."""
+
+    def __init__(self, in_features: int, out_features: int, comm: TPComm, init: str = NORMAL, device=None,
+                 dtype=None):
+        super().__init__()
+        self.comm = comm
+        shard = TPShard(dim=1, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks))
+        self.weight = make_param((out_features, in_features // comm.size), init, device, dtype, tp=shard)
+
+    def forward(self, x_SF: torch.Tensor) -> torch.Tensor:
+        return RowParallelLinearFn.apply(x_SF, self.weight, self.comm)

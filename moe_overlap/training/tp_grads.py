@@ -1,0 +1,38 @@
+"""Gradients under tensor parallelism, for either optimizer (the TP part of Megatron's finalize_model_grads).
+
+Sequence-parallel parameters (replicated over TP: norms, routers) get each rank's gradient from its own
+sequence block only, so they are summed over the TP group, in one coalesced all-reduce. In the global gradient
+norm a TP-split parameter counts on every TP rank (each holds another block) and a replicated dense one on TP
+rank 0 only; the dense squares are then summed over the model-parallel group (TP x PP).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from moe_overlap.distributed.collectives import all_reduce_
+from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.layers.init import is_tp_split
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "sequence_parallel", False)
+
+
+@torch.no_grad()
+def sum_sequence_parallel_grads(params_and_grads: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                                tp: GroupHandle) -> None:
+    """Sum the gradients of sequence-parallel parameters over the TP group, in place."""
+    grads = [grad for param, grad in params_and_grads if is_sequence_parallel(param)]
+    if not grads or tp.group is None:
+        return
+    flat = all_reduce_(torch.cat([grad.reshape(-1) for grad in grads]), tp.group)
+    for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(summed.view_as(grad))
+
+
+def counts_in_dense_norm(param: torch.Tensor, tp: GroupHandle) -> bool:
+    """Whether this rank adds a dense parameter's squares to the norm (before the sum over TP x PP)."""
+    return tp.rank == 0 or is_tp_split(param)
