@@ -109,6 +109,10 @@ class CollectiveExchange(Exchange):
     def send(self, chunk: int) -> None:
         send_start, send_stop = self.layout.send_range(chunk)
         recv_start, recv_stop = self.layout.recv_range(chunk)
+        if self.send_buffer.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("CUDA-graph capture of the MoE exchange needs overlap.moe_a2a_backend='symm': "
+                               "a ProcessGroupNCCL all-to-all does not replay from a graph (measured: the capture "
+                               "fails with cudaErrorStreamCaptureImplicit)")
         if self.group is None:  # one rank: its own rows are all there is
             self.recv_buffer[recv_start:recv_stop].copy_(self.send_buffer[send_start:send_stop])
             return
