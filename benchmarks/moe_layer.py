@@ -55,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shapes", default="mixtral,fine,fine_small")
     parser.add_argument("--fabric", choices=("nvlink", "slow"), default="nvlink")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--timeline", default=None, help="PNG of one overlapped forward+backward (GPU only)")
+    parser.add_argument("--timeline", default=None,
+                        help="PNG of one overlapped forward+backward (GPU only), and a .txt kernel table beside it")
+    parser.add_argument("--timeline-shape", default=None, help="shape of the timeline (default: the last one)")
     parser.add_argument("--skew", action="store_true", help="add a skewed-routing row per shape")
     parser.add_argument("--chunks", default="1,2,4", help="chunk counts to try (capped at the local experts)")
     parser.add_argument("--rounds", type=int, default=15)
@@ -95,7 +97,7 @@ def main(argv=None) -> None:
         print_table(rows)
         write_json(args.json, run_header(world), rows)
     if args.timeline and cuda:
-        bench.timeline(args.timeline, SHAPES[args.shapes.split(",")[-1]])
+        bench.timeline(args.timeline, SHAPES[args.timeline_shape or args.shapes.split(",")[-1]])
     mesh.destroy()
     dist.destroy_process_group()
 

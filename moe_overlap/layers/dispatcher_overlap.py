@@ -87,8 +87,7 @@ class ExpertsCombine(torch.autograd.Function):
         state = ctx.state
         plan = state.plan
         w13_EHF2, w2_EFH = ctx.saved_tensors
-        # Chunks own disjoint runs of experts: each writes its slice once (no zero fill, no accumulation).
-        grad_w13, grad_w2 = torch.empty_like(w13_EHF2), torch.empty_like(w2_EFH)
+        wgrads = []  # per chunk (its experts' fc1, fc2 weight gradients): chunks own disjoint runs of experts
         grad_dispatch = state.transport.exchange(grad_combined_RH.contiguous(), plan.layout)
         for chunk in range(plan.layout.num_chunks):
             grad_dispatch.send(chunk)
@@ -100,25 +99,20 @@ class ExpertsCombine(torch.autograd.Function):
             weights = (w13_EHF2[first:last], w2_EFH[first:last])
             start, stop = plan.layout.recv_range(chunk)
             if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients: no rows, zero weight gradient
-                grad_w13[first:last].zero_()
-                grad_w2[first:last].zero_()
+                wgrads.append((torch.zeros_like(weights[0]), torch.zeros_like(weights[1])))
                 grad_combine.send(chunk)
                 continue
             grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, plan.offsets[chunk], *weights)
             wgrad = (grouped_RH, a_RF, grad_h_RF2, grad_y_RH, plan.offsets[chunk])
             if not state.delay_wgrad:
-                _write_wgrad(grad_w13, grad_w2, first, last, wgrad)
+                wgrads.append(experts_wgrad(*wgrad))
             torch.index_select(grad_x_RH, 0, plan.ungroup_index[chunk], out=grad_in_RH[start:stop])
             grad_combine.send(chunk)
             if state.delay_wgrad:  # fills the gap while this chunk's gradient travels
-                _write_wgrad(grad_w13, grad_w2, first, last, wgrad)
+                wgrads.append(experts_wgrad(*wgrad))
         grad_dispatch.finish()
         state.saved = []
         state.grad_combine = grad_combine
+        grad_w13, grad_w2 = (wgrads[0] if len(wgrads) == 1  # one chunk: no copy of the full weight gradient
+                             else (torch.cat([g for g, _ in wgrads]), torch.cat([g for _, g in wgrads])))
         return grad_combined_RH.new_zeros(0), grad_w13, grad_w2, None
-
-
-def _write_wgrad(grad_w13: torch.Tensor, grad_w2: torch.Tensor, first: int, last: int, wgrad: tuple) -> None:
-    g13, g2 = experts_wgrad(*wgrad)
-    grad_w13[first:last].copy_(g13)
-    grad_w2[first:last].copy_(g2)
