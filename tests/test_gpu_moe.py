@@ -133,19 +133,22 @@ def capacity_case(mesh, x, grad, report, backend: str) -> None:
     """Capacity (padded): no sync at all, and forward+backward captured in a CUDA graph."""
     layer = make_layer(mesh, torch.bfloat16, backend, 2, capacity=1.5)
     static_x = x.clone().requires_grad_(True)
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # warm-up and the eager reference off the legacy stream, as capture wants
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
+            layer.zero_grad(set_to_none=True)
             layer(static_x)[0].backward(grad)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        eager = layer(static_x)[0]
+        eager.backward(grad)
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    eager = layer(static_x)[0]
-    eager.backward(grad)
-    torch.cuda.set_sync_debug_mode("default")
     report[f"capacity_nosync_{backend}"] = True
+    layer.zero_grad(set_to_none=True)  # gradients the capture allocates itself, from the graph's pool
+    static_x.grad = None
     graph = torch.cuda.CUDAGraph()
     if backend == "nccl":  # ProcessGroupNCCL collectives do not replay from a graph: the layer says so
         try:
@@ -154,7 +157,9 @@ def capacity_case(mesh, x, grad, report, backend: str) -> None:
         except RuntimeError as err:
             report["capacity_graph_nccl_refusal"] = str(err)
         return
-    with torch.cuda.graph(graph):
+    # thread_local: NCCL's watchdog thread queries events while we capture, which the default "global" mode
+    # counts as an illegal call from another thread (the layer itself launches no NCCL work here).
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         captured = layer(static_x)[0]
         captured.backward(grad)
     graph.replay()
