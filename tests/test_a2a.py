@@ -1,0 +1,48 @@
+"""Transport choice (auto, and refusals that say why) and the chunked exchange layout, without processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_overlap.distributed.a2a import choose_backend, exchange_layout
+
+
+def test_auto_picks_symm_on_one_host_and_nccl_across_a_simulated_second_host():
+    assert choose_backend("auto", "cuda", [0, 1], 8, None)[0] == "symm"
+    name, why = choose_backend("auto", "cuda", [0, 1, 2, 3], local_world_size=2, symm_reason=None)
+    assert name == "nccl" and "span 2 hosts" in why
+    name, why = choose_backend("auto", "cuda", [0, 1], 8, "GPU 0 has no peer access to GPU 1")
+    assert name == "nccl" and "peer access" in why
+    assert choose_backend("auto", "cpu", [0, 1], 2, "the device is the CPU")[0] == "gloo"
+
+
+@pytest.mark.parametrize("requested,device,ranks,local,reason,fragment", [
+    ("symm", "cuda", [0, 1, 2, 3], 2, None, "span 2 hosts"),
+    ("symm", "cpu", [0, 1], 2, "the device is the CPU", "the device is the CPU"),
+    ("gloo", "cuda", [0, 1], 2, None, "use 'nccl'"),
+    ("nccl", "cpu", [0, 1], 2, "the device is the CPU", "use 'gloo'"),
+    ("mpi", "cpu", [0, 1], 2, None, "allowed auto, nccl, symm, gloo"),
+])
+def test_a_transport_that_cannot_run_is_refused_with_the_reason(requested, device, ranks, local, reason, fragment):
+    with pytest.raises(ValueError, match="overlap.moe_a2a_backend") as err:
+        choose_backend(requested, device, ranks, local, reason)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("peers,chunks", [(2, 1), (2, 3), (4, 2)])
+def test_exchange_layout_agrees_on_both_sides_of_every_pair(peers, chunks):
+    rows_SDC = np.random.default_rng(peers * 10 + chunks).integers(0, 5, (peers, peers, chunks))
+    rows_SDC[0, :, 0] = 0  # a rank that sends nothing in one chunk
+    layouts = [exchange_layout(rows_SDC, r) for r in range(peers)]
+    for src in range(peers):
+        for dst in range(peers):
+            for c in range(chunks):
+                sent, got = layouts[src], layouts[dst]
+                assert sent.send_rows[c][dst] == got.recv_rows[c][src] == rows_SDC[src, dst, c]
+                assert sent.remote_recv_offsets[c][dst] == got.recv_offsets[c][src]
+                assert got.remote_send_offsets[c][src] == sent.send_offsets[c][dst]
+    for lay in layouts:  # chunk-major: each chunk one contiguous region per side, regions in order
+        assert lay.send_range(chunks - 1)[1] == lay.send_total and lay.recv_range(chunks - 1)[1] == lay.recv_total
+        back = lay.reversed()
+        assert back.send_rows == lay.recv_rows and back.reversed() == lay
