@@ -28,7 +28,7 @@ from moe_overlap.layers.init import is_expert_param
 from moe_overlap.training.checkpoint import _boxes, latest_step, step_dir
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.trainer import Trainer
-from tests.test_master import CPU, rel_err, small_config, tp_layout, world_and_mesh
+from tests.test_master import CPU, rel_err, run_and_save, small_config, tp_layout, world_and_mesh
 
 TOL = 1e-6
 DIST = {"train.use_distributed_optimizer": "true"}
@@ -361,18 +361,7 @@ def test_checkpoint_reshards_across_tensor_parallel_sizes(rank_pool, tmp_path):
 
 
 def resumed_losses_case(output_dir: str, steps: int) -> list[float]:
-    cfg = small_config(output_dir, 2, 8, **{"train.resume": "true"}, **DIST)
-    _, mesh = world_and_mesh(cfg)
-    try:
-        trainer = Trainer(cfg, mesh, CPU)
-        trainer.resume()
-        losses = []
-        while trainer.step < steps:
-            losses.append(trainer.train_step()["loss"])
-        trainer.save()
-        return losses
-    finally:
-        mesh.destroy()
+    return run_and_save(output_dir, 2, steps, steps, **DIST)
 
 
 def test_training_continues_across_a_reshard(rank_pool, tmp_path):

@@ -147,9 +147,11 @@ def test_recompute_matches_single_process(rank_pool, tmp_path):
 # ----------------------------------------------------------------------------------------- resume
 
 
-def run_and_save(output_dir: str, ep: int, steps: int, save_at: int | None) -> list[float]:
-    """Train ``steps`` steps from scratch (or from the latest checkpoint), saving after step ``save_at``."""
-    cfg = small_config(output_dir, ep, 8, **{"train.resume": "true"})
+def run_and_save(output_dir: str, ep: int, steps: int, save_at: int | None, global_batch: int = 8,
+                 **overrides) -> list[float]:
+    """Train to step ``steps`` from the latest checkpoint (or from scratch), saving after step ``save_at``;
+    the losses of the steps run. Shared by every resume and reshard test."""
+    cfg = small_config(output_dir, ep, global_batch, **{"train.resume": "true"}, **overrides)
     _, mesh = world_and_mesh(cfg)
     try:
         trainer = Trainer(cfg, mesh, CPU)

@@ -17,7 +17,7 @@ from moe_overlap.distributed.ring import (P2PTransport, TPComm, TPOverlap, all_g
                                           matmul_reduce_scatter, ring_all_gather_matmul, ring_matmul_reduce_scatter)
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.trainer import Trainer, mesh_layout
-from tests.test_master import CPU, TOL, rel_err, small_config, tp_layout, world_and_mesh
+from tests.test_master import CPU, TOL, rel_err, run_and_save, small_config, tp_layout, world_and_mesh
 
 
 def world_group() -> GroupHandle:
@@ -156,20 +156,9 @@ def test_dense_tp_without_sequence_parallel_matches_single_process(rank_pool, tm
 
 def train_and_save(output_dir: str, layout: dict, steps: int, save_at: int | None) -> list[float]:
     """Train under ``layout`` from the latest checkpoint (or scratch) to ``steps``, saving after ``save_at``."""
-    cfg = small_config(output_dir, int(layout.pop("ep", 1)), 4, **{"train.resume": "true", "train.adam_eps": 1e-4,
-                                                                 "model.num_query_groups": 4}, **layout)
-    _, mesh = world_and_mesh(cfg)
-    try:
-        trainer = Trainer(cfg, mesh, CPU)
-        trainer.resume()
-        losses = []
-        while trainer.step < steps:
-            losses.append(trainer.train_step()["loss"])
-            if trainer.step == save_at:
-                trainer.save()
-        return losses
-    finally:
-        mesh.destroy()
+    layout = dict(layout)
+    return run_and_save(output_dir, int(layout.pop("ep", 1)), steps, save_at, global_batch=4,
+                        **{"train.adam_eps": 1e-4, "model.num_query_groups": 4}, **layout)
 
 
 def test_checkpoint_moves_between_tp_sizes(rank_pool, tmp_path):

@@ -41,8 +41,8 @@ from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.layers.init import is_expert_param, tp_shard
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
-from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, decays, logical_grad_copies, logical_parts,
-                                            step_is_finite)
+from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, clip_scale, decays, logical_grad_copies,
+                                            logical_parts)
 from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
 
 log = logging.getLogger(__name__)
@@ -261,10 +261,10 @@ class DistributedOptimizer:
     def step(self, lr: float, step_index: int) -> tuple[float, bool]:
         """Clip, update the local shards and start the parameter all-gathers; returns (norm, stepped)."""
         norm = self.grad_norm()
-        if not step_is_finite(norm, step_index, self.cfg.on_nonfinite_grad):
+        scale = clip_scale(norm, step_index, self.cfg)
+        if scale is None:
             self.zero_grad()
             return norm, False
-        scale = self.cfg.clip_grad / (norm + 1e-6) if 0 < self.cfg.clip_grad < norm else 1.0
         for bucket in self.buckets:  # forward order: the all-gather the next forward needs first starts first
             if scale != 1.0:
                 bucket.grad_shard.mul_(scale)

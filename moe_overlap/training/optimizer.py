@@ -61,16 +61,17 @@ def logical_parts(name: str, param: torch.Tensor) -> list[tuple[str, int, torch.
             for local in range(param.shape[0])]
 
 
-def step_is_finite(norm: float, step_index: int, policy: str) -> bool:
-    """False (with a warning naming the step) when the gradient norm is NaN/inf under policy 'skip';
-    raises under 'stop'. ``step_index`` counts from 0; messages count from 1, as the metrics do."""
-    if math.isfinite(norm):
-        return True
-    if policy == "stop":
-        raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm}; stopping "
-                                 "(train.on_nonfinite_grad=stop)")
-    log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index + 1, norm)
-    return False
+def clip_scale(norm: float, step_index: int, cfg: TrainConfig) -> float | None:
+    """The factor that clips the gradients to ``cfg.clip_grad``, or None when the step must be skipped: a
+    NaN/inf norm under on_nonfinite_grad 'skip' (with a warning naming the step); 'stop' raises.
+    ``step_index`` counts from 0; messages count from 1, as the metrics do."""
+    if not math.isfinite(norm):
+        if cfg.on_nonfinite_grad == "stop":
+            raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm}; stopping "
+                                     "(train.on_nonfinite_grad=stop)")
+        log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index + 1, norm)
+        return None
+    return cfg.clip_grad / (norm + 1e-6) if 0 < cfg.clip_grad < norm else 1.0
 
 
 def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: GroupHandle) -> dict[str, torch.Tensor]:
@@ -167,10 +168,10 @@ class MixedPrecisionAdamW:
     def step(self, lr: float, step_index: int) -> tuple[float, bool]:
         """Clip, update the masters and copy them into the model; returns (grad norm, whether stepped)."""
         norm = self.grad_norm()
-        if not step_is_finite(norm, step_index, self.cfg.on_nonfinite_grad):
+        scale = clip_scale(norm, step_index, self.cfg)
+        if scale is None:
             self.zero_grad()
             return norm, False
-        scale = self.cfg.clip_grad / (norm + 1e-6) if 0 < self.cfg.clip_grad < norm else 1.0
         for group in self.adamw.param_groups:
             group["lr"] = lr
         for entry in self.entries:
