@@ -251,14 +251,16 @@ class Bench:
         for _ in range(3):
             layer(x)[0].backward(grad)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             layer(x)[0].backward(grad)
             torch.cuda.synchronize()
         if self.mesh.rank == 0:
             draw_timeline(prof, path, f"overlapped MoE layer fwd+bwd, {layer.chunks} chunks, "
                                       f"{selectors[self.backends[0]].name}")
             Path(path).with_suffix(".txt").write_text(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+                + "\n\nhost side, by CPU time:\n"
+                + prof.key_averages().table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60))
 
 
 class Probe:
