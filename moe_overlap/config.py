@@ -33,7 +33,6 @@ def _not_implemented(field_name: str, value: Any, default: Any, waits_for: str) 
 
 
 # Which later capability each not-yet-built field waits for; the message tells the user.
-_WAITS_FOR_ETP = "waits for expert tensor parallelism in the dispatcher"
 _WAITS_FOR_PP = "waits for pipeline parallelism"
 _WAITS_FOR_CP = "waits for context parallelism"
 
@@ -397,13 +396,16 @@ def validate(cfg: Config) -> None:
     if p.virtual_pipeline_model_parallel_size is not None:
         raise _not_implemented("parallel.virtual_pipeline_model_parallel_size",
                                p.virtual_pipeline_model_parallel_size, None, _WAITS_FOR_PP)
-    if p.expert_tensor_parallel_size not in (None, 1):
-        raise _not_implemented("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size, 1, _WAITS_FOR_ETP)
+    etp = cfg.expert_tensor_parallel_size
+    if etp > 1 and m.num_moe_experts is not None:
+        for name, value, waits in (("overlap.moe_overlap_dispatch", o.moe_overlap_dispatch, "the overlapped dispatch"),
+                                   ("train.use_distributed_optimizer", t.use_distributed_optimizer,
+                                    "the distributed optimizer's checkpoint layout")):
+            if value:
+                raise ConfigError(name, value, f"with parallel.expert_tensor_parallel_size={etp}: not implemented "
+                                  f"yet (expert tensor parallelism in {waits}); expert-TP > 1 runs with the "
+                                  "serial dispatch and the plain optimizer")
     if tp > 1 and m.num_moe_experts is not None:
-        _require(p.expert_tensor_parallel_size == 1, "parallel.expert_tensor_parallel_size",
-                 p.expert_tensor_parallel_size,
-                 f"defaults to parallel.tensor_model_parallel_size={tp}, and expert tensor parallelism > 1 is not "
-                 f"implemented yet ({_WAITS_FOR_ETP}): set it to 1 for a MoE model with TP > 1")
         _require(p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
                  "must be true for a MoE model with tensor_model_parallel_size > 1 (as Megatron-Core: each TP rank "
                  "routes its own sequence block)")

@@ -28,8 +28,8 @@ def one_line_error(capsys) -> str:
 @pytest.mark.parametrize("argv,fragments", [
     (["info", TINY, "model.hiden_size=3"], ["model.hiden_size=3", "did you mean 'hidden_size'"]),
     (["train", TINY, "model.hiden_size=3"], ["model.hiden_size=3", "did you mean 'hidden_size'"]),
-    (["train", TINY, "parallel.tensor_model_parallel_size=2"],
-     ["parallel.tensor_model_parallel_size=2", "not implemented yet"]),
+    (["train", TINY, "parallel.pipeline_model_parallel_size=2"],
+     ["parallel.pipeline_model_parallel_size=2", "not implemented yet"]),
     (["train", TINY, "--nproc", "2", "overlap.overlap_p2p_comm=true"],
      ["overlap.overlap_p2p_comm=True", "not implemented yet"]),
     (["info", TINY, "model.moe_router_topk=9"], ["model.moe_router_topk=9", "model.num_moe_experts=8"]),

@@ -155,9 +155,12 @@ BAD: list[tuple] = [
     # --- tensor parallelism (TP_SP: TP=2 with sequence parallelism on the default dense model)
     (None, ["parallel.tensor_model_parallel_size=2", "model.vocab_size=257", "data.path=t.bin"], "model.vocab_size",
      "257", "divisible by parallel.tensor_model_parallel_size=2", "vocabulary block"),
-    (TINY, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
-     "parallel.expert_tensor_parallel_size", "None", "defaults to parallel.tensor_model_parallel_size=2",
-     NOT_YET, "set it to 1"),
+    # expert-TP > 1 (default: TP) runs the serial dispatch and the plain optimizer only
+    (TINY, ["parallel.expert_tensor_parallel_size=2", "overlap.moe_overlap_dispatch=true"],
+     "overlap.moe_overlap_dispatch", "True", "expert_tensor_parallel_size=2", NOT_YET, "overlapped dispatch"),
+    (TINY, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+            "train.use_distributed_optimizer=true"],
+     "train.use_distributed_optimizer", "True", "expert_tensor_parallel_size=2", NOT_YET),
     (TINY, ["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"],
      "parallel.sequence_parallel", "False", "must be true for a MoE model with tensor_model_parallel_size > 1"),
     (None, [*TP_SP, "overlap.tp_comm_overlap_ag=true"], "overlap.tp_comm_overlap_ag", "True",
@@ -209,7 +212,6 @@ NOT_IMPLEMENTED: list[tuple] = [
     (None, "parallel.pipeline_model_parallel_size=2", 2, "pipeline parallelism"),
     (None, "parallel.virtual_pipeline_model_parallel_size=2", 2, "pipeline parallelism"),
     (None, "parallel.context_parallel_size=2", 2, "context parallelism"),
-    (None, "parallel.expert_tensor_parallel_size=2", 2, "expert tensor parallelism"),
     (None, "overlap.overlap_p2p_comm=true", True, "pipeline parallelism"),
     (None, "overlap.batch_p2p_comm=true", True, "pipeline parallelism"),
     (None, "overlap.overlap_moe_expert_parallel_comm=true", True, "pipeline parallelism"),

@@ -212,3 +212,26 @@ OVERLAP = {"overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2, 
 def test_overlapped_dispatch_matches_single_process(rank_pool, tmp_path, world, ep, both, layout):
     worst = rank_pool(world).run(equivalence_case, ep, 3, str(tmp_path), router=both, layout=layout)
     assert all(max(w.values()) < TOL for w in worst)
+
+
+# Expert tensor parallelism (serial dispatch): each expert's FFN split over expert-TP ranks, alone, with EP,
+# and folded over TP (expert-TP defaults to TP).
+@pytest.mark.parametrize("world,ep,layout", [
+    (2, 1, {"parallel.expert_tensor_parallel_size": 2}),
+    (4, 2, {"parallel.expert_tensor_parallel_size": 2}),
+    (2, 1, tp_layout(2, **{"parallel.expert_tensor_parallel_size": 2})),
+    (4, 2, tp_layout(2, "tp_comm_overlap_ag", "tp_comm_overlap_rs", **{"parallel.expert_tensor_parallel_size": 2})),
+], ids=["etp2", "etp2xep2", "tp2_etp2", "tp2_etp2_ep2_overlap"])
+def test_expert_tensor_parallel_layouts_match_single_process(rank_pool, tmp_path, world, ep, layout):
+    both = {"model.num_query_groups": 4, "train.adam_eps": 1e-4}  # as the TP cases, for the same reasons
+    worst = rank_pool(world).run(equivalence_case, ep, 2, str(tmp_path), router=both, layout=layout)
+    assert all(max(w.values()) < TOL for w in worst)
+
+
+def test_checkpoint_moves_between_expert_tp_sizes(rank_pool, tmp_path):
+    """Saved at EP=2 x expert-TP=2 on 4 ranks, resumed at EP=2 (expert-TP 1) on 2: the same next loss."""
+    etp2 = {"parallel.expert_tensor_parallel_size": 2}
+    straight = rank_pool(4).run(run_and_save, str(tmp_path / "straight"), 2, 3, None, **etp2)[0]
+    rank_pool(4).run(run_and_save, str(tmp_path / "moved"), 2, 2, 2, **etp2)
+    moved = rank_pool(2).run(run_and_save, str(tmp_path / "moved"), 2, 3, None)[0]
+    assert len(moved) == 1 and abs(moved[0] - straight[2]) / straight[2] < TOL

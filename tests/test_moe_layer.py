@@ -112,7 +112,7 @@ SHARED_F = 16
 
 
 def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = None, pad: bool = False,
-             shared: str = "off", delay_wgrad: bool = False) -> float:
+             shared: str = "off", delay_wgrad: bool = False, etp: int = 1) -> float:
     """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula.
 
     chunks 0 is the serial path; >= 1 the overlapped pipeline with that many chunks. shared: off, serial
@@ -120,7 +120,7 @@ def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = No
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60) if world > 1 else Mesh.single()
+    mesh = Mesh.create(MeshLayout(world, ep=world // etp, etp=etp), timeout_s=60) if world > 1 else Mesh.single()
     try:
         cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
                           moe_pad_expert_input_to_capacity=pad,
@@ -130,14 +130,20 @@ def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = No
                                 delay_wgrad_compute=delay_wgrad)
         transports = (TransportSelector("auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), max(chunks, 1), 60)
                       if chunks else None)
-        layer = MoELayer(cfg, overlap, mesh.ep, transports)
+        layer = MoELayer(cfg, overlap, mesh.ep, transports, etp=mesh.etp, expert_mp=mesh.expert_mp)
         w13, w2 = full_expert_weights()
+        ffn_slice = slice(mesh.etp.rank * F // etp, (mesh.etp.rank + 1) * F // etp)
+
+        def my_slice(t13, t2):  # this rank's FFN slice under expert-TP: gate and up columns, fc2 rows
+            return torch.cat((t13[..., :F][..., ffn_slice], t13[..., F:][..., ffn_slice]), -1), t2[:, ffn_slice]
+
         g = torch.Generator().manual_seed(7)
         shared_fc1, shared_fc2 = torch.randn(2 * SHARED_F, H, generator=g) * 0.3, torch.randn(H, SHARED_F, generator=g) * 0.3
         local = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
         with torch.no_grad():
-            layer.experts.w13.copy_(w13[local])
-            layer.experts.w2.copy_(w2[local])
+            mine13, mine2 = my_slice(w13[local], w2[local])
+            layer.experts.w13.copy_(mine13)
+            layer.experts.w2.copy_(mine2)
             if layer.shared_expert is not None:
                 layer.shared_expert.linear_fc1.weight.copy_(shared_fc1)
                 layer.shared_expert.linear_fc2.weight.copy_(shared_fc2)
@@ -169,7 +175,8 @@ def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = No
                 if shared != "off":
                     errors += [rel_err(layer.shared_expert.linear_fc1.weight.grad, ref_fc1.grad),
                                rel_err(layer.shared_expert.linear_fc2.weight.grad, ref_fc2.grad)]
-        for got, want in ((layer.experts.w13.grad, ref_w13.grad[local]), (layer.experts.w2.grad, ref_w2.grad[local])):
+        want13, want2 = my_slice(ref_w13.grad[local], ref_w2.grad[local])
+        for got, want in ((layer.experts.w13.grad, want13), (layer.experts.w2.grad, want2)):
             if want.norm() == 0:
                 assert got.abs().max() == 0, "an expert that received nothing has a gradient"
             else:
@@ -212,6 +219,15 @@ def test_overlapped_dispatch_ep2(rank_pool, routing, case):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_overlapped_dispatch_ep4_skewed(rank_pool, routing, chunks):
     assert max(rank_pool(4).run(moe_case, routing, 2, chunks=chunks, delay_wgrad=chunks == 2)) < 1e-5
+
+
+@pytest.mark.parametrize("world,routing,capacity", [(2, "random", None), (2, "sparse", None), (4, "random", None),
+                                                    (4, "last_rank_only", None), (4, "sparse", 3)])
+def test_expert_tensor_parallel_serial_dispatch(rank_pool, world, routing, capacity):
+    """Expert-TP=2 (EP=1 on 2 ranks, EP=2 on 4): each expert's FFN split in two, rows gathered and the
+    partial outputs summed back; with padded capacity the sizes are static."""
+    errors = rank_pool(world).run(moe_case, routing, 2, capacity=capacity, pad=capacity is not None, etp=2)
+    assert max(errors) < 1e-5
 
 
 def test_overlapped_dispatch_single_process_chunk_without_rows():

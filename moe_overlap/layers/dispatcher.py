@@ -161,14 +161,58 @@ class DispatchPlanner:
         return ExchangePlan(exchange_layout(rows_SDC, ep.rank), self.bounds, device[0::3], device[1::3], offsets)
 
 
+@dataclass
+class ExpertTPPlan:
+    """Expert tensor parallelism around the grouped GEMMs: every expert-TP rank gathers the rows its peers
+    received, runs its FFN slice on all of them, and the partial outputs are summed back to their owners."""
+
+    rows_per_peer: list[int]  # rows each expert-TP rank received from its EP exchange, by expert-TP rank
+    regroup_index: torch.Tensor  # gathered rows from (peer, local expert) to (local expert, peer) order
+    ungroup_index: torch.Tensor
+    offsets: torch.Tensor  # int32 grouped-GEMM end offsets over the gathered rows
+
+
+def expert_tp_counts(counts_SPE: torch.Tensor, ep: GroupHandle) -> torch.Tensor:
+    """From every expert rank's copies per global expert, [EP rank, expert-TP rank, expert], the rows each
+    expert-TP peer of this rank receives per local expert: [expert-TP rank, local expert]."""
+    local = counts_SPE.shape[-1] // ep.size
+    return counts_SPE[:, :, ep.rank * local:(ep.rank + 1) * local].sum(0)
+
+
+def plan_expert_tp(rows_PL: torch.Tensor, device: torch.device) -> ExpertTPPlan:
+    peers, local = rows_PL.shape
+    block_key = np.add.outer(np.arange(peers), np.arange(local) * peers).ravel()
+    rows = rows_PL.numpy()
+    index = np.argsort(np.repeat(block_key, rows.ravel()), kind="stable")
+    inverse = np.empty_like(index)
+    inverse[index] = np.arange(index.size)
+    regroup, ungroup, ends = _to_device([index, inverse, np.cumsum(rows.sum(0))], device)
+    return ExpertTPPlan(rows.sum(1).tolist(), regroup, ungroup, ends.to(torch.int32))
+
+
+def expert_tp_experts(grouped_RH: torch.Tensor, plan: ExpertTPPlan, etp: GroupHandle, experts) -> torch.Tensor:
+    """Gather the peers' rows, run this rank's FFN slice on all of them, reduce-scatter the partial outputs
+    (uneven all-to-alls: each rank's share of rows differs)."""
+    mine, peers = plan.rows_per_peer[etp.rank], etp.size
+    gathered_RH = AllToAllRows.apply(grouped_RH.repeat(peers, 1), plan.rows_per_peer, [mine] * peers, etp.group)
+    partial_RH = GatherRows.apply(experts(GatherRows.apply(gathered_RH, plan.regroup_index), plan.offsets),
+                                  plan.ungroup_index)
+    returned_PRH = AllToAllRows.apply(partial_RH, [mine] * peers, plan.rows_per_peer, etp.group)
+    return returned_PRH.view(peers, mine, grouped_RH.shape[1]).float().sum(0).to(grouped_RH.dtype)
+
+
 def serial_dispatch_combine(x_TH: torch.Tensor, probs_TK: torch.Tensor, plan: DispatchPlan, ep: GroupHandle,
-                            experts) -> torch.Tensor:
-    """The reference path: permute, all-to-all, grouped experts, all-to-all, unpermute; one chunk."""
+                            experts, expert_tp: tuple[ExpertTPPlan, GroupHandle] | None = None) -> torch.Tensor:
+    """The reference path: permute, all-to-all, grouped experts (split over expert-TP), all-to-all,
+    unpermute; one chunk."""
     layout = plan.exchange.layout
     permuted_RH = Permute.apply(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
     received_RH = AllToAllRows.apply(permuted_RH, layout.recv_rows[0], layout.send_rows[0], ep.group)
     grouped_RH = GatherRows.apply(received_RH, plan.exchange.regroup_index[0])
-    expert_out_RH = experts(grouped_RH, plan.exchange.offsets[0])
+    if expert_tp is None:
+        expert_out_RH = experts(grouped_RH, plan.exchange.offsets[0])
+    else:
+        expert_out_RH = expert_tp_experts(grouped_RH, *expert_tp, experts)
     ungrouped_RH = GatherRows.apply(expert_out_RH, plan.exchange.ungroup_index[0])
     combined_RH = AllToAllRows.apply(ungrouped_RH, layout.send_rows[0], layout.recv_rows[0], ep.group)
     return Unpermute.apply(combined_RH, plan.row_of_copy_TK, probs_TK, plan.all_rows_mapped)

@@ -11,7 +11,8 @@ from torch import nn
 
 from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_forward_torch
 
-from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
+from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, TPShard, make_param
 
 
 def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
@@ -74,16 +75,21 @@ def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13
 
 
 class GroupedExperts(nn.Module):
-    """The experts this rank holds: global experts [first_expert, first_expert + num_local_experts)."""
+    """The experts this rank holds: global experts [first_expert, first_expert + num_local_experts), each
+    split over the expert-tensor-parallel group ``etp`` along its FFN dimension (fc1's gate and up each
+    split, so SwiGLU stays local; fc2 split by rows). One expert's logical tensors are w13 (H, 2, F) and
+    w2 (F, H) whatever the split, so checkpoints and init do not depend on it."""
 
     def __init__(self, num_local_experts: int, first_expert: int, hidden_size: int, ffn_hidden_size: int,
-                 device=None, dtype=None):
+                 device=None, dtype=None, etp: GroupHandle | None = None):
         super().__init__()
         self.num_local_experts, self.first_expert = num_local_experts, first_expert
-        self.w13 = make_param((num_local_experts, hidden_size, 2 * ffn_hidden_size), NORMAL, device, dtype,
-                              first_expert=first_expert)
-        self.w2 = make_param((num_local_experts, ffn_hidden_size, hidden_size), SCALED_NORMAL, device, dtype,
-                             first_expert=first_expert)
+        rank, size, ranks = (etp.rank, etp.size, tuple(etp.ranks)) if etp is not None else (0, 1, ())
+        local_ffn = ffn_hidden_size // size
+        self.w13 = make_param((num_local_experts, hidden_size, 2 * local_ffn), NORMAL, device, dtype,
+                              first_expert=first_expert, tp=TPShard(1, rank, size, ranks, stack=2))
+        self.w2 = make_param((num_local_experts, local_ffn, hidden_size), SCALED_NORMAL, device, dtype,
+                             first_expert=first_expert, tp=TPShard(0, rank, size, ranks))
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2)

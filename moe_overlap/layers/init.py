@@ -130,8 +130,8 @@ def init_parameters(model: nn.Module, seed: int, std: float, num_layers: int) ->
             raise RuntimeError(f"parameter {name} was not made with make_param; it has no init rule")
         if param.device.type == "meta":
             continue
-        if is_expert_param(param):
+        if is_expert_param(param):  # an expert-TP shard's dims are those of one expert's tensor
             for local, expert in enumerate(range(param.first_expert, param.first_expert + param.shape[0])):
-                _fill(param[local], rule, expert_key(name, expert), seed, std, num_layers)
+                _fill(param[local], rule, expert_key(name, expert), seed, std, num_layers, tp_shard(param))
         else:
             _fill(param, rule, name, seed, std, num_layers, tp_shard(param))

@@ -4,6 +4,8 @@ or the serial reference (dispatcher); the math is the same."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -11,7 +13,8 @@ from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute
-from moe_overlap.layers.dispatcher import DispatchPlanner, serial_dispatch_combine, start_counts_fetch
+from moe_overlap.layers.dispatcher import (DispatchPlanner, expert_tp_counts, plan_expert_tp,
+                                            serial_dispatch_combine, start_counts_fetch)
 from moe_overlap.layers.dispatcher_overlap import DispatchStart, ExpertsCombine, PipelineState
 from moe_overlap.layers.experts import GroupedExperts
 from moe_overlap.layers.mlp import SwiGLUMLP
@@ -26,9 +29,16 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, overlap: OverlapConfig, ep: GroupHandle,
-                 transports: TransportSelector | None = None, device=None, dtype=None, router: Router | None = None):
+                 transports: TransportSelector | None = None, device=None, dtype=None, router: Router | None = None,
+                 etp: GroupHandle | None = None, expert_mp: GroupHandle | None = None):
         super().__init__()
         self.ep, self.transports = ep, transports
+        # Expert-TP > 1: each expert's FFN split over ``etp``; ``expert_mp`` (EP x expert-TP) shares the counts.
+        self.etp = etp if etp is not None and etp.size > 1 else None
+        self.expert_mp = expert_mp
+        if self.etp is not None and overlap.moe_overlap_dispatch:
+            raise ValueError("parallel.expert_tensor_parallel_size > 1 with overlap.moe_overlap_dispatch: "
+                             "not implemented yet (the serial dispatch supports it)")
         self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.overlap_dispatch, self.chunks = overlap.moe_overlap_dispatch, overlap.moe_a2a_chunks
@@ -38,7 +48,7 @@ class MoELayer(nn.Module):
         local_experts = self.num_experts // ep.size
         self.router = router if router is not None else Router.from_config(cfg, device, dtype)
         self.experts = GroupedExperts(local_experts, ep.rank * local_experts, cfg.hidden_size,
-                                      cfg.expert_ffn_hidden_size, device, dtype)
+                                      cfg.expert_ffn_hidden_size, device, dtype, self.etp)
         self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, device, dtype)
                               if cfg.moe_shared_expert_intermediate_size else None)
         self._planners: dict[int, DispatchPlanner] = {}  # by chunk count
@@ -48,12 +58,17 @@ class MoELayer(nn.Module):
         routed to each global expert (for metrics; an output, so recomputation does not count twice)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         routing = self.router(x_TH)
-        keep_TK, capacity = getattr(routing, "keep_TK", None), getattr(routing, "capacity", None)
+        keep_TK, capacity = routing.keep_TK, routing.capacity
         static = capacity is not None and self.pad_to_capacity
-        fetch = None if static else start_counts_fetch(routing.tokens_per_expert_E, self.ep)
+        # Static (padded capacity) sizes need no counts; otherwise one host sync fetches every rank's, over
+        # EP, or over EP x expert-TP, whose counts the expert-TP gather needs too.
+        counts = None if static else start_counts_fetch(routing.tokens_per_expert_E,
+                                                         self.ep if self.etp is None else self.expert_mp)
+        fetch = None if counts is None else functools.partial(self._ep_group_counts, counts)
         plan = self._planner(x_TH.device).plan(routing.experts_TK, keep_TK, capacity, fetch)
         if not self.overlap_dispatch:
-            out_TH = serial_dispatch_combine(x_TH, routing.probs_TK, plan, self.ep, self.experts)
+            expert_tp = None if self.etp is None else (self._expert_tp_plan(counts, capacity, x_TH.device), self.etp)
+            out_TH = serial_dispatch_combine(x_TH, routing.probs_TK, plan, self.ep, self.experts, expert_tp)
             if self.shared_expert is not None:
                 out_TH = out_TH + self.shared_expert(x_TH)
         else:
@@ -61,6 +76,22 @@ class MoELayer(nn.Module):
                           else self.ep.size * x_TH.shape[0] * self.topk)  # every rank's copies landing here
             out_TH = self._pipelined(x_TH, routing.probs_TK, plan, worst_rows)
         return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
+
+    def _expert_tp_plan(self, fetch_counts, capacity: int | None, device: torch.device):
+        """How the expert-TP peers' rows are gathered: from the fetched counts, or static (padded capacity:
+        every EP rank sends ``capacity`` rows per expert)."""
+        local = self.num_experts // self.ep.size
+        if fetch_counts is None:
+            rows_PL = torch.full((self.etp.size, local), self.ep.size * capacity, dtype=torch.int64)
+        else:
+            rows_PL = expert_tp_counts(fetch_counts().view(self.ep.size, self.etp.size, -1), self.ep)
+        return plan_expert_tp(rows_PL, device)
+
+    def _ep_group_counts(self, fetch_counts) -> torch.Tensor:
+        """[EP rank, global expert] copies of this rank's EP group, from the fetched counts."""
+        if self.etp is None:
+            return fetch_counts()
+        return fetch_counts().view(self.ep.size, self.etp.size, -1)[:, self.etp.rank]
 
     def _planner(self, device: torch.device) -> DispatchPlanner:
         chunks = self.chunks if self.overlap_dispatch else 1

@@ -39,7 +39,7 @@ class TransformerLayer(nn.Module):
         if self.is_moe:
             router = (SequenceParallelRouter.from_config(cfg, device, dtype, comm=comm)
                       if comm.sequence_shards > 1 else None)
-            self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router)
+            self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router, mesh.etp, mesh.expert_mp)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype, comm)
 

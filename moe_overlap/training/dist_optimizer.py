@@ -252,8 +252,9 @@ class DistributedOptimizer:
         for bucket in self.buckets:
             full = all_gather_into(torch.empty_like(bucket.grad_data), bucket.grad_shard, bucket.group.group)
             for slot in bucket.slots:
+                group = self.mesh.etp if is_expert_param(slot.param) else self.mesh.tp
                 grads.update(logical_grad_copies(slot.name, slot.param, full[slot.start:slot.end].view_as(slot.param),
-                                                 self.mesh.tp))
+                                                 group))
         return grads
 
     # --------------------------------------------------------------------------------- update

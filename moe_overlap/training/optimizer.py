@@ -56,8 +56,9 @@ def logical_parts(name: str, param: torch.Tensor) -> list[tuple[str, int, torch.
     if not is_expert_param(param):
         shard = tp_shard(param)
         return [(name, 0, param.shape if shard is None else shard.local_shape(param.shape))]
-    per_expert = param[0].numel()
-    return [(expert_key(name, param.first_expert + local), local * per_expert, param.shape[1:])
+    per_expert, shard = param[0].numel(), tp_shard(param)
+    shape = param.shape[1:] if shard is None else shard.local_shape(param.shape[1:])
+    return [(expert_key(name, param.first_expert + local), local * per_expert, shape)
             for local in range(param.shape[0])]
 
 
@@ -76,11 +77,15 @@ def clip_scale(norm: float, step_index: int, cfg: TrainConfig) -> float | None:
 
 def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: GroupHandle) -> dict[str, torch.Tensor]:
     """Copies of one parameter's gradient (contiguous, shaped like it) by logical name; a TP-split one
-    gathered into its logical tensor (a collective over TP)."""
+    gathered into its logical tensor (a collective over ``tp``: TP, or expert-TP for expert weights)."""
     if is_tp_split(param):
         blocks = [torch.empty_like(grad) for _ in range(tp.size)]
         torch.distributed.all_gather(blocks, grad, group=tp.group)
-        return {name: tp_shard(param).assemble(blocks)}
+        shard = tp_shard(param)
+        if not is_expert_param(param):
+            return {name: shard.assemble(blocks)}
+        return {expert_key(name, param.first_expert + local): shard.assemble([block[local] for block in blocks])
+                for local in range(param.shape[0])}
     flat = grad.view(-1)
     return {key: flat[offset:offset + shape.numel()].view(shape).clone()
             for key, offset, shape in logical_parts(name, param)}
@@ -160,7 +165,7 @@ class MixedPrecisionAdamW:
                 expert_sq += square
             elif counts_in_dense_norm(entry.param, self.mesh.tp):
                 dense_sq += square
-        all_reduce_(expert_sq, self.mesh.ep.group)
+        all_reduce_(expert_sq, self.mesh.expert_mp.group)  # experts differ over EP and expert-TP (and PP)
         all_reduce_(dense_sq, self.mesh.mp.group)
         return math.sqrt(float(dense_sq + expert_sq))
 
@@ -191,7 +196,8 @@ class MixedPrecisionAdamW:
         tensors (after reduce_grads; a collective over TP, for tests)."""
         grads = {}
         for e in self.entries:
-            grads.update(logical_grad_copies(e.name, e.param, e.main_grad, self.mesh.tp))
+            grads.update(logical_grad_copies(e.name, e.param, e.main_grad,
+                                             self.mesh.etp if e.is_expert else self.mesh.tp))
         return grads
 
     def logical_state(self) -> dict[str, torch.Tensor]:
