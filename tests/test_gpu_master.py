@@ -1,8 +1,9 @@
 """The master test over NCCL in bf16 on 2 GPUs (`pytest -m gpu`): DESIGN.md's bf16 tolerance rule.
 
-The EP=2 bf16 runs' error (plain all-reduce optimizer; distributed optimizer with both overlaps) against an
-fp32 single-process run must be at most 2x the single-process bf16 run's own error against it, per tensor
-(normwise), for the losses and every gradient of the first step.
+The bf16 runs' error against an fp32 single-process run must be at most 2x the single-process bf16 run's own
+error against it, per tensor (normwise), for the losses and every gradient of the first step. Layouts: EP=2
+(plain all-reduce optimizer; distributed optimizer with both overlaps; the overlapped dispatch over the
+auto-chosen transport), TP=2 with SP and expert-TP=2 (TP overlaps on).
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
 
@@ -25,8 +26,8 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     import torch.distributed as dist
 
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training.trainer import Trainer, init_distributed
-    from tests.test_master import logical_grads, rel_err, small_config
+    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_layout
+    from tests.test_master import logical_grads, rel_err, small_config, tp_layout
 
     torch.backends.cuda.matmul.allow_tf32 = False
     global_batch = 8
@@ -35,10 +36,19 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     dist_cfg = small_config(output_dir, 2, global_batch, **{
         "train.precision": "bf16", "train.device": "cuda", "train.use_distributed_optimizer": "true",
         "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true"})
-    layouts = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap")
+    overlap_cfg = small_config(output_dir, 2, global_batch, **{
+        "train.precision": "bf16", "train.device": "cuda", "overlap.moe_overlap_dispatch": "true",
+        "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true"})
+    tp_cfg = small_config(output_dir, 1, global_batch, **{"train.precision": "bf16", "train.device": "cuda"},
+                          **tp_layout(2, "tp_comm_overlap_ag", "tp_comm_overlap_rs",
+                                      **{"parallel.expert_tensor_parallel_size": 2}))
+    tp_mesh = Mesh.create(mesh_layout(tp_cfg, 2), timeout_s=120)
+    layouts = LAYOUTS
     runs = {
         layouts[0]: Trainer(layout_cfg, mesh, device),
         layouts[1]: Trainer(dist_cfg, mesh, device),
+        layouts[2]: Trainer(overlap_cfg, mesh, device),
+        layouts[3]: Trainer(tp_cfg, tp_mesh, device),
         "single_bf16": Trainer(small_config(output_dir, 1, global_batch, **{"train.precision": "bf16"}),
                                Mesh.single(), device),
         "single_fp32": Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), device),
@@ -64,25 +74,40 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
             single_err = abs(losses["single_bf16"][step] - losses["single_fp32"][step])
             if layout_err > 2 * single_err:
                 report["violations"].append((layout, f"loss step {step + 1}", layout_err, single_err))
+    tp_mesh.destroy()
     mesh.destroy()
     dist.destroy_process_group()
     return report
 
 
-@pytest.mark.gpu
-def test_master_over_nccl_bf16(tmp_path):
+LAYOUTS = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap", "layout_bf16_overlapped_dispatch",
+           "layout_bf16_tp2_sp_etp2_overlap")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    """One torchrun launch runs every layout; each test below checks one layout's part of the reports."""
     if torch.cuda.device_count() < 2:
         pytest.fail("needs 2 CUDA GPUs")
     env = dict(os.environ, **MULTICAST_OFF, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           str(tmp_path)]
+           str(tmp_path_factory.mktemp("gpu_master"))]
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 2
-    for report in reports:
+    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(found) == 2
+    for report in found:
         print(json.dumps(report))
-        assert report["tensors"] > 0 and not report["violations"], report["violations"]
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_master_over_nccl_bf16(reports, layout):
+    for report in reports:
+        assert report["tensors"] > 0
+        violations = [v for v in report["violations"] if v[0] == layout]
+        assert not violations, violations
 
 
 if __name__ == "__main__":  # one rank under torchrun
