@@ -398,13 +398,11 @@ def validate(cfg: Config) -> None:
                                p.virtual_pipeline_model_parallel_size, None, _WAITS_FOR_PP)
     etp = cfg.expert_tensor_parallel_size
     if etp > 1 and m.num_moe_experts is not None:
-        for name, value, waits in (("overlap.moe_overlap_dispatch", o.moe_overlap_dispatch, "the overlapped dispatch"),
-                                   ("train.use_distributed_optimizer", t.use_distributed_optimizer,
-                                    "the distributed optimizer's checkpoint layout")):
-            if value:
-                raise ConfigError(name, value, f"with parallel.expert_tensor_parallel_size={etp}: not implemented "
-                                  f"yet (expert tensor parallelism in {waits}); expert-TP > 1 runs with the "
-                                  "serial dispatch and the plain optimizer")
+        if t.use_distributed_optimizer:
+            raise ConfigError("train.use_distributed_optimizer", True,
+                              f"with parallel.expert_tensor_parallel_size={etp}: not implemented yet (expert tensor "
+                              "parallelism in the distributed optimizer's checkpoint layout); expert-TP > 1 runs "
+                              "with the plain optimizer")
     if tp > 1 and m.num_moe_experts is not None:
         _require(p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
                  "must be true for a MoE model with tensor_model_parallel_size > 1 (as Megatron-Core: each TP rank "

@@ -155,9 +155,7 @@ BAD: list[tuple] = [
     # --- tensor parallelism (TP_SP: TP=2 with sequence parallelism on the default dense model)
     (None, ["parallel.tensor_model_parallel_size=2", "model.vocab_size=257", "data.path=t.bin"], "model.vocab_size",
      "257", "divisible by parallel.tensor_model_parallel_size=2", "vocabulary block"),
-    # expert-TP > 1 (default: TP) runs the serial dispatch and the plain optimizer only
-    (TINY, ["parallel.expert_tensor_parallel_size=2", "overlap.moe_overlap_dispatch=true"],
-     "overlap.moe_overlap_dispatch", "True", "expert_tensor_parallel_size=2", NOT_YET, "overlapped dispatch"),
+    # expert-TP > 1 (default: TP) runs with the plain optimizer only
     (TINY, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
             "train.use_distributed_optimizer=true"],
      "train.use_distributed_optimizer", "True", "expert_tensor_parallel_size=2", NOT_YET),

@@ -221,7 +221,8 @@ def test_overlapped_dispatch_matches_single_process(rank_pool, tmp_path, world, 
     (4, 2, {"parallel.expert_tensor_parallel_size": 2}),
     (2, 1, tp_layout(2, **{"parallel.expert_tensor_parallel_size": 2})),
     (4, 2, tp_layout(2, "tp_comm_overlap_ag", "tp_comm_overlap_rs", **{"parallel.expert_tensor_parallel_size": 2})),
-], ids=["etp2", "etp2xep2", "tp2_etp2", "tp2_etp2_ep2_overlap"])
+    (4, 2, {"parallel.expert_tensor_parallel_size": 2, **OVERLAP}),
+], ids=["etp2", "etp2xep2", "tp2_etp2", "tp2_etp2_ep2_overlap", "etp2xep2_overlapped_dispatch"])
 def test_expert_tensor_parallel_layouts_match_single_process(rank_pool, tmp_path, world, ep, layout):
     both = {"model.num_query_groups": 4, "train.adam_eps": 1e-4}  # as the TP cases, for the same reasons
     worst = rank_pool(world).run(equivalence_case, ep, 2, str(tmp_path), router=both, layout=layout)

@@ -230,5 +230,14 @@ def test_expert_tensor_parallel_serial_dispatch(rank_pool, world, routing, capac
     assert max(errors) < 1e-5
 
 
+@pytest.mark.parametrize("world,routing,capacity,delay", [(2, "random", None, True), (2, "sparse", None, False),
+                                                          (4, "random", None, True), (4, "sparse", 3, False)])
+def test_expert_tensor_parallel_overlapped_dispatch(rank_pool, world, routing, capacity, delay):
+    """The chunked pipeline with expert-TP=2: each chunk's rows gathered over expert-TP, summed back."""
+    errors = rank_pool(world).run(moe_case, routing, 2, chunks=2, capacity=capacity, pad=capacity is not None,
+                                  delay_wgrad=delay, etp=2)
+    assert max(errors) < 1e-5
+
+
 def test_overlapped_dispatch_single_process_chunk_without_rows():
     assert moe_case("first_rank_only", 2, chunks=4) < 1e-5  # chunks 1..3 carry no rows at all

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moe_overlap.distributed.a2a import ExchangeLayout, exchange_layout
-from moe_overlap.distributed.collectives import AllToAllRows, all_gather_into
+from moe_overlap.distributed.collectives import AllToAllRows, all_gather_into, all_to_all_rows
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 
@@ -190,15 +190,29 @@ def plan_expert_tp(rows_PL: torch.Tensor, device: torch.device) -> ExpertTPPlan:
     return ExpertTPPlan(rows.sum(1).tolist(), regroup, ungroup, ends.to(torch.int32))
 
 
-def expert_tp_experts(grouped_RH: torch.Tensor, plan: ExpertTPPlan, etp: GroupHandle, experts) -> torch.Tensor:
-    """Gather the peers' rows, run this rank's FFN slice on all of them, reduce-scatter the partial outputs
-    (uneven all-to-alls: each rank's share of rows differs)."""
+def gather_from_expert_tp(rows_RH: torch.Tensor, plan: ExpertTPPlan, etp: GroupHandle,
+                          all_to_all=all_to_all_rows) -> torch.Tensor:
+    """Every expert-TP peer's rows, in peer order (an uneven all-gather as an all-to-all). Its adjoint is
+    :func:`sum_to_expert_tp_owners`; ``all_to_all`` is AllToAllRows.apply where autograd should see it."""
     mine, peers = plan.rows_per_peer[etp.rank], etp.size
-    gathered_RH = AllToAllRows.apply(grouped_RH.repeat(peers, 1), plan.rows_per_peer, [mine] * peers, etp.group)
+    return all_to_all(rows_RH.repeat(peers, 1), plan.rows_per_peer, [mine] * peers, etp.group)
+
+
+def sum_to_expert_tp_owners(rows_RH: torch.Tensor, plan: ExpertTPPlan, etp: GroupHandle,
+                            all_to_all=all_to_all_rows) -> torch.Tensor:
+    """Each peer's block of rows (in peer order) back to that peer, summed there over the peers (an uneven
+    reduce-scatter): the partial outputs of every FFN slice add up to the expert's output."""
+    mine, peers = plan.rows_per_peer[etp.rank], etp.size
+    returned_PRH = all_to_all(rows_RH, [mine] * peers, plan.rows_per_peer, etp.group)
+    return returned_PRH.view(peers, mine, rows_RH.shape[1]).float().sum(0).to(rows_RH.dtype)
+
+
+def expert_tp_experts(grouped_RH: torch.Tensor, plan: ExpertTPPlan, etp: GroupHandle, experts) -> torch.Tensor:
+    """Gather the peers' rows, run this rank's FFN slice on all of them, sum the partial outputs back."""
+    gathered_RH = gather_from_expert_tp(grouped_RH, plan, etp, AllToAllRows.apply)
     partial_RH = GatherRows.apply(experts(GatherRows.apply(gathered_RH, plan.regroup_index), plan.offsets),
                                   plan.ungroup_index)
-    returned_PRH = AllToAllRows.apply(partial_RH, [mine] * peers, plan.rows_per_peer, etp.group)
-    return returned_PRH.view(peers, mine, grouped_RH.shape[1]).float().sum(0).to(grouped_RH.dtype)
+    return sum_to_expert_tp_owners(partial_RH, plan, etp, AllToAllRows.apply)
 
 
 def serial_dispatch_combine(x_TH: torch.Tensor, probs_TK: torch.Tensor, plan: DispatchPlan, ep: GroupHandle,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_overlap.distributed.a2a import Exchange
-from moe_overlap.layers.dispatcher import ExchangePlan
+from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.layers.dispatcher import ExchangePlan, ExpertTPPlan, gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.experts import experts_dgrad, experts_forward, experts_wgrad
 
 
@@ -31,9 +32,28 @@ class PipelineState:
     plan: ExchangePlan
     transport: object  # a2a transport: CollectiveTransport or SymmTransport
     delay_wgrad: bool
+    expert_tp: tuple[list[ExpertTPPlan], GroupHandle] | None = None  # per chunk, with expert-TP > 1
     dispatch: Exchange | None = None
     grad_combine: Exchange | None = None
     saved: list = field(default_factory=list)  # per chunk: (grouped rows, fc1 output)
+
+
+def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's rows as its grouped GEMMs take them, with their offsets: under expert-TP, every peer's
+    rows gathered (each rank runs its FFN slice on all of them) and regrouped by expert."""
+    if state.expert_tp is None:
+        return rows_RH, state.plan.offsets[chunk]
+    plans, etp = state.expert_tp
+    gathered_RH = gather_from_expert_tp(rows_RH, plans[chunk], etp)
+    return gathered_RH.index_select(0, plans[chunk].regroup_index), plans[chunk].offsets
+
+
+def _rows_from_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) -> torch.Tensor:
+    """The adjoint of :func:`_rows_for_experts`: under expert-TP, each peer's rows back to it, summed."""
+    if state.expert_tp is None:
+        return rows_RH
+    plans, etp = state.expert_tp
+    return sum_to_expert_tp_owners(rows_RH.index_select(0, plans[chunk].ungroup_index), plans[chunk], etp)
 
 
 class DispatchStart(torch.autograd.Function):
@@ -66,10 +86,12 @@ class ExpertsCombine(torch.autograd.Function):
         combine = state.transport.exchange(expert_out_RH, plan.layout.reversed())
         state.saved = []
         for chunk, (first, last) in enumerate(plan.chunk_experts):
-            grouped_RH = dispatch.recv(chunk).index_select(0, plan.regroup_index[chunk])
-            y_RH, h_RF2 = experts_forward(grouped_RH, plan.offsets[chunk], w13_EHF2[first:last], w2_EFH[first:last])
+            grouped_RH, offsets = _rows_for_experts(dispatch.recv(chunk).index_select(0, plan.regroup_index[chunk]),
+                                                    chunk, state)
+            y_RH, h_RF2 = experts_forward(grouped_RH, offsets, w13_EHF2[first:last], w2_EFH[first:last])
             start, stop = plan.layout.recv_range(chunk)
-            torch.index_select(y_RH, 0, plan.ungroup_index[chunk], out=expert_out_RH[start:stop])
+            torch.index_select(_rows_from_experts(y_RH, chunk, state), 0, plan.ungroup_index[chunk],
+                               out=expert_out_RH[start:stop])
             combine.send(chunk)
             state.saved.append((grouped_RH, h_RF2))
         dispatch.finish()
@@ -95,18 +117,21 @@ class ExpertsCombine(torch.autograd.Function):
         grad_combine = state.transport.exchange(grad_in_RH, plan.layout.reversed())
         for chunk, (first, last) in enumerate(plan.chunk_experts):
             grouped_RH, h_RF2 = state.saved[chunk]
-            grad_y_RH = grad_dispatch.recv(chunk).index_select(0, plan.regroup_index[chunk])
+            grad_y_RH, offsets = _rows_for_experts(grad_dispatch.recv(chunk).index_select(0, plan.regroup_index[chunk]),
+                                                   chunk, state)
             weights = (w13_EHF2[first:last], w2_EFH[first:last])
             start, stop = plan.layout.recv_range(chunk)
-            if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients: no rows, zero weight gradient
+            # grouped_mm rejects empty gradients; no rows (on every expert-TP peer alike): zero weight gradient
+            if grouped_RH.shape[0] == 0:
                 wgrads.append((torch.zeros_like(weights[0]), torch.zeros_like(weights[1])))
                 grad_combine.send(chunk)
                 continue
-            grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, plan.offsets[chunk], *weights)
-            wgrad = (grouped_RH, a_RF, grad_h_RF2, grad_y_RH, plan.offsets[chunk])
+            grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, *weights)
+            wgrad = (grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)
             if not state.delay_wgrad:
                 wgrads.append(experts_wgrad(*wgrad))
-            torch.index_select(grad_x_RH, 0, plan.ungroup_index[chunk], out=grad_in_RH[start:stop])
+            torch.index_select(_rows_from_experts(grad_x_RH, chunk, state), 0, plan.ungroup_index[chunk],
+                               out=grad_in_RH[start:stop])
             grad_combine.send(chunk)
             if state.delay_wgrad:  # fills the gap while this chunk's gradient travels
                 wgrads.append(experts_wgrad(*wgrad))

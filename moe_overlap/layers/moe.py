@@ -36,9 +36,6 @@ class MoELayer(nn.Module):
         # Expert-TP > 1: each expert's FFN split over ``etp``; ``expert_mp`` (EP x expert-TP) shares the counts.
         self.etp = etp if etp is not None and etp.size > 1 else None
         self.expert_mp = expert_mp
-        if self.etp is not None and overlap.moe_overlap_dispatch:
-            raise ValueError("parallel.expert_tensor_parallel_size > 1 with overlap.moe_overlap_dispatch: "
-                             "not implemented yet (the serial dispatch supports it)")
         self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.overlap_dispatch, self.chunks = overlap.moe_overlap_dispatch, overlap.moe_a2a_chunks
@@ -66,26 +63,27 @@ class MoELayer(nn.Module):
                                                          self.ep if self.etp is None else self.expert_mp)
         fetch = None if counts is None else functools.partial(self._ep_group_counts, counts)
         plan = self._planner(x_TH.device).plan(routing.experts_TK, keep_TK, capacity, fetch)
+        rows_PL = None if self.etp is None else self._expert_tp_rows(counts, capacity)
         if not self.overlap_dispatch:
-            expert_tp = None if self.etp is None else (self._expert_tp_plan(counts, capacity, x_TH.device), self.etp)
+            expert_tp = None if rows_PL is None else (plan_expert_tp(rows_PL, x_TH.device), self.etp)
             out_TH = serial_dispatch_combine(x_TH, routing.probs_TK, plan, self.ep, self.experts, expert_tp)
             if self.shared_expert is not None:
                 out_TH = out_TH + self.shared_expert(x_TH)
         else:
             worst_rows = (self.num_experts * capacity if static  # full capacity blocks from every rank
                           else self.ep.size * x_TH.shape[0] * self.topk)  # every rank's copies landing here
-            out_TH = self._pipelined(x_TH, routing.probs_TK, plan, worst_rows)
+            expert_tp = None if rows_PL is None else (
+                [plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.exchange.chunk_experts], self.etp)
+            out_TH = self._pipelined(x_TH, routing.probs_TK, plan, worst_rows, expert_tp)
         return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
 
-    def _expert_tp_plan(self, fetch_counts, capacity: int | None, device: torch.device):
-        """How the expert-TP peers' rows are gathered: from the fetched counts, or static (padded capacity:
-        every EP rank sends ``capacity`` rows per expert)."""
-        local = self.num_experts // self.ep.size
+    def _expert_tp_rows(self, fetch_counts, capacity: int | None) -> torch.Tensor:
+        """Rows each expert-TP peer received per local expert, [peer, local expert]: from the fetched counts,
+        or static (padded capacity: every EP rank sends ``capacity`` rows per expert)."""
         if fetch_counts is None:
-            rows_PL = torch.full((self.etp.size, local), self.ep.size * capacity, dtype=torch.int64)
-        else:
-            rows_PL = expert_tp_counts(fetch_counts().view(self.ep.size, self.etp.size, -1), self.ep)
-        return plan_expert_tp(rows_PL, device)
+            return torch.full((self.etp.size, self.num_experts // self.ep.size), self.ep.size * capacity,
+                              dtype=torch.int64)
+        return expert_tp_counts(fetch_counts().view(self.ep.size, self.etp.size, -1), self.ep)
 
     def _ep_group_counts(self, fetch_counts) -> torch.Tensor:
         """[EP rank, global expert] copies of this rank's EP group, from the fetched counts."""
@@ -99,13 +97,14 @@ class MoELayer(nn.Module):
             self._planners[chunks] = DispatchPlanner(self.num_experts, self.ep, chunks, device)
         return self._planners[chunks]
 
-    def _pipelined(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, plan, worst_rows: int) -> torch.Tensor:
+    def _pipelined(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, plan, worst_rows: int,
+                   expert_tp) -> torch.Tensor:
         shared_TH = None
         if self.shared_expert is not None and not self.shared_overlap:
             shared_TH = self.shared_expert(x_TH)
         permuted_RH = Permute.apply(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
         transport = self.transports.transport(worst_rows * x_TH.shape[1] * x_TH.element_size())
-        state = PipelineState(plan.exchange, transport, self.delay_wgrad)
+        state = PipelineState(plan.exchange, transport, self.delay_wgrad, expert_tp)
         token = DispatchStart.apply(permuted_RH, state)
         if self.shared_expert is not None and self.shared_overlap:  # runs while the dispatch travels
             shared_TH = self.shared_expert(x_TH)
