@@ -446,23 +446,29 @@ def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) 
     return g.sum(1).to(grad_RH.dtype)
 
 
+def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
+                       block_h: Optional[int]) -> torch.Tensor:
+    """out[t] = sum_k (probs[t, k] *) src[row of (t, k)]: the one kernel behind permute_backward and unpermute."""
+    T, K = row_of_copy_TK.shape
+    R, H = src_RH.shape
+    if T == 0 or H == 0 or K == 0 or R == 0:
+        return src_RH.new_zeros((T, H))
+    out = src_RH.new_empty((T, H))
+    src = _rows_2d(src_RH)
+    probs = src if probs_TK is None else probs_TK.contiguous()  # an unused pointer without probs
+    k_pad, bh, warps = _row_tile(K, H, block_h)
+    _gather_sum[(T,), src.device](src, row_of_copy_TK.contiguous(), probs, out, src.stride(0), out.stride(0), H, K,
+                                  R, HAS_PROBS=probs_TK is not None, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
+    return out
+
+
 def permute_backward_triton(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, *,
                             block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute_backward`: one program per token, its K rows summed in fp32 BLOCK_H at a time."""
     _require_triton()
     _check_2d("grad_RH", grad_RH)
     _check_copies(row_of_copy_TK, row_of_copy_TK.shape[0])
-    T, K = row_of_copy_TK.shape
-    R, H = grad_RH.shape
-    if T == 0 or H == 0 or K == 0 or R == 0:
-        return grad_RH.new_zeros((T, H))
-    out = grad_RH.new_empty((T, H))
-    g = _rows_2d(grad_RH)
-    rows = row_of_copy_TK.contiguous()
-    k_pad, bh, warps = _row_tile(K, H, block_h)
-    _gather_sum[(T,), g.device](g, rows, g, out, g.stride(0), out.stride(0), H, K, R,
-                                HAS_PROBS=False, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
-    return out
+    return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h)
 
 
 def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
@@ -493,18 +499,7 @@ def unpermute_triton(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK:
     _check_2d("y_RH", y_RH)
     _check_copies(row_of_copy_TK, probs_TK.shape[0] if probs_TK.dim() == 2 else -1)
     _check_probs(probs_TK, row_of_copy_TK)
-    T, K = row_of_copy_TK.shape
-    R, H = y_RH.shape
-    if T == 0 or H == 0 or K == 0 or R == 0:
-        return y_RH.new_zeros((T, H))
-    out = y_RH.new_empty((T, H))
-    y = _rows_2d(y_RH)
-    rows = row_of_copy_TK.contiguous()
-    probs = probs_TK.contiguous()
-    k_pad, bh, warps = _row_tile(K, H, block_h)
-    _gather_sum[(T,), y.device](y, rows, probs, out, y.stride(0), out.stride(0), H, K, R,
-                                HAS_PROBS=True, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
-    return out
+    return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h)
 
 
 def unpermute(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
