@@ -396,13 +396,6 @@ def validate(cfg: Config) -> None:
     if p.virtual_pipeline_model_parallel_size is not None:
         raise _not_implemented("parallel.virtual_pipeline_model_parallel_size",
                                p.virtual_pipeline_model_parallel_size, None, _WAITS_FOR_PP)
-    etp = cfg.expert_tensor_parallel_size
-    if etp > 1 and m.num_moe_experts is not None:
-        if t.use_distributed_optimizer:
-            raise ConfigError("train.use_distributed_optimizer", True,
-                              f"with parallel.expert_tensor_parallel_size={etp}: not implemented yet (expert tensor "
-                              "parallelism in the distributed optimizer's checkpoint layout); expert-TP > 1 runs "
-                              "with the plain optimizer")
     if tp > 1 and m.num_moe_experts is not None:
         _require(p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
                  "must be true for a MoE model with tensor_model_parallel_size > 1 (as Megatron-Core: each TP rank "

@@ -155,10 +155,6 @@ BAD: list[tuple] = [
     # --- tensor parallelism (TP_SP: TP=2 with sequence parallelism on the default dense model)
     (None, ["parallel.tensor_model_parallel_size=2", "model.vocab_size=257", "data.path=t.bin"], "model.vocab_size",
      "257", "divisible by parallel.tensor_model_parallel_size=2", "vocabulary block"),
-    # expert-TP > 1 (default: TP) runs with the plain optimizer only
-    (TINY, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-            "train.use_distributed_optimizer=true"],
-     "train.use_distributed_optimizer", "True", "expert_tensor_parallel_size=2", NOT_YET),
     (TINY, ["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"],
      "parallel.sequence_parallel", "False", "must be true for a MoE model with tensor_model_parallel_size > 1"),
     (None, [*TP_SP, "overlap.tp_comm_overlap_ag=true"], "overlap.tp_comm_overlap_ag", "True",

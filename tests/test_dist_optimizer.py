@@ -83,7 +83,8 @@ def match_serial_case(ep: int, micro_batches: int, steps: int, output_dir: str, 
 @pytest.mark.parametrize("layout,variants", [
     ({}, list(VARIANTS)),  # DP=4 for dense parameters, expert-DP=2
     (tp_layout(2), ["overlap_off", "overlap_on"]),  # TP=2 (sequence parallel) x DP=2, experts over EP=2 x EDP=2
-], ids=["ep2xdp4", "tp2xep2xdp2"])
+    ({"parallel.expert_tensor_parallel_size": 2}, ["overlap_off", "overlap_on"]),  # experts: EP=2 x expert-TP=2
+], ids=["ep2xdp4", "tp2xep2xdp2", "ep2xetp2"])
 def test_matches_plain_data_parallel_adamw_with_accumulation(rank_pool, tmp_path, layout, variants):
     worst = rank_pool(4).run(match_serial_case, 2, 4, 5, str(tmp_path), layout, variants)
     for rank_worst in worst:
@@ -396,3 +397,16 @@ def test_benchmark_smoke_on_gloo(rank_pool, tmp_path):
     probes = [row for row in rows if row["section"] == "probe"]
     assert {(row["transport"], row.get("op")) for row in probes} == {
         ("gloo", "reduce_scatter"), ("gloo", "all_gather"), ("copy_engine", None)}
+
+
+def test_checkpoint_reshards_across_expert_tensor_parallel_sizes(rank_pool, tmp_path):
+    """Saved at EP=2 x expert-TP=2 (expert-TP blocks of expert-DP shards), reloaded at expert-TP 1 and again
+    at 2 on fewer ranks: every tensor comes back the same."""
+    etp2 = dict(DIST, **{"parallel.expert_tensor_parallel_size": 2})
+    rank_pool(4).run(resume_and_save_case, str(tmp_path), etp2, 2)
+    saved_at_etp2 = read_whole(tmp_path / "checkpoints")
+    assert_masters_place_like_the_model(saved_at_etp2)
+    rank_pool(2).run(resume_and_save_case, str(tmp_path), DIST, 0)  # EP=2, expert-TP 1
+    assert_same_state(read_whole(tmp_path / "checkpoints"), saved_at_etp2)
+    rank_pool(4).run(resume_and_save_case, str(tmp_path), etp2, 0)
+    assert_same_state(read_whole(tmp_path / "checkpoints"), saved_at_etp2)

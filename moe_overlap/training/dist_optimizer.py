@@ -176,6 +176,8 @@ class DistributedOptimizer:
         ]
         # Global ranks of each rank's dense data-parallel group: where the other TP ranks' shards live.
         self._dp_cp_group_of = {rank: ranks for ranks in mesh.layout.group_ranks("dp_cp") for rank in ranks}
+        # ... and of each rank's expert-data-parallel group: where the other expert-TP ranks' shards live.
+        self._edp_group_of = {rank: ranks for ranks in mesh.layout.group_ranks("edp") for rank in ranks}
         self._step = torch.zeros((), dtype=torch.float32)  # updates made; the checkpoint's optimizer.step
         self._sync_in_backward = False
         for bucket_index, bucket in enumerate(self.buckets):
@@ -318,12 +320,10 @@ class DistributedOptimizer:
         shard = tp_shard(param)
         if shard is None or shard.size == 1:
             return shape, {bucket.group.ranks[index]: part for index, part in parts.items()}, None
-        if is_expert_param(param):
-            raise NotImplementedError("expert-TP > 1 with the distributed optimizer: the expert shards' "
-                                      "checkpoint layout is not written yet")
+        group_of = self._edp_group_of if is_expert_param(param) else self._dp_cp_group_of
         ranges, blocks = {}, {}
         for tp_rank, rank in enumerate(shard.ranks):
-            group = self._dp_cp_group_of[rank]
+            group = group_of[rank]
             for index, part in parts.items():
                 ranges[group[index]] = part
                 blocks[group[index]] = (shard.block_offsets(shape, tp_rank), shape)
