@@ -45,7 +45,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, CPU gloo")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 25; smoke 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 5; smoke 1)")
-    parser.add_argument("--num-splits", type=int, default=1, help="tp_comm_num_splits: chunks per rank block")
+    parser.add_argument("--num-splits", default="1,2", help="tp_comm_num_splits values to time (comma list)")
+    parser.add_argument("--transports", default=None,
+                        help="ring transports to time, comma list (default p2p,symm on GPU, p2p on CPU; symm needs "
+                             "CUDA ranks of one host)")
     parser.add_argument("--no-layer", action="store_true", help="skip the transformer-layer rows")
     parser.add_argument("--json", default=None, help="write the results here (benchmarks/results/...)")
     parser.add_argument("--timeline", default=None, help="PNG of a profiled overlapped run (+ its Chrome trace)")
@@ -75,7 +78,7 @@ def run(argv: list[str]) -> list[dict]:
     import torch.distributed as dist
 
     from moe_overlap.distributed.mesh import GroupHandle
-    from moe_overlap.distributed.ring import TPComm, TPOverlap
+    from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 
     args = parse(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.smoke \
@@ -85,26 +88,35 @@ def run(argv: list[str]) -> list[dict]:
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
     world, rank = dist.get_world_size(), dist.get_rank()
     group = GroupHandle(ranks=list(range(world)), group=dist.group.WORLD, rank=rank, size=world)
-    comm = TPComm(group, sequence_parallel=True, overlap=TPOverlap(num_splits=args.num_splits))
+    splits = [int(v) for v in args.num_splits.split(",")]
+    transports = {name: make_ring_transport(name, group, device, max(splits), timeout_s=300)
+                  for name in (args.transports or ("p2p,symm" if device.type == "cuda" else "p2p")).split(",")}
+    # (a transport that cannot run here is refused with the reason)
+    comms = {f"{name}/{n}": TPComm(group, sequence_parallel=True, overlap=TPOverlap(num_splits=n), transport=t)
+             for name, t in transports.items() for n in splits}
     torch.manual_seed(1234 + rank)
     rows = []
     for direction, total, k, n in SMOKE_SHAPES if args.smoke else GEMM_SHAPES:
-        variants = (_ag_variants if direction == "ag" else _rs_variants)(comm, total, k, n, device, dtype)
+        variants = (_ag_variants if direction == "ag" else _rs_variants)(comms, total, k, n, device, dtype)
         errors = _errors_against_serial(variants)
         times = _round_robin(variants, rounds, warmup, device)
-        comm_ms = min(times["ring_comm"], times["collective"])
+        ring = {name: ms for name, ms in times.items() if name.startswith("ring_comm")}
+        overlapped = {name.split(":")[1]: ms for name, ms in times.items() if name.startswith("overlapped:")}
+        best = min(overlapped, key=overlapped.get)
+        comm_ms = min(min(ring.values()), times["collective"])
         rows.append({
             "shape": f"{total}x{k}->{n // world}" if direction == "ag" else f"{total}x{k // world}->{n}",
-            "direction": direction, "serial_ms": times["serial"], "overlapped_ms": times["overlapped"],
-            "limit_ms": max(comm_ms, times["gemm"]), "gemm_ms": times["gemm"], "ring_comm_ms": times["ring_comm"],
+            "direction": direction, "serial_ms": times["serial"], "overlapped_ms": overlapped[best],
+            "limit_ms": max(comm_ms, times["gemm"]), "gemm_ms": times["gemm"],
+            "ring_comm_ms": {name.split(":")[1]: ms for name, ms in ring.items()},
             "collective_ms": times["collective"], "torch_fused_ms": times.get("torch_fused"),
-            "num_splits": args.num_splits, "transport": comm.transport.name, **errors,
+            "transport": best.split("/")[0], "num_splits": int(best.split("/")[1]),
+            "overlapped_by_variant_ms": overlapped, **errors,
         })
     if not args.no_layer:
-        rows.append(_layer_row(comm, SMOKE_LAYER if args.smoke else LAYER, rounds, warmup, device, dtype,
-                               args.num_splits))
+        rows.append(_layer_row(comms, SMOKE_LAYER if args.smoke else LAYER, rounds, warmup, device, dtype))
     if args.timeline:
-        _timeline(args.timeline, comm, SMOKE_SHAPES if args.smoke else GEMM_SHAPES, device, dtype, rank)
+        _timeline(args.timeline, comms, SMOKE_SHAPES if args.smoke else GEMM_SHAPES, device, dtype, rank)
     if rank == 0:
         _print(rows)
         write_json(args.json, run_header(world), rows)
@@ -114,22 +126,18 @@ def run(argv: list[str]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- variants
 
 
-def _ag_variants(comm, total: int, k: int, n: int, device, dtype) -> dict[str, Callable[[], object]]:
+def _ag_variants(comms: dict, total: int, k: int, n: int, device, dtype) -> dict[str, Callable[[], object]]:
     import torch
 
     from moe_overlap.distributed.ring import gather_rows, ring_all_gather
 
+    comm = next(iter(comms.values()))
     x_RK = torch.randn(total // comm.size, k, device=device, dtype=dtype)
     w_NK = torch.randn(n // comm.size, k, device=device, dtype=dtype) / k ** 0.5
     x_SK = gather_rows(x_RK, comm.group)
-    variants = {
-        "serial": lambda: comm.gather_matmul(x_RK, w_NK.t(), overlap=False)[0],
-        "overlapped": lambda: comm.gather_matmul(x_RK, w_NK.t(), overlap=True)[0],
-        "ring_comm": lambda: ring_all_gather(x_RK, comm.group, comm.transport, comm.overlap.num_splits,
-                                             lambda chunk, first: None),
-        "collective": lambda: gather_rows(x_RK, comm.group),
-        "gemm": lambda: torch.mm(x_SK, w_NK.t()),
-    }
+    variants = {"serial": lambda: comm.gather_matmul(x_RK, w_NK.t(), overlap=False)[0]}
+    variants.update(_ring_variants(comms, x_RK, lambda c: c.gather_matmul(x_RK, w_NK.t(), overlap=True)[0]))
+    variants.update(collective=lambda: gather_rows(x_RK, comm.group), gemm=lambda: torch.mm(x_SK, w_NK.t()))
     fused = _torch_fused_ops(device)
     if fused is not None:
         group_name = comm.group.group.group_name
@@ -137,29 +145,38 @@ def _ag_variants(comm, total: int, k: int, n: int, device, dtype) -> dict[str, C
     return variants
 
 
-def _rs_variants(comm, total: int, k: int, n: int, device, dtype) -> dict[str, Callable[[], object]]:
+def _rs_variants(comms: dict, total: int, k: int, n: int, device, dtype) -> dict[str, Callable[[], object]]:
     import torch
 
-    from moe_overlap.distributed.ring import ring_all_gather, scatter_rows
+    from moe_overlap.distributed.ring import scatter_rows
 
+    comm = next(iter(comms.values()))
     a_SK = torch.randn(total, k // comm.size, device=device, dtype=dtype)
     w_NK = torch.randn(n, k // comm.size, device=device, dtype=dtype) / k ** 0.5
     y_SN = torch.mm(a_SK, w_NK.t())
-    y_RN = y_SN[:total // comm.size]
-    variants = {
-        "serial": lambda: comm.matmul_scatter(a_SK, w_NK.t(), overlap=False),
-        "overlapped": lambda: comm.matmul_scatter(a_SK, w_NK.t(), overlap=True),
-        # The reduce-scatter ring's transfers: the same hops and chunks as an all-gather ring of the output
-        # block (its additions are computation, not communication).
-        "ring_comm": lambda: ring_all_gather(y_RN, comm.group, comm.transport, comm.overlap.num_splits,
-                                             lambda chunk, first: None),
-        "collective": lambda: scatter_rows(y_SN, comm.group),
-        "gemm": lambda: torch.mm(a_SK, w_NK.t()),
-    }
+    # The reduce-scatter ring's transfers: the same hops and chunks as an all-gather ring of the output block
+    # (its additions are computation, not communication).
+    variants = {"serial": lambda: comm.matmul_scatter(a_SK, w_NK.t(), overlap=False)}
+    variants.update(_ring_variants(comms, y_SN[:total // comm.size],
+                                   lambda c: c.matmul_scatter(a_SK, w_NK.t(), overlap=True)))
+    variants.update(collective=lambda: scatter_rows(y_SN, comm.group), gemm=lambda: torch.mm(a_SK, w_NK.t()))
     fused = _torch_fused_ops(device)
     if fused is not None:
         group_name = comm.group.group.group_name
         variants["torch_fused"] = lambda: fused[1](a_SK, w_NK.t(), "sum", 0, group_name)
+    return variants
+
+
+def _ring_variants(comms: dict, moved_RK, overlapped: Callable) -> dict[str, Callable[[], object]]:
+    """``overlapped:<transport>/<splits>`` for every TPComm, and ``ring_comm:<transport>/<splits>``: its ring
+    moving ``moved_RK`` alone."""
+    from moe_overlap.distributed.ring import ring_all_gather
+
+    variants = {}
+    for name, comm in comms.items():
+        variants[f"overlapped:{name}"] = lambda c=comm: overlapped(c)
+        variants[f"ring_comm:{name}"] = lambda c=comm: ring_all_gather(moved_RK, c.group, c.transport,
+                                                                       c.overlap.num_splits, lambda chunk, first: None)
     return variants
 
 
@@ -177,8 +194,9 @@ def _torch_fused_ops(device):
     return torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter
 
 
-def _layer_row(comm, shape: dict, rounds: int, warmup: int, device, dtype, num_splits: int) -> dict:
-    """One dense transformer layer, forward + backward, serial vs every switch on (the same layer)."""
+def _layer_row(comms: dict, shape: dict, rounds: int, warmup: int, device, dtype) -> dict:
+    """One dense transformer layer, forward + backward, serial vs every switch on (the same layer), over each
+    transport and split count."""
     import torch
 
     from moe_overlap.config import ModelConfig, OverlapConfig
@@ -188,17 +206,17 @@ def _layer_row(comm, shape: dict, rounds: int, warmup: int, device, dtype, num_s
     from moe_overlap.models.mixtral import TransformerLayer
 
     cfg = ModelConfig(num_layers=1, **shape)
+    comm = next(iter(comms.values()))
     # A dense layer: its mesh (used only for a MoE layer's EP group) may be the single one; comm is the TP group.
     layer = TransformerLayer(cfg, OverlapConfig(), 0, Mesh.single(), None, comm, device, dtype)
     init_parameters(layer, seed=1, std=0.02, num_layers=1)
     x = torch.randn(1, cfg.seq_length // comm.size, cfg.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)
     grad = torch.randn_like(x)
-    off, on = TPOverlap(num_splits=num_splits), TPOverlap(**LAYER_SWITCHES, num_splits=num_splits)
 
-    def step(overlap: TPOverlap) -> Callable[[], object]:
+    def step(source, overlap: TPOverlap) -> Callable[[], object]:
         def fwd_bwd():
-            comm.overlap = overlap
+            comm.overlap, comm.transport = overlap, source.transport
             out = layer(x)[0]
             out.backward(grad)
             x.grad = None
@@ -206,13 +224,18 @@ def _layer_row(comm, shape: dict, rounds: int, warmup: int, device, dtype, num_s
                 param.grad = None
         return fwd_bwd
 
-    times = _round_robin({"serial": step(off), "overlapped": step(on)}, rounds, warmup, device)
-    comm.overlap = off
+    variants = {"serial": step(comm, TPOverlap())}
+    for name, source in comms.items():
+        variants[name] = step(source, TPOverlap(**LAYER_SWITCHES, num_splits=source.overlap.num_splits))
+    times = _round_robin(variants, rounds, warmup, device)
+    comm.overlap, comm.transport = TPOverlap(), comms[next(iter(comms))].transport
+    overlapped = {name: ms for name, ms in times.items() if name != "serial"}
+    best = min(overlapped, key=overlapped.get)
     return {"shape": "layer", "layer": f"h{cfg.hidden_size} ffn{cfg.ffn_hidden_size} heads{cfg.num_attention_heads}"
             f"/{cfg.num_query_groups} seq{cfg.seq_length}", "serial_fwdbwd_ms": times["serial"],
-            "overlapped_fwdbwd_ms": times["overlapped"],
+            "overlapped_fwdbwd_ms": overlapped[best], "overlapped_by_variant_ms": overlapped,
             "switches": [f"tp_comm_{'overlap_' if name in ('ag', 'rs') else ''}{name}" for name in LAYER_SWITCHES],
-            "num_splits": num_splits}
+            "transport": best.split("/")[0], "num_splits": int(best.split("/")[1])}
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -226,13 +249,12 @@ def _errors_against_serial(variants: dict[str, Callable[[], object]]) -> dict[st
     serial = variants["serial"]()
     tolerance = 1e-5 if serial.dtype == torch.float32 else 2e-2  # bf16: the ring sums partials in another order
     serial = serial.float()
-    errors = {}
-    for name in ("overlapped", "torch_fused"):
-        if name in variants:
-            errors[f"{name}_rel_err"] = float((variants[name]().float() - serial).norm() / serial.norm())
-    if errors["overlapped_rel_err"] > tolerance:
-        raise RuntimeError(f"overlapped result differs from serial: relative error {errors['overlapped_rel_err']:.2e}")
-    return errors
+    errors = {name: float((variants[name]().float() - serial).norm() / serial.norm())
+              for name in variants if name.startswith("overlapped:") or name == "torch_fused"}
+    for name, error in errors.items():
+        if name != "torch_fused" and error > tolerance:
+            raise RuntimeError(f"{name} differs from serial: relative error {error:.2e}")
+    return {"rel_err_vs_serial": errors}
 
 
 def _round_robin(variants: dict[str, Callable[[], object]], rounds: int, warmup: int, device) -> dict[str, float]:
@@ -270,24 +292,31 @@ def _print(rows: list[dict]) -> None:
             continue
         fused = "n/a" if row["torch_fused_ms"] is None else f"{row['torch_fused_ms']:.3f}"
         print(f"{row['direction'] + ' ' + row['shape']:<24}{row['serial_ms']:>10.3f}{row['overlapped_ms']:>10.3f}"
-              f"{row['limit_ms']:>10.3f}{row['gemm_ms']:>10.3f}{row['ring_comm_ms']:>10.3f}"
-              f"{row['collective_ms']:>10.3f}{fused:>10}{row['overlapped_ms'] / row['limit_ms']:>11.2f}")
+              f"{row['limit_ms']:>10.3f}{row['gemm_ms']:>10.3f}{min(row['ring_comm_ms'].values()):>10.3f}"
+              f"{row['collective_ms']:>10.3f}{fused:>10}{row['overlapped_ms'] / row['limit_ms']:>11.2f}"
+              f"  best {row['transport']}/{row['num_splits']}")
+    for row in rows:
+        print(f"  {row['shape']}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in row["overlapped_by_variant_ms"].items()))
     print("ms, medians of the slowest rank; limit = max(faster communication alone, GEMM alone); torch = "
-          "torch.ops.symm_mem fused ops")
+          "torch.ops.symm_mem fused ops; overlapped = the best transport/splits (all listed below the table)")
 
 
 # ---------------------------------------------------------------------------------------------- timeline
 
 
-def _timeline(png_path: str, comm, shapes, device, dtype, rank: int) -> None:
-    """Profile one overlapped run of the first ag and rs shapes; Chrome trace per rank, PNG of rank 0."""
+def _timeline(png_path: str, comms: dict, shapes, device, dtype, rank: int) -> None:
+    """Profile one overlapped run of the first ag and rs shapes over each transport (fewest splits); Chrome
+    trace per rank, PNG of rank 0."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     runs = [next(s for s in shapes if s[0] == d) for d in ("ag", "rs")]
-    prepared = [(_ag_variants if d == "ag" else _rs_variants)(comm, total, k, n, device, dtype)["overlapped"]
-                for d, total, k, n in runs]
+    chosen = {}
+    for name, comm in comms.items():  # one TPComm per transport
+        chosen.setdefault(name.split("/")[0], (name, comm))
+    prepared = [(_ag_variants if d == "ag" else _rs_variants)(dict([pick]), total, k, n, device, dtype)
+                [f"overlapped:{pick[0]}"] for pick in chosen.values() for d, total, k, n in runs]
     for fn in prepared:  # warm
         fn()
     with profile(activities=activities) as prof:
@@ -324,7 +353,8 @@ def _timeline(png_path: str, comm, shapes, device, dtype, rank: int) -> None:
             ax.broken_barh(spans, (lane - 0.4, 0.8), color=color)
     ax.set_yticks(range(len(lanes)), [f"{'stream' if device.type == 'cuda' else 'thread'} {tid}" for _, tid in lanes])
     ax.set_xlabel("ms")
-    ax.set_title("rank 0: overlapped all-gather->GEMM, then GEMM->reduce-scatter (orange: communication)")
+    ax.set_title(f"rank 0: all-gather->GEMM, then GEMM->reduce-scatter, over {', '.join(chosen)} in turn "
+                 "(orange: communication)")
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     print(f"timeline: {png_path} (trace {trace})")

@@ -118,6 +118,7 @@ class OverlapConfig:
     tp_comm_bulk_dgrad: bool = False
     tp_comm_bulk_wgrad: bool = False
     tp_comm_num_splits: int = 4
+    tp_comm_backend: Literal["auto", "p2p", "symm"] = "auto"
     overlap_p2p_comm: bool = False
     batch_p2p_comm: bool = False
     overlap_moe_expert_parallel_comm: bool = False
@@ -527,6 +528,8 @@ def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) ->
     for name in sub_switches:
         _require(not getattr(o, name) or o.tp_comm_overlap, f"overlap.{name}", True,
                  "needs the master switch overlap.tp_comm_overlap=true")
+    _require(o.tp_comm_backend == "auto" or o.tp_comm_overlap, "overlap.tp_comm_backend", o.tp_comm_backend,
+             "needs overlap.tp_comm_overlap=true (the serial TP path uses the process group's own collectives)")
     if o.tp_comm_overlap:
         _require(any(getattr(o, name) for name in sub_switches), "overlap.tp_comm_overlap", True,
                  "turns nothing on by itself: set one or more of " + ", ".join(f"overlap.{n}" for n in sub_switches))
@@ -588,7 +591,8 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     dp = cfg.data_parallel_size(world_size)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size", t.global_batch_size,
              f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
-    backend = cfg.overlap.moe_a2a_backend
-    wanted = {"cpu": ("auto", "gloo"), "cuda": ("auto", "nccl", "symm")}[device_type]
-    _require(backend in wanted, "overlap.moe_a2a_backend", backend,
-             f"'{backend}' cannot run on device {device_type!r}; use one of {', '.join(wanted)}")
+    for field, wanted in (("moe_a2a_backend", {"cpu": ("auto", "gloo"), "cuda": ("auto", "nccl", "symm")}),
+                          ("tp_comm_backend", {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")})):
+        backend = getattr(cfg.overlap, field)
+        _require(backend in wanted[device_type], f"overlap.{field}", backend,
+                 f"'{backend}' cannot run on device {device_type!r}; use one of {', '.join(wanted[device_type])}")

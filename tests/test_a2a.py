@@ -46,3 +46,19 @@ def test_exchange_layout_agrees_on_both_sides_of_every_pair(peers, chunks):
         assert lay.send_range(chunks - 1)[1] == lay.send_total and lay.recv_range(chunks - 1)[1] == lay.recv_total
         back = lay.reversed()
         assert back.send_rows == lay.recv_rows and back.reversed() == lay
+
+
+def test_tp_ring_transport_choice_names_its_field_and_falls_back_to_p2p():
+    from moe_overlap.distributed.ring import BACKENDS
+    from moe_overlap.distributed.symm import choose_transport
+
+    def choose(requested, reason, ranks=(0, 1), local=2):
+        return choose_transport("overlap.tp_comm_backend", requested, BACKENDS, "p2p", list(ranks), local, reason)
+
+    assert choose("auto", None) == ("symm", "every rank of the group shares one host with peer access")
+    name, why = choose("auto", "the device is the CPU")
+    assert name == "p2p" and "the device is the CPU" in why
+    with pytest.raises(ValueError, match=r"overlap.tp_comm_backend='symm' cannot run: .*span 2 hosts"):
+        choose("symm", None, ranks=(0, 1, 2, 3))
+    with pytest.raises(ValueError, match=r"overlap.tp_comm_backend='nccl': allowed auto, p2p, symm"):
+        choose("nccl", None)

@@ -163,6 +163,11 @@ BAD: list[tuple] = [
      "overlap.tp_comm_bulk_wgrad"),
     (None, [*TP_SP, "overlap.tp_comm_overlap=true", "overlap.tp_comm_overlap_rs_dgrad=true",
             "overlap.tp_comm_bulk_wgrad=true"], "overlap.tp_comm_bulk_wgrad", "True", "nothing to hide"),
+    (None, [*TP_SP, "overlap.tp_comm_backend=symm"], "overlap.tp_comm_backend", "'symm'",
+     "needs overlap.tp_comm_overlap=true"),
+    (None, [*TP_SP, "overlap.tp_comm_overlap=true", "overlap.tp_comm_overlap_ag=true",
+            "overlap.tp_comm_backend=nccl"], "overlap.tp_comm_backend", "'nccl'",
+     "expected one of 'auto', 'p2p', 'symm'"),
     (None, [*TP_SP, "overlap.tp_comm_num_splits=2"], "overlap.tp_comm_num_splits", "2",
      "no effect without a pipelined overlap"),
     (None, [*TP_SP, "overlap.tp_comm_overlap=true", "overlap.tp_comm_overlap_rs=true", "overlap.tp_comm_num_splits=3"],
@@ -272,6 +277,13 @@ def test_global_batch_divisible_by_micro_batch_times_dp():
 def test_a2a_backend_must_match_device(backend, device, wanted):
     cfg = load_config(TINY, [f"overlap.moe_a2a_backend={backend}", "overlap.moe_overlap_dispatch=true"])
     check(_world_error(cfg, 2, device), "overlap.moe_a2a_backend", repr(backend), f"device {device!r}", wanted)
+
+
+def test_tp_comm_backend_symm_needs_cuda():
+    cfg = load_config(TINY, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                             "overlap.tp_comm_overlap=true", "overlap.tp_comm_overlap_ag=true",
+                             "overlap.tp_comm_backend=symm"])
+    check(_world_error(cfg, 4, "cpu"), "overlap.tp_comm_backend", "'symm'", "device 'cpu'", "auto, p2p")
 
 
 # The layouts below (PP > 1) are rejected by load_config until pipeline parallelism lands, so the world rules

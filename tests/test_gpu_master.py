@@ -3,23 +3,19 @@
 The bf16 runs' error against an fp32 single-process run must be at most 2x the single-process bf16 run's own
 error against it, per tensor (normwise), for the losses and every gradient of the first step. Layouts: EP=2
 (plain all-reduce optimizer; distributed optimizer with both overlaps; the overlapped dispatch over the
-auto-chosen transport), TP=2 with SP and expert-TP=2 (TP overlaps on).
+auto-chosen transport), TP=2 with SP and expert-TP=2: serial, every TP overlap over the copy-engine ring
+(symm), the pipelined ones over NCCL p2p.
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from tests.gpu_launch import REPO, launch_two_ranks, write_report
 
 
 def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
@@ -27,7 +23,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
 
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer, init_distributed, mesh_layout
-    from tests.test_master import logical_grads, rel_err, small_config, tp_layout
+    from tests.test_master import ALL_TP_OVERLAPS, logical_grads, rel_err, small_config, tp_layout
 
     torch.backends.cuda.matmul.allow_tf32 = False
     global_batch = 8
@@ -39,16 +35,22 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     overlap_cfg = small_config(output_dir, 2, global_batch, **{
         "train.precision": "bf16", "train.device": "cuda", "overlap.moe_overlap_dispatch": "true",
         "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true"})
-    tp_cfg = small_config(output_dir, 1, global_batch, **{"train.precision": "bf16", "train.device": "cuda"},
-                          **tp_layout(2, "tp_comm_overlap_ag", "tp_comm_overlap_rs",
-                                      **{"parallel.expert_tensor_parallel_size": 2}))
-    tp_mesh = Mesh.create(mesh_layout(tp_cfg, 2), timeout_s=120)
+
+    def tp_cfg(*overlaps: str, **extra):
+        return small_config(output_dir, 1, global_batch, **{"train.precision": "bf16", "train.device": "cuda"},
+                            **tp_layout(2, *overlaps, **{"parallel.expert_tensor_parallel_size": 2, **extra}))
+
+    tp_mesh = Mesh.create(mesh_layout(tp_cfg(), 2), timeout_s=120)
     layouts = LAYOUTS
     runs = {
         layouts[0]: Trainer(layout_cfg, mesh, device),
         layouts[1]: Trainer(dist_cfg, mesh, device),
         layouts[2]: Trainer(overlap_cfg, mesh, device),
-        layouts[3]: Trainer(tp_cfg, tp_mesh, device),
+        layouts[3]: Trainer(tp_cfg(), tp_mesh, device),
+        layouts[4]: Trainer(tp_cfg(*ALL_TP_OVERLAPS, **{"overlap.tp_comm_backend": "symm",
+                                                        "overlap.tp_comm_num_splits": 2}), tp_mesh, device),
+        layouts[5]: Trainer(tp_cfg("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad",
+                                   "tp_comm_bulk_dgrad", **{"overlap.tp_comm_backend": "p2p"}), tp_mesh, device),
         "single_bf16": Trainer(small_config(output_dir, 1, global_batch, **{"train.precision": "bf16"}),
                                Mesh.single(), device),
         "single_fp32": Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), device),
@@ -81,24 +83,14 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
 
 
 LAYOUTS = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap", "layout_bf16_overlapped_dispatch",
-           "layout_bf16_tp2_sp_etp2_overlap")
+           "layout_bf16_tp2_sp_etp2", "layout_bf16_tp2_sp_etp2_all_overlaps_symm",
+           "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p")
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """One torchrun launch runs every layout; each test below checks one layout's part of the reports."""
-    if torch.cuda.device_count() < 2:
-        pytest.fail("needs 2 CUDA GPUs")
-    env = dict(os.environ, **MULTICAST_OFF, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           str(tmp_path_factory.mktemp("gpu_master"))]
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(found) == 2
-    for report in found:
-        print(json.dumps(report))
-    return found
+    return launch_two_ranks(__file__, tmp_path_factory.mktemp("gpu_master"), timeout_s=300)
 
 
 @pytest.mark.gpu
@@ -112,4 +104,4 @@ def test_master_over_nccl_bf16(reports, layout):
 
 if __name__ == "__main__":  # one rank under torchrun
     sys.path.insert(0, str(REPO))
-    print(json.dumps(gpu_equivalence(sys.argv[1])), flush=True)
+    write_report(sys.argv[1], gpu_equivalence(sys.argv[1]))

@@ -7,19 +7,14 @@ Launched once under torchrun; the per-rank work is `gpu_cases` below.
 from __future__ import annotations
 
 import gc
-import json
-import traceback
-import os
-import subprocess
 import sys
+import traceback
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from tests.gpu_launch import REPO, launch_two_ranks, write_report
 T, H, F, E, K = 512, 512, 256, 8, 2
 VARIANTS = [  # (backend, chunks, capacity factor or None, delay_wgrad, shared expert overlap)
     ("nccl", 1, None, False, False), ("nccl", 4, None, True, False), ("symm", 1, None, False, False),
@@ -60,10 +55,6 @@ def run_layer(layer, x, grad):
 
 def rel(a, b):
     return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
-
-
-def write_report(out_dir: str, report: dict) -> None:
-    Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
 
 
 def gpu_cases(out_dir: str) -> dict:
@@ -170,17 +161,7 @@ def capacity_case(mesh, x, grad, report, backend: str) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """Every case runs in one torchrun launch; each test below reads its part of the ranks' reports."""
-    if torch.cuda.device_count() < 2:
-        pytest.fail("needs 2 CUDA GPUs")
-    out = tmp_path_factory.mktemp("gpu_moe")
-    env = dict(os.environ, **MULTICAST_OFF, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out)]
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
-    found = [json.loads(p.read_text()) for p in sorted(out.glob("report_rank*.json"))]
-    for report in found:
-        print(json.dumps(report, indent=1))
-    assert len(found) == 2, done.stderr[-6000:]
-    return found
+    return launch_two_ranks(__file__, tmp_path_factory.mktemp("gpu_moe"), timeout_s=400)
 
 
 def _errors(report: dict, prefix: str) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.distributed.collectives import ProcessGroup
-from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmWorkspace, symm_unavailable_reason
+from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmWorkspace, choose_transport, symm_unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -265,23 +265,6 @@ class TransportSelector:
 
 def choose_backend(requested: str, device_type: str, group_ranks: list[int], local_world_size: int,
                    symm_reason: str | None) -> tuple[str, str]:
-    """The transport to use and why. ``symm_reason`` says why symmetric memory cannot run (None: it can).
-
-    auto: symm when every EP rank shares one host with peer access, nccl otherwise (gloo on CPU).
-    Asking for a transport that cannot run is an error that says why.
-    """
-    if requested not in BACKENDS:
-        raise ValueError(f"overlap.moe_a2a_backend={requested!r}: allowed {', '.join(BACKENDS)}")
-    collective = "gloo" if device_type == "cpu" else "nccl"
-    hosts = {r // max(local_world_size, 1) for r in group_ranks}
-    if len(hosts) > 1 and symm_reason is None:
-        symm_reason = f"the EP ranks {group_ranks} span {len(hosts)} hosts (LOCAL_WORLD_SIZE={local_world_size})"
-    if requested == "auto":
-        if symm_reason is None:
-            return "symm", "every EP rank shares one host with peer access"
-        return collective, f"symm cannot run: {symm_reason}"
-    if requested == "symm" and symm_reason is not None:
-        raise ValueError(f"overlap.moe_a2a_backend='symm' cannot run: {symm_reason}; use 'auto' or '{collective}'")
-    if requested in ("nccl", "gloo") and requested != collective:
-        raise ValueError(f"overlap.moe_a2a_backend={requested!r} cannot run on {device_type}; use '{collective}'")
-    return requested, "requested"
+    """The EP transport to use and why: symm on one host with peer access, else nccl (gloo on CPU)."""
+    return choose_transport("overlap.moe_a2a_backend", requested, BACKENDS, "gloo" if device_type == "cpu" else "nccl",
+                            group_ranks, local_world_size, symm_reason)

@@ -14,15 +14,20 @@ Nothing here knows what a transformer is. Tensors are 2-D token rows; a TP group
 rank-major: rank r's R rows are rows [r*R, (r+1)*R). With ``sequence_parallel`` off the "gather" is the
 identity and the "scatter" an all-reduce (Megatron's f and g), and the overlaps do not exist.
 
-Transports move the ring's chunks, one hop per step (:class:`RingTransport`):
-  p2p  torch.distributed batch_isend_irecv: gloo on CPU, NCCL on GPU. ProcessGroupNCCL runs P2P on its own
-       stream, ordered after the work the current stream has queued when the call is made; ``wait`` makes the
-       current stream wait for it without blocking the host. So no side stream of ours is involved.
-Every wait is bounded by the group's timeout (set in Mesh.create): gloo raises, NCCL's watchdog aborts.
+Transports move the ring's chunks, one hop per step, and run the bulk collectives (:class:`RingTransport`):
+  p2p   torch.distributed batch_isend_irecv and async all-gather / reduce-scatter: gloo on CPU, NCCL on GPU.
+        ProcessGroupNCCL runs on its own stream, ordered after the work the current stream has queued when the
+        call is made; ``wait`` makes the current stream wait without blocking the host.
+  symm  copy-engine peer copies into registered buffers (distributed/symm.py), GPU ranks of one host: the data
+        moves without SMs, so it hides under a full-chip GEMM where NCCL's kernels compete with it (DESIGN.md).
+Every wait is bounded: gloo and NCCL by the group's timeout (set in Mesh.create), symm signals by their own.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -32,6 +37,11 @@ import torch.distributed as dist
 
 from moe_overlap.distributed.collectives import all_reduce_, start_all_gather, start_reduce_scatter
 from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmWorkspace, choose_transport, symm_unavailable_reason
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "p2p", "symm")
 
 # ------------------------------------------------------------------------------------------ transports
 
@@ -54,7 +64,8 @@ class RingRound(ABC):
 
 
 class RingTransport(ABC):
-    """Moves fixed-shape chunks one hop along a group's ring."""
+    """Moves fixed-shape chunks one hop along a group's ring; runs the bulk (started now, waited on later)
+    all-gather and reduce-scatter of token rows."""
 
     name: str
 
@@ -63,6 +74,14 @@ class RingTransport(ABC):
              device: torch.device) -> RingRound:
         ...
 
+    @abstractmethod
+    def start_all_gather(self, x_RK: torch.Tensor) -> "Pending":
+        """Every rank's rows, rank-major."""
+
+    @abstractmethod
+    def start_reduce_scatter(self, x_SK: torch.Tensor) -> "Pending":
+        """This rank's block of the sum over ranks."""
+
 
 class P2PTransport(RingTransport):
     """batch_isend_irecv over the group: gloo on CPU, NCCL on GPU."""
@@ -70,12 +89,19 @@ class P2PTransport(RingTransport):
     name = "p2p"
 
     def __init__(self, group: GroupHandle):
+        self.handle = group
         self.group = group.group
         self.next_rank = group.ranks[(group.rank + 1) % group.size]  # global ranks: torch 2.11 and 2.13 agree
         self.prev_rank = group.ranks[(group.rank - 1) % group.size]
 
     def open(self, num_steps, chunk_shape, dtype, device) -> RingRound:
         return _P2PRound(self, torch.empty((num_steps, *chunk_shape), dtype=dtype, device=device))
+
+    def start_all_gather(self, x_RK: torch.Tensor) -> "Pending":
+        return start_gather_rows(x_RK, self.handle)
+
+    def start_reduce_scatter(self, x_SK: torch.Tensor) -> "Pending":
+        return start_scatter_rows(x_SK, self.handle)
 
 
 class _P2PRound(RingRound):
@@ -99,6 +125,191 @@ class _P2PRound(RingRound):
     def finish(self) -> None:
         if self.pending:
             raise RuntimeError(f"ring round finished with steps {sorted(self.pending)} never waited on")
+
+
+class SymmRingTransport(RingTransport):
+    """Copy-engine ring through symmetric memory (CUDA ranks of one host).
+
+    Step k of a round pushes the chunk into the next rank's registered region, slot k, with a peer copy on a
+    copy stream (no SMs), then raises the next rank's signal for step k; ``wait`` makes the current stream
+    wait on the previous rank's signal. Bulk collectives push straight to every peer (one host: every pair
+    is joined) and are summed or copied out when waited on.
+
+    Rounds use ``regions`` registered regions in turn, so a bulk collective stays in flight while ring rounds
+    run (at most regions - 1 open at once). Flow control: before a round's first write, the copy stream waits
+    for every peer's "free" signal for the region, which each raises in ``finish`` after everything that read
+    it (and once at start-up). A signal is a semaphore: a peer's second raise waits until the first has been
+    consumed, so a data channel serves successive rounds of one kind in order (steps: one per step; bulk:
+    one, waited on in the order started). The workspace grows when a round needs more than a region holds;
+    that is a collective, which holds because every rank of the group opens the same rounds in the same order.
+    """
+
+    name = "symm"
+
+    def __init__(self, group: GroupHandle, device: torch.device, max_steps: int, regions: int = 4,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        self.group, self.device, self.max_steps, self.regions, self.timeout_ms = (group, device, max_steps,
+                                                                                   regions, timeout_ms)
+        self.peers = [p for p in range(group.size) if p != group.rank]
+        self.next_peer, self.prev_peer = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.workspace: SymmWorkspace | None = None
+        self.retired: list[SymmWorkspace] = []  # outgrown ones (the first steps only, as shapes settle)
+        self.region_bytes, self.next_region = 0, 0
+        self.bulk_in_flight: list[_SymmBulk] = []
+
+    def free_channel(self, region: int) -> int:
+        return region
+
+    def step_channel(self, step: int) -> int:
+        return self.regions + step
+
+    def bulk_channel(self) -> int:
+        return self.regions + self.max_steps
+
+    def claim(self, nbytes: int) -> tuple[SymmWorkspace, int]:
+        """The workspace and the next region (holding at least ``nbytes``), its peers' copies free to write."""
+        if nbytes > self.region_bytes:
+            if self.workspace is not None:  # rounds in flight and peers' signals may still use it: kept
+                self.retired.append(self.workspace)
+            self.region_bytes = -(-nbytes // 256) * 256
+            self.workspace = SymmWorkspace(self.group.group, self.region_bytes * self.regions, self.device,
+                                           self.timeout_ms)
+            self.next_region = 0
+            for region in range(self.regions):  # every region starts free on every peer
+                for peer in self.peers:
+                    self.workspace.signal(peer, self.free_channel(region))
+        ws, region = self.workspace, self.next_region
+        self.next_region = (region + 1) % self.regions
+        with torch.cuda.stream(self.copy_stream):
+            for peer in self.peers:
+                ws.wait(peer, self.free_channel(region))
+        return ws, region
+
+    def release(self, ws: SymmWorkspace, region: int) -> None:
+        """On the current stream, after every read of the region: peers may write into it again."""
+        for peer in self.peers:
+            ws.signal(peer, self.free_channel(region))
+
+    def push(self, dest: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        """Copy-engine copy on the copy stream, after the current stream's writes to ``src``; the event marks
+        its end (waiting on the whole copy stream would also wait for later rounds' pushes)."""
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.copy_stream):
+            dest.copy_(src, non_blocking=True)
+            done.record()
+        src.record_stream(self.copy_stream)
+        return done
+
+    def open(self, num_steps, chunk_shape, dtype, device) -> RingRound:
+        if num_steps > self.max_steps:
+            raise ValueError(f"a ring round of {num_steps} steps exceeds the transport's {self.max_steps}")
+        nbytes = num_steps * math.prod(chunk_shape) * torch.empty((), dtype=dtype).element_size()
+        ws, region = self.claim(nbytes)
+        shape = (num_steps, *chunk_shape)
+        return _SymmRound(self, ws, region, ws.view(ws.rank, shape, dtype, region * self.region_bytes),
+                          ws.view(self.next_peer, shape, dtype, region * self.region_bytes))
+
+    def start_all_gather(self, x_RK: torch.Tensor) -> "Pending":
+        rows = x_RK.shape[0]
+        shape = (self.group.size * rows, *x_RK.shape[1:])
+        ws, region = self.claim(x_RK.numel() * self.group.size * x_RK.element_size())
+        x_RK = x_RK.contiguous()
+        for peer in self.peers + [self.group.rank]:  # our own block last: a local copy-engine copy
+            landed = self.push(ws.view(peer, shape, x_RK.dtype, region * self.region_bytes)[self.group.rank * rows:]
+                               [:rows], x_RK)
+        own_SK = ws.view(ws.rank, shape, x_RK.dtype, region * self.region_bytes)
+
+        def gathered() -> torch.Tensor:
+            torch.cuda.current_stream().wait_event(landed)
+            return own_SK.clone()
+
+        return self._start_bulk(ws, region, gathered)
+
+    def start_reduce_scatter(self, x_SK: torch.Tensor) -> "Pending":
+        _check_rows(x_SK.shape[0], self.group.size)
+        size, rank = self.group.size, self.group.rank
+        x_NRK = x_SK.contiguous().view(size, x_SK.shape[0] // size, *x_SK.shape[1:])
+        ws, region = self.claim(x_SK.numel() * x_SK.element_size())
+        for peer in self.peers:  # slot q of a rank's region holds rank q's partial of that rank's block
+            self.push(ws.view(peer, tuple(x_NRK.shape), x_SK.dtype, region * self.region_bytes)[rank], x_NRK[peer])
+        own_NRK = ws.view(ws.rank, tuple(x_NRK.shape), x_SK.dtype, region * self.region_bytes)
+
+        def reduce() -> torch.Tensor:
+            out_RK = x_NRK[rank].clone()
+            for peer in self.peers:
+                out_RK.add_(own_NRK[peer])
+            return out_RK
+
+        return self._start_bulk(ws, region, reduce)
+
+    def _start_bulk(self, ws: SymmWorkspace, region: int, result: Callable[[], torch.Tensor]) -> "Pending":
+        with torch.cuda.stream(self.copy_stream):
+            for peer in self.peers:
+                ws.signal(peer, self.bulk_channel())
+        bulk = _SymmBulk(self, ws, region, result)
+        self.bulk_in_flight.append(bulk)
+        return Pending(complete=bulk.complete)
+
+
+class _SymmRound(RingRound):
+    def __init__(self, transport: SymmRingTransport, ws: SymmWorkspace, region: int, own_NCK: torch.Tensor,
+                 next_NCK: torch.Tensor):
+        self.transport, self.ws, self.region, self.own_NCK, self.next_NCK = transport, ws, region, own_NCK, next_NCK
+        self.started: set[int] = set()
+        self.last_push: torch.cuda.Event | None = None
+
+    def start(self, step: int, send_CK: torch.Tensor) -> None:
+        t = self.transport
+        self.last_push = t.push(self.next_NCK[step], send_CK.contiguous())
+        with torch.cuda.stream(t.copy_stream):
+            self.ws.signal(t.next_peer, t.step_channel(step))
+        self.started.add(step)
+
+    def wait(self, step: int) -> torch.Tensor:
+        self.ws.wait(self.transport.prev_peer, self.transport.step_channel(step))
+        self.started.discard(step)
+        return self.own_NCK[step]
+
+    def finish(self) -> None:
+        if self.started:
+            raise RuntimeError(f"ring round finished with steps {sorted(self.started)} never waited on")
+        if self.last_push is not None:  # forwarded chunks are read from our region
+            torch.cuda.current_stream().wait_event(self.last_push)
+        self.transport.release(self.ws, self.region)
+
+
+class _SymmBulk:
+    def __init__(self, transport: SymmRingTransport, ws: SymmWorkspace, region: int,
+                 result: Callable[[], torch.Tensor]):
+        self.transport, self.ws, self.region, self.result = transport, ws, region, result
+
+    def complete(self) -> torch.Tensor:
+        t = self.transport
+        if t.bulk_in_flight[0] is not self:  # one signal channel serves every bulk collective, in order
+            raise RuntimeError("symm bulk collectives must be waited on in the order they were started")
+        t.bulk_in_flight.pop(0)
+        for peer in t.peers:
+            self.ws.wait(peer, t.bulk_channel())
+        out = self.result()
+        t.release(self.ws, self.region)
+        return out
+
+
+def make_ring_transport(requested: str, group: GroupHandle, device: torch.device, num_splits: int,
+                        timeout_s: float) -> RingTransport:
+    """The TP ring's transport for ``overlap.tp_comm_backend`` (auto: symm on one host with peer access, else
+    p2p), logging which and why."""
+    reason = symm_unavailable_reason(group.group, device) if device.type == "cuda" else "the device is the CPU"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", group.size))
+    name, why = choose_transport("overlap.tp_comm_backend", requested, BACKENDS, "p2p", group.ranks, local, reason)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("TP communication transport: %s (tp_comm_backend=%s: %s)", name, requested, why)
+    if name == "symm":
+        return SymmRingTransport(group, device, max_steps=(group.size - 1) * num_splits,
+                                 timeout_ms=int(timeout_s * 1000))
+    return P2PTransport(group)
 
 
 # ------------------------------------------------------------------------------------------- the rings
@@ -228,15 +439,19 @@ def _check_rows(rows: int, size: int) -> None:
 
 
 class Pending:
-    """A communication in flight; ``wait()`` returns its result, ready for the current stream."""
+    """A communication in flight; ``wait()`` returns its result, ready for the current stream: ``result``
+    once ``work`` (a torch.distributed handle) is done, or what ``complete`` returns (called once)."""
 
-    def __init__(self, result: torch.Tensor, work=None):
-        self._result, self._work = result, work
+    def __init__(self, result: torch.Tensor | None = None, work=None,
+                 complete: Callable[[], torch.Tensor] | None = None):
+        self._result, self._work, self._complete = result, work, complete
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._complete is not None:
+            self._result, self._complete = self._complete(), None
         return self._result
 
 
@@ -314,12 +529,12 @@ class TPComm:
     def start_gather(self, x_RK: torch.Tensor, overlap: bool) -> Pending:
         if not self._sharded():
             return Pending(x_RK)
-        return start_gather_rows(x_RK, self.group) if overlap else Pending(gather_rows(x_RK, self.group))
+        return self.transport.start_all_gather(x_RK) if overlap else Pending(gather_rows(x_RK, self.group))
 
     def start_scatter(self, x_SK: torch.Tensor, overlap: bool) -> Pending:
         if not self._sharded():
             return Pending(all_reduce_(x_SK.contiguous(), self.group.group))
-        return start_scatter_rows(x_SK, self.group) if overlap else Pending(scatter_rows(x_SK, self.group))
+        return self.transport.start_reduce_scatter(x_SK) if overlap else Pending(scatter_rows(x_SK, self.group))
 
     def gather_matmul(self, x_RK: torch.Tensor, b_KN: torch.Tensor, overlap: bool,
                       keep_gathered: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

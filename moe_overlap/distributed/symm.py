@@ -24,7 +24,7 @@ def symm_unavailable_reason(group: dist.ProcessGroup | None, device: torch.devic
     if device.type != "cuda":
         return f"symmetric memory needs CUDA tensors; the device is {device.type}"
     if group is None:
-        return "the expert-parallel group has one rank: nothing to exchange"
+        return "the group has one rank: nothing to exchange"
     if dist.get_backend(group) != "nccl":
         return f"the process group's backend is {dist.get_backend(group)!r}, not nccl"
     try:
@@ -41,6 +41,30 @@ def symm_unavailable_reason(group: dist.ProcessGroup | None, device: torch.devic
         if peer != me and not torch.cuda.can_device_access_peer(me, peer):
             return f"GPU {me} has no peer access to GPU {peer}"
     return None
+
+
+def choose_transport(field: str, requested: str, allowed: tuple[str, ...], collective: str, group_ranks: list[int],
+                     local_world_size: int, symm_reason: str | None) -> tuple[str, str]:
+    """The transport to use for config ``field`` and why: ``symm`` or the process group's ``collective`` one.
+    ``symm_reason`` says why symmetric memory cannot run (None: it can).
+
+    auto: symm when every rank of the group shares one host with peer access, ``collective`` otherwise.
+    Asking for a transport that cannot run is an error that says why.
+    """
+    if requested not in allowed:
+        raise ValueError(f"{field}={requested!r}: allowed {', '.join(allowed)}")
+    hosts = {r // max(local_world_size, 1) for r in group_ranks}
+    if len(hosts) > 1 and symm_reason is None:
+        symm_reason = f"the ranks {group_ranks} span {len(hosts)} hosts (LOCAL_WORLD_SIZE={local_world_size})"
+    if requested == "auto":
+        if symm_reason is None:
+            return "symm", "every rank of the group shares one host with peer access"
+        return collective, f"symm cannot run: {symm_reason}"
+    if requested == "symm" and symm_reason is not None:
+        raise ValueError(f"{field}='symm' cannot run: {symm_reason}; use 'auto' or '{collective}'")
+    if requested not in ("symm", collective):
+        raise ValueError(f"{field}={requested!r} cannot run here; use '{collective}'")
+    return requested, "requested"
 
 
 class SymmWorkspace:

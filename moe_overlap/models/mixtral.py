@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.distributed.ring import TPComm, TPOverlap
+from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 from moe_overlap.layers.attention import SelfAttention
 from moe_overlap.layers.embedding import Embedding, lm_cross_entropy
 from moe_overlap.layers.init import init_parameters, is_expert_param, is_tp_split
@@ -67,7 +67,12 @@ class MixtralModel(nn.Module):
         super().__init__()
         self.cfg, self.recompute = cfg, recompute
         overlap = overlap or OverlapConfig()
-        self.tp_comm = TPComm(mesh.tp, sequence_parallel, tp_overlap(overlap))
+        tp_switches = tp_overlap(overlap)
+        ring = None
+        if tp_switches.any and mesh.tp.size > 1:
+            ring = make_ring_transport(overlap.tp_comm_backend, mesh.tp, torch.device(device or "cpu"),
+                                       overlap.tp_comm_num_splits, timeout_s)
+        self.tp_comm = TPComm(mesh.tp, sequence_parallel, tp_switches, ring)
         transports = None
         if overlap.moe_overlap_dispatch and cfg.num_moe_experts:  # one transport shared by every MoE layer
             transports = TransportSelector(overlap.moe_a2a_backend, mesh.ep.group, mesh.ep.ranks,

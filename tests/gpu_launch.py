@@ -1,0 +1,35 @@
+"""One torchrun launch of a GPU test module on 2 GPUs; each rank writes its report as JSON (``write_report``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def write_report(out_dir: str, report: dict) -> None:
+    Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
+
+
+def launch_two_ranks(module_file: str, out_dir: Path, timeout_s: int) -> list[dict]:
+    """Run ``module_file`` under torchrun (2 ranks, multicast off; argv[1] = ``out_dir``) and return the ranks'
+    reports, printed for the log. Fails (not skips) without 2 GPUs: a GPU test that did not run did not pass."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail("needs 2 CUDA GPUs")
+    env = dict(os.environ, **MULTICAST_OFF, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", module_file,
+           str(out_dir)]
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    found = [json.loads(p.read_text()) for p in sorted(out_dir.glob("report_rank*.json"))]
+    for report in found:
+        print(json.dumps(report, indent=1))
+    assert len(found) == 2, done.stderr[-6000:]
+    return found
