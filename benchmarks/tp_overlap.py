@@ -112,6 +112,7 @@ def run(argv: list[str]) -> list[dict]:
             "collective_ms": times["collective"], "torch_fused_ms": times.get("torch_fused"),
             "transport": best.split("/")[0], "num_splits": int(best.split("/")[1]),
             "overlapped_by_variant_ms": overlapped, **errors,
+            "gemm_chunked_ms": {name.split(":")[1]: ms for name, ms in times.items() if name.startswith("gemm_chunked")},
         })
     if not args.no_layer:
         rows.append(_layer_row(comms, SMOKE_LAYER if args.smoke else LAYER, rounds, warmup, device, dtype))
@@ -138,6 +139,7 @@ def _ag_variants(comms: dict, total: int, k: int, n: int, device, dtype) -> dict
     variants = {"serial": lambda: comm.gather_matmul(x_RK, w_NK.t(), overlap=False)[0]}
     variants.update(_ring_variants(comms, x_RK, lambda c: c.gather_matmul(x_RK, w_NK.t(), overlap=True)[0]))
     variants.update(collective=lambda: gather_rows(x_RK, comm.group), gemm=lambda: torch.mm(x_SK, w_NK.t()))
+    variants.update(_chunked_gemm_variants(comms, x_SK, w_NK.t()))
     fused = _torch_fused_ops(device)
     if fused is not None:
         group_name = comm.group.group.group_name
@@ -160,11 +162,29 @@ def _rs_variants(comms: dict, total: int, k: int, n: int, device, dtype) -> dict
     variants.update(_ring_variants(comms, y_SN[:total // comm.size],
                                    lambda c: c.matmul_scatter(a_SK, w_NK.t(), overlap=True)))
     variants.update(collective=lambda: scatter_rows(y_SN, comm.group), gemm=lambda: torch.mm(a_SK, w_NK.t()))
+    variants.update(_chunked_gemm_variants(comms, a_SK, w_NK.t()))
     fused = _torch_fused_ops(device)
     if fused is not None:
         group_name = comm.group.group.group_name
         variants["torch_fused"] = lambda: fused[1](a_SK, w_NK.t(), "sum", 0, group_name)
     return variants
+
+
+def _chunked_gemm_variants(comms: dict, a_SK, b_KN) -> dict[str, Callable[[], object]]:
+    """``gemm_chunked:<splits>``: the GEMM as the ring runs it, in size x splits row chunks, with no
+    communication: what GEMM efficiency at chunk size costs."""
+    import torch
+
+    out_SN = torch.empty(a_SK.shape[0], b_KN.shape[1], device=a_SK.device, dtype=a_SK.dtype)
+
+    def chunked(pieces: int):
+        for a_CK, out_CN in zip(a_SK.chunk(pieces), out_SN.chunk(pieces)):
+            torch.mm(a_CK, b_KN, out=out_CN)
+        return out_SN
+
+    comm = next(iter(comms.values()))
+    return {f"gemm_chunked:{n}": (lambda n=n: chunked(comm.size * n)) for n in sorted({c.overlap.num_splits
+                                                                                       for c in comms.values()})}
 
 
 def _ring_variants(comms: dict, moved_RK, overlapped: Callable) -> dict[str, Callable[[], object]]:

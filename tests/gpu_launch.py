@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.common import MULTICAST_OFF
+
 REPO = Path(__file__).resolve().parents[1]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def write_report(out_dir: str, report: dict) -> None:
@@ -31,5 +32,6 @@ def launch_two_ranks(module_file: str, out_dir: Path, timeout_s: int) -> list[di
     found = [json.loads(p.read_text()) for p in sorted(out_dir.glob("report_rank*.json"))]
     for report in found:
         print(json.dumps(report, indent=1))
-    assert len(found) == 2, done.stderr[-6000:]
+    fatal = [line for line in done.stdout.splitlines() if "FATAL" in line or "Error" in line]
+    assert len(found) == 2, "\n".join(fatal[-20:]) + "\n" + done.stderr[-6000:]
     return found

@@ -138,34 +138,32 @@ class SymmRingTransport(RingTransport):
     Rounds use ``regions`` registered regions in turn, so a bulk collective stays in flight while ring rounds
     run (at most regions - 1 open at once). Flow control: before a round's first write, the copy stream waits
     for every peer's "free" signal for the region, which each raises in ``finish`` after everything that read
-    it (and once at start-up). A signal is a semaphore: a peer's second raise waits until the first has been
-    consumed, so a data channel serves successive rounds of one kind in order (steps: one per step; bulk:
-    one, waited on in the order started). The workspace grows when a round needs more than a region holds;
-    that is a collective, which holds because every rank of the group opens the same rounds in the same order.
+    it (and once at start-up). Data signals have a channel per (region, step), so a channel's next raise
+    always comes after its last one was consumed: a raise into a raised slot would spin until the slot is
+    cleared and couple unrelated rounds across streams (measured: it deadlocked two bulk collectives in
+    flight). The workspace grows when a round needs more than a region holds; that is a collective, which
+    holds because every rank of the group opens the same rounds in the same order.
     """
 
     name = "symm"
 
     def __init__(self, group: GroupHandle, device: torch.device, max_steps: int, regions: int = 4,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS):
-        self.group, self.device, self.max_steps, self.regions, self.timeout_ms = (group, device, max_steps,
-                                                                                   regions, timeout_ms)
+        self.group, self.device, self.regions, self.timeout_ms = group, device, regions, timeout_ms
+        self.max_steps = max(max_steps, 1)  # a bulk collective uses step 0
         self.peers = [p for p in range(group.size) if p != group.rank]
         self.next_peer, self.prev_peer = (group.rank + 1) % group.size, (group.rank - 1) % group.size
         self.copy_stream = torch.cuda.Stream(device=device)
         self.workspace: SymmWorkspace | None = None
         self.retired: list[SymmWorkspace] = []  # outgrown ones (the first steps only, as shapes settle)
         self.region_bytes, self.next_region = 0, 0
-        self.bulk_in_flight: list[_SymmBulk] = []
 
     def free_channel(self, region: int) -> int:
         return region
 
-    def step_channel(self, step: int) -> int:
-        return self.regions + step
-
-    def bulk_channel(self) -> int:
-        return self.regions + self.max_steps
+    def data_channel(self, region: int, step: int = 0) -> int:
+        """Step ``step`` of a ring round, or a bulk collective (step 0), in ``region``."""
+        return self.regions + region * self.max_steps + step
 
     def claim(self, nbytes: int) -> tuple[SymmWorkspace, int]:
         """The workspace and the next region (holding at least ``nbytes``), its peers' copies free to write."""
@@ -247,10 +245,8 @@ class SymmRingTransport(RingTransport):
     def _start_bulk(self, ws: SymmWorkspace, region: int, result: Callable[[], torch.Tensor]) -> "Pending":
         with torch.cuda.stream(self.copy_stream):
             for peer in self.peers:
-                ws.signal(peer, self.bulk_channel())
-        bulk = _SymmBulk(self, ws, region, result)
-        self.bulk_in_flight.append(bulk)
-        return Pending(complete=bulk.complete)
+                ws.signal(peer, self.data_channel(region))
+        return Pending(complete=_SymmBulk(self, ws, region, result).complete)
 
 
 class _SymmRound(RingRound):
@@ -264,11 +260,11 @@ class _SymmRound(RingRound):
         t = self.transport
         self.last_push = t.push(self.next_NCK[step], send_CK.contiguous())
         with torch.cuda.stream(t.copy_stream):
-            self.ws.signal(t.next_peer, t.step_channel(step))
+            self.ws.signal(t.next_peer, t.data_channel(self.region, step))
         self.started.add(step)
 
     def wait(self, step: int) -> torch.Tensor:
-        self.ws.wait(self.transport.prev_peer, self.transport.step_channel(step))
+        self.ws.wait(self.transport.prev_peer, self.transport.data_channel(self.region, step))
         self.started.discard(step)
         return self.own_NCK[step]
 
@@ -287,11 +283,8 @@ class _SymmBulk:
 
     def complete(self) -> torch.Tensor:
         t = self.transport
-        if t.bulk_in_flight[0] is not self:  # one signal channel serves every bulk collective, in order
-            raise RuntimeError("symm bulk collectives must be waited on in the order they were started")
-        t.bulk_in_flight.pop(0)
         for peer in t.peers:
-            self.ws.wait(peer, t.bulk_channel())
+            self.ws.wait(peer, t.data_channel(self.region))
         out = self.result()
         t.release(self.ws, self.region)
         return out

@@ -88,6 +88,9 @@ class SymmWorkspace:
         if getattr(self.handle, "multicast_ptr", 0):
             raise RuntimeError("symmetric memory came with an NVLink multicast pointer; set "
                                "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (multicast must stay off on shared hosts)")
+        # Every rank's signal pad is zeroed before any peer may raise a signal in it.
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
 
     def view(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
         """``rank``'s buffer (this rank's own when rank == self.rank) as a tensor of ``shape`` at an offset."""
