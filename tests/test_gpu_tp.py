@@ -62,8 +62,8 @@ def gpu_cases(out_dir: str) -> dict:
             report["errors"].append(traceback.format_exc()[-3000:])
         torch.cuda.synchronize()
         write_report(out_dir, report)
-    report["multicast_ptrs"] = [int(getattr(ws.handle, "multicast_ptr", 0) or 0)
-                                for ws in symm.retired + [symm.workspace] if ws is not None]
+    report["multicast_ptrs"] = [int(getattr(regions.workspace.handle, "multicast_ptr", 0) or 0)
+                                for regions in symm.retired + [symm.regions] if regions is not None]
     torch.cuda.synchronize()
     dist.destroy_process_group()
     return report

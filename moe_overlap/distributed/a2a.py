@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.distributed.collectives import ProcessGroup
-from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmWorkspace, choose_transport, symm_unavailable_reason
+from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmRegions, choose_transport, symm_unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -141,50 +141,45 @@ class CollectiveTransport:
 
 class SymmExchange(Exchange):
     """Pushes each chunk into the peers' registered receive slots with copy-engine peer copies on a copy
-    stream, then raises one signal per (peer, chunk); the receiver's stream waits on those signals.
+    stream, then raises one signal per (peer, chunk); the receiver's stream waits on those signals. Slots
+    are the regions of :class:`SymmRegions`, which owns the flow control."""
 
-    Flow control: before writing into a peer's slot, the copy stream waits for that peer's "slot free"
-    signal, which the peer raises in ``finish`` once it has read the slot (and once at start-up).
-    """
-
-    def __init__(self, transport: SymmTransport, send_RH: torch.Tensor, layout: ExchangeLayout, slot: int):
-        ws = transport.workspace
-        row_shape = tuple(send_RH.shape[1:])
-        recv_RH = ws.view(ws.rank, (layout.recv_total,) + row_shape, send_RH.dtype, transport.slot_offset(slot))
-        super().__init__(send_RH, recv_RH, layout)
-        self.transport, self.slot, self.row_shape = transport, slot, row_shape
-        self.row_bytes = send_RH[0:1].numel() * send_RH.element_size() if send_RH.shape[0] else 0
-        self.landed = {}
+    def __init__(self, transport: SymmTransport, send_RH: torch.Tensor, layout: ExchangeLayout):
+        regions = transport.regions
+        self.row_shape = tuple(send_RH.shape[1:])
         stream = transport.copy_stream
         stream.wait_stream(torch.cuda.current_stream())
         send_RH.record_stream(stream)
-        with torch.cuda.stream(stream):
-            for peer in transport.peers:
-                ws.wait(peer, transport.free_channel(slot))
+        self.slot = regions.claim(stream)
+        recv_RH = regions.view(regions.rank, self.slot, (layout.recv_total,) + self.row_shape, send_RH.dtype)
+        super().__init__(send_RH, recv_RH, layout)
+        self.transport = transport
+        self.row_bytes = send_RH[0:1].numel() * send_RH.element_size() if send_RH.shape[0] else 0
+        self.landed = {}
 
     def send(self, chunk: int) -> None:
-        transport, ws, layout = self.transport, self.transport.workspace, self.layout
+        transport, regions, layout = self.transport, self.transport.regions, self.layout
         stream = transport.copy_stream
         stream.wait_stream(torch.cuda.current_stream())  # the chunk's rows were written on this stream
         with torch.cuda.stream(stream):
-            for peer in range(ws.size):
+            for peer in range(regions.size):
                 rows = layout.send_rows[chunk][peer]
                 if rows == 0:
                     continue
                 start = layout.send_offsets[chunk][peer]
-                dest = ws.view(peer, (rows,) + self.row_shape, self.send_buffer.dtype,
-                               transport.slot_offset(self.slot) + layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
+                dest = regions.view(peer, self.slot, (rows,) + self.row_shape, self.send_buffer.dtype,
+                                    layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
                 dest.copy_(self.send_buffer[start:start + rows], non_blocking=True)
-            for peer in transport.peers:
-                ws.signal(peer, transport.data_channel(self.slot, chunk))
+            for peer in regions.peers:
+                regions.signal(peer, self.slot, chunk)
             self.landed[chunk] = torch.cuda.Event()
             self.landed[chunk].record(stream)  # covers the local rows, which no signal announces
 
     def recv(self, chunk: int) -> torch.Tensor:
         current = torch.cuda.current_stream()
         current.wait_event(self.landed.pop(chunk))
-        for peer in self.transport.peers:
-            self.transport.workspace.wait(peer, self.transport.data_channel(self.slot, chunk))
+        for peer in self.transport.regions.peers:
+            self.transport.regions.wait(peer, self.slot, chunk)
         return self.chunk_view(chunk)
 
     def result(self) -> torch.Tensor:
@@ -192,12 +187,11 @@ class SymmExchange(Exchange):
 
     def finish(self) -> None:
         assert not self.landed, f"chunks {sorted(self.landed)} were sent but never received"
-        for peer in self.transport.peers:  # on the current stream: after everything that read the slot
-            self.transport.workspace.signal(peer, self.transport.free_channel(self.slot))
+        self.transport.regions.release(self.slot)  # on the current stream: after everything that read the slot
 
 
 class SymmTransport:
-    """Copy-engine exchange over one symmetric workspace cut into ``slots`` receive slots used in turn.
+    """Copy-engine exchange over ``slots`` symmetric receive slots used in turn.
 
     A slot holds the worst case of one exchange (every token copy of every rank landing here, dropless),
     so several exchanges (dispatch and combine of two micro-batches, by default) can be in flight.
@@ -207,23 +201,10 @@ class SymmTransport:
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int, device: torch.device, max_chunks: int,
                  slots: int = 4, timeout_ms: int = DEFAULT_TIMEOUT_MS):
-        self.slot_bytes = -(-slot_bytes // 256) * 256  # keep every slot 256-byte aligned
-        self.slots, self.max_chunks, self.next_slot = slots, max_chunks, 0
-        self.workspace = SymmWorkspace(group, self.slot_bytes * slots, device, timeout_ms)
-        self.peers = [p for p in range(self.workspace.size) if p != self.workspace.rank]
+        self.max_chunks = max_chunks
+        self.regions = SymmRegions(group, slot_bytes, slots, max_chunks, device, timeout_ms)
+        self.slot_bytes = self.regions.region_bytes
         self.copy_stream = torch.cuda.Stream(device=device)
-        for slot in range(slots):  # every slot starts free on every peer
-            for peer in self.peers:
-                self.workspace.signal(peer, self.free_channel(slot))
-
-    def slot_offset(self, slot: int) -> int:
-        return slot * self.slot_bytes
-
-    def free_channel(self, slot: int) -> int:
-        return slot
-
-    def data_channel(self, slot: int, chunk: int) -> int:
-        return self.slots + slot * self.max_chunks + chunk
 
     def exchange(self, send_RH: torch.Tensor, layout: ExchangeLayout) -> SymmExchange:
         if layout.num_chunks > self.max_chunks:
@@ -232,8 +213,7 @@ class SymmTransport:
         if need > self.slot_bytes:
             raise ValueError(f"an exchange of {layout.recv_total} rows ({need} bytes) does not fit the "
                              f"{self.slot_bytes}-byte receive slot; the workspace was sized too small")
-        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.slots
-        return SymmExchange(self, send_RH, layout, slot)
+        return SymmExchange(self, send_RH, layout)
 
 
 class TransportSelector:
@@ -251,6 +231,7 @@ class TransportSelector:
         self.group, self.device, self.max_chunks = group, device, max_chunks
         self.timeout_ms = int(timeout_s * 1000)
         self._symm: SymmTransport | None = None
+        self._retired: list[SymmTransport] = []  # outgrown ones (the first micro-batches only)
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info("MoE all-to-all transport: %s (moe_a2a_backend=%s: %s)", self.name, requested, why)
 
@@ -258,6 +239,8 @@ class TransportSelector:
         if self.name != "symm":
             return CollectiveTransport(self.name, self.group)
         if self._symm is None or self._symm.slot_bytes < worst_case_bytes:
+            if self._symm is not None:  # exchanges in flight and peers' signals may still use it: kept
+                self._retired.append(self._symm)
             self._symm = SymmTransport(self.group, worst_case_bytes, self.device, self.max_chunks,
                                        timeout_ms=self.timeout_ms)
         return self._symm

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from moe_overlap.distributed.collectives import all_reduce_, start_all_gather, start_reduce_scatter
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmWorkspace, choose_transport, symm_unavailable_reason
+from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmRegions, choose_transport, symm_unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -130,64 +130,36 @@ class _P2PRound(RingRound):
 class SymmRingTransport(RingTransport):
     """Copy-engine ring through symmetric memory (CUDA ranks of one host).
 
-    Step k of a round pushes the chunk into the next rank's registered region, slot k, with a peer copy on a
-    copy stream (no SMs), then raises the next rank's signal for step k; ``wait`` makes the current stream
-    wait on the previous rank's signal. Bulk collectives push straight to every peer (one host: every pair
-    is joined) and are summed or copied out when waited on.
+    Step k of a round pushes the chunk into the next rank's region, slot k, with a peer copy on a copy stream
+    (no SMs), then raises the next rank's signal for step k; ``wait`` makes the current stream wait on the
+    previous rank's signal. Bulk collectives push straight to every peer (one host: every pair is joined)
+    and are summed or copied out when waited on.
 
-    Rounds use ``regions`` registered regions in turn, so a bulk collective stays in flight while ring rounds
-    run (at most regions - 1 open at once). Flow control: before a round's first write, the copy stream waits
-    for every peer's "free" signal for the region, which each raises in ``finish`` after everything that read
-    it (and once at start-up). Data signals have a channel per (region, step), so a channel's next raise
-    always comes after its last one was consumed: a raise into a raised slot would spin until the slot is
-    cleared and couple unrelated rounds across streams (measured: it deadlocked two bulk collectives in
-    flight). The workspace grows when a round needs more than a region holds; that is a collective, which
-    holds because every rank of the group opens the same rounds in the same order.
+    Rounds use ``regions`` regions in turn (:class:`SymmRegions`, which owns the flow control), so a bulk
+    collective stays in flight while ring rounds run (at most regions - 1 open at once). The regions grow
+    when a round needs more than one holds; that is a collective, which holds because every rank of the
+    group opens the same rounds in the same order.
     """
 
     name = "symm"
 
     def __init__(self, group: GroupHandle, device: torch.device, max_steps: int, regions: int = 4,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS):
-        self.group, self.device, self.regions, self.timeout_ms = group, device, regions, timeout_ms
+        self.group, self.device, self.count, self.timeout_ms = group, device, regions, timeout_ms
         self.max_steps = max(max_steps, 1)  # a bulk collective uses step 0
-        self.peers = [p for p in range(group.size) if p != group.rank]
         self.next_peer, self.prev_peer = (group.rank + 1) % group.size, (group.rank - 1) % group.size
         self.copy_stream = torch.cuda.Stream(device=device)
-        self.workspace: SymmWorkspace | None = None
-        self.retired: list[SymmWorkspace] = []  # outgrown ones (the first steps only, as shapes settle)
-        self.region_bytes, self.next_region = 0, 0
+        self.regions: SymmRegions | None = None
+        self.retired: list[SymmRegions] = []  # outgrown ones (the first steps only, as shapes settle)
 
-    def free_channel(self, region: int) -> int:
-        return region
-
-    def data_channel(self, region: int, step: int = 0) -> int:
-        """Step ``step`` of a ring round, or a bulk collective (step 0), in ``region``."""
-        return self.regions + region * self.max_steps + step
-
-    def claim(self, nbytes: int) -> tuple[SymmWorkspace, int]:
-        """The workspace and the next region (holding at least ``nbytes``), its peers' copies free to write."""
-        if nbytes > self.region_bytes:
-            if self.workspace is not None:  # rounds in flight and peers' signals may still use it: kept
-                self.retired.append(self.workspace)
-            self.region_bytes = -(-nbytes // 256) * 256
-            self.workspace = SymmWorkspace(self.group.group, self.region_bytes * self.regions, self.device,
-                                           self.timeout_ms)
-            self.next_region = 0
-            for region in range(self.regions):  # every region starts free on every peer
-                for peer in self.peers:
-                    self.workspace.signal(peer, self.free_channel(region))
-        ws, region = self.workspace, self.next_region
-        self.next_region = (region + 1) % self.regions
-        with torch.cuda.stream(self.copy_stream):
-            for peer in self.peers:
-                ws.wait(peer, self.free_channel(region))
-        return ws, region
-
-    def release(self, ws: SymmWorkspace, region: int) -> None:
-        """On the current stream, after every read of the region: peers may write into it again."""
-        for peer in self.peers:
-            ws.signal(peer, self.free_channel(region))
+    def claim(self, nbytes: int) -> tuple[SymmRegions, int]:
+        """The regions (at least ``nbytes`` each) and the next one, free to write once the copy stream gets there."""
+        if self.regions is None or nbytes > self.regions.region_bytes:
+            if self.regions is not None:  # rounds in flight and peers' signals may still use it: kept
+                self.retired.append(self.regions)
+            self.regions = SymmRegions(self.group.group, nbytes, self.count, self.max_steps, self.device,
+                                       self.timeout_ms)
+        return self.regions, self.regions.claim(self.copy_stream)
 
     def push(self, dest: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
         """Copy-engine copy on the copy stream, after the current stream's writes to ``src``; the event marks
@@ -203,56 +175,63 @@ class SymmRingTransport(RingTransport):
     def open(self, num_steps, chunk_shape, dtype, device) -> RingRound:
         if num_steps > self.max_steps:
             raise ValueError(f"a ring round of {num_steps} steps exceeds the transport's {self.max_steps}")
-        nbytes = num_steps * math.prod(chunk_shape) * torch.empty((), dtype=dtype).element_size()
-        ws, region = self.claim(nbytes)
         shape = (num_steps, *chunk_shape)
-        return _SymmRound(self, ws, region, ws.view(ws.rank, shape, dtype, region * self.region_bytes),
-                          ws.view(self.next_peer, shape, dtype, region * self.region_bytes))
+        regions, region = self.claim(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        return _SymmRound(self, regions, region, regions.view(regions.rank, region, shape, dtype),
+                          regions.view(self.next_peer, region, shape, dtype))
 
     def start_all_gather(self, x_RK: torch.Tensor) -> "Pending":
-        rows = x_RK.shape[0]
+        rows, rank = x_RK.shape[0], self.group.rank
         shape = (self.group.size * rows, *x_RK.shape[1:])
-        ws, region = self.claim(x_RK.numel() * self.group.size * x_RK.element_size())
+        regions, region = self.claim(x_RK.numel() * self.group.size * x_RK.element_size())
         x_RK = x_RK.contiguous()
-        for peer in self.peers + [self.group.rank]:  # our own block last: a local copy-engine copy
-            landed = self.push(ws.view(peer, shape, x_RK.dtype, region * self.region_bytes)[self.group.rank * rows:]
-                               [:rows], x_RK)
-        own_SK = ws.view(ws.rank, shape, x_RK.dtype, region * self.region_bytes)
+        for peer in regions.peers + [rank]:  # our own block last: a local copy-engine copy
+            landed = self.push(regions.view(peer, region, shape, x_RK.dtype)[rank * rows:(rank + 1) * rows], x_RK)
+        own_SK = regions.view(rank, region, shape, x_RK.dtype)
 
         def gathered() -> torch.Tensor:
             torch.cuda.current_stream().wait_event(landed)
             return own_SK.clone()
 
-        return self._start_bulk(ws, region, gathered)
+        return self._start_bulk(regions, region, gathered)
 
     def start_reduce_scatter(self, x_SK: torch.Tensor) -> "Pending":
         _check_rows(x_SK.shape[0], self.group.size)
         size, rank = self.group.size, self.group.rank
         x_NRK = x_SK.contiguous().view(size, x_SK.shape[0] // size, *x_SK.shape[1:])
-        ws, region = self.claim(x_SK.numel() * x_SK.element_size())
-        for peer in self.peers:  # slot q of a rank's region holds rank q's partial of that rank's block
-            self.push(ws.view(peer, tuple(x_NRK.shape), x_SK.dtype, region * self.region_bytes)[rank], x_NRK[peer])
-        own_NRK = ws.view(ws.rank, tuple(x_NRK.shape), x_SK.dtype, region * self.region_bytes)
+        regions, region = self.claim(x_SK.numel() * x_SK.element_size())
+        for peer in regions.peers:  # slot q of a rank's region holds rank q's partial of that rank's block
+            self.push(regions.view(peer, region, tuple(x_NRK.shape), x_SK.dtype)[rank], x_NRK[peer])
+        own_NRK = regions.view(rank, region, tuple(x_NRK.shape), x_SK.dtype)
 
         def reduce() -> torch.Tensor:
             out_RK = x_NRK[rank].clone()
-            for peer in self.peers:
+            for peer in regions.peers:
                 out_RK.add_(own_NRK[peer])
             return out_RK
 
-        return self._start_bulk(ws, region, reduce)
+        return self._start_bulk(regions, region, reduce)
 
-    def _start_bulk(self, ws: SymmWorkspace, region: int, result: Callable[[], torch.Tensor]) -> "Pending":
+    def _start_bulk(self, regions: SymmRegions, region: int, result: Callable[[], torch.Tensor]) -> "Pending":
         with torch.cuda.stream(self.copy_stream):
-            for peer in self.peers:
-                ws.signal(peer, self.data_channel(region))
-        return Pending(complete=_SymmBulk(self, ws, region, result).complete)
+            for peer in regions.peers:
+                regions.signal(peer, region, 0)
+
+        def complete() -> torch.Tensor:
+            for peer in regions.peers:
+                regions.wait(peer, region, 0)
+            out = result()
+            regions.release(region)
+            return out
+
+        return Pending(complete=complete)
 
 
 class _SymmRound(RingRound):
-    def __init__(self, transport: SymmRingTransport, ws: SymmWorkspace, region: int, own_NCK: torch.Tensor,
+    def __init__(self, transport: SymmRingTransport, regions: SymmRegions, region: int, own_NCK: torch.Tensor,
                  next_NCK: torch.Tensor):
-        self.transport, self.ws, self.region, self.own_NCK, self.next_NCK = transport, ws, region, own_NCK, next_NCK
+        self.transport, self.regions, self.region, self.own_NCK, self.next_NCK = (transport, regions, region,
+                                                                                   own_NCK, next_NCK)
         self.started: set[int] = set()
         self.last_push: torch.cuda.Event | None = None
 
@@ -260,11 +239,11 @@ class _SymmRound(RingRound):
         t = self.transport
         self.last_push = t.push(self.next_NCK[step], send_CK.contiguous())
         with torch.cuda.stream(t.copy_stream):
-            self.ws.signal(t.next_peer, t.data_channel(self.region, step))
+            self.regions.signal(t.next_peer, self.region, step)
         self.started.add(step)
 
     def wait(self, step: int) -> torch.Tensor:
-        self.ws.wait(self.transport.prev_peer, self.transport.data_channel(self.region, step))
+        self.regions.wait(self.transport.prev_peer, self.region, step)
         self.started.discard(step)
         return self.own_NCK[step]
 
@@ -273,21 +252,7 @@ class _SymmRound(RingRound):
             raise RuntimeError(f"ring round finished with steps {sorted(self.started)} never waited on")
         if self.last_push is not None:  # forwarded chunks are read from our region
             torch.cuda.current_stream().wait_event(self.last_push)
-        self.transport.release(self.ws, self.region)
-
-
-class _SymmBulk:
-    def __init__(self, transport: SymmRingTransport, ws: SymmWorkspace, region: int,
-                 result: Callable[[], torch.Tensor]):
-        self.transport, self.ws, self.region, self.result = transport, ws, region, result
-
-    def complete(self) -> torch.Tensor:
-        t = self.transport
-        for peer in t.peers:
-            self.ws.wait(peer, t.data_channel(self.region))
-        out = self.result()
-        t.release(self.ws, self.region)
-        return out
+        self.regions.release(self.region)
 
 
 def make_ring_transport(requested: str, group: GroupHandle, device: torch.device, num_splits: int,

@@ -112,3 +112,59 @@ class SymmWorkspace:
 
     def barrier(self, channel: int = 0) -> None:
         self.handle.barrier(channel=channel, timeout_ms=self.timeout_ms)
+
+
+class SymmRegions:
+    """One workspace cut into ``count`` equal regions that successive exchanges use in turn, with the flow
+    control every copy-engine transport needs (a collective: all ranks construct it).
+
+    A rank writes into a peer's region only after that peer said the region is free: ``claim`` makes a
+    stream wait for every peer's "free" signal for the next region, which each raises in ``release`` once
+    everything that read it is done (and once here, at start-up). Every rank claims and releases each
+    region once per use, so a free signal is always consumed before it is raised again. Data signals have a
+    channel per (region, step): a raise into a slot not yet consumed would spin until it is and tie
+    unrelated exchanges together across streams.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, region_bytes: int, count: int, steps: int, device: torch.device,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        self.region_bytes = -(-region_bytes // 256) * 256  # every region 256-byte aligned
+        self.count, self.steps, self.next = count, steps, 0
+        self.workspace = SymmWorkspace(group, self.region_bytes * count, device, timeout_ms)
+        self.rank, self.size = self.workspace.rank, self.workspace.size
+        self.peers = [p for p in range(self.size) if p != self.rank]
+        for region in range(count):
+            for peer in self.peers:
+                self.workspace.signal(peer, region)
+
+    def claim(self, stream: torch.cuda.Stream) -> int:
+        """The next region; ``stream``'s later work runs once every peer has freed it."""
+        region, self.next = self.next, (self.next + 1) % self.count
+        with torch.cuda.stream(stream):
+            for peer in self.peers:
+                self.workspace.wait(peer, region)
+        return region
+
+    def release(self, region: int) -> None:
+        """On the current stream, after every read of the region: peers may write into it again."""
+        for peer in self.peers:
+            self.workspace.signal(peer, region)
+
+    def view(self, rank: int, region: int, shape: tuple[int, ...], dtype: torch.dtype,
+             offset_bytes: int = 0) -> torch.Tensor:
+        """``rank``'s copy of ``region`` as a tensor, from ``offset_bytes`` into the region."""
+        if offset_bytes + math.prod(shape) * torch.empty((), dtype=dtype).element_size() > self.region_bytes:
+            raise ValueError(f"a view of {tuple(shape)} {dtype} at byte {offset_bytes} does not fit a "
+                             f"{self.region_bytes}-byte region")
+        return self.workspace.view(rank, shape, dtype, region * self.region_bytes + offset_bytes)
+
+    def data_channel(self, region: int, step: int) -> int:
+        if not 0 <= step < self.steps:
+            raise ValueError(f"step {step} outside the regions' {self.steps} data channels")
+        return self.count + region * self.steps + step
+
+    def signal(self, peer: int, region: int, step: int) -> None:
+        self.workspace.signal(peer, self.data_channel(region, step))
+
+    def wait(self, peer: int, region: int, step: int) -> None:
+        self.workspace.wait(peer, self.data_channel(region, step))
