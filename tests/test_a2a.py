@@ -62,3 +62,15 @@ def test_tp_ring_transport_choice_names_its_field_and_falls_back_to_p2p():
         choose("symm", None, ranks=(0, 1, 2, 3))
     with pytest.raises(ValueError, match=r"overlap.tp_comm_backend='nccl': allowed auto, p2p, symm"):
         choose("nccl", None)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (4, 1), (1, 5), (3, 4)])
+def test_block_transpose_matches_a_stable_sort_by_target_block(shape):
+    from moe_overlap.layers.dispatcher import block_transpose
+
+    rows_AB = np.random.default_rng(sum(shape)).integers(0, 4, shape)
+    rows_AB[0, 0] = 0  # an empty block
+    key = np.repeat(np.add.outer(np.arange(shape[0]), np.arange(shape[1]) * shape[0]).ravel(), rows_AB.ravel())
+    index, inverse = block_transpose(rows_AB)
+    assert np.array_equal(index, np.argsort(key, kind="stable"))
+    assert np.array_equal(inverse[index], np.arange(index.size))

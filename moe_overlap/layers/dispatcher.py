@@ -65,17 +65,30 @@ class ExchangePlan:
     offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets of its experts
 
 
-@dataclass
 class DispatchPlan:
-    """Where every token copy goes and comes back for one layer call."""
+    """Where every token copy goes and comes back for one layer call.
 
-    row_of_copy_TK: torch.Tensor  # int32 permuted row of each copy, -1 if dropped
-    all_rows_mapped: bool  # every permuted row holds a copy (no capacity padding, no drops)
-    exchange: ExchangePlan
+    The exchange part is built on first use: for a dropless plan that waits for the counts (the layer's one
+    host sync), so work that does not need it, the permutation, is queued first and runs meanwhile.
+    """
+
+    def __init__(self, row_of_copy_TK: torch.Tensor, all_rows_mapped: bool, chunk_experts: list[tuple[int, int]],
+                 exchange: ExchangePlan | Callable[[], ExchangePlan]):
+        self.row_of_copy_TK = row_of_copy_TK  # int32 permuted row of each copy, -1 if dropped
+        self.all_rows_mapped = all_rows_mapped  # every permuted row holds a copy (no capacity padding, no drops)
+        self.chunk_experts = chunk_experts  # local experts of each chunk
+        self._exchange = exchange
 
     @property
-    def num_rows(self) -> int:  # rows of the permuted (send) buffer
-        return self.exchange.layout.send_total
+    def exchange(self) -> ExchangePlan:
+        if callable(self._exchange):
+            self._exchange = self._exchange()
+        return self._exchange
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the permuted (send) buffer: every copy's when all are mapped (known without the counts)."""
+        return self.row_of_copy_TK.numel() if self.all_rows_mapped else self.exchange.layout.send_total
 
 
 def start_counts_fetch(tokens_per_expert_E: torch.Tensor, ep: GroupHandle) -> Callable[[], torch.Tensor]:
@@ -101,6 +114,20 @@ def start_counts_fetch(tokens_per_expert_E: torch.Tensor, ep: GroupHandle) -> Ca
     return wait
 
 
+def block_transpose(rows_AB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows stored as blocks in (a, b) order, block (a, b) holding ``rows_AB[a, b]`` rows: the gather index
+    that reorders them into (b, a) order, and its inverse. Linear in the rows (no sort): block (b, a) of the
+    result is block (a, b) of the source shifted by the difference of the two blocks' offsets."""
+    sizes_AB = np.asarray(rows_AB, dtype=np.int64)
+    source_start_AB = (np.cumsum(sizes_AB.ravel()) - sizes_AB.ravel()).reshape(sizes_AB.shape)
+    sizes_BA = sizes_AB.T
+    target_start_BA = (np.cumsum(sizes_BA.ravel()) - sizes_BA.ravel()).reshape(sizes_BA.shape)
+    positions = np.arange(sizes_AB.sum())
+    index = np.repeat((source_start_AB.T - target_start_BA).ravel(), sizes_BA.ravel()) + positions
+    inverse = np.repeat((target_start_BA.T - source_start_AB).ravel(), sizes_AB.ravel()) + positions
+    return index, inverse
+
+
 def _to_device(host_arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Host index arrays to the device in one pinned, non-blocking copy (one launch, no stall; also legal
     in graph capture), returned as views of that one device buffer."""
@@ -124,10 +151,6 @@ class DispatchPlanner:
         slot_of_expert = torch.empty(num_experts, dtype=torch.long)
         slot_of_expert[torch.tensor(order)] = torch.arange(num_experts)
         self.slot_of_expert = slot_of_expert.to(device)
-        # A chunk's rows arrive in (source, local expert) blocks; sorting by this key puts them in
-        # (local expert, source) order, the grouped GEMM's.
-        self.block_keys = [np.add.outer(np.arange(ep.size), np.arange(stop - start) * ep.size).ravel()
-                           for start, stop in self.bounds]
         self._static: dict[int, ExchangePlan] = {}
 
     def plan(self, experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, capacity: int | None,
@@ -141,21 +164,20 @@ class DispatchPlanner:
             if capacity not in self._static:
                 counts = torch.full((self.ep.size, self.num_experts), capacity, dtype=torch.int64)
                 self._static[capacity] = self._exchange_plan(counts)
-            return DispatchPlan(row_of_copy_TK, False, self._static[capacity])
-        return DispatchPlan(row_of_copy_TK, keep_TK is None, self._exchange_plan(fetch_counts()))
+            return DispatchPlan(row_of_copy_TK, False, self.bounds, self._static[capacity])
+        return DispatchPlan(row_of_copy_TK, keep_TK is None, self.bounds,
+                            lambda: self._exchange_plan(fetch_counts()))
 
     def _exchange_plan(self, counts_SE: torch.Tensor) -> ExchangePlan:
         """Host work on every dropless call, after the sync: numpy on a few hundred integers."""
         ep = self.ep
         rows_SDL = counts_SE.numpy().reshape(ep.size, ep.size, self.local)  # [source, destination, local expert]
         rows_SDC = np.stack([rows_SDL[:, :, a:b].sum(-1) for a, b in self.bounds], axis=-1)
-        host = []  # per chunk: regroup index, its inverse, grouped-GEMM end offsets
-        for (start, stop), block_key in zip(self.bounds, self.block_keys):
+        host = []  # per chunk: regroup index (its rows arrive in (source, local expert) blocks; the grouped GEMM
+        # takes (local expert, source)), its inverse, grouped-GEMM end offsets
+        for start, stop in self.bounds:
             block_rows = rows_SDL[:, ep.rank, start:stop]  # [source, local expert] of this chunk
-            index = np.argsort(np.repeat(block_key, block_rows.ravel()), kind="stable")
-            inverse = np.empty_like(index)
-            inverse[index] = np.arange(index.size)
-            host += [index, inverse, np.cumsum(block_rows.sum(0))]
+            host += [*block_transpose(block_rows), np.cumsum(block_rows.sum(0))]
         device = _to_device(host, self.device)
         offsets = [o.to(torch.int32) for o in device[2::3]]  # grouped_mm takes int32 offsets
         return ExchangePlan(exchange_layout(rows_SDC, ep.rank), self.bounds, device[0::3], device[1::3], offsets)
@@ -180,13 +202,8 @@ def expert_tp_counts(counts_SPE: torch.Tensor, ep: GroupHandle) -> torch.Tensor:
 
 
 def plan_expert_tp(rows_PL: torch.Tensor, device: torch.device) -> ExpertTPPlan:
-    peers, local = rows_PL.shape
-    block_key = np.add.outer(np.arange(peers), np.arange(local) * peers).ravel()
     rows = rows_PL.numpy()
-    index = np.argsort(np.repeat(block_key, rows.ravel()), kind="stable")
-    inverse = np.empty_like(index)
-    inverse[index] = np.arange(index.size)
-    regroup, ungroup, ends = _to_device([index, inverse, np.cumsum(rows.sum(0))], device)
+    regroup, ungroup, ends = _to_device([*block_transpose(rows), np.cumsum(rows.sum(0))], device)
     return ExpertTPPlan(rows.sum(1).tolist(), regroup, ungroup, ends.to(torch.int32))
 
 
@@ -219,8 +236,8 @@ def serial_dispatch_combine(x_TH: torch.Tensor, probs_TK: torch.Tensor, plan: Di
                             experts, expert_tp: tuple[ExpertTPPlan, GroupHandle] | None = None) -> torch.Tensor:
     """The reference path: permute, all-to-all, grouped experts (split over expert-TP), all-to-all,
     unpermute; one chunk."""
-    layout = plan.exchange.layout
     permuted_RH = Permute.apply(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
+    layout = plan.exchange.layout  # after the permutation was queued (see DispatchPlan)
     received_RH = AllToAllRows.apply(permuted_RH, layout.recv_rows[0], layout.send_rows[0], ep.group)
     grouped_RH = GatherRows.apply(received_RH, plan.exchange.regroup_index[0])
     if expert_tp is None:

@@ -73,7 +73,7 @@ class MoELayer(nn.Module):
             worst_rows = (self.num_experts * capacity if static  # full capacity blocks from every rank
                           else self.ep.size * x_TH.shape[0] * self.topk)  # every rank's copies landing here
             expert_tp = None if rows_PL is None else (
-                [plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.exchange.chunk_experts], self.etp)
+                [plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.chunk_experts], self.etp)
             out_TH = self._pipelined(x_TH, routing.probs_TK, plan, worst_rows, expert_tp)
         return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
 
