@@ -251,6 +251,8 @@ class Bench:
         for _ in range(3):
             layer(x)[0].backward(grad)
         torch.cuda.synchronize()
+        torch.distributed.barrier()  # ranks enter together: else the counts all-gather shows one rank's wait
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             layer(x)[0].backward(grad)
             torch.cuda.synchronize()
