@@ -241,3 +241,21 @@ def test_expert_tensor_parallel_overlapped_dispatch(rank_pool, world, routing, c
 
 def test_overlapped_dispatch_single_process_chunk_without_rows():
     assert moe_case("first_rank_only", 2, chunks=4) < 1e-5  # chunks 1..3 carry no rows at all
+
+
+def test_dropless_plan_sizes_the_permutation_before_the_counts_arrive():
+    """All copies mapped: the permuted rows are known without the counts, so the permutation is queued before
+    the layer's one host sync; the exchange plan waits for the counts once, on first use."""
+    from moe_overlap.distributed.mesh import GroupHandle
+    from moe_overlap.layers.dispatcher import DispatchPlanner
+
+    ep = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
+    experts_TK = torch.tensor([[0, 3], [1, 2], [3, 0]])
+    counts_SE = torch.tensor([[2, 1, 1, 2], [1, 1, 2, 2]])
+    fetches = []
+    plan = DispatchPlanner(4, ep, 1, torch.device("cpu")).plan(experts_TK, None, None,
+                                                               lambda: fetches.append(1) or counts_SE)
+    assert plan.num_rows == 6 and not fetches
+    assert plan.exchange.layout.send_total == 6 and plan.exchange.layout.recv_total == 5 and fetches == [1]
+    plan.exchange
+    assert fetches == [1]
