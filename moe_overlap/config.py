@@ -126,6 +126,8 @@ class OverlapConfig:
     moe_overlap_dispatch: bool = False
     moe_a2a_backend: Literal["auto", "nccl", "symm", "gloo"] = "auto"
     moe_a2a_chunks: int = 1
+    # Dropless dispatch with no host sync: counts, routes and row pushes stay on the GPU (one chunk).
+    moe_sync_free_dispatch: bool = False
 
 
 @dataclass
@@ -550,11 +552,27 @@ def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) ->
 
 def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -> None:
     """The chunked EP pipeline's switches: each needs the pipeline, and chunks are runs of local experts."""
-    for name in ("moe_a2a_chunks", "delay_wgrad_compute", "moe_a2a_backend"):
+    for name in ("moe_a2a_chunks", "delay_wgrad_compute"):
         if getattr(o, name) != getattr(OverlapConfig(), name):
             _require(o.moe_overlap_dispatch, f"overlap.{name}", getattr(o, name),
-                     "needs overlap.moe_overlap_dispatch=true (the serial dispatch has no chunks, no deferred "
-                     "wgrad and uses the process group's own all-to-all)")
+                     "needs overlap.moe_overlap_dispatch=true (the serial and the sync-free dispatch have one "
+                     "chunk and no deferred wgrad)")
+    if o.moe_a2a_backend != OverlapConfig().moe_a2a_backend:
+        _require(o.moe_overlap_dispatch or o.moe_sync_free_dispatch, "overlap.moe_a2a_backend", o.moe_a2a_backend,
+                 "needs overlap.moe_overlap_dispatch=true or overlap.moe_sync_free_dispatch=true (the serial "
+                 "dispatch uses the process group's own all-to-all)")
+    if o.moe_sync_free_dispatch:
+        _require(not o.moe_overlap_dispatch, "overlap.moe_sync_free_dispatch", True,
+                 "and overlap.moe_overlap_dispatch=true are two different dispatch paths: set one")
+        _require(m.moe_expert_capacity_factor is None, "overlap.moe_sync_free_dispatch", True,
+                 "is the dropless path; with model.moe_expert_capacity_factor set, "
+                 "model.moe_pad_expert_input_to_capacity=true already needs no host sync")
+        _require(o.moe_a2a_backend != "nccl", "overlap.moe_a2a_backend", o.moe_a2a_backend,
+                 "cannot carry overlap.moe_sync_free_dispatch: its rows move by SM stores into peers' symmetric "
+                 "memory (use auto or symm)")
+        if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+            raise _not_implemented("overlap.moe_sync_free_dispatch", True, False,
+                                   "the sync-free dispatch with expert_tensor_parallel_size > 1")
     if m.moe_shared_expert_overlap:
         _require(o.moe_overlap_dispatch, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_overlap_dispatch=true (the shared expert fills the dispatch gap)")

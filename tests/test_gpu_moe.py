@@ -1,5 +1,6 @@
-"""The overlapped EP pipeline on 2 GPUs (`pytest -m gpu`): nccl and symm transports in bf16 against the
-serial path (DESIGN.md's bf16 rule), host syncs per layer, and CUDA-graph capture in capacity mode.
+"""The overlapped EP pipeline and the sync-free dispatch on 2 GPUs (`pytest -m gpu`): nccl and symm
+transports in bf16 against the serial path (DESIGN.md's bf16 rule), host syncs per layer, and CUDA-graph
+capture in capacity mode and of the sync-free dropless layer.
 
 Launched once under torchrun; the per-rank work is `gpu_cases` below.
 """
@@ -19,6 +20,7 @@ T, H, F, E, K = 512, 512, 256, 8, 2
 VARIANTS = [  # (backend, chunks, capacity factor or None, delay_wgrad, shared expert overlap)
     ("nccl", 1, None, False, False), ("nccl", 4, None, True, False), ("symm", 1, None, False, False),
     ("symm", 4, None, True, True), ("symm", 2, 1.5, False, False), ("nccl", 2, 1.5, True, False),
+    ("sync_free", 1, None, False, False),  # dropless, SM pushes over symm
 ]
 
 
@@ -34,8 +36,11 @@ def make_layer(mesh, dtype, backend=None, chunks=1, capacity=None, delay=False, 
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K,
                       moe_expert_capacity_factor=capacity, moe_pad_expert_input_to_capacity=capacity is not None,
                       moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=shared)
-    overlap = OverlapConfig(moe_overlap_dispatch=backend is not None, moe_a2a_chunks=chunks,
-                            delay_wgrad_compute=delay, moe_a2a_backend=backend or "auto")
+    sync_free = backend == "sync_free"
+    backend = "symm" if sync_free else backend
+    overlap = OverlapConfig(moe_overlap_dispatch=backend is not None and not sync_free, moe_a2a_chunks=chunks,
+                            delay_wgrad_compute=delay, moe_a2a_backend=backend or "auto",
+                            moe_sync_free_dispatch=sync_free)
     # One selector per backend for the whole run, as a model shares one: freeing a symmetric workspace
     # while a CUDA graph is being captured is illegal.
     if backend and backend not in _SELECTORS:
@@ -78,7 +83,8 @@ def gpu_cases(out_dir: str) -> dict:
     write_report(out_dir, report)  # progress, in case a later case takes the process down
     x, grad = x32.bfloat16(), grad32.bfloat16()
     # nccl last: its refused capture is the one case that may leave the process in a poor state
-    for case, args in ((sync_case, ()), (capacity_case, ("symm",)), (capacity_case, ("nccl",))):
+    for case, args in ((sync_case, ()), (graph_case, ("symm", "capacity")), (graph_case, ("sync_free", "sync_free")),
+                       (graph_case, ("nccl", "capacity"))):
         try:
             case(mesh, x, grad, report, *args)
         except Exception as err:
@@ -120,9 +126,11 @@ def sync_case(mesh, x, grad, report) -> None:
     report["dropless_syncs_total"] = sum("synchroniz" in str(w.message) for w in caught)
 
 
-def capacity_case(mesh, x, grad, report, backend: str) -> None:
-    """Capacity (padded): no sync at all, and forward+backward captured in a CUDA graph."""
-    layer = make_layer(mesh, torch.bfloat16, backend, 2, capacity=1.5)
+def graph_case(mesh, x, grad, report, backend: str, mode: str) -> None:
+    """Capacity (padded), or dropless with the sync-free dispatch: no sync at all, and forward+backward
+    captured in a CUDA graph."""
+    layer = (make_layer(mesh, torch.bfloat16, backend, 2, capacity=1.5) if mode == "capacity"
+             else make_layer(mesh, torch.bfloat16, backend))
     static_x = x.clone().requires_grad_(True)
     side = torch.cuda.Stream()  # warm-up and the eager reference off the legacy stream, as capture wants
     side.wait_stream(torch.cuda.current_stream())
@@ -133,11 +141,13 @@ def capacity_case(mesh, x, grad, report, backend: str) -> None:
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
+        static_x.grad = None
         eager = layer(static_x)[0]
         eager.backward(grad)
+        eager_grad = static_x.grad.clone()
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
-    report[f"capacity_nosync_{backend}"] = True
+    report[f"{mode}_nosync_{backend}"] = True
     layer.zero_grad(set_to_none=True)  # gradients the capture allocates itself, from the graph's pool
     static_x.grad = None
     graph = torch.cuda.CUDAGraph()
@@ -155,7 +165,8 @@ def capacity_case(mesh, x, grad, report, backend: str) -> None:
         captured.backward(grad)
     graph.replay()
     torch.cuda.synchronize()
-    report[f"capacity_graph_{backend}_err"] = rel(captured.float(), eager.float())
+    report[f"{mode}_graph_{backend}_err"] = rel(captured.float(), eager.float())
+    report[f"{mode}_graph_{backend}_grad_err"] = rel(static_x.grad.float(), eager_grad.float())
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +202,17 @@ def test_capacity_mode_never_syncs(reports, backend):
 @pytest.mark.gpu
 def test_capacity_mode_forward_backward_replays_from_a_cuda_graph_with_symm(reports):
     for report in reports:
-        assert not _errors(report, "capacity_case('symm'"), _errors(report, "capacity_case('symm'")
+        assert not _errors(report, "graph_case('symm'"), _errors(report, "graph_case('symm'")
         assert report["capacity_graph_symm_err"] < 1e-2
+
+
+@pytest.mark.gpu
+def test_sync_free_dispatch_never_syncs_and_replays_from_a_cuda_graph(reports):
+    for report in reports:
+        assert not _errors(report, "graph_case('sync_free'"), _errors(report, "graph_case('sync_free'")
+        assert report["sync_free_nosync_sync_free"]
+        assert report["sync_free_graph_sync_free_err"] < 1e-2
+        assert report["sync_free_graph_sync_free_grad_err"] < 1e-2
 
 
 @pytest.mark.gpu

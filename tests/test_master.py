@@ -199,7 +199,7 @@ def test_metrics_and_checkpoint_of_a_short_fit(tmp_path):
 
 # The overlapped EP pipeline inside the full model (forward and backward, every micro-batch) against the
 # serial single-process run: chunks, deferred wgrad, the shared expert in the dispatch gap, the full router,
-# and padded capacity (static exchange sizes).
+# padded capacity (static exchange sizes), and the sync-free dropless dispatch.
 OVERLAP = {"overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true"}
 
 
@@ -208,7 +208,8 @@ OVERLAP = {"overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2, 
      {**OVERLAP, "model.moe_shared_expert_overlap": "true"}),
     (4, 4, {"model.moe_expert_capacity_factor": 1.0, "model.moe_pad_expert_input_to_capacity": "true"}, OVERLAP),
     (4, 2, {"model.moe_expert_capacity_factor": 1.5, "model.moe_token_drop_policy": "position"}, OVERLAP),
-], ids=["ep2_shared_sigmoid", "ep4_padded_capacity", "ep2xdp2_capacity_position"])
+    (4, 4, {"model.moe_shared_expert_intermediate_size": 16}, {"overlap.moe_sync_free_dispatch": "true"}),
+], ids=["ep2_shared_sigmoid", "ep4_padded_capacity", "ep2xdp2_capacity_position", "ep4_sync_free"])
 def test_overlapped_dispatch_matches_single_process(rank_pool, tmp_path, world, ep, both, layout):
     worst = rank_pool(world).run(equivalence_case, ep, 3, str(tmp_path), router=both, layout=layout)
     assert all(max(w.values()) < TOL for w in worst)

@@ -112,11 +112,11 @@ SHARED_F = 16
 
 
 def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = None, pad: bool = False,
-             shared: str = "off", delay_wgrad: bool = False, etp: int = 1) -> float:
+             shared: str = "off", delay_wgrad: bool = False, etp: int = 1, sync_free: bool = False) -> float:
     """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula.
 
-    chunks 0 is the serial path; >= 1 the overlapped pipeline with that many chunks. shared: off, serial
-    (shared expert outside the pipeline), overlap (inside the dispatch gap).
+    chunks 0 is the serial path (or, with sync_free, the sync-free one); >= 1 the overlapped pipeline with
+    that many chunks. shared: off, serial (shared expert outside the pipeline), overlap (inside the dispatch gap).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -127,9 +127,9 @@ def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = No
                           moe_shared_expert_intermediate_size=SHARED_F if shared != "off" else None,
                           moe_shared_expert_overlap=shared == "overlap")
         overlap = OverlapConfig(moe_overlap_dispatch=chunks > 0, moe_a2a_chunks=max(chunks, 1),
-                                delay_wgrad_compute=delay_wgrad)
+                                delay_wgrad_compute=delay_wgrad, moe_sync_free_dispatch=sync_free)
         transports = (TransportSelector("auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), max(chunks, 1), 60)
-                      if chunks else None)
+                      if chunks or sync_free else None)
         layer = MoELayer(cfg, overlap, mesh.ep, transports, etp=mesh.etp, expert_mp=mesh.expert_mp)
         w13, w2 = full_expert_weights()
         ffn_slice = slice(mesh.etp.rank * F // etp, (mesh.etp.rank + 1) * F // etp)
@@ -237,6 +237,24 @@ def test_expert_tensor_parallel_overlapped_dispatch(rank_pool, world, routing, c
     errors = rank_pool(world).run(moe_case, routing, 2, chunks=2, capacity=capacity, pad=capacity is not None,
                                   delay_wgrad=delay, etp=2)
     assert max(errors) < 1e-5
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("routing", ["first_rank_only", "last_rank_only", "sparse"])
+@pytest.mark.parametrize("shared", ["off", "serial"])
+def test_sync_free_dispatch(rank_pool, world, routing, shared):
+    """Routes computed on the device, rows pushed to their (local expert, source) place and back: the
+    process group's twin of the SM pushes on CPU, against the naive formula."""
+    if world == 1:
+        assert moe_case(routing, 2, shared=shared, sync_free=True) < 1e-5
+    else:
+        assert max(rank_pool(world).run(moe_case, routing, 2, shared=shared, sync_free=True)) < 1e-5
+
+
+def test_sync_free_dispatch_refuses_ranks_with_different_token_counts(rank_pool):
+    """Its static sizes assume one micro-batch shape on every EP rank: a rank with no tokens is caught."""
+    with pytest.raises(Exception, match="must route"):
+        rank_pool(2).run(moe_case, "random", 2, sync_free=True)
 
 
 def test_overlapped_dispatch_single_process_chunk_without_rows():

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_overlap.distributed.collectives import ProcessGroup
+from moe_overlap.distributed.collectives import ProcessGroup, all_to_all_equal, all_to_all_rows
 from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmRegions, choose_transport, symm_unavailable_reason
+from moe_overlap.kernels.push_rows import push_rows
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,61 @@ class SymmTransport:
         return SymmExchange(self, send_RH, layout)
 
 
+class SymmPusher:
+    """Sync-free row exchange: every rank pushes its rows into the peers' symmetric regions with SM stores
+    (kernels.push_rows), all sizes on the device; the flow control is :class:`SymmRegions`' (a collective:
+    all ranks construct it, and every rank pushes the same sequence of exchanges).
+
+    ``push`` returns a tensor of its own (the region is reused once released): rows past the received count
+    hold whatever the region held, and callers read only the counted rows.
+    """
+
+    name = "symm"
+
+    def __init__(self, group: dist.ProcessGroup, region_bytes: int, device: torch.device, regions: int = 4,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        self.regions = SymmRegions(group, region_bytes, regions, 1, device, timeout_ms)
+        size, ptrs = self.regions.region_bytes, self.regions.workspace.handle.buffer_ptrs
+        # Every rank's address of each region, as the kernel reads them.
+        self._bases = [torch.tensor([ptr + region * size for ptr in ptrs], dtype=torch.int64, device=device)
+                       for region in range(regions)]
+
+    def push(self, src_RH: torch.Tensor, num_rows: torch.Tensor, dst_rank_R: torch.Tensor, dst_row_R: torch.Tensor,
+             out_rows: int) -> torch.Tensor:
+        regions = self.regions
+        region = regions.claim(torch.cuda.current_stream())
+        push_rows(src_RH, num_rows, dst_rank_R, dst_row_R, self._bases[region])
+        for peer in regions.peers:  # after the kernel, on its stream: its stores have landed
+            regions.signal(peer, region, 0)
+        for peer in regions.peers:
+            regions.wait(peer, region, 0)
+        out_RH = regions.view(regions.rank, region, (out_rows,) + tuple(src_RH.shape[1:]), src_RH.dtype).clone()
+        regions.release(region)
+        return out_RH
+
+
+class CollectivePusher:
+    """The process group's twin of :class:`SymmPusher` (gloo on CPU): the same routes, moved by an uneven
+    all-to-all, which needs the counts on the host (one sync per push)."""
+
+    def __init__(self, name: str, group: ProcessGroup):
+        self.name, self.group = name, group
+
+    def push(self, src_RH: torch.Tensor, num_rows: torch.Tensor, dst_rank_R: torch.Tensor, dst_row_R: torch.Tensor,
+             out_rows: int) -> torch.Tensor:
+        n = int(num_rows.reshape(-1)[0])
+        order = torch.argsort(dst_rank_R[:n], stable=True)
+        peers = 1 if self.group is None else dist.get_world_size(self.group)
+        send_rows = torch.bincount(dst_rank_R[:n].long(), minlength=peers)
+        recv_rows = send_rows if self.group is None else all_to_all_equal(send_rows.view(peers, 1), self.group)
+        send, recv = send_rows.tolist(), recv_rows.view(-1).tolist()
+        rows_RH = all_to_all_rows(src_RH[:n][order], recv, send, self.group)
+        index_R = all_to_all_rows(dst_row_R[:n][order].long(), recv, send, self.group)
+        out_RH = src_RH.new_zeros((out_rows,) + tuple(src_RH.shape[1:]))
+        out_RH[index_R] = rows_RH
+        return out_RH
+
+
 class TransportSelector:
     """Picks the EP transport once (logging which and why) and sizes the symmetric one lazily.
 
@@ -230,20 +286,32 @@ class TransportSelector:
         self.name, why = choose_backend(requested, device.type, group_ranks, local, reason)
         self.group, self.device, self.max_chunks = group, device, max_chunks
         self.timeout_ms = int(timeout_s * 1000)
-        self._symm: SymmTransport | None = None
-        self._retired: list[SymmTransport] = []  # outgrown ones (the first micro-batches only)
+        self._symm: dict[type, object] = {}  # SymmTransport and/or SymmPusher, by class
+        self._retired: list = []  # outgrown ones (the first micro-batches only)
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info("MoE all-to-all transport: %s (moe_a2a_backend=%s: %s)", self.name, requested, why)
 
     def transport(self, worst_case_bytes: int):
+        """The chunked exchange: copy-engine pushes over symm, or the process group's all-to-all."""
         if self.name != "symm":
             return CollectiveTransport(self.name, self.group)
-        if self._symm is None or self._symm.slot_bytes < worst_case_bytes:
-            if self._symm is not None:  # exchanges in flight and peers' signals may still use it: kept
-                self._retired.append(self._symm)
-            self._symm = SymmTransport(self.group, worst_case_bytes, self.device, self.max_chunks,
-                                       timeout_ms=self.timeout_ms)
-        return self._symm
+        return self._sized(SymmTransport, worst_case_bytes, lambda: SymmTransport(
+            self.group, worst_case_bytes, self.device, self.max_chunks, timeout_ms=self.timeout_ms))
+
+    def pusher(self, worst_case_bytes: int):
+        """The sync-free exchange: SM pushes over symm, or the process group's twin (one host sync a push)."""
+        if self.name != "symm":
+            return CollectivePusher(self.name, self.group)
+        return self._sized(SymmPusher, worst_case_bytes, lambda: SymmPusher(
+            self.group, worst_case_bytes, self.device, timeout_ms=self.timeout_ms))
+
+    def _sized(self, kind: type, worst_case_bytes: int, make):
+        current = self._symm.get(kind)
+        if current is None or current.regions.region_bytes < worst_case_bytes:
+            if current is not None:  # exchanges in flight and peers' signals may still use it: kept
+                self._retired.append(current)
+            self._symm[kind] = current = make()
+        return current
 
 
 def choose_backend(requested: str, device_type: str, group_ranks: list[int], local_world_size: int,

@@ -1,6 +1,7 @@
 """The MoE block: router -> permute -> dispatch -> grouped experts -> combine -> unpermute, plus an
-optional shared expert. ``overlap.moe_overlap_dispatch`` picks the chunked pipeline (dispatcher_overlap)
-or the serial reference (dispatcher); the math is the same."""
+optional shared expert. ``overlap.moe_overlap_dispatch`` picks the chunked pipeline (dispatcher_overlap),
+``overlap.moe_sync_free_dispatch`` the dropless path without a host sync (dispatcher_sync_free); otherwise
+the serial reference (dispatcher). The math is the same."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from torch import nn
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.kernels.permute import Permute, Unpermute
+from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 from moe_overlap.layers.dispatcher import (DispatchPlanner, expert_tp_counts, plan_expert_tp,
                                             serial_dispatch_combine, start_counts_fetch)
 from moe_overlap.layers.dispatcher_overlap import DispatchStart, ExpertsCombine, PipelineState
+from moe_overlap.layers.dispatcher_sync_free import start_device_counts, sync_free_dispatch_combine, sync_free_routes
 from moe_overlap.layers.experts import GroupedExperts
 from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.router import Router
@@ -40,8 +42,14 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.overlap_dispatch, self.chunks = overlap.moe_overlap_dispatch, overlap.moe_a2a_chunks
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
-        if self.overlap_dispatch and transports is None:
-            raise ValueError("overlap.moe_overlap_dispatch=true needs the model's TransportSelector")
+        self.sync_free = overlap.moe_sync_free_dispatch
+        if (self.overlap_dispatch or self.sync_free) and transports is None:
+            raise ValueError("overlap.moe_overlap_dispatch / moe_sync_free_dispatch need the model's TransportSelector")
+        if self.sync_free and self.etp is not None:
+            raise ValueError("overlap.moe_sync_free_dispatch is not implemented with expert-TP > 1")
+        if self.sync_free and transports.device.type == "cuda" and transports.name != "symm":
+            raise ValueError(f"overlap.moe_sync_free_dispatch needs the symm transport on CUDA (SM stores into "
+                             f"peers' symmetric memory); the EP group got {transports.name!r}")
         local_experts = self.num_experts // ep.size
         self.router = router if router is not None else Router.from_config(cfg, device, dtype)
         self.experts = GroupedExperts(local_experts, ep.rank * local_experts, cfg.hidden_size,
@@ -55,6 +63,11 @@ class MoELayer(nn.Module):
         routed to each global expert (for metrics; an output, so recomputation does not count twice)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         routing = self.router(x_TH)
+        out_TH = self._sync_free(x_TH, routing) if self.sync_free else self._host_planned(x_TH, routing)
+        return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
+
+    def _host_planned(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
+        """The serial and the chunked paths: their exchanges take sizes from the host."""
         keep_TK, capacity = routing.keep_TK, routing.capacity
         static = capacity is not None and self.pad_to_capacity
         # Static (padded capacity) sizes need no counts; otherwise one host sync fetches every rank's, over
@@ -75,7 +88,7 @@ class MoELayer(nn.Module):
             expert_tp = None if rows_PL is None else (
                 [plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.chunk_experts], self.etp)
             out_TH = self._pipelined(x_TH, routing.probs_TK, plan, worst_rows, expert_tp)
-        return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
+        return out_TH
 
     def _expert_tp_rows(self, fetch_counts, capacity: int | None) -> torch.Tensor:
         """Rows each expert-TP peer received per local expert, [peer, local expert]: from the fetched counts,
@@ -96,6 +109,17 @@ class MoELayer(nn.Module):
         if chunks not in self._planners:
             self._planners[chunks] = DispatchPlanner(self.num_experts, self.ep, chunks, device)
         return self._planners[chunks]
+
+    def _sync_free(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
+        if routing.capacity is not None:
+            raise ValueError("overlap.moe_sync_free_dispatch is dropless: the router has a capacity factor")
+        copies = x_TH.shape[0] * self.topk
+        routes = sync_free_routes(start_device_counts(routing.tokens_per_expert_E, self.ep), self.ep.rank, copies)
+        row_of_copy_TK, _, _ = copy_rows(routing.experts_TK, self.num_experts)
+        # worst case: every rank's copies landing on this one
+        pusher = self.transports.pusher(self.ep.size * copies * x_TH.shape[1] * x_TH.element_size())
+        out_TH = sync_free_dispatch_combine(x_TH, routing.probs_TK, row_of_copy_TK, routes, pusher, self.experts)
+        return out_TH if self.shared_expert is None else out_TH + self.shared_expert(x_TH)
 
     def _pipelined(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, plan, worst_rows: int,
                    expert_tp) -> torch.Tensor:

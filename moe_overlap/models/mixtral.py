@@ -74,7 +74,7 @@ class MixtralModel(nn.Module):
                                        overlap.tp_comm_num_splits, timeout_s)
         self.tp_comm = TPComm(mesh.tp, sequence_parallel, tp_switches, ring)
         transports = None
-        if overlap.moe_overlap_dispatch and cfg.num_moe_experts:  # one transport shared by every MoE layer
+        if (overlap.moe_overlap_dispatch or overlap.moe_sync_free_dispatch) and cfg.num_moe_experts:  # one transport shared by every MoE layer
             transports = TransportSelector(overlap.moe_a2a_backend, mesh.ep.group, mesh.ep.ranks,
                                            torch.device(device or "cpu"), overlap.moe_a2a_chunks, timeout_s)
         self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
