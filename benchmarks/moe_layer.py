@@ -6,7 +6,9 @@ and a plain-torch baseline, measured side by side in one run (also `moe-overlap 
 
 Rows per shape:
   serial      the serial reference path (overlap off)
-  overlapped  the chunked pipeline; every (backend, chunks, delay_wgrad) setting is timed, the best reported
+  overlapped  the chunked pipeline; every (backend, chunks, delay_wgrad) setting is timed, the best reported;
+              with them the sync-free dropless dispatch (symm, or gloo's twin on CPU), eagerly and (CUDA)
+              replayed from a CUDA graph of the whole forward (+backward)
   comm        the fastest transport moving the full, unchunked dispatch and combine (forward), and their
               gradients too (forward+backward), for the same routing
   gemm        the unchunked expert GEMMs alone on the same per-expert counts: fc1, SwiGLU, fc2 (forward),
@@ -185,9 +187,10 @@ class Bench:
         local = shape.experts // self.mesh.ep.size
         chunk_options = sorted({min(int(c), local) for c in self.args.chunks.split(",")})
 
-        def layer_fn(backend, chunks, delay, backward, overlap=True):
+        def layer_fn(backend, chunks, delay, backward, overlap=True, sync_free=False):
             def fn():
-                layer.overlap_dispatch, layer.chunks, layer.delay_wgrad = overlap, chunks, delay
+                layer.overlap_dispatch, layer.chunks, layer.delay_wgrad = overlap and not sync_free, chunks, delay
+                layer.sync_free = sync_free
                 layer.transports = selectors[backend]
                 layer.zero_grad(set_to_none=True)  # time the layer, not the accumulation into old grads
                 x.grad = None
@@ -206,6 +209,12 @@ class Bench:
                 if d and not backward:
                     continue  # deferring wgrad changes nothing in the forward
                 variants[f"overlapped:{b}:{c}:{int(d)}"] = layer_fn(b, c, d, backward)
+            sync_free = "symm" if "symm" in self.backends else "gloo" if "gloo" in self.backends else None
+            if sync_free:  # dropless without a host sync: eager, and (CUDA) replayed from a CUDA graph
+                variants["overlapped:sync_free:1:0"] = layer_fn(sync_free, 1, False, backward, sync_free=True)
+                if self.device.type == "cuda":
+                    variants["overlapped:sync_free_graph:1:0"] = self.graphed(
+                        layer_fn(sync_free, 1, False, backward, sync_free=True))
             variants.update(probe.variants(backward))
             variants["baseline"] = baseline.fn(x, grad, backward)
             times = self.round_robin(variants)
@@ -220,6 +229,26 @@ class Bench:
                 row["chunks"], row["delay_wgrad"] = int(row["chunks"]), bool(int(row["delay_wgrad"]))
         row.update(probe.tokens_per_rank())
         return row
+
+    def graphed(self, fn):
+        """``fn`` captured in a CUDA graph on its first call (after eager warm-up), replayed from then on."""
+        torch, graph = self.torch, []
+
+        def run():
+            if not graph:
+                side = torch.cuda.Stream()  # warm-up off the legacy stream, as capture wants
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graph.append(torch.cuda.CUDAGraph())
+                # thread_local: NCCL's watchdog thread queries events during the capture
+                with torch.cuda.graph(graph[0], capture_error_mode="thread_local"):
+                    fn()
+            graph[0].replay()
+        return run
 
     def transport_probe(self, name: str, shape: Shape) -> dict:
         """Each transport moving one dispatch alone, and beside the forward expert GEMMs on the compute
