@@ -4,7 +4,7 @@ twin, with buffers of this process standing in for the peers' symmetric memory."
 import pytest
 import torch
 
-from moe_overlap.kernels.push_rows import push_rows, push_rows_torch
+from moe_overlap.kernels.push_rows import copy_counted_rows, push_rows, push_rows_torch
 
 
 @pytest.mark.parametrize("rows,hidden,counted", [(50, 37, 41), (64, 8, 64), (9, 5000, 0)])
@@ -28,3 +28,14 @@ def test_push_rows_checks_its_routes():
     with pytest.raises(ValueError, match="dst_row_R"):
         push_rows(torch.zeros(4, 2), torch.tensor([4]), torch.zeros(4, dtype=torch.int32),
                   torch.zeros(3, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_copy_counted_rows_leaves_the_rest(monkeypatch, interpret):
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    src, out = torch.randn(10, 33), torch.full((10, 33), -1.0)
+    copy_counted_rows(src, torch.tensor([6]), out)
+    assert torch.equal(out[:6], src[:6]) and (out[6:] == -1.0).all()

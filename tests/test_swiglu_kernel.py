@@ -33,6 +33,22 @@ def test_kernels_match_twin_and_autograd_in_the_interpreter(monkeypatch, rows, f
         torch.testing.assert_close(grad_h.double(), want_grad_h, rtol=1e-5, atol=1e-6)
 
 
+def test_kernels_compute_only_the_counted_rows(monkeypatch):
+    """A static worst-case buffer: rows past ``valid_rows`` are skipped (NaN there stays out of the rest)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(3)
+    h, grad_a = torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
+    h[9:], grad_a[9:] = float("nan"), float("nan")
+    valid = torch.tensor([9])
+    a = S.swiglu_forward_triton(h, valid)
+    grad_h, a_again = S.swiglu_backward_triton(h, grad_a, valid)
+    torch.testing.assert_close(a[:9], S.swiglu_forward_torch(h[:9]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a_again[:9], a[:9], rtol=0, atol=0)
+    torch.testing.assert_close(grad_h[:9], S.swiglu_backward_torch(h[:9], grad_a[:9])[0], rtol=1e-6, atol=1e-6)
+    full = S.swiglu_forward_triton(h)  # no count: every row, NaN ones included
+    assert full[9:].isnan().all()
+
+
 def test_dispatch_picks_the_twin_on_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h = torch.randn(4, 16)

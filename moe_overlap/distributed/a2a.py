@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moe_overlap.distributed.collectives import ProcessGroup, all_to_all_equal, all_to_all_rows
 from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmRegions, choose_transport, symm_unavailable_reason
-from moe_overlap.kernels.push_rows import push_rows
+from moe_overlap.kernels.push_rows import copy_counted_rows, push_rows
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,19 @@ class SymmTransport:
         return SymmExchange(self, send_RH, layout)
 
 
+@dataclass
+class Route:
+    """A sync-free exchange, sized on the device: rows [0, num_rows) of the source travel, row r to rank
+    dst_rank_R[r], row dst_row_R[r] of a receive buffer of ``out_rows`` rows (static), of which ``recv_rows``
+    arrive on this rank."""
+
+    num_rows: torch.Tensor  # (1,) int64
+    dst_rank_R: torch.Tensor  # int32
+    dst_row_R: torch.Tensor  # int64
+    out_rows: int
+    recv_rows: torch.Tensor  # (1,) int64
+
+
 class SymmPusher:
     """Sync-free row exchange: every rank pushes its rows into the peers' symmetric regions with SM stores
     (kernels.push_rows), all sizes on the device; the flow control is :class:`SymmRegions`' (a collective:
@@ -236,16 +249,17 @@ class SymmPusher:
         self._bases = [torch.tensor([ptr + region * size for ptr in ptrs], dtype=torch.int64, device=device)
                        for region in range(regions)]
 
-    def push(self, src_RH: torch.Tensor, num_rows: torch.Tensor, dst_rank_R: torch.Tensor, dst_row_R: torch.Tensor,
-             out_rows: int) -> torch.Tensor:
+    def push(self, src_RH: torch.Tensor, route: Route) -> torch.Tensor:
         regions = self.regions
         region = regions.claim(torch.cuda.current_stream())
-        push_rows(src_RH, num_rows, dst_rank_R, dst_row_R, self._bases[region])
+        push_rows(src_RH, route.num_rows, route.dst_rank_R, route.dst_row_R, self._bases[region])
         for peer in regions.peers:  # after the kernel, on its stream: its stores have landed
             regions.signal(peer, region, 0)
         for peer in regions.peers:
             regions.wait(peer, region, 0)
-        out_RH = regions.view(regions.rank, region, (out_rows,) + tuple(src_RH.shape[1:]), src_RH.dtype).clone()
+        shape = (route.out_rows,) + tuple(src_RH.shape[1:])
+        landed_RH = regions.view(regions.rank, region, shape, src_RH.dtype)
+        out_RH = copy_counted_rows(landed_RH, route.recv_rows, src_RH.new_empty(shape))
         regions.release(region)
         return out_RH
 
@@ -257,17 +271,17 @@ class CollectivePusher:
     def __init__(self, name: str, group: ProcessGroup):
         self.name, self.group = name, group
 
-    def push(self, src_RH: torch.Tensor, num_rows: torch.Tensor, dst_rank_R: torch.Tensor, dst_row_R: torch.Tensor,
-             out_rows: int) -> torch.Tensor:
-        n = int(num_rows.reshape(-1)[0])
-        order = torch.argsort(dst_rank_R[:n], stable=True)
+    def push(self, src_RH: torch.Tensor, route: Route) -> torch.Tensor:
+        n = int(route.num_rows.reshape(-1)[0])
+        dst_rank_R = route.dst_rank_R[:n]
+        order = torch.argsort(dst_rank_R, stable=True)
         peers = 1 if self.group is None else dist.get_world_size(self.group)
-        send_rows = torch.bincount(dst_rank_R[:n].long(), minlength=peers)
+        send_rows = torch.bincount(dst_rank_R.long(), minlength=peers)
         recv_rows = send_rows if self.group is None else all_to_all_equal(send_rows.view(peers, 1), self.group)
         send, recv = send_rows.tolist(), recv_rows.view(-1).tolist()
         rows_RH = all_to_all_rows(src_RH[:n][order], recv, send, self.group)
-        index_R = all_to_all_rows(dst_row_R[:n][order].long(), recv, send, self.group)
-        out_RH = src_RH.new_zeros((out_rows,) + tuple(src_RH.shape[1:]))
+        index_R = all_to_all_rows(route.dst_row_R[:n][order].long(), recv, send, self.group)
+        out_RH = src_RH.new_zeros((route.out_rows,) + tuple(src_RH.shape[1:]))
         out_RH[index_R] = rows_RH
         return out_RH
 

@@ -22,14 +22,18 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    def _push_rows_kernel(src_ptr, num_rows_ptr, dst_rank_ptr, dst_row_ptr, dst_base_ptr, H, stride_src,
-                          BLOCK_H: tl.constexpr):
+    def _push_rows_kernel(src_ptr, num_rows_ptr, dst_rank_ptr, dst_row_ptr, dst_ptr, H, stride_src,
+                          ROUTED: tl.constexpr, BLOCK_H: tl.constexpr):
         # One program per row of the static worst case; rows at or past the device count are masked off.
+        # ROUTED: dst_ptr holds every rank's buffer address; else it is the buffer and rows keep their index.
         row = tl.program_id(0).to(tl.int64)
         valid = row < tl.load(num_rows_ptr)
-        rank = tl.load(dst_rank_ptr + row, mask=valid, other=0)
-        dst_row = tl.load(dst_row_ptr + row, mask=valid, other=0).to(tl.int64)
-        base = tl.load(dst_base_ptr + rank).to(tl.pointer_type(src_ptr.dtype.element_ty))
+        if ROUTED:
+            rank = tl.load(dst_rank_ptr + row, mask=valid, other=0)
+            dst_row = tl.load(dst_row_ptr + row, mask=valid, other=0).to(tl.int64)
+            base = tl.load(dst_ptr + rank).to(tl.pointer_type(src_ptr.dtype.element_ty))
+        else:
+            dst_row, base = row, dst_ptr
         cols = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
             mask = valid & (h0 + cols < H)
@@ -63,6 +67,25 @@ def push_rows(src_RH: torch.Tensor, num_rows: torch.Tensor, dst_rank_R: torch.Te
                            "TRITON_INTERPRET=1); push_rows_torch is the twin that takes buffers")
     if rows == 0 or H == 0:
         return
-    block_h = min(4096, triton.next_power_of_2(H))
-    _push_rows[(rows,), src_RH.device](src_RH, num_rows, dst_rank_R, dst_row_R, dst_base_ptrs, H, src_RH.stride(0),
-                                       BLOCK_H=block_h, num_warps=8 if block_h >= 2048 else 4)
+    _launch(src_RH, num_rows, dst_rank_R, dst_row_R, dst_base_ptrs, routed=True)
+
+
+def copy_counted_rows(src_RH: torch.Tensor, num_rows: torch.Tensor, out_RH: torch.Tensor) -> torch.Tensor:
+    """out_RH[:num_rows[0]] = src_RH[:num_rows[0]], the count on the device (rows past it stay as they were):
+    a received worst-case buffer copied out at the cost of its counted rows. Triton on CUDA (or interpreted)."""
+    if out_RH.shape != src_RH.shape or not out_RH.is_contiguous():
+        raise ValueError(f"out_RH must be a contiguous {tuple(src_RH.shape)} tensor, got {tuple(out_RH.shape)}")
+    if not use_triton(src_RH, "push_rows"):
+        n = int(num_rows.reshape(-1)[0])
+        out_RH[:n] = src_RH[:n]
+        return out_RH
+    if src_RH.numel():
+        _launch(src_RH, num_rows, num_rows, num_rows, out_RH, routed=False)
+    return out_RH
+
+
+def _launch(src_RH, num_rows, dst_rank_R, dst_row_R, dst, routed: bool) -> None:
+    block_h = min(4096, triton.next_power_of_2(src_RH.shape[1]))
+    _push_rows[(src_RH.shape[0],), src_RH.device](src_RH, num_rows, dst_rank_R, dst_row_R, dst, src_RH.shape[1],
+                                                  src_RH.stride(0), ROUTED=routed, BLOCK_H=block_h,
+                                                  num_warps=8 if block_h >= 2048 else 4)

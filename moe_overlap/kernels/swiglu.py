@@ -15,19 +15,19 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    def _swiglu_fwd_kernel(h_ptr, a_ptr, N, FF, BLOCK: tl.constexpr):
+    def _swiglu_fwd_kernel(h_ptr, a_ptr, rows_ptr, N, FF, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < N
         row, col = idx // FF, idx % FF
+        mask = (idx < N) & (row < tl.load(rows_ptr))  # rows past the counted ones are left as they are
         gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
         silu = gate * (1.0 / (1.0 + tl.exp(-gate)))  # the backward's formula: both passes give the same a
         tl.store(a_ptr + idx, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
-    def _swiglu_bwd_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, N, FF, BLOCK: tl.constexpr):
+    def _swiglu_bwd_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, rows_ptr, N, FF, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < N
         row, col = idx // FF, idx % FF
+        mask = (idx < N) & (row < tl.load(rows_ptr))
         gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(grad_a_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -58,34 +58,47 @@ def swiglu_backward_torch(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple
     return grad_h, (gate * sig * up).to(h_TF2.dtype)
 
 
-def swiglu_forward_triton(h_TF2: torch.Tensor) -> torch.Tensor:
+def _row_count(valid_rows: torch.Tensor | None, h_TF2: torch.Tensor) -> torch.Tensor:
+    if valid_rows is None:
+        return torch.full((1,), h_TF2.shape[0], dtype=torch.int64, device=h_TF2.device)
+    return valid_rows
+
+
+def swiglu_forward_triton(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     h_TF2 = h_TF2.contiguous()
     ffn = h_TF2.shape[-1] // 2
     a_TF = h_TF2.new_empty(h_TF2.shape[:-1] + (ffn,))
     n = a_TF.numel()
     if n:
-        _fwd[(triton.cdiv(n, _BLOCK),), h_TF2.device](h_TF2, a_TF, n, ffn, BLOCK=_BLOCK)
+        _fwd[(triton.cdiv(n, _BLOCK),), h_TF2.device](h_TF2, a_TF, _row_count(valid_rows, h_TF2), n, ffn,
+                                                      BLOCK=_BLOCK)
     return a_TF
 
 
-def swiglu_backward_triton(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward_triton(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor,
+                           valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     h_TF2, grad_a_TF = h_TF2.contiguous(), grad_a_TF.contiguous()
     ffn = h_TF2.shape[-1] // 2
     grad_h_TF2 = torch.empty_like(h_TF2)
     a_TF = h_TF2.new_empty(grad_a_TF.shape)
     n = a_TF.numel()
     if n:
-        _bwd[(triton.cdiv(n, _BLOCK),), h_TF2.device](h_TF2, grad_a_TF, grad_h_TF2, a_TF, n, ffn, BLOCK=_BLOCK)
+        _bwd[(triton.cdiv(n, _BLOCK),), h_TF2.device](h_TF2, grad_a_TF, grad_h_TF2, a_TF,
+                                                      _row_count(valid_rows, h_TF2), n, ffn, BLOCK=_BLOCK)
     return grad_h_TF2, a_TF
 
 
-def swiglu_forward(h_TF2: torch.Tensor) -> torch.Tensor:
-    """a = silu(gate) * up."""
-    return swiglu_forward_triton(h_TF2) if use_triton(h_TF2, "swiglu") else swiglu_forward_torch(h_TF2)
+def swiglu_forward(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """a = silu(gate) * up. ``valid_rows`` (a one-element device tensor): only the first rows count, the
+    kernel leaves the others unwritten (a static worst-case buffer; the twin computes them all)."""
+    if use_triton(h_TF2, "swiglu"):
+        return swiglu_forward_triton(h_TF2, valid_rows)
+    return swiglu_forward_torch(h_TF2)
 
 
-def swiglu_backward(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor,
+                    valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_h, a): fc1's output gradient, and the activation again for fc2's weight gradient."""
     if use_triton(h_TF2, "swiglu"):
-        return swiglu_backward_triton(h_TF2, grad_a_TF)
+        return swiglu_backward_triton(h_TF2, grad_a_TF, valid_rows)
     return swiglu_backward_torch(h_TF2, grad_a_TF)

@@ -24,20 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.distributed.a2a import Route
 from moe_overlap.distributed.collectives import all_gather_into
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute
-
-
-@dataclass
-class Route:
-    """Where each source row goes: rows [0, num_rows) travel, row r to rank dst_rank_R[r], row dst_row_R[r]
-    of a receive buffer of ``out_rows`` rows."""
-
-    num_rows: torch.Tensor  # (1,) int64, on the device
-    dst_rank_R: torch.Tensor  # int32
-    dst_row_R: torch.Tensor  # int64
-    out_rows: int
 
 
 @dataclass
@@ -70,14 +60,14 @@ def sync_free_routes(counts_SE: torch.Tensor, rank: int, copies: int) -> SyncFre
     send_start_SB = _exclusive_cumsum(counts_SE)  # every source's permuted-block starts
     rank_of_block_B = torch.arange(ranks, device=device, dtype=torch.int32).repeat_interleave(local)
     shift_B = grouped_start_DLS[:, :, rank].reshape(-1) - send_start_SB[rank]
-    dispatch = Route(mine_B.sum().view(1),
-                     torch.repeat_interleave(rank_of_block_B, mine_B, output_size=copies),
-                     torch.arange(copies, device=device) + torch.repeat_interleave(shift_B, mine_B, output_size=copies),
-                     ranks * copies)
     # My grouped rows go back: block (l, s) to source s, where its block (me, l) of permuted rows starts.
     rows_LS = rows_DLS[rank]
     worst = ranks * copies
     received = rows_LS.sum().view(1)
+    dispatch = Route(mine_B.sum().view(1),
+                     torch.repeat_interleave(rank_of_block_B, mine_B, output_size=copies),
+                     torch.arange(copies, device=device) + torch.repeat_interleave(shift_B, mine_B, output_size=copies),
+                     worst, received)
     sizes = torch.cat([rows_LS.reshape(-1), worst - received])  # a last block pads to the static worst case
     source_of_block = torch.arange(ranks, device=device, dtype=torch.int32).repeat(local)
     back_shift = (send_start_SB[:, rank * local:(rank + 1) * local].T - grouped_start_DLS[rank]).reshape(-1)
@@ -86,7 +76,7 @@ def sync_free_routes(counts_SE: torch.Tensor, rank: int, copies: int) -> SyncFre
                     torch.repeat_interleave(torch.cat([source_of_block, pad.int()]), sizes, output_size=worst),
                     torch.arange(worst, device=device)
                     + torch.repeat_interleave(torch.cat([back_shift, pad]), sizes, output_size=worst),
-                    copies)
+                    copies, mine_B.sum().view(1))
     return SyncFreeRoutes(dispatch, combine, torch.cumsum(rows_LS.sum(1), 0).to(torch.int32))
 
 
@@ -97,13 +87,11 @@ class PushRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src_RH: torch.Tensor, route: Route, back: Route, pusher) -> torch.Tensor:
         ctx.back, ctx.pusher = back, pusher
-        return pusher.push(src_RH, route.num_rows, route.dst_rank_R, route.dst_row_R, route.out_rows)
+        return pusher.push(src_RH, route)
 
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):
-        back = ctx.back
-        grad_src = ctx.pusher.push(grad_RH.contiguous(), back.num_rows, back.dst_rank_R, back.dst_row_R, back.out_rows)
-        return grad_src, None, None, None
+        return ctx.pusher.push(grad_RH.contiguous(), ctx.back), None, None, None
 
 
 def start_device_counts(tokens_per_expert_E: torch.Tensor, ep: GroupHandle) -> torch.Tensor:

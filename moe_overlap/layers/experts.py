@@ -1,4 +1,7 @@
 """Experts as grouped GEMMs (torch._grouped_mm): SwiGLU fc1 -> fc2 over rows sorted by local expert.
+Rows past the last offset are not computed (a static worst-case buffer of the sync-free dispatch): the
+GEMMs skip them (measured: no cost, and garbage there reaches no valid output or weight gradient), and so
+does the SwiGLU kernel.
 
 The forward and backward are explicit so the overlapped pipeline can run dgrad and wgrad separately.
 w13 holds [gate | up] along its last dimension.
@@ -24,7 +27,7 @@ def experts_forward(x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch
                     w2_EFH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1 -> SwiGLU -> fc2; returns the output and fc1's output (kept for the backward)."""
     h_TF2 = torch._grouped_mm(x_TH, w13_EHF2, offs=offsets_E)
-    return torch._grouped_mm(swiglu_forward(h_TF2), w2_EFH, offs=offsets_E), h_TF2
+    return torch._grouped_mm(swiglu_forward(h_TF2, offsets_E[-1:]), w2_EFH, offs=offsets_E), h_TF2
 
 
 def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
@@ -32,7 +35,7 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
     """Input gradient; also fc1's output gradient and the SwiGLU activation, which the weight gradients need
     (the fused backward rebuilds the activation in the same pass, so the forward need not keep it)."""
     grad_a_TF = torch._grouped_mm(grad_y_TH, w2_EFH.transpose(-2, -1), offs=offsets_E)
-    grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF)
+    grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF, offsets_E[-1:])
     return torch._grouped_mm(grad_h_TF2, w13_EHF2.transpose(-2, -1), offs=offsets_E), grad_h_TF2, a_TF
 
 
