@@ -8,7 +8,7 @@ Rows per shape:
   serial      the serial reference path (overlap off)
   overlapped  the chunked pipeline; every (backend, chunks, delay_wgrad) setting is timed, the best reported;
               with them the sync-free dropless dispatch (symm, or gloo's twin on CPU), eagerly and (CUDA)
-              replayed from a CUDA graph of the whole forward (+backward)
+              replayed from CUDA graphs as train.moe_cuda_graph does it (a second layer, same weights)
   comm        the fastest transport moving the full, unchunked dispatch and combine (forward), and their
               gradients too (forward+backward), for the same routing
   gemm        the unchunked expert GEMMs alone on the same per-expert counts: fc1, SwiGLU, fc2 (forward),
@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeline", default=None,
                         help="PNG of one overlapped forward+backward (GPU only), and a .txt kernel table beside it")
     parser.add_argument("--timeline-shape", default=None, help="shape of the timeline (default: the last one)")
+    parser.add_argument("--timeline-variant", choices=("chunked", "sync_free_graph"), default="chunked",
+                        help="the chunked pipeline (4 chunks, deferred wgrad) or the graphed sync-free layer (symm)")
     parser.add_argument("--skew", action="store_true", help="add a skewed-routing row per shape")
     parser.add_argument("--chunks", default="1,2,4", help="chunk counts to try (capped at the local experts)")
     parser.add_argument("--rounds", type=int, default=15)
@@ -200,6 +202,19 @@ class Bench:
             return fn
 
         settings = [(b, c, d) for b in self.backends for c in chunk_options for d in (False, True)]
+        sync_free = "symm" if "symm" in self.backends else "gloo" if "gloo" in self.backends else None
+        graph_layer = (self.graphed_layer(layer, shape, selectors[sync_free], x)
+                       if sync_free and self.device.type == "cuda" else None)
+
+        def graph_fn(backward):
+            def fn():
+                graph_layer.zero_grad(set_to_none=True)
+                x.grad = None
+                out, _, _ = graph_layer(x)
+                if backward:
+                    out.backward(grad)
+            return fn
+
         probe = self.probe(layer, shape, x, selectors)
         baseline = Baseline(layer, self.mesh, shape)
         row = {"shape": name + ("_skew" if skew else ""), "fabric": self.args.fabric}
@@ -209,12 +224,10 @@ class Bench:
                 if d and not backward:
                     continue  # deferring wgrad changes nothing in the forward
                 variants[f"overlapped:{b}:{c}:{int(d)}"] = layer_fn(b, c, d, backward)
-            sync_free = "symm" if "symm" in self.backends else "gloo" if "gloo" in self.backends else None
-            if sync_free:  # dropless without a host sync: eager, and (CUDA) replayed from a CUDA graph
+            if sync_free:  # dropless without a host sync: eager, and (CUDA) replayed from CUDA graphs
                 variants["overlapped:sync_free:1:0"] = layer_fn(sync_free, 1, False, backward, sync_free=True)
-                if self.device.type == "cuda":
-                    variants["overlapped:sync_free_graph:1:0"] = self.graphed(
-                        layer_fn(sync_free, 1, False, backward, sync_free=True))
+            if graph_layer is not None:
+                variants["overlapped:sync_free_graph:1:0"] = graph_fn(backward)
             variants.update(probe.variants(backward))
             variants["baseline"] = baseline.fn(x, grad, backward)
             times = self.round_robin(variants)
@@ -230,25 +243,16 @@ class Bench:
         row.update(probe.tokens_per_rank())
         return row
 
-    def graphed(self, fn):
-        """``fn`` captured in a CUDA graph on its first call (after eager warm-up), replayed from then on."""
-        torch, graph = self.torch, []
+    def graphed_layer(self, like, shape: Shape, selector, x):
+        """A second layer with ``like``'s weights and the sync-free dispatch, captured the way the trainer does
+        it (``train.moe_cuda_graph``): training-mode calls replay its forward and backward graphs."""
+        from moe_overlap.layers.moe import capture_moe_layers
 
-        def run():
-            if not graph:
-                side = torch.cuda.Stream()  # warm-up off the legacy stream, as capture wants
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        fn()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graph.append(torch.cuda.CUDAGraph())
-                # thread_local: NCCL's watchdog thread queries events during the capture
-                with torch.cuda.graph(graph[0], capture_error_mode="thread_local"):
-                    fn()
-            graph[0].replay()
-        return run
+        layer, _ = self.build_layer(shape)
+        layer.load_state_dict(like.state_dict())
+        layer.overlap_dispatch, layer.sync_free, layer.transports = False, True, selector
+        capture_moe_layers((layer,), tuple(x.shape))
+        return layer
 
     def transport_probe(self, name: str, shape: Shape) -> dict:
         """Each transport moving one dispatch alone, and beside the forward expert GEMMs on the compute
@@ -277,6 +281,10 @@ class Bench:
         x, grad = self.inputs(shape, skew=False)
         local = shape.experts // self.mesh.ep.size
         layer.chunks, layer.delay_wgrad = min(4, local), True
+        title = f"overlapped MoE layer fwd+bwd, {layer.chunks} chunks, {selectors[self.backends[0]].name}"
+        if self.args.timeline_variant == "sync_free_graph":
+            layer = self.graphed_layer(layer, shape, selectors["symm"], x)
+            title = "MoE layer fwd+bwd, sync-free dispatch (symm), replayed from CUDA graphs"
         for _ in range(3):
             layer(x)[0].backward(grad)
         torch.cuda.synchronize()
@@ -286,8 +294,7 @@ class Bench:
             layer(x)[0].backward(grad)
             torch.cuda.synchronize()
         if self.mesh.rank == 0:
-            draw_timeline(prof, path, f"overlapped MoE layer fwd+bwd, {layer.chunks} chunks, "
-                                      f"{selectors[self.backends[0]].name}")
+            draw_timeline(prof, path, title)
             Path(path).with_suffix(".txt").write_text(
                 prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
                 + "\n\nhost side, by CPU time:\n"

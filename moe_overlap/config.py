@@ -153,6 +153,8 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     recompute_granularity: Literal["none", "full"] = "none"
+    # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_sync_free_dispatch).
+    moe_cuda_graph: bool = False
     eval_interval: int = 50  # 0: never
     eval_iters: int = 4
     log_interval: int = 1
@@ -406,6 +408,7 @@ def validate(cfg: Config) -> None:
 
     _validate_overlap(o, p, m)
     _validate_moe_overlap(m, o, p)
+    _validate_moe_cuda_graph(t, o, p)
     _validate_distributed_optimizer(o, t)
 
     for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_iters", "log_interval"):
@@ -583,6 +586,17 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                  f"= {local} (a chunk is a run of local experts)")
 
 
+def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig) -> None:
+    if not t.moe_cuda_graph:
+        return
+    _require(o.moe_sync_free_dispatch, "train.moe_cuda_graph", True,
+             "needs overlap.moe_sync_free_dispatch=true (a graph cannot hold the other paths' host sync)")
+    if p.tensor_model_parallel_size != 1:
+        raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers under tensor parallelism")
+    if t.recompute_granularity != "none":
+        raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers with recomputation")
+
+
 def _validate_distributed_optimizer(o: OverlapConfig, t: TrainConfig) -> None:
     if o.bucket_size_mb is not None:
         _require(o.bucket_size_mb > 0, "overlap.bucket_size_mb", o.bucket_size_mb,
@@ -609,6 +623,8 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     dp = cfg.data_parallel_size(world_size)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size", t.global_batch_size,
              f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+    _require(not t.moe_cuda_graph or device_type == "cuda", "train.moe_cuda_graph", True,
+             f"CUDA graphs need train.device=cuda; the device is {device_type!r}")
     for field, wanted in (("moe_a2a_backend", {"cpu": ("auto", "gloo"), "cuda": ("auto", "nccl", "symm")}),
                           ("tp_comm_backend", {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")})):
         backend = getattr(cfg.overlap, field)

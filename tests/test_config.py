@@ -207,6 +207,12 @@ BAD: list[tuple] = [
      "one chunk"),
     (TINY, ["overlap.moe_sync_free_dispatch=true", "parallel.expert_tensor_parallel_size=2"],
      "overlap.moe_sync_free_dispatch", "True", "not implemented yet", "expert_tensor_parallel_size > 1"),
+    (TINY, ["train.moe_cuda_graph=true"], "train.moe_cuda_graph", "True", "overlap.moe_sync_free_dispatch=true"),
+    (TINY, ["train.moe_cuda_graph=true", "overlap.moe_sync_free_dispatch=true", "train.recompute_granularity=full"],
+     "train.moe_cuda_graph", "True", "not implemented yet", "recomputation"),
+    (TINY, ["train.moe_cuda_graph=true", "overlap.moe_sync_free_dispatch=true", *TP_SP,
+            "parallel.expert_tensor_parallel_size=1"],
+     "train.moe_cuda_graph", "True", "not implemented yet", "tensor parallelism"),
     (TINY, ["model.moe_pad_expert_input_to_capacity=true"], "model.moe_pad_expert_input_to_capacity", "True",
      "moe_expert_capacity_factor"),
     (TINY, ["model.moe_shared_expert_overlap=true"], "model.moe_shared_expert_overlap", "True",
@@ -441,3 +447,9 @@ def test_error_keeps_field_value_and_allowed():
     err = info.value
     assert isinstance(err, ValueError)
     assert (err.field_name, err.value) == ("model.moe_router_topk", 9) and "[1," in err.allowed
+
+
+def test_moe_cuda_graph_needs_cuda():
+    cfg = load_config(TINY, ["train.moe_cuda_graph=true", "overlap.moe_sync_free_dispatch=true"])
+    check(_world_error(cfg, 2, "cpu"), "train.moe_cuda_graph", "True", "train.device=cuda")
+    validate_for_world(cfg, 2, "cuda")  # and is fine there

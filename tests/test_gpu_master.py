@@ -36,6 +36,10 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
         "train.precision": "bf16", "train.device": "cuda", "overlap.moe_overlap_dispatch": "true",
         "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true"})
 
+    graph_cfg = small_config(output_dir, 2, global_batch, **{
+        "train.precision": "bf16", "train.device": "cuda", "overlap.moe_sync_free_dispatch": "true",
+        "train.moe_cuda_graph": "true"})
+
     def tp_cfg(*overlaps: str, **extra):
         return small_config(output_dir, 1, global_batch, **{"train.precision": "bf16", "train.device": "cuda"},
                             **tp_layout(2, *overlaps, **{"parallel.expert_tensor_parallel_size": 2, **extra}))
@@ -51,6 +55,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
                                                         "overlap.tp_comm_num_splits": 2}), tp_mesh, device),
         layouts[5]: Trainer(tp_cfg("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad",
                                    "tp_comm_bulk_dgrad", **{"overlap.tp_comm_backend": "p2p"}), tp_mesh, device),
+        layouts[6]: Trainer(graph_cfg, mesh, device),
         "single_bf16": Trainer(small_config(output_dir, 1, global_batch, **{"train.precision": "bf16"}),
                                Mesh.single(), device),
         "single_fp32": Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), device),
@@ -87,7 +92,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
 
 LAYOUTS = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap", "layout_bf16_overlapped_dispatch",
            "layout_bf16_tp2_sp_etp2", "layout_bf16_tp2_sp_etp2_all_overlaps_symm",
-           "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p")
+           "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p", "layout_bf16_sync_free_dispatch_cuda_graph")
 
 
 @pytest.fixture(scope="module")

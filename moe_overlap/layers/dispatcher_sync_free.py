@@ -4,7 +4,7 @@ The serial and chunked paths fetch every rank's counts to the host once per laye
 (NCCL all-to-all, copy-engine copies) take host sizes; the host then stalls until the GPU has caught up, and
 the GPU idles while the host plans and issues the rest. Here the counts stay on the device:
 
-  counts     every EP rank's copies per global expert, all-gathered on the device
+  counts     every EP rank's copies per global expert, all-gathered on the device (by the pusher below)
   routes     from them, for every row, the rank and row it goes to (torch ops, static shapes)
   dispatch   permuted rows pushed by SM stores straight into their expert's grouped order on the owner
              (the regroup of the serial path is folded into the push)                       PushRows
@@ -20,12 +20,12 @@ slow it rather than hide (DESIGN.md), so nothing here overlaps; what it removes 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from moe_overlap.distributed.a2a import Route
-from moe_overlap.distributed.collectives import all_gather_into
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute
 
@@ -94,11 +94,19 @@ class PushRows(torch.autograd.Function):
         return ctx.pusher.push(grad_RH.contiguous(), ctx.back), None, None, None
 
 
-def start_device_counts(tokens_per_expert_E: torch.Tensor, ep: GroupHandle) -> torch.Tensor:
-    """Every EP rank's copies per global expert, [source rank, expert], gathered on the device."""
-    counts_SE = tokens_per_expert_E.new_empty((ep.size, tokens_per_expert_E.numel()))
-    all_gather_into(counts_SE.view(-1), tokens_per_expert_E.contiguous(), ep.group)
-    return counts_SE
+def gather_counts(tokens_per_expert_E: torch.Tensor, ep: GroupHandle, pusher) -> torch.Tensor:
+    """Every EP rank's copies per global expert, [source rank, expert], gathered on the device by the same
+    pusher as the rows (an all-gather as a push of one row to every rank): no NCCL call in the layer, so a
+    CUDA graph of it holds no collective."""
+    copies_PE = tokens_per_expert_E.view(1, -1).expand(ep.size, -1).contiguous()
+    return pusher.push(copies_PE, _all_gather_route(ep.size, ep.rank, tokens_per_expert_E.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _all_gather_route(ranks: int, rank: int, device: torch.device) -> Route:
+    every = torch.full((1,), ranks, dtype=torch.int64, device=device)
+    return Route(every, torch.arange(ranks, dtype=torch.int32, device=device),
+                 torch.full((ranks,), rank, dtype=torch.int64, device=device), ranks, every)
 
 
 def sync_free_dispatch_combine(x_TH: torch.Tensor, probs_TK: torch.Tensor, row_of_copy_TK: torch.Tensor,

@@ -17,7 +17,7 @@ from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 from moe_overlap.layers.dispatcher import (DispatchPlanner, expert_tp_counts, plan_expert_tp,
                                             serial_dispatch_combine, start_counts_fetch)
 from moe_overlap.layers.dispatcher_overlap import DispatchStart, ExpertsCombine, PipelineState
-from moe_overlap.layers.dispatcher_sync_free import start_device_counts, sync_free_dispatch_combine, sync_free_routes
+from moe_overlap.layers.dispatcher_sync_free import gather_counts, sync_free_dispatch_combine, sync_free_routes
 from moe_overlap.layers.experts import GroupedExperts
 from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.router import Router
@@ -114,10 +114,10 @@ class MoELayer(nn.Module):
         if routing.capacity is not None:
             raise ValueError("overlap.moe_sync_free_dispatch is dropless: the router has a capacity factor")
         copies = x_TH.shape[0] * self.topk
-        routes = sync_free_routes(start_device_counts(routing.tokens_per_expert_E, self.ep), self.ep.rank, copies)
-        row_of_copy_TK, _, _ = copy_rows(routing.experts_TK, self.num_experts)
         # worst case: every rank's copies landing on this one
         pusher = self.transports.pusher(self.ep.size * copies * x_TH.shape[1] * x_TH.element_size())
+        routes = sync_free_routes(gather_counts(routing.tokens_per_expert_E, self.ep, pusher), self.ep.rank, copies)
+        row_of_copy_TK, _, _ = copy_rows(routing.experts_TK, self.num_experts)
         out_TH = sync_free_dispatch_combine(x_TH, routing.probs_TK, row_of_copy_TK, routes, pusher, self.experts)
         return out_TH if self.shared_expert is None else out_TH + self.shared_expert(x_TH)
 
@@ -135,3 +135,24 @@ class MoELayer(nn.Module):
         combined_RH = ExpertsCombine.apply(token, self.experts.w13, self.experts.w2, state)
         out_TH = Unpermute.apply(combined_RH, plan.row_of_copy_TK, probs_TK, plan.all_rows_mapped)
         return out_TH if shared_TH is None else out_TH + shared_TH
+
+
+def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...]) -> None:
+    """Capture each layer's forward and backward in CUDA graphs (torch.cuda.make_graphed_callables, one
+    memory pool, forward in order and backward in reverse, as training runs them); from then on a
+    training-mode call replays them. Needs the sync-free dispatch (no host sync, no collective in the layer)
+    and inputs of ``input_shape``. A collective: every EP rank captures the same layers together (the warm-up
+    calls exchange rows)."""
+    if not all(layer.sync_free for layer in moe_layers):
+        raise ValueError("CUDA graphs of MoE layers need overlap.moe_sync_free_dispatch=true")
+    weight = moe_layers[0].experts.w13
+    samples = tuple((torch.randn(input_shape, device=weight.device, dtype=weight.dtype, requires_grad=True),)
+                    for _ in moe_layers)
+    # NCCL's watchdog thread queries events during a capture, which the default "global" capture mode
+    # counts as an illegal call from another thread: capture in "thread_local" mode.
+    graph = torch.cuda.graph
+    torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")
+    try:
+        torch.cuda.make_graphed_callables(moe_layers, samples)
+    finally:
+        torch.cuda.graph = graph

@@ -74,6 +74,8 @@ class Trainer:
                                  timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
+        if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
+            self.model.graph_moe_layers(t.micro_batch_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
                                                      seq_length=cfg.model.seq_length)
         dp = mesh.dp
