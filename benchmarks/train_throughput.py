@@ -1,7 +1,7 @@
 """Training throughput of a config: tokens/s and peak memory over N steps (torchrun, one rank per GPU).
 
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py configs/small_gpu.yaml --steps 50 \
-        --json benchmarks/results/train_small_gpu_2xh200.json
+        --json benchmarks/results/train_small_gpu_serial_2xh200.json
 """
 
 from __future__ import annotations
