@@ -4,7 +4,8 @@ The bf16 runs' error against an fp32 single-process run must be at most 2x the s
 error against it, per tensor (normwise), for every gradient of the first step and the loss curve of the steps. Layouts: EP=2
 (plain all-reduce optimizer; distributed optimizer with both overlaps; the overlapped dispatch over the
 auto-chosen transport), TP=2 with SP and expert-TP=2: serial, every TP overlap over the copy-engine ring
-(symm), the pipelined ones over NCCL p2p.
+(symm), the pipelined ones over NCCL p2p; EP=2 with the sync-free dispatch and its MoE layers replayed
+from CUDA graphs (train.moe_cuda_graph).
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
 

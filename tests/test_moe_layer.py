@@ -257,6 +257,14 @@ def test_sync_free_dispatch_refuses_ranks_with_different_token_counts(rank_pool)
         rank_pool(2).run(moe_case, "random", 2, sync_free=True)
 
 
+def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
+    from moe_overlap.layers.moe import capture_moe_layers
+    layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2),
+                     OverlapConfig(), Mesh.single().ep)
+    with pytest.raises(ValueError, match="moe_sync_free_dispatch"):
+        capture_moe_layers((layer,), (1, TOKENS, H))
+
+
 def test_overlapped_dispatch_single_process_chunk_without_rows():
     assert moe_case("first_rank_only", 2, chunks=4) < 1e-5  # chunks 1..3 carry no rows at all
 
