@@ -153,7 +153,6 @@ class Bench:
 
     # ---------------------------------------------------------------------------------------- setup
     def build_layer(self, shape: Shape):
-        torch = self.torch
         from moe_overlap.config import ModelConfig, OverlapConfig
         from moe_overlap.distributed.a2a import TransportSelector
         from moe_overlap.layers.init import init_parameters

@@ -78,7 +78,7 @@ def gpu_cases(out_dir: str) -> dict:
     for variant in VARIANTS:
         try:
             equivalence_case(mesh, variant, x32, grad32, report)
-        except Exception as err:  # one GPU call should report every case
+        except Exception:  # one GPU call should report every case
             report["errors"].append(f"{variant}: {traceback.format_exc()}"[-3000:])
     write_report(out_dir, report)  # progress, in case a later case takes the process down
     x, grad = x32.bfloat16(), grad32.bfloat16()
@@ -87,7 +87,7 @@ def gpu_cases(out_dir: str) -> dict:
                        (graph_case, ("nccl", "capacity"))):
         try:
             case(mesh, x, grad, report, *args)
-        except Exception as err:
+        except Exception:
             torch.cuda.set_sync_debug_mode("default")
             report["errors"].append(f"{case.__name__}{args}: {traceback.format_exc()}"[-4000:])
         write_report(out_dir, report)
