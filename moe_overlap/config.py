@@ -111,6 +111,12 @@ class OverlapConfig:
     # Distributed optimizer buckets (Megatron's ddp_bucket_size, in MB of grad_sync_dtype payload);
     # None: one Transformer layer per bucket (dense and expert parameters in separate buckets).
     bucket_size_mb: Optional[float] = None
+    # CTAs (NCCL channels) of the data-parallel communicators that reduce gradients and gather parameters
+    # (mesh groups dp, dp_cp, edp); null: NCCL's choice. Few CTAs leave the SMs to the GEMMs they hide under.
+    dp_comm_ctas: Optional[int] = None
+    # SMs every cuBLAS GEMM and grouped GEMM leaves free (torch's SM carve-out), so that communication kernels
+    # start beside a GEMM instead of queueing behind its full-chip grid; 0: GEMMs use the whole chip.
+    gemm_sm_carveout: int = 0
     tp_comm_overlap: bool = False
     tp_comm_overlap_ag: bool = False
     tp_comm_overlap_rs: bool = False
@@ -329,6 +335,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ validation
+
+
+MAX_NCCL_CTAS = 64  # NCCL's MAXCHANNELS
 
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -598,6 +607,10 @@ def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig
 
 
 def _validate_distributed_optimizer(o: OverlapConfig, t: TrainConfig) -> None:
+    if o.dp_comm_ctas is not None:
+        _require(1 <= o.dp_comm_ctas <= MAX_NCCL_CTAS, "overlap.dp_comm_ctas", o.dp_comm_ctas,
+                 f"must be between 1 and {MAX_NCCL_CTAS} (or null: NCCL's choice)")
+    _require(o.gemm_sm_carveout >= 0, "overlap.gemm_sm_carveout", o.gemm_sm_carveout, "must be >= 0")
     if o.bucket_size_mb is not None:
         _require(o.bucket_size_mb > 0, "overlap.bucket_size_mb", o.bucket_size_mb,
                  "must be > 0 (or null: one Transformer layer per bucket)")
@@ -625,6 +638,10 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
              f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
     _require(not t.moe_cuda_graph or device_type == "cuda", "train.moe_cuda_graph", True,
              f"CUDA graphs need train.device=cuda; the device is {device_type!r}")
+    for name, default in (("dp_comm_ctas", None), ("gemm_sm_carveout", 0)):
+        value = getattr(cfg.overlap, name)
+        _require(value == default or device_type == "cuda", f"overlap.{name}", value,
+                 f"sets NCCL communicators and cuBLAS GEMMs: needs train.device=cuda; the device is {device_type!r}")
     for field, wanted in (("moe_a2a_backend", {"cpu": ("auto", "gloo"), "cuda": ("auto", "nccl", "symm")}),
                           ("tp_comm_backend", {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")})):
         backend = getattr(cfg.overlap, field)

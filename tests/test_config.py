@@ -181,6 +181,9 @@ BAD: list[tuple] = [
     (None, ["overlap.bucket_size_mb=40"], "overlap.bucket_size_mb", "40.0", "needs train.use_distributed_optimizer=true"),
     (None, ["train.use_distributed_optimizer=true", "overlap.bucket_size_mb=0"], "overlap.bucket_size_mb", "0.0",
      "must be > 0 (or null: one Transformer layer per bucket)"),
+    (None, ["overlap.dp_comm_ctas=0"], "overlap.dp_comm_ctas", "0", "must be between 1 and 64"),
+    (None, ["overlap.dp_comm_ctas=65"], "overlap.dp_comm_ctas", "65", "must be between 1 and 64"),
+    (None, ["overlap.gemm_sm_carveout=-1"], "overlap.gemm_sm_carveout", "-1", "must be >= 0"),
     (None, ["train.on_nonfinite_grad=ignore"], "train.on_nonfinite_grad", "'ignore'", "one of 'skip', 'stop'"),
     # --- bad override syntax
     (None, ["model.hidden_size"], "override", "'model.hidden_size'", "expected section.field=value"),
@@ -447,6 +450,14 @@ def test_error_keeps_field_value_and_allowed():
     err = info.value
     assert isinstance(err, ValueError)
     assert (err.field_name, err.value) == ("model.moe_router_topk", 9) and "[1," in err.allowed
+
+
+@pytest.mark.parametrize("override,field,value", [("overlap.dp_comm_ctas=2", "overlap.dp_comm_ctas", "2"),
+                                                  ("overlap.gemm_sm_carveout=8", "overlap.gemm_sm_carveout", "8")])
+def test_comm_resource_fields_need_cuda(override, field, value):
+    cfg = load_config(TINY, [override])
+    check(_world_error(cfg, 2, "cpu"), field, value, "needs train.device=cuda")
+    validate_for_world(cfg, 2, "cuda")
 
 
 def test_moe_cuda_graph_needs_cuda():

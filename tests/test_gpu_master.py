@@ -5,7 +5,8 @@ error against it, per tensor (normwise), for every gradient of the first step an
 (plain all-reduce optimizer; distributed optimizer with both overlaps; the overlapped dispatch over the
 auto-chosen transport), TP=2 with SP and expert-TP=2: serial, every TP overlap over the copy-engine ring
 (symm), the pipelined ones over NCCL p2p; EP=2 with the sync-free dispatch and its MoE layers replayed
-from CUDA graphs (train.moe_cuda_graph).
+from CUDA graphs (train.moe_cuda_graph); the distributed optimizer again with its communicators at 2 CTAs and
+the GEMMs 8 SMs short (overlap.dp_comm_ctas, overlap.gemm_sm_carveout).
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
 
@@ -23,7 +24,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     import torch.distributed as dist
 
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_layout
+    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_group_options, mesh_layout
     from tests.test_master import ALL_TP_OVERLAPS, logical_grads, rel_err, small_config, tp_layout
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -33,6 +34,13 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     dist_cfg = small_config(output_dir, 2, global_batch, **{
         "train.precision": "bf16", "train.device": "cuda", "train.use_distributed_optimizer": "true",
         "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true"})
+    # The same, with the data-parallel communicators at 2 CTAs (its own mesh) and the GEMMs 8 SMs short.
+    dp_resources_cfg = small_config(output_dir, 2, global_batch, **{
+        "train.precision": "bf16", "train.device": "cuda", "train.use_distributed_optimizer": "true",
+        "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true", "overlap.dp_comm_ctas": 2,
+        "overlap.gemm_sm_carveout": 8})
+    dp_resources_mesh = Mesh.create(mesh_layout(dp_resources_cfg, 2), timeout_s=120,
+                                    pg_options=mesh_group_options(dp_resources_cfg))
     overlap_cfg = small_config(output_dir, 2, global_batch, **{
         "train.precision": "bf16", "train.device": "cuda", "overlap.moe_overlap_dispatch": "true",
         "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true"})
@@ -57,20 +65,32 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
         layouts[5]: Trainer(tp_cfg("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad",
                                    "tp_comm_bulk_dgrad", **{"overlap.tp_comm_backend": "p2p"}), tp_mesh, device),
         layouts[6]: Trainer(graph_cfg, mesh, device),
+        layouts[7]: Trainer(dp_resources_cfg, dp_resources_mesh, device),
         "single_bf16": Trainer(small_config(output_dir, 1, global_batch, **{"train.precision": "bf16"}),
                                Mesh.single(), device),
         "single_fp32": Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), device),
     }
     losses = {name: [] for name in runs}
     grads = {}
+    carveouts = {}  # the GEMM SM carve-out each run's step held, seen from inside the step
+
+    def inspect(name, captured):
+        def hook(optimizer):
+            captured.update(logical_grads(optimizer))
+            carveouts[name] = torch._C._get_sm_carveout_experimental()
+        return hook
+
     for step in range(steps):
         for name, trainer in runs.items():
             captured = {}
-            losses[name].append(trainer.train_step(lambda opt: captured.update(logical_grads(opt)))["loss"])
+            losses[name].append(trainer.train_step(inspect(name, captured))["loss"])
             if step == 0:
                 grads[name] = captured
     ref = grads["single_fp32"]
-    report = {"rank": dist.get_rank(), "losses": losses, "violations": [], "tensors": 0}
+    dp_backend = dp_resources_mesh.dp_cp.group._get_backend(torch.device("cuda"))
+    report = {"rank": dist.get_rank(), "losses": losses, "violations": [], "tensors": 0, "carveouts": carveouts,
+              "carveout_after_steps": torch._C._get_sm_carveout_experimental(),
+              "dp_comm_ctas": [dp_backend.options.config.min_ctas, dp_backend.options.config.max_ctas]}
     for layout in layouts:
         for key, grad in grads[layout].items():
             layout_err, single_err = rel_err(grad, ref[key]), rel_err(grads["single_bf16"][key], ref[key])
@@ -86,6 +106,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
         if layout_err > 2 * single_err:
             report["violations"].append((layout, f"loss curve over {steps} steps", layout_err, single_err))
     tp_mesh.destroy()
+    dp_resources_mesh.destroy()
     mesh.destroy()
     dist.destroy_process_group()
     return report
@@ -93,7 +114,8 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
 
 LAYOUTS = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap", "layout_bf16_overlapped_dispatch",
            "layout_bf16_tp2_sp_etp2", "layout_bf16_tp2_sp_etp2_all_overlaps_symm",
-           "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p", "layout_bf16_sync_free_dispatch_cuda_graph")
+           "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p", "layout_bf16_sync_free_dispatch_cuda_graph",
+           "layout_bf16_distributed_optimizer_overlap_dp_2_ctas_gemm_carveout_8")
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +131,15 @@ def test_master_over_nccl_bf16(reports, layout):
         assert report["tensors"] > 0
         violations = [v for v in report["violations"] if v[0] == layout]
         assert not violations, violations
+
+
+@pytest.mark.gpu
+def test_dp_comm_ctas_and_gemm_carveout_reach_nccl_and_the_step(reports):
+    for report in reports:
+        assert report["dp_comm_ctas"] == [2, 2]
+        carve = report["carveouts"]
+        assert carve[LAYOUTS[7]] == 8 and carve[LAYOUTS[1]] in (None, 0)  # held inside its steps only
+        assert report["carveout_after_steps"] in (None, 0)
 
 
 if __name__ == "__main__":  # one rank under torchrun

@@ -14,6 +14,13 @@ import torch.distributed as dist
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
+def nccl_cta_options(ctas: int) -> "dist.ProcessGroupNCCL.Options":
+    """Options for an NCCL process group whose communicator runs every collective on exactly ``ctas`` CTAs."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.min_ctas = options.config.max_ctas = ctas
+    return options
+
+
 def group_size(group: ProcessGroup) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 from math import prod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch.distributed as dist
 
@@ -272,8 +272,10 @@ class Mesh:
         self._owned_groups = owned_groups
 
     @classmethod
-    def create(cls, layout: MeshLayout, timeout_s: float, backend: str | None = None) -> Mesh:
+    def create(cls, layout: MeshLayout, timeout_s: float, backend: str | None = None,
+               pg_options: Mapping[str, Any] | None = None) -> Mesh:
         """Build every group from the initialized default group; a collective call on every rank.
+        ``pg_options`` maps a group kind to the backend options its groups are made with.
 
         Every rank calls new_group for every group of every kind in the same order (torch requires it,
         members or not). Kinds whose groups have one rank get no process group; that decision comes
@@ -304,7 +306,8 @@ class Mesh:
             my_group = None
             if layout.group_size(kind) > 1:
                 for ranks in all_groups:
-                    group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"mesh_{kind}")
+                    group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"mesh_{kind}",
+                                           pg_options=(pg_options or {}).get(kind))
                     if rank in ranks:
                         my_group = group
                         owned_groups.append(group)

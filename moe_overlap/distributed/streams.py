@@ -15,6 +15,32 @@ import torch
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def check_gemm_sm_carveout(sms: int, device: torch.device) -> None:
+    """``overlap.gemm_sm_carveout`` must leave the GEMMs at least one SM of the device (0 everywhere)."""
+    if sms == 0:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"overlap.gemm_sm_carveout={sms}: a CUDA setting; the device is {device.type!r}")
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < sms < total:
+        raise ValueError(f"overlap.gemm_sm_carveout={sms}: must be >= 0 and below the {total} SMs of "
+                         f"{torch.cuda.get_device_name(device)}")
+
+
+@contextlib.contextmanager
+def gemm_sm_carveout(sms: int) -> Iterator[None]:
+    """Inside the block, every cuBLAS GEMM and grouped GEMM runs on all but ``sms`` SMs (0: the whole chip),
+    so that a communication kernel launched beside one starts at once on the free SMs; beside a full-chip grid
+    it queues, and once it holds SMs the GEMM's last wave waits for it. torch's setting is process-wide: the
+    block restores the one before it."""
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms or None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 def comm_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     """The device's side stream for communication (one per device, made on first use); None on CPU."""
     if device.type != "cuda":

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moe_overlap.config import Config, validate_for_world
-from moe_overlap.distributed.collectives import all_reduce_
+from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.distributed.streams import check_gemm_sm_carveout, gemm_sm_carveout
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
@@ -53,7 +54,15 @@ def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=cfg.train.distributed_timeout_s))
-    return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s), device
+    return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s,
+                       pg_options=mesh_group_options(cfg)), device
+
+
+def mesh_group_options(cfg: Config) -> dict:
+    """Backend options by mesh group kind: ``overlap.dp_comm_ctas`` holds the data-parallel communicators
+    (the plain optimizer's dp, the distributed optimizer's dp_cp, and edp) to that many CTAs."""
+    ctas = cfg.overlap.dp_comm_ctas
+    return {} if ctas is None else {kind: nccl_cta_options(ctas) for kind in ("dp", "dp_cp", "edp")}
 
 
 def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
@@ -68,6 +77,7 @@ class Trainer:
         validate_for_world(cfg, mesh.world_size, device.type)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t = cfg.train
+        check_gemm_sm_carveout(cfg.overlap.gemm_sm_carveout, device)
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
                                  recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
@@ -111,12 +121,13 @@ class Trainer:
     def train_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> dict:
         """One optimizer step; ``inspect_grads`` sees the reduced gradients before the update (tests)."""
         start = time.perf_counter()
-        lm_loss, aux_loss = self.forward_backward(self.step)
-        self.optimizer.reduce_grads()
-        if inspect_grads is not None:
-            inspect_grads(self.optimizer)
         lr = lr_at(self.step, self.cfg.train)
-        grad_norm, stepped = self.optimizer.step(lr, self.step)
+        with gemm_sm_carveout(self.cfg.overlap.gemm_sm_carveout):
+            lm_loss, aux_loss = self.forward_backward(self.step)
+            self.optimizer.reduce_grads()
+            if inspect_grads is not None:
+                inspect_grads(self.optimizer)
+            grad_norm, stepped = self.optimizer.step(lr, self.step)
         loads = self._step_expert_load()
         for layer, router in self.model.routers().items():
             router.update_load(loads[layer])
