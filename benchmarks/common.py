@@ -36,3 +36,44 @@ def write_json(path: str | None, header: dict, rows: list[dict]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(dict(header, rows=rows), indent=2) + "\n")
+
+
+def device_spans(prof) -> list[tuple[int, str, float, float]]:
+    """(stream, kernel or copy name, start us, end us) of every device event a torch profiler recorded."""
+    spans = []
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type().name == "CUDA" and event.duration_ns() > 0:
+            start = event.start_ns() / 1e3
+            spans.append((event.device_resource_id(), event.name(), start, start + event.duration_ns() / 1e3))
+    return spans
+
+
+def span_kind(name: str) -> str:
+    name = name.lower()
+    return "copy" if "memcpy" in name else ("nccl" if "nccl" in name else "kernel")
+
+
+def draw_timeline(prof, path: str, title: str) -> None:
+    """Lanes per CUDA stream from the profiler's device events: kernels, peer copies, NCCL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spans = [(f"stream {stream} {span_kind(name)}", start, end) for stream, name, start, end in device_spans(prof)]
+    if not spans:
+        print("timeline: the profiler recorded no device events")
+        return
+    t0 = min(start for _, start, _ in spans)
+    lanes = sorted({lane for lane, _, _ in spans})
+    fig, ax = plt.subplots(figsize=(14, 1 + 0.6 * len(lanes)))
+    colors = {"kernel": "tab:blue", "copy": "tab:orange", "nccl": "tab:red"}
+    for y, lane in enumerate(lanes):
+        bars = [((start - t0) / 1e3, (end - start) / 1e3) for l, start, end in spans if l == lane]
+        ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[lane.rsplit(" ", 1)[1]])
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("ms")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"timeline: {path}")

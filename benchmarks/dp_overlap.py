@@ -4,18 +4,26 @@ no-ops (compute only: the limit), in one run; plus a probe of the DP collectives
 
     torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric nvlink --probe \
         --json benchmarks/results/dp_overlap_2xh200_nvlink.json
-    torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric slow --probe \
+    torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric slow \
+        overlap.dp_comm_ctas=2 overlap.gemm_sm_carveout=4 --extra nccl_default nccl_default+carveout0 \
+        --timeline benchmarks/results/dp_overlap_2xh200_slow_timeline.png \
         --json benchmarks/results/dp_overlap_2xh200_slow.json
     torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --smoke      # CPU, gloo: the code path, no claims
 
 Rows:
-  step      per variant (serial, overlapped, compute_only): median step time, from the start of one training
-            step to the start of the next, so an all-gather left running by a step counts where the next
-            forward waits for it. Variants run round-robin in blocks of --block steps (A B C A B C ...,
-            DESIGN.md: clocks drift); a block's first step follows a switch and is left out.
+  step      per variant: median step time, from the start of one training step to the start of the next,
+            so an all-gather left running by a step counts where the next forward waits for it. serial and
+            overlapped run as configured; compute_only replaces the DP collectives by no-ops and gives the
+            GEMMs the whole chip (the limit); --extra adds overlapped variants on other NCCL groups (CTA
+            caps, NCCL's default, a high-priority stream) and/or another GEMM SM carve-out. Variants run
+            round-robin in blocks of --block steps (A B C A B C ..., DESIGN.md: clocks drift); a block's
+            first step follows a switch and is left out.
   buckets   each bucket's reduce-scatter (with its payload cast) and all-gather, alone
   summary   exposed communication (overlapped - compute_only) against the serial cost (serial -
             compute_only), the largest bucket's communication, and the targets of the issue
+  timeline  (--timeline) two profiled steps of each variant: the compute stream's busy and idle time, NCCL's
+            time beside it, the longest idle gaps; against compute_only, more busy time is interference and
+            more idle time is waiting
   probe     (--probe) one bucket's reduce-scatter and all-gather alone, beside back-to-back bf16 GEMMs
             of 8192^3 on the compute stream, and the GEMMs alone: plain NCCL, NCCL held to 2 and 8 CTAs
             (ProcessGroupNCCL.Options), and on NVLink a copy-engine all-gather and copy-then-add
@@ -32,14 +40,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from benchmarks.common import (disable_multicast, device_spans, draw_timeline, run_header, span_kind,  # noqa: E402
+                               write_json)
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_OVERRIDES = ["parallel.expert_model_parallel_size=1", "train.micro_batch_size=16", "train.global_batch_size=32",
@@ -64,14 +75,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--probe-rounds", type=int, default=15)
     parser.add_argument("--nccl-max-ctas", type=int, default=None,
                         help="cap every NCCL communicator at this many CTAs (NCCL_MAX_CTAS) for the step rows")
+    parser.add_argument("--extra", nargs="*", default=[], metavar="VARIANT",
+                        help="more step variants in the same round-robin: TRANSPORT[+carveoutN] runs overlapped "
+                             "through TRANSPORT (nccl, nccl_Nctas, nccl_hp, nccl_hp_Nctas: CTA cap, high-priority "
+                             "stream), with GEMMs held to all but N SMs; compute_only+carveoutN is the no-op run so")
+    parser.add_argument("--timeline", default=None, metavar="PNG",
+                        help="profile two steps of every step variant; summarise the compute and NCCL streams as "
+                             "timeline rows and draw the overlapped steps to PNG")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo (CI)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--allow-multicast", action="store_true", help="do not force NVLink multicast off")
     args = parser.parse_args(argv)
+    if args.config is not None and "=" in args.config:  # no config file given: the first word is an override
+        args.config, args.overrides = None, [args.config] + args.overrides
     if args.block < 3:
         parser.error("--block must be >= 3: a block's first step is left out and its last only ends a sample")
     if args.smoke:
         args.rounds, args.block, args.probe_rounds = min(args.rounds, 2), 3, min(args.probe_rounds, 2)
+    for spec in args.extra:
+        try:
+            Variant.parse(spec)
+        except ValueError as error:
+            parser.error(f"--extra {spec!r}: {error}")
     return args
 
 
@@ -94,11 +119,15 @@ def main(argv=None) -> list[dict]:
     cfg = load_config(config, (SMOKE_OVERRIDES if args.smoke else GPU_OVERRIDES) + args.overrides + FORCED)
     mesh, device = init_distributed(cfg)
     try:
+        if args.timeline and device.type != "cuda":
+            raise SystemExit(f"--timeline profiles CUDA streams; this run is on {device.type}")
         if mesh.dp.size != mesh.world_size:
             raise SystemExit(f"dp_overlap measures pure data parallelism; DP={mesh.dp.size} of world "
                              f"{mesh.world_size} (set parallel sizes to 1)")
-        bench = StepBench(Trainer(cfg, mesh, device), args)
+        bench = StepBench(Trainer(cfg, mesh, device), mesh, args)
         rows = bench.run()
+        if args.timeline:
+            rows += bench.timeline(args.timeline)
         if args.probe:
             rows += Probe(mesh, device, bench.largest_bucket_numel(), args).run()
         if mesh.rank == 0:
@@ -145,17 +174,80 @@ def _max_over_ranks(values: list[float], device) -> list[float]:
     return tensor.tolist()
 
 
-class StepBench:
-    def __init__(self, trainer, args):
+TRANSPORT = re.compile(r"^(?:gloo|nccl|nccl_default|nccl(_hp)?(?:_(\d+)ctas)?)$")
+
+
+@dataclass(frozen=True)
+class Variant:
+    overlap: bool  # overlap_grad_sync and overlap_param_sync
+    transport: str | None  # where the DP collectives run (TRANSPORT); None: no-ops (compute only)
+    carveout: int | None = None  # SMs every GEMM leaves free (overlap.gemm_sm_carveout); None: as configured
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        """``TRANSPORT[+carveoutN]`` (overlapped) or ``compute_only[+carveoutN]``."""
+        transport, _, carveout = spec.partition("+")
+        if carveout and not re.fullmatch(r"carveout\d+", carveout):
+            raise ValueError(f"{carveout!r} is not carveoutN")
+        if transport != "compute_only" and not TRANSPORT.match(transport):
+            raise ValueError(f"transport {transport!r}: allowed are compute_only, gloo, nccl (as configured), "
+                             "nccl_default (NCCL's choice of CTAs), nccl_Nctas, nccl_hp, nccl_hp_Nctas")
+        return cls(transport != "compute_only", None if transport == "compute_only" else transport,
+                   int(carveout[len("carveout"):]) if carveout else (0 if transport == "compute_only" else None))
+
+
+class OnGroup:
+    """The DP collectives on one fixed process group: the benchmark measures pure data parallelism, so every
+    bucket's group has the same ranks, and the same ranks' group with other NCCL options can stand in."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def start_reduce_scatter(self, output, tensor, group):
         from moe_overlap.distributed import collectives
 
-        self.trainer, self.args = trainer, args
+        return collectives.start_reduce_scatter(output, tensor, self.group)
+
+    def start_all_gather(self, output, tensor, group):
+        from moe_overlap.distributed import collectives
+
+        return collectives.start_all_gather(output, tensor, self.group)
+
+
+def transport_collectives(name: str | None, mesh):
+    """What the optimizer calls for transport ``name``: the product's own collectives on the mesh's groups
+    for nccl (as configured) and gloo, no-ops for None, else the same ranks' collectives on a new NCCL group
+    with NCCL's choice of CTAs (nccl_default), a CTA cap (min = max) and/or a high-priority stream."""
+    import torch.distributed as dist
+
+    from moe_overlap.distributed import collectives
+
+    if name is None:
+        return NoCollectives
+    if name in ("nccl", "gloo"):
+        return collectives
+    match = TRANSPORT.match(name)
+    options = collectives.nccl_cta_options(int(match.group(2))) if match.group(2) else dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = bool(match.group(1))
+    return OnGroup(dist.new_group(mesh.dp.ranks, backend="nccl", pg_options=options))
+
+
+class StepBench:
+    def __init__(self, trainer, mesh, args):
+        from moe_overlap.distributed.streams import check_gemm_sm_carveout
+
+        self.trainer, self.mesh, self.args = trainer, mesh, args
         self.optimizer, self.device = trainer.optimizer, trainer.device
-        self.variants = {  # name: (overlap_grad_sync, overlap_param_sync, collectives)
-            "serial": (False, False, collectives),
-            "overlapped": (True, True, collectives),
-            "compute_only": (False, False, NoCollectives),
-        }
+        self.configured_carveout = trainer.cfg.overlap.gemm_sm_carveout
+        default = "nccl" if self.device.type == "cuda" else "gloo"
+        # compute_only is the limit: no collectives, and GEMMs on the whole chip.
+        self.variants = {"serial": Variant(False, default), "overlapped": Variant(True, default),
+                         "compute_only": Variant(False, None, 0)}
+        self.variants.update({spec: Variant.parse(spec) for spec in args.extra})
+        for variant in self.variants.values():  # before any step: a carve-out the device cannot take fails now
+            check_gemm_sm_carveout(variant.carveout or 0, self.device)
+        transports = {v.transport: None for v in self.variants.values()}  # groups made in one order on all ranks
+        self.collectives = {name: transport_collectives(name, mesh) for name in transports}
 
     def largest_bucket_numel(self) -> int:
         return max(bucket.numel for bucket in self.optimizer.buckets)
@@ -165,12 +257,20 @@ class StepBench:
         optimizer = self.optimizer
         optimizer.finish_param_sync()  # the previous block's last all-gathers: outside every sample
         _synchronize(self.device)
-        optimizer.overlap_grad_sync, optimizer.overlap_param_sync, optimizer.collectives = self.variants[variant]
+        self.switch(variant)
         starts = []
         for _ in range(self.args.block):
             starts.append(time.perf_counter())
             self.trainer.train_step()
         return [(b - a) * 1e3 for a, b in zip(starts[1:], starts[2:])]
+
+    def switch(self, variant: str) -> None:
+        spec = self.variants[variant]
+        optimizer = self.optimizer
+        optimizer.overlap_grad_sync = optimizer.overlap_param_sync = spec.overlap
+        optimizer.collectives = self.collectives[spec.transport]
+        carveout = self.configured_carveout if spec.carveout is None else spec.carveout
+        self.trainer.cfg.overlap.gemm_sm_carveout = carveout  # the trainer holds its GEMMs to it in every step
 
     def bucket_syncs(self) -> list[tuple[float, float]]:
         """(reduce-scatter, all-gather) milliseconds of each bucket alone, through the real collectives."""
@@ -212,10 +312,35 @@ class StepBench:
                                 self.device)
         return self.rows(step_ms, rs_ms, ag_ms, samples)
 
+    def timeline(self, path: str) -> list[dict]:
+        """Two profiled steps of every variant, each after a block of it: where the compute stream is busy,
+        where it idles, and how much NCCL runs beside it. Against compute_only, a longer busy time is
+        interference (kernels slowed by the collectives beside them); a longer idle time is waiting."""
+        import torch.distributed as dist
+        from torch.profiler import ProfilerActivity, profile
+
+        rows = []
+        for variant in self.variants:
+            self.block(variant)
+            self.optimizer.finish_param_sync()
+            _synchronize(self.device)
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(2):
+                    self.trainer.train_step()
+                self.optimizer.finish_param_sync()
+                _synchronize(self.device)
+            rows.append(dict({"section": "timeline", "variant": variant}, **stream_summary(device_spans(prof), 2)))
+            if variant == "overlapped" and self.mesh.rank == 0:
+                draw_timeline(prof, path, f"two overlapped training steps, DP={self.mesh.dp.size}, "
+                                          f"{self.args.fabric} fabric (rank 0)")
+        return rows
+
     def rows(self, step_ms, rs_ms, ag_ms, samples) -> list[dict]:
         cfg, trainer = self.trainer.cfg, self.trainer
         buckets = self.optimizer.buckets
-        rows = [{"section": "step", "variant": v, "step_ms": round(ms, 3), "samples": len(samples[v]),
+        rows = [{"section": "step", "variant": v, "step_ms": round(ms, 3),
+                 "minus_compute_only_ms": round(ms - step_ms["compute_only"], 3), "samples": len(samples[v]),
                  "step_ms_spread": [round(min(samples[v]), 3), round(max(samples[v]), 3)]}
                 for v, ms in step_ms.items()]
         for index, bucket in enumerate(buckets):
@@ -230,6 +355,7 @@ class StepBench:
         on_ratio = step_ms["overlapped"] / step_ms["compute_only"]
         summary = {
             "section": "summary", "fabric": self.args.fabric, "nccl_max_ctas": self.args.nccl_max_ctas,
+            "dp_comm_ctas": cfg.overlap.dp_comm_ctas, "gemm_sm_carveout": self.configured_carveout,
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "buckets": len(buckets), "grad_sync_dtype": cfg.overlap.grad_sync_dtype,
             "precision": cfg.train.precision, "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_length,
@@ -245,6 +371,62 @@ class StepBench:
             summary["target_overlap_off_at_least_1.15x"] = off_ratio >= 1.15
             summary["target_exposed_at_most_one_bucket"] = exposed <= max(bucket_comm)
         return rows + [summary]
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _intersection(a, b) -> list[tuple[float, float]]:
+    """Of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def stream_summary(spans, steps: int, gaps_listed: int = 8) -> dict:
+    """Per step: the profiled window, the compute stream's busy and idle time, NCCL's busy time and the part
+    of it beside compute, and the compute stream's longest idle gaps (where, how long, what ran next).
+    The compute stream is the one with the most non-NCCL kernel time."""
+    by_stream: dict[int, list] = {}
+    for stream, name, start, end in spans:
+        by_stream.setdefault(stream, []).append((start, end, name))
+    if not by_stream:
+        return {"skipped": "the profiler recorded no device events"}
+    compute_stream = max(by_stream, key=lambda s: sum(e - b for b, e, n in by_stream[s] if span_kind(n) != "nccl"))
+    compute_events = sorted(by_stream[compute_stream])
+    compute = _union((b, e) for b, e, _ in compute_events)
+    nccl = _union((b, e) for _, name, b, e in spans if span_kind(name) == "nccl")
+    t0, t1 = min(b for _, _, b, _ in spans), max(e for _, _, _, e in spans)
+    gaps = []
+    for (_, end), (start, _) in zip(compute, compute[1:]):
+        following = next(name for b, _, name in compute_events if b >= start)
+        gaps.append((start - end, end - t0, following))
+    per_step = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
+    return {
+        "window_ms": per_step(t1 - t0), "compute_busy_ms": per_step(_length(compute)),
+        "compute_idle_ms": per_step(t1 - t0 - _length(compute)), "nccl_busy_ms": per_step(_length(nccl)),
+        "nccl_beside_compute_ms": per_step(_length(_intersection(compute, nccl))),
+        "longest_compute_gaps": [{"at_ms": round(at / 1e3, 3), "ms": round(gap / 1e3, 3), "next": following[:80]}
+                                 for gap, at, following in sorted(gaps, reverse=True)[:gaps_listed]],
+    }
 
 
 MAX_GEMMS = 64
@@ -280,9 +462,8 @@ class Probe:
         groups = {"nccl" if self.device.type == "cuda" else "gloo": self.mesh.dp.group}
         if self.device.type == "cuda":
             for ctas in (2, 8):
-                options = dist.ProcessGroupNCCL.Options()
-                options.config.min_ctas = options.config.max_ctas = ctas
-                groups[f"nccl_{ctas}_ctas"] = dist.new_group(self.mesh.dp.ranks, backend="nccl", pg_options=options)
+                groups[f"nccl_{ctas}_ctas"] = dist.new_group(self.mesh.dp.ranks, backend="nccl",
+                                                             pg_options=collectives.nccl_cta_options(ctas))
         ops = {name: {
             "reduce_scatter": lambda g=group: collectives.start_reduce_scatter(self.grads[self.shard], self.grads, g),
             "all_gather": lambda g=group: collectives.start_all_gather(self.params, self.params[self.shard], g),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from benchmarks.common import disable_multicast, draw_timeline, run_header, write_json  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -433,38 +433,6 @@ class Baseline:
             if backward:
                 out.backward(grad.reshape_as(out))
         return run
-
-
-def draw_timeline(prof, path: str, title: str) -> None:
-    """Lanes per CUDA stream from the profiler's device events: kernels, peer copies, NCCL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    spans = []  # (lane, start_us, duration_us)
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type().name != "CUDA" or e.duration_ns() <= 0:
-            continue
-        name = e.name().lower()
-        kind = "copy" if "memcpy" in name else ("nccl" if "nccl" in name else "kernel")
-        spans.append((f"stream {e.device_resource_id()} {kind}", e.start_ns() / 1e3, e.duration_ns() / 1e3))
-    if not spans:
-        print("timeline: the profiler recorded no device events")
-        return
-    t0 = min(start for _, start, _ in spans)
-    lanes = sorted({lane for lane, _, _ in spans})
-    fig, ax = plt.subplots(figsize=(14, 1 + 0.6 * len(lanes)))
-    colors = {"kernel": "tab:blue", "copy": "tab:orange", "nccl": "tab:red"}
-    for y, lane in enumerate(lanes):
-        bars = [((start - t0) / 1e3, duration / 1e3) for l, start, duration in spans if l == lane]
-        ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[lane.rsplit(" ", 1)[1]])
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.set_xlabel("ms")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"timeline: {path}")
 
 
 def print_table(rows: list[dict]) -> None:

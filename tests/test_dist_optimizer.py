@@ -384,13 +384,41 @@ def test_boxes_tile_a_flat_range_in_order(shape, start, end):
     assert len(pieces) <= 2 * len(shape) - 1
 
 
+def test_benchmark_stream_summary_splits_busy_idle_and_beside():
+    from benchmarks.dp_overlap import stream_summary
+
+    compute, nccl = 7, 9
+    spans = [(compute, "gemm_a", 0.0, 6000.0), (compute, "gemm_b", 4000.0, 10000.0),  # overlapping: one busy span
+             (compute, "gemm_c", 12000.0, 20000.0), (nccl, "ncclDevKernel_ReduceScatter", 5000.0, 15000.0)]
+    summary = stream_summary(spans, steps=2)
+    assert summary["window_ms"] == 10.0 and summary["compute_busy_ms"] == 9.0 and summary["compute_idle_ms"] == 1.0
+    assert summary["nccl_busy_ms"] == 5.0 and summary["nccl_beside_compute_ms"] == 4.0  # (5-10) + (12-15), halved
+    assert summary["longest_compute_gaps"] == [{"at_ms": 10.0, "ms": 2.0, "next": "gemm_c"}]
+
+
+def test_benchmark_rejects_unknown_variant():
+    from benchmarks.dp_overlap import Variant, parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--extra", "nccl_fast"])
+    assert parse_args(["--extra", "nccl_hp_2ctas+carveout8"]).extra == ["nccl_hp_2ctas+carveout8"]
+    args = parse_args(["overlap.dp_comm_ctas=2", "overlap.gemm_sm_carveout=4"])  # overrides with no config file
+    assert args.config is None and args.overrides == ["overlap.dp_comm_ctas=2", "overlap.gemm_sm_carveout=4"]
+    assert Variant.parse("nccl_hp_2ctas+carveout8") == Variant(True, "nccl_hp_2ctas", 8)
+    assert Variant.parse("nccl_default") == Variant(True, "nccl_default", None)  # the configured carve-out
+    assert Variant.parse("compute_only") == Variant(False, None, 0)  # the limit: the whole chip
+
+
 def test_benchmark_smoke_on_gloo(rank_pool, tmp_path):
     path = tmp_path / "dp_overlap.json"
-    rank_pool(2).run("benchmarks.dp_overlap:main", ["--smoke", "--probe", "--json", str(path)])
+    rank_pool(2).run("benchmarks.dp_overlap:main", ["--smoke", "--probe", "--extra", "gloo", "--json",
+                                                     str(path)])
     result = json.loads(path.read_text())
     assert {"device", "world_size", "date", "command", "env", "rows"} <= result.keys() and result["world_size"] == 2
     rows = result["rows"]
-    assert [row["variant"] for row in rows if row["section"] == "step"] == ["serial", "overlapped", "compute_only"]
+    steps = [row for row in rows if row["section"] == "step"]
+    assert [row["variant"] for row in steps] == ["serial", "overlapped", "compute_only", "gloo"]
+    assert all(row["samples"] > 0 and row["step_ms"] > 0 for row in steps)
     summary = next(row for row in rows if row["section"] == "summary")
     assert summary["buckets"] == sum(row["section"] == "buckets" for row in rows) > 1
     assert {"exposed_comm_ms", "serial_comm_ms", "largest_bucket_comm_ms"} <= summary.keys()
