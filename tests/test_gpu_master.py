@@ -5,8 +5,8 @@ error against it, per tensor (normwise), for every gradient of the first step an
 (plain all-reduce optimizer; distributed optimizer with both overlaps; the overlapped dispatch over the
 auto-chosen transport), TP=2 with SP and expert-TP=2: serial, every TP overlap over the copy-engine ring
 (symm), the pipelined ones over NCCL p2p; EP=2 with the sync-free dispatch and its MoE layers replayed
-from CUDA graphs (train.moe_cuda_graph); the distributed optimizer again with its communicators at 2 CTAs and
-the GEMMs 8 SMs short (overlap.dp_comm_ctas, overlap.gemm_sm_carveout).
+from CUDA graphs (train.moe_cuda_graph); the distributed optimizer with both overlaps and those graphed layers,
+its communicators at 2 CTAs and the GEMMs 8 SMs short (overlap.dp_comm_ctas, overlap.gemm_sm_carveout).
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
 
@@ -34,11 +34,12 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     dist_cfg = small_config(output_dir, 2, global_batch, **{
         "train.precision": "bf16", "train.device": "cuda", "train.use_distributed_optimizer": "true",
         "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true"})
-    # The same, with the data-parallel communicators at 2 CTAs (its own mesh) and the GEMMs 8 SMs short.
+    # The same with graphed sync-free MoE layers, the data-parallel communicators at 2 CTAs (its own mesh) and
+    # the GEMMs 8 SMs short (captured so too).
     dp_resources_cfg = small_config(output_dir, 2, global_batch, **{
         "train.precision": "bf16", "train.device": "cuda", "train.use_distributed_optimizer": "true",
         "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true", "overlap.dp_comm_ctas": 2,
-        "overlap.gemm_sm_carveout": 8})
+        "overlap.gemm_sm_carveout": 8, "overlap.moe_sync_free_dispatch": "true", "train.moe_cuda_graph": "true"})
     dp_resources_mesh = Mesh.create(mesh_layout(dp_resources_cfg, 2), timeout_s=120,
                                     pg_options=mesh_group_options(dp_resources_cfg))
     overlap_cfg = small_config(output_dir, 2, global_batch, **{
@@ -115,7 +116,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
 LAYOUTS = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap", "layout_bf16_overlapped_dispatch",
            "layout_bf16_tp2_sp_etp2", "layout_bf16_tp2_sp_etp2_all_overlaps_symm",
            "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p", "layout_bf16_sync_free_dispatch_cuda_graph",
-           "layout_bf16_distributed_optimizer_overlap_dp_2_ctas_gemm_carveout_8")
+           "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8")
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,8 @@ class Trainer:
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
-            self.model.graph_moe_layers(t.micro_batch_size)
+            with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
+                self.model.graph_moe_layers(t.micro_batch_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
                                                      seq_length=cfg.model.seq_length)
         dp = mesh.dp
