@@ -4,8 +4,9 @@ no-ops (compute only: the limit), in one run; plus a probe of the DP collectives
 
     torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric nvlink --probe \
         --json benchmarks/results/dp_overlap_2xh200_nvlink.json
-    torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric slow \
-        overlap.dp_comm_ctas=2 overlap.gemm_sm_carveout=4 --extra nccl_default nccl_default+carveout0 \
+    torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --fabric slow --rounds 24 --block 6 \
+        overlap.dp_comm_ctas=2 overlap.gemm_sm_carveout=8 \
+        --extra nccl+carveout12 nccl_default+carveout0 compute_only+carveout8 \
         --timeline benchmarks/results/dp_overlap_2xh200_slow_timeline.png \
         --json benchmarks/results/dp_overlap_2xh200_slow.json
     torchrun --nproc-per-node 2 benchmarks/dp_overlap.py --smoke      # CPU, gloo: the code path, no claims
@@ -73,12 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=5, help="steps per variant per round (>= 3)")
     parser.add_argument("--probe", action="store_true", help="also time DP collectives beside a big GEMM")
     parser.add_argument("--probe-rounds", type=int, default=15)
-    parser.add_argument("--nccl-max-ctas", type=int, default=None,
-                        help="cap every NCCL communicator at this many CTAs (NCCL_MAX_CTAS) for the step rows")
     parser.add_argument("--extra", nargs="*", default=[], metavar="VARIANT",
                         help="more step variants in the same round-robin: TRANSPORT[+carveoutN] runs overlapped "
-                             "through TRANSPORT (nccl, nccl_Nctas, nccl_hp, nccl_hp_Nctas: CTA cap, high-priority "
-                             "stream), with GEMMs held to all but N SMs; compute_only+carveoutN is the no-op run so")
+                             "through TRANSPORT (nccl: as configured; nccl_default: NCCL's choice of CTAs; "
+                             "nccl_Nctas, nccl_hp, nccl_hp_Nctas: a CTA cap and/or a high-priority stream) with GEMMs "
+                             "N SMs short (default: overlap.gemm_sm_carveout); compute_only+carveoutN: the no-op run so"),
     parser.add_argument("--timeline", default=None, metavar="PNG",
                         help="profile two steps of every step variant; summarise the compute and NCCL streams as "
                              "timeline rows and draw the overlapped steps to PNG")
@@ -106,8 +106,6 @@ def main(argv=None) -> list[dict]:
     disable_multicast(args.allow_multicast)
     if args.fabric == "slow":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # before init_process_group
-    if args.nccl_max_ctas is not None:
-        os.environ["NCCL_MAX_CTAS"] = str(args.nccl_max_ctas)
 
     import torch.distributed as dist
 
@@ -354,7 +352,7 @@ class StepBench:
         off_ratio = step_ms["serial"] / step_ms["compute_only"]
         on_ratio = step_ms["overlapped"] / step_ms["compute_only"]
         summary = {
-            "section": "summary", "fabric": self.args.fabric, "nccl_max_ctas": self.args.nccl_max_ctas,
+            "section": "summary", "fabric": self.args.fabric,
             "dp_comm_ctas": cfg.overlap.dp_comm_ctas, "gemm_sm_carveout": self.configured_carveout,
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "buckets": len(buckets), "grad_sync_dtype": cfg.overlap.grad_sync_dtype,

@@ -419,6 +419,7 @@ def validate(cfg: Config) -> None:
     _validate_moe_overlap(m, o, p)
     _validate_moe_cuda_graph(t, o, p)
     _validate_distributed_optimizer(o, t)
+    _validate_comm_resources(o)
 
     for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_iters", "log_interval"):
         _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
@@ -606,11 +607,14 @@ def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig
         raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers with recomputation")
 
 
-def _validate_distributed_optimizer(o: OverlapConfig, t: TrainConfig) -> None:
+def _validate_comm_resources(o: OverlapConfig) -> None:
     if o.dp_comm_ctas is not None:
         _require(1 <= o.dp_comm_ctas <= MAX_NCCL_CTAS, "overlap.dp_comm_ctas", o.dp_comm_ctas,
                  f"must be between 1 and {MAX_NCCL_CTAS} (or null: NCCL's choice)")
     _require(o.gemm_sm_carveout >= 0, "overlap.gemm_sm_carveout", o.gemm_sm_carveout, "must be >= 0")
+
+
+def _validate_distributed_optimizer(o: OverlapConfig, t: TrainConfig) -> None:
     if o.bucket_size_mb is not None:
         _require(o.bucket_size_mb > 0, "overlap.bucket_size_mb", o.bucket_size_mb,
                  "must be > 0 (or null: one Transformer layer per bucket)")
