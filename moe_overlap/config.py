@@ -599,8 +599,9 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
 def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig) -> None:
     if not t.moe_cuda_graph:
         return
-    _require(o.moe_sync_free_dispatch, "train.moe_cuda_graph", True,
-             "needs overlap.moe_sync_free_dispatch=true (a graph cannot hold the other paths' host sync)")
+    _require(o.moe_sync_free_dispatch or (p.expert_model_parallel_size == 1 and p.tensor_model_parallel_size == 1),
+             "train.moe_cuda_graph", True, "needs overlap.moe_sync_free_dispatch=true, or one EP rank (a graph cannot "
+             "hold the other paths' host sync)")
     if p.tensor_model_parallel_size != 1:
         raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers under tensor parallelism")
     if t.recompute_granularity != "none":

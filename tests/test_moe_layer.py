@@ -258,11 +258,22 @@ def test_sync_free_dispatch_refuses_ranks_with_different_token_counts(rank_pool)
 
 
 def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
+    from moe_overlap.distributed.mesh import GroupHandle
     from moe_overlap.layers.moe import capture_moe_layers
+    two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)  # the serial dropless dispatch syncs at EP=2
     layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2),
-                     OverlapConfig(), Mesh.single().ep)
+                     OverlapConfig(), two_ranks)
+    assert not layer.local
     with pytest.raises(ValueError, match="moe_sync_free_dispatch"):
         capture_moe_layers((layer,), (1, TOKENS, H))
+
+
+@pytest.mark.parametrize("setting", [dict(sync_free=True), dict(chunks=2), dict(capacity=3),
+                                     dict(capacity=3, pad=True), dict(shared="serial", sync_free=True)],
+                         ids=["sync_free", "chunked", "capacity", "padded", "shared"])
+def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
+    """EP=1: no exchange and no host sync whatever the dispatch switches say, against the naive formula."""
+    assert moe_case("sparse", 2, **setting) < 1e-5
 
 
 def test_overlapped_dispatch_single_process_chunk_without_rows():

@@ -3,9 +3,9 @@
 Stages, each a separately callable unit with its own forward and backward:
   permute    token copies into rows ordered (chunk, destination EP rank, local expert)  kernels.Permute
   dispatch   rows to the EP rank that holds their expert                              AllToAllRows
-  regroup    received rows from (source rank, expert) to (expert, source rank) order  GatherRows
+  regroup    received rows from (source rank, expert) to (expert, source rank) order  PermuteRows
   experts    grouped GEMMs                                                            experts.GroupedSwiGLU
-  ungroup    back to (source rank, expert) order                                      GatherRows
+  ungroup    back to (source rank, expert) order                                      PermuteRows
   combine    rows back to the rank that owns their token                              AllToAllRows
   unpermute  weighted sum of each token's k expert outputs                            kernels.Unpermute
 The overlapped path (dispatcher_overlap.py) runs the same units chunk by chunk; with one chunk the row
@@ -26,21 +26,19 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 
 
-class GatherRows(torch.autograd.Function):
-    """rows = x[index]; the backward scatter-adds in fp32."""
+class PermuteRows(torch.autograd.Function):
+    """rows = x[index] for a permutation ``index`` of x's rows; the backward gathers through ``inverse``
+    (no scatter, no atomics, no fp32 round trip: every gradient row has exactly one source)."""
 
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index_R)
-        ctx.num_rows = x_TH.shape[0]
-        return x_TH.index_select(0, index_R)
+    def forward(ctx, x_RH: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse_R)
+        return x_RH.index_select(0, index_R)
 
     @staticmethod
     def backward(ctx, grad_rows_RH: torch.Tensor):
-        (index_R,) = ctx.saved_tensors
-        grad_TH = grad_rows_RH.new_zeros((ctx.num_rows, grad_rows_RH.shape[1]), dtype=torch.float32)
-        grad_TH.index_add_(0, index_R, grad_rows_RH.float())
-        return grad_TH.to(grad_rows_RH.dtype), None
+        (inverse_R,) = ctx.saved_tensors
+        return grad_rows_RH.index_select(0, inverse_R), None, None
 
 
 def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
@@ -227,8 +225,8 @@ def sum_to_expert_tp_owners(rows_RH: torch.Tensor, plan: ExpertTPPlan, etp: Grou
 def expert_tp_experts(grouped_RH: torch.Tensor, plan: ExpertTPPlan, etp: GroupHandle, experts) -> torch.Tensor:
     """Gather the peers' rows, run this rank's FFN slice on all of them, sum the partial outputs back."""
     gathered_RH = gather_from_expert_tp(grouped_RH, plan, etp, AllToAllRows.apply)
-    partial_RH = GatherRows.apply(experts(GatherRows.apply(gathered_RH, plan.regroup_index), plan.offsets),
-                                  plan.ungroup_index)
+    grouped_RH = PermuteRows.apply(gathered_RH, plan.regroup_index, plan.ungroup_index)
+    partial_RH = PermuteRows.apply(experts(grouped_RH, plan.offsets), plan.ungroup_index, plan.regroup_index)
     return sum_to_expert_tp_owners(partial_RH, plan, etp, AllToAllRows.apply)
 
 
@@ -237,13 +235,14 @@ def serial_dispatch_combine(x_TH: torch.Tensor, probs_TK: torch.Tensor, plan: Di
     """The reference path: permute, all-to-all, grouped experts (split over expert-TP), all-to-all,
     unpermute; one chunk."""
     permuted_RH = Permute.apply(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
-    layout = plan.exchange.layout  # after the permutation was queued (see DispatchPlan)
+    exchange = plan.exchange  # after the permutation was queued (see DispatchPlan)
+    layout = exchange.layout
     received_RH = AllToAllRows.apply(permuted_RH, layout.recv_rows[0], layout.send_rows[0], ep.group)
-    grouped_RH = GatherRows.apply(received_RH, plan.exchange.regroup_index[0])
+    grouped_RH = PermuteRows.apply(received_RH, exchange.regroup_index[0], exchange.ungroup_index[0])
     if expert_tp is None:
-        expert_out_RH = experts(grouped_RH, plan.exchange.offsets[0])
+        expert_out_RH = experts(grouped_RH, exchange.offsets[0])
     else:
         expert_out_RH = expert_tp_experts(grouped_RH, *expert_tp, experts)
-    ungrouped_RH = GatherRows.apply(expert_out_RH, plan.exchange.ungroup_index[0])
+    ungrouped_RH = PermuteRows.apply(expert_out_RH, exchange.ungroup_index[0], exchange.regroup_index[0])
     combined_RH = AllToAllRows.apply(ungrouped_RH, layout.send_rows[0], layout.recv_rows[0], ep.group)
     return Unpermute.apply(combined_RH, plan.row_of_copy_TK, probs_TK, plan.all_rows_mapped)

@@ -22,7 +22,7 @@ import torch
 from moe_overlap.distributed.a2a import Exchange
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.dispatcher import ExchangePlan, ExpertTPPlan, gather_from_expert_tp, sum_to_expert_tp_owners
-from moe_overlap.layers.experts import experts_dgrad, experts_forward, experts_wgrad
+from moe_overlap.layers.experts import experts_dgrad, experts_forward, experts_wgrad, weight_grad_for_autograd
 
 
 @dataclass
@@ -101,15 +101,15 @@ class ExpertsCombine(torch.autograd.Function):
         combined_RH = combine.result()
         combine.finish()
         ctx.state = state
-        ctx.save_for_backward(w13_EHF2, w2_EFH)
+        ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad)
         return combined_RH
 
     @staticmethod
     def backward(ctx, grad_combined_RH: torch.Tensor):
         state = ctx.state
         plan = state.plan
-        w13_EHF2, w2_EFH = ctx.saved_tensors
-        wgrads = []  # per chunk (its experts' fc1, fc2 weight gradients): chunks own disjoint runs of experts
+        w13_EHF2, w2_EFH = ctx.weights
+        wgrads = []  # per chunk: its experts' fc1, fc2 weight gradients (None: added into main_grad)
         grad_dispatch = state.transport.exchange(grad_combined_RH.contiguous(), plan.layout)
         for chunk in range(plan.layout.num_chunks):
             grad_dispatch.send(chunk)
@@ -127,7 +127,7 @@ class ExpertsCombine(torch.autograd.Function):
                 grad_combine.send(chunk)
                 continue
             grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, *weights)
-            wgrad = (grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)
+            wgrad = (w13_EHF2, w2_EFH, grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets, slice(first, last))
             if not state.delay_wgrad:
                 wgrads.append(experts_wgrad(*wgrad))
             torch.index_select(_rows_from_experts(grad_x_RH, chunk, state), 0, plan.ungroup_index[chunk],
@@ -138,6 +138,5 @@ class ExpertsCombine(torch.autograd.Function):
         grad_dispatch.finish()
         state.saved = []
         state.grad_combine = grad_combine
-        grad_w13, grad_w2 = (wgrads[0] if len(wgrads) == 1  # one chunk: no copy of the full weight gradient
-                             else (torch.cat([g for g, _ in wgrads]), torch.cat([g for _, g in wgrads])))
-        return grad_combined_RH.new_zeros(0), grad_w13, grad_w2, None
+        return (grad_combined_RH.new_zeros(0), weight_grad_for_autograd(w13_EHF2, [g for g, _ in wgrads]),
+                weight_grad_for_autograd(w2_EFH, [g for _, g in wgrads]), None)

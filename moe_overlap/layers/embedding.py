@@ -16,6 +16,27 @@ from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.layers.init import NORMAL, TPShard, make_param
 from moe_overlap.layers.tp_linear import ColumnParallelLinearFn, ScatterToRegion, region_rows
+from moe_overlap.layers.wgrad import main_grad_of, mark_own_grad, placeholder
+
+
+class EmbeddingLookup(torch.autograd.Function):
+    """Rows of the table; the weight gradient is the rows' gradients summed into the table's fp32 main_grad (an
+    index_add of T rows), never a dense (V, H) gradient in the table's dtype."""
+
+    @staticmethod
+    def forward(ctx, ids_S: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids_S)
+        ctx.weight = weight_VH  # the parameter itself (its main_grad), also under recomputation
+        return F.embedding(ids_S, weight_VH)
+
+    @staticmethod
+    def backward(ctx, grad_SH: torch.Tensor):
+        (ids_S,), weight_VH = ctx.saved_tensors, ctx.weight
+        main_grad = main_grad_of(weight_VH)
+        if main_grad is None:
+            return None, torch.ops.aten.embedding_dense_backward(grad_SH, ids_S, weight_VH.shape[0], -1, False)
+        main_grad.index_add_(0, ids_S.reshape(-1), grad_SH.reshape(-1, grad_SH.shape[-1]).float())
+        return None, placeholder(weight_VH)
 
 
 class Embedding(nn.Module):
@@ -27,14 +48,16 @@ class Embedding(nn.Module):
         self.vocab_start = comm.rank * (vocab_size // comm.size)
         shard = TPShard(dim=0, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks))
         self.weight = make_param((vocab_size // comm.size, hidden_size), NORMAL, device, dtype, tp=shard)
+        mark_own_grad(self.weight)  # also when tied to the output layer, whose GEMM adds its part itself
 
     def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
         ids_S = region_rows(input_ids_BS, self.comm)
         if self.comm.size == 1:
-            return F.embedding(ids_S, self.weight).view(*input_ids_BS.shape, -1)
+            return EmbeddingLookup.apply(ids_S, self.weight).view(*input_ids_BS.shape, -1)
         local_S = ids_S - self.vocab_start
         outside_S = (local_S < 0) | (local_S >= self.weight.shape[0])
-        partial_SH = F.embedding(local_S.masked_fill(outside_S, 0), self.weight).masked_fill(outside_S[:, None], 0)
+        partial_SH = EmbeddingLookup.apply(local_S.masked_fill(outside_S, 0), self.weight)
+        partial_SH = partial_SH.masked_fill(outside_S[:, None], 0)
         x_RH = ScatterToRegion.apply(partial_SH, self.comm)
         return x_RH.view(input_ids_BS.shape[0], -1, x_RH.shape[-1])
 

@@ -16,6 +16,7 @@ from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_f
 
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, TPShard, make_param
+from moe_overlap.layers.wgrad import grouped_wgrad, main_grad_of, mark_own_grad, placeholder
 
 
 def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
@@ -39,12 +40,22 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
     return torch._grouped_mm(grad_h_TF2, w13_EHF2.transpose(-2, -1), offs=offsets_E), grad_h_TF2, a_TF
 
 
-def experts_wgrad(x_TH: torch.Tensor, a_TF: torch.Tensor, grad_h_TF2: torch.Tensor, grad_y_TH: torch.Tensor,
-                  offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight gradients (separate from dgrad so a pipeline can defer them into communication gaps)."""
-    grad_w2_EFH = torch._grouped_mm(a_TF.t(), grad_y_TH, offs=offsets_E)
-    grad_w13_EHF2 = torch._grouped_mm(x_TH.t(), grad_h_TF2, offs=offsets_E)
-    return grad_w13_EHF2, grad_w2_EFH
+def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, x_TH: torch.Tensor, a_TF: torch.Tensor,
+                  grad_h_TF2: torch.Tensor, grad_y_TH: torch.Tensor, offsets_E: torch.Tensor,
+                  experts: slice = slice(None)) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Weight gradients of the local experts ``experts`` (separate from dgrad so a pipeline can defer them into
+    communication gaps): added into the parameters' fp32 main_grad inside the grouped kernel (returns Nones),
+    or returned where the parameters have none."""
+    return (grouped_wgrad(w13_EHF2, x_TH, grad_h_TF2, offsets_E, experts),
+            grouped_wgrad(w2_EFH, a_TF, grad_y_TH, offsets_E, experts))
+
+
+def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """What a backward returns for an expert weight whose gradient it computed in runs of experts: a
+    placeholder when the runs went into main_grad, else the runs joined (one run: no copy)."""
+    if main_grad_of(param) is not None:
+        return placeholder(param)
+    return chunk_grads[0] if len(chunk_grads) == 1 else torch.cat(chunk_grads)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
@@ -52,18 +63,21 @@ class GroupedSwiGLU(torch.autograd.Function):
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
                 w2_EFH: torch.Tensor) -> torch.Tensor:
         y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH)
-        ctx.save_for_backward(x_TH, offsets_E, w13_EHF2, w2_EFH, h_TF2)
+        ctx.save_for_backward(x_TH, offsets_E, h_TF2)
+        ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad), also under recomputation
         return y_TH
 
     @staticmethod
     def backward(ctx, grad_y_TH: torch.Tensor):
-        x_TH, offsets_E, w13_EHF2, w2_EFH, h_TF2 = ctx.saved_tensors
+        (x_TH, offsets_E, h_TF2), (w13_EHF2, w2_EFH) = ctx.saved_tensors, ctx.weights
         if x_TH.shape[0] == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
-            return torch.zeros_like(x_TH), None, torch.zeros_like(w13_EHF2), torch.zeros_like(w2_EFH)
+            return (torch.zeros_like(x_TH), None, weight_grad_for_autograd(w13_EHF2, [torch.zeros_like(w13_EHF2)]),
+                    weight_grad_for_autograd(w2_EFH, [torch.zeros_like(w2_EFH)]))
         grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
         grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
-        grad_w13_EHF2, grad_w2_EFH = experts_wgrad(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
-        return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH
+        grad_w13_EHF2, grad_w2_EFH = experts_wgrad(w13_EHF2, w2_EFH, x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
+        return (grad_x_TH, None, weight_grad_for_autograd(w13_EHF2, [grad_w13_EHF2]),
+                weight_grad_for_autograd(w2_EFH, [grad_w2_EFH]))
 
 
 def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13_EHF2: torch.Tensor,
@@ -93,6 +107,7 @@ class GroupedExperts(nn.Module):
                               first_expert=first_expert, tp=TPShard(1, rank, size, ranks, stack=2))
         self.w2 = make_param((num_local_experts, local_ffn, hidden_size), SCALED_NORMAL, device, dtype,
                              first_expert=first_expert, tp=TPShard(0, rank, size, ranks))
+        mark_own_grad(self.w13, self.w2)
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2)

@@ -1,11 +1,13 @@
 """The MoE block: router -> permute -> dispatch -> grouped experts -> combine -> unpermute, plus an
 optional shared expert. ``overlap.moe_overlap_dispatch`` picks the chunked pipeline (dispatcher_overlap),
 ``overlap.moe_sync_free_dispatch`` the dropless path without a host sync (dispatcher_sync_free); otherwise
-the serial reference (dispatcher). The math is the same."""
+the serial reference (dispatcher). The math is the same. With one EP rank (and no expert-TP) there is
+nothing to exchange, so every setting runs the local path: permute, grouped experts, unpermute."""
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -18,9 +20,11 @@ from moe_overlap.layers.dispatcher import (DispatchPlanner, expert_tp_counts, pl
                                             serial_dispatch_combine, start_counts_fetch)
 from moe_overlap.layers.dispatcher_overlap import DispatchStart, ExpertsCombine, PipelineState
 from moe_overlap.layers.dispatcher_sync_free import gather_counts, sync_free_dispatch_combine, sync_free_routes
-from moe_overlap.layers.experts import GroupedExperts
+from moe_overlap.layers.experts import GroupedExperts, expert_offsets
 from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.router import Router
+
+log = logging.getLogger(__name__)
 
 
 class MoELayer(nn.Module):
@@ -47,7 +51,11 @@ class MoELayer(nn.Module):
             raise ValueError("overlap.moe_overlap_dispatch / moe_sync_free_dispatch need the model's TransportSelector")
         if self.sync_free and self.etp is not None:
             raise ValueError("overlap.moe_sync_free_dispatch is not implemented with expert-TP > 1")
-        if self.sync_free and transports.device.type == "cuda" and transports.name != "symm":
+        self.local = ep.size == 1 and self.etp is None  # nothing to exchange: no transport, no host sync
+        if (self.overlap_dispatch or self.sync_free) and self.local:
+            log.info("MoE dispatch: one EP rank, so the exchange is the identity; overlap.moe_overlap_dispatch / "
+                     "moe_sync_free_dispatch have nothing to move and the layer runs the local path")
+        elif self.sync_free and transports.device.type == "cuda" and transports.name != "symm":
             raise ValueError(f"overlap.moe_sync_free_dispatch needs the symm transport on CUDA (SM stores into "
                              f"peers' symmetric memory); the EP group got {transports.name!r}")
         local_experts = self.num_experts // ep.size
@@ -63,8 +71,27 @@ class MoELayer(nn.Module):
         routed to each global expert (for metrics; an output, so recomputation does not count twice)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         routing = self.router(x_TH)
-        out_TH = self._sync_free(x_TH, routing) if self.sync_free else self._host_planned(x_TH, routing)
+        if self.local:
+            out_TH = self._local(x_TH, routing)
+        elif self.sync_free:
+            out_TH = self._sync_free(x_TH, routing)
+        else:
+            out_TH = self._host_planned(x_TH, routing)
         return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
+
+    def _local(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
+        """One EP rank: the permuted rows are already in the experts' order, so the grouped GEMMs read device
+        offsets and the buffers have static sizes (T x K rows, or E x capacity when padded; rows past the last
+        offset are skipped by the GEMMs and read by no one). No host sync: the layer can be graphed."""
+        capacity = routing.capacity if self.pad_to_capacity else None
+        row_of_copy_TK, _, rows_per_expert_E = copy_rows(routing.experts_TK, self.num_experts, capacity,
+                                                         routing.keep_TK)
+        num_rows = routing.experts_TK.numel() if capacity is None else self.num_experts * capacity
+        all_rows_mapped = routing.keep_TK is None
+        permuted_RH = Permute.apply(x_TH, row_of_copy_TK, num_rows, all_rows_mapped)
+        expert_out_RH = self.experts(permuted_RH, expert_offsets(rows_per_expert_E))
+        out_TH = Unpermute.apply(expert_out_RH, row_of_copy_TK, routing.probs_TK, all_rows_mapped)
+        return out_TH if self.shared_expert is None else out_TH + self.shared_expert(x_TH)
 
     def _host_planned(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
         """The serial and the chunked paths: their exchanges take sizes from the host."""
@@ -140,11 +167,11 @@ class MoELayer(nn.Module):
 def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...]) -> None:
     """Capture each layer's forward and backward in CUDA graphs (torch.cuda.make_graphed_callables, one
     memory pool, forward in order and backward in reverse, as training runs them); from then on a
-    training-mode call replays them. Needs the sync-free dispatch (no host sync, no collective in the layer)
-    and inputs of ``input_shape``. A collective: every EP rank captures the same layers together (the warm-up
-    calls exchange rows)."""
-    if not all(layer.sync_free for layer in moe_layers):
-        raise ValueError("CUDA graphs of MoE layers need overlap.moe_sync_free_dispatch=true")
+    training-mode call replays them. Needs layers without a host sync or a collective (the sync-free dispatch,
+    or one EP rank) and inputs of ``input_shape``. A collective: every EP rank captures the same layers
+    together (the warm-up calls exchange rows)."""
+    if not all(layer.sync_free or layer.local for layer in moe_layers):
+        raise ValueError("CUDA graphs of MoE layers need overlap.moe_sync_free_dispatch=true (or one EP rank)")
     weight = moe_layers[0].experts.w13
     samples = tuple((torch.randn(input_shape, device=weight.device, dtype=weight.dtype, requires_grad=True),)
                     for _ in moe_layers)

@@ -12,7 +12,8 @@ picks the serial path or its overlapped twin by switch; the math here is the sam
           dgrad  grad_x_SF = gather(grad_y_RH) @ W_HF        pipelined: tp_comm_overlap_ag (keeps the gather)
           wgrad  grad_W_HF = gather(grad_y_RH)^T @ x_SF
 The column forward's gather is pipelined with tp_comm_overlap_ag. Under SP only the local rows of x are saved
-for backward (re-gathered there), which is the point of sequence parallelism.
+for backward (re-gathered there), which is the point of sequence parallelism. Weight gradients go straight
+into the weights' fp32 main_grad (layers/wgrad.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from moe_overlap.distributed.ring import Pending, TPComm
 from moe_overlap.layers.init import NORMAL, TPShard, make_param
+from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
 
 # -------------------------------------------------------------------------------------- column parallel
 
@@ -34,25 +36,22 @@ def column_dgrad_start(grad_y_SF: torch.Tensor, w_FH: torch.Tensor, comm: TPComm
     return comm.start_scatter(torch.mm(grad_y_SF, w_FH), overlap=comm.overlap.bulk_wgrad)
 
 
-def column_wgrad(grad_y_SF: torch.Tensor, x_SH: torch.Tensor) -> torch.Tensor:
-    return torch.mm(grad_y_SF.t(), x_SH)
-
-
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RH: torch.Tensor, w_FH: torch.Tensor, comm: TPComm) -> torch.Tensor:
-        ctx.save_for_backward(x_RH, w_FH)
+        ctx.save_for_backward(x_RH)
+        ctx.weight = w_FH  # the parameter itself (its main_grad), also under recomputation
         ctx.comm = comm
         return comm.gather_matmul(x_RH, w_FH.t(), overlap=comm.overlap.ag)[0]
 
     @staticmethod
     def backward(ctx, grad_y_SF: torch.Tensor):
-        x_RH, w_FH = ctx.saved_tensors
+        (x_RH,), w_FH = ctx.saved_tensors, ctx.weight
         comm = ctx.comm
         grad_y_SF = grad_y_SF.contiguous()
         x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
         grad_x = column_dgrad_start(grad_y_SF, w_FH, comm)
-        grad_w_FH = column_wgrad(grad_y_SF, x_gather.wait())
+        grad_w_FH = linear_wgrad(w_FH, grad_y_SF, x_gather.wait())
         return grad_x.wait(), grad_w_FH, None
 
 
@@ -64,22 +63,19 @@ def row_dgrad(grad_y_RH: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> tupl
     return comm.gather_matmul(grad_y_RH, w_HF, overlap=comm.overlap.ag, keep_gathered=True)
 
 
-def row_wgrad(grad_y_SH: torch.Tensor, x_SF: torch.Tensor) -> torch.Tensor:
-    return torch.mm(grad_y_SH.t(), x_SF)
-
-
 class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SF: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> torch.Tensor:
-        ctx.save_for_backward(x_SF, w_HF)
+        ctx.save_for_backward(x_SF)
+        ctx.weight = w_HF
         ctx.comm = comm
         return comm.matmul_scatter(x_SF, w_HF.t(), overlap=comm.overlap.rs)
 
     @staticmethod
     def backward(ctx, grad_y_RH: torch.Tensor):
-        x_SF, w_HF = ctx.saved_tensors
+        (x_SF,), w_HF = ctx.saved_tensors, ctx.weight
         grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm)
-        return grad_x_SF, row_wgrad(grad_y_SH, x_SF), None
+        return grad_x_SF, linear_wgrad(w_HF, grad_y_SH, x_SF), None
 
 
 # ------------------------------------------------------------------------------------ region boundaries
@@ -151,6 +147,7 @@ class ColumnParallelLinear(nn.Module):
         self.comm = comm
         shard = TPShard(dim=0, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks), stack=stack)
         self.weight = make_param((out_features // comm.size, in_features), init, device, dtype, tp=shard)
+        mark_own_grad(self.weight)
 
     def forward(self, x_RH: torch.Tensor) -> torch.Tensor:
         return ColumnParallelLinearFn.apply(x_RH, self.weight, self.comm)
@@ -165,6 +162,7 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         shard = TPShard(dim=1, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks))
         self.weight = make_param((out_features, in_features // comm.size), init, device, dtype, tp=shard)
+        mark_own_grad(self.weight)
 
     def forward(self, x_SF: torch.Tensor) -> torch.Tensor:
         return RowParallelLinearFn.apply(x_SF, self.weight, self.comm)

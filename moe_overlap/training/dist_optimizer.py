@@ -40,6 +40,7 @@ from moe_overlap.distributed import collectives
 from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.layers.init import is_expert_param, tp_shard
+from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
 from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, clip_scale, decays, logical_grad_copies,
                                             logical_parts)
@@ -199,8 +200,7 @@ class DistributedOptimizer:
     def _on_grad(self, bucket_index: int, slot_index: int, param: nn.Parameter) -> None:
         bucket = self.buckets[bucket_index]
         slot = bucket.slots[slot_index]
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        take_grad(param)
         if not self._sync_in_backward:
             return
         if bucket.grad_work is not None:

@@ -21,6 +21,7 @@ from moe_overlap.config import TrainConfig
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.layers.init import expert_key, is_expert_param, is_tp_split, tp_shard
+from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import tp_logical_tensor
 from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
 
@@ -116,7 +117,7 @@ class MixedPrecisionAdamW:
             master = param if param.dtype == torch.float32 else param.detach().float().clone()
             main_grad = torch.zeros_like(param, dtype=torch.float32)
             param.main_grad = main_grad
-            param.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+            param.register_post_accumulate_grad_hook(take_grad)
             self.entries.append(ParamEntry(name, param, master, main_grad, is_expert_param(param)))
         decay = [e.master for e in self.entries if decays(e.param)]
         no_decay = [e.master for e in self.entries if not decays(e.param)]
@@ -223,8 +224,3 @@ class MixedPrecisionAdamW:
             self.adamw.state[entry.master]["step"] = step.clone()
             if entry.master is not entry.param:
                 entry.param.data.copy_(entry.master)
-
-
-def _accumulate_into_main_grad(param: nn.Parameter) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None

@@ -87,6 +87,7 @@ class Trainer:
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
                 self.model.graph_moe_layers(t.micro_batch_size)
+            self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
                                                      seq_length=cfg.model.seq_length)
         dp = mesh.dp

@@ -1,0 +1,73 @@
+"""Weight gradients accumulated straight into fp32 ``main_grad`` (Megatron's gradient_accumulation_fusion).
+
+Under the precision recipe every weight's gradient is summed over the micro-batches of a step in the fp32
+``main_grad`` that the optimizer attaches to the parameter. A layer whose backward computes a weight
+gradient adds it there itself, in the GEMM that computes it where it can (``addmm(..., out_dtype=float32,
+out=main_grad)`` for dense weights on CUDA, the grouped kernel of kernels/grouped_wgrad.py for experts),
+instead of returning a bf16 gradient that a hook adds in a second pass over every weight, every
+micro-batch. Such a parameter is marked at construction (:func:`mark_own_grad`) and the optimizers' hook
+(:func:`take_grad`) does not add it again. Autograd still receives a gradient-shaped placeholder (an
+uninitialised allocation, as Megatron's), so the hooks the distributed optimizer counts on still fire. A
+parameter without ``main_grad`` (a model without an optimizer) gets
+its gradient returned the ordinary way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate
+
+def mark_own_grad(*params: torch.Tensor) -> None:
+    """These parameters' layers add their gradients into ``main_grad`` themselves."""
+    for param in params:
+        param.adds_own_grad = True
+
+
+def adds_own_grad(param: torch.Tensor) -> bool:
+    return getattr(param, "adds_own_grad", False)
+
+
+def take_grad(param: torch.Tensor) -> None:
+    """The optimizers' post-accumulate-grad hook: the gradient autograd accumulated goes into ``main_grad``
+    (unless the layer already put it there) and ``param.grad`` is dropped."""
+    if not adds_own_grad(param):
+        param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+def placeholder(param: torch.Tensor) -> torch.Tensor:
+    """What a layer returns to autograd for a gradient it added into ``main_grad``: shaped and laid out like
+    ``param`` (so autograd keeps it instead of copying), never written or read; the hook drops it at once."""
+    return torch.empty_like(param, memory_format=torch.contiguous_format)
+
+
+def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    return getattr(param, "main_grad", None)
+
+
+def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Tensor) -> torch.Tensor:
+    """The gradient of a (F, H) weight, grad_out^T @ x: into ``main_grad`` (fp32, in the GEMM), or returned."""
+    main_grad = main_grad_of(param)
+    if main_grad is None:
+        return torch.mm(grad_out_SF.t(), x_SH)
+    if grad_out_SF.dtype == torch.float32:
+        main_grad.addmm_(grad_out_SF.t(), x_SH)
+    elif grad_out_SF.is_cuda:  # bf16 operands, fp32 accumulation and output, no bf16 gradient in between
+        torch.addmm(main_grad, grad_out_SF.t(), x_SH, out_dtype=torch.float32, out=main_grad)
+    else:  # CPU has no mixed-dtype addmm: the bf16 product, then the sum
+        main_grad.add_(torch.mm(grad_out_SF.t(), x_SH))
+    return placeholder(param)
+
+
+def grouped_wgrad(param: torch.Tensor, x_TM: torch.Tensor, grad_TN: torch.Tensor, offsets_E: torch.Tensor,
+                  experts: slice = slice(None)) -> torch.Tensor | None:
+    """The gradient of an expert weight (E, M, N), per expert x_e^T @ grad_e over its rows (``offsets_E``:
+    int32 end rows; rows past the last are skipped): accumulated into ``main_grad[experts]`` in fp32 inside the
+    grouped kernel (returns None: the caller returns :func:`placeholder` once for the whole parameter), or
+    returned in the parameter's dtype (``experts``: the run of local experts this call covers)."""
+    main_grad = main_grad_of(param)
+    if main_grad is None:
+        return torch._grouped_mm(x_TM.t(), grad_TN, offs=offsets_E)
+    grouped_wgrad_accumulate(x_TM, grad_TN, offsets_E, main_grad[experts])
+    return None
