@@ -50,8 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (disable_multicast, device_spans, draw_timeline, run_header, span_kind,  # noqa: E402
-                               write_json)
+from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_OVERRIDES = ["parallel.expert_model_parallel_size=1", "train.micro_batch_size=16", "train.global_batch_size=32",
@@ -317,6 +316,8 @@ class StepBench:
         import torch.distributed as dist
         from torch.profiler import ProfilerActivity, profile
 
+        from moe_overlap.training.profiling import device_spans, draw_timeline, stream_summary
+
         rows = []
         for variant in self.variants:
             self.block(variant)
@@ -369,62 +370,6 @@ class StepBench:
             summary["target_overlap_off_at_least_1.15x"] = off_ratio >= 1.15
             summary["target_exposed_at_most_one_bucket"] = exposed <= max(bucket_comm)
         return rows + [summary]
-
-
-def _union(intervals) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
-
-
-def _length(intervals) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def _intersection(a, b) -> list[tuple[float, float]]:
-    """Of two sorted lists of disjoint intervals."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def stream_summary(spans, steps: int, gaps_listed: int = 8) -> dict:
-    """Per step: the profiled window, the compute stream's busy and idle time, NCCL's busy time and the part
-    of it beside compute, and the compute stream's longest idle gaps (where, how long, what ran next).
-    The compute stream is the one with the most non-NCCL kernel time."""
-    by_stream: dict[int, list] = {}
-    for stream, name, start, end in spans:
-        by_stream.setdefault(stream, []).append((start, end, name))
-    if not by_stream:
-        return {"skipped": "the profiler recorded no device events"}
-    compute_stream = max(by_stream, key=lambda s: sum(e - b for b, e, n in by_stream[s] if span_kind(n) != "nccl"))
-    compute_events = sorted(by_stream[compute_stream])
-    compute = _union((b, e) for b, e, _ in compute_events)
-    nccl = _union((b, e) for _, name, b, e in spans if span_kind(name) == "nccl")
-    t0, t1 = min(b for _, _, b, _ in spans), max(e for _, _, _, e in spans)
-    gaps = []
-    for (_, end), (start, _) in zip(compute, compute[1:]):
-        following = next(name for b, _, name in compute_events if b >= start)
-        gaps.append((start - end, end - t0, following))
-    per_step = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
-    return {
-        "window_ms": per_step(t1 - t0), "compute_busy_ms": per_step(_length(compute)),
-        "compute_idle_ms": per_step(t1 - t0 - _length(compute)), "nccl_busy_ms": per_step(_length(nccl)),
-        "nccl_beside_compute_ms": per_step(_length(_intersection(compute, nccl))),
-        "longest_compute_gaps": [{"at_ms": round(at / 1e3, 3), "ms": round(gap / 1e3, 3), "next": following[:80]}
-                                 for gap, at, following in sorted(gaps, reverse=True)[:gaps_listed]],
-    }
 
 
 MAX_GEMMS = 64

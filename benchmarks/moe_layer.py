@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, draw_timeline, run_header, write_json  # noqa: E402
+from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -276,6 +276,8 @@ class Bench:
         torch = self.torch
         from torch.profiler import ProfilerActivity, profile
 
+        from moe_overlap.training.profiling import draw_timeline
+
         layer, selectors = self.build_layer(shape)
         x, grad = self.inputs(shape, skew=False)
         local = shape.experts // self.mesh.ep.size
@@ -383,7 +385,7 @@ class Probe:
             y, h = experts_forward(self.grouped_RH, offsets, w13, w2)
             if backward:
                 gx, gh, a = experts_dgrad(self.grad_y_RH, h, offsets, w13, w2)
-                experts_wgrad(self.grouped_RH, a, gh, self.grad_y_RH, offsets)
+                experts_wgrad(w13, w2, self.grouped_RH, a, gh, self.grad_y_RH, offsets)
         out["gemm"] = gemm
         return out
 

@@ -161,6 +161,12 @@ class TrainConfig:
     recompute_granularity: Literal["none", "full"] = "none"
     # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_sync_free_dispatch).
     moe_cuda_graph: bool = False
+    # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.
+    peak_tflops: float = 788.0
+    # [first, last] (1-based): profile those steps on profile_ranks into <output_dir>/profile (trace, timeline,
+    # the step's time by kind of work); null: no profile.
+    profile_steps: Optional[list[int]] = None
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
     eval_interval: int = 50  # 0: never
     eval_iters: int = 4
     log_interval: int = 1
@@ -440,6 +446,12 @@ def validate(cfg: Config) -> None:
     _require(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0: never)")
     _require(t.distributed_timeout_s > 0, "train.distributed_timeout_s", t.distributed_timeout_s, "must be > 0")
     _require(bool(t.output_dir), "train.output_dir", t.output_dir, "must be a non-empty path")
+    _require(t.peak_tflops > 0, "train.peak_tflops", t.peak_tflops, "must be > 0 (TFLOP/s per GPU)")
+    if t.profile_steps is not None:
+        _require(len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1], "train.profile_steps",
+                 t.profile_steps, "must be [first, last] steps, 1 <= first <= last (or null: no profile)")
+    _require(all(rank >= 0 for rank in t.profile_ranks), "train.profile_ranks", t.profile_ranks,
+             "must list ranks >= 0")
 
     _require(0 < d.validation_fraction <= 0.5, "data.validation_fraction", d.validation_fraction,
              "must be in (0, 0.5]")

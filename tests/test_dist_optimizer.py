@@ -384,18 +384,6 @@ def test_boxes_tile_a_flat_range_in_order(shape, start, end):
     assert len(pieces) <= 2 * len(shape) - 1
 
 
-def test_benchmark_stream_summary_splits_busy_idle_and_beside():
-    from benchmarks.dp_overlap import stream_summary
-
-    compute, nccl = 7, 9
-    spans = [(compute, "gemm_a", 0.0, 6000.0), (compute, "gemm_b", 4000.0, 10000.0),  # overlapping: one busy span
-             (compute, "gemm_c", 12000.0, 20000.0), (nccl, "ncclDevKernel_ReduceScatter", 5000.0, 15000.0)]
-    summary = stream_summary(spans, steps=2)
-    assert summary["window_ms"] == 10.0 and summary["compute_busy_ms"] == 9.0 and summary["compute_idle_ms"] == 1.0
-    assert summary["nccl_busy_ms"] == 5.0 and summary["nccl_beside_compute_ms"] == 4.0  # (5-10) + (12-15), halved
-    assert summary["longest_compute_gaps"] == [{"at_ms": 10.0, "ms": 2.0, "next": "gemm_c"}]
-
-
 def test_benchmark_rejects_unknown_variant():
     from benchmarks.dp_overlap import Variant, parse_args
 

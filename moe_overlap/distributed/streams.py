@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 import torch
 
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+EXPOSED_KINDS = ("ep", "tp", "dp", "pp")
 
 
 def check_gemm_sm_carveout(sms: int, device: torch.device) -> None:
@@ -96,3 +97,45 @@ class Event:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class ExposedComm:
+    """The time one training step's compute stream (on CPU: the host) spent waiting for communication, per
+    kind: an event pair around every wait that blocks it, summed once the step's work is done."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.spans: list[tuple[str, Event, Event]] = []
+
+    def totals_ms(self) -> dict[str, float]:
+        totals = dict.fromkeys(EXPOSED_KINDS, 0.0)
+        for kind, start, end in self.spans:
+            totals[kind] += start.elapsed_ms(end)
+        return totals
+
+
+_MEASURING: list[ExposedComm] = []  # the tally of the step in flight, if the trainer measures one
+
+
+@contextlib.contextmanager
+def measuring_exposed_comm(device: torch.device) -> Iterator[ExposedComm]:
+    """Inside the block, :func:`exposed_wait` records into the returned tally."""
+    tally = ExposedComm(device)
+    _MEASURING.append(tally)
+    try:
+        yield tally
+    finally:
+        _MEASURING.remove(tally)
+
+
+@contextlib.contextmanager
+def exposed_wait(kind: str) -> Iterator[None]:
+    """Wrap a wait for communication of ``kind`` (ep, tp, dp, pp) that blocks the compute stream (or host);
+    timed only while a step measures (not inside a CUDA-graph capture, whose replays run no Python)."""
+    if not _MEASURING or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        yield
+        return
+    tally = _MEASURING[-1]
+    start = Event(tally.device, timing=True).record()
+    yield
+    tally.spans.append((kind, start, Event(tally.device, timing=True).record()))

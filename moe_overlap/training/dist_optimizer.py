@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -33,17 +32,18 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.adamw import adamw
 
 from moe_overlap.config import OverlapConfig, TrainConfig
 from moe_overlap.distributed import collectives
 from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
+from moe_overlap.distributed.streams import exposed_wait
+from moe_overlap.kernels.adamw import adamw_update
 from moe_overlap.layers.init import is_expert_param, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
-from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, clip_scale, decays, logical_grad_copies,
-                                            logical_parts)
+from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, adamw_hyper, clip_control, decays,
+                                            logical_grad_copies, logical_parts, sum_of_squares)
 from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
 
 log = logging.getLogger(__name__)
@@ -120,32 +120,33 @@ class _Bucket:
         self.grad_work = comm.start_reduce_scatter(self.payload[self.shard], self.payload, self.group.group)
 
     def finish_grad_sync(self) -> None:
-        self.grad_work.wait()
+        with exposed_wait("dp"):
+            self.grad_work.wait()
         if self.payload is not self.grad_data:
             self.grad_shard.copy_(self.payload[self.shard])
         self.grad_work = self.payload = None
         self.ready.clear()
 
-    def update(self, lr: float, cfg: TrainConfig, step: torch.Tensor) -> None:
-        """AdamW on this rank's shard; ``step`` counts the updates already made."""
+    def update(self, lr: float, cfg: TrainConfig, control: torch.Tensor) -> None:
+        """AdamW on this rank's shard (``control``: see kernels/adamw.py), writing the model's copy of the shard
+        in the same pass."""
         for where, decay in self.adam_ranges:
-            adamw([self.master[where]], [self.grad_shard[where]], [self.exp_avg[where]], [self.exp_avg_sq[where]],
-                  [], [step.clone()], amsgrad=False, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, lr=lr,
-                  weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.adam_eps, maximize=False)
+            adamw_update(self.master[where], self.grad_shard[where], self.exp_avg[where], self.exp_avg_sq[where],
+                         self.param_shard[where] if self.has_separate_master else None, control,
+                         adamw_hyper(cfg, lr, decay))
 
     def start_param_sync(self, comm) -> None:
-        if self.has_separate_master:
-            self.param_shard.copy_(self.master)
+        """All-gather the shards of the model copy (the update already wrote this rank's)."""
         self.param_work = comm.start_all_gather(self.param_data, self.param_shard, self.group.group)
 
     def finish_param_sync(self) -> None:
         if self.param_work is not None:
-            self.param_work.wait()
+            with exposed_wait("dp"):
+                self.param_work.wait()
             self.param_work = None
 
     def norm_squares(self) -> torch.Tensor:
-        return sum((self.grad_shard[where].square().sum(dtype=torch.float64) for where in self.norm_ranges),
-                   torch.zeros((), dtype=torch.float64, device=self.grad_data.device))
+        return sum_of_squares([self.grad_shard[where] for where in self.norm_ranges], self.grad_data.device)
 
     def holders(self, start: int, end: int) -> dict[int, tuple[int, int]]:
         """Rank in the group -> the part of bucket elements [start, end) its shard holds, relative to start."""
@@ -179,7 +180,8 @@ class DistributedOptimizer:
         self._dp_cp_group_of = {rank: ranks for ranks in mesh.layout.group_ranks("dp_cp") for rank in ranks}
         # ... and of each rank's expert-data-parallel group: where the other expert-TP ranks' shards live.
         self._edp_group_of = {rank: ranks for ranks in mesh.layout.group_ranks("edp") for rank in ranks}
-        self._step = torch.zeros((), dtype=torch.float32)  # updates made; the checkpoint's optimizer.step
+        self.steps_made = torch.zeros((), dtype=torch.float32, device=self.buckets[0].grad_data.device)  # updates
+        # made, the checkpoint's optimizer.step
         self._sync_in_backward = False
         for bucket_index, bucket in enumerate(self.buckets):
             for slot_index, slot in enumerate(bucket.slots):
@@ -238,14 +240,14 @@ class DistributedOptimizer:
         self._sync_in_backward = False
 
     @torch.no_grad()
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor:
         """Global L2 norm: the reduced shards of all ranks are distinct (dense over DP, experts over
         expert-DP, different experts across EP, different blocks across TP; a TP-replicated parameter counts
         on TP rank 0 only), so the squares sum over all ranks. Accumulated in fp64, so that the clipping
         factor does not depend on how the sum is split."""
         squares = sum(bucket.norm_squares() for bucket in self.buckets)
         all_reduce_(squares, dist.group.WORLD if self.mesh.world_size > 1 else None)
-        return math.sqrt(float(squares))
+        return squares.sqrt()
 
     def logical_grads(self) -> dict[str, torch.Tensor]:
         """Full reduced gradients by logical name, all-gathered from the shards (after reduce_grads; a
@@ -261,23 +263,18 @@ class DistributedOptimizer:
 
     # --------------------------------------------------------------------------------- update
     @torch.no_grad()
-    def step(self, lr: float, step_index: int) -> tuple[float, bool]:
-        """Clip, update the local shards and start the parameter all-gathers; returns (norm, stepped)."""
+    def step(self, lr: float, step_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, update the local shards and start the parameter all-gathers; returns the gradient norm and
+        whether the update applied (device tensors). A skipped update all-gathers the unchanged shards."""
         norm = self.grad_norm()
-        scale = clip_scale(norm, step_index, self.cfg)
-        if scale is None:
-            self.zero_grad()
-            return norm, False
+        control = clip_control(norm, self.steps_made, self.cfg)
         for bucket in self.buckets:  # forward order: the all-gather the next forward needs first starts first
-            if scale != 1.0:
-                bucket.grad_shard.mul_(scale)
-            bucket.update(lr, self.cfg, self._step)
+            bucket.update(lr, self.cfg, control)
             bucket.start_param_sync(self.collectives)
-        self._step += 1
         if not self.overlap_param_sync:
             self.finish_param_sync()
         self.zero_grad()
-        return norm, True
+        return norm, control[2]
 
     def finish_param_sync(self) -> None:
         """Wait for every outstanding parameter all-gather (before reading parameters outside forward)."""
@@ -309,7 +306,7 @@ class DistributedOptimizer:
                     for suffix, shard in moments.items():
                         state[f"optimizer.{key}.{suffix}"] = flat_range_tensor(logical_shape, shard[lo:hi], ranges,
                                                                                blocks)
-        state["optimizer.step"] = self._step
+        state["optimizer.step"] = self.steps_made
         return state
 
     def _holders_everywhere(self, bucket: _Bucket, param: nn.Parameter, shape: torch.Size,
@@ -334,6 +331,7 @@ class DistributedOptimizer:
         """Refresh the model copies from the loaded master shards (the moments loaded in place)."""
         if any(bucket.has_separate_master for bucket in self.buckets):
             for bucket in self.buckets:
+                bucket.param_shard.copy_(bucket.master)
                 bucket.start_param_sync(self.collectives)
             self.finish_param_sync()
 

@@ -20,6 +20,8 @@ from torch import nn
 from moe_overlap.config import TrainConfig
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
+from moe_overlap.distributed.streams import exposed_wait
+from moe_overlap.kernels.adamw import AdamWHyper, adamw_update
 from moe_overlap.layers.init import expert_key, is_expert_param, is_tp_split, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import tp_logical_tensor
@@ -63,17 +65,37 @@ def logical_parts(name: str, param: torch.Tensor) -> list[tuple[str, int, torch.
             for local in range(param.shape[0])]
 
 
-def clip_scale(norm: float, step_index: int, cfg: TrainConfig) -> float | None:
-    """The factor that clips the gradients to ``cfg.clip_grad``, or None when the step must be skipped: a
-    NaN/inf norm under on_nonfinite_grad 'skip' (with a warning naming the step); 'stop' raises.
-    ``step_index`` counts from 0; messages count from 1, as the metrics do."""
-    if not math.isfinite(norm):
-        if cfg.on_nonfinite_grad == "stop":
-            raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm}; stopping "
-                                     "(train.on_nonfinite_grad=stop)")
-        log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index + 1, norm)
-        return None
-    return cfg.clip_grad / (norm + 1e-6) if 0 < cfg.clip_grad < norm else 1.0
+def clip_control(norm: torch.Tensor, steps_made: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """The AdamW kernels' control tensor (grad scale, step, apply) from the global gradient norm, on the device:
+    the factor that clips to ``cfg.clip_grad``, and no update at all for a NaN/inf norm. ``steps_made`` (updates
+    so far) counts this one in place when it applies. The host learns of a skip later (check_nonfinite)."""
+    finite = torch.isfinite(norm)
+    scale = torch.ones_like(norm)
+    if cfg.clip_grad > 0:
+        scale = torch.where(finite & (norm > cfg.clip_grad), cfg.clip_grad / (norm + 1e-6), scale)
+    steps_made.add_(finite.to(steps_made.dtype))
+    return torch.stack([scale.to(torch.float32), steps_made.to(torch.float32), finite.to(torch.float32)])
+
+
+def check_nonfinite(norm: float, step_index: int, cfg: TrainConfig) -> None:
+    """After a step whose gradient norm was NaN/inf (the update was skipped on the device): a warning naming
+    the step under on_nonfinite_grad 'skip'; 'stop' raises. ``step_index`` counts from 0; messages count
+    from 1, as the metrics do."""
+    if cfg.on_nonfinite_grad == "stop":
+        raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm}; stopping "
+                                 "(train.on_nonfinite_grad=stop)")
+    log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index + 1, norm)
+
+
+def adamw_hyper(cfg: TrainConfig, lr: float, decay: bool) -> AdamWHyper:
+    return AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay if decay else 0.0)
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of every element squared, fp64 on the device (one multi-tensor norm kernel, no host sync)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
 
 
 def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: GroupHandle) -> dict[str, torch.Tensor]:
@@ -99,6 +121,13 @@ class ParamEntry:
     master: torch.Tensor  # fp32; the parameter itself when it is already fp32
     main_grad: torch.Tensor  # fp32 accumulation buffer
     is_expert: bool
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+    @property
+    def model_copy(self) -> torch.Tensor | None:
+        """Where the update writes the model's weights too: the parameter, unless it is its own master."""
+        return None if self.master is self.param else self.param.data
 
     def logical_slices(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``tensor`` (contiguous, shaped like the parameter) keyed by logical name; experts one
@@ -118,25 +147,17 @@ class MixedPrecisionAdamW:
             main_grad = torch.zeros_like(param, dtype=torch.float32)
             param.main_grad = main_grad
             param.register_post_accumulate_grad_hook(take_grad)
-            self.entries.append(ParamEntry(name, param, master, main_grad, is_expert_param(param)))
-        decay = [e.master for e in self.entries if decays(e.param)]
-        no_decay = [e.master for e in self.entries if not decays(e.param)]
-        self.adamw = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
-        for entry in self.entries:  # states exist up front, so a checkpoint can load into them
-            self.adamw.state[entry.master] = {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": torch.zeros_like(entry.master),
-                "exp_avg_sq": torch.zeros_like(entry.master),
-            }
+            self.entries.append(ParamEntry(name, param, master, main_grad, is_expert_param(param),
+                                           torch.zeros_like(master), torch.zeros_like(master)))
+        self.device = self.entries[0].main_grad.device
+        self.steps_made = torch.zeros((), dtype=torch.float32, device=self.device)  # checkpointed as optimizer.step
 
     def start_micro_batch(self, is_last: bool) -> None:
         """Nothing to arm: this optimizer all-reduces after the whole backward (reduce_grads)."""
 
     def zero_grad(self) -> None:
+        torch._foreach_zero_([entry.main_grad for entry in self.entries])
         for entry in self.entries:
-            entry.main_grad.zero_()
             entry.param.grad = None
 
     @torch.no_grad()
@@ -148,49 +169,34 @@ class MixedPrecisionAdamW:
             group = self.mesh.edp.group if entry.is_expert else self.mesh.dp.group
             if group is None:
                 continue
-            if self.payload_dtype == torch.float32:
-                all_reduce_(entry.main_grad, group)
-            else:
-                entry.main_grad.copy_(all_reduce_(entry.main_grad.to(self.payload_dtype), group))
+            with exposed_wait("dp"):
+                if self.payload_dtype == torch.float32:
+                    all_reduce_(entry.main_grad, group)
+                else:
+                    entry.main_grad.copy_(all_reduce_(entry.main_grad.to(self.payload_dtype), group))
 
     @torch.no_grad()
-    def grad_norm(self) -> float:
-        """Global L2 norm over every distinct gradient: experts differ across EP ranks, dense ones across TP
-        ranks when TP-split (replicated ones count once)."""
-        device = self.entries[0].main_grad.device
-        dense_sq = torch.zeros((), dtype=torch.float64, device=device)  # fp64: any split sums alike
-        expert_sq = torch.zeros((), dtype=torch.float64, device=device)
-        for entry in self.entries:
-            square = entry.main_grad.square().sum(dtype=torch.float64)
-            if entry.is_expert:
-                expert_sq += square
-            elif counts_in_dense_norm(entry.param, self.mesh.tp):
-                dense_sq += square
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm over every distinct gradient (fp64, on the device): experts differ across EP ranks,
+        dense ones across TP ranks when TP-split (replicated ones count once)."""
+        expert_sq = sum_of_squares([e.main_grad for e in self.entries if e.is_expert], self.device)
+        dense_sq = sum_of_squares([e.main_grad for e in self.entries
+                                   if not e.is_expert and counts_in_dense_norm(e.param, self.mesh.tp)], self.device)
         all_reduce_(expert_sq, self.mesh.expert_mp.group)  # experts differ over EP and expert-TP (and PP)
         all_reduce_(dense_sq, self.mesh.mp.group)
-        return math.sqrt(float(dense_sq + expert_sq))
+        return (dense_sq + expert_sq).sqrt()
 
     @torch.no_grad()
-    def step(self, lr: float, step_index: int) -> tuple[float, bool]:
-        """Clip, update the masters and copy them into the model; returns (grad norm, whether stepped)."""
+    def step(self, lr: float, step_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip and update the masters, writing the model's copies in the same pass; returns the gradient norm
+        and whether the update applied (device tensors: the host reads them once per step)."""
         norm = self.grad_norm()
-        scale = clip_scale(norm, step_index, self.cfg)
-        if scale is None:
-            self.zero_grad()
-            return norm, False
-        for group in self.adamw.param_groups:
-            group["lr"] = lr
+        control = clip_control(norm, self.steps_made, self.cfg)
         for entry in self.entries:
-            if scale != 1.0:
-                entry.main_grad.mul_(scale)
-            entry.master.grad = entry.main_grad
-        self.adamw.step()
-        for entry in self.entries:
-            entry.master.grad = None
-            if entry.master is not entry.param:
-                entry.param.copy_(entry.master)
+            adamw_update(entry.master, entry.main_grad, entry.exp_avg, entry.exp_avg_sq, entry.model_copy, control,
+                         adamw_hyper(self.cfg, lr, decays(entry.param)))
         self.zero_grad()
-        return norm, True
+        return norm, control[2]
 
     def logical_grads(self) -> dict[str, torch.Tensor]:
         """Copies of the reduced gradients by logical name, tensor-parallel blocks gathered into their logical
@@ -205,22 +211,20 @@ class MixedPrecisionAdamW:
         """Model and optimizer tensors keyed by logical name (views: loading into them restores in place)."""
         state: dict[str, torch.Tensor] = {}
         for entry in self.entries:
-            moments = self.adamw.state[entry.master]
             for key, view in entry.logical_slices(entry.param.data).items():
                 state[f"model.{key}"] = view
-            for suffix, tensor in (("exp_avg", moments["exp_avg"]), ("exp_avg_sq", moments["exp_avg_sq"])):
+            for suffix, tensor in (("exp_avg", entry.exp_avg), ("exp_avg_sq", entry.exp_avg_sq)):
                 for key, view in entry.logical_slices(tensor).items():
                     state[f"optimizer.{key}.{suffix}"] = view
             if entry.master is not entry.param:
                 for key, view in entry.logical_slices(entry.master.data).items():
                     state[f"optimizer.{key}.master"] = view
-        state["optimizer.step"] = self.adamw.state[self.entries[0].master]["step"]
+        state["optimizer.step"] = self.steps_made
         return state
 
+    @torch.no_grad()
     def after_load(self) -> None:
-        """Share the loaded step count with every parameter and refresh the model copies from the masters."""
-        step = self.adamw.state[self.entries[0].master]["step"]
+        """Refresh the model copies from the loaded masters."""
         for entry in self.entries:
-            self.adamw.state[entry.master]["step"] = step.clone()
-            if entry.master is not entry.param:
-                entry.param.data.copy_(entry.master)
+            if entry.model_copy is not None:
+                entry.model_copy.copy_(entry.master)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -17,12 +17,15 @@ from tqdm import tqdm
 from moe_overlap.config import Config, validate_for_world
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
-from moe_overlap.distributed.streams import check_gemm_sm_carveout, gemm_sm_carveout
+from moe_overlap.distributed.streams import (Event, ExposedComm, check_gemm_sm_carveout, gemm_sm_carveout,
+                                             measuring_exposed_comm)
+from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
-from moe_overlap.training.optimizer import MixedPrecisionAdamW, lr_at
+from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
+from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 
 log = logging.getLogger(__name__)
 
@@ -100,54 +103,73 @@ class Trainer:
         self.step = 0
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
         self.is_logger = mesh.rank == 0
+        self.flops_per_token = flops_per_token(cfg.model)
+        self._last_step_end: Event | None = None  # where the next step's time starts (steps run back to back)
 
     # ------------------------------------------------------------------------------------------ steps
-    def forward_backward(self, step: int) -> tuple[float, float]:
-        """Accumulate one global batch's gradients; returns this rank's mean LM and auxiliary losses."""
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """Accumulate one global batch's gradients; returns this rank's mean LM and auxiliary losses, (2,) fp64
+        on the device: nothing here waits for the host."""
         self.model.train()
         # Each micro-batch's loss is a mean over its tokens; dividing by every micro-batch of every
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
-        lm_total = aux_total = 0.0
+        losses = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.tokens_per_expert = {}
         for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
             self.optimizer.start_micro_batch(is_last=index == self.num_micro_batches - 1)
-            out = self.model(input_ids.to(self.device), labels.to(self.device))
+            out = self.model(input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
             (out.loss * loss_scale).backward()
-            lm_total += float(out.lm_loss)
-            aux_total += float(out.aux_loss)
+            losses += torch.stack((out.lm_loss, out.aux_loss))
             for layer, counts in out.tokens_per_expert.items():
                 self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
-        return lm_total / self.num_micro_batches, aux_total / self.num_micro_batches
+        return losses / self.num_micro_batches
 
     def train_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> dict:
-        """One optimizer step; ``inspect_grads`` sees the reduced gradients before the update (tests)."""
-        start = time.perf_counter()
+        """One optimizer step, its metrics read back; ``inspect_grads`` sees the reduced gradients before the
+        update (tests)."""
+        return self.finish_step(self.launch_step(inspect_grads))
+
+    def launch_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> StepInFlight:
+        """Queue one optimizer step's work; its numbers stay on the device until :meth:`finish_step`, so the
+        host can queue the next step while this one runs."""
+        start = Event(self.device, timing=True).record() if self._last_step_end is None else self._last_step_end
         lr = lr_at(self.step, self.cfg.train)
-        with gemm_sm_carveout(self.cfg.overlap.gemm_sm_carveout):
-            lm_loss, aux_loss = self.forward_backward(self.step)
+        with gemm_sm_carveout(self.cfg.overlap.gemm_sm_carveout), measuring_exposed_comm(self.device) as exposed:
+            losses = self.forward_backward(self.step)
             self.optimizer.reduce_grads()
             if inspect_grads is not None:
                 inspect_grads(self.optimizer)
-            grad_norm, stepped = self.optimizer.step(lr, self.step)
+            grad_norm, applied = self.optimizer.step(lr, self.step)
         loads = self._step_expert_load()
         for layer, router in self.model.routers().items():
             router.update_load(loads[layer])
-        losses = self._dp_mean(torch.tensor([lm_loss, aux_loss], dtype=torch.float64, device=self.device))
-        elapsed = time.perf_counter() - start
+        values = torch.cat((self._dp_mean(losses), grad_norm.view(1).double(), applied.view(1).double()))
+        self._last_step_end = Event(self.device, timing=True).record()
         self.step += 1
+        return StepInFlight(self.step, lr, values, loads, exposed, start, self._last_step_end)
+
+    def finish_step(self, pending: StepInFlight) -> dict:
+        """The host's one wait of a step: its losses, norm, expert loads and timings as metrics."""
+        loss, aux_loss, grad_norm, applied = pending.values.tolist()
+        if not applied:
+            check_nonfinite(grad_norm, pending.step - 1, self.cfg.train)
+        seconds = pending.start.elapsed_ms(pending.end) / 1e3
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
-        metrics = {"step": self.step, "loss": losses[0], "aux_loss": losses[1], "lr": lr, "grad_norm": grad_norm,
-                   "skipped": not stepped, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
+        tflops_per_gpu = tokens * self.flops_per_token / seconds / self.mesh.world_size / 1e12
+        metrics = {"step": pending.step, "loss": loss, "aux_loss": aux_loss, "lr": pending.lr, "grad_norm": grad_norm,
+                   "skipped": not applied, "step_time_s": seconds, "tokens_per_s": tokens / seconds,
+                   "tflops_per_gpu": tflops_per_gpu, "mfu": tflops_per_gpu / self.cfg.train.peak_tflops,
+                   "exposed_comm_ms": pending.exposed.totals_ms()}
         if self.device.type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        if loads:
-            metrics["tokens_per_expert"] = {str(layer): counts.tolist() for layer, counts in loads.items()}
+        if pending.loads:
+            metrics["tokens_per_expert"] = {str(layer): counts.tolist() for layer, counts in pending.loads.items()}
         return metrics
 
-    def _dp_mean(self, values: torch.Tensor) -> list[float]:
+    def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
         all_reduce_(values, self.mesh.dp.group)
-        return (values / self.mesh.dp.size).tolist()
+        return values / self.mesh.dp.size
 
     def _step_expert_load(self) -> dict[int, torch.Tensor]:
         """Copies sent to each expert this step per MoE layer, summed over the micro-batches, the
@@ -159,10 +181,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        total = sum(float(self.model(ids.to(self.device), labels.to(self.device)).lm_loss)
+        total = sum(self.model(ids.to(self.device), labels.to(self.device)).lm_loss.double()
                     for ids, labels in self.val_batches)
-        return self._dp_mean(torch.tensor([total / len(self.val_batches)], dtype=torch.float64,
-                                          device=self.device))[0]
+        return float(self._dp_mean((total / len(self.val_batches)).view(1)))
 
     # ------------------------------------------------------------------------------------ checkpoints
     def model_buffers(self) -> dict[str, torch.Tensor]:
@@ -200,30 +221,70 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------- the loop
     def fit(self) -> list[dict]:
+        """Train to ``train.max_steps``. The host queues step i+1 before it reads step i's numbers, so the GPU
+        never waits for the host between steps; evaluation and checkpoints see the finished step."""
         t, ckpt = self.cfg.train, self.cfg.checkpoint
         if t.resume:
             self.resume()
         out_dir = Path(t.output_dir)
         if self.is_logger:
             out_dir.mkdir(parents=True, exist_ok=True)
-        history = []
+            if self.device.type == "cuda":
+                log.info("MFU against train.peak_tflops=%g; this GPU's bf16 GEMM measures %.0f TFLOP/s",
+                         t.peak_tflops, measured_gemm_tflops(self.device))
+        history: list[dict] = []
+        profiler = StepProfiler.from_config(t, self.mesh.rank, out_dir)
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)
         with bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file:
-            while self.step < t.max_steps:
-                metrics = self.train_step()
-                if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
-                    metrics["val_loss"] = self.evaluate()
-                if ckpt.save_interval and self.step % ckpt.save_interval == 0 and self.step < t.max_steps:
-                    self.save()
-                history.append(metrics)
-                if self.is_logger and (self.step % t.log_interval == 0 or self.step == t.max_steps):
-                    metrics_file.write(json.dumps(metrics) + "\n")
-                    metrics_file.flush()
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-                bar.update(1)
+            pending = None
+            while self.step < t.max_steps or pending is not None:
+                launched = None
+                if self.step < t.max_steps and (pending is None or not self._needs_finished_model(pending.step)):
+                    with profiler.step(self.step + 1):
+                        launched = self.launch_step()
+                if pending is not None:
+                    metrics = self.finish_step(pending)
+                    self._after_step(metrics, metrics_file, bar)
+                    history.append(metrics)
+                pending = launched
+        profiler.close()
         if ckpt.save_final and history:
             self.save()
         return history
+
+    def _needs_finished_model(self, step: int) -> bool:
+        """Whether ``step`` is followed by an evaluation or a save, which must see its weights, not the next
+        step's: then the next step waits until this one is read and done."""
+        t, ckpt = self.cfg.train, self.cfg.checkpoint
+        return bool((t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps))
+                    or (ckpt.save_interval and step % ckpt.save_interval == 0 and step < t.max_steps))
+
+    def _after_step(self, metrics: dict, metrics_file, bar) -> None:
+        t, ckpt = self.cfg.train, self.cfg.checkpoint
+        step = metrics["step"]
+        if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
+            metrics["val_loss"] = self.evaluate()
+        if ckpt.save_interval and step % ckpt.save_interval == 0 and step < t.max_steps:
+            self.save()
+        if self.is_logger and (step % t.log_interval == 0 or step == t.max_steps):
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                        mfu=f"{metrics['mfu']:.2f}")
+        bar.update(1)
+
+
+@dataclass
+class StepInFlight:
+    """What a queued optimizer step leaves on the device for the host to read once."""
+
+    step: int  # 1-based, as the metrics count
+    lr: float
+    values: torch.Tensor  # (4,) fp64: data-parallel mean LM loss and auxiliary loss, gradient norm, applied
+    loads: dict[int, torch.Tensor]  # layer -> copies per expert
+    exposed: ExposedComm
+    start: Event  # the step's work starts after this (the previous step's end) ...
+    end: Event  # ... and is done at this
 
 
 class _Null:

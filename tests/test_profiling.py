@@ -1,0 +1,63 @@
+"""Where a step's time goes: the profile summaries (train.profile_steps) and the metrics every step logs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_overlap.config import load_config
+from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.training.profiling import kernel_kind, step_breakdown, stream_summary
+from moe_overlap.training.trainer import Trainer
+
+COMPUTE, NCCL = 7, 9
+SPANS = [(COMPUTE, "nvjet_hsh_256x128_gemm_a", 0.0, 6000.0), (COMPUTE, "nvjet_gemm_b", 4000.0, 10000.0),
+         (COMPUTE, "_rms_norm_fwd_kernel", 12000.0, 20000.0), (NCCL, "ncclDevKernel_ReduceScatter", 5000.0, 15000.0)]
+
+
+def test_stream_summary_splits_busy_idle_and_beside():
+    summary = stream_summary(SPANS, steps=2)
+    assert summary["window_ms"] == 10.0 and summary["compute_busy_ms"] == 9.0 and summary["compute_idle_ms"] == 1.0
+    assert summary["nccl_busy_ms"] == 5.0 and summary["nccl_beside_compute_ms"] == 4.0  # (5-10) + (12-15), halved
+    assert summary["longest_compute_gaps"] == [{"at_ms": 10.0, "ms": 2.0, "next": "_rms_norm_fwd_kernel"}]
+
+
+def test_step_breakdown_by_kind_of_work():
+    report = step_breakdown(SPANS, steps=2)
+    assert report["step_ms"] == 10.0
+    kinds = report["compute_stream_ms"]
+    assert kinds["GEMM"] == 6.0 and kinds["elementwise"] == 4.0 and kinds["idle"] == 1.0  # GEMMs overlap 4-6
+    assert report["other_streams_ms"] == {"communication": 5.0}
+    assert report["top_kernels"][0]["kernel"] == "_rms_norm_fwd_kernel"
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("ncclDevKernel_AllGather_RING_LL", "communication"), ("_adamw_kernel", "optimizer"),
+    ("pytorch_flash::flash_bwd_kernel", "attention"), ("_grouped_wgrad_kernel", "grouped GEMM"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT", "GEMM"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda", "copies"),
+    ("_swiglu_bwd_kernel", "elementwise")])
+def test_kernel_kinds(name, kind):
+    assert kernel_kind(name) == kind
+
+
+def test_every_step_logs_throughput_mfu_and_exposed_communication(tmp_path):
+    """On CPU (one process): MFU from the config's FLOPs and the step time, exposed communication per kind,
+    and a profile of the asked steps written where the README says."""
+    cfg = load_config("configs/tiny.yaml", ["parallel.expert_model_parallel_size=1", "train.max_steps=3",
+                                            "train.eval_interval=0", "checkpoint.save_final=false",
+                                            "train.global_batch_size=8", "train.micro_batch_size=4",
+                                            "train.profile_steps=[2,3]", f"train.output_dir={tmp_path}"])
+    history = Trainer(cfg, Mesh.single(), torch.device("cpu")).fit()
+    assert [m["step"] for m in history] == [1, 2, 3]
+    for m in history:
+        assert m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1
+        assert m["mfu"] == pytest.approx(m["tflops_per_gpu"] / cfg.train.peak_tflops)
+        assert set(m["exposed_comm_ms"]) == {"ep", "tp", "dp", "pp"}
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3] and "mfu" in logged[0]
+    report = json.loads((tmp_path / "profile" / "breakdown_rank0.json").read_text())
+    assert report["steps"] == [2, 3]
+    assert (tmp_path / "profile" / "trace_rank0.json").stat().st_size > 0
