@@ -63,3 +63,24 @@ def test_main_grad_holds_the_autograd_gradients_summed_over_micro_batches():
     assert fused.keys() == plain.keys()
     for name, grad in plain.items():
         assert rel_err(fused[name], grad) < 1e-6, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,m,n,experts", [(8192, 4096, 2 * 14336 // 4, 8), (65536, 2048, 2048, 64),
+                                              (1000, 72, 40, 3)], ids=["mixtral_fc1_quarter", "fine_fc1", "ragged"])
+def test_gpu_grouped_wgrad_bf16_matches_twin(rows, m, n, experts):
+    if not torch.cuda.is_available():
+        pytest.fail("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(rows + 64, m, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(rows + 64, n, device="cuda", generator=g).to(torch.bfloat16)
+    a[rows:], b[rows:] = float("nan"), float("nan")  # the worst-case buffer's tail is never read
+    ends = torch.sort(torch.randint(0, rows + 1, (experts,), device="cuda", generator=g)).values
+    ends[0], ends[-1] = 0, rows
+    offsets = ends.to(torch.int32)
+    start = torch.randn(experts, m, n, device="cuda", generator=g)
+    got, want = start.clone(), start.clone()
+    grouped_wgrad_accumulate_triton(a, b, offsets, got)
+    grouped_wgrad_accumulate_torch(a[:rows], b[:rows], offsets, want)
+    assert torch.isfinite(got).all() and torch.equal(got[0], start[0])
+    assert rel_err(got - start, want - start) < 5e-3  # the twin rounds its product to bf16 first

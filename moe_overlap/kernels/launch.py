@@ -19,6 +19,7 @@ try:
     from triton.runtime.jit import JITFunction
 
     sum_combine = tl.standard._sum_combine  # the combine function tl.sum uses; the interpreter knows it
+    max_combine = tl.standard._elementwise_max  # tl.max's, likewise
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     HAVE_TRITON = False

@@ -2,7 +2,9 @@
 
 Tensor parallel: each rank holds num_heads/TP query heads and num_query_groups/TP key-value groups
 (column-parallel QKV, row-parallel output projection). Under sequence parallelism the input is this rank's
-sequence block and the QKV projection gathers the whole sequence (rank-major rows, see tp_linear).
+sequence block and the QKV projection gathers the whole sequence (rank-major rows, see tp_linear). The split
+of the fused QKV into q, k, v and the rotation of q and k are one kernel each way (kernels/rope.py), writing
+the (batch, seq, heads, head_dim) layout the flash kernels read, so SDPA gets transposed views, not copies.
 """
 
 from __future__ import annotations
@@ -13,22 +15,25 @@ from einops import rearrange
 from torch import nn
 
 from moe_overlap.distributed.ring import TPComm
+from moe_overlap.kernels.rope import qkv_rotary, qkv_rotary_backward, rotary_tables
 from moe_overlap.layers.init import SCALED_NORMAL
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
 
-def rotary_tables(seq_length: int, head_dim: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (S, head_dim/2) in fp32."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos(), angles.sin()
+class QKVRotary(torch.autograd.Function):
+    """Fused QKV rows -> q (B, S, N, D), k and v (B, S, G, D), q and k rotated; backward the other way."""
 
+    @staticmethod
+    def forward(ctx, qkv_SF: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, batch: int, shards: int,
+                groups: int, head_dim: int):
+        ctx.save_for_backward(cos_SD2, sin_SD2)
+        ctx.shards = shards
+        return qkv_rotary(qkv_SF, cos_SD2, sin_SD2, batch, shards, groups, head_dim)
 
-def apply_rotary(x_BNSD: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + D/2), the GPT-NeoX / Llama convention, in fp32."""
-    x1, x2 = x_BNSD.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos_SD2 - x2 * sin_SD2, x2 * cos_SD2 + x1 * sin_SD2), dim=-1)
-    return rotated.to(x_BNSD.dtype)
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        cos_SD2, sin_SD2 = ctx.saved_tensors
+        return qkv_rotary_backward(grad_q, grad_k, grad_v, cos_SD2, sin_SD2, ctx.shards), *([None] * 6)
 
 
 class SelfAttention(nn.Module):
@@ -48,18 +53,22 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(hidden_size, qkv_rows, comm, device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(num_heads * self.head_dim, hidden_size, comm, SCALED_NORMAL, device,
                                              dtype)
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rotary(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (S, D/2), fp32, made once per sequence length and device."""
+        key = (seq_length, device)
+        if key not in self._tables:
+            self._tables[key] = rotary_tables(seq_length, self.head_dim, self.rotary_base, device)
+        return self._tables[key]
 
     def forward(self, x_BRH: torch.Tensor) -> torch.Tensor:
         batch, t = x_BRH.shape[0], self.comm.sequence_shards
-        heads_per_group = self.num_heads // self.num_groups
         qkv_SF = self.linear_qkv(x_BRH.reshape(-1, x_BRH.shape[-1]))
-        qkv = rearrange(qkv_SF, "(t b s) (g r d) -> b g r (t s) d", t=t, b=batch, g=self.num_groups,
-                        d=self.head_dim)
-        q_BNSD = rearrange(qkv[:, :, :heads_per_group], "b g r s d -> b (g r) s d")
-        k_BGSD, v_BGSD = qkv[:, :, heads_per_group], qkv[:, :, heads_per_group + 1]
-        cos, sin = rotary_tables(q_BNSD.shape[2], self.head_dim, self.rotary_base, x_BRH.device)
-        q_BNSD, k_BGSD = apply_rotary(q_BNSD, cos, sin), apply_rotary(k_BGSD, cos, sin)
-        out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True,
-                                                  enable_gqa=heads_per_group > 1)
+        cos, sin = self.rotary(qkv_SF.shape[0] // batch, x_BRH.device)
+        q_BSND, k_BSGD, v_BSGD = QKVRotary.apply(qkv_SF, cos, sin, batch, t, self.num_groups, self.head_dim)
+        out_BNSD = F.scaled_dot_product_attention(q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2),
+                                                  v_BSGD.transpose(1, 2), is_causal=True,
+                                                  enable_gqa=self.num_heads > self.num_groups)
         out_RH = self.linear_proj(rearrange(out_BNSD, "b n (t s) d -> (t b s) (n d)", t=t))
         return out_RH.view_as(x_BRH)

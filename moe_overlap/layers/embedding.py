@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.ring import TPComm
+from moe_overlap.kernels.cross_entropy import cross_entropy_grad, cross_entropy_stats
 from moe_overlap.layers.init import NORMAL, TPShard, make_param
 from moe_overlap.layers.tp_linear import ColumnParallelLinearFn, ScatterToRegion, region_rows
 from moe_overlap.layers.wgrad import main_grad_of, mark_own_grad, placeholder
@@ -63,38 +64,36 @@ class Embedding(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss from this rank's vocabulary block of fp32 logits; the same on every TP rank."""
+    """Per-token loss from this rank's vocabulary block of logits (any dtype; fp32 arithmetic), the same on
+    every TP rank. The gradient softmax - onehot is made in the forward (kernels/cross_entropy.py) in the logits'
+    dtype, so neither the logits nor an fp32 softmax are kept; the backward scales its rows."""
 
     @staticmethod
     def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor, vocab_start: int, comm: TPComm) -> torch.Tensor:
         group = comm.group.group
-        max_T = logits_TV.max(dim=-1).values
-        all_reduce_(max_T, group, dist.ReduceOp.MAX)
-        exp_TV = (logits_TV - max_T[:, None]).exp_()
         local_T = labels_T - vocab_start
-        inside_T = (local_T >= 0) & (local_T < logits_TV.shape[1])
-        local_T = local_T.masked_fill(~inside_T, 0)
-        label_logit_T = logits_TV.gather(1, local_T[:, None]).squeeze(1).masked_fill(~inside_T, 0.0)
-        sums_2T = all_reduce_(torch.stack((exp_TV.sum(-1), label_logit_T)), group)
-        sum_exp_T, label_logit_T = sums_2T[0], sums_2T[1]
-        exp_TV.div_(sum_exp_T[:, None])  # this block of the softmax, kept for backward
-        ctx.save_for_backward(exp_TV, local_T, inside_T)
+        local_T = torch.where((local_T >= 0) & (local_T < logits_TV.shape[1]), local_T, -1)
+        max_T, sum_exp_T, label_logit_T = cross_entropy_stats(logits_TV, local_T)
+        if group is not None:  # combine the blocks' statistics: the global max, then sums rescaled to it
+            global_max_T = all_reduce_(max_T.clone(), group, dist.ReduceOp.MAX)
+            sums_2T = all_reduce_(torch.stack((sum_exp_T * (max_T - global_max_T).exp(), label_logit_T)), group)
+            max_T, sum_exp_T, label_logit_T = global_max_T, sums_2T[0], sums_2T[1]
+        ctx.grad_TV = cross_entropy_grad(logits_TV, local_T, max_T, sum_exp_T) if ctx.needs_input_grad[0] else None
         return sum_exp_T.log() + max_T - label_logit_T
 
     @staticmethod
     def backward(ctx, grad_loss_T: torch.Tensor):
-        softmax_TV, local_T, inside_T = ctx.saved_tensors
-        grad_TV = softmax_TV.clone()
-        rows_T = torch.arange(grad_TV.shape[0], device=grad_TV.device)
-        grad_TV[rows_T, local_T] -= inside_T.to(grad_TV.dtype)
+        grad_TV, ctx.grad_TV = ctx.grad_TV, None  # scaled in place: one backward only
+        if grad_TV is None:
+            raise RuntimeError("VocabParallelCrossEntropy keeps one gradient: its backward runs once")
         return grad_TV.mul_(grad_loss_T[:, None]), None, None, None
 
 
 def lm_cross_entropy(hidden_BRH: torch.Tensor, output_weight_VH: torch.Tensor, labels_BS: torch.Tensor,
                      comm: TPComm) -> torch.Tensor:
     """Mean next-token loss over the micro-batch; the output layer is column-parallel over the vocabulary
-    and its logits are upcast to fp32."""
+    (its logits in the model's dtype; the loss in fp32)."""
     logits_SV = ColumnParallelLinearFn.apply(hidden_BRH.reshape(-1, hidden_BRH.shape[-1]), output_weight_VH, comm)
     labels_S = region_rows(labels_BS, comm).reshape(-1)
     vocab_start = comm.rank * output_weight_VH.shape[0]
-    return VocabParallelCrossEntropy.apply(logits_SV.float(), labels_S, vocab_start, comm).mean()
+    return VocabParallelCrossEntropy.apply(logits_SV, labels_S, vocab_start, comm).mean()

@@ -7,17 +7,30 @@ Tensor parallel: fc1 is column-parallel with each of gate and up split over the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_overlap.distributed.ring import TPComm
+from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward
 from moe_overlap.layers.init import SCALED_NORMAL
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
 
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up over [gate | up], fused each way (kernels/swiglu.py); keeps only its input."""
+
+    @staticmethod
+    def forward(ctx, h_TF2: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h_TF2)
+        return swiglu_forward(h_TF2)
+
+    @staticmethod
+    def backward(ctx, grad_a_TF: torch.Tensor):
+        (h_TF2,) = ctx.saved_tensors
+        return swiglu_backward(h_TF2, grad_a_TF.contiguous())[0]
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return SwiGLU.apply(h)
 
 
 class SwiGLUMLP(nn.Module):

@@ -71,3 +71,13 @@ def grouped_wgrad(param: torch.Tensor, x_TM: torch.Tensor, grad_TN: torch.Tensor
         return torch._grouped_mm(x_TM.t(), grad_TN, offs=offsets_E)
     grouped_wgrad_accumulate(x_TM, grad_TN, offsets_E, main_grad[experts])
     return None
+
+
+def fp32_wgrad(param: torch.Tensor, grad_fp32: torch.Tensor) -> torch.Tensor:
+    """A weight gradient a kernel already summed in fp32 (norm weights): into ``main_grad``, or returned in the
+    parameter's dtype."""
+    main_grad = main_grad_of(param)
+    if main_grad is None:
+        return grad_fp32.to(param.dtype)
+    main_grad.add_(grad_fp32)
+    return placeholder(param)
