@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_throughput.py"}
+BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_step.py"}
 
 
 def _bench(argv: list[str]) -> int:
