@@ -107,20 +107,25 @@ def run(argv: list[str]) -> list[dict]:
 
 
 def _inputs(seq: int, device, dtype, heads: int, kv_heads: int, head_dim: int, batch: int) -> dict:
-    """The whole sequence's q, k, v and output gradient (the same on every rank: one seed)."""
+    """The whole sequence's q, k, v and output gradient (the same on every rank: one seed), (batch, heads, seq,
+    dim) tensors laid out (batch, seq, heads, dim) in memory, as the flash kernel writes its outputs and the
+    model's projections produce them."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(1234)
-    q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=g)
-    k, v = (torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, generator=g) for _ in range(2))
-    return dict(seq=seq, q=q, k=k, v=v, dout=torch.randn_like(q), scale=1 / math.sqrt(head_dim))
+
+    def randn(heads_: int):
+        return torch.randn(batch, seq, heads_, head_dim, device=device, dtype=dtype, generator=g).transpose(1, 2)
+
+    return dict(seq=seq, q=randn(heads), k=randn(kv_heads), v=randn(kv_heads), dout=randn(heads),
+                scale=1 / math.sqrt(head_dim))
 
 
 def _local(x_BHSD, rank: int, size: int):
-    """Rank ``rank``'s local sequence of a (batch, heads, sequence, dim) tensor."""
+    """Rank ``rank``'s local sequence of a (batch, heads, sequence, dim) tensor, in the same memory layout."""
     from moe_overlap.distributed.context_parallel import split_sequence
 
-    return split_sequence(x_BHSD, 2, rank, size)
+    return split_sequence(x_BHSD.transpose(1, 2), 1, rank, size).transpose(1, 2)
 
 
 def _split(inputs: dict, rank: int, size: int) -> dict:

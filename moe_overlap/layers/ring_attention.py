@@ -215,11 +215,10 @@ class BlockRing(Protocol):
 
 
 def _merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Fold a block's (out, lse) into the running ones, in place (views of the accumulators are fine)."""
-    merged = torch.logaddexp(lse_acc, lse)
-    out_acc.mul_(torch.exp(lse_acc - merged).unsqueeze(-1))
-    out_acc.add_(out * torch.exp(lse - merged).unsqueeze(-1))
-    lse_acc.copy_(merged)
+    """Fold a block's (out, lse) into the running ones, in place (views of the accumulators are fine): the
+    block's share of the softmax mass is sigmoid(lse - lse_acc), and logaddexp(a, b) = a - logsigmoid(a - b)."""
+    out_acc.lerp_(out.to(out_acc.dtype), torch.sigmoid(lse - lse_acc).unsqueeze(-1))
+    lse_acc.sub_(F.logsigmoid(lse_acc - lse))
 
 
 def ring_forward(q_BNLD: torch.Tensor, kv_2BGLD: torch.Tensor, schedule: list[Block], ring: BlockRing,

@@ -5,8 +5,8 @@ gradient into the parameter's fp32 ``main_grad``, and the optimizer updates fp32
 back. ``grad_sync_dtype`` is only the payload of the gradient all-reduce. The loss each rank backpropagates
 is already divided by (micro-batches x data-parallel size), so the reduction is a plain sum: dense grads
 over the data- and context-parallel group (each CP rank's loss is its share of the micro-batch's), expert
-grads over the expert-data-parallel group. Under tensor parallelism,
-see training/tp_grads.py; a TP-split parameter's checkpoint keys are its block of the logical tensor.
+grads over the expert-data-parallel group. Under tensor parallelism, see training/tp_grads.py; a TP-split
+parameter's checkpoint keys are its block of the logical tensor.
 """
 
 from __future__ import annotations
