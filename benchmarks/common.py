@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,3 +38,30 @@ def write_json(path: str | None, header: dict, rows: list[dict]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(dict(header, rows=rows), indent=2) + "\n")
+
+
+def round_robin(variants: dict[str, Callable[[], object]], rounds: int, warmup: int, device) -> dict[str, float]:
+    """Median milliseconds of each variant, timed A B C A B C ... (clocks drift under load: DESIGN.md), ranks
+    aligned by a barrier before each run; the slowest rank's median (a single process needs no process group)."""
+    import torch.distributed as dist
+
+    from moe_overlap.distributed.streams import Event, synchronize
+
+    distributed = dist.is_initialized()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for index in range(warmup + rounds):
+        for name, fn in variants.items():
+            synchronize(device)
+            if distributed:
+                dist.barrier()
+            start = Event(device, timing=True).record()
+            fn()
+            end = Event(device, timing=True).record()
+            synchronize(device)
+            if index >= warmup:
+                samples[name].append(start.elapsed_ms(end))
+    medians = torch.tensor([statistics.median(samples[name]) for name in variants], dtype=torch.float64,
+                           device=device)  # NCCL reduces device tensors only
+    if distributed:
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(variants, medians.tolist()))

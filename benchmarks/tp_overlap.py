@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import warnings
 from datetime import timedelta
@@ -29,7 +28,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from benchmarks.common import disable_multicast, round_robin, run_header, write_json  # noqa: E402
 
 # (direction, rows in total, in features, out features before the TP split of the split side)
 GEMM_SHAPES = [("ag", 8192, 4096, 28672), ("ag", 8192, 8192, 10240), ("rs", 8192, 14336, 4096),
@@ -99,7 +98,7 @@ def run(argv: list[str]) -> list[dict]:
     for direction, total, k, n in SMOKE_SHAPES if args.smoke else GEMM_SHAPES:
         variants = (_ag_variants if direction == "ag" else _rs_variants)(comms, total, k, n, device, dtype)
         errors = _errors_against_serial(variants)
-        times = _round_robin(variants, rounds, warmup, device)
+        times = round_robin(variants, rounds, warmup, device)
         ring = {name: ms for name, ms in times.items() if name.startswith("ring_comm")}
         overlapped = {name.split(":")[1]: ms for name, ms in times.items() if name.startswith("overlapped:")}
         best = min(overlapped, key=overlapped.get)
@@ -247,7 +246,7 @@ def _layer_row(comms: dict, shape: dict, rounds: int, warmup: int, device, dtype
     variants = {"serial": step(comm, TPOverlap())}
     for name, source in comms.items():
         variants[name] = step(source, TPOverlap(**LAYER_SWITCHES, num_splits=source.overlap.num_splits))
-    times = _round_robin(variants, rounds, warmup, device)
+    times = round_robin(variants, rounds, warmup, device)
     comm.overlap, comm.transport = TPOverlap(), comms[next(iter(comms))].transport
     overlapped = {name: ms for name, ms in times.items() if name != "serial"}
     best = min(overlapped, key=overlapped.get)
@@ -275,31 +274,6 @@ def _errors_against_serial(variants: dict[str, Callable[[], object]]) -> dict[st
         if name != "torch_fused" and error > tolerance:
             raise RuntimeError(f"{name} differs from serial: relative error {error:.2e}")
     return {"rel_err_vs_serial": errors}
-
-
-def _round_robin(variants: dict[str, Callable[[], object]], rounds: int, warmup: int, device) -> dict[str, float]:
-    """Median milliseconds of each variant, timed A B C A B C ..., ranks aligned by a barrier before each
-    run; the slowest rank's median."""
-    import torch
-    import torch.distributed as dist
-
-    from moe_overlap.distributed.streams import Event, synchronize
-
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for index in range(warmup + rounds):
-        for name, fn in variants.items():
-            synchronize(device)
-            dist.barrier()
-            start = Event(device, timing=True).record()
-            fn()
-            end = Event(device, timing=True).record()
-            synchronize(device)
-            if index >= warmup:
-                samples[name].append(start.elapsed_ms(end))
-    medians = torch.tensor([statistics.median(samples[name]) for name in variants], dtype=torch.float64,
-                           device=device)  # NCCL reduces device tensors only
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return dict(zip(variants, medians.tolist()))
 
 
 def _print(rows: list[dict]) -> None:

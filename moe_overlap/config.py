@@ -34,7 +34,6 @@ def _not_implemented(field_name: str, value: Any, default: Any, waits_for: str) 
 
 # Which later capability each not-yet-built field waits for; the message tells the user.
 _WAITS_FOR_PP = "waits for pipeline parallelism"
-_WAITS_FOR_CP = "waits for context parallelism"
 
 
 @dataclass
@@ -98,6 +97,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # How the ring attention's key-value blocks move between CP ranks (Megatron's name); only p2p is built.
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None  # None: tensor_model_parallel_size
     sequence_parallel: bool = False
@@ -125,6 +126,8 @@ class OverlapConfig:
     tp_comm_bulk_wgrad: bool = False
     tp_comm_num_splits: int = 4
     tp_comm_backend: Literal["auto", "p2p", "symm"] = "auto"
+    # Ring attention: the next key-value block (and a block's gradient) moves while the block in hand is computed.
+    cp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     batch_p2p_comm: bool = False
     overlap_moe_expert_parallel_comm: bool = False
@@ -407,12 +410,11 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel:
         _require(m.seq_length % tp == 0, "model.seq_length", m.seq_length,
                  f"must be divisible by parallel.tensor_model_parallel_size={tp} under sequence_parallel")
-    _require(m.seq_length % (2 * p.context_parallel_size) == 0 or p.context_parallel_size == 1, "model.seq_length",
-             m.seq_length, f"must be divisible by 2 x parallel.context_parallel_size={2 * p.context_parallel_size}")
+    _validate_context_parallel(m, p, o, t)
     # Not built yet: accepted only at their defaults.
-    for name, waits in (("pipeline_model_parallel_size", _WAITS_FOR_PP), ("context_parallel_size", _WAITS_FOR_CP)):
-        if getattr(p, name) != 1:
-            raise _not_implemented(f"parallel.{name}", getattr(p, name), 1, waits)
+    if p.pipeline_model_parallel_size != 1:
+        raise _not_implemented("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1,
+                               _WAITS_FOR_PP)
     if p.virtual_pipeline_model_parallel_size is not None:
         raise _not_implemented("parallel.virtual_pipeline_model_parallel_size",
                                p.virtual_pipeline_model_parallel_size, None, _WAITS_FOR_PP)
@@ -464,6 +466,30 @@ def validate(cfg: Config) -> None:
 
     _require(c.save_interval >= 0, "checkpoint.save_interval", c.save_interval, "must be >= 0 (0: final save only)")
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
+
+
+def _validate_context_parallel(m: ModelConfig, p: ParallelConfig, o: OverlapConfig, t: TrainConfig) -> None:
+    """The load-balanced split cuts each sequence into 2 x CP chunks; what CP does not compose with yet."""
+    cp = p.context_parallel_size
+    if p.cp_comm_type != "p2p":
+        raise _not_implemented("parallel.cp_comm_type", p.cp_comm_type, "p2p", "only the p2p ring is built")
+    if cp == 1:
+        _require(not o.cp_comm_overlap, "overlap.cp_comm_overlap", True,
+                 "has no effect with parallel.context_parallel_size=1 (there is no ring)")
+        return
+    _require(m.seq_length % (2 * cp) == 0, "model.seq_length", m.seq_length,
+             f"must be divisible by 2 x parallel.context_parallel_size={2 * cp} (CP rank r holds chunks r and "
+             f"{2 * cp - 1}-r of every sequence)")
+    if p.sequence_parallel:
+        tp = p.tensor_model_parallel_size
+        _require(m.seq_length // cp % tp == 0, "model.seq_length", m.seq_length,
+                 f"must be divisible by parallel.context_parallel_size x tensor_model_parallel_size={cp * tp} under "
+                 "sequence_parallel (each TP rank holds a block of the CP rank's local sequence)")
+    if p.pipeline_model_parallel_size != 1:
+        raise _not_implemented("parallel.context_parallel_size", cp, 1, "context parallelism with pipeline stages")
+    if t.moe_cuda_graph:
+        raise _not_implemented("train.moe_cuda_graph", True, False,
+                               "graphs of MoE layers under context parallelism: the router gathers over the CP group")
 
 
 def _validate_moe(m: ModelConfig) -> None:
@@ -569,10 +595,10 @@ def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) ->
                  o.tp_comm_num_splits, "has no effect without a pipelined overlap (overlap.tp_comm_overlap_ag, "
                  "overlap.tp_comm_overlap_rs or overlap.tp_comm_overlap_rs_dgrad)")
         return
-    block = m.seq_length // p.tensor_model_parallel_size
+    block = m.seq_length // (p.tensor_model_parallel_size * p.context_parallel_size)
     _require(block % o.tp_comm_num_splits == 0, "overlap.tp_comm_num_splits", o.tp_comm_num_splits,
-             f"must divide the per-rank sequence block, model.seq_length / parallel.tensor_model_parallel_size "
-             f"= {block}")
+             f"must divide the per-rank sequence block, model.seq_length / (parallel.tensor_model_parallel_size x "
+             f"parallel.context_parallel_size) = {block}")
 
 
 def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -> None:

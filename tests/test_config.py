@@ -172,7 +172,7 @@ BAD: list[tuple] = [
      "no effect without a pipelined overlap"),
     (None, [*TP_SP, "overlap.tp_comm_overlap=true", "overlap.tp_comm_overlap_rs=true", "overlap.tp_comm_num_splits=3"],
      "overlap.tp_comm_num_splits", "3", "must divide the per-rank sequence block",
-     "model.seq_length / parallel.tensor_model_parallel_size = 64"),
+     "model.seq_length / (parallel.tensor_model_parallel_size x parallel.context_parallel_size) = 64"),
     # --- the distributed optimizer's switches need it
     (None, ["overlap.overlap_grad_sync=true"], "overlap.overlap_grad_sync", "True",
      "needs train.use_distributed_optimizer=true"),
@@ -230,7 +230,7 @@ BAD: list[tuple] = [
 NOT_IMPLEMENTED: list[tuple] = [
     (None, "parallel.pipeline_model_parallel_size=2", 2, "pipeline parallelism"),
     (None, "parallel.virtual_pipeline_model_parallel_size=2", 2, "pipeline parallelism"),
-    (None, "parallel.context_parallel_size=2", 2, "context parallelism"),
+    (None, "parallel.cp_comm_type=a2a", "a2a", "only the p2p ring is built"),
     (None, "overlap.overlap_p2p_comm=true", True, "pipeline parallelism"),
     (None, "overlap.batch_p2p_comm=true", True, "pipeline parallelism"),
     (None, "overlap.overlap_moe_expert_parallel_comm=true", True, "pipeline parallelism"),

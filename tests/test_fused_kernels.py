@@ -102,7 +102,7 @@ def rope_reference(qkv_SF, batch, shards, groups, head_dim, base=10000.0):
 def test_rotary_qkv_split_matches_reference_both_ways(interpret, batch, seq, groups, q_per_group, head_dim, shards):
     g = torch.Generator().manual_seed(2)
     qkv = torch.randn(batch * seq, groups * (q_per_group + 2) * head_dim, generator=g, requires_grad=True)
-    cos, sin = R.rotary_tables(seq, head_dim, 10000.0)
+    cos, sin = R.rotary_tables(torch.arange(seq), head_dim, 10000.0)
     got = R.qkv_rotary_triton(qkv.detach(), cos, sin, batch, shards, groups, head_dim)
     want = rope_reference(qkv, batch, shards, groups, head_dim)
     for a, b in zip(got, want):
@@ -177,7 +177,7 @@ def test_gpu_rotary_qkv_split_bf16(batch, seq, groups, q_per_group):
     cuda_or_fail()
     head_dim = 128
     qkv = torch.randn(batch * seq, groups * (q_per_group + 2) * head_dim, device="cuda", dtype=torch.bfloat16)
-    cos, sin = R.rotary_tables(seq, head_dim, 10000.0, "cuda")
+    cos, sin = R.rotary_tables(torch.arange(seq, device="cuda"), head_dim, 10000.0)
     got = R.qkv_rotary_triton(qkv, cos, sin, batch, 1, groups, head_dim)
     want = R.qkv_rotary_torch(qkv, cos, sin, batch, 1, groups, head_dim)
     for a, b in zip(got, want):

@@ -55,7 +55,8 @@ def equivalence_case(ep: int, steps: int, output_dir: str, recompute: str = "non
     of the router variant both runs use; ``layout``: overrides only the layout run uses (TP, overlap)."""
     world = dist.get_world_size()
     layout = layout or {}
-    dp = world // int(layout.get("parallel.tensor_model_parallel_size", 1))  # cp = pp = 1
+    dp = world // (int(layout.get("parallel.tensor_model_parallel_size", 1))
+                   * int(layout.get("parallel.context_parallel_size", 1)))  # pp = 1
     global_batch = 2 * 2 * dp  # micro-batch 2, two micro-batches per data-parallel rank
     router = router or {}
     cfg = small_config(output_dir, ep, global_batch, **{"train.recompute_granularity": recompute}, **router,

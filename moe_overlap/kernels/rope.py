@@ -82,10 +82,12 @@ if HAVE_TRITON:
     _rope = Kernel(_rope_kernel)
 
 
-def rotary_tables(seq_length: int, head_dim: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (S, head_dim/2) in fp32."""
+def rotary_tables(positions_S: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (S, head_dim/2) in fp32 at the given token positions (a rank's own, under context
+    parallelism); the kernels index them by the token's place in the local sequence."""
+    device = positions_S.device
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.outer(positions_S.to(torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 

@@ -5,6 +5,8 @@ Tensor parallel: each rank holds num_heads/TP query heads and num_query_groups/T
 sequence block and the QKV projection gathers the whole sequence (rank-major rows, see tp_linear). The split
 of the fused QKV into q, k, v and the rotation of q and k are one kernel each way (kernels/rope.py), writing
 the (batch, seq, heads, head_dim) layout the flash kernels read, so SDPA gets transposed views, not copies.
+Context parallel: the sequence is this CP rank's local sequence (distributed/context_parallel.py): rotary
+positions are where its tokens sit, and attention runs as a ring over the CP group (layers/ring_attention.py).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from moe_overlap.distributed.context_parallel import CPComm
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.rope import qkv_rotary, qkv_rotary_backward, rotary_tables
 from moe_overlap.layers.init import SCALED_NORMAL
+from moe_overlap.layers.ring_attention import ring_attention
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -43,9 +47,9 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_query_groups: int, rotary_base: float,
-                 comm: TPComm, device=None, dtype=None):
+                 comm: TPComm, device=None, dtype=None, cp: CPComm | None = None):
         super().__init__()
-        self.comm = comm
+        self.comm, self.cp = comm, cp or CPComm.single()
         self.num_heads, self.num_groups = num_heads // comm.size, num_query_groups // comm.size  # this rank's
         self.head_dim = hidden_size // num_heads
         self.rotary_base = rotary_base
@@ -55,11 +59,12 @@ class SelfAttention(nn.Module):
                                              dtype)
         self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rotary(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (S, D/2), fp32, made once per sequence length and device."""
-        key = (seq_length, device)
+    def rotary(self, local_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (S, D/2) at this rank's token positions, fp32, made once per length and device."""
+        key = (local_length, device)
         if key not in self._tables:
-            self._tables[key] = rotary_tables(seq_length, self.head_dim, self.rotary_base, device)
+            self._tables[key] = rotary_tables(self.cp.positions(local_length, device), self.head_dim,
+                                              self.rotary_base)
         return self._tables[key]
 
     def forward(self, x_BRH: torch.Tensor) -> torch.Tensor:
@@ -67,8 +72,11 @@ class SelfAttention(nn.Module):
         qkv_SF = self.linear_qkv(x_BRH.reshape(-1, x_BRH.shape[-1]))
         cos, sin = self.rotary(qkv_SF.shape[0] // batch, x_BRH.device)
         q_BSND, k_BSGD, v_BSGD = QKVRotary.apply(qkv_SF, cos, sin, batch, t, self.num_groups, self.head_dim)
-        out_BNSD = F.scaled_dot_product_attention(q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2),
-                                                  v_BSGD.transpose(1, 2), is_causal=True,
-                                                  enable_gqa=self.num_heads > self.num_groups)
+        q_BNSD, k_BGSD, v_BGSD = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2)
+        if self.cp.size > 1:
+            out_BNSD = ring_attention(q_BNSD, k_BGSD, v_BGSD, self.cp)
+        else:
+            out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True,
+                                                      enable_gqa=self.num_heads > self.num_groups)
         out_RH = self.linear_proj(rearrange(out_BNSD, "b n (t s) d -> (t b s) (n d)", t=t))
         return out_RH.view_as(x_BRH)

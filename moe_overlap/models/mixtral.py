@@ -1,7 +1,9 @@
 """Mixtral-style decoder assembled from the config: dense or MoE MLP per layer, GQA attention, RMSNorm.
 
 Activations are (batch, seq, hidden); under sequence parallelism each TP rank holds (batch, seq / TP, hidden),
-its block of every sequence, between the tensor-parallel regions (attention, dense MLP, output layer).
+its block of every sequence, between the tensor-parallel regions (attention, dense MLP, output layer). Under
+context parallelism "seq" is the CP rank's local sequence (seq / CP tokens: distributed/context_parallel.py);
+only attention (a ring over the CP group), the router (which sees the whole micro-batch) and the loss know it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
+from moe_overlap.distributed.collectives import all_reduce_
+from moe_overlap.distributed.context_parallel import CPComm
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 from moe_overlap.layers.attention import SelfAttention
@@ -29,16 +33,17 @@ from moe_overlap.layers.tp_linear import ColumnParallelLinear
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, overlap: OverlapConfig, layer_index: int, mesh: Mesh,
-                 transports: TransportSelector | None, comm: TPComm, device=None, dtype=None):
+                 transports: TransportSelector | None, comm: TPComm, device=None, dtype=None,
+                 cp: CPComm | None = None):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(layer_index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         self.self_attention = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups,
-                                            cfg.rotary_base, comm, device, dtype)
+                                            cfg.rotary_base, comm, device, dtype, cp)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         if self.is_moe:
-            router = (SequenceParallelRouter.from_config(cfg, device, dtype, comm=comm)
-                      if comm.sequence_shards > 1 else None)
+            router = (SequenceParallelRouter.from_config(cfg, device, dtype, comm=comm, cp=cp)
+                      if comm.sequence_shards > 1 or mesh.cp.size > 1 else None)
             self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router, mesh.etp, mesh.expert_mp)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype, comm)
@@ -73,12 +78,14 @@ class MixtralModel(nn.Module):
             ring = make_ring_transport(overlap.tp_comm_backend, mesh.tp, torch.device(device or "cpu"),
                                        overlap.tp_comm_num_splits, timeout_s)
         self.tp_comm = TPComm(mesh.tp, sequence_parallel, tp_switches, ring)
+        self.cp_comm = CPComm(mesh.cp, overlap.cp_comm_overlap)
         transports = None
         if (overlap.moe_overlap_dispatch or overlap.moe_sync_free_dispatch) and cfg.num_moe_experts:  # one transport shared by every MoE layer
             transports = TransportSelector(overlap.moe_a2a_backend, mesh.ep.group, mesh.ep.ranks,
                                            torch.device(device or "cpu"), overlap.moe_a2a_chunks, timeout_s)
         self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, overlap, i, mesh, transports, self.tp_comm, device, dtype)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, overlap, i, mesh, transports, self.tp_comm, device, dtype,
+                                                     self.cp_comm)
                                     for i in range(cfg.num_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         self.output_layer = (None if cfg.share_embeddings_and_output_weights
@@ -132,7 +139,11 @@ class MixtralModel(nn.Module):
                 tokens_per_expert[index] = layer_tokens
         output_weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
         lm_loss = lm_cross_entropy(self.final_layernorm(x_BSH), output_weight, labels_BS, self.tp_comm)
-        return ModelOutput(lm_loss + aux_loss, lm_loss.detach(), aux_loss.detach(), tokens_per_expert)
+        logged = lm_loss.detach()
+        if self.cp_comm.size > 1:  # this rank's share of the micro-batch mean; the gradient reduction sums the shares
+            lm_loss = lm_loss / self.cp_comm.size
+            logged = all_reduce_(lm_loss.detach().clone(), self.cp_comm.group.group)
+        return ModelOutput(lm_loss + aux_loss, logged, aux_loss.detach(), tokens_per_expert)
 
 
 def build_model(cfg: ModelConfig, mesh: Mesh, device: torch.device | str, dtype: torch.dtype, seed: int,

@@ -2,7 +2,9 @@
 
 Everything the sampler returns is a pure function of (seed, step) and the sizes, so resuming needs only
 the step number, and any data-parallel layout sees the same global batch as a single process: rank d
-takes the d-th contiguous slice of it, which keeps the micro-batch order of gradient accumulation.
+takes the d-th contiguous slice of it, which keeps the micro-batch order of gradient accumulation. Context
+parallel ranks of one data-parallel rank read the same samples and keep their local sequences (chunks r and
+2*CP-1-r, distributed/context_parallel.py) of the inputs and of the labels.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from moe_overlap.config import ConfigError
+from moe_overlap.distributed.context_parallel import split_sequence
 
 # Files are little-endian so a token file moves between machines unchanged.
 TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -108,8 +111,9 @@ def _windows(tokens: np.ndarray, sample_indices: np.ndarray, seq_length: int) ->
     return torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))
 
 
-def _to_micro_batches(windows: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+def _to_micro_batches(windows: torch.Tensor, micro_batch_size: int, cp_rank: int = 0,
+                      cp_size: int = 1) -> list[MicroBatch]:
+    return [tuple(split_sequence(ids, 1, cp_rank, cp_size).contiguous() for ids in (chunk[:, :-1], chunk[:, 1:]))
             for chunk in windows.split(micro_batch_size)]
 
 
@@ -136,11 +140,11 @@ class BatchSampler:
     step s's global batch is positions [s*G, (s+1)*G) of the concatenated epoch permutations, so a batch
     may straddle an epoch boundary and a corpus smaller than G samples simply wraps. DP rank d takes the
     d-th contiguous G/dp slice and cuts it into micro-batches, so the ranks' micro-batches in rank order
-    are the dp_size=1 micro-batches.
+    are the dp_size=1 micro-batches. CP rank c keeps its local sequence of each.
     """
 
     def __init__(self, tokens: np.ndarray, seq_length: int, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int):
+                 dp_rank: int, dp_size: int, seed: int, cp_rank: int = 0, cp_size: int = 1):
         self.num_samples = _count_samples(tokens, seq_length)
         if micro_batch_size < 1:
             raise ConfigError("train.micro_batch_size", micro_batch_size, "must be >= 1")
@@ -154,6 +158,7 @@ class BatchSampler:
         self.tokens, self.seq_length, self.seed = tokens, seq_length, seed
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
         self._permutations: dict[int, np.ndarray] = {}  # only the epochs the last step touched
 
@@ -178,13 +183,13 @@ class BatchSampler:
         return indices
 
     def micro_batches(self, step: int) -> list[MicroBatch]:
-        """This rank's (input_ids, labels) micro-batches of `step`; int64 CPU tensors [mbs, seq_length]."""
+        """This rank's (input_ids, labels) micro-batches of `step`; int64 CPU tensors [mbs, seq_length / CP]."""
         windows = _windows(self.tokens, self.sample_indices(step), self.seq_length)
-        return _to_micro_batches(windows, self.micro_batch_size)
+        return _to_micro_batches(windows, self.micro_batch_size, self.cp_rank, self.cp_size)
 
 
 def eval_batches(tokens: np.ndarray, seq_length: int, micro_batch_size: int, num_batches: int,
-                 dp_rank: int, dp_size: int) -> list[MicroBatch]:
+                 dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> list[MicroBatch]:
     """This rank's share of a fixed validation set: the first num_batches*micro_batch_size windows.
 
     num_batches counts micro-batches over all DP ranks together (to evaluate k global batches, pass
@@ -205,4 +210,4 @@ def eval_batches(tokens: np.ndarray, seq_length: int, micro_batch_size: int, num
                          f"tokens; evaluation needs {needed}: raise data.validation_fraction or lower train.eval_iters")
     per_rank = needed // dp_size
     rank_indices = np.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    return _to_micro_batches(_windows(tokens, rank_indices, seq_length), micro_batch_size)
+    return _to_micro_batches(_windows(tokens, rank_indices, seq_length), micro_batch_size, cp_rank, cp_size)

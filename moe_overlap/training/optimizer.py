@@ -4,8 +4,9 @@ Megatron's precision recipe: the model computes in its own dtype (bf16 on GPU), 
 gradient into the parameter's fp32 ``main_grad``, and the optimizer updates fp32 masters, then copies them
 back. ``grad_sync_dtype`` is only the payload of the gradient all-reduce. The loss each rank backpropagates
 is already divided by (micro-batches x data-parallel size), so the reduction is a plain sum: dense grads
-over the data-parallel group, expert grads over the expert-data-parallel group. Under tensor parallelism,
-see training/tp_grads.py; a TP-split parameter's checkpoint keys are its block of the logical tensor.
+over the data- and context-parallel group (each CP rank's loss is its share of the micro-batch's), expert
+grads over the expert-data-parallel group. Under tensor parallelism, see training/tp_grads.py; a TP-split
+parameter's checkpoint keys are its block of the logical tensor.
 """
 
 from __future__ import annotations
@@ -162,11 +163,11 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
-        """Sum main grads over data-parallel replicas: dense over DP, experts over expert-DP (and the
+        """Sum main grads over data-parallel replicas: dense over DP x CP, experts over expert-DP (and the
         sequence-parallel ones over TP first)."""
         sum_sequence_parallel_grads(((e.param, e.main_grad) for e in self.entries), self.mesh.tp)
         for entry in self.entries:
-            group = self.mesh.edp.group if entry.is_expert else self.mesh.dp.group
+            group = self.mesh.edp.group if entry.is_expert else self.mesh.dp_cp.group
             if group is None:
                 continue
             with exposed_wait("dp"):

@@ -95,10 +95,10 @@ class Trainer:
                                                      seq_length=cfg.model.seq_length)
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
-                                    dp.rank, dp.size, t.seed)
+                                    dp.rank, dp.size, t.seed, mesh.cp.rank, mesh.cp.size)
         self.val_batches = [] if not t.eval_interval else eval_batches(
             val_tokens, cfg.model.seq_length, t.micro_batch_size,
-            t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size)
+            t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size, mesh.cp.rank, mesh.cp.size)
         self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
         self.step = 0
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
@@ -173,9 +173,9 @@ class Trainer:
 
     def _step_expert_load(self) -> dict[int, torch.Tensor]:
         """Copies sent to each expert this step per MoE layer, summed over the micro-batches, the
-        data-parallel ranks and the TP ranks (under sequence parallelism each routes its own sequence
-        block): the same on every rank, as the routers' bias update needs."""
-        return {layer: all_reduce_(all_reduce_(counts, self.mesh.tp.group), self.mesh.dp.group)
+        data-parallel ranks and the TP and CP ranks (under sequence and context parallelism each routes its
+        own tokens): the same on every rank, as the routers' bias update needs."""
+        return {layer: all_reduce_(all_reduce_(counts, self.mesh.tp.group), self.mesh.dp_cp.group)
                 for layer, counts in self.tokens_per_expert.items()}
 
     @torch.no_grad()

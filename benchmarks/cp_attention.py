@@ -1,0 +1,356 @@
+"""Ring attention (context parallelism): one causal attention layer's forward+backward, blockwise vs full.
+
+    # one GPU: the work of CP=2 in one process against one full attention
+    python benchmarks/cp_attention.py --json benchmarks/results/cp_attention_1xh200.json
+    # CP = the world size
+    torchrun --nproc-per-node 2 benchmarks/cp_attention.py --json benchmarks/results/cp_attention_2xh200.json \\
+        --timeline benchmarks/results/cp_attention_2xh200.png
+
+Shapes: sequences of 32K and 128K tokens, batch 1, 32 query heads, 8 key-value heads, head dim 128, bf16 on GPU.
+Each block kernel (layers/ring_attention.py; flash and cudnn by default on GPU, math on CPU) is timed separately.
+World size 1 (``--cp``, default 2): ``blockwise`` runs every CP rank's blocks one after another in one process,
+merged by log-sum-exp, no transfers; ``full`` is the same kernel over the whole sequence (forward and backward
+op); ``sdpa`` is F.scaled_dot_product_attention with autograd, what the model runs at CP=1. The target is
+blockwise <= 1.05 x full: what the split and the merges cost.
+World size N > 1 (CP = N, each rank its local sequence): ``serial`` (each transfer, then the compute:
+overlap.cp_comm_overlap off), ``overlapped`` (on), ``transfers`` (the ring's passes alone), ``compute`` (the same
+blocks without transfers), limit = max(transfers, compute), and ``torch``, torch's own context_parallel ring
+attention (all-to-all rotation; CUDA only). Medians of round-robin rounds, the slowest rank's. Multicast is off
+(benchmarks/common.py) unless --allow-multicast. ``--smoke``: tiny shapes, fp32, CPU (gloo with more ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import disable_multicast, round_robin, run_header, write_json  # noqa: E402
+from moe_overlap.training.profiling import draw_timeline  # noqa: E402
+
+SHAPE = dict(seqs="32768,131072", heads=32, kv_heads=8, head_dim=128, batch=1)
+SMOKE_SHAPE = dict(seqs="32,64", heads=4, kv_heads=2, head_dim=8, batch=2)
+TARGET = 1.05
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, CPU")
+    parser.add_argument("--seqs", default=None, help="sequence lengths, comma list (default 32768,131072)")
+    parser.add_argument("--cp", type=int, default=2, help="CP size simulated at world size 1")
+    parser.add_argument("--kernels", default=None, help="block kernels, comma list (default flash,cudnn on GPU; "
+                                                         "math on CPU); of math, flash, efficient, cudnn")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; smoke 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2; smoke 1)")
+    parser.add_argument("--json", default=None, help="write the results here (benchmarks/results/...)")
+    parser.add_argument("--timeline", default=None, help="PNG of a profiled blockwise / overlapped run of the "
+                                                         "first sequence length (+ its Chrome trace)")
+    parser.add_argument("--allow-multicast", action="store_true", help="leave NVLink multicast as the machine has it")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse(None)
+    disable_multicast(args.allow_multicast)  # before any process group exists
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and not args.smoke
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=600))
+    try:
+        run(sys.argv[1:])
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def run(argv: list[str]) -> list[dict]:
+    """Every row, on every rank (of the initialised default group, or this process alone); rank 0 prints and
+    writes the JSON."""
+    import torch
+    import torch.distributed as dist
+
+    args = parse(argv)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.smoke \
+        else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = dict(SMOKE_SHAPE if args.smoke else SHAPE)
+    seqs = [int(s) for s in (args.seqs or shape.pop("seqs")).split(",")]
+    shape.pop("seqs", None)
+    kernels = (args.kernels or ("flash,cudnn" if device.type == "cuda" else "math")).split(",")
+    rounds = args.rounds or (2 if args.smoke else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    rows = []
+    for seq in seqs:
+        inputs = _inputs(seq, device, dtype, **shape)
+        if world == 1:
+            rows.append(_one_process_row(inputs, args.cp, kernels, rounds, warmup, device))
+        else:
+            rows.append(_ring_row(inputs, kernels, rounds, warmup, device))
+    if rank == 0:
+        _print(rows, world)
+        write_json(args.json, dict(run_header(world), shape=dict(shape, seqs=seqs), target=TARGET), rows)
+    if args.timeline:
+        _timeline(args.timeline, _inputs(seqs[0], device, dtype, **shape), args.cp, kernels[0], device, rank, world)
+    return rows
+
+
+def _inputs(seq: int, device, dtype, heads: int, kv_heads: int, head_dim: int, batch: int) -> dict:
+    """The whole sequence's q, k, v and output gradient (the same on every rank: one seed), (batch, heads, seq,
+    dim) tensors laid out (batch, seq, heads, dim) in memory, as the flash kernel writes its outputs and the
+    model's projections produce them."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(1234)
+
+    def randn(heads_: int):
+        return torch.randn(batch, seq, heads_, head_dim, device=device, dtype=dtype, generator=g).transpose(1, 2)
+
+    return dict(seq=seq, q=randn(heads), k=randn(kv_heads), v=randn(kv_heads), dout=randn(heads),
+                scale=1 / math.sqrt(head_dim))
+
+
+def _local(x_BHSD, rank: int, size: int):
+    """Rank ``rank``'s local sequence of a (batch, heads, sequence, dim) tensor, in the same memory layout."""
+    from moe_overlap.distributed.context_parallel import split_sequence
+
+    return split_sequence(x_BHSD.transpose(1, 2), 1, rank, size).transpose(1, 2)
+
+
+def _split(inputs: dict, rank: int, size: int) -> dict:
+    """Rank ``rank``'s local q, kv (2, B, G, L, D) and output gradient."""
+    import torch
+
+    return dict(q=_local(inputs["q"], rank, size), dout=_local(inputs["dout"], rank, size),
+                kv=torch.stack((_local(inputs["k"], rank, size), _local(inputs["v"], rank, size))))
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------- one process
+
+
+def _one_process_row(inputs: dict, cp: int, kernels: list[str], rounds: int, warmup: int, device) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from moe_overlap.layers.ring_attention import KERNELS, blockwise_backward, blockwise_forward
+
+    parts = [_split(inputs, r, cp) for r in range(cp)]
+    q, k, v, dout, scale = (inputs[name] for name in ("q", "k", "v", "dout", "scale"))
+    qs, kvs, douts = ([p[name] for p in parts] for name in ("q", "kv", "dout"))
+
+    def full(kernel):
+        out, lse, saved = kernel.forward(q, k, v, True, scale)
+        return kernel.backward(dout, q, k, v, out, lse, True, scale, saved), out
+
+    def blockwise(kernel):
+        forward = blockwise_forward(qs, kvs, kernel, scale)
+        return blockwise_backward(douts, qs, kvs, forward, kernel, scale), [out for out, _, _ in forward]
+
+    def sdpa():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True).backward(dout)
+
+    variants: dict[str, Callable[[], object]] = {"sdpa": sdpa}
+    errors, failed = {}, {}
+    for name in kernels:
+        kernel = KERNELS[name]
+        try:  # check once before timing: a fast wrong answer fails here, a kernel that cannot run says why
+            (dq, dk, dv), out = full(kernel)
+            (dqs, dkvs), outs = blockwise(kernel)
+            errors[name] = max(_rel(got, _local(want, r, cp)) for r in range(cp) for got, want in (
+                (outs[r], out), (dqs[r], dq), (dkvs[r][0], dk), (dkvs[r][1], dv)))
+            del dq, dk, dv, out, dqs, dkvs, outs
+        except Exception:
+            failed[name] = traceback.format_exc(limit=3)[-1500:]
+            continue
+        variants[f"full:{name}"] = lambda kernel=kernel: full(kernel)
+        variants[f"blockwise:{name}"] = lambda kernel=kernel: blockwise(kernel)
+    times = round_robin(variants, rounds, warmup, device)
+    ok = [name for name in kernels if name not in failed]
+    by_kernel = {name: {"full_ms": times[f"full:{name}"], "blockwise_ms": times[f"blockwise:{name}"],
+                        "ratio": times[f"blockwise:{name}"] / times[f"full:{name}"], "max_rel_err": errors[name]}
+                 for name in ok}
+    head = ok[0] if ok else None  # the first kernel listed is the row's headline
+    return {"seq": inputs["seq"], "cp_simulated": cp, "kernel": head, "sdpa_ms": times["sdpa"],
+            "full_ms": by_kernel[head]["full_ms"] if head else None,
+            "blockwise_ms": by_kernel[head]["blockwise_ms"] if head else None,
+            "ratio": by_kernel[head]["ratio"] if head else None,
+            "max_rel_err": by_kernel[head]["max_rel_err"] if head else None,
+            "met": bool(head) and by_kernel[head]["ratio"] <= TARGET, "by_kernel": by_kernel, "failed": failed}
+
+
+# ------------------------------------------------------------------------------------------ the ring
+
+
+def _ring_row(inputs: dict, kernels: list[str], rounds: int, warmup: int, device) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from moe_overlap.distributed.context_parallel import CPComm
+    from moe_overlap.distributed.mesh import GroupHandle
+    from moe_overlap.layers.ring_attention import (KERNELS, LocalCollector, LocalRelay, RingAttention, ring_backward,
+                                                   ring_forward, ring_schedule)
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    group = GroupHandle(ranks=list(range(size)), group=dist.group.WORLD, rank=rank, size=size)
+    mine = _split(inputs, rank, size)
+    q, kv, dout, scale = mine["q"], mine["kv"], mine["dout"], inputs["scale"]
+    kernel = KERNELS[kernels[0]]
+    schedule = ring_schedule(rank, size, q.shape[2])
+    serial, overlapped = CPComm(group, overlap=False), CPComm(group, overlap=True)
+
+    def ring(comm):
+        leaves = [x.detach().requires_grad_() for x in (q, kv[0], kv[1])]
+        out = RingAttention.apply(*leaves, comm, kernel)
+        out.backward(dout)
+        return out, leaves
+
+    dkv = kv.float()
+
+    def transfers():  # the forward's KV passes, then the backward's KV and (fp32) gradient passes
+        for block, hops in ((kv, size - 1), (kv, size - 1), (dkv, size)):
+            for _ in range(hops):
+                block = serial.pass_on(block).wait()
+
+    def compute():
+        relay = [kv] * size
+        out, lse, saved = ring_forward(q, kv, schedule, LocalRelay(relay, rank), kernel, False, scale)
+        ring_backward(dout, q, kv, out, lse, saved, schedule, LocalRelay(relay, rank),
+                      LocalCollector([None] * size, rank), kernel, False, scale)
+
+    leaves = [x.detach().requires_grad_() for x in (inputs["q"], inputs["k"], inputs["v"])]
+    out_full = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    out_full.backward(inputs["dout"])
+    out, got = ring(overlapped)
+    max_rel_err = max(_rel(a, _local(b, rank, size)) for a, b in zip(
+        (out, *(x.grad for x in got)), (out_full, *(x.grad for x in leaves))))
+    del leaves, out_full, out, got
+    variants = {"serial": lambda: ring(serial), "overlapped": lambda: ring(overlapped), "transfers": transfers,
+                "compute": compute}
+    torch_note = _torch_ring_variant(inputs, device, variants)
+    times = round_robin(variants, rounds, warmup, device)
+    limit = max(times["transfers"], times["compute"])
+    return {"seq": inputs["seq"], "cp": size, "kernel": kernel.name, "serial_ms": times["serial"],
+            "overlapped_ms": times["overlapped"], "transfers_ms": times["transfers"], "compute_ms": times["compute"],
+            "limit_ms": limit, "overlapped_over_limit": times["overlapped"] / limit, "torch_ms": times.get("torch"),
+            "torch_note": torch_note, "max_rel_err": max_rel_err}
+
+
+def _torch_ring_variant(inputs: dict, device, variants: dict) -> str:
+    """Add ``torch``: torch's context_parallel ring attention over the world (CUDA only), if it runs here;
+    returns what ran, or why not."""
+    if device.type != "cuda":
+        return "not run: torch's context_parallel ring attention needs CUDA"
+    try:
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        import torch.distributed as dist
+
+        set_rotate_method("alltoall")
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+
+        def torch_ring():
+            q, k, v, dout = (inputs[name].clone() for name in ("q", "k", "v", "dout"))
+            with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2],
+                                  no_restore_buffers={q, k, v, dout}):
+                q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+
+        torch_ring()
+        variants["torch"] = torch_ring
+        return "torch context_parallel, rotate alltoall, load-balanced (the inputs' sharding copy is timed too)"
+    except Exception as err:
+        return f"not run: {type(err).__name__}: {err}"[:600]
+
+
+# ------------------------------------------------------------------------------------------ reporting
+
+
+def _print(rows: list[dict], world: int) -> None:
+    if world == 1:
+        print(f"{'seq':>8}{'kernel':>10}{'full':>12}{'blockwise':>12}{'ratio':>8}{'sdpa':>12}  target <= {TARGET}")
+        for row in rows:
+            for name, k in row["by_kernel"].items():
+                print(f"{row['seq']:>8}{name:>10}{k['full_ms']:>12.3f}{k['blockwise_ms']:>12.3f}{k['ratio']:>8.3f}"
+                      f"{row['sdpa_ms']:>12.3f}  err {k['max_rel_err']:.1e}")
+            for name, why in row["failed"].items():
+                print(f"{row['seq']:>8}{name:>10}  failed: {why.splitlines()[-1]}")
+        print(f"ms, medians; blockwise = the work of CP={rows[0]['cp_simulated']} in one process (no transfers); "
+              "full = the same kernel over the whole sequence; sdpa = F.scaled_dot_product_attention")
+        return
+    print(f"{'seq':>8}{'serial':>12}{'overlapped':>12}{'transfers':>12}{'compute':>12}{'limit':>12}{'ovl/lim':>9}"
+          f"{'torch':>12}")
+    for row in rows:
+        torch_ms = "n/a" if row["torch_ms"] is None else f"{row['torch_ms']:.3f}"
+        print(f"{row['seq']:>8}{row['serial_ms']:>12.3f}{row['overlapped_ms']:>12.3f}{row['transfers_ms']:>12.3f}"
+              f"{row['compute_ms']:>12.3f}{row['limit_ms']:>12.3f}{row['overlapped_over_limit']:>9.3f}{torch_ms:>12}")
+    print(f"ms, medians of the slowest rank, CP={world}, kernel {rows[0]['kernel']}; torch: {rows[0]['torch_note']}")
+
+
+def _timeline(png_path: str, inputs: dict, cp: int, kernel_name: str, device, rank: int, world: int) -> None:
+    """Profile one blockwise run (world 1) or overlapped ring (world > 1); Chrome trace per rank, PNG of rank 0."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_overlap.distributed.streams import synchronize
+    from moe_overlap.layers.ring_attention import KERNELS, blockwise_backward, blockwise_forward, ring_attention
+
+    kernel = KERNELS[kernel_name]
+    if world == 1:
+        parts = [_split(inputs, r, cp) for r in range(cp)]
+        qs, kvs, douts = ([p[name] for p in parts] for name in ("q", "kv", "dout"))
+
+        def once():
+            forward = blockwise_forward(qs, kvs, kernel, inputs["scale"])
+            blockwise_backward(douts, qs, kvs, forward, kernel, inputs["scale"])
+    else:
+        import torch.distributed as dist
+
+        from moe_overlap.distributed.context_parallel import CPComm
+        from moe_overlap.distributed.mesh import GroupHandle
+
+        group = GroupHandle(ranks=list(range(world)), group=dist.group.WORLD, rank=rank, size=world)
+        mine = _split(inputs, rank, world)
+
+        def once():
+            leaves = [x.detach().requires_grad_() for x in (mine["q"], mine["kv"][0], mine["kv"][1])]
+            ring_attention(*leaves, CPComm(group, overlap=True)).backward(mine["dout"])
+
+    once()  # warm
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        once()
+        synchronize(device)
+    trace = Path(png_path).with_suffix(f".rank{rank}.trace.json")
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    print(f"trace: {trace}")
+    if rank == 0:
+        what = f"CP={cp} blockwise in one process" if world == 1 else f"CP={world} ring, overlapped"
+        draw_timeline(prof, png_path, f"{what}, seq {inputs['seq']}, kernel {kernel_name}")
+
+
+if __name__ == "__main__":
+    main()
