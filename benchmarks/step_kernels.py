@@ -24,8 +24,9 @@ WGRAD_SHAPES = {  # name: (experts, rows per expert, M, N) -- M x N per expert, 
     "mixtral_fc1": (8, 1024, 4096, 2 * 14336), "mixtral_fc2": (8, 1024, 14336, 4096),
     "fine_fc1": (64, 1024, 2048, 2 * 1024), "fine_fc2": (64, 1024, 1024, 2048),
 }
-TILE_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+TILE_CONFIGS = [(128, 128, 32, 4, 5, True), (128, 128, 64, 4, 3, True), (128, 128, 64, 4, 4, True),
+                (128, 128, 32, 4, 6, True), (128, 256, 64, 8, 3, True), (128, 128, 64, 8, 4, True)]
+TILE_CONFIGS += [config + (persistent,) for persistent in (1, 2) for config in TILE_CONFIGS]
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 
 
@@ -49,13 +50,14 @@ def timed(fns: dict, rounds: int, reps: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def wgrad_rows(rounds: int) -> list[dict]:
+def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
     import torch
 
     from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_triton
 
     rows = []
-    for name, (experts, per_expert, m, n) in WGRAD_SHAPES.items():
+    for name in shapes:
+        experts, per_expert, m, n = WGRAD_SHAPES[name]
         tokens = experts * per_expert
         a = torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
@@ -70,7 +72,8 @@ def wgrad_rows(rounds: int) -> list[dict]:
                                          for e, (s, t) in enumerate(zip(host_offsets, host_offsets[1:]))],
         }
         for config in TILE_CONFIGS:
-            fns["triton_" + "x".join(map(str, config))] = (
+            label = "x".join(map(str, config[:5])) + ("_atomic" if config[5] else "")
+            fns["triton_" + label + (f"_persistent{config[6]}" if len(config) > 6 else "")] = (
                 lambda config=config: grouped_wgrad_accumulate_triton(a, b, offsets, main_grad, config))
         ms = timed(fns, rounds, reps=5)
         flops = 2 * tokens * m * n
@@ -79,6 +82,39 @@ def wgrad_rows(rounds: int) -> list[dict]:
                      "best_triton": min((k for k in ms if k.startswith("triton")), key=ms.get)})
         print(rows[-1]["shape"], {k: round(v, 3) for k, v in ms.items()}, flush=True)
     return rows
+
+
+def adamw_rows(rounds: int) -> list[dict]:
+    """AdamW over a Mixtral-size layer's experts (1.4G fp32 elements in 4 tensors + a bf16 copy): the kernel's
+    block and warps, and torch's fused AdamW followed by the bf16 copy, against the bytes' memory time."""
+    import torch
+
+    from moe_overlap.kernels.adamw import AdamWHyper, adamw_update_triton
+
+    n = 2**28
+    master, grad, exp_avg = (torch.randn(n, device="cuda") for _ in range(3))
+    exp_avg_sq = torch.rand(n, device="cuda")
+    copy = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    control = torch.tensor([1.0, 3.0, 1.0], device="cuda")
+    hyper = AdamWHyper(1e-4, 0.9, 0.95, 1e-8, 0.1)
+    step = torch.tensor(3.0, device="cuda")
+    fns = {f"triton_{block}x{warps}": (lambda block=block, warps=warps: adamw_update_triton(
+        master, grad, exp_avg, exp_avg_sq, copy, control, hyper, block, warps))
+        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (1024, 8))}
+
+    def torch_fused():
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-4, beta1=0.9, beta2=0.95,
+                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+        copy.copy_(master)
+    fns["torch_fused_then_copy"] = torch_fused
+    copy_in = torch.empty(2 * n, device="cuda", dtype=torch.bfloat16)
+    fns["copy_limit_same_bytes"] = lambda: copy_in.copy_(copy_in.flip(0))  # 30 B/element: 16 read, 14 written
+    ms = timed(fns, rounds, reps=3)
+    limit_gb = 30 * n / 1e9
+    row = {"section": "adamw", "elements": n, "bytes_per_element": 30, "ms": ms,
+           "tb_per_s": {k: limit_gb / v for k, v in ms.items() if k != "copy_limit_same_bytes"}}
+    print("adamw", {k: round(v, 3) for k, v in ms.items()}, flush=True)
+    return [row]
 
 
 def attention_rows(rounds: int) -> list[dict]:
@@ -128,11 +164,13 @@ def attention_rows(rounds: int) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--sections", default="wgrad,attention")
+    parser.add_argument("--sections", default="wgrad,adamw,attention")
+    parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad shapes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
-    rows = (wgrad_rows(args.rounds) if "wgrad" in sections else []) + (
+    rows = (wgrad_rows(args.rounds, args.shapes.split(",")) if "wgrad" in sections else []) + (
+        adamw_rows(args.rounds) if "adamw" in sections else []) + (
         attention_rows(args.rounds) if "attention" in sections else [])
     write_json(args.json, run_header(1), rows)
 

@@ -61,7 +61,7 @@ def run_variant(name: str, overrides: list[str], args, out_dir: Path) -> dict | 
         f"train.max_steps={total}", "train.eval_interval=0", "checkpoint.save_final=false",
         "checkpoint.save_interval=0", "train.resume=false", f"train.output_dir={out_dir / name}"])
     mesh, device = init_distributed(cfg)
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_initialized():  # an earlier variant's peak is not this one's
         torch.cuda.reset_peak_memory_stats(device)
     history = Trainer(cfg, mesh, device).fit()
     if mesh.rank != 0:

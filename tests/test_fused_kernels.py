@@ -125,8 +125,11 @@ def test_cross_entropy_kernels_match_torch(interpret):
     for got, want in zip((max_T, sum_T, label_T), CE.cross_entropy_stats_torch(logits, local)):
         assert rel_err(got, want) < 1e-6
     assert label_T[2] == 0
-    grad = CE.cross_entropy_grad_triton(logits, local, max_T, sum_T)
-    assert rel_err(grad, CE.cross_entropy_grad_torch(logits, local, max_T, sum_T)) < 1e-6
+    ones = torch.ones(7)
+    grad = CE.cross_entropy_grad_triton(logits, local, max_T, sum_T, ones)
+    assert rel_err(grad, CE.cross_entropy_grad_torch(logits, local, max_T, sum_T, ones)) < 1e-6
+    scale = torch.rand(7, generator=g)
+    assert rel_err(CE.cross_entropy_grad_triton(logits, local, max_T, sum_T, scale), grad * scale[:, None]) < 1e-6
     keep = [0, 1, 3, 4, 5, 6]
     x = logits.clone().requires_grad_(True)
     loss = F.cross_entropy(x[keep], labels[keep], reduction="sum")
@@ -198,5 +201,6 @@ def test_gpu_cross_entropy_bf16():
         assert rel_err(a, b) < 1e-5
     loss = stats[1].log() + stats[0] - stats[2]
     assert rel_err(loss, F.cross_entropy(logits.float(), labels, reduction="none")) < 1e-5
-    grad = CE.cross_entropy_grad_triton(logits, labels, stats[0], stats[1])
-    assert rel_err(grad, CE.cross_entropy_grad_torch(logits, labels, stats[0], stats[1])) < 5e-3
+    scale = torch.full((4096,), 1 / 4096, device="cuda")
+    grad = CE.cross_entropy_grad_triton(logits, labels, stats[0], stats[1], scale)
+    assert rel_err(grad, CE.cross_entropy_grad_torch(logits, labels, stats[0], stats[1], scale)) < 5e-3

@@ -79,17 +79,18 @@ def adamw_update_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
 
 
 def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                        model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper) -> None:
+                        model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper,
+                        block: int = _BLOCK, warps: int = 8) -> None:
     n = master.numel()
     if n == 0:
         return
     tensors = (master, grad, exp_avg, exp_avg_sq) + (() if model_copy is None else (model_copy,))
     if not all(t.is_contiguous() and t.numel() == n for t in tensors):
         raise ValueError("adamw_update needs contiguous tensors of one size")
-    _adamw[(triton.cdiv(n, _BLOCK),), master.device](
+    _adamw[(triton.cdiv(n, block),), master.device](
         master, grad, exp_avg, exp_avg_sq, master if model_copy is None else model_copy, control, n, hyper.lr,
-        hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, HAS_COPY=model_copy is not None, BLOCK=_BLOCK,
-        num_warps=8)
+        hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, HAS_COPY=model_copy is not None, BLOCK=block,
+        num_warps=warps)
 
 
 def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

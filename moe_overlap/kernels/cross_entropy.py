@@ -1,8 +1,8 @@
 """Cross-entropy over (a vocabulary block of) logits in their own dtype, fp32 arithmetic: per row the max, the
-sum of exponentials and the label's logit in one pass (online softmax), and the gradient softmax - onehot
-written in the logits' dtype in a second, in the forward. The backward only scales those rows by the loss's
-gradient. The eager version made an fp32 copy of the logits and kept an fp32 softmax for the backward: many
-full passes over (tokens x vocabulary) and twice the memory.
+sum of exponentials and the label's logit in one pass (online softmax) forward; backward, one pass that writes
+(softmax - onehot) x the row's loss gradient in the logits' dtype. The eager version made an fp32 copy of the
+logits and kept an fp32 softmax for the backward: many full passes over (tokens x vocabulary) and twice the
+memory.
 
 Vocabulary-parallel (TP > 1): each rank's block gives partial statistics, combined across the TP group
 between the two passes (layers/embedding.py).
@@ -39,13 +39,14 @@ if HAVE_TRITON:
         tl.store(sum_ptr + row, s)
         tl.store(label_logit_ptr + row, tl.where(label >= 0, label_logit, 0.0))
 
-    def _ce_grad_kernel(logits_ptr, labels_ptr, max_ptr, sum_ptr, grad_ptr, V, stride, BLOCK: tl.constexpr):
+    def _ce_grad_kernel(logits_ptr, labels_ptr, max_ptr, sum_ptr, scale_ptr, grad_ptr, V, stride,
+                        BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < V
         x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp(x - tl.load(max_ptr + row)) / tl.load(sum_ptr + row)
-        p = tl.where(cols == tl.load(labels_ptr + row), p - 1.0, p)
+        p = tl.where(cols == tl.load(labels_ptr + row), p - 1.0, p) * tl.load(scale_ptr + row)
         tl.store(grad_ptr + row * V + cols, p.to(grad_ptr.dtype.element_ty), mask=mask)
 
     _stats = Kernel(_ce_stats_kernel)
@@ -61,12 +62,12 @@ def cross_entropy_stats_torch(logits_TV: torch.Tensor, labels_T: torch.Tensor):
     return max_T, (x - max_T[:, None]).exp().sum(-1), label_T
 
 
-def cross_entropy_grad_torch(logits_TV, labels_T, max_T, sum_T) -> torch.Tensor:
+def cross_entropy_grad_torch(logits_TV, labels_T, max_T, sum_T, scale_T) -> torch.Tensor:
     grad = (logits_TV.float() - max_T[:, None]).exp_().div_(sum_T[:, None])
     inside = labels_T >= 0
     rows = torch.arange(grad.shape[0], device=grad.device)
     grad[rows, labels_T.clamp(min=0)] -= inside.to(grad.dtype)
-    return grad.to(logits_TV.dtype)
+    return grad.mul_(scale_T[:, None]).to(logits_TV.dtype)
 
 
 def _checked(logits_TV: torch.Tensor) -> torch.Tensor:
@@ -83,14 +84,14 @@ def cross_entropy_stats_triton(logits_TV: torch.Tensor, labels_T: torch.Tensor):
     return max_T, sum_T, label_T
 
 
-def cross_entropy_grad_triton(logits_TV, labels_T, max_T, sum_T) -> torch.Tensor:
+def cross_entropy_grad_triton(logits_TV, labels_T, max_T, sum_T, scale_T) -> torch.Tensor:
     logits_TV = _checked(logits_TV)
     rows, vocab = logits_TV.shape
     grad_TV = torch.empty((rows, vocab), dtype=logits_TV.dtype, device=logits_TV.device)
     if rows and vocab:
         _grad[(rows, triton.cdiv(vocab, _BLOCK)), logits_TV.device](
-            logits_TV, labels_T.contiguous(), max_T, sum_T, grad_TV, vocab, logits_TV.stride(0), BLOCK=_BLOCK,
-            num_warps=8)
+            logits_TV, labels_T.contiguous(), max_T, sum_T, scale_T.float().contiguous(), grad_TV, vocab,
+            logits_TV.stride(0), BLOCK=_BLOCK, num_warps=8)
     return grad_TV
 
 
@@ -102,9 +103,10 @@ def cross_entropy_stats(logits_TV: torch.Tensor, labels_T: torch.Tensor):
     return cross_entropy_stats_torch(logits_TV, labels_T)
 
 
-def cross_entropy_grad(logits_TV: torch.Tensor, labels_T: torch.Tensor, max_T: torch.Tensor,
-                       sum_T: torch.Tensor) -> torch.Tensor:
-    """softmax(logits) - onehot(label) per row, in the logits' dtype, from the (global) max and sum."""
+def cross_entropy_grad(logits_TV: torch.Tensor, labels_T: torch.Tensor, max_T: torch.Tensor, sum_T: torch.Tensor,
+                       scale_T: torch.Tensor) -> torch.Tensor:
+    """(softmax(logits) - onehot(label)) x scale per row (the loss's gradient), in the logits' dtype, from the
+    (global) max and sum."""
     if use_triton(logits_TV, "cross_entropy"):
-        return cross_entropy_grad_triton(logits_TV, labels_T, max_T, sum_T)
-    return cross_entropy_grad_torch(logits_TV, labels_T, max_T, sum_T)
+        return cross_entropy_grad_triton(logits_TV, labels_T, max_T, sum_T, scale_T)
+    return cross_entropy_grad_torch(logits_TV, labels_T, max_T, sum_T, scale_T)

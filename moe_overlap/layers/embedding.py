@@ -65,8 +65,8 @@ class Embedding(nn.Module):
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from this rank's vocabulary block of logits (any dtype; fp32 arithmetic), the same on
-    every TP rank. The gradient softmax - onehot is made in the forward (kernels/cross_entropy.py) in the logits'
-    dtype, so neither the logits nor an fp32 softmax are kept; the backward scales its rows."""
+    every TP rank. It keeps the logits and three numbers per token; the backward writes the gradient in one
+    pass (kernels/cross_entropy.py)."""
 
     @staticmethod
     def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor, vocab_start: int, comm: TPComm) -> torch.Tensor:
@@ -78,15 +78,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             global_max_T = all_reduce_(max_T.clone(), group, dist.ReduceOp.MAX)
             sums_2T = all_reduce_(torch.stack((sum_exp_T * (max_T - global_max_T).exp(), label_logit_T)), group)
             max_T, sum_exp_T, label_logit_T = global_max_T, sums_2T[0], sums_2T[1]
-        ctx.grad_TV = cross_entropy_grad(logits_TV, local_T, max_T, sum_exp_T) if ctx.needs_input_grad[0] else None
+        ctx.save_for_backward(logits_TV, local_T, max_T, sum_exp_T)
         return sum_exp_T.log() + max_T - label_logit_T
 
     @staticmethod
     def backward(ctx, grad_loss_T: torch.Tensor):
-        grad_TV, ctx.grad_TV = ctx.grad_TV, None  # scaled in place: one backward only
-        if grad_TV is None:
-            raise RuntimeError("VocabParallelCrossEntropy keeps one gradient: its backward runs once")
-        return grad_TV.mul_(grad_loss_T[:, None]), None, None, None
+        logits_TV, local_T, max_T, sum_exp_T = ctx.saved_tensors
+        return cross_entropy_grad(logits_TV, local_T, max_T, sum_exp_T, grad_loss_T), None, None, None
 
 
 def lm_cross_entropy(hidden_BRH: torch.Tensor, output_weight_VH: torch.Tensor, labels_BS: torch.Tensor,

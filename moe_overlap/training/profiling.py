@@ -203,12 +203,8 @@ class StepProfiler:
             _synchronize()  # the window starts with this step's work, not the previous step's tail
             self._prof = torch.profiler.profile(activities=profiler_activities())
             self._prof.__enter__()
-        if self._prof is None:
-            yield
-            return
-        with torch.profiler.record_function(f"step {step}"):
-            yield
-        if step == self.last:
+        yield
+        if self._prof is not None and step == self.last:
             self._finish()
 
     def close(self) -> None:
