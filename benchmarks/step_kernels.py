@@ -24,9 +24,9 @@ WGRAD_SHAPES = {  # name: (experts, rows per expert, M, N) -- M x N per expert, 
     "mixtral_fc1": (8, 1024, 4096, 2 * 14336), "mixtral_fc2": (8, 1024, 14336, 4096),
     "fine_fc1": (64, 1024, 2048, 2 * 1024), "fine_fc2": (64, 1024, 1024, 2048),
 }
-TILE_CONFIGS = [(128, 128, 32, 4, 5, True), (128, 128, 64, 4, 3, True), (128, 128, 64, 4, 4, True),
-                (128, 128, 32, 4, 6, True), (128, 256, 64, 8, 3, True), (128, 128, 64, 8, 4, True)]
-TILE_CONFIGS += [config + (persistent,) for persistent in (1, 2) for config in TILE_CONFIGS]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Tried and dropped on an H200 (step_kernels_*_h200.json): a load +
+# store epilogue instead of the atomic add (10-20% slower), a persistent flattened tile loop (no gain).
+TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 32, 4, 6), (128, 256, 64, 8, 3)]
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 
 
@@ -72,8 +72,7 @@ def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
                                          for e, (s, t) in enumerate(zip(host_offsets, host_offsets[1:]))],
         }
         for config in TILE_CONFIGS:
-            label = "x".join(map(str, config[:5])) + ("_atomic" if config[5] else "")
-            fns["triton_" + label + (f"_persistent{config[6]}" if len(config) > 6 else "")] = (
+            fns["triton_" + "x".join(map(str, config))] = (
                 lambda config=config: grouped_wgrad_accumulate_triton(a, b, offsets, main_grad, config))
         ms = timed(fns, rounds, reps=5)
         flops = 2 * tokens * m * n

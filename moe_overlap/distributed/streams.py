@@ -94,6 +94,32 @@ class Event:
         return (end._host_s - self._host_s) * 1e3
 
 
+class HostCopy:
+    """A device tensor's copy on its way to the host: queued now (pinned buffer, no wait), read by ``wait``,
+    which waits for the work queued before it and nothing after."""
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.device.type != "cuda":
+            self._host, self._landed = tensor, None
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._landed = torch.cuda.Event()
+        self._landed.record()
+
+    def wait(self) -> torch.Tensor:
+        if self._landed is not None:
+            self._landed.synchronize()
+        return self._host
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without the host waiting (through pinned memory on CUDA)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -17,8 +17,8 @@ from tqdm import tqdm
 from moe_overlap.config import Config, validate_for_world
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
-from moe_overlap.distributed.streams import (Event, ExposedComm, check_gemm_sm_carveout, gemm_sm_carveout,
-                                             measuring_exposed_comm)
+from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, check_gemm_sm_carveout,
+                                             gemm_sm_carveout, measuring_exposed_comm, to_device_async)
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
@@ -118,7 +118,7 @@ class Trainer:
         self.tokens_per_expert = {}
         for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
             self.optimizer.start_micro_batch(is_last=index == self.num_micro_batches - 1)
-            out = self.model(input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+            out = self.model(to_device_async(input_ids, self.device), to_device_async(labels, self.device))
             (out.loss * loss_scale).backward()
             losses += torch.stack((out.lm_loss, out.aux_loss))
             for layer, counts in out.tokens_per_expert.items():
@@ -144,14 +144,18 @@ class Trainer:
         loads = self._step_expert_load()
         for layer, router in self.model.routers().items():
             router.update_load(loads[layer])
-        values = torch.cat((self._dp_mean(losses), grad_norm.view(1).double(), applied.view(1).double()))
+        # One copy to the host of everything the metrics read, queued now: finish_step waits for this step only.
+        values = HostCopy(torch.cat([self._dp_mean(losses), grad_norm.view(1).double(), applied.view(1).double(),
+                                     *(counts.double() for counts in loads.values())]))
         self._last_step_end = Event(self.device, timing=True).record()
         self.step += 1
-        return StepInFlight(self.step, lr, values, loads, exposed, start, self._last_step_end)
+        return StepInFlight(self.step, lr, values, list(loads), exposed, start, self._last_step_end)
 
     def finish_step(self, pending: StepInFlight) -> dict:
         """The host's one wait of a step: its losses, norm, expert loads and timings as metrics."""
-        loss, aux_loss, grad_norm, applied = pending.values.tolist()
+        values = pending.values.wait().tolist()
+        loss, aux_loss, grad_norm, applied = values[:4]
+        experts = (len(values) - 4) // max(1, len(pending.moe_layers))
         if not applied:
             check_nonfinite(grad_norm, pending.step - 1, self.cfg.train)
         seconds = pending.start.elapsed_ms(pending.end) / 1e3
@@ -163,8 +167,9 @@ class Trainer:
                    "exposed_comm_ms": pending.exposed.totals_ms()}
         if self.device.type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        if pending.loads:
-            metrics["tokens_per_expert"] = {str(layer): counts.tolist() for layer, counts in pending.loads.items()}
+        if pending.moe_layers:
+            metrics["tokens_per_expert"] = {str(layer): [int(c) for c in values[4 + i * experts:4 + (i + 1) * experts]]
+                                            for i, layer in enumerate(pending.moe_layers)}
         return metrics
 
     def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -280,8 +285,9 @@ class StepInFlight:
 
     step: int  # 1-based, as the metrics count
     lr: float
-    values: torch.Tensor  # (4,) fp64: data-parallel mean LM loss and auxiliary loss, gradient norm, applied
-    loads: dict[int, torch.Tensor]  # layer -> copies per expert
+    values: HostCopy  # fp64: data-parallel mean LM loss and auxiliary loss, gradient norm, applied, then the
+    # copies per expert of each MoE layer
+    moe_layers: list[int]
     exposed: ExposedComm
     start: Event  # the step's work starts after this (the previous step's end) ...
     end: Event  # ... and is done at this
