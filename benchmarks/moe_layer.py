@@ -361,7 +361,7 @@ class Probe:
         return out
 
     def variants(self, backward: bool) -> dict:
-        from moe_overlap.layers.experts import experts_dgrad, experts_forward, experts_wgrad
+        from moe_overlap.layers.experts import WgradInputs, experts_dgrad, experts_forward, experts_wgrad
 
         layout, offsets = self.plan.exchange.layout, self.plan.exchange.offsets[0]
         w13, w2 = self.layer.experts.w13.detach(), self.layer.experts.w2.detach()
@@ -385,7 +385,7 @@ class Probe:
             y, h = experts_forward(self.grouped_RH, offsets, w13, w2)
             if backward:
                 gx, gh, a = experts_dgrad(self.grad_y_RH, h, offsets, w13, w2)
-                experts_wgrad(w13, w2, self.grouped_RH, a, gh, self.grad_y_RH, offsets)
+                experts_wgrad(w13, w2, [WgradInputs(self.grouped_RH, a, gh, self.grad_y_RH, offsets)])
         out["gemm"] = gemm
         return out
 

@@ -73,7 +73,7 @@ def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
         }
         for config in TILE_CONFIGS:
             fns["triton_" + "x".join(map(str, config))] = (
-                lambda config=config: grouped_wgrad_accumulate_triton(a, b, offsets, main_grad, config))
+                lambda config=config: grouped_wgrad_accumulate_triton([(a, b, offsets)], main_grad, config))
         ms = timed(fns, rounds, reps=5)
         flops = 2 * tokens * m * n
         rows.append({"section": "wgrad", "shape": name, "experts": experts, "rows_per_expert": per_expert, "m": m,

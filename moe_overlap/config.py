@@ -164,6 +164,9 @@ class TrainConfig:
     recompute_granularity: Literal["none", "full"] = "none"
     # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_sync_free_dispatch).
     moe_cuda_graph: bool = False
+    # Sum the experts' weight gradients of two consecutive micro-batches in one grouped kernel: main_grad is read
+    # and written once per pair (fewer, larger experts gain most), one micro-batch's wgrad inputs kept per layer.
+    expert_wgrad_pairs: bool = False
     # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.
     peak_tflops: float = 788.0
     # [first, last] (1-based): profile those steps on profile_ranks into <output_dir>/profile (trace, timeline,
@@ -426,6 +429,7 @@ def validate(cfg: Config) -> None:
     _validate_overlap(o, p, m)
     _validate_moe_overlap(m, o, p)
     _validate_moe_cuda_graph(t, o, p)
+    _validate_expert_wgrad_pairs(t, o, m)
     _validate_distributed_optimizer(o, t)
     _validate_comm_resources(o)
 
@@ -644,6 +648,18 @@ def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig
         raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers under tensor parallelism")
     if t.recompute_granularity != "none":
         raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers with recomputation")
+
+
+def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig) -> None:
+    if not t.expert_wgrad_pairs:
+        return
+    _require(m.num_moe_experts is not None, "train.expert_wgrad_pairs", True, "needs MoE layers (model.num_moe_experts)")
+    if t.moe_cuda_graph:
+        raise _not_implemented("train.expert_wgrad_pairs", True, False,
+                               "with train.moe_cuda_graph: a graph replays one backward, not alternating ones")
+    if o.moe_overlap_dispatch:
+        raise _not_implemented("train.expert_wgrad_pairs", True, False,
+                               "with overlap.moe_overlap_dispatch, whose chunks schedule their own weight gradients")
 
 
 def _validate_comm_resources(o: OverlapConfig) -> None:

@@ -94,6 +94,15 @@ def test_layouts_match_single_process(rank_pool, tmp_path, world, ep):
     assert all(max(w.values()) < TOL for w in worst)
 
 
+def test_expert_wgrad_pairs_match_single_process(rank_pool, tmp_path):
+    """EP=2 x the distributed optimizer with its overlaps, the experts' weight gradients summed two micro-batches
+    at a time: the bucket's reduce-scatter must still see the whole gradient on the last micro-batch."""
+    layout = {"train.expert_wgrad_pairs": "true", "train.use_distributed_optimizer": "true",
+              "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true"}
+    worst = rank_pool(2).run(equivalence_case, 2, 2, str(tmp_path), layout=layout)
+    assert all(max(w.values()) < TOL for w in worst)
+
+
 # Tensor parallelism, with sequence parallelism (MoE needs it) and expert-TP 1: experts fold over the TP ranks.
 def tp_layout(tp: int, *overlaps: str, **extra) -> dict:
     layout = {"parallel.tensor_model_parallel_size": tp, "parallel.sequence_parallel": "true",

@@ -10,6 +10,7 @@ from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_torch, grouped_wgrad_accumulate_triton
 from moe_overlap.layers.wgrad import adds_own_grad
 from moe_overlap.models.mixtral import build_model
+from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.optimizer import MixedPrecisionAdamW
 
 
@@ -29,14 +30,30 @@ def test_grouped_wgrad_kernel_matches_twin_and_skips_rows_past_the_last_offset(m
     offsets = torch.tensor(ends, dtype=torch.int32)
     start = torch.randn(experts, m, n, generator=g)
     got, want = start.clone(), start.clone()
-    grouped_wgrad_accumulate_triton(a, b, offsets, got)
-    grouped_wgrad_accumulate_torch(a[:rows], b[:rows], offsets, want)
+    grouped_wgrad_accumulate_triton([(a, b, offsets)], got)
+    grouped_wgrad_accumulate_torch([(a[:rows], b[:rows], offsets)], want)
     assert torch.isfinite(got).all()
     assert torch.equal(got[0], start[0])  # an expert without rows: untouched
     assert rel_err(got - start, want - start) < 1e-6
 
 
-def model_grads(with_optimizer: bool) -> dict[str, torch.Tensor]:
+def test_grouped_wgrad_kernel_sums_two_micro_batches(monkeypatch):
+    """Two segments (two micro-batches' rows, each with its own offsets and row stride) add what two calls add."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(1)
+    first = (torch.randn(50, 24, generator=g), torch.randn(50, 40, generator=g), torch.tensor([0, 20, 50], dtype=torch.int32))
+    wide = torch.randn(30, 32, generator=g)  # a strided view: row stride 32, 24 columns
+    second = (wide[:, :24], torch.randn(30, 40, generator=g), torch.tensor([10, 10, 30], dtype=torch.int32))
+    start = torch.randn(3, 24, 40, generator=g)
+    got, want = start.clone(), start.clone()
+    grouped_wgrad_accumulate_triton([first, second], got)
+    grouped_wgrad_accumulate_torch([first], want)
+    grouped_wgrad_accumulate_torch([second], want)
+    assert rel_err(got - start, want - start) < 1e-6
+
+
+def model_grads(with_optimizer: bool, pairs: bool = False, distributed: bool = False,
+                micro_batches: int = 2) -> dict[str, torch.Tensor]:
     overrides = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
                  "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=16",
                  "model.num_moe_experts=4", "model.moe_layer_freq=[0,1]", "model.moe_ffn_hidden_size=32",
@@ -44,9 +61,15 @@ def model_grads(with_optimizer: bool) -> dict[str, torch.Tensor]:
                  "parallel.expert_model_parallel_size=1"]
     cfg = load_config(None, overrides)
     model = build_model(cfg.model, Mesh.single(), "cpu", torch.float32, seed=3)
-    optimizer = MixedPrecisionAdamW(model, Mesh.single(), cfg.train) if with_optimizer else None
+    optimizer = None
+    if with_optimizer:
+        if pairs:
+            model.pair_expert_wgrads()
+        optimizer = (DistributedOptimizer(model, Mesh.single(), cfg.train, cfg.overlap) if distributed
+                     else MixedPrecisionAdamW(model, Mesh.single(), cfg.train))
     g = torch.Generator().manual_seed(5)
-    for _ in range(2):  # two micro-batches: main_grad sums them
+    for index in range(micro_batches):  # main_grad sums them
+        model.start_micro_batch(first=index == 0, last=index == micro_batches - 1)
         ids = torch.randint(0, 256, (2, 16), generator=g)
         model(ids, torch.roll(ids, -1, 1)).loss.backward()
     if optimizer is None:
@@ -56,10 +79,15 @@ def model_grads(with_optimizer: bool) -> dict[str, torch.Tensor]:
     return {name: p.main_grad.clone() for name, p in model.named_parameters()}
 
 
-def test_main_grad_holds_the_autograd_gradients_summed_over_micro_batches():
+@pytest.mark.parametrize("pairs,distributed,micro_batches", [(False, False, 2), (True, False, 3), (True, True, 4),
+                                                              (True, False, 1)],
+                         ids=["plain", "pairs_odd", "pairs_distributed_optimizer", "pairs_one_micro_batch"])
+def test_main_grad_holds_the_autograd_gradients_summed_over_micro_batches(pairs, distributed, micro_batches):
     """Every parameter, the tied embedding (lookup and output GEMM) and the experts included: what the layers add
-    into main_grad equals what plain autograd accumulates in .grad."""
-    fused, plain = model_grads(True), model_grads(False)
+    into main_grad equals what plain autograd accumulates in .grad; with the experts' weight gradients summed
+    two micro-batches at a time too (an odd count and a single micro-batch leave none waiting)."""
+    fused = model_grads(True, pairs, distributed, micro_batches)
+    plain = model_grads(False, micro_batches=micro_batches)
     assert fused.keys() == plain.keys()
     for name, grad in plain.items():
         assert rel_err(fused[name], grad) < 1e-6, name
@@ -80,7 +108,7 @@ def test_gpu_grouped_wgrad_bf16_matches_twin(rows, m, n, experts):
     offsets = ends.to(torch.int32)
     start = torch.randn(experts, m, n, device="cuda", generator=g)
     got, want = start.clone(), start.clone()
-    grouped_wgrad_accumulate_triton(a, b, offsets, got)
-    grouped_wgrad_accumulate_torch(a[:rows], b[:rows], offsets, want)
+    grouped_wgrad_accumulate_triton([(a, b, offsets)], got)
+    grouped_wgrad_accumulate_torch([(a[:rows], b[:rows], offsets)], want)
     assert torch.isfinite(got).all() and torch.equal(got[0], start[0])
     assert rel_err(got - start, want - start) < 5e-3  # the twin rounds its product to bf16 first

@@ -1,4 +1,5 @@
-"""Grouped weight-gradient GEMM that accumulates into fp32 in place: out[e] += a_e^T @ b_e.
+"""Grouped weight-gradient GEMM that accumulates into fp32 in place: out[e] += a_e^T @ b_e (one micro-batch's
+rows, or two micro-batches' summed in the same program: see layers/experts.py, ``train.expert_wgrad_pairs``).
 
 The rows of expert e are [offsets[e-1], offsets[e]) of a_TM and b_TN (offsets int32 on the device, rows past
 the last offset never read), so the kernel serves the static worst-case buffers of the sync-free dispatch and
@@ -20,13 +21,12 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    def _grouped_wgrad_kernel(a_ptr, b_ptr, offsets_ptr, out_ptr, M, N, stride_a, stride_b, stride_oe, stride_om,
+    def _grouped_wgrad_kernel(a_ptr, b_ptr, offsets_ptr, a2_ptr, b2_ptr, offsets2_ptr, out_ptr, M, N, stride_a,
+                              stride_b, stride_a2, stride_b2, stride_oe, stride_om, SEGMENTS: tl.constexpr,
                               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         expert = tl.program_id(1)
-        start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
-        end = tl.load(offsets_ptr + expert)
         # Tiles in groups of GROUP_M rows of tiles, so neighbouring programs share a's and b's columns in L2.
         tiles_m = (M + BLOCK_M - 1) // BLOCK_M
         tiles_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -39,15 +39,24 @@ if HAVE_TRITON:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k in range(start, end, BLOCK_K):
-            rows = (k + rk).to(tl.int64)
-            in_rows = rows < end
-            mask_a = in_rows[:, None] if EVEN_M else in_rows[:, None] & (rm[None, :] < M)
-            mask_b = in_rows[:, None] if EVEN_N else in_rows[:, None] & (rn[None, :] < N)
-            a_KM = tl.load(a_ptr + rows[:, None] * stride_a + rm[None, :], mask=mask_a, other=0.0)
-            b_KN = tl.load(b_ptr + rows[:, None] * stride_b + rn[None, :], mask=mask_b, other=0.0)
-            acc = tl.dot(tl.trans(a_KM), b_KN, acc)
-        if end > start:  # an expert without rows adds nothing
+        rows_seen = 0
+        for segment in tl.static_range(SEGMENTS):  # a second segment: another micro-batch's rows, same sum
+            if segment == 0:
+                a_base, b_base, offsets, step_a, step_b = a_ptr, b_ptr, offsets_ptr, stride_a, stride_b
+            else:
+                a_base, b_base, offsets, step_a, step_b = a2_ptr, b2_ptr, offsets2_ptr, stride_a2, stride_b2
+            start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
+            end = tl.load(offsets + expert)
+            rows_seen += end - start
+            for k in range(start, end, BLOCK_K):
+                rows = (k + rk).to(tl.int64)
+                in_rows = rows < end
+                mask_a = in_rows[:, None] if EVEN_M else in_rows[:, None] & (rm[None, :] < M)
+                mask_b = in_rows[:, None] if EVEN_N else in_rows[:, None] & (rn[None, :] < N)
+                a_KM = tl.load(a_base + rows[:, None] * step_a + rm[None, :], mask=mask_a, other=0.0)
+                b_KN = tl.load(b_base + rows[:, None] * step_b + rn[None, :], mask=mask_b, other=0.0)
+                acc = tl.dot(tl.trans(a_KM), b_KN, acc)
+        if rows_seen > 0:  # an expert without rows adds nothing
             out = out_ptr + expert.to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
             mask = (rm[:, None] < M) & (rn[None, :] < N)
             # An add in L2 rather than a load and a store: the SM does not wait for the old value (measured: a
@@ -60,36 +69,42 @@ if HAVE_TRITON:
 _CONFIG = (128, 128, 32, 4, 5)
 
 
-def grouped_wgrad_accumulate_torch(a_TM: torch.Tensor, b_TN: torch.Tensor, offsets_E: torch.Tensor,
-                                   out_EMN: torch.Tensor) -> None:
-    """Twin: the grouped GEMM in the operands' dtype, then the fp32 sum."""
-    if a_TM.shape[0] == 0:
-        return
-    out_EMN.add_(torch._grouped_mm(a_TM.t(), b_TN, offs=offsets_E).float())
+Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (a_TM, b_TN, int32 end offsets per expert)
 
 
-def grouped_wgrad_accumulate_triton(a_TM: torch.Tensor, b_TN: torch.Tensor, offsets_E: torch.Tensor,
-                                    out_EMN: torch.Tensor, config: tuple[int, ...] = _CONFIG) -> None:
+def grouped_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -> None:
+    """Twin: each segment's grouped GEMM in the operands' dtype, then the fp32 sum."""
+    for a_TM, b_TN, offsets_E in segments:
+        if a_TM.shape[0]:
+            out_EMN.add_(torch._grouped_mm(a_TM.t(), b_TN, offs=offsets_E).float())
+
+
+def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor,
+                                    config: tuple[int, ...] = _CONFIG) -> None:
     experts, M, N = out_EMN.shape
-    if a_TM.shape[0] == 0 or out_EMN.numel() == 0:
+    if out_EMN.numel() == 0:
         return
-    if a_TM.stride(1) != 1 or b_TN.stride(1) != 1 or out_EMN.stride(2) != 1:
+    if len(segments) not in (1, 2):
+        raise ValueError(f"grouped_wgrad_accumulate sums one or two segments, got {len(segments)}")
+    if any(a.stride(1) != 1 or b.stride(1) != 1 for a, b, _ in segments) or out_EMN.stride(2) != 1:
         raise ValueError("grouped_wgrad_accumulate needs unit column strides (rows may be strided)")
+    (a, b, offsets), (a2, b2, offsets2) = segments[0], segments[-1]
     block_m, block_n, block_k, warps, stages = config
-    if not a_TM.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
+    if not a.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n, block_k = min(block_m, 32), min(block_n, 32), min(block_k, 16)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), experts)
-    _grouped_wgrad[grid, a_TM.device](
-        a_TM, b_TN, offsets_E, out_EMN, M, N, a_TM.stride(0), b_TN.stride(0), out_EMN.stride(0), out_EMN.stride(1),
-        EVEN_M=M % block_m == 0, EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=8, num_warps=warps, num_stages=stages)
+    _grouped_wgrad[grid, a.device](
+        a, b, offsets, a2, b2, offsets2, out_EMN, M, N, a.stride(0), b.stride(0), a2.stride(0), b2.stride(0),
+        out_EMN.stride(0), out_EMN.stride(1), SEGMENTS=len(segments), EVEN_M=M % block_m == 0,
+        EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
+        num_stages=stages)
 
 
-def grouped_wgrad_accumulate(a_TM: torch.Tensor, b_TN: torch.Tensor, offsets_E: torch.Tensor,
-                             out_EMN: torch.Tensor) -> None:
-    """out_EMN[e] += a_TM[rows of e]^T @ b_TN[rows of e] in fp32 (``out_EMN`` fp32; rows of e between the
-    int32 end offsets ``offsets_E[e-1]`` and ``offsets_E[e]``)."""
-    if use_triton(a_TM, "grouped_wgrad"):
-        grouped_wgrad_accumulate_triton(a_TM, b_TN, offsets_E, out_EMN)
+def grouped_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor) -> None:
+    """out_EMN[e] += sum over segments of a_TM[rows of e]^T @ b_TN[rows of e], in fp32 (``out_EMN`` fp32; a
+    segment's rows of e between its int32 end offsets[e-1] and offsets[e]; one segment, or two: two
+    micro-batches' rows summed in registers, one add into ``out_EMN``)."""
+    if use_triton(segments[0][0], "grouped_wgrad"):
+        grouped_wgrad_accumulate_triton(segments, out_EMN)
     else:
-        grouped_wgrad_accumulate_torch(a_TM, b_TN, offsets_E, out_EMN)
+        grouped_wgrad_accumulate_torch(segments, out_EMN)

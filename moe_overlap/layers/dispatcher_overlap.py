@@ -22,7 +22,8 @@ import torch
 from moe_overlap.distributed.a2a import Exchange
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.dispatcher import ExchangePlan, ExpertTPPlan, gather_from_expert_tp, sum_to_expert_tp_owners
-from moe_overlap.layers.experts import experts_dgrad, experts_forward, experts_wgrad, weight_grad_for_autograd
+from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
+                                        weight_grad_for_autograd)
 
 
 @dataclass
@@ -127,7 +128,8 @@ class ExpertsCombine(torch.autograd.Function):
                 grad_combine.send(chunk)
                 continue
             grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, *weights)
-            wgrad = (w13_EHF2, w2_EFH, grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets, slice(first, last))
+            wgrad = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
+                     slice(first, last))
             if not state.delay_wgrad:
                 wgrads.append(experts_wgrad(*wgrad))
             torch.index_select(_rows_from_experts(grad_x_RH, chunk, state), 0, plan.ungroup_index[chunk],

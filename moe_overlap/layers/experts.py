@@ -9,6 +9,8 @@ w13 holds [gate | up] along its last dimension.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -40,14 +42,24 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
     return torch._grouped_mm(grad_h_TF2, w13_EHF2.transpose(-2, -1), offs=offsets_E), grad_h_TF2, a_TF
 
 
-def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, x_TH: torch.Tensor, a_TF: torch.Tensor,
-                  grad_h_TF2: torch.Tensor, grad_y_TH: torch.Tensor, offsets_E: torch.Tensor,
+@dataclass
+class WgradInputs:
+    """What the experts' weight gradients of one micro-batch (or one chunk of it) need."""
+
+    x_TH: torch.Tensor
+    a_TF: torch.Tensor
+    grad_h_TF2: torch.Tensor
+    grad_y_TH: torch.Tensor
+    offsets_E: torch.Tensor
+
+
+def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[WgradInputs],
                   experts: slice = slice(None)) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Weight gradients of the local experts ``experts`` (separate from dgrad so a pipeline can defer them into
-    communication gaps): added into the parameters' fp32 main_grad inside the grouped kernel (returns Nones),
-    or returned where the parameters have none."""
-    return (grouped_wgrad(w13_EHF2, x_TH, grad_h_TF2, offsets_E, experts),
-            grouped_wgrad(w2_EFH, a_TF, grad_y_TH, offsets_E, experts))
+    """Weight gradients of the local experts ``experts`` from one or two micro-batches' inputs (separate from
+    dgrad so a pipeline can defer them into communication gaps): added into the parameters' fp32 main_grad
+    inside the grouped kernel (returns Nones), or returned where the parameters have none."""
+    return (grouped_wgrad(w13_EHF2, [(i.x_TH, i.grad_h_TF2, i.offsets_E) for i in inputs], experts),
+            grouped_wgrad(w2_EFH, [(i.a_TF, i.grad_y_TH, i.offsets_E) for i in inputs], experts))
 
 
 def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -58,26 +70,55 @@ def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor
     return chunk_grads[0] if len(chunk_grads) == 1 else torch.cat(chunk_grads)
 
 
+class ExpertWgradPairs:
+    """``train.expert_wgrad_pairs``: the experts' weight gradients of consecutive micro-batches summed two at a
+    time. A micro-batch's wgrad inputs wait for the next one's, and one grouped kernel adds both into main_grad:
+    the fp32 main_grad is read and written once per pair instead of per micro-batch (the expert wgrad's largest
+    cost beside its GEMM when experts are few and large), at the price of keeping one micro-batch's wgrad
+    inputs per layer. The step's last micro-batch never waits, so main_grad is whole when its backward ends."""
+
+    def __init__(self):
+        self.waiting: WgradInputs | None = None
+        self.last = True
+
+    def start_micro_batch(self, first: bool, last: bool) -> None:
+        if first:
+            self.waiting = None
+        self.last = last
+
+    def take(self, inputs: WgradInputs | None) -> list[WgradInputs] | None:
+        """The inputs whose gradients to add now (one or two micro-batches'), or None: they wait."""
+        if not self.last and (self.waiting is None or inputs is None):
+            self.waiting = self.waiting or inputs
+            return None
+        ready = [i for i in (self.waiting, inputs) if i is not None]
+        self.waiting = None
+        return ready
+
+
 class GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
-                w2_EFH: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
+                pairs: ExpertWgradPairs | None = None) -> torch.Tensor:
         y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH)
         ctx.save_for_backward(x_TH, offsets_E, h_TF2)
         ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad), also under recomputation
+        ctx.pairs = pairs if main_grad_of(w13_EHF2) is not None else None
         return y_TH
 
     @staticmethod
     def backward(ctx, grad_y_TH: torch.Tensor):
         (x_TH, offsets_E, h_TF2), (w13_EHF2, w2_EFH) = ctx.saved_tensors, ctx.weights
         if x_TH.shape[0] == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
-            return (torch.zeros_like(x_TH), None, weight_grad_for_autograd(w13_EHF2, [torch.zeros_like(w13_EHF2)]),
-                    weight_grad_for_autograd(w2_EFH, [torch.zeros_like(w2_EFH)]))
-        grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
-        grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
-        grad_w13_EHF2, grad_w2_EFH = experts_wgrad(w13_EHF2, w2_EFH, x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
-        return (grad_x_TH, None, weight_grad_for_autograd(w13_EHF2, [grad_w13_EHF2]),
-                weight_grad_for_autograd(w2_EFH, [grad_w2_EFH]))
+            grad_x_TH, inputs = torch.zeros_like(x_TH), None
+        else:
+            grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
+            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
+            inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
+        ready = ctx.pairs.take(inputs) if ctx.pairs is not None else [i for i in (inputs,) if i is not None]
+        grads = experts_wgrad(w13_EHF2, w2_EFH, ready) if ready else (None, None)
+        return (grad_x_TH, None, *(weight_grad_for_autograd(w, [torch.zeros_like(w) if g is None else g])
+                                   for w, g in zip((w13_EHF2, w2_EFH), grads)), None)
 
 
 def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13_EHF2: torch.Tensor,
@@ -101,6 +142,7 @@ class GroupedExperts(nn.Module):
                  device=None, dtype=None, etp: GroupHandle | None = None):
         super().__init__()
         self.num_local_experts, self.first_expert = num_local_experts, first_expert
+        self.wgrad_pairs: ExpertWgradPairs | None = None  # train.expert_wgrad_pairs (MixtralModel sets it)
         rank, size, ranks = (etp.rank, etp.size, tuple(etp.ranks)) if etp is not None else (0, 1, ())
         local_ffn = ffn_hidden_size // size
         self.w13 = make_param((num_local_experts, hidden_size, 2 * local_ffn), NORMAL, device, dtype,
@@ -110,4 +152,4 @@ class GroupedExperts(nn.Module):
         mark_own_grad(self.w13, self.w2)
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2)
+        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_pairs)

@@ -60,16 +60,17 @@ def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Ten
     return placeholder(param)
 
 
-def grouped_wgrad(param: torch.Tensor, x_TM: torch.Tensor, grad_TN: torch.Tensor, offsets_E: torch.Tensor,
+def grouped_wgrad(param: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                   experts: slice = slice(None)) -> torch.Tensor | None:
-    """The gradient of an expert weight (E, M, N), per expert x_e^T @ grad_e over its rows (``offsets_E``:
-    int32 end rows; rows past the last are skipped): accumulated into ``main_grad[experts]`` in fp32 inside the
-    grouped kernel (returns None: the caller returns :func:`placeholder` once for the whole parameter), or
-    returned in the parameter's dtype (``experts``: the run of local experts this call covers)."""
+    """The gradient of an expert weight (E, M, N) from one or two micro-batches' rows (``segments``: (x_TM,
+    grad_TN, int32 end offsets per expert); rows past the last offset are skipped), per expert the sum of
+    x_e^T @ grad_e: accumulated into ``main_grad[experts]`` in fp32 inside the grouped kernel (returns None: the
+    caller returns :func:`placeholder` once for the whole parameter), or returned in the parameter's dtype
+    (``experts``: the run of local experts this call covers)."""
     main_grad = main_grad_of(param)
     if main_grad is None:
-        return torch._grouped_mm(x_TM.t(), grad_TN, offs=offsets_E)
-    grouped_wgrad_accumulate(x_TM, grad_TN, offsets_E, main_grad[experts])
+        return sum(torch._grouped_mm(x.t(), grad, offs=offsets) for x, grad, offsets in segments)
+    grouped_wgrad_accumulate(segments, main_grad[experts])
     return None
 
 

@@ -22,6 +22,7 @@ from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 from moe_overlap.layers.attention import SelfAttention
 from moe_overlap.layers.embedding import Embedding, lm_cross_entropy
+from moe_overlap.layers.experts import ExpertWgradPairs
 from moe_overlap.layers.init import init_parameters, is_expert_param, is_tp_split
 from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.moe import MoELayer, capture_moe_layers
@@ -110,6 +111,18 @@ class MixtralModel(nn.Module):
         return [(self.embedding, ("embedding",)),
                 *((layer, (f"layers.{index}",)) for index, layer in enumerate(self.layers)),
                 (self.final_layernorm, head)]
+
+    def pair_expert_wgrads(self) -> None:
+        """``train.expert_wgrad_pairs``: every MoE layer sums its experts' weight gradients two micro-batches at a
+        time (layers/experts.py, ExpertWgradPairs); the trainer marks each micro-batch with start_micro_batch."""
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.mlp.experts.wgrad_pairs = ExpertWgradPairs()
+
+    def start_micro_batch(self, first: bool, last: bool) -> None:
+        for layer in self.layers:
+            if layer.is_moe and layer.mlp.experts.wgrad_pairs is not None:
+                layer.mlp.experts.wgrad_pairs.start_micro_batch(first, last)
 
     def graph_moe_layers(self, micro_batch_size: int) -> None:
         """Capture every MoE layer's forward and backward in CUDA graphs (``train.moe_cuda_graph``): from then

@@ -85,6 +85,8 @@ class Trainer:
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
                                  recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
                                  timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel)
+        if t.expert_wgrad_pairs:
+            self.model.pair_expert_wgrads()
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
@@ -117,7 +119,9 @@ class Trainer:
         losses = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.tokens_per_expert = {}
         for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
-            self.optimizer.start_micro_batch(is_last=index == self.num_micro_batches - 1)
+            last = index == self.num_micro_batches - 1
+            self.optimizer.start_micro_batch(is_last=last)
+            self.model.start_micro_batch(first=index == 0, last=last)
             out = self.model(to_device_async(input_ids, self.device), to_device_async(labels, self.device))
             (out.loss * loss_scale).backward()
             losses += torch.stack((out.lm_loss, out.aux_loss))
