@@ -26,7 +26,8 @@ WGRAD_SHAPES = {  # name: (experts, rows per expert, M, N) -- M x N per expert, 
 }
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Tried and dropped on an H200 (step_kernels_*_h200.json): a load +
 # store epilogue instead of the atomic add (10-20% slower), a persistent flattened tile loop (no gain).
-TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 32, 4, 6), (128, 256, 64, 8, 3)]
+TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                (256, 128, 64, 8, 3), (128, 256, 32, 8, 4)]
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 
 

@@ -48,14 +48,18 @@ if HAVE_TRITON:
             start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
             end = tl.load(offsets + expert)
             rows_seen += end - start
-            for k in range(start, end, BLOCK_K):
-                rows = (k + rk).to(tl.int64)
-                in_rows = rows < end
-                mask_a = in_rows[:, None] if EVEN_M else in_rows[:, None] & (rm[None, :] < M)
-                mask_b = in_rows[:, None] if EVEN_N else in_rows[:, None] & (rn[None, :] < N)
-                a_KM = tl.load(a_base + rows[:, None] * step_a + rm[None, :], mask=mask_a, other=0.0)
-                b_KN = tl.load(b_base + rows[:, None] * step_b + rn[None, :], mask=mask_b, other=0.0)
-                acc = tl.dot(tl.trans(a_KM), b_KN, acc)
+            # Pointers made once and stepped (int64 only for the expert's first row): the per-iteration address
+            # arithmetic of a [BLOCK_K, BLOCK_M] tile otherwise competes with the tensor cores.
+            a_KM = a_base + start.to(tl.int64) * step_a + rk[:, None] * step_a + rm[None, :]
+            b_KN = b_base + start.to(tl.int64) * step_b + rk[:, None] * step_b + rn[None, :]
+            for k in range(0, end - start, BLOCK_K):
+                in_rows = rk[:, None] < end - start - k
+                mask_a = in_rows if EVEN_M else in_rows & (rm[None, :] < M)
+                mask_b = in_rows if EVEN_N else in_rows & (rn[None, :] < N)
+                acc = tl.dot(tl.trans(tl.load(a_KM, mask=mask_a, other=0.0)), tl.load(b_KN, mask=mask_b, other=0.0),
+                             acc)
+                a_KM += BLOCK_K * step_a
+                b_KN += BLOCK_K * step_b
         if rows_seen > 0:  # an expert without rows adds nothing
             out = out_ptr + expert.to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
             mask = (rm[:, None] < M) & (rn[None, :] < N)

@@ -89,11 +89,12 @@ def _check_probs(probs_TK: torch.Tensor, row_of_copy_TK: torch.Tensor) -> None:
 
 if HAVE_TRITON:
 
-    def _rank_hist_kernel(experts_ptr, keep_ptr, rank_ptr, hist_ptr, N, E,
+    def _rank_hist_kernel(experts_ptr, keep_ptr, rank_ptr, hist_ptr, N, E, NB,
                           HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr):
         # Block b of BLOCK_N copies: each copy's rank among the earlier copies of its expert inside the block
         # (a BLOCK_N x BLOCK_N comparison), and the block's per-expert count, written to the zeroed row b of
-        # hist by the block's last copy of each expert (rank + 1). Deterministic: no atomics, independent of E.
+        # hist (expert-major: hist[e, b], so the prefix over blocks is an inner-dim scan) by the block's last copy of
+        # each expert (rank + 1). Deterministic: no atomics, independent of E.
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK_N)
         offs = b * BLOCK_N + i
@@ -108,9 +109,9 @@ if HAVE_TRITON:
         rank = tl.reduce((same & (i[None, :] < i[:, None])).to(tl.int32), 1, _sum_combine)
         later = tl.reduce((same & (i[None, :] > i[:, None])).to(tl.int32), 1, _sum_combine)
         tl.store(rank_ptr + offs, rank, mask=inb)
-        tl.store(hist_ptr + b * E + e, rank + 1, mask=valid & (later == 0))
+        tl.store(hist_ptr + e * NB + b, rank + 1, mask=valid & (later == 0))
 
-    def _position_kernel(experts_ptr, keep_ptr, base_ptr, start_ptr, pos_ptr, row_ptr, N, E, C,
+    def _position_kernel(experts_ptr, keep_ptr, base_ptr, start_ptr, pos_ptr, row_ptr, N, E, C, NB,
                          HAS_KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         # position = block base of the copy's expert + rank inside the block (already in pos_ptr);
         # ROWS: 0 positions only, 1 dropless rows (start_ptr: exclusive cumsum of counts), 2 capacity rows (C).
@@ -123,7 +124,7 @@ if HAVE_TRITON:
             kept = tl.load(keep_ptr + offs, mask=inb, other=0)
             valid = valid & (kept != 0)
         rank = tl.load(pos_ptr + offs, mask=inb, other=0)
-        base = tl.load(base_ptr + b * E + e, mask=valid, other=0).to(tl.int32)
+        base = tl.load(base_ptr + e * NB + b, mask=valid, other=0).to(tl.int32)
         pos = tl.where(valid, rank + base, -1)
         tl.store(pos_ptr + offs, pos, mask=inb)
         if ROWS == 1:
@@ -269,15 +270,15 @@ def _copy_positions_triton(experts_TK, num_experts, keep_TK, capacity, rows: int
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     num_blocks = triton.cdiv(n, block_n)
-    hist = torch.zeros((num_blocks, num_experts), dtype=torch.int32, device=dev)
-    _rank_hist[(num_blocks,), dev](experts, keep, position, hist, n, num_experts,
+    hist = torch.zeros((num_experts, num_blocks), dtype=torch.int32, device=dev)
+    _rank_hist[(num_blocks,), dev](experts, keep, position, hist, n, num_experts, num_blocks,
                                    HAS_KEEP=keep_TK is not None, BLOCK_N=block_n, num_warps=8)
-    incl = torch.cumsum(hist, 0)  # int64; blocks x experts, small
-    counts = incl[-1]
+    incl = torch.cumsum(hist, 1)  # int64; experts x blocks: a scan along the inner dim (the outer one is slow)
+    counts = incl[:, -1]
     base = incl - hist  # exclusive prefix over blocks
     start = torch.cumsum(counts, 0) - counts if rows == 1 else counts
     _position[(num_blocks,), dev](experts, keep, base, start, position, row, n, num_experts,
-                                  0 if capacity is None else int(capacity),
+                                  0 if capacity is None else int(capacity), num_blocks,
                                   HAS_KEEP=keep_TK is not None, ROWS=rows, BLOCK_N=block_n, num_warps=4)
     return position, row, counts
 

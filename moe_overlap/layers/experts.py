@@ -64,9 +64,12 @@ def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[Wgr
 
 def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor | None]) -> torch.Tensor:
     """What a backward returns for an expert weight whose gradient it computed in runs of experts: a
-    placeholder when the runs went into main_grad, else the runs joined (one run: no copy)."""
+    placeholder when the runs went into main_grad, else the runs joined (one run: no copy; no run at all, or a
+    run without rows: zeros)."""
     if main_grad_of(param) is not None:
         return placeholder(param)
+    if any(grad is None for grad in chunk_grads):
+        return torch.zeros_like(param)
     return chunk_grads[0] if len(chunk_grads) == 1 else torch.cat(chunk_grads)
 
 
@@ -117,8 +120,8 @@ class GroupedSwiGLU(torch.autograd.Function):
             inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         ready = ctx.pairs.take(inputs) if ctx.pairs is not None else [i for i in (inputs,) if i is not None]
         grads = experts_wgrad(w13_EHF2, w2_EFH, ready) if ready else (None, None)
-        return (grad_x_TH, None, *(weight_grad_for_autograd(w, [torch.zeros_like(w) if g is None else g])
-                                   for w, g in zip((w13_EHF2, w2_EFH), grads)), None)
+        return (grad_x_TH, None, *(weight_grad_for_autograd(w, [g]) for w, g in zip((w13_EHF2, w2_EFH), grads)),
+                None)
 
 
 def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13_EHF2: torch.Tensor,
