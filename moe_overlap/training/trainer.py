@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moe_overlap.config import Config, validate_for_world
+from moe_overlap.config import Config, config_yaml, validate_for_world
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.streams import check_gemm_sm_carveout, gemm_sm_carveout
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
+from moe_overlap.training.data_prepare import check_token_index
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
+from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, lr_at
 
 log = logging.getLogger(__name__)
@@ -82,11 +84,14 @@ class Trainer:
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
                                  recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
                                  timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel)
+        if t.init_from:  # before the optimizer, which takes its master weights from the parameters
+            load_model_weights(self.model, t.init_from)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
                 self.model.graph_moe_layers(t.micro_batch_size)
+        check_token_index(cfg.data.path, cfg.data.dtype, cfg.model.vocab_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
                                                      seq_length=cfg.model.seq_length)
         dp = mesh.dp
@@ -205,6 +210,7 @@ class Trainer:
         out_dir = Path(t.output_dir)
         if self.is_logger:
             out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.yaml").write_text(config_yaml(self.cfg))  # what export reads the model from
         history = []
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)
         with bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file:
