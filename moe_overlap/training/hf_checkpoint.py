@@ -21,11 +21,13 @@ truncated shard fails with its name, before any tensor is converted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,6 +135,14 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every single-process save and load, even when asked for one (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
+        yield
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -254,8 +264,9 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted import
     with tqdm(total=len(maps), desc="import", unit="tensor", dynamic_ncols=True) as progress:
-        dcp.save(placeholders, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False),
-                 planner=_LazySavePlanner(make, progress), no_dist=True)
+        with _single_process_quiet():
+            dcp.save(placeholders, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False),
+                     planner=_LazySavePlanner(make, progress), no_dist=True)
     (tmp / HF_FILES).mkdir()
     for name in HF_SIDE_FILES:
         if (hf_dir / name).is_file():
@@ -330,7 +341,8 @@ def _export_step(step: Path, config_path: Path | None, hf_dir: Path, arch: str |
             state = {f"model.{m.ours}": torch.empty(stored[f"model.{m.ours}"].size,
                                                     dtype=stored[f"model.{m.ours}"].properties.dtype)
                      for m in shard_maps}
-            dcp.load(state, checkpoint_id=str(step), no_dist=True)
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=str(step), no_dist=True)
             tensors = {}
             for m in shard_maps:
                 for name, tensor in zip(m.hf, hf.to_hf(m, state.pop(f"model.{m.ours}"), cfg.model)):
@@ -382,25 +394,25 @@ def load_model_weights(model: torch.nn.Module, path: str) -> Path:
     except FileNotFoundError as err:
         raise ConfigError("train.init_from", path, str(err)) from None
     stored = checkpoint_metadata(step).state_dict_metadata
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}  # this rank's parameters: its experts, its TP blocks
     for name, param in model.named_parameters():
         flat = param.data.view(-1)
         for key, offset, shape in logical_parts(name, param):
             view = flat[offset:offset + shape.numel()].view(shape)
             state[f"model.{key}"] = tp_logical_tensor(view, tp_shard(param))
-    params = set(state)
+    expected = model_logical_shapes(model.cfg)  # every rank's
     for name, buffer in model.state_dict(keep_vars=True).items():
-        if f"model.{name}" not in params and f"model.{name}" in stored:
-            state[f"model.{name}"] = buffer
-    for key, tensor in state.items():
-        if key not in stored:
-            raise ConfigError("train.init_from", path, f"{step} has no {key}: does model match its {CONFIG_FILE}?")
-        if tuple(stored[key].size) != tuple(tensor.size()):
-            raise ConfigError("train.init_from", path, f"{key} is {list(stored[key].size)} in {step}, "
-                              f"{list(tensor.size())} in the model: does model match its {CONFIG_FILE}?")
-    extra = sorted(k for k in stored if k.startswith("model.") and k not in state)
+        if f"model.{name}" not in state and f"model.{name}" in stored:
+            state[f"model.{name}"], expected[f"model.{name}"] = buffer, buffer.shape
+    mismatch = next((f"{step} has no {key}" if key not in stored else
+                     f"{key} is {list(stored[key].size)} in {step}, {list(shape)} in the model"
+                     for key, shape in expected.items()
+                     if key not in stored or tuple(stored[key].size) != tuple(shape)), None)
+    extra = sorted(k for k in stored if k.startswith("model.") and k not in expected)
     if extra:
-        raise ConfigError("train.init_from", path, f"{step} holds {extra[0]}, which the model has not "
-                          f"({len(extra)} such tensors): does model match its {CONFIG_FILE}?")
-    dcp.load(state, checkpoint_id=str(step), no_dist=not dist.is_initialized())
+        mismatch = f"{step} holds {extra[0]}, which the model has not ({len(extra)} such tensors)"
+    if mismatch:
+        raise ConfigError("train.init_from", path, f"{mismatch}: does the model config match its {CONFIG_FILE}?")
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(step), no_dist=not dist.is_initialized())
     return step
