@@ -23,7 +23,6 @@ import numpy as np
 from tqdm import tqdm
 
 from moe_overlap.config import ConfigError
-from moe_overlap.training.data import TOKEN_DTYPES
 
 INDEX_FORMAT = "moe_overlap token file v1"
 _BATCH_DOCUMENTS = 256  # documents encoded per tokenizer call
@@ -71,26 +70,27 @@ def read_documents(path: Path, field: str):
             yield record[field]
 
 
-_worker_tokenizer = None
+_worker_tokenizer = None  # the fast tokenizer's Rust backend, rebuilt in each worker from its JSON
 
 
-def _init_worker(tokenizer_name: str) -> None:
+def _init_worker(tokenizer_json: str) -> None:
+    from tokenizers import Tokenizer
+
     global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(tokenizer_name)
+    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
 
 
-def _tokenize_file(job: tuple[int, str, str, str, str]) -> tuple[int, int, int]:
+def _tokenize_file(job: tuple[int, str, str, str, str, int]) -> tuple[int, int, int]:
     """Tokenize one input into its part file; returns (job index, documents, tokens)."""
-    index, path, field, part, dtype = job
-    tokenizer, eos = _worker_tokenizer, _worker_tokenizer.eos_token_id
+    index, path, field, part, dtype, eos = job
     documents = tokens = 0
     batch: list[str] = []
 
     def flush(out) -> int:
         written = 0
-        for ids in tokenizer(batch)["input_ids"]:
-            ids = ids if ids and ids[-1] == eos else ids + [eos]
-            np.asarray(ids, dtype=TOKEN_DTYPES[dtype]).tofile(out)
+        for encoding in _worker_tokenizer.encode_batch(batch):
+            ids = encoding.ids if encoding.ids and encoding.ids[-1] == eos else encoding.ids + [eos]
+            np.asarray(ids, dtype=dtype).tofile(out)
             written += len(ids)
         batch.clear()
         return written
@@ -115,26 +115,33 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text", wo
     for target in (bin_path, index_path(bin_path)):
         if target.exists():
             raise FileExistsError(f"{target}: already exists; choose another --out (nothing is overwritten)")
-    _init_worker(tokenizer)  # here too: fail before any worker starts, and size the vocabulary
-    vocab_size, eos = len(_worker_tokenizer), _worker_tokenizer.eos_token_id
+    from moe_overlap.training.data import TOKEN_DTYPES  # here: workers need neither it nor torch
+
+    hf_tokenizer = load_tokenizer(tokenizer)  # before any worker starts: a bad name fails once
+    vocab_size, eos = len(hf_tokenizer), hf_tokenizer.eos_token_id
     if eos is None:
         raise ValueError(f"--tokenizer {tokenizer!r} defines no EOS token (eos_token in its tokenizer_config.json); "
                          "documents are separated by it")
+    if not hf_tokenizer.is_fast:
+        raise ValueError(f"--tokenizer {tokenizer!r} has no fast (Rust) version: tokenizer.json is needed")
+    tokenizer_json = hf_tokenizer.backend_tokenizer.to_str()
     dtype = token_dtype_for(vocab_size)
     parts_dir = bin_path.with_name(bin_path.name + ".parts")
     shutil.rmtree(parts_dir, ignore_errors=True)  # left by an interrupted run
     parts_dir.mkdir(parents=True)
-    jobs = [(i, str(p), field, str(parts_dir / f"{i:06d}.bin"), dtype) for i, p in enumerate(paths)]
+    jobs = [(i, str(p), field, str(parts_dir / f"{i:06d}.bin"), TOKEN_DTYPES[dtype].str, eos)
+            for i, p in enumerate(paths)]
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
     counts: dict[int, tuple[int, int]] = {}
     try:
         with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenize",
                   dynamic_ncols=True) as bar:
             if workers == 1:
+                _init_worker(tokenizer_json)
                 results = map(_tokenize_file, jobs)
                 pool = None
             else:  # spawned: a forked tokenizer's own threads would deadlock
-                pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
+                pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_json,))
                 results = pool.imap_unordered(_tokenize_file, jobs)
             for index, documents, tokens in results:
                 counts[index] = (documents, tokens)
@@ -144,7 +151,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text", wo
                 pool.join()
         tmp = bin_path.with_name(bin_path.name + ".tmp")
         with open(tmp, "wb") as merged:
-            for _, _, _, part, _ in jobs:
+            for _, _, _, part, _, _ in jobs:
                 with open(part, "rb") as f:
                     shutil.copyfileobj(f, merged)
         os.replace(tmp, bin_path)
@@ -172,6 +179,6 @@ def check_token_index(path: str | None, dtype: str, vocab_size: int) -> None:
         raise ConfigError("model.vocab_size", vocab_size, f"must be >= {index['vocab_size']}, the vocabulary of "
                           f"tokenizer {index['tokenizer']!r} that wrote {path}")
     size = Path(path).expanduser().stat().st_size
-    if size != index["tokens"] * TOKEN_DTYPES[dtype].itemsize:
+    if size != index["tokens"] * np.dtype(dtype).itemsize:
         raise ConfigError("data.path", path, f"{size} bytes, its index {index_file} promises {index['tokens']} "
                           f"{dtype} tokens: truncated or rewritten?")
