@@ -28,9 +28,9 @@ from moe_overlap.models.mixtral import build_model
 from moe_overlap.training import hf_checkpoint
 from moe_overlap.training.hf_checkpoint import export_hf, import_hf, load_model_weights
 from moe_overlap.training.optimizer import logical_grad_copies
-from moe_overlap.training.trainer import Trainer, mesh_layout
+from moe_overlap.training.trainer import Trainer
 from tests.test_master import rel_err, world_and_mesh
-from tests.test_tp import dense_config
+from tests.test_tp import dense_tp_case
 
 TOL = 1e-5
 CPU = torch.device("cpu")
@@ -192,27 +192,10 @@ def test_import_at_layouts_equals_single_process(rank_pool, imported, tmp_path, 
     assert max(rank_pool(2).run(import_layout_case, str(ckpt), str(tmp_path), layout)) < TOL
 
 
-def dense_qk_norm_case(output_dir: str) -> float:
-    """TP=2 without sequence parallelism: each rank's heads add to the per-head q/k norm weights' gradient."""
-    extra = {"model.qk_layernorm": "true", "model.add_qkv_bias": "true", "model.kv_channels": 16}
-    cfg = dense_config(output_dir, 4, **extra, **{"parallel.tensor_model_parallel_size": 2})
-    mesh = Mesh.create(mesh_layout(cfg, 2), timeout_s=60)
-    try:
-        runs = Trainer(cfg, mesh, CPU), Trainer(dense_config(output_dir, 4, **extra), Mesh.single(), CPU)
-        worst = 0.0
-        for _ in range(2):
-            grads = [{}, {}]
-            metrics = [r.train_step(lambda opt, got=got: got.update(opt.logical_grads()))
-                       for r, got in zip(runs, grads)]
-            worst = max(worst, abs(metrics[0]["loss"] - metrics[1]["loss"]) / metrics[1]["loss"],
-                        *(rel_err(grad, grads[1][key]) for key, grad in grads[0].items()))
-        return worst
-    finally:
-        mesh.destroy()
-
-
 def test_qk_norm_and_bias_under_tp_without_sequence_parallel(rank_pool, tmp_path):
-    assert max(rank_pool(2).run(dense_qk_norm_case, str(tmp_path))) < TOL
+    """Dense TP=2 without sequence parallelism: each rank's heads add to the per-head q/k norm's gradient."""
+    extra = {"model.qk_layernorm": "true", "model.add_qkv_bias": "true", "model.kv_channels": 16}
+    assert max(rank_pool(2).run(dense_tp_case, str(tmp_path), **extra)) < TOL
 
 
 # ------------------------------------------------------------------------------------------ refusals

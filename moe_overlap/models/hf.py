@@ -169,7 +169,8 @@ def hf_config_from_model(cfg: ModelConfig, arch: str, base: dict | None = None, 
     else:
         hf.update(num_experts=cfg.num_moe_experts, norm_topk_prob=not cfg.moe_router_pre_softmax)
     if arch == "qwen2_moe":
-        hf.update(qkv_bias=cfg.add_qkv_bias, shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 0)
+        hf.update(qkv_bias=cfg.add_qkv_bias,
+                  shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 0)
     if arch == "olmoe":
         hf["clip_qkv"] = None
     return hf
