@@ -168,6 +168,8 @@ def hf_config_from_model(cfg: ModelConfig, arch: str, base: dict | None = None, 
         hf.update(num_local_experts=cfg.num_moe_experts, sliding_window=None, router_jitter_noise=0.0)
     else:
         hf.update(num_experts=cfg.num_moe_experts, norm_topk_prob=not cfg.moe_router_pre_softmax)
+        if "num_local_experts" in hf:  # transformers 5's name for it, from the imported config
+            hf["num_local_experts"] = cfg.num_moe_experts
     if arch == "qwen2_moe":
         hf.update(qkv_bias=cfg.add_qkv_bias,
                   shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 0)

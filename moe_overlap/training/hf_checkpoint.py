@@ -240,6 +240,8 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
     for name in sorted(shards.info):
         if name in skipped and (shards.meta(name).numel() == 0 or name.endswith("_gate.weight")):
             continue
+        if name == "lm_head.weight" and cfg.model.share_embeddings_and_output_weights:
+            continue  # tied: transformers uses the embedding, whatever the file holds
         if name not in wanted and not name.endswith(hf.DERIVED_SUFFIXES):
             raise HFConversionError(f"{hf_dir / shards.info[name][0]}: {name}: {hf.unmapped_tensor_hint(name)}")
     for name in sorted(wanted - set(shards.info)):
