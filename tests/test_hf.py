@@ -143,9 +143,17 @@ def test_import_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------ layouts
 
 
-def import_layout_case(ckpt: str, output_dir: str, layout: dict) -> float:
-    """A run from the import under ``layout``: its slices are the single-process import's, bit for bit,
-    and two steps give the single-process losses and gradients."""
+def logical_weights(model, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """This rank's parameters by logical key, TP blocks gathered (a collective over TP / expert-TP)."""
+    return {key: tensor for name, param in model.named_parameters()
+            for key, tensor in logical_grad_copies(name, param, param.data,
+                                                   mesh.etp if is_expert_param(param) else mesh.tp).items()}
+
+
+def import_layout_case(ckpt: str, output_dir: str, layout: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """A run from the import under ``layout``: its slices are the single-process import's, bit for bit, and
+    two steps give the single-process losses and gradients; then it saves. Returns the worst error and this
+    rank's trained weights."""
     world = dist.get_world_size()
     dp = world // int(layout.get("parallel.tensor_model_parallel_size", 1))
     common = {"model.seq_length": 16, "train.micro_batch_size": 2, "train.global_batch_size": 4 * dp,
@@ -157,12 +165,9 @@ def import_layout_case(ckpt: str, output_dir: str, layout: dict) -> float:
     try:
         run, reference = Trainer(cfg, mesh, CPU), Trainer(load_config(config, [f"{k}={v}" for k, v in common.items()]),
                                                           Mesh.single(), CPU)
-        single = dict(reference.model.named_parameters())
-        for name, param in run.model.named_parameters():  # TP blocks gathered: a collective
-            got = logical_grad_copies(name, param, param.data, mesh.etp if is_expert_param(param) else mesh.tp)
-            want = logical_grad_copies(name, single[name], single[name].data, Mesh.single().tp)
-            for key, tensor in got.items():
-                assert torch.equal(tensor, want[key]), key
+        single = logical_weights(reference.model, Mesh.single())
+        for key, tensor in logical_weights(run.model, mesh).items():
+            assert torch.equal(tensor, single[key]), key
         worst = 0.0
         for _ in range(2):
             grads = [{}, {}]
@@ -170,7 +175,8 @@ def import_layout_case(ckpt: str, output_dir: str, layout: dict) -> float:
                        for r, got in zip((run, reference), grads)]
             worst = max(worst, abs(metrics[0]["loss"] - metrics[1]["loss"]) / metrics[1]["loss"],
                         *(rel_err(grad, grads[1][key]) for key, grad in grads[0].items()))
-        return worst
+        run.save()
+        return worst, logical_weights(run.model, mesh)
     finally:
         mesh.destroy()
 
@@ -187,9 +193,19 @@ def tp2(**extra) -> dict:
     ("qwen3_moe", tp2(**{"parallel.expert_model_parallel_size": 2, "parallel.expert_tensor_parallel_size": 1})),
     ("olmoe", tp2()),  # the whole-projection q/k norm across TP ranks
 ], ids=["mixtral_ep2", "mixtral_tp2", "qwen2_ep2", "qwen2_tp2", "qwen3_tp2_ep2", "olmoe_tp2"])
-def test_import_at_layouts_equals_single_process(rank_pool, imported, tmp_path, arch, layout):
+def test_import_at_layouts_equals_single_process_and_exports(rank_pool, imported, tmp_path, arch, layout):
     _, ckpt = imported(arch)
-    assert max(rank_pool(2).run(import_layout_case, str(ckpt), str(tmp_path), layout)) < TOL
+    results = rank_pool(2).run(import_layout_case, str(ckpt), str(tmp_path), layout)
+    assert max(worst for worst, _ in results) < TOL
+    # The layout's checkpoint (its checkpoints root, with the import's config) exports the weights it trained.
+    trained = {key: tensor for _, weights in results for key, tensor in weights.items()}
+    export_hf(tmp_path / "checkpoints", tmp_path / "exported", config=ckpt / "config.yaml")
+    import_hf(tmp_path / "exported", tmp_path / "reimported")
+    model = build_model(load_config(ckpt / "config.yaml").model, Mesh.single(), CPU, torch.float32, seed=7)
+    load_model_weights(model, str(tmp_path / "reimported"))
+    exported = logical_weights(model, Mesh.single())
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(tensor, trained[key]) for key, tensor in exported.items())
 
 
 def test_qk_norm_and_bias_under_tp_without_sequence_parallel(rank_pool, tmp_path):
