@@ -255,6 +255,11 @@ def test_import_refuses_unknown_or_missing_tensors_and_truncated_shards(imported
     save_file({k: v for k, v in tensors.items() if k != name}, shard)
     with pytest.raises(HFConversionError, match=f"{name} is listed in model.safetensors.index.json but in none"):
         import_hf(hf_dir, tmp_path / "ckpt")
+    index_file = hf_dir / "model.safetensors.index.json"
+    index_file.write_text(json.dumps({**index, "weight_map": {k: v for k, v in index["weight_map"].items()
+                                                             if k != name}}))
+    with pytest.raises(HFConversionError, match=f"{name} is missing"):
+        import_hf(hf_dir, tmp_path / "ckpt")
     save_file(tensors, shard)
     shard.write_bytes(shard.read_bytes()[:-100])  # an interrupted download
     assert main(["hf", "import", str(hf_dir), str(tmp_path / "ckpt")]) == 2

@@ -102,15 +102,23 @@ def _check_attention(hf: dict, arch: str) -> None:
         raise _refuse("sliding_window", hf["sliding_window"], "attention here is full causal: only null")
 
 
+class _Required(dict):
+    """A config.json whose missing keys fail by name."""
+
+    def __missing__(self, key: str):
+        raise HFConversionError(f"config.json: {key} is missing")
+
+
 def model_fields_from_hf(hf: dict) -> dict[str, Any]:
     """ModelConfig fields equivalent to a Hugging Face config.json (a dict); refuses what we cannot compute."""
+    hf = _Required(hf)
     arch = hf.get("model_type")
     if arch not in ARCHITECTURES:
         raise _refuse("model_type", arch, f"supported: {', '.join(ARCHITECTURES)}")
     _check_attention(hf, arch)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or hidden // heads
-    experts = hf.get("num_local_experts", hf.get("num_experts"))  # transformers 5 renames num_experts
+    experts = hf["num_local_experts" if "num_local_experts" in hf else "num_experts"]  # transformers 5's name
     moe_layers = _moe_layers(hf, arch)
     fields = dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,

@@ -244,8 +244,10 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
             continue  # tied: transformers uses the embedding, whatever the file holds
         if name not in wanted and not name.endswith(hf.DERIVED_SUFFIXES):
             raise HFConversionError(f"{hf_dir / shards.info[name][0]}: {name}: {hf.unmapped_tensor_hint(name)}")
-    for name in sorted(wanted - set(shards.info)):
-        raise HFConversionError(f"{hf_dir}: {name} is missing (config.json describes it)")
+    missing = sorted(wanted - set(shards.info))
+    if missing:
+        raise HFConversionError(f"{hf_dir}: {missing[0]} is missing, and {len(missing) - 1} more tensors that "
+                                "config.json describes")
     placeholders, by_key = {}, {}
     for m in maps:
         key = f"model.{m.ours}"
