@@ -214,6 +214,28 @@ def test_qk_norm_and_bias_under_tp_without_sequence_parallel(rank_pool, tmp_path
     assert max(rank_pool(2).run(dense_tp_case, str(tmp_path), **extra)) < TOL
 
 
+def test_export_of_a_running_job_follows_its_newest_checkpoint(imported, tmp_path, monkeypatch, caplog):
+    """The job rotates the step being read away (keep_last): export starts again from the newest one."""
+    _, ckpt = imported("mixtral")
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(ckpt, root / "step_00000001")
+    shutil.copy(ckpt / "config.yaml", tmp_path / "run" / "config.yaml")
+    (root / "latest").write_text('{"step": 1}')
+    read = hf_checkpoint.checkpoint_metadata
+
+    def rotate_then_read(step: Path):
+        if step.name == "step_00000001":  # the job saves step 2 and removes step 1 under us
+            shutil.copytree(step, root / "step_00000002")
+            (root / "latest").write_text('{"step": 2}')
+            shutil.rmtree(step)
+        return read(step)
+
+    monkeypatch.setattr(hf_checkpoint, "checkpoint_metadata", rotate_then_read)
+    export_hf(tmp_path / "run", tmp_path / "out")
+    assert "was removed while reading it" in caplog.text
+    assert safetensors_tensors(tmp_path / "out").keys() == safetensors_tensors(imported("mixtral")[0]).keys()
+
+
 # ------------------------------------------------------------------------------------------ refusals
 
 

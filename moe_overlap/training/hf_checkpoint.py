@@ -308,15 +308,14 @@ def export_hf(source: str | os.PathLike, hf_dir: str | os.PathLike, config: str 
         raise FileExistsError(f"{hf_dir}: exists and is not empty; choose another output (nothing is overwritten)")
     if dtype is not None and dtype not in DTYPES:
         raise HFConversionError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    for attempt in range(3):
+    for attempt in (1, 2, 3):
         step, config_path = resolve_checkpoint(source)
         try:
             return _export_step(step, Path(config) if config else config_path, hf_dir, arch, dtype, max_shard_bytes)
-        except FileNotFoundError:
-            if step.exists() or attempt == 2:
+        except Exception:
+            if step.exists() or attempt == 3:
                 raise
             log.warning("%s was removed while reading it (a running job's keep_last); exporting its newest", step)
-    raise AssertionError("unreachable")
 
 
 def _export_step(step: Path, config_path: Path | None, hf_dir: Path, arch: str | None, dtype: str | None,
@@ -328,8 +327,8 @@ def _export_step(step: Path, config_path: Path | None, hf_dir: Path, arch: str |
     base_dir = _hf_base(step, cfg)
     base = json.loads((base_dir / "config.json").read_text()) if base_dir else None
     arch = arch or (base or {}).get("model_type") or hf.default_arch(cfg.model)
-    maps = hf.tensor_maps(cfg.model, arch)
     hf.check_exportable(cfg.model, arch)
+    maps = hf.tensor_maps(cfg.model, arch)
     metadata = checkpoint_metadata(step)
     stored = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     _check_keys(maps, model_logical_shapes(cfg.model), {k: v.size for k, v in stored.items()}, str(step))
