@@ -13,6 +13,7 @@ one worker, into a part file that is appended to PREFIX.bin in input order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -129,29 +130,27 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text", wo
     parts_dir = bin_path.with_name(bin_path.name + ".parts")
     shutil.rmtree(parts_dir, ignore_errors=True)  # left by an interrupted run
     parts_dir.mkdir(parents=True)
-    jobs = [(i, str(p), field, str(parts_dir / f"{i:06d}.bin"), TOKEN_DTYPES[dtype].str, eos)
-            for i, p in enumerate(paths)]
+    parts = [parts_dir / f"{i:06d}.bin" for i in range(len(paths))]
+    jobs = [(i, str(path), field, str(part), TOKEN_DTYPES[dtype].str, eos)
+            for i, (path, part) in enumerate(zip(paths, parts))]
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
     counts: dict[int, tuple[int, int]] = {}
     try:
         with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenize",
-                  dynamic_ncols=True) as bar:
+                  dynamic_ncols=True) as bar, contextlib.ExitStack() as stack:
             if workers == 1:
                 _init_worker(tokenizer_json)
                 results = map(_tokenize_file, jobs)
-                pool = None
             else:  # spawned: a forked tokenizer's own threads would deadlock
-                pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_json,))
+                pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers, _init_worker,
+                                                                                     (tokenizer_json,)))
                 results = pool.imap_unordered(_tokenize_file, jobs)
             for index, documents, tokens in results:
                 counts[index] = (documents, tokens)
                 bar.update(paths[index].stat().st_size)
-            if pool is not None:
-                pool.close()
-                pool.join()
         tmp = bin_path.with_name(bin_path.name + ".tmp")
         with open(tmp, "wb") as merged:
-            for _, _, _, part, _, _ in jobs:
+            for part in parts:
                 with open(part, "rb") as f:
                     shutil.copyfileobj(f, merged)
         os.replace(tmp, bin_path)
