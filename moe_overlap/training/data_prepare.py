@@ -79,6 +79,8 @@ def _init_worker(tokenizer_json: str) -> None:
 
     global _worker_tokenizer
     _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+    _worker_tokenizer.no_truncation()  # whole documents, whatever the saved tokenizer was set to
+    _worker_tokenizer.no_padding()
 
 
 def _tokenize_file(job: tuple[int, str, str, str, str, int]) -> tuple[int, int, int]:
