@@ -1,4 +1,4 @@
-"""`moe-overlap train | info | bench`: the command line.
+"""`moe-overlap train | info | bench | hf | data`: the command line.
 
 Config errors are printed as one line naming the field, without a traceback; so are failed collectives
 (a peer rank died, or did not answer within train.distributed_timeout_s).
@@ -28,7 +28,56 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("overrides", nargs="*")
     info.add_argument("--world-size", type=int, default=None, help="layout to print (default: the smallest valid)")
     sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ...")
+    hf = sub.add_parser("hf", help="import / export Hugging Face checkpoints").add_subparsers(dest="action",
+                                                                                               required=True)
+    hf_import = hf.add_parser("import", help="HF_DIR (safetensors) -> a checkpoint train.init_from reads")
+    hf_import.add_argument("hf_dir")
+    hf_import.add_argument("out_ckpt")
+    hf_import.add_argument("--config-out", default=None, help="also write the training config here")
+    hf_export = hf.add_parser("export", help="a checkpoint, its checkpoints root or its run -> HF_DIR")
+    hf_export.add_argument("checkpoint", metavar="CKPT_OR_RUN")
+    hf_export.add_argument("hf_dir")
+    hf_export.add_argument("--config", default=None, help="the run's config (default: config.yaml beside it)")
+    hf_export.add_argument("--arch", default=None, help="mixtral | qwen2_moe | qwen3_moe | olmoe (default: the "
+                           "imported model's, else the one that expresses the config)")
+    hf_export.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: as stored)")
+    hf_export.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors file")
+    data = sub.add_parser("data", help="prepare training data").add_subparsers(dest="action", required=True)
+    prepare = data.add_parser("prepare", help="tokenize text / JSONL into OUT.bin + OUT.json (data.path)")
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT")
+    prepare.add_argument("--tokenizer", required=True, help="a tokenizer directory or a name in the local HF cache")
+    prepare.add_argument("--out", required=True, metavar="PREFIX")
+    prepare.add_argument("--field", default="text", help="the text field of .jsonl records")
+    prepare.add_argument("--workers", type=int, default=None, help="parallel files (default: CPU count)")
     return parser
+
+
+def _tool(args: argparse.Namespace) -> int:
+    """`hf import | hf export | data prepare`: single-process tools; their errors print as one line."""
+    from moe_overlap.models.hf import HFConversionError
+
+    try:
+        if args.command == "data":
+            from moe_overlap.training.data_prepare import prepare
+
+            index = prepare(args.inputs, args.tokenizer, args.out, args.field, args.workers)
+            print(f"{args.out}.bin: {index['documents']} documents, {index['tokens']} tokens ({index['dtype']}, "
+                  f"vocabulary {index['vocab_size']}): set data.path={args.out}.bin data.dtype={index['dtype']}")
+            return 0
+        from moe_overlap.training.hf_checkpoint import export_hf, import_hf
+
+        if args.action == "import":
+            cfg = import_hf(args.hf_dir, args.out_ckpt, args.config_out)
+            print(f"{args.out_ckpt}: train from it with train.init_from={cfg.train.init_from} (model config in "
+                  f"{args.config_out or Path(args.out_ckpt) / 'config.yaml'})")
+        else:
+            out = export_hf(args.checkpoint, args.hf_dir, args.config, args.arch, args.dtype,
+                            int(args.max_shard_size * 1e9))
+            print(f"{out}: written")
+        return 0
+    except (HFConversionError, ConfigError, FileNotFoundError, FileExistsError, ValueError, ImportError) as err:
+        print(f"moe-overlap: {args.command} {args.action}: {err}", file=sys.stderr)
+        return 2
 
 
 BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_step.py"}
@@ -64,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come after options (`train CFG --nproc 2 train.max_steps=5`), which argparse does not
     # gather into one positional list by itself.
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("hf", "data"):
+        return _tool(parser.parse_args(argv))
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

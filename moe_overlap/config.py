@@ -49,6 +49,12 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     share_embeddings_and_output_weights: bool = False
+    kv_channels: Optional[int] = None  # channels per attention head; None: hidden_size / num_attention_heads
+    add_qkv_bias: bool = False  # a bias on the query, key and value projections (Qwen2)
+    qk_layernorm: bool = False  # RMSNorm of queries and keys before RoPE
+    # its channels: each head's (one weight shared by the heads: Qwen3, Megatron) or a token's whole query /
+    # key projection (a weight per channel: OLMoE)
+    qk_layernorm_scope: Literal["head", "all_heads"] = "head"
     # MoE. num_moe_experts None: a dense model.
     num_moe_experts: Optional[int] = None
     # Megatron semantics: an int N makes every N-th layer (0, N, 2N, ...) MoE; a list of 0/1 per layer.
@@ -70,10 +76,11 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False  # the shared expert's output scaled by a per-token sigmoid gate (Qwen2-MoE)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def query_groups(self) -> int:
@@ -178,6 +185,9 @@ class TrainConfig:
     log_interval: int = 1
     output_dir: str = "runs/default"
     resume: bool = False
+    # A checkpoint (an imported Hugging Face model, or a run's) whose model weights a fresh run starts from;
+    # each rank reads its own slices. A resumable checkpoint of this run takes precedence (train.resume).
+    init_from: Optional[str] = None
     distributed_timeout_s: float = 120.0
 
 
@@ -257,6 +267,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg = _build(Config, raw, "")
     validate(cfg)
     return cfg
+
+
+def config_yaml(cfg: Config) -> str:
+    """The whole config as YAML that :func:`load_config` reads back to the same config."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 def _apply_override(raw: dict, item: str) -> None:
@@ -367,10 +382,16 @@ def validate(cfg: Config) -> None:
     for name in ("hidden_size", "ffn_hidden_size"):
         # torch._grouped_mm needs 16-byte row strides; multiples of 8 keep bf16 and fp32 both aligned.
         _require(getattr(m, name) % 8 == 0, f"model.{name}", getattr(m, name), "must be a multiple of 8")
-    _require(m.hidden_size % m.num_attention_heads == 0, "model.num_attention_heads", m.num_attention_heads,
-             f"must divide model.hidden_size={m.hidden_size}")
-    _require(m.head_dim % 2 == 0, "model.num_attention_heads", m.num_attention_heads,
-             f"head dim hidden_size/num_attention_heads={m.head_dim} must be even for rotary embeddings")
+    if m.kv_channels is None:
+        _require(m.hidden_size % m.num_attention_heads == 0, "model.num_attention_heads", m.num_attention_heads,
+                 f"must divide model.hidden_size={m.hidden_size} (or set model.kv_channels)")
+        _require(m.head_dim % 2 == 0, "model.num_attention_heads", m.num_attention_heads,
+                 f"head dim hidden_size/num_attention_heads={m.head_dim} must be even for rotary embeddings")
+    else:
+        _require(m.kv_channels >= 2 and m.kv_channels % 2 == 0, "model.kv_channels", m.kv_channels,
+                 "must be a positive even number (rotary embeddings rotate channel pairs), or null")
+    _require(m.qk_layernorm or m.qk_layernorm_scope == "head", "model.qk_layernorm_scope", m.qk_layernorm_scope,
+             "needs model.qk_layernorm=true")
     if m.num_query_groups is not None:
         _require(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
                  "model.num_query_groups", m.num_query_groups,
@@ -458,6 +479,8 @@ def validate(cfg: Config) -> None:
                  t.profile_steps, "must be [first, last] steps, 1 <= first <= last (or null: no profile)")
     _require(all(rank >= 0 for rank in t.profile_ranks), "train.profile_ranks", t.profile_ranks,
              "must list ranks >= 0")
+    _require(t.init_from is None or bool(t.init_from), "train.init_from", t.init_from,
+             "must be a checkpoint path, or null: initialise from train.seed")
 
     _require(0 < d.validation_fraction <= 0.5, "data.validation_fraction", d.validation_fraction,
              "must be in (0, 0.5]")
@@ -539,6 +562,9 @@ def _validate_moe(m: ModelConfig) -> None:
     if m.moe_shared_expert_overlap:
         _require(m.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_overlap", True,
                  "needs model.moe_shared_expert_intermediate_size (there is no shared expert to overlap)")
+    if m.moe_shared_expert_gate:
+        _require(m.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_gate", True,
+                 "needs model.moe_shared_expert_intermediate_size (there is no shared expert to gate)")
 
 
 def _validate_router_groups(m: ModelConfig) -> None:

@@ -127,13 +127,14 @@ def dense_config(output_dir: str, global_batch: int, **extra):
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
-def dense_tp_case(output_dir: str) -> float:
-    """TP = world without sequence parallelism (Megatron's f/g all-reduces), tied embeddings, vs one process."""
+def dense_tp_case(output_dir: str, **extra) -> float:
+    """TP = world without sequence parallelism (Megatron's f/g all-reduces), tied embeddings, vs one process;
+    ``extra``: overrides both runs use."""
     world = dist.get_world_size()
-    cfg = dense_config(output_dir, 4, **{"parallel.tensor_model_parallel_size": world})
+    cfg = dense_config(output_dir, 4, **{"parallel.tensor_model_parallel_size": world}, **extra)
     mesh = Mesh.create(mesh_layout(cfg, world), timeout_s=60)
     try:
-        runs = Trainer(cfg, mesh, CPU), Trainer(dense_config(output_dir, 4), Mesh.single(), CPU)
+        runs = Trainer(cfg, mesh, CPU), Trainer(dense_config(output_dir, 4, **extra), Mesh.single(), CPU)
         worst = 0.0
         for _ in range(2):
             grads = [{}, {}]

@@ -124,6 +124,20 @@ class AllToAllRows(torch.autograd.Function):
         return all_to_all_rows(grad_output, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
+class AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over ``group`` (torch.distributed.nn.functional is deprecated in 2.13): every rank
+    uses the sum, so each input's gradient is the sum of every rank's output gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return all_reduce_(grad_output.clone(), ctx.group), None
+
+
 def barrier(group: ProcessGroup = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)

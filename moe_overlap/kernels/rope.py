@@ -91,6 +91,12 @@ def rotary_tables(positions_S: torch.Tensor, head_dim: int, base: float) -> tupl
     return angles.cos(), angles.sin()
 
 
+def rotate_pairs(x_BSHD: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
+    """(B, S, heads, D) rotated pair-wise by the position's angle, in torch ops (where something must come
+    between the QKV split and the rotation, such as a query / key norm)."""
+    return _rotate(x_BSHD, cos_SD2, sin_SD2, 1.0)
+
+
 def _rotate(x: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, sign: float) -> torch.Tensor:
     """(..., S, heads, D) rotated pair-wise by sign x the position's angle, in fp32, back in x's dtype."""
     x1, x2 = x.float().chunk(2, dim=-1)

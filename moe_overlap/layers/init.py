@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 ONES = "ones"
+ZEROS = "zeros"  # biases, as Megatron
 NORMAL = "normal"
 SCALED_NORMAL = "scaled_normal"  # output projections: std / sqrt(2 * num_layers), as Megatron
 
@@ -112,8 +113,8 @@ def _generator(seed: int, key: str) -> torch.Generator:
 
 def _fill(target: torch.Tensor, rule: str, key: str, seed: int, std: float, num_layers: int,
           shard: TPShard | None = None) -> None:
-    if rule == ONES:
-        target.fill_(1.0)
+    if rule in (ONES, ZEROS):
+        target.fill_(1.0 if rule == ONES else 0.0)
         return
     scale = std / math.sqrt(2.0 * num_layers) if rule == SCALED_NORMAL else std
     shape = target.shape if shard is None else shard.logical_shape(target.shape)

@@ -7,11 +7,12 @@ Tensor parallel: fc1 is column-parallel with each of gate and up split over the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward
-from moe_overlap.layers.init import SCALED_NORMAL
+from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -46,3 +47,15 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_RH = self.linear_fc2(swiglu(self.linear_fc1(x.reshape(-1, x.shape[-1]))))
         return out_RH.view_as(x)
+
+
+class GatedSharedExpert(SwiGLUMLP):
+    """A MoE layer's shared expert whose output each token scales by sigmoid(x . gate_weight) (Qwen2-MoE;
+    Megatron's moe_shared_expert_gate). Runs on this rank's tokens, as the shared expert does."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, device=None, dtype=None):
+        super().__init__(hidden_size, ffn_hidden_size, device, dtype)
+        self.gate_weight = make_param((1, hidden_size), NORMAL, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * torch.sigmoid(F.linear(x, self.gate_weight))

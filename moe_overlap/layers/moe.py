@@ -21,7 +21,7 @@ from moe_overlap.layers.dispatcher import (DispatchPlanner, expert_tp_counts, pl
 from moe_overlap.layers.dispatcher_overlap import DispatchStart, ExpertsCombine, PipelineState
 from moe_overlap.layers.dispatcher_sync_free import gather_counts, sync_free_dispatch_combine, sync_free_routes
 from moe_overlap.layers.experts import GroupedExperts, expert_offsets
-from moe_overlap.layers.mlp import SwiGLUMLP
+from moe_overlap.layers.mlp import GatedSharedExpert, SwiGLUMLP
 from moe_overlap.layers.router import Router
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class MoELayer(nn.Module):
         self.router = router if router is not None else Router.from_config(cfg, device, dtype)
         self.experts = GroupedExperts(local_experts, ep.rank * local_experts, cfg.hidden_size,
                                       cfg.expert_ffn_hidden_size, device, dtype, self.etp)
-        self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, device, dtype)
+        shared_expert = GatedSharedExpert if cfg.moe_shared_expert_gate else SwiGLUMLP
+        self.shared_expert = (shared_expert(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, device, dtype)
                               if cfg.moe_shared_expert_intermediate_size else None)
         self._planners: dict[int, DispatchPlanner] = {}  # by chunk count
 

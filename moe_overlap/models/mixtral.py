@@ -40,7 +40,8 @@ class TransformerLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer_index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         self.self_attention = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups,
-                                            cfg.rotary_base, comm, device, dtype, cp)
+                                            cfg.rotary_base, comm, device, dtype, cp, cfg.head_dim, cfg.add_qkv_bias,
+                                            (cfg.qk_layernorm_scope, cfg.norm_epsilon) if cfg.qk_layernorm else None)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
         if self.is_moe:
             router = (SequenceParallelRouter.from_config(cfg, device, dtype, comm=comm, cp=cp)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moe_overlap.config import Config, validate_for_world
+from moe_overlap.config import Config, config_yaml, validate_for_world
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, check_gemm_sm_carveout,
@@ -23,7 +23,9 @@ from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
+from moe_overlap.training.data_prepare import check_token_index
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
+from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 
@@ -85,6 +87,8 @@ class Trainer:
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
                                  recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
                                  timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel)
+        if t.init_from:  # before the optimizer, which takes its master weights from the parameters
+            load_model_weights(self.model, t.init_from)
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
@@ -93,6 +97,7 @@ class Trainer:
             with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
                 self.model.graph_moe_layers(t.micro_batch_size)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
+        check_token_index(cfg.data.path, cfg.data.dtype, cfg.model.vocab_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
                                                      seq_length=cfg.model.seq_length)
         dp = mesh.dp
@@ -241,6 +246,7 @@ class Trainer:
             if self.device.type == "cuda":
                 log.info("MFU against train.peak_tflops=%g; this GPU's bf16 GEMM measures %.0f TFLOP/s",
                          t.peak_tflops, measured_gemm_tflops(self.device))
+            (out_dir / "config.yaml").write_text(config_yaml(self.cfg))  # what export reads the model from
         history: list[dict] = []
         profiler = StepProfiler.from_config(t, self.mesh.rank, out_dir)
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)

@@ -1,0 +1,185 @@
+"""`moe-overlap data prepare`: text and JSONL through a Hugging Face tokenizer into the trainer's token file.
+
+PREFIX.bin holds every document's tokens followed by the tokenizer's EOS token, documents in input order,
+as the flat little-endian file the trainer memory-maps (``data.path``): uint16 when the vocabulary fits,
+else uint32 (``data.dtype``). PREFIX.json indexes it: documents, tokens, dtype, the tokenizer and its
+vocabulary size; the trainer checks the config against it (:func:`check_token_index`).
+
+Inputs: ``.jsonl`` files hold one JSON object per line whose ``field`` (default "text") is a document;
+any other file is one document of UTF-8 text. The tokenizer loads from local files only (a directory, or
+a name already in the Hugging Face cache): nothing is downloaded. Files are tokenized in parallel, each by
+one worker, into a part file that is appended to PREFIX.bin in input order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from moe_overlap.config import ConfigError
+
+INDEX_FORMAT = "moe_overlap token file v1"
+_BATCH_DOCUMENTS = 256  # documents encoded per tokenizer call
+
+
+def index_path(bin_path: str | os.PathLike) -> Path:
+    """PREFIX.json beside PREFIX.bin."""
+    path = Path(bin_path)
+    return path.with_suffix(".json") if path.suffix == ".bin" else path.with_name(path.name + ".json")
+
+
+def load_tokenizer(name_or_dir: str):
+    """A Hugging Face tokenizer from local files (a directory, or a name in the local cache)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ImportError("data prepare needs Hugging Face tokenizers: pip install transformers tokenizers") from None
+    try:
+        return AutoTokenizer.from_pretrained(name_or_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--tokenizer {name_or_dir!r}: no tokenizer there (a directory with tokenizer files, or "
+                         f"a name already in the Hugging Face cache; nothing is downloaded): "
+                         f"{str(err).splitlines()[0]}") from None
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def read_documents(path: Path, field: str):
+    """The documents of one input file, in order."""
+    if path.suffix != ".jsonl":
+        yield path.read_text(encoding="utf-8")
+        return
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise ValueError(f"{path}:{number}: no text field {field!r} (choose the field with --field)")
+            yield record[field]
+
+
+_worker_tokenizer = None  # the fast tokenizer's Rust backend, rebuilt in each worker from its JSON
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    from tokenizers import Tokenizer
+
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+    _worker_tokenizer.no_truncation()  # whole documents, whatever the saved tokenizer was set to
+    _worker_tokenizer.no_padding()
+
+
+def _tokenize_file(job: tuple[int, str, str, str, str, int]) -> tuple[int, int, int]:
+    """Tokenize one input into its part file; returns (job index, documents, tokens)."""
+    index, path, field, part, dtype, eos = job
+    documents = tokens = 0
+    batch: list[str] = []
+
+    def flush(out) -> int:
+        written = 0
+        for encoding in _worker_tokenizer.encode_batch(batch):
+            ids = encoding.ids if encoding.ids and encoding.ids[-1] == eos else encoding.ids + [eos]
+            np.asarray(ids, dtype=dtype).tofile(out)
+            written += len(ids)
+        batch.clear()
+        return written
+
+    with open(part, "wb") as out:
+        for document in read_documents(Path(path), field):
+            batch.append(document)
+            documents += 1
+            if len(batch) == _BATCH_DOCUMENTS:
+                tokens += flush(out)
+        tokens += flush(out) if batch else 0
+    return index, documents, tokens
+
+
+def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text", workers: int | None = None) -> dict:
+    """Tokenize ``inputs`` into OUT.bin and OUT.json (neither may exist); returns the index."""
+    paths = [Path(p).expanduser() for p in inputs]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such input file")
+    bin_path = Path(out + ".bin").expanduser()
+    for target in (bin_path, index_path(bin_path)):
+        if target.exists():
+            raise FileExistsError(f"{target}: already exists; choose another --out (nothing is overwritten)")
+    from moe_overlap.training.data import TOKEN_DTYPES  # here: workers need neither it nor torch
+
+    hf_tokenizer = load_tokenizer(tokenizer)  # before any worker starts: a bad name fails once
+    vocab_size, eos = len(hf_tokenizer), hf_tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"--tokenizer {tokenizer!r} defines no EOS token (eos_token in its tokenizer_config.json); "
+                         "documents are separated by it")
+    if not hf_tokenizer.is_fast:
+        raise ValueError(f"--tokenizer {tokenizer!r} has no fast (Rust) version: tokenizer.json is needed")
+    tokenizer_json = hf_tokenizer.backend_tokenizer.to_str()
+    dtype = token_dtype_for(vocab_size)
+    parts_dir = bin_path.with_name(bin_path.name + ".parts")
+    shutil.rmtree(parts_dir, ignore_errors=True)  # left by an interrupted run
+    parts_dir.mkdir(parents=True)
+    parts = [parts_dir / f"{i:06d}.bin" for i in range(len(paths))]
+    jobs = [(i, str(path), field, str(part), TOKEN_DTYPES[dtype].str, eos)
+            for i, (path, part) in enumerate(zip(paths, parts))]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    counts: dict[int, tuple[int, int]] = {}
+    try:
+        with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenize",
+                  dynamic_ncols=True) as bar, contextlib.ExitStack() as stack:
+            if workers == 1:
+                _init_worker(tokenizer_json)
+                results = map(_tokenize_file, jobs)
+            else:  # spawned: a forked tokenizer's own threads would deadlock
+                pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers, _init_worker,
+                                                                                     (tokenizer_json,)))
+                results = pool.imap_unordered(_tokenize_file, jobs)
+            for index, documents, tokens in results:
+                counts[index] = (documents, tokens)
+                bar.update(paths[index].stat().st_size)
+        tmp = bin_path.with_name(bin_path.name + ".tmp")
+        with open(tmp, "wb") as merged:
+            for part in parts:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, merged)
+        os.replace(tmp, bin_path)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    index = {"format": INDEX_FORMAT, "dtype": dtype, "documents": sum(d for d, _ in counts.values()),
+             "tokens": sum(t for _, t in counts.values()), "tokenizer": tokenizer, "vocab_size": vocab_size,
+             "eos_token_id": eos, "field": field, "inputs": [str(p) for p in paths]}
+    index_path(bin_path).write_text(json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def check_token_index(path: str | None, dtype: str, vocab_size: int) -> None:
+    """With PREFIX.json beside a token file: the file is whole, data.dtype is its dtype and the model's
+    vocabulary holds the tokenizer's."""
+    if path is None or not index_path(Path(path).expanduser()).is_file():
+        return
+    index_file = index_path(Path(path).expanduser())
+    index = json.loads(index_file.read_text())
+    if index.get("format") != INDEX_FORMAT:
+        return  # not ours: nothing to check against
+    if index["dtype"] != dtype:
+        raise ConfigError("data.dtype", dtype, f"{path} holds {index['dtype']} tokens (its index {index_file})")
+    if index["vocab_size"] > vocab_size:
+        raise ConfigError("model.vocab_size", vocab_size, f"must be >= {index['vocab_size']}, the vocabulary of "
+                          f"tokenizer {index['tokenizer']!r} that wrote {path}")
+    size = Path(path).expanduser().stat().st_size
+    if size != index["tokens"] * np.dtype(dtype).itemsize:
+        raise ConfigError("data.path", path, f"{size} bytes, its index {index_file} promises {index['tokens']} "
+                          f"{dtype} tokens: truncated or rewritten?")
