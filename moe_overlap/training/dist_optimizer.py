@@ -264,7 +264,8 @@ class DistributedOptimizer:
     def step(self, lr: float, step_index: int) -> tuple[float, bool]:
         """Clip, update the local shards and start the parameter all-gathers; returns (norm, stepped)."""
         norm = self.grad_norm()
-        scale = clip_scale(norm, step_index, self.cfg)
+        scale = clip_scale(norm, step_index, self.cfg, ((slot.name, slot.param.main_grad) for bucket in self.buckets
+                                                         for slot in bucket.slots))
         if scale is None:
             self.zero_grad()
             return norm, False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -62,17 +63,29 @@ def logical_parts(name: str, param: torch.Tensor) -> list[tuple[str, int, torch.
             for local in range(param.shape[0])]
 
 
-def clip_scale(norm: float, step_index: int, cfg: TrainConfig) -> float | None:
+def clip_scale(norm: float, step_index: int, cfg: TrainConfig,
+               named_grads: Iterable[tuple[str, torch.Tensor]] = ()) -> float | None:
     """The factor that clips the gradients to ``cfg.clip_grad``, or None when the step must be skipped: a
     NaN/inf norm under on_nonfinite_grad 'skip' (with a warning naming the step); 'stop' raises.
-    ``step_index`` counts from 0; messages count from 1, as the metrics do."""
+    ``step_index`` counts from 0; messages count from 1, as the metrics do. ``named_grads`` (this rank's
+    gradients in model order, read only on a non-finite norm) names where the non-finite values are."""
     if not math.isfinite(norm):
+        where = _nonfinite_where(named_grads)
         if cfg.on_nonfinite_grad == "stop":
-            raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm}; stopping "
+            raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm} ({where}); stopping "
                                      "(train.on_nonfinite_grad=stop)")
-        log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index + 1, norm)
+        log.warning("step %d: gradient norm is %s (%s); skipping the optimizer step", step_index + 1, norm, where)
         return None
     return cfg.clip_grad / (norm + 1e-6) if 0 < cfg.clip_grad < norm else 1.0
+
+
+def _nonfinite_where(named_grads: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Which of this rank's gradients hold NaN/inf; the deepest one is where a backward pass went bad first."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    bad = [name for name, grad in named_grads if not bool(torch.isfinite(grad).all())]
+    if not bad:
+        return f"none of rank {rank}'s gradients: another rank's are"
+    return f"{len(bad)} of rank {rank}'s gradient tensors; the deepest: {bad[-1]}"
 
 
 def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: GroupHandle) -> dict[str, torch.Tensor]:
@@ -173,7 +186,7 @@ class MixedPrecisionAdamW:
     def step(self, lr: float, step_index: int) -> tuple[float, bool]:
         """Clip, update the masters and copy them into the model; returns (grad norm, whether stepped)."""
         norm = self.grad_norm()
-        scale = clip_scale(norm, step_index, self.cfg)
+        scale = clip_scale(norm, step_index, self.cfg, ((e.name, e.main_grad) for e in self.entries))
         if scale is None:
             self.zero_grad()
             return norm, False

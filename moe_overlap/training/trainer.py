@@ -14,15 +14,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moe_overlap.config import Config, validate_for_world
-from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
+from moe_overlap.config import Config, ConfigError, validate_for_world
+from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import check_gemm_sm_carveout, gemm_sm_carveout
 from moe_overlap.models.mixtral import build_model
-from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from moe_overlap.training.checkpoint import (DAMAGED_SUFFIX, check_checkpoint_matches, complete_steps,
+                                             load_checkpoint, newest_good_checkpoint, save_checkpoint, step_dir)
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, lr_at
+from moe_overlap.training.preemption import StopRequests
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +55,10 @@ def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=cfg.train.distributed_timeout_s))
+        timeout = timedelta(seconds=cfg.train.distributed_timeout_s)
+        store = restart_safe_store(timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
+                                **({} if store is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}))
     return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s,
                        pg_options=mesh_group_options(cfg)), device
 
@@ -72,6 +77,26 @@ def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
                       etp=cfg.expert_tensor_parallel_size)
 
 
+def check_resume_setting(cfg: Config) -> None:
+    """train.resume against checkpoint.dir: required needs a checkpoint; false refuses checkpoints that this
+    run's saves would overwrite."""
+    t, ckpt, root = cfg.train, cfg.checkpoint, cfg.checkpoint_dir
+    steps = complete_steps(root)
+    if t.resume == "required" and not steps:
+        raise ConfigError("train.resume", "required", f"no checkpoint under {root} to resume from")
+    if t.resume is False and steps and (ckpt.save_interval or ckpt.save_final):
+        raise ConfigError("train.resume", False, f"{root} holds checkpoints up to step {max(steps)}, which this "
+                          "run's saves would overwrite: use train.resume=auto to continue from them, or another "
+                          "checkpoint.dir")
+
+
+def check_inputs(cfg: Config) -> None:
+    """What can fail before any rank starts: the token file and train.resume against checkpoint.dir."""
+    load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction, seq_length=cfg.model.seq_length,
+                      vocab_size=cfg.model.vocab_size)
+    check_resume_setting(cfg)
+
+
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
         validate_for_world(cfg, mesh.world_size, device.type)
@@ -88,7 +113,7 @@ class Trainer:
             with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
                 self.model.graph_moe_layers(t.micro_batch_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
-                                                     seq_length=cfg.model.seq_length)
+                                                     seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size)
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
                                     dp.rank, dp.size, t.seed)
@@ -97,6 +122,8 @@ class Trainer:
             t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size)
         self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
         self.step = 0
+        self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
+        self.stopped_by: str | None = None  # why fit stopped before train.max_steps (a signal, the time limit)
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
         self.is_logger = mesh.rank == 0
 
@@ -175,44 +202,79 @@ class Trainer:
         """What a checkpoint holds, by logical name: optimizer state, model buffers and the step."""
         return dict(self.optimizer.logical_state(), **self.model_buffers(), **{"train.step": torch.tensor(step)})
 
-    def save(self) -> Path:
+    def save(self, stopped_by: str | None = None) -> Path:
         per_rank = {"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self._checkpoint_state(self.step), per_rank,
-                               self.cfg.checkpoint.keep_last)
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self._checkpoint_state(self.step), per_rank,
+                               self.cfg.checkpoint.keep_last, stopped_by)
+        self.saved_step = self.step
+        return path
 
     def resume(self) -> bool:
-        """Continue from the newest complete checkpoint, if any (also under another EP or DP size)."""
-        step = latest_step(self.cfg.checkpoint_dir)
+        """Continue from the newest good checkpoint, if any (also under another EP or DP size). A damaged newer
+        one is moved aside with a warning naming both; a checkpoint of another model is refused (ConfigError)."""
+        root = self.cfg.checkpoint_dir
+        step, damaged = newest_good_checkpoint(root)
+        if self.is_logger:
+            for bad, problem in damaged:
+                log.warning("checkpoint %s is damaged: %s; moved to %s%s; %s", step_dir(root, bad), problem,
+                            step_dir(root, bad).name, DAMAGED_SUFFIX,
+                            f"using {step_dir(root, step)} instead" if step is not None else "no older checkpoint")
         if step is None:
+            if damaged:
+                raise ConfigError("checkpoint.dir", str(root), "holds only damaged checkpoints, now moved to "
+                                  f"step_N{DAMAGED_SUFFIX}; restore them, or run again to start from step 0")
             return False
         tensors = self._checkpoint_state(0)
-        per_rank = load_checkpoint(self.cfg.checkpoint_dir, step, tensors)
+        check_checkpoint_matches(root, step, tensors)
+        per_rank = load_checkpoint(root, step, tensors)
         self.optimizer.after_load()
-        self.step = int(tensors["train.step"])
+        self.step = self.saved_step = int(tensors["train.step"])
         if per_rank is not None:
             torch.set_rng_state(per_rank["torch_rng"])
             if per_rank["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(per_rank["cuda_rng"])
-        log.info("resumed from %s at step %d", self.cfg.checkpoint_dir, self.step)
+        log.info("resumed from %s at step %d", step_dir(root, step), self.step)
         return True
 
+    def _start_or_resume(self) -> None:
+        """train.resume: auto, true and required continue from the newest good checkpoint; without one, auto
+        starts fresh, true warns and starts fresh, required fails. false starts fresh, and refuses a
+        checkpoint.dir whose checkpoints this run's saves would overwrite."""
+        t, root = self.cfg.train, self.cfg.checkpoint_dir
+        check_resume_setting(self.cfg)
+        if t.resume is False or self.resume():
+            return
+        if t.resume == "required":  # there were checkpoints, all damaged and moved aside
+            raise ConfigError("train.resume", "required", f"no good checkpoint under {root} to resume from")
+        (log.warning if t.resume is True else log.info)("no checkpoint under %s: starting from step 0", root)
+
     # -------------------------------------------------------------------------------------- the loop
-    def fit(self) -> list[dict]:
+    def fit(self, monitor: RankMonitor | None = None) -> list[dict]:
+        """Train to train.max_steps, resuming per train.resume and saving every checkpoint.save_interval steps.
+        SIGTERM / SIGINT or train.exit_duration_min stop it after the step in hand with a checkpoint
+        (``stopped_by`` says why); ``monitor`` learns the phase each step is in."""
         t, ckpt = self.cfg.train, self.cfg.checkpoint
-        if t.resume:
-            self.resume()
+        phase = monitor.phase if monitor is not None else (lambda text: None)
+        phase("checkpoint load")
+        self._start_or_resume()
+        if self.step >= t.max_steps:
+            log.info("step %d already reaches train.max_steps=%d: nothing to train", self.step, t.max_steps)
         out_dir = Path(t.output_dir)
         if self.is_logger:
             out_dir.mkdir(parents=True, exist_ok=True)
         history = []
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)
-        with bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file:
+        with (bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file,
+              StopRequests(t.exit_duration_min, self.device, self.mesh.rank) as stop_requests):
             while self.step < t.max_steps:
-                metrics = self.train_step()
+                phase(f"train step {self.step + 1}")
+                metrics = self._train_step_or_save()
                 if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
+                    phase(f"evaluation after step {self.step}")
                     metrics["val_loss"] = self.evaluate()
                 if ckpt.save_interval and self.step % ckpt.save_interval == 0 and self.step < t.max_steps:
+                    phase(f"checkpoint save of step {self.step}")
                     self.save()
                 history.append(metrics)
                 if self.is_logger and (self.step % t.log_interval == 0 or self.step == t.max_steps):
@@ -220,9 +282,27 @@ class Trainer:
                     metrics_file.flush()
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 bar.update(1)
+                phase(f"stop check after step {self.step}")
+                self.stopped_by = stop_requests.agreed()
+                if self.stopped_by:
+                    phase(f"checkpoint save of step {self.step}")
+                    self.save(stopped_by=self.stopped_by)  # also when just saved: the pointer records why
+                    return history
         if ckpt.save_final and history:
+            phase(f"checkpoint save of step {self.step}")
             self.save()
         return history
+
+    def _train_step_or_save(self) -> dict:
+        """One step; on a non-finite gradient norm under train.on_nonfinite_grad=stop, save the state before
+        that step (the failed step changed nothing) and stop with a message that says where it is."""
+        try:
+            return self.train_step()
+        except FloatingPointError as err:
+            if self.step == 0:
+                raise
+            path = step_dir(self.cfg.checkpoint_dir, self.step) if self.saved_step == self.step else self.save()
+            raise FloatingPointError(f"{err}; the state after step {self.step} is in {path}") from err
 
 
 class _Null:
