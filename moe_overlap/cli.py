@@ -145,7 +145,6 @@ def _train(cfg: Config, debug: bool = False) -> int:
     from moe_overlap.training.checkpoint import CheckpointSaveError, step_dir
     from moe_overlap.training.trainer import Trainer, init_distributed
 
-    rank = int(os.environ.get("RANK", 0))
     owns_group = not dist.is_initialized()  # a caller's group (tests) outlives this run
     monitor = None
     try:
@@ -163,7 +162,7 @@ def _train(cfg: Config, debug: bool = False) -> int:
             monitor.finish(text)
         if debug:
             raise
-        if rank == 0:
+        if _rank() == 0:
             print(f"moe-overlap: {text}", file=sys.stderr)
         return code
     except (dist.DistError, RuntimeError) as err:
@@ -172,6 +171,7 @@ def _train(cfg: Config, debug: bool = False) -> int:
         _exit_on_failed_collective(err, cfg, monitor, debug)
     if monitor is not None:
         monitor.finish()
+    rank = _rank()
     if rank == 0 and trainer.stopped_by:
         print(f"moe-overlap: stopped by {trainer.stopped_by} after step {trainer.step}; checkpoint: "
               f"{step_dir(cfg.checkpoint_dir, trainer.step)} (run the same command to resume)", file=sys.stderr)
@@ -190,7 +190,7 @@ def _exit_on_failed_collective(err: BaseException, cfg: Config, monitor, debug: 
     group cannot be torn down cleanly with a dead peer."""
     from moe_overlap.distributed.monitor import EXIT_PEER_FAILED
 
-    rank = int(os.environ.get("RANK", 0))
+    rank = _rank()
     # The backend's first sentence, without the source location gloo puts before it.
     first_line = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().split("\n")[0])
     cause = f"{type(err).__name__}: {first_line.split('. ')[0]}"
@@ -203,6 +203,12 @@ def _exit_on_failed_collective(err: BaseException, cfg: Config, monitor, debug: 
         print(f"moe-overlap: rank {rank}: a collective failed: a peer rank exited or did not answer within "
               f"train.distributed_timeout_s={cfg.train.distributed_timeout_s}s ({cause})", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_FAILED)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def _is_collective_failure(err: BaseException) -> bool:

@@ -182,6 +182,8 @@ def _raise_if_failed(errors: list[str | None], step: int, root: Path) -> None:
     previous = max(complete_steps(root), default=None)
     kept = (f"the newest complete checkpoint, {step_dir(root, previous)}, is kept" if previous is not None
             else "there is no earlier checkpoint")
+    with contextlib.suppress(OSError):  # torch's writers report a full disk as a bare short write
+        where += f" ({shutil.disk_usage(root).free / 2**30:.1f} GiB free there)"
     raise CheckpointSaveError(f"checkpoint save of step {step} to {step_dir(root, step)} failed on {where}; {kept}")
 
 

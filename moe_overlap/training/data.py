@@ -75,7 +75,7 @@ def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fra
             raise ConfigError("data.path", str(path), f"file size {size} B must be a positive multiple of "
                               f"{token_dtype.itemsize} B (data.dtype={dtype}); is data.dtype right?")
         tokens = np.memmap(file_path, dtype=token_dtype, mode="r")
-        source = str(path)
+        source = "the file"
         if vocab_size is not None:
             check_token_ids(tokens, vocab_size, str(path))
 
