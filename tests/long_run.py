@@ -11,13 +11,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 6  # train.distributed_timeout_s of these runs: a dead rank is found within 3 s
+# train.distributed_timeout_s of the runs where a rank dies (a dead rank is found within 3 s): KILL_TIMEOUT;
+# the others get more, so that a busy machine cannot starve a heartbeat for half of it.
+TIMEOUT_S = 6
+KILL_TIMEOUT = f"train.distributed_timeout_s={TIMEOUT_S}"
 STEPS = 8
 SMALL = [  # on configs/tiny.yaml: 3 layers, hidden 32, 8 experts top-2, EP=2, 8 steps, a checkpoint every 2
     "model.num_layers=3", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
     "model.num_query_groups=2", "model.seq_length=16", "model.moe_layer_freq=[0,1,1]", "model.moe_ffn_hidden_size=32",
     "train.micro_batch_size=2", "train.global_batch_size=8", f"train.max_steps={STEPS}", "train.lr_warmup_steps=1",
-    f"train.lr_decay_steps={STEPS}", "train.eval_interval=0", f"train.distributed_timeout_s={TIMEOUT_S}",
+    f"train.lr_decay_steps={STEPS}", "train.eval_interval=0", "train.distributed_timeout_s=30",
     "checkpoint.save_interval=2",
 ]
 

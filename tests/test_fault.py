@@ -14,8 +14,8 @@ import signal
 import pytest
 
 from tests.faults import NAN_PARAM, fault_case
-from tests.long_run import (STEPS, TIMEOUT_S, finish, latest, launch_ranks, logged_losses, train_argv,
-                            uninterrupted_losses)
+from tests.long_run import (KILL_TIMEOUT, STEPS, TIMEOUT_S, finish, latest, launch_ranks, logged_losses,
+                            train_argv, uninterrupted_losses)
 
 
 @pytest.mark.parametrize("fault,phase,last_good", [
@@ -26,7 +26,7 @@ from tests.long_run import (STEPS, TIMEOUT_S, finish, latest, launch_ranks, logg
 def test_killed_rank_is_named_and_the_run_resumes_onto_the_same_curve(rank_pool, tmp_path, fault, phase, last_good):
     reference = uninterrupted_losses(rank_pool, tmp_path / "reference")
     run = tmp_path / "run"
-    codes, outputs, ended = finish(launch_ranks(train_argv(run), tmp_path, fault), tmp_path, timeout_s=120)
+    codes, outputs, ended = finish(launch_ranks(train_argv(run, KILL_TIMEOUT), tmp_path, fault), tmp_path, timeout_s=120)
     assert codes == [3, -signal.SIGKILL], outputs[0][-3000:]
     line = next(line for line in outputs[0].splitlines() if "moe-overlap: rank 0" in line)
     assert f"(in {phase})" in line and f"rank 1 is gone" in line and f"(it was in {phase})" in line, line
@@ -40,8 +40,8 @@ def test_killed_rank_is_named_and_the_run_resumes_onto_the_same_curve(rank_pool,
 def test_rank_blocked_where_no_timeout_reaches_is_ended_by_the_monitor(tmp_path):
     """Rank 0 waits forever in something that never fails (as a device-side symmetric-memory wait on a GPU,
     which only its own timeout ends) while rank 1 dies: the heartbeat monitor ends rank 0."""
-    codes, outputs, ended = finish(launch_ranks(train_argv(tmp_path / "run"), tmp_path, "block:0:5,start:1:5"),
-                                   tmp_path, timeout_s=120)
+    argv = train_argv(tmp_path / "run", KILL_TIMEOUT)
+    codes, outputs, ended = finish(launch_ranks(argv, tmp_path, "block:0:5,start:1:5"), tmp_path, timeout_s=120)
     assert codes == [3, -signal.SIGKILL], outputs[0][-3000:]
     line = next(line for line in outputs[0].splitlines() if "moe-overlap: rank 0" in line)
     assert "rank 1 is gone" in line and "(it was in train step 5)" in line and "collective" not in line, line

@@ -13,7 +13,7 @@ import time
 
 from moe_overlap.training.preemption import DUPLICATE_WINDOW_S
 from tests.faults import fault_case
-from tests.long_run import (REPO, STEPS, finish, latest, launch_ranks, logged_losses, train_argv,
+from tests.long_run import (KILL_TIMEOUT, REPO, STEPS, finish, latest, launch_ranks, logged_losses, train_argv,
                             uninterrupted_losses)
 
 
@@ -70,7 +70,7 @@ def test_torchrun_max_restarts_resumes_from_the_newest_checkpoint(rank_pool, tmp
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MOE_OVERLAP_TEST_FAULT="start:1:5")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "--max-restarts=1", str(REPO / "tests" / "faults.py"), *train_argv(run)],
+                           "--max-restarts=1", str(REPO / "tests" / "faults.py"), *train_argv(run, KILL_TIMEOUT)],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in done.stderr, done.stderr[-4000:]

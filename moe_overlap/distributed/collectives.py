@@ -126,11 +126,6 @@ class AllToAllRows(torch.autograd.Function):
         return all_to_all_rows(grad_output, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
-def barrier(group: ProcessGroup = None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
 def default_store() -> "dist.Store":
     """The key-value store the default process group rendezvoused through (a private accessor in both
     torch 2.11 and 2.13)."""

@@ -210,16 +210,21 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tensor], per
         try:
             action()
         except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)  # no partial directory stays behind
             return _one_line(err)
         return None
+
+    def fail_if_any(errors: list[str | None]) -> None:
+        if any(errors):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # no partial directory stays behind
+            _raise_if_failed(errors, step, root)
 
     def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         tmp.mkdir()
 
-    _raise_if_failed(_agree(rank0(prepare)), step, root)
+    fail_if_any(_agree(rank0(prepare)))
     error = None
     try:
         with _sharded_tensor_quiet():
@@ -227,10 +232,7 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tensor], per
         torch.save(per_rank, tmp / f"rank_{rank:05d}.pt")
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         error = _one_line(err)
-    errors = _agree(error)
-    if any(errors):
-        rank0(lambda: shutil.rmtree(tmp))
-        _raise_if_failed(errors, step, root)
+    fail_if_any(_agree(error))
     # Every rank's files are written: each checksums a share of them (page-cache reads, in parallel).
     entries, error = {}, None
     try:
@@ -240,10 +242,7 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tensor], per
     except OSError as err:
         error = _one_line(err)
     gathered = _agree((error, entries))
-    errors = [error for error, _ in gathered]
-    if any(errors):
-        rank0(lambda: shutil.rmtree(tmp))
-        _raise_if_failed(errors, step, root)
+    fail_if_any([error for error, _ in gathered])
 
     def publish() -> None:
         files = {name: entry for _, part in gathered for name, entry in part.items()}
@@ -254,7 +253,7 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tensor], per
         for old in sorted(complete_steps(root))[:-keep_last]:  # the new one is complete: prune the oldest
             shutil.rmtree(step_dir(root, old), ignore_errors=True)
 
-    _raise_if_failed(_agree(rank0(publish)), step, root)
+    fail_if_any(_agree(rank0(publish)))
     return final
 
 

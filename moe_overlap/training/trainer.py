@@ -239,15 +239,13 @@ class Trainer:
 
     def _start_or_resume(self) -> None:
         """train.resume: auto, true and required continue from the newest good checkpoint; without one, auto
-        starts fresh, true warns and starts fresh, required fails. false starts fresh, and refuses a
-        checkpoint.dir whose checkpoints this run's saves would overwrite."""
-        t, root = self.cfg.train, self.cfg.checkpoint_dir
+        starts fresh, true warns and starts fresh, required fails (check_resume_setting). false starts fresh."""
+        t = self.cfg.train
         check_resume_setting(self.cfg)
         if t.resume is False or self.resume():
             return
-        if t.resume == "required":  # there were checkpoints, all damaged and moved aside
-            raise ConfigError("train.resume", "required", f"no good checkpoint under {root} to resume from")
-        (log.warning if t.resume is True else log.info)("no checkpoint under %s: starting from step 0", root)
+        (log.warning if t.resume is True else log.info)("no checkpoint under %s: starting from step 0",
+                                                         self.cfg.checkpoint_dir)
 
     # -------------------------------------------------------------------------------------- the loop
     def fit(self, monitor: RankMonitor | None = None) -> list[dict]:
