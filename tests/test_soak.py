@@ -46,9 +46,10 @@ def _run(argv: list[str], cwd: Path, run: Path, stop_at: int | None, rss: dict[i
     return latest(run)["step"]
 
 
-def _memory_does_not_grow(rss: dict[int, list[float]]) -> None:
+def _memory_does_not_grow(rss: dict[int, list[float]], run: str) -> None:
     early = max(value for step, values in rss.items() if 200 <= step < 260 for value in values)
     late = max(value for step, values in rss.items() if step >= STEPS - 100 for value in values)
+    print(f"{run}: largest rank's resident memory {early:.0f} MiB at steps 200-259, {late:.0f} MiB at the end")
     assert late <= 1.05 * early + 32, f"resident memory grew from {early:.0f} MiB to {late:.0f} MiB"
 
 
@@ -63,7 +64,8 @@ def test_soak_preempted_every_300_steps_equals_the_straight_run(tmp_path):
     while step < STEPS:
         step = _run(train_argv(stopped, *extra), tmp_path, stopped, min(step + STOP_EVERY, STEPS + 1), stopped_rss)
         stops.append(step)
+    print(f"stopped by SIGTERM after steps {stops[:-1]}, then ran to {stops[-1]}")
     assert len(stops) >= STEPS // STOP_EVERY, stops
     assert logged_losses(stopped) == logged_losses(straight) and len(logged_losses(straight)) == STEPS
-    _memory_does_not_grow(straight_rss)
-    _memory_does_not_grow(stopped_rss)
+    _memory_does_not_grow(straight_rss, "straight")
+    _memory_does_not_grow(stopped_rss, "stopped and restarted")
