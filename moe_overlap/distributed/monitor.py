@@ -7,7 +7,7 @@ in a ring. A rank whose heartbeat stands still for ``stale_s`` (half of train.di
 reads it prints one line naming that rank and its phase, and exits with code 3, whatever its main thread is
 blocked in (a collective, or a device-side symmetric-memory wait, which no collective timeout interrupts). A
 rank that ends on an error of its own records it first, so the others name that error instead. A store that
-no longer answers means that the process hosting it (rank 0 without torchrun, torchrun's agent) is gone.
+no longer answers means that the process hosting it is gone: rank 0 without torchrun, else torchrun's agent.
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ class RankMonitor:
             except Exception as err:
                 if self._stop.is_set():
                     return
+                host = ("torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                        else "rank 0, which hosts it,")
                 self._fail(f"the rendezvous store does not answer ({type(err).__name__}: "
-                           f"{' '.join(str(err).split())[:200]}): the process hosting it (rank 0, or torchrun's "
-                           "agent) is gone")
+                           f"{' '.join(str(err).split())[:200]}): {host} is gone")
                 return
 
     def _read(self, key: str) -> str | None:
