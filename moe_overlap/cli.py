@@ -1,7 +1,10 @@
 """`moe-overlap train | info | bench | hf | data`: the command line.
 
-Config errors are printed as one line naming the field, without a traceback; so are failed collectives
-(a peer rank died, or did not answer within train.distributed_timeout_s).
+Bad input is printed as one line naming the field, the value and what is allowed, without a traceback (exit
+2; ``--debug`` shows it); so are failed collectives (a peer rank died, or did not answer within
+train.distributed_timeout_s: exit 3, naming the rank and its phase), failed checkpoint saves (exit 4) and a
+non-finite gradient under train.on_nonfinite_grad=stop (exit 5). A stop request (SIGTERM, SIGINT,
+train.exit_duration_min) ends with a checkpoint and exit 0.
 """
 
 from __future__ import annotations
@@ -9,10 +12,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from moe_overlap.config import Config, ConfigError, load_config
+
+EXIT_BAD_INPUT = 2
+EXIT_SAVE_FAILED = 4  # 3: a peer rank failed (moe_overlap.distributed.monitor)
+EXIT_NONFINITE = 5
+EXIT_SIGINT = 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("config")
     info.add_argument("overrides", nargs="*")
     info.add_argument("--world-size", type=int, default=None, help="layout to print (default: the smallest valid)")
+    for command in (train, info):
+        command.add_argument("--debug", action="store_true", help="show the traceback behind an error message")
     sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ...")
     hf = sub.add_parser("hf", help="import / export Hugging Face checkpoints").add_subparsers(dest="action",
                                                                                                required=True)
@@ -127,47 +140,126 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "info":
             return _info(cfg, args.world_size)
         if args.nproc is not None:
-            return _launch(args)
-        return _train(cfg)
+            return _launch(args, cfg)
+        return _train(cfg, args.debug)
     except ConfigError as err:
+        if args.debug:
+            raise
         print(f"moe-overlap: config error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Re-run this command under torchrun with --nproc local ranks (standalone rendezvous)."""
+def _launch(args: argparse.Namespace, cfg: Config) -> int:
+    """Re-run this command under torchrun with --nproc local ranks (standalone rendezvous), after checking
+    what can be checked before any rank starts."""
     if args.nproc < 1:
         raise ConfigError("--nproc", args.nproc, "must be >= 1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "moe_overlap", "train", args.config,
-              *args.overrides])
+    from moe_overlap.training.trainer import check_inputs
+
+    check_inputs(cfg)
+    started = time.time()
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "moe_overlap", "train", args.config,
+                  *args.overrides, *(["--debug"] if args.debug else [])])
+    except ChildFailedError as err:  # each rank said why; torchrun's own report would be a traceback
+        rank, failure = min(err.failures.items())
+        print(f"moe-overlap: rank {rank} exited with code {failure.exitcode} (its message is above)", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as err:  # torchrun relayed the signal to the ranks and waited for them
+        return _stopped_by_signal(err.sigval, cfg, started)
     return 0
 
 
-def _train(cfg: Config) -> int:
+def _stopped_by_signal(sig, cfg: Config, launched_at: float) -> int:
+    """0 if the ranks saved a checkpoint for this stop (the ``latest`` pointer says so), else 128 + signal."""
+    from moe_overlap.training.checkpoint import LATEST, latest_pointer, step_dir
+
+    root = cfg.checkpoint_dir
+    pointer = latest_pointer(root)
+    if pointer.get("stopped_by") == sig.name and (root / LATEST).stat().st_mtime >= launched_at:
+        return 0
+    newest = f"the newest is {step_dir(root, pointer['step'])}" if "step" in pointer else "there is none"
+    print(f"moe-overlap: {sig.name}: the ranks stopped without saving a checkpoint for it; {newest}", file=sys.stderr)
+    return 128 + int(sig)
+
+
+def _train(cfg: Config, debug: bool = False) -> int:
+    """One rank's run (or the whole run in one process). Its own errors become one line on rank 0 (the other
+    ranks' monitors name them to theirs); a failed collective, one line naming the rank that failed."""
     import torch.distributed as dist
 
+    from moe_overlap.distributed.monitor import RankMonitor
+    from moe_overlap.training.checkpoint import CheckpointSaveError, step_dir
     from moe_overlap.training.trainer import Trainer, init_distributed
 
-    rank = int(os.environ.get("RANK", 0))
+    owns_group = not dist.is_initialized()  # a caller's group (tests) outlives this run
+    monitor = None
     try:
         mesh, device = init_distributed(cfg)
-        history = Trainer(cfg, mesh, device).fit()
+        monitor = RankMonitor.start(cfg.train.distributed_timeout_s)
+        trainer = Trainer(cfg, mesh, device)
+        history = trainer.fit(monitor)
+    except (ConfigError, CheckpointSaveError, FloatingPointError, KeyboardInterrupt) as err:
+        kind, code = next((kind, code) for error_type, kind, code in (
+            (ConfigError, "config error", EXIT_BAD_INPUT), (CheckpointSaveError, "checkpoint error", EXIT_SAVE_FAILED),
+            (FloatingPointError, "stopped", EXIT_NONFINITE), (KeyboardInterrupt, "interrupted before training",
+                                                               EXIT_SIGINT)) if isinstance(err, error_type))
+        text = f"{kind}: {err}" if str(err) else kind
+        if monitor is not None:
+            monitor.finish(text)
+        if debug:
+            raise
+        if _rank() == 0:
+            print(f"moe-overlap: {text}", file=sys.stderr)
+        return code
     except (dist.DistError, RuntimeError) as err:
         if not dist.is_initialized() or not _is_collective_failure(err):
             raise
-        print(f"moe-overlap: rank {rank}: a collective failed: a peer rank exited or did not answer within "
-              f"train.distributed_timeout_s={cfg.train.distributed_timeout_s}s ({type(err).__name__}: "
-              f"{str(err).splitlines()[0] if str(err) else ''})", file=sys.stderr)
-        os._exit(3)  # the process group cannot be torn down cleanly with a dead peer
-    if rank == 0 and history:
+        _exit_on_failed_collective(err, cfg, monitor, debug)
+    if monitor is not None:
+        monitor.finish()
+    rank = _rank()
+    if rank == 0 and trainer.stopped_by:
+        print(f"moe-overlap: stopped by {trainer.stopped_by} after step {trainer.step}; checkpoint: "
+              f"{step_dir(cfg.checkpoint_dir, trainer.step)} (run the same command to resume)", file=sys.stderr)
+    elif rank == 0 and history:
         last = history[-1]
         print(f"done: step {last['step']} loss {last['loss']:.4f}"
               + (f" val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-    if dist.is_initialized():
+    mesh.destroy()
+    if owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _exit_on_failed_collective(err: BaseException, cfg: Config, monitor, debug: bool) -> None:
+    """One line naming the rank that failed and what it was doing (from the monitor), then exit 3: the process
+    group cannot be torn down cleanly with a dead peer."""
+    from moe_overlap.distributed.monitor import EXIT_PEER_FAILED
+
+    rank = _rank()
+    # The backend's first sentence, without the source location gloo puts before it.
+    first_line = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().split("\n")[0])
+    cause = f"{type(err).__name__}: {first_line.split('. ')[0]}"
+    found = monitor.wait_for_failure() if monitor is not None else None
+    if debug:
+        traceback.print_exc()
+    if found is not None:
+        print(monitor.exit_line(f"a collective failed: {found} ({cause})"), file=sys.stderr, flush=True)
+    else:
+        print(f"moe-overlap: rank {rank}: a collective failed: a peer rank exited or did not answer within "
+              f"train.distributed_timeout_s={cfg.train.distributed_timeout_s}s ({cause})", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_FAILED)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def _is_collective_failure(err: BaseException) -> bool:

@@ -184,7 +184,13 @@ class TrainConfig:
     eval_iters: int = 4
     log_interval: int = 1
     output_dir: str = "runs/default"
-    resume: bool = False
+    # auto: continue from the newest good checkpoint if there is one, else start fresh; true: the same, but a
+    # missing checkpoint is a warning; required: a missing checkpoint is an error; false: start fresh (and
+    # refuse a checkpoint.dir whose checkpoints this run's saves would overwrite).
+    resume: Union[bool, Literal["auto", "required"]] = "auto"
+    # Stop cleanly (finish the step, save, exit 0) after this many minutes of training, as Megatron's
+    # --exit-duration-in-mins; null: no limit.
+    exit_duration_min: Optional[float] = None
     # A checkpoint (an imported Hugging Face model, or a run's) whose model weights a fresh run starts from;
     # each rank reads its own slices. A resumable checkpoint of this run takes precedence (train.resume).
     init_from: Optional[str] = None
@@ -255,13 +261,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("config", str(path), "no such file")
-        with open(path) as f:
-            raw = yaml.load(f, Loader=_YamlLoader) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError("config", str(path), "the YAML must be a mapping of sections")
+        raw = _read_yaml_file(Path(path))
     for item in overrides:
         _apply_override(raw, item)
     cfg = _build(Config, raw, "")
@@ -274,18 +274,52 @@ def config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+def _read_yaml_file(path: Path) -> dict:
+    """The file's mapping of sections; malformed YAML is named by file, line and column."""
+    if not path.is_file():
+        raise ConfigError("config", str(path), "no such file")
+    sections = f"the YAML must be a mapping of sections ({', '.join(f.name for f in dataclasses.fields(Config))})"
+    try:
+        with open(path) as f:
+            raw = yaml.load(f, Loader=_YamlLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)  # 1-based, as editors
+        raise ConfigError("config", where, f"not valid YAML: {_yaml_problem(err)}") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError("config", str(path), f"cannot be read as a text file ({err})") from err
+    if raw is None:
+        raise ConfigError("config", str(path), f"is empty; {sections}")
+    if not isinstance(raw, dict):
+        what = "a list" if isinstance(raw, list) else f"the single value {raw!r}"
+        raise ConfigError("config", str(path), f"holds {what}; {sections}")
+    return raw
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's problem and its context, on one line."""
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    context = getattr(err, "context", None)
+    return f"{problem} ({' '.join(str(context).split())})" if context else problem
+
+
 def _apply_override(raw: dict, item: str) -> None:
     key, sep, text = item.partition("=")
     parts = key.strip().split(".")
     if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError("override", item, "expected section.field=value, e.g. parallel.expert_model_parallel_size=2")
+        why = "has no '='" if not sep else "names no section.field"
+        raise ConfigError("override", item, f"{why}: expected section.field=value, e.g. "
+                          "parallel.expert_model_parallel_size=2")
     section, name = parts
     if raw.get(section) is None:  # absent, or an empty section in the file (`parallel:` with no fields)
         raw[section] = {}
     if not isinstance(raw[section], dict):
         raise ConfigError(section, raw[section], "a section must be a mapping")
     # YAML parses the value, so `true`, `3`, `1e-3`, `null` and `[0,1,1]` mean what they do in the file.
-    raw[section][name] = yaml.load(text, Loader=_YamlLoader) if text.strip() else None
+    try:
+        raw[section][name] = yaml.load(text, Loader=_YamlLoader) if text.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError("override", item, f"the value is not valid YAML: {_yaml_problem(err)}") from err
 
 
 def _suggest(name: str, choices: list[str], kind: str = "field") -> str:
@@ -472,6 +506,9 @@ def validate(cfg: Config) -> None:
     _require(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _require(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0: never)")
     _require(t.distributed_timeout_s > 0, "train.distributed_timeout_s", t.distributed_timeout_s, "must be > 0")
+    if t.exit_duration_min is not None:
+        _require(t.exit_duration_min > 0, "train.exit_duration_min", t.exit_duration_min,
+                 "must be > 0 minutes (or null: no limit)")
     _require(bool(t.output_dir), "train.output_dir", t.output_dir, "must be a non-empty path")
     _require(t.peak_tflops > 0, "train.peak_tflops", t.peak_tflops, "must be > 0 (TFLOP/s per GPU)")
     if t.profile_steps is not None:

@@ -6,6 +6,8 @@ the identity. Timeouts are set when the groups are made (``Mesh.create``), so ev
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -138,6 +140,20 @@ class AllReduceSum(torch.autograd.Function):
         return all_reduce_(grad_output.clone(), ctx.group), None
 
 
-def barrier(group: ProcessGroup = None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
+def default_store() -> "dist.Store":
+    """The key-value store the default process group rendezvoused through (a private accessor in both
+    torch 2.11 and 2.13)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def restart_safe_store(timeout: timedelta) -> "dist.Store | None":
+    """The store to initialize the default group with under torchrun, or None for torch's own (env://).
+
+    torchrun's agent hosts one store for every restart of a job (TORCHELASTIC_USE_AGENT_STORE), and the
+    ranks of a restart would read the previous attempt's keys (gloo addresses, NCCL ids) and fail to
+    connect; this client prefixes its keys with the attempt (TORCHELASTIC_RESTART_COUNT)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"moe_overlap/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

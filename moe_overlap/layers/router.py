@@ -102,15 +102,21 @@ class Router(nn.Module):
         return Routing(probs_TK, experts_TK, tokens_per_expert_E, aux_loss, z_loss, keep_TK, capacity)
 
     @torch.no_grad()
-    def update_load(self, tokens_per_expert_E: torch.Tensor) -> None:
+    def update_load(self, tokens_per_expert_E: torch.Tensor, applied: torch.Tensor | None = None) -> None:
         """After an optimizer step, with the step's copies per expert summed over every micro-batch and the
         whole data-parallel group (so identical on every rank): nudge the expert bias towards the mean load
-        (DeepSeek's aux-loss-free balancing) and keep the load fractions for global_aux_loss."""
+        (DeepSeek's aux-loss-free balancing) and keep the load fractions for global_aux_loss. ``applied`` (a
+        device flag): 0 when the optimizer skipped the step (a non-finite gradient), which then changes nothing
+        here either; decided on the device, so no host sync."""
         load_E = tokens_per_expert_E.to(torch.float32)
+        keep = None if applied is None else applied.to(torch.bool)
         if self.expert_bias is not None:
-            self.expert_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
+            step_E = self.bias_update_rate * torch.sign(load_E.mean() - load_E)
+            self.expert_bias += step_E if keep is None else torch.where(keep, step_E, 0.0)
         if self.previous_step_load is not None:
-            self.previous_step_load.copy_(load_E / load_E.sum().clamp_min(1.0))
+            fractions_E = load_E / load_E.sum().clamp_min(1.0)
+            self.previous_step_load.copy_(fractions_E if keep is None else
+                                          torch.where(keep, fractions_E, self.previous_step_load))
 
     # ------------------------------------------------------------------------------------------ internals
     def _choose(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,12 +55,13 @@ def load_bundled_corpus() -> np.ndarray:
 
 
 def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fraction: float,
-                      seq_length: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                      seq_length: int = 1, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) token arrays; validation is the contiguous tail of `validation_fraction`.
 
     path None: the bundled corpus, byte-tokenised. Otherwise a flat file of `dtype` tokens, memory-mapped
     read-only so it is never loaded whole. Both splits must hold one sample of seq_length + 1 tokens;
-    pass model.seq_length so a too-small file fails here rather than in the sampler.
+    pass model.seq_length so a too-small file fails here rather than in the sampler. With ``vocab_size``,
+    a file's ids are checked to lie in [0, vocab_size) (:func:`check_token_ids`).
     """
     token_dtype = _token_dtype(dtype)
     if not 0 < validation_fraction <= 0.5:
@@ -77,7 +78,9 @@ def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fra
             raise ConfigError("data.path", str(path), f"file size {size} B must be a positive multiple of "
                               f"{token_dtype.itemsize} B (data.dtype={dtype}); is data.dtype right?")
         tokens = np.memmap(file_path, dtype=token_dtype, mode="r")
-        source = str(path)
+        source = "the file"
+        if vocab_size is not None:
+            check_token_ids(tokens, vocab_size, str(path))
 
     sample_tokens = seq_length + 1
     if len(tokens) < 2 * sample_tokens:  # validation_fraction <= 0.5, so the train split is never the smaller
@@ -90,6 +93,22 @@ def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fra
                           f"model.seq_length+1={sample_tokens}")
     split = len(tokens) - num_validation
     return tokens[:split], tokens[split:]
+
+
+# Tokens scanned per numpy call: large enough to run at memory speed, small enough to stop near the first bad id.
+_SCAN_CHUNK = 1 << 24
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, source: str) -> None:
+    """Fail on the first id outside [0, vocab_size), naming its position: one sequential pass over the file
+    (memory-mapped, at memory bandwidth), so a bad id fails the start instead of a step hours later."""
+    for start in range(0, len(tokens), _SCAN_CHUNK):
+        chunk = np.asarray(tokens[start:start + _SCAN_CHUNK])
+        if chunk.max(initial=0) >= vocab_size:
+            position = start + int(np.argmax(chunk >= vocab_size))
+            raise ConfigError("data.path", source, f"token {int(tokens[position])} at position {position} (byte "
+                              f"{position * tokens.dtype.itemsize}) is outside the vocabulary [0, model.vocab_size="
+                              f"{vocab_size}); is data.dtype right, or model.vocab_size too small?")
 
 
 def write_token_file(path: str | os.PathLike, tokens, dtype: str) -> None:

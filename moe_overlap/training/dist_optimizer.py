@@ -42,8 +42,8 @@ from moe_overlap.kernels.adamw import adamw_update
 from moe_overlap.layers.init import is_expert_param, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
-from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, adamw_hyper, clip_control, decays,
-                                            logical_grad_copies, logical_parts, sum_of_squares)
+from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, GradNorms, adamw_hyper, clip_control, decays,
+                                            logical_grad_copies, logical_parts)
 from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
 
 log = logging.getLogger(__name__)
@@ -99,14 +99,13 @@ class _Bucket:
         self.adam_ranges = [(slice(max(a, lo) - lo, min(b, hi) - lo), decay)
                             for a, b, decay in ((0, decay_end, True), (decay_end, self.numel, False))
                             if max(a, lo) < min(b, hi)]
-        # Where the shard's squares count in the global norm (a TP-replicated parameter counts on one TP rank).
-        self.norm_ranges: list[slice] = []
+        # Each parameter's part of the shard, and whether its squares count in the global norm (a TP-replicated
+        # parameter counts on one TP rank).
+        self.shard_parts: list[tuple[str, slice, bool]] = []
         for slot in self.slots:
             a, b = max(slot.start, lo) - lo, min(slot.end, hi) - lo
-            if a < b and counts_in_norm(slot.param):
-                if self.norm_ranges and self.norm_ranges[-1].stop == a:
-                    a = self.norm_ranges.pop().start
-                self.norm_ranges.append(slice(a, b))
+            if a < b:
+                self.shard_parts.append((slot.name, slice(a, b), counts_in_norm(slot.param)))
         self.ready: set[int] = set()  # slots whose gradient of the last micro-batch has arrived
         self.grad_work = self.param_work = None
         self.payload: Optional[torch.Tensor] = None
@@ -145,9 +144,6 @@ class _Bucket:
                 self.param_work.wait()
             self.param_work = None
 
-    def norm_squares(self) -> torch.Tensor:
-        return sum_of_squares([self.grad_shard[where] for where in self.norm_ranges], self.grad_data.device)
-
     def holders(self, start: int, end: int) -> dict[int, tuple[int, int]]:
         """Rank in the group -> the part of bucket elements [start, end) its shard holds, relative to start."""
         parts = {}
@@ -180,8 +176,10 @@ class DistributedOptimizer:
         self._dp_cp_group_of = {rank: ranks for ranks in mesh.layout.group_ranks("dp_cp") for rank in ranks}
         # ... and of each rank's expert-data-parallel group: where the other expert-TP ranks' shards live.
         self._edp_group_of = {rank: ranks for ranks in mesh.layout.group_ranks("edp") for rank in ranks}
-        self.steps_made = torch.zeros((), dtype=torch.float32, device=self.buckets[0].grad_data.device)  # updates
-        # made, the checkpoint's optimizer.step
+        device = self.buckets[0].grad_data.device
+        self.steps_made = torch.zeros((), dtype=torch.float32, device=device)  # updates made: optimizer.step
+        parts = [part for bucket in self.buckets for part in bucket.shard_parts]
+        self.norms = GradNorms([name for name, _, _ in parts], [counted for _, _, counted in parts], device)
         self._sync_in_backward = False
         for bucket_index, bucket in enumerate(self.buckets):
             for slot_index, slot in enumerate(bucket.slots):
@@ -245,9 +243,19 @@ class DistributedOptimizer:
         expert-DP, different experts across EP, different blocks across TP; a TP-replicated parameter counts
         on TP rank 0 only), so the squares sum over all ranks. Accumulated in fp64, so that the clipping
         factor does not depend on how the sum is split."""
-        squares = sum(bucket.norm_squares() for bucket in self.buckets)
+        self.norms.measure([bucket.grad_shard[where] for bucket in self.buckets for _, where, _ in bucket.shard_parts])
+        squares = self.norms.squares()
         all_reduce_(squares, dist.group.WORLD if self.mesh.world_size > 1 else None)
         return squares.sqrt()
+
+    @property
+    def norm_names(self) -> list[str]:
+        """The gradients :meth:`nonfinite_flags` speaks of, in order (this rank's shard of each)."""
+        return self.norms.names
+
+    def nonfinite_flags(self) -> torch.Tensor:
+        """1.0 for each gradient shard of the last step's norm that held NaN/inf (fp64, on the device)."""
+        return self.norms.nonfinite_flags()
 
     def logical_grads(self) -> dict[str, torch.Tensor]:
         """Full reduced gradients by logical name, all-gathered from the shards (after reduce_grads; a

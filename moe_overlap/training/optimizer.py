@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -78,25 +79,44 @@ def clip_control(norm: torch.Tensor, steps_made: torch.Tensor, cfg: TrainConfig)
     return torch.stack([scale.to(torch.float32), steps_made.to(torch.float32), finite.to(torch.float32)])
 
 
-def check_nonfinite(norm: float, step_index: int, cfg: TrainConfig) -> None:
+def check_nonfinite(norm: float, step_index: int, cfg: TrainConfig, nonfinite_names: list[str]) -> None:
     """After a step whose gradient norm was NaN/inf (the update was skipped on the device): a warning naming
-    the step under on_nonfinite_grad 'skip'; 'stop' raises. ``step_index`` counts from 0; messages count
-    from 1, as the metrics do."""
+    the step and where the non-finite values were under on_nonfinite_grad 'skip'; 'stop' raises.
+    ``step_index`` counts from 0; messages count from 1, as the metrics do. ``nonfinite_names``: this rank's
+    gradients that held them, in model order (the deepest is where a backward pass went bad first)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    where = (f"{len(nonfinite_names)} of rank {rank}'s gradient tensors; the deepest: {nonfinite_names[-1]}"
+             if nonfinite_names else f"none of rank {rank}'s gradients: another rank's are")
     if cfg.on_nonfinite_grad == "stop":
-        raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm}; stopping "
+        raise FloatingPointError(f"step {step_index + 1}: gradient norm is {norm} ({where}); stopping "
                                  "(train.on_nonfinite_grad=stop)")
-    log.warning("step %d: gradient norm is %s; skipping the optimizer step", step_index + 1, norm)
+    log.warning("step %d: gradient norm is %s (%s); skipping the optimizer step", step_index + 1, norm, where)
 
 
 def adamw_hyper(cfg: TrainConfig, lr: float, decay: bool) -> AdamWHyper:
     return AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay if decay else 0.0)
 
 
-def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of every element squared, fp64 on the device (one multi-tensor norm kernel, no host sync)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+class GradNorms:
+    """Per-tensor L2 norms of a fixed list of gradients (one multi-tensor kernel, no host sync): the global norm
+    sums the counted ones' squares, and a non-finite one names the tensors that hold NaN/inf."""
+
+    def __init__(self, names: list[str], counted: list[bool], device: torch.device):
+        self.names, self.device = names, device
+        self.counted = torch.tensor(counted, dtype=torch.bool, device=device)
+        self.norms = torch.zeros(len(names), dtype=torch.float32, device=device)
+
+    def measure(self, grads: list[torch.Tensor]) -> None:
+        if grads:
+            torch.stack(torch._foreach_norm(grads), out=self.norms)
+
+    def squares(self, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of the counted (and ``mask``ed) tensors' squared norms, fp64 (any split sums alike)."""
+        keep = self.counted if mask is None else self.counted & mask
+        return torch.where(keep, self.norms.double().square(), 0.0).sum()
+
+    def nonfinite_flags(self) -> torch.Tensor:
+        return (~torch.isfinite(self.norms)).double()
 
 
 def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: GroupHandle) -> dict[str, torch.Tensor]:
@@ -152,9 +172,22 @@ class MixedPrecisionAdamW:
                                            torch.zeros_like(master), torch.zeros_like(master)))
         self.device = self.entries[0].main_grad.device
         self.steps_made = torch.zeros((), dtype=torch.float32, device=self.device)  # checkpointed as optimizer.step
+        self.norms = GradNorms([e.name for e in self.entries],  # experts, and dense ones split or on TP rank 0
+                               [e.is_expert or counts_in_dense_norm(e.param, mesh.tp) for e in self.entries],
+                               self.device)
+        self._is_expert = torch.tensor([e.is_expert for e in self.entries], device=self.device)
 
     def start_micro_batch(self, is_last: bool) -> None:
         """Nothing to arm: this optimizer all-reduces after the whole backward (reduce_grads)."""
+
+    @property
+    def norm_names(self) -> list[str]:
+        """The gradients :meth:`nonfinite_flags` speaks of, in order."""
+        return self.norms.names
+
+    def nonfinite_flags(self) -> torch.Tensor:
+        """1.0 for each gradient of the last step's norm that held NaN/inf (fp64, on the device)."""
+        return self.norms.nonfinite_flags()
 
     def zero_grad(self) -> None:
         torch._foreach_zero_([entry.main_grad for entry in self.entries])
@@ -180,9 +213,8 @@ class MixedPrecisionAdamW:
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over every distinct gradient (fp64, on the device): experts differ across EP ranks,
         dense ones across TP ranks when TP-split (replicated ones count once)."""
-        expert_sq = sum_of_squares([e.main_grad for e in self.entries if e.is_expert], self.device)
-        dense_sq = sum_of_squares([e.main_grad for e in self.entries
-                                   if not e.is_expert and counts_in_dense_norm(e.param, self.mesh.tp)], self.device)
+        self.norms.measure([e.main_grad for e in self.entries])
+        expert_sq, dense_sq = self.norms.squares(self._is_expert), self.norms.squares(~self._is_expert)
         all_reduce_(expert_sq, self.mesh.expert_mp.group)  # experts differ over EP and expert-TP (and PP)
         all_reduce_(dense_sq, self.mesh.mp.group)
         return (dense_sq + expert_sq).sqrt()

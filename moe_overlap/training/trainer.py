@@ -14,19 +14,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moe_overlap.config import Config, config_yaml, validate_for_world
-from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
+from moe_overlap.config import Config, ConfigError, config_yaml, validate_for_world
+from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, check_gemm_sm_carveout,
                                              gemm_sm_carveout, measuring_exposed_comm, to_device_async)
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
-from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from moe_overlap.training.checkpoint import (DAMAGED_SUFFIX, check_checkpoint_matches, complete_steps,
+                                             load_checkpoint, newest_good_checkpoint, save_checkpoint, step_dir)
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
 from moe_overlap.training.data_prepare import check_token_index
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
+from moe_overlap.training.preemption import StopRequests
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 
 log = logging.getLogger(__name__)
@@ -57,8 +60,10 @@ def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=cfg.train.distributed_timeout_s))
+        timeout = timedelta(seconds=cfg.train.distributed_timeout_s)
+        store = restart_safe_store(timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
+                                **({} if store is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}))
     return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s,
                        pg_options=mesh_group_options(cfg)), device
 
@@ -75,6 +80,26 @@ def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
     return MeshLayout(world_size=world_size, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
                       pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                       etp=cfg.expert_tensor_parallel_size)
+
+
+def check_resume_setting(cfg: Config) -> None:
+    """train.resume against checkpoint.dir: required needs a checkpoint; false refuses checkpoints that this
+    run's saves would overwrite."""
+    t, ckpt, root = cfg.train, cfg.checkpoint, cfg.checkpoint_dir
+    steps = complete_steps(root)
+    if t.resume == "required" and not steps:
+        raise ConfigError("train.resume", "required", f"no checkpoint under {root} to resume from")
+    if t.resume is False and steps and (ckpt.save_interval or ckpt.save_final):
+        raise ConfigError("train.resume", False, f"{root} holds checkpoints up to step {max(steps)}, which this "
+                          "run's saves would overwrite: use train.resume=auto to continue from them, or another "
+                          "checkpoint.dir")
+
+
+def check_inputs(cfg: Config) -> None:
+    """What can fail before any rank starts: the token file and train.resume against checkpoint.dir."""
+    load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction, seq_length=cfg.model.seq_length,
+                      vocab_size=cfg.model.vocab_size)
+    check_resume_setting(cfg)
 
 
 class Trainer:
@@ -99,7 +124,7 @@ class Trainer:
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         check_token_index(cfg.data.path, cfg.data.dtype, cfg.model.vocab_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
-                                                     seq_length=cfg.model.seq_length)
+                                                     seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size)
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
                                     dp.rank, dp.size, t.seed, mesh.cp.rank, mesh.cp.size)
@@ -108,6 +133,8 @@ class Trainer:
             t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size, mesh.cp.rank, mesh.cp.size)
         self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
         self.step = 0
+        self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
+        self.stopped_by: str | None = None  # why fit stopped before train.max_steps (a signal, the time limit)
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
         self.is_logger = mesh.rank == 0
         self.flops_per_token = flops_per_token(cfg.model)
@@ -152,9 +179,10 @@ class Trainer:
             grad_norm, applied = self.optimizer.step(lr, self.step)
         loads = self._step_expert_load()
         for layer, router in self.model.routers().items():
-            router.update_load(loads[layer])
+            router.update_load(loads[layer], applied)
         # One copy to the host of everything the metrics read, queued now: finish_step waits for this step only.
         values = HostCopy(torch.cat([self._dp_mean(losses), grad_norm.view(1).double(), applied.view(1).double(),
+                                     self.optimizer.nonfinite_flags(),
                                      *(counts.double() for counts in loads.values())]))
         self._last_step_end = Event(self.device, timing=True).record()
         self.step += 1
@@ -164,9 +192,12 @@ class Trainer:
         """The host's one wait of a step: its losses, norm, expert loads and timings as metrics."""
         values = pending.values.wait().tolist()
         loss, aux_loss, grad_norm, applied = values[:4]
-        experts = (len(values) - 4) // max(1, len(pending.moe_layers))
+        nonfinite = values[4:4 + len(self.optimizer.norm_names)]
+        loads = values[4 + len(nonfinite):]
+        experts = len(loads) // max(1, len(pending.moe_layers))
         if not applied:
-            check_nonfinite(grad_norm, pending.step - 1, self.cfg.train)
+            check_nonfinite(grad_norm, pending.step - 1, self.cfg.train,
+                            [name for name, bad in zip(self.optimizer.norm_names, nonfinite) if bad])
         seconds = pending.start.elapsed_ms(pending.end) / 1e3
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
         tflops_per_gpu = tokens * self.flops_per_token / seconds / self.mesh.world_size / 1e12
@@ -177,7 +208,7 @@ class Trainer:
         if self.device.type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if pending.moe_layers:
-            metrics["tokens_per_expert"] = {str(layer): [int(c) for c in values[4 + i * experts:4 + (i + 1) * experts]]
+            metrics["tokens_per_expert"] = {str(layer): [int(c) for c in loads[i * experts:(i + 1) * experts]]
                                             for i, layer in enumerate(pending.moe_layers)}
         return metrics
 
@@ -211,35 +242,63 @@ class Trainer:
         """What a checkpoint holds, by logical name: optimizer state, model buffers and the step."""
         return dict(self.optimizer.logical_state(), **self.model_buffers(), **{"train.step": torch.tensor(step)})
 
-    def save(self) -> Path:
+    def save(self, stopped_by: str | None = None) -> Path:
         per_rank = {"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self._checkpoint_state(self.step), per_rank,
-                               self.cfg.checkpoint.keep_last)
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self._checkpoint_state(self.step), per_rank,
+                               self.cfg.checkpoint.keep_last, stopped_by)
+        self.saved_step = self.step
+        return path
 
     def resume(self) -> bool:
-        """Continue from the newest complete checkpoint, if any (also under another EP or DP size)."""
-        step = latest_step(self.cfg.checkpoint_dir)
+        """Continue from the newest good checkpoint, if any (also under another EP or DP size). A damaged newer
+        one is moved aside with a warning naming both; a checkpoint of another model is refused (ConfigError)."""
+        root = self.cfg.checkpoint_dir
+        step, damaged = newest_good_checkpoint(root)
+        if self.is_logger:
+            for bad, problem in damaged:
+                log.warning("checkpoint %s is damaged: %s; moved to %s%s; %s", step_dir(root, bad), problem,
+                            step_dir(root, bad).name, DAMAGED_SUFFIX,
+                            f"using {step_dir(root, step)} instead" if step is not None else "no older checkpoint")
         if step is None:
+            if damaged:
+                raise ConfigError("checkpoint.dir", str(root), "holds only damaged checkpoints, now moved to "
+                                  f"step_N{DAMAGED_SUFFIX}; restore them, or run again to start from step 0")
             return False
         tensors = self._checkpoint_state(0)
-        per_rank = load_checkpoint(self.cfg.checkpoint_dir, step, tensors)
+        check_checkpoint_matches(root, step, tensors)
+        per_rank = load_checkpoint(root, step, tensors)
         self.optimizer.after_load()
-        self.step = int(tensors["train.step"])
+        self.step = self.saved_step = int(tensors["train.step"])
         if per_rank is not None:
             torch.set_rng_state(per_rank["torch_rng"])
             if per_rank["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(per_rank["cuda_rng"])
-        log.info("resumed from %s at step %d", self.cfg.checkpoint_dir, self.step)
+        log.info("resumed from %s at step %d", step_dir(root, step), self.step)
         return True
 
+    def _start_or_resume(self) -> None:
+        """train.resume: auto, true and required continue from the newest good checkpoint; without one, auto
+        starts fresh, true warns and starts fresh, required fails (check_resume_setting). false starts fresh."""
+        t = self.cfg.train
+        check_resume_setting(self.cfg)
+        if t.resume is False or self.resume():
+            return
+        (log.warning if t.resume is True else log.info)("no checkpoint under %s: starting from step 0",
+                                                         self.cfg.checkpoint_dir)
+
     # -------------------------------------------------------------------------------------- the loop
-    def fit(self) -> list[dict]:
-        """Train to ``train.max_steps``. The host queues step i+1 before it reads step i's numbers, so the GPU
-        never waits for the host between steps; evaluation and checkpoints see the finished step."""
+    def fit(self, monitor: RankMonitor | None = None) -> list[dict]:
+        """Train to train.max_steps, resuming per train.resume and saving every checkpoint.save_interval steps.
+        The host queues step i+1 before it reads step i's numbers, so the GPU never waits for the host between
+        steps; evaluation and checkpoints see the finished step. SIGTERM / SIGINT or train.exit_duration_min stop
+        it with a checkpoint after the steps in hand (``stopped_by`` says why); ``monitor`` learns the phase."""
         t, ckpt = self.cfg.train, self.cfg.checkpoint
-        if t.resume:
-            self.resume()
+        phase = monitor.phase if monitor is not None else (lambda text: None)
+        phase("checkpoint load")
+        self._start_or_resume()
+        if self.step >= t.max_steps:
+            log.info("step %d already reaches train.max_steps=%d: nothing to train", self.step, t.max_steps)
         out_dir = Path(t.output_dir)
         if self.is_logger:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -250,36 +309,54 @@ class Trainer:
         history: list[dict] = []
         profiler = StepProfiler.from_config(t, self.mesh.rank, out_dir)
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)
-        with bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file:
-            pending = None
+        # The stop agreement is a CPU collective, so the host can ask it while the GPU runs the queued step.
+        stop_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=t.distributed_timeout_s))
+                      if dist.is_initialized() and self.device.type == "cuda" else None)
+        with (bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file,
+              StopRequests(t.exit_duration_min, self.device, self.mesh.rank) as stop_requests):
+            pending, first = None, True
             while self.step < t.max_steps or pending is not None:
+                if not first:  # every rank agrees before the next step is queued: a stop ends after the one in hand
+                    phase(f"stop check after step {self.step}")
+                    self.stopped_by = stop_requests.agreed(stop_group)
                 launched = None
-                if self.step < t.max_steps and (pending is None or not self._needs_finished_model(pending.step)):
+                if (not self.stopped_by and self.step < t.max_steps
+                        and (pending is None or not self._needs_finished_model(pending.step))):
+                    phase(f"train step {self.step + 1}")
                     with profiler.step(self.step + 1):
                         launched = self.launch_step()
+                    first = False
                 if pending is not None:
-                    metrics = self.finish_step(pending)
-                    self._after_step(metrics, metrics_file, bar)
-                    history.append(metrics)
+                    history.append(self._after_step(self._finish_or_save(pending), metrics_file, bar, phase))
+                if self.stopped_by:
+                    phase(f"checkpoint save of step {self.step}")
+                    self.save(stopped_by=self.stopped_by)  # also when just saved: the pointer records why
+                    return history
                 pending = launched
         profiler.close()
         if ckpt.save_final and history:
+            phase(f"checkpoint save of step {self.step}")
             self.save()
         return history
 
     def _needs_finished_model(self, step: int) -> bool:
         """Whether ``step`` is followed by an evaluation or a save, which must see its weights, not the next
-        step's: then the next step waits until this one is read and done."""
+        step's (or may be: a non-finite gradient under train.on_nonfinite_grad=stop): then the next step waits
+        until this one is read and done."""
         t, ckpt = self.cfg.train, self.cfg.checkpoint
         return bool((t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps))
-                    or (ckpt.save_interval and step % ckpt.save_interval == 0 and step < t.max_steps))
+                    or (ckpt.save_interval and step % ckpt.save_interval == 0 and step < t.max_steps)
+                    or t.on_nonfinite_grad == "stop")
 
-    def _after_step(self, metrics: dict, metrics_file, bar) -> None:
+    def _after_step(self, metrics: dict, metrics_file, bar, phase) -> dict:
+        """The evaluation and checkpoint due after a finished step; its metrics logged."""
         t, ckpt = self.cfg.train, self.cfg.checkpoint
         step = metrics["step"]
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
+            phase(f"evaluation after step {step}")
             metrics["val_loss"] = self.evaluate()
         if ckpt.save_interval and step % ckpt.save_interval == 0 and step < t.max_steps:
+            phase(f"checkpoint save of step {step}")
             self.save()
         if self.is_logger and (step % t.log_interval == 0 or step == t.max_steps):
             metrics_file.write(json.dumps(metrics) + "\n")
@@ -287,6 +364,20 @@ class Trainer:
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                         mfu=f"{metrics['mfu']:.2f}")
         bar.update(1)
+        return metrics
+
+    def _finish_or_save(self, pending: StepInFlight) -> dict:
+        """finish_step; on a non-finite gradient norm under train.on_nonfinite_grad=stop, save the state before
+        that step (its update was skipped on the device, and no later step was queued) and stop with a message
+        that says where it is."""
+        try:
+            return self.finish_step(pending)
+        except FloatingPointError as err:
+            self.step = pending.step - 1
+            if self.step == 0:
+                raise
+            path = step_dir(self.cfg.checkpoint_dir, self.step) if self.saved_step == self.step else self.save()
+            raise FloatingPointError(f"{err}; the state after step {self.step} is in {path}") from err
 
 
 @dataclass

@@ -1,0 +1,36 @@
+"""A rank killed while its peers wait for it on the GPU (`pytest -m gpu`, on every visible GPU up to 8, at least
+2): in a symmetric-memory signal wait of the sync-free dispatch, which runs on the device and which no
+collective timeout reaches, and inside an NCCL all-reduce. The others exit within train.distributed_timeout_s
+with one line naming the dead rank and its phase: the heartbeat monitor ends them while their host threads are
+blocked behind the device. (On CPU, test_fault.py blocks a rank in a wait that never fails to the same end.)
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from benchmarks.common import MULTICAST_OFF
+from tests.long_run import finish, launch_ranks, train_argv
+
+TIMEOUT_S = 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault", ["symm", "collective"])
+def test_rank_killed_while_peers_wait_on_the_gpu(tmp_path, fault):
+    if torch.cuda.device_count() < 2:
+        pytest.fail("needs 2 CUDA GPUs or more (a dead peer needs a peer)")
+    world = 1 << min(3, torch.cuda.device_count().bit_length() - 1)  # 2, 4 or 8: divides the 8 experts
+    argv = train_argv(tmp_path / "run", "train.device=cuda", f"parallel.expert_model_parallel_size={world}",
+                      f"train.global_batch_size={4 * world}", "overlap.moe_sync_free_dispatch=true",
+                      f"train.distributed_timeout_s={TIMEOUT_S}")
+    codes, outputs, ended = finish(launch_ranks(argv, tmp_path, f"{fault}:1:3", world_size=world, env=MULTICAST_OFF),
+                                   tmp_path, timeout_s=300)
+    assert codes[1] == -signal.SIGKILL and codes[0] == 3 and set(codes[2:]) <= {3}, [o[-2000:] for o in outputs]
+    for rank in [0, *range(2, world)]:
+        line = next(line for line in outputs[rank].splitlines() if f"moe-overlap: rank {rank}" in line)
+        assert "rank 1 is gone" in line and "(it was in train step 3)" in line, line
+        assert ended[rank] - ended[1] < TIMEOUT_S, line
