@@ -98,9 +98,12 @@ def adamw_rows(rounds: int) -> list[dict]:
     control = torch.tensor([1.0, 3.0, 1.0], device="cuda")
     hyper = AdamWHyper(1e-4, 0.9, 0.95, 1e-8, 0.1)
     step = torch.tensor(3.0, device="cuda")
-    fns = {f"triton_{block}x{warps}": (lambda block=block, warps=warps: adamw_update_triton(
-        master, grad, exp_avg, exp_avg_sq, copy, control, hyper, block, warps))
-        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (1024, 8))}
+    fns = {f"triton_{block}x{warps}_{per_sm or 'all'}": (lambda block=block, warps=warps, per_sm=per_sm:
+                                                            adamw_update_triton(master, grad, exp_avg, exp_avg_sq,
+                                                                                copy, control, hyper, block, warps,
+                                                                                per_sm))
+           for block, warps, per_sm in ((1024, 8, None), (1024, 4, None), (512, 4, None), (1024, 8, 4),
+                                        (1024, 8, 8), (2048, 8, 4), (1024, 4, 16), (512, 4, 16), (2048, 16, 2))}
 
     def torch_fused():
         torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-4, beta1=0.9, beta2=0.95,

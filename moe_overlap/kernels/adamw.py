@@ -25,32 +25,37 @@ if HAVE_TRITON:
     import triton.language as tl
 
     def _adamw_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, control_ptr, n, lr, beta1, beta2,
-                      eps, weight_decay, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+                      eps, weight_decay, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        # Each program walks blocks PROGRAMS apart: the control is read once per program, not once per block.
         if tl.load(control_ptr + 2) != 0.0:
             grad_scale = tl.load(control_ptr)
             step = tl.load(control_ptr + 1)
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
-            master = tl.load(master_ptr + offs, mask=mask, other=0.0)
-            exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-            exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-            master = master * (1.0 - lr * weight_decay)
-            exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
-            exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
             bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-            bias_correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
-            denom = tl.sqrt(exp_avg_sq) / tl.sqrt(bias_correction2) + eps
-            master = master - (lr / bias_correction1) * exp_avg / denom
-            tl.store(master_ptr + offs, master, mask=mask)
-            tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
-            if HAS_COPY:
-                tl.store(copy_ptr + offs, master.to(copy_ptr.dtype.element_ty), mask=mask)
+            step_size = lr / bias_correction1
+            sqrt_bias_correction2 = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+            for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
+                master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+                exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+                exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+                master = master * (1.0 - lr * weight_decay)
+                exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
+                exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
+                denom = tl.sqrt(exp_avg_sq) / sqrt_bias_correction2 + eps
+                master = master - step_size * exp_avg / denom
+                tl.store(master_ptr + offs, master, mask=mask)
+                tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
+                tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+                if HAS_COPY:
+                    tl.store(copy_ptr + offs, master.to(copy_ptr.dtype.element_ty), mask=mask)
 
     _adamw = Kernel(_adamw_kernel, do_not_specialize=["n", "lr"])
 
-_BLOCK = 1024  # with 8 warps: the best of benchmarks/step_kernels.py on an H200 (torch fused + copy's speed)
+# 1024 elements a block, 8 warps, 4 programs an SM walking the blocks: the best of benchmarks/step_kernels.py on an
+# H200 (3.8 TB/s counting every byte; torch's fused AdamW and then the copy: 3.2).
+_BLOCK, _WARPS, _PROGRAMS_PER_SM = 1024, 8, 4
 
 
 @dataclass(frozen=True)
@@ -80,17 +85,20 @@ def adamw_update_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
 
 def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper,
-                        block: int = _BLOCK, warps: int = 8) -> None:
+                        block: int = _BLOCK, warps: int = _WARPS, programs_per_sm: int | None = _PROGRAMS_PER_SM) -> None:
     n = master.numel()
     if n == 0:
         return
     tensors = (master, grad, exp_avg, exp_avg_sq) + (() if model_copy is None else (model_copy,))
     if not all(t.is_contiguous() and t.numel() == n for t in tensors):
         raise ValueError("adamw_update needs contiguous tensors of one size")
-    _adamw[(triton.cdiv(n, block),), master.device](
+    programs = triton.cdiv(n, block)
+    if programs_per_sm is not None and master.is_cuda:
+        programs = min(programs, programs_per_sm * torch.cuda.get_device_properties(master.device).multi_processor_count)
+    _adamw[(programs,), master.device](
         master, grad, exp_avg, exp_avg_sq, master if model_copy is None else model_copy, control, n, hyper.lr,
         hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, HAS_COPY=model_copy is not None, BLOCK=block,
-        num_warps=warps)
+        PROGRAMS=programs, num_warps=warps)
 
 
 def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
