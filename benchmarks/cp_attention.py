@@ -7,7 +7,7 @@
         --timeline benchmarks/results/cp_attention_2xh200.png
 
 Shapes: sequences of 32K and 128K tokens, batch 1, 32 query heads, 8 key-value heads, head dim 128, bf16 on GPU.
-Each block kernel (layers/ring_attention.py; flash and cudnn by default on GPU, math on CPU) is timed separately.
+Each block kernel (layers/ring_attention.py; cudnn and flash by default on GPU, math on CPU) is timed separately.
 World size 1 (``--cp``, default 2): ``blockwise`` runs every CP rank's blocks one after another in one process,
 merged by log-sum-exp, no transfers; ``full`` is the same kernel over the whole sequence (forward and backward
 op); ``sdpa`` is F.scaled_dot_product_attention with autograd, what the model runs at CP=1. The target is
@@ -45,7 +45,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, CPU")
     parser.add_argument("--seqs", default=None, help="sequence lengths, comma list (default 32768,131072)")
     parser.add_argument("--cp", type=int, default=2, help="CP size simulated at world size 1")
-    parser.add_argument("--kernels", default=None, help="block kernels, comma list (default flash,cudnn on GPU; "
+    parser.add_argument("--kernels", default=None, help="block kernels, comma list (default cudnn,flash on GPU; "
                                                          "math on CPU); of math, flash, efficient, cudnn")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; smoke 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2; smoke 1)")
@@ -88,7 +88,7 @@ def run(argv: list[str]) -> list[dict]:
     shape = dict(SMOKE_SHAPE if args.smoke else SHAPE)
     seqs = [int(s) for s in (args.seqs or shape.pop("seqs")).split(",")]
     shape.pop("seqs", None)
-    kernels = (args.kernels or ("flash,cudnn" if device.type == "cuda" else "math")).split(",")
+    kernels = (args.kernels or ("cudnn,flash" if device.type == "cuda" else "math")).split(",")
     rounds = args.rounds or (2 if args.smoke else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)

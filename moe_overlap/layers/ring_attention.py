@@ -190,12 +190,17 @@ KERNELS: dict[str, BlockKernel] = {k.name: k for k in (MathKernel(), FlashKernel
 
 @functools.lru_cache(maxsize=None)
 def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int) -> BlockKernel:
-    """The block kernel for these inputs, logged once with the reason: math on CPU; on CUDA flash where it runs
-    (fp16/bf16, head dim a multiple of 8 up to 256), else efficient (head dim a multiple of 8), else math."""
+    """The block kernel for these inputs, logged once with the reason: math on CPU; on CUDA cuDNN where it runs
+    (fp16/bf16, head dim a multiple of 8 up to 128: 1.5-1.7x faster than flash for the Mixtral head shape on an
+    H200, benchmarks/results/cp_attention_1xh200.json), else flash (head dim up to 256), else efficient (head
+    dim a multiple of 8), else math."""
+    half = dtype in (torch.float16, torch.bfloat16)
     if device_type != "cuda":
         name, why = "math", "the device is the CPU"
-    elif dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256:
-        name, why = "flash", f"{dtype} with head dim {head_dim}"
+    elif half and head_dim % 8 == 0 and head_dim <= 128:
+        name, why = "cudnn", f"{dtype} with head dim {head_dim}"
+    elif half and head_dim % 8 == 0 and head_dim <= 256:
+        name, why = "flash", f"{dtype} with head dim {head_dim} (cuDNN takes up to 128)"
     elif head_dim % 8 == 0:
         name, why = "efficient", f"flash needs fp16/bf16 and head dim <= 256 (here {dtype}, {head_dim})"
     else:
