@@ -3,6 +3,7 @@ and a plain-torch baseline, measured side by side in one run (also `moe-overlap 
 
     torchrun --nproc-per-node 2 benchmarks/moe_layer.py --shapes mixtral,fine,fine_small --fabric nvlink \
         --json benchmarks/results/moe_layer_2xh200_nvlink.json --timeline benchmarks/results/moe_layer_fine.png
+    torchrun --nproc-per-node 1 benchmarks/moe_layer.py ...    # EP=1: the layer's own work against its GEMMs
 
 Rows per shape:
   serial      the serial reference path (overlap off)
@@ -113,6 +114,8 @@ class Bench:
         self.torch, self.mesh, self.device, self.args = torch, mesh, device, args
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.backends = ["nccl"] if args.fabric == "slow" or device.type != "cuda" else ["symm", "nccl"]
+        if mesh.ep.size == 1:  # nothing to exchange: one transport stands for all (the layer runs its local path)
+            self.backends = ["nccl"]
         if device.type != "cuda":
             self.backends = ["gloo"]
 
@@ -201,7 +204,8 @@ class Bench:
             return fn
 
         settings = [(b, c, d) for b in self.backends for c in chunk_options for d in (False, True)]
-        sync_free = "symm" if "symm" in self.backends else "gloo" if "gloo" in self.backends else None
+        sync_free = ("symm" if "symm" in self.backends else "gloo" if "gloo" in self.backends
+                     else self.backends[0] if self.mesh.ep.size == 1 else None)  # one rank: the local path
         graph_layer = (self.graphed_layer(layer, shape, selectors[sync_free], x)
                        if sync_free and self.device.type == "cuda" else None)
 
@@ -284,7 +288,7 @@ class Bench:
         layer.chunks, layer.delay_wgrad = min(4, local), True
         title = f"overlapped MoE layer fwd+bwd, {layer.chunks} chunks, {selectors[self.backends[0]].name}"
         if self.args.timeline_variant == "sync_free_graph":
-            layer = self.graphed_layer(layer, shape, selectors["symm"], x)
+            layer = self.graphed_layer(layer, shape, selectors[self.backends[0]], x)
             title = "MoE layer fwd+bwd, sync-free dispatch (symm), replayed from CUDA graphs"
         for _ in range(3):
             layer(x)[0].backward(grad)

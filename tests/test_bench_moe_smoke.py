@@ -1,5 +1,5 @@
-"""The MoE layer benchmark runs end to end on CPU with gloo (the `tiny` shape), and writes the JSON the
-GPU runs commit: every field the issue names, with limit = max(comm, gemm)."""
+"""The MoE layer benchmark runs end to end on CPU with gloo (the `tiny` shape) at world size 1 and 2, and writes
+the JSON the GPU runs commit: every field the issue names, with limit = max(comm, gemm)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_moe_layer_benchmark_smoke(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_layer_benchmark_smoke(tmp_path, world):
     out = tmp_path / "moe.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(REPO / "benchmarks" / "moe_layer.py"), "--shapes", "tiny", "--rounds", "2", "--warmup", "1",
            "--chunks", "1,2", "--skew", "--json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -22,7 +25,7 @@ def test_moe_layer_benchmark_smoke(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert {"device", "world_size", "date", "command", "env", "rows"} <= set(result)
-    assert result["world_size"] == 2 and "TORCH_SYMM_MEM_DISABLE_MULTICAST" in result["env"]
+    assert result["world_size"] == world and "TORCH_SYMM_MEM_DISABLE_MULTICAST" in result["env"]
     assert [row["shape"] for row in result["rows"]] == ["tiny", "tiny_skew"]
     for row in result["rows"]:
         for suffix in ("fwd", "fwdbwd"):
