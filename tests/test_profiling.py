@@ -9,6 +9,7 @@ import torch
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.distributed.streams import EXPOSED_KINDS
 from moe_overlap.training.profiling import kernel_kind, step_breakdown, stream_summary
 from moe_overlap.training.trainer import Trainer
 
@@ -55,9 +56,37 @@ def test_every_step_logs_throughput_mfu_and_exposed_communication(tmp_path):
     for m in history:
         assert m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1
         assert m["mfu"] == pytest.approx(m["tflops_per_gpu"] / cfg.train.peak_tflops)
-        assert set(m["exposed_comm_ms"]) == {"ep", "tp", "dp", "pp"}
+        assert set(m["exposed_comm_ms"]) == set(EXPOSED_KINDS)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2, 3] and "mfu" in logged[0]
     report = json.loads((tmp_path / "profile" / "breakdown_rank0.json").read_text())
     assert report["steps"] == [2, 3]
     assert (tmp_path / "profile" / "trace_rank0.json").stat().st_size > 0
+
+
+def exposed_case(output_dir: str, layout: list[str]) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from moe_overlap.training.trainer import mesh_layout
+
+    cfg = load_config("configs/tiny.yaml", layout + ["train.max_steps=1", "train.eval_interval=0",
+                                                     "checkpoint.save_final=false", f"train.output_dir={output_dir}",
+                                                     "train.global_batch_size=8", "train.micro_batch_size=4"])
+    mesh = Mesh.create(mesh_layout(cfg, dist.get_world_size()), timeout_s=60)
+    try:
+        return Trainer(cfg, mesh, torch.device("cpu")).train_step()["exposed_comm_ms"]
+    finally:
+        mesh.destroy()
+
+
+def test_exposed_communication_is_counted_per_kind(rank_pool, tmp_path):
+    """Two ranks: EP=2 over DP=2 waits for the experts' exchange and the gradient all-reduce; TP=2 with EP=2
+    folded over it for the TP collectives and the exchange; nothing is counted where a kind has no group."""
+    dp_ep = rank_pool(2).run(exposed_case, str(tmp_path / "a"), ["parallel.expert_model_parallel_size=2"])
+    tp_ep = rank_pool(2).run(exposed_case, str(tmp_path / "b"), [
+        "parallel.expert_model_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true", "parallel.expert_tensor_parallel_size=1"])
+    for exposed in dp_ep:
+        assert exposed["ep"] > 0 and exposed["dp"] > 0 and exposed["tp"] == exposed["pp"] == exposed["cp"] == 0
+    for exposed in tp_ep:
+        assert exposed["ep"] > 0 and exposed["tp"] > 0 and exposed["dp"] == exposed["pp"] == 0

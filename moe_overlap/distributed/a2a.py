@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.distributed.collectives import ProcessGroup, all_to_all_equal, all_to_all_rows
+from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmRegions, choose_transport, symm_unavailable_reason
 from moe_overlap.kernels.push_rows import copy_counted_rows, push_rows
 
@@ -124,7 +125,8 @@ class CollectiveExchange(Exchange):
     def recv(self, chunk: int) -> torch.Tensor:
         work = self.works.pop(chunk, None)
         if work is not None:
-            work.wait()
+            with exposed_wait("ep"):
+                work.wait()
         return self.chunk_view(chunk)
 
     def finish(self) -> None:
@@ -178,9 +180,10 @@ class SymmExchange(Exchange):
 
     def recv(self, chunk: int) -> torch.Tensor:
         current = torch.cuda.current_stream()
-        current.wait_event(self.landed.pop(chunk))
-        for peer in self.transport.regions.peers:
-            self.transport.regions.wait(peer, self.slot, chunk)
+        with exposed_wait("ep"):
+            current.wait_event(self.landed.pop(chunk))
+            for peer in self.transport.regions.peers:
+                self.transport.regions.wait(peer, self.slot, chunk)
         return self.chunk_view(chunk)
 
     def result(self) -> torch.Tensor:
@@ -255,8 +258,9 @@ class SymmPusher:
         push_rows(src_RH, route.num_rows, route.dst_rank_R, route.dst_row_R, self._bases[region])
         for peer in regions.peers:  # after the kernel, on its stream: its stores have landed
             regions.signal(peer, region, 0)
-        for peer in regions.peers:
-            regions.wait(peer, region, 0)
+        with exposed_wait("ep"):
+            for peer in regions.peers:
+                regions.wait(peer, region, 0)
         shape = (route.out_rows,) + tuple(src_RH.shape[1:])
         landed_RH = regions.view(regions.rank, region, shape, src_RH.dtype)
         out_RH = copy_counted_rows(landed_RH, route.recv_rows, src_RH.new_empty(shape))
@@ -277,10 +281,11 @@ class CollectivePusher:
         order = torch.argsort(dst_rank_R, stable=True)
         peers = 1 if self.group is None else dist.get_world_size(self.group)
         send_rows = torch.bincount(dst_rank_R.long(), minlength=peers)
-        recv_rows = send_rows if self.group is None else all_to_all_equal(send_rows.view(peers, 1), self.group)
-        send, recv = send_rows.tolist(), recv_rows.view(-1).tolist()
-        rows_RH = all_to_all_rows(src_RH[:n][order], recv, send, self.group)
-        index_R = all_to_all_rows(route.dst_row_R[:n][order].long(), recv, send, self.group)
+        with exposed_wait("ep"):
+            recv_rows = send_rows if self.group is None else all_to_all_equal(send_rows.view(peers, 1), self.group)
+            send, recv = send_rows.tolist(), recv_rows.view(-1).tolist()
+            rows_RH = all_to_all_rows(src_RH[:n][order], recv, send, self.group)
+            index_R = all_to_all_rows(route.dst_row_R[:n][order].long(), recv, send, self.group)
         out_RH = src_RH.new_zeros((route.out_rows,) + tuple(src_RH.shape[1:]))
         out_RH[index_R] = rows_RH
         return out_RH

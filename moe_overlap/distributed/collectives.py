@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from moe_overlap.distributed.streams import exposed_wait
+
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
@@ -119,11 +121,13 @@ class AllToAllRows(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                 group: ProcessGroup) -> torch.Tensor:
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        return all_to_all_rows(x, output_splits, input_splits, group)
+        with exposed_wait("ep"):  # the serial EP exchange: the whole all-to-all is exposed
+            return all_to_all_rows(x, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        return all_to_all_rows(grad_output, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+        with exposed_wait("ep"):
+            return all_to_all_rows(grad_output, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
 class AllReduceSum(torch.autograd.Function):

@@ -56,6 +56,8 @@ class CPComm:
         self.group, self.overlap = group, overlap
         self.size, self.rank = group.size, group.rank
         self.transport = transport if transport is not None or group.size == 1 else P2PTransport(group)
+        if self.transport is not None:
+            self.transport.kind = "cp"  # its waits count as context-parallel exposed communication
 
     @classmethod
     def single(cls) -> "CPComm":

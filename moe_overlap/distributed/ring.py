@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from moe_overlap.distributed.collectives import all_reduce_, start_all_gather, start_reduce_scatter
 from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, SymmRegions, choose_transport, symm_unavailable_reason
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,10 @@ class RingRound(ABC):
 
 class RingTransport(ABC):
     """Moves fixed-shape chunks one hop along a group's ring; runs the bulk (started now, waited on later)
-    all-gather and reduce-scatter of token rows."""
+    all-gather and reduce-scatter of token rows. ``kind``: what its waits count as exposed communication."""
 
     name: str
+    kind: str = "tp"
 
     @abstractmethod
     def open(self, num_steps: int, chunk_shape: tuple[int, ...], dtype: torch.dtype,
@@ -118,8 +120,9 @@ class _P2PRound(RingRound):
 
     def wait(self, step: int) -> torch.Tensor:
         works, _ = self.pending.pop(step)
-        for work in works:
-            work.wait()
+        with exposed_wait(self.transport.kind):
+            for work in works:
+                work.wait()
         return self.recv_NCK[step]
 
     def finish(self) -> None:
@@ -243,7 +246,8 @@ class _SymmRound(RingRound):
         self.started.add(step)
 
     def wait(self, step: int) -> torch.Tensor:
-        self.regions.wait(self.transport.prev_peer, self.region, step)
+        with exposed_wait(self.transport.kind):
+            self.regions.wait(self.transport.prev_peer, self.region, step)
         self.started.discard(step)
         return self.own_NCK[step]
 
@@ -382,7 +386,8 @@ def gather_rows(x_RK: torch.Tensor, group: GroupHandle) -> torch.Tensor:
     if group.size == 1:
         return x_RK
     out = x_RK.new_empty((group.size * x_RK.shape[0], *x_RK.shape[1:]))
-    start_all_gather(out, x_RK.contiguous(), group.group).wait()
+    with exposed_wait("tp"):
+        start_all_gather(out, x_RK.contiguous(), group.group).wait()
     return out
 
 
@@ -401,12 +406,13 @@ class Pending:
     once ``work`` (a torch.distributed handle) is done, or what ``complete`` returns (called once)."""
 
     def __init__(self, result: torch.Tensor | None = None, work=None,
-                 complete: Callable[[], torch.Tensor] | None = None):
-        self._result, self._work, self._complete = result, work, complete
+                 complete: Callable[[], torch.Tensor] | None = None, kind: str = "tp"):
+        self._result, self._work, self._complete, self.kind = result, work, complete, kind
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            with exposed_wait(self.kind):
+                self._work.wait()
             self._work = None
         if self._complete is not None:
             self._result, self._complete = self._complete(), None
@@ -490,8 +496,11 @@ class TPComm:
         return self.transport.start_all_gather(x_RK) if overlap else Pending(gather_rows(x_RK, self.group))
 
     def start_scatter(self, x_SK: torch.Tensor, overlap: bool) -> Pending:
+        if self.size == 1:
+            return Pending(x_SK.contiguous())
         if not self._sharded():
-            return Pending(all_reduce_(x_SK.contiguous(), self.group.group))
+            with exposed_wait("tp"):
+                return Pending(all_reduce_(x_SK.contiguous(), self.group.group))
         return self.transport.start_reduce_scatter(x_SK) if overlap else Pending(scatter_rows(x_SK, self.group))
 
     def gather_matmul(self, x_RK: torch.Tensor, b_KN: torch.Tensor, overlap: bool,

@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 import torch
 
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-EXPOSED_KINDS = ("ep", "tp", "dp", "pp")
+EXPOSED_KINDS = ("ep", "tp", "dp", "pp", "cp")
 
 
 def check_gemm_sm_carveout(sms: int, device: torch.device) -> None:
@@ -156,7 +156,7 @@ def measuring_exposed_comm(device: torch.device) -> Iterator[ExposedComm]:
 
 @contextlib.contextmanager
 def exposed_wait(kind: str) -> Iterator[None]:
-    """Wrap a wait for communication of ``kind`` (ep, tp, dp, pp) that blocks the compute stream (or host);
+    """Wrap a wait for communication of ``kind`` (EXPOSED_KINDS) that blocks the compute stream (or host);
     timed only while a step measures (not inside a CUDA-graph capture, whose replays run no Python)."""
     if not _MEASURING or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         yield
