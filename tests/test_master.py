@@ -247,3 +247,20 @@ def test_checkpoint_moves_between_expert_tp_sizes(rank_pool, tmp_path):
     rank_pool(4).run(run_and_save, str(tmp_path / "moved"), 2, 2, 2, **etp2)
     moved = rank_pool(2).run(run_and_save, str(tmp_path / "moved"), 2, 3, None)[0]
     assert len(moved) == 1 and abs(moved[0] - straight[2]) / straight[2] < TOL
+
+
+# Every overlap switch at once, in the largest layout the 2-core budget runs: TP=2 (sequence parallel, every
+# tp_comm overlap) x DP=2, EP=2 folded over TP (the chunked dispatch pipeline with deferred weight gradients and
+# the shared expert in its gap), and the distributed optimizer overlapping both its syncs over small buckets.
+EVERY_SWITCH = dict(tp_layout(2, *ALL_TP_OVERLAPS, **{"overlap.tp_comm_num_splits": 2}), **{
+    "overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true",
+    "model.moe_shared_expert_overlap": "true", "train.use_distributed_optimizer": "true",
+    "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true", "overlap.bucket_size_mb": 0.01})
+EVERY_SWITCH_OFF = tp_layout(2)
+
+
+@pytest.mark.parametrize("layout", [EVERY_SWITCH, EVERY_SWITCH_OFF], ids=["every_switch_on", "every_switch_off"])
+def test_every_switch_composed_matches_single_process(rank_pool, tmp_path, layout):
+    both = {"model.num_query_groups": 4, "train.adam_eps": 1e-4, "model.moe_shared_expert_intermediate_size": 16}
+    worst = rank_pool(4).run(equivalence_case, 2, 2, str(tmp_path), router=both, layout=layout)
+    assert all(max(w.values()) < TOL for w in worst)
