@@ -191,6 +191,8 @@ class Trainer:
     def finish_step(self, pending: StepInFlight) -> dict:
         """The host's one wait of a step: its losses, norm, expert loads and timings as metrics."""
         values = pending.values.wait().tolist()
+        if pending.end is self._last_step_end:  # nothing queued behind it: the next step's time starts at its launch
+            self._last_step_end = None
         loss, aux_loss, grad_norm, applied = values[:4]
         nonfinite = values[4:4 + len(self.optimizer.norm_names)]
         loads = values[4 + len(nonfinite):]
