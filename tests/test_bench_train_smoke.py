@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.train_step import main
+from moe_overlap.distributed.streams import EXPOSED_KINDS
 
 
 def test_train_step_benchmark_smoke(tmp_path):
@@ -19,5 +20,5 @@ def test_train_step_benchmark_smoke(tmp_path):
     for row in result["rows"]:
         assert row["steps_timed"] == 2 and row["tokens_per_step"] == 4 * 128
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_tflops"] == 788.0
-        assert set(row["exposed_comm_ms"]) == {"ep", "tp", "dp", "pp"}
+        assert set(row["exposed_comm_ms"]) == set(EXPOSED_KINDS)
         assert row["profile"]["steps"] == [4, 4]
