@@ -322,6 +322,10 @@ class Mesh:
         handles = {kind: GroupHandle(ranks=[0], group=None, rank=0, size=1) for kind in GROUP_KINDS}
         return cls(MeshLayout(world_size=1), 0, handles, [])
 
+    def own(self, group: ProcessGroup) -> None:
+        """Destroy ``group`` with the mesh's own (a group made beside the mesh, e.g. a pipeline channel)."""
+        self._owned_groups.append(group)
+
     def destroy(self) -> None:
         """Destroy the process groups this mesh created, so a worker can build another mesh.
 

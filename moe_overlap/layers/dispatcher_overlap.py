@@ -23,6 +23,7 @@ from moe_overlap.distributed.a2a import Exchange
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.dispatcher import ExchangePlan, ExpertTPPlan, gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.experts import experts_dgrad, experts_forward, experts_wgrad
+from moe_overlap.layers.wgrad import is_deferring, weight_grads
 
 
 @dataclass
@@ -110,6 +111,7 @@ class ExpertsCombine(torch.autograd.Function):
         plan = state.plan
         w13_EHF2, w2_EFH = ctx.saved_tensors
         wgrads = []  # per chunk (its experts' fc1, fc2 weight gradients): chunks own disjoint runs of experts
+        deferred = is_deferring()  # a zero-bubble schedule's W computes them: keep their inputs instead
         grad_dispatch = state.transport.exchange(grad_combined_RH.contiguous(), plan.layout)
         for chunk in range(plan.layout.num_chunks):
             grad_dispatch.send(chunk)
@@ -123,21 +125,44 @@ class ExpertsCombine(torch.autograd.Function):
             start, stop = plan.layout.recv_range(chunk)
             # grouped_mm rejects empty gradients; no rows (on every expert-TP peer alike): zero weight gradient
             if grouped_RH.shape[0] == 0:
-                wgrads.append((torch.zeros_like(weights[0]), torch.zeros_like(weights[1])))
+                wgrads.append(None if deferred else _zero_wgrads(weights))
                 grad_combine.send(chunk)
                 continue
             grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, *weights)
             wgrad = (grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)
-            if not state.delay_wgrad:
+            if not (state.delay_wgrad or deferred):
                 wgrads.append(experts_wgrad(*wgrad))
             torch.index_select(_rows_from_experts(grad_x_RH, chunk, state), 0, plan.ungroup_index[chunk],
                                out=grad_in_RH[start:stop])
             grad_combine.send(chunk)
-            if state.delay_wgrad:  # fills the gap while this chunk's gradient travels
+            if deferred:
+                wgrads.append(wgrad)
+            elif state.delay_wgrad:  # fills the gap while this chunk's gradient travels
                 wgrads.append(experts_wgrad(*wgrad))
         grad_dispatch.finish()
         state.saved = []
         state.grad_combine = grad_combine
-        grad_w13, grad_w2 = (wgrads[0] if len(wgrads) == 1  # one chunk: no copy of the full weight gradient
-                             else (torch.cat([g for g, _ in wgrads]), torch.cat([g for _, g in wgrads])))
+        if deferred:
+            grad_w13, grad_w2 = weight_grads(_deferred_chunk_wgrads, (wgrads, w13_EHF2, w2_EFH, plan.chunk_experts),
+                                             (w13_EHF2, w2_EFH))
+        else:
+            grad_w13, grad_w2 = _concat_chunk_wgrads(wgrads)
         return grad_combined_RH.new_zeros(0), grad_w13, grad_w2, None
+
+
+def _zero_wgrads(weights: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros_like(weights[0]), torch.zeros_like(weights[1])
+
+
+def _concat_chunk_wgrads(wgrads: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(wgrads) == 1:  # one chunk: no copy of the full weight gradient
+        return wgrads[0]
+    return torch.cat([g for g, _ in wgrads]), torch.cat([g for _, g in wgrads])
+
+
+def _deferred_chunk_wgrads(inputs: list, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
+                           chunk_experts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every chunk's weight gradients from the inputs its backward kept (None: no rows, zero)."""
+    return _concat_chunk_wgrads([
+        _zero_wgrads((w13_EHF2[first:last], w2_EFH[first:last])) if chunk is None else experts_wgrad(*chunk)
+        for chunk, (first, last) in zip(inputs, chunk_experts)])

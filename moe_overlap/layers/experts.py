@@ -16,6 +16,7 @@ from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_f
 
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, TPShard, make_param
+from moe_overlap.layers.wgrad import weight_grads
 
 
 def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,8 @@ class GroupedSwiGLU(torch.autograd.Function):
             return torch.zeros_like(x_TH), None, torch.zeros_like(w13_EHF2), torch.zeros_like(w2_EFH)
         grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
         grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
-        grad_w13_EHF2, grad_w2_EFH = experts_wgrad(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
+        grad_w13_EHF2, grad_w2_EFH = weight_grads(experts_wgrad, (x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E),
+                                                  (w13_EHF2, w2_EFH))
         return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH
 
 

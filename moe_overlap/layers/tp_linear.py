@@ -23,6 +23,7 @@ from torch import nn
 
 from moe_overlap.distributed.ring import Pending, TPComm
 from moe_overlap.layers.init import NORMAL, TPShard, make_param
+from moe_overlap.layers.wgrad import weight_grads
 
 # -------------------------------------------------------------------------------------- column parallel
 
@@ -52,7 +53,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         grad_y_SF = grad_y_SF.contiguous()
         x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
         grad_x = column_dgrad_start(grad_y_SF, w_FH, comm)
-        grad_w_FH = column_wgrad(grad_y_SF, x_gather.wait())
+        grad_w_FH, = weight_grads(column_wgrad, (grad_y_SF, x_gather.wait()), (w_FH,))
         return grad_x.wait(), grad_w_FH, None
 
 
@@ -79,7 +80,8 @@ class RowParallelLinearFn(torch.autograd.Function):
     def backward(ctx, grad_y_RH: torch.Tensor):
         x_SF, w_HF = ctx.saved_tensors
         grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm)
-        return grad_x_SF, row_wgrad(grad_y_SH, x_SF), None
+        grad_w_HF, = weight_grads(row_wgrad, (grad_y_SH, x_SF), (w_HF,))
+        return grad_x_SF, grad_w_HF, None
 
 
 # ------------------------------------------------------------------------------------ region boundaries

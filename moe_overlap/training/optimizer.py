@@ -22,7 +22,7 @@ from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.layers.init import expert_key, is_expert_param, is_tp_split, tp_shard
 from moe_overlap.training.checkpoint import tp_logical_tensor
-from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
+from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads, sum_shared_embedding_grads
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,9 @@ class MixedPrecisionAdamW:
     def start_micro_batch(self, is_last: bool) -> None:
         """Nothing to arm: this optimizer all-reduces after the whole backward (reduce_grads)."""
 
+    def arm_grad_sync(self, armed: bool) -> None:
+        """Nothing to arm (see start_micro_batch)."""
+
     def zero_grad(self) -> None:
         for entry in self.entries:
             entry.main_grad.zero_()
@@ -143,6 +146,7 @@ class MixedPrecisionAdamW:
         """Sum main grads over data-parallel replicas: dense over DP, experts over expert-DP (and the
         sequence-parallel ones over TP first)."""
         sum_sequence_parallel_grads(((e.param, e.main_grad) for e in self.entries), self.mesh.tp)
+        sum_shared_embedding_grads(((e.param, e.main_grad) for e in self.entries), self.mesh.embedding)
         for entry in self.entries:
             group = self.mesh.edp.group if entry.is_expert else self.mesh.dp.group
             if group is None:
@@ -226,5 +230,7 @@ class MixedPrecisionAdamW:
 
 
 def _accumulate_into_main_grad(param: nn.Parameter) -> None:
+    if param.grad is None:  # its layer deferred it to a zero-bubble schedule's W (layers/wgrad.py)
+        return
     param.main_grad.add_(param.grad)
     param.grad = None

@@ -19,10 +19,12 @@ from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.streams import check_gemm_sm_carveout, gemm_sm_carveout
 from moe_overlap.models.mixtral import build_model
+from moe_overlap.models.pipeline_stages import PipelineStages
 from moe_overlap.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, lr_at
+from moe_overlap.training.pipeline import PipelineExecutor
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +81,15 @@ class Trainer:
         t = cfg.train
         check_gemm_sm_carveout(cfg.overlap.gemm_sm_carveout, device)
         torch.manual_seed(t.seed)
+        stages = PipelineStages.from_config(cfg)  # with PP, this rank builds only its stages' layers
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
                                  recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
-                                 timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel)
+                                 timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
+                                 **stages.model_kwargs(mesh.pp.rank))
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
+        self.pipeline = (PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
+                         if stages.pp > 1 else None)
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
                 self.model.graph_moe_layers(t.micro_batch_size)
@@ -107,6 +113,10 @@ class Trainer:
         # Each micro-batch's loss is a mean over its tokens; dividing by every micro-batch of every
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
+        if self.pipeline is not None:  # the schedule's executor runs every micro-batch through the stages
+            result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale)
+            self.tokens_per_expert = result.tokens_per_expert
+            return float(result.lm_loss), float(result.aux_loss)
         lm_total = aux_total = 0.0
         self.tokens_per_expert = {}
         for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
@@ -158,6 +168,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
+        if self.pipeline is not None:
+            return self._dp_mean(torch.tensor([self.pipeline.evaluate(self.val_batches)], dtype=torch.float64,
+                                              device=self.device))[0]
         total = sum(float(self.model(ids.to(self.device), labels.to(self.device)).lm_loss)
                     for ids, labels in self.val_batches)
         return self._dp_mean(torch.tensor([total / len(self.val_batches)], dtype=torch.float64,
@@ -178,8 +191,12 @@ class Trainer:
     def save(self) -> Path:
         per_rank = {"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self._checkpoint_state(self.step), per_rank,
-                               self.cfg.checkpoint.keep_last)
+        # A tied embedding's copy on the last pipeline stage equals the first stage's, which is saved (and loads
+        # into both).
+        copies = [name for name, param in self.model.named_parameters() if getattr(param, "shared", False)]
+        state = {key: tensor for key, tensor in self._checkpoint_state(self.step).items()
+                 if not any(key == f"model.{name}" or key.startswith(f"optimizer.{name}.") for name in copies)}
+        return save_checkpoint(self.cfg.checkpoint_dir, self.step, state, per_rank, self.cfg.checkpoint.keep_last)
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint, if any (also under another EP or DP size)."""

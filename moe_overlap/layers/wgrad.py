@@ -1,0 +1,76 @@
+"""Weight gradients put off to a later call: the W half of a zero-bubble schedule's backward.
+
+While a :class:`WeightGradStore` is active (``with store.deferring():``), the layers whose backward computes
+the input gradient and the weight gradients separately (the tensor-parallel linears, the grouped experts)
+return no weight gradient: they hand the store the function and the tensors that compute it. ``store.run()``
+computes them later and accumulates them as autograd would, into ``.grad``, firing the parameters'
+post-accumulate hooks that the optimizers use. Parameters outside those layers (norms, routers, the
+embedding) get their gradients in the backward itself. Outside a store nothing changes.
+
+The active store is process-wide, not thread-local: on CUDA, autograd runs backward functions on its own
+device threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+_active: WeightGradStore | None = None
+
+
+class WeightGradStore:
+    def __init__(self) -> None:
+        self.pending: list[tuple[Callable[..., object], tuple, tuple[torch.Tensor, ...]]] = []
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[WeightGradStore]:
+        global _active
+        if _active is not None:
+            raise RuntimeError("a WeightGradStore is already deferring weight gradients")
+        _active = self
+        try:
+            yield self
+        finally:
+            _active = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the deferred computations hold (for memory accounting)."""
+        found, todo = [], [inputs for _, inputs, _ in self.pending]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (tuple, list)):
+                todo.extend(item)
+        return found
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """Compute every deferred weight gradient and accumulate it into its parameter."""
+        params, grads = [], []
+        for compute, inputs, weights in self.pending:
+            result = compute(*inputs)
+            params += weights
+            grads += [result] if isinstance(result, torch.Tensor) else list(result)
+        self.pending.clear()
+        if params:
+            with torch.enable_grad():
+                torch.autograd.backward(params, grads)
+
+
+def is_deferring() -> bool:
+    return _active is not None
+
+
+def weight_grads(compute: Callable[..., object], inputs: Sequence[object],
+                 weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``compute(*inputs)``: the gradients of the parameters ``weights`` (one tensor, or a tuple in their
+    order), now; or, while a store defers, ``None`` for each (the store computes them in its ``run``)."""
+    if _active is None:
+        result = compute(*inputs)
+        return (result,) if isinstance(result, torch.Tensor) else tuple(result)
+    _active.pending.append((compute, tuple(inputs), tuple(weights)))
+    return (None,) * len(weights)
