@@ -200,19 +200,24 @@ LAYERS = {"model.num_layers": 4, "model.moe_layer_freq": "[1,0,1,1]"}
 
 def pipeline_case(output_dir: str, micro_batches: int, steps: int, variants: dict[str, dict],
                   both: dict | None = None) -> dict[str, dict]:
-    """Each variant (layout overrides) against one single-process run of the same global batch, step by
-    step: worst relative errors of losses, gradient norm and every gradient, and the losses themselves."""
+    """Each variant (layout overrides) against the single-process run of the same global batch (one per
+    distinct model), step by step: worst relative errors of losses, gradient norm and every gradient, and
+    the losses themselves."""
     world = dist.get_world_size()
     both = {**LAYERS, **(both or {})}
-    reference_cfg = small_config(output_dir, 1, 2 * micro_batches, **both)
-    reference = Trainer(reference_cfg, Mesh.single(), CPU)
-    want = []
-    for _ in range(steps):
-        grads = {}
-        metrics = reference.train_step(lambda opt: grads.update(opt.logical_grads()))
-        want.append((metrics, grads))
+    references: dict[tuple, list] = {}
     results = {}
     for name, layout in variants.items():
+        # A variant's model.* overrides (tied embeddings) change the model: the reference runs them too.
+        model = {k: v for k, v in layout.items() if k.startswith("model.")}
+        if tuple(sorted(model.items())) not in references:
+            reference = Trainer(small_config(output_dir, 1, 2 * micro_batches, **both, **model), Mesh.single(), CPU)
+            want = references[tuple(sorted(model.items()))] = []
+            for _ in range(steps):
+                grads = {}
+                metrics = reference.train_step(lambda opt: grads.update(opt.logical_grads()))
+                want.append((metrics, grads))
+        want = references[tuple(sorted(model.items()))]
         p = {k: int(v) for k, v in layout.items() if k in ("parallel.tensor_model_parallel_size",
                                                             "parallel.pipeline_model_parallel_size")}
         dp = world // (p.get("parallel.tensor_model_parallel_size", 1) * p.get("parallel.pipeline_model_parallel_size", 1))
@@ -281,3 +286,72 @@ def test_pp2_every_schedule_and_p2p_switch_matches_single_process(rank_pool, tmp
         assert per_rank["1f1b_overlap_p2p"]["losses"] == per_rank["1f1b"]["losses"] == per_rank[
             "1f1b_batch_p2p"]["losses"]
         assert per_rank["interleaved_vpp2"]["losses"] == per_rank["interleaved_vpp2_batch"]["losses"]
+
+
+EIGHT_LAYERS = {"model.num_layers": 8, "model.moe_layer_freq": "[1,0,1,1,0,1,1,1]"}
+
+
+def test_pp4_every_schedule_with_8_micro_batches_matches_single_process(rank_pool, tmp_path):
+    """PP=4 (and PP=4 x VPP=2, one layer per virtual stage) over 8 layers; an uneven split; recomputation."""
+    variants = {
+        "1f1b": pp_layout(4),
+        "afab": pp_layout(4, "all_forward_all_backward", **{"overlap.batch_p2p_comm": "true"}),
+        "zb_h1": pp_layout(4, "zb_h1", **{"overlap.overlap_p2p_comm": "true"}),
+        "interleaved_vpp2": pp_layout(4, vpp=2, **{"overlap.overlap_p2p_comm": "true"}),
+        "uneven_1_3_recompute": pp_layout(4, **{"parallel.num_layers_in_first_pipeline_stage": 1,
+                                                "parallel.num_layers_in_last_pipeline_stage": 3,
+                                                "train.recompute_granularity": "full"}),
+    }
+    check(rank_pool(4).run(pipeline_case, str(tmp_path), 8, 2, variants, EIGHT_LAYERS))
+
+
+def test_pp2_composes_with_ep_tp_dp_and_the_distributed_optimizer(rank_pool, tmp_path):
+    """4 ranks, PP=2 x (EP=2 | DP=2 | TP=2 | expert-TP=2): every dispatch path, tied embeddings summed over
+    the embedding group, the distributed optimizer with both overlaps (a bucket's reduce-scatter inside the
+    last micro-batch's backward of its stage), TP with every tp_comm overlap."""
+    dist_opt = {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
+                "overlap.overlap_param_sync": "true"}
+    tp = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
+          "parallel.expert_tensor_parallel_size": 1, "overlap.tp_comm_overlap": "true",
+          **{f"overlap.{name}": "true" for name in ("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_bulk_dgrad",
+                                                    "tp_comm_bulk_wgrad")}, "overlap.tp_comm_num_splits": 2}
+    overlapped = {"overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2,
+                  "overlap.delay_wgrad_compute": "true"}
+    variants = {
+        "ep2_1f1b": pp_layout(2, **{"parallel.expert_model_parallel_size": 2}),
+        "ep2_zb_overlapped_dispatch": pp_layout(2, "zb_h1", **{"parallel.expert_model_parallel_size": 2,
+                                                               "overlap.overlap_p2p_comm": "true", **overlapped}),
+        "ep2_interleaved_sync_free": pp_layout(2, vpp=2, **{"parallel.expert_model_parallel_size": 2,
+                                                            "overlap.moe_sync_free_dispatch": "true"}),
+        "dp2_dist_opt_tied": pp_layout(2, **dist_opt, **{"model.share_embeddings_and_output_weights": "true"}),
+        "dp2_dist_opt_zb_buckets": pp_layout(2, "zb_h1", **dist_opt, **{"overlap.bucket_size_mb": 8 / 1024,
+                                                                         "overlap.overlap_p2p_comm": "true"}),
+        "tp2_ep2_interleaved": pp_layout(2, vpp=2, **tp, **{"parallel.expert_model_parallel_size": 2}),
+        "etp2_zb": pp_layout(2, "zb_h1", **{"parallel.expert_tensor_parallel_size": 2}),
+    }
+    both = {"model.num_query_groups": 4, "train.adam_eps": 1e-4}  # as test_master's TP cases, for its reasons
+    check(rank_pool(4).run(pipeline_case, str(tmp_path), 4, 2, variants, both))
+
+
+def test_tp_ep_pp_dp_on_8_ranks_matches_single_process(rank_pool, tmp_path):
+    """TP=2 x PP=2 x DP=2, experts folded as EP=2 x expert-DP=2 in each stage, interleaved over VPP=2, the
+    distributed optimizer with its overlaps, overlapped P2P."""
+    layout = pp_layout(2, vpp=2, **{
+        "parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
+        "parallel.expert_model_parallel_size": 2, "parallel.expert_tensor_parallel_size": 1,
+        "train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
+        "overlap.overlap_param_sync": "true", "overlap.overlap_p2p_comm": "true"})
+    both = {"model.num_query_groups": 4, "train.adam_eps": 1e-4}
+    check(rank_pool(8).run(pipeline_case, str(tmp_path), 4, 2, {"tp2_ep2_pp2_dp2": layout}, both))
+
+
+def test_checkpoint_moves_between_pp_sizes(rank_pool, tmp_path):
+    """Saved at PP=2, resumed at PP=4 (a stage's layers on other ranks, the tied embedding's head copy on
+    another rank), saved again and resumed at PP=2: each next loss is the uninterrupted run's."""
+    both = {**LAYERS, "model.share_embeddings_and_output_weights": "true", "train.use_distributed_optimizer": "true"}
+    straight = rank_pool(2).run(run_and_save, str(tmp_path / "straight"), 1, 4, None, 8, **both, **pp_layout(2))[0]
+    rank_pool(2).run(run_and_save, str(tmp_path / "moved"), 1, 2, 2, 8, **both, **pp_layout(2))
+    on_pp4 = rank_pool(4).run(run_and_save, str(tmp_path / "moved"), 1, 3, 3, 8, **both, **pp_layout(4))[0]
+    back = rank_pool(2).run(run_and_save, str(tmp_path / "moved"), 1, 4, None, 8, **both, **pp_layout(2))[0]
+    assert len(on_pp4) == 1 and abs(on_pp4[0] - straight[2]) / straight[2] < TOL
+    assert len(back) == 1 and abs(back[0] - straight[3]) / straight[3] < TOL

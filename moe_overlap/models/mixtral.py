@@ -40,7 +40,7 @@ class TransformerLayer(nn.Module):
         if self.is_moe:
             router = (SequenceParallelRouter.from_config(cfg, device, dtype, comm=comm)
                       if comm.sequence_shards > 1 else None)
-            self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router, mesh.etp, mesh.expert_mp)
+            self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router, mesh.etp, mesh.etp_ep)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype, comm)
 
@@ -96,7 +96,7 @@ class MixtralModel(nn.Module):
         self.output_layer = (None if tied or not post_process
                              else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, self.tp_comm, device=device,
                                                        dtype=dtype))
-        if tied and not (pre_process and post_process):
+        if tied and (pre_process != post_process):
             # Both copies get every gradient (summed over the embedding group, as Megatron); the last stage's
             # is not saved (the first stage's key loads into it) and counts once in the gradient norm.
             self.embedding.weight.shared_embedding = True
