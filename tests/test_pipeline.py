@@ -355,3 +355,66 @@ def test_checkpoint_moves_between_pp_sizes(rank_pool, tmp_path):
     back = rank_pool(2).run(run_and_save, str(tmp_path / "moved"), 1, 4, None, 8, **both, **pp_layout(2))[0]
     assert len(on_pp4) == 1 and abs(on_pp4[0] - straight[2]) / straight[2] < TOL
     assert len(back) == 1 and abs(back[0] - straight[3]) / straight[3] < TOL
+
+
+def executor_case(output_dir: str, variants: dict[str, dict]) -> dict[str, dict]:
+    """One measured step of each variant through the executor: peak bytes, the traced compute actions, and
+    which of the distributed optimizer's buckets had started their reduce-scatter when backward ended."""
+    out = {}
+    for name, layout in variants.items():
+        cfg = small_config(output_dir, int(layout.get("parallel.expert_model_parallel_size", 1)), 8, **LAYERS,
+                           **layout)
+        _, mesh = world_and_mesh(cfg)
+        try:
+            trainer = Trainer(cfg, mesh, CPU)
+            scale = 1.0 / (trainer.num_micro_batches * mesh.dp.size)
+            result = trainer.pipeline.run(list(trainer.sampler.micro_batches(0)), scale, measure=True)
+            buckets = getattr(trainer.optimizer, "buckets", [])
+            out[name] = {"peak": result.peak_bytes, "trace": [str(a) for a, _, _ in result.trace],
+                         "ordered": all(b0 <= e0 <= b1 for (_, b0, e0), (_, b1, _) in zip(result.trace,
+                                                                                         result.trace[1:])),
+                         "started_in_backward": [b.grad_work is not None for b in buckets if not b.after_backward],
+                         "after_backward": sum(b.after_backward for b in buckets)}
+            trainer.optimizer.reduce_grads()
+        finally:
+            mesh.destroy()
+    return out
+
+
+def test_executor_counts_memory_and_traces_every_compute_action(rank_pool, tmp_path):
+    """4 micro-batches at PP=2: all-forward-all-backward holds all four on rank 0, 1F1B two, ZB-H1 no more
+    than 1F1B (its rank 0 holds the same activations; rank 1 also holds weight-gradient inputs)."""
+    variants = {"afab": pp_layout(2, "all_forward_all_backward"), "1f1b": pp_layout(2),
+                "zb_h1": pp_layout(2, "zb_h1", **{"overlap.overlap_p2p_comm": "true"})}
+    rank0, rank1 = rank_pool(2).run(executor_case, str(tmp_path), variants)
+    assert rank0["afab"]["peak"] > 1.5 * rank0["1f1b"]["peak"] > 0
+    assert rank0["zb_h1"]["peak"] <= 1.02 * rank0["1f1b"]["peak"]
+    assert rank1["zb_h1"]["peak"] > rank1["1f1b"]["peak"]  # the deferred W's inputs are counted
+    assert rank0["1f1b"]["trace"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert rank1["zb_h1"]["trace"][:6] == ["F0", "I0", "F1", "I1", "W0", "F2"]
+    assert all(r[name]["ordered"] for r in (rank0, rank1) for name in variants)
+
+
+def test_distributed_optimizer_reduce_scatters_start_inside_the_pipeline_backward(rank_pool, tmp_path):
+    """PP=2 x DP=2 with overlap_grad_sync: when the schedule ends every bucket's reduce-scatter has started
+    (from its last micro-batch's backward, B or W, per chunk), except the tied embedding's, which first sums
+    over the embedding group."""
+    dist_opt = {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
+                "overlap.overlap_param_sync": "true", "model.share_embeddings_and_output_weights": "true"}
+    variants = {"1f1b": pp_layout(2, **dist_opt), "zb_h1": pp_layout(2, "zb_h1", **dist_opt),
+                "interleaved": pp_layout(2, vpp=2, **dist_opt)}
+    for per_rank in rank_pool(4).run(executor_case, str(tmp_path), variants):
+        for name, got in per_rank.items():
+            assert got["started_in_backward"] and all(got["started_in_backward"]), name
+            assert got["after_backward"] == 1, name  # the embedding (first stage) or its copy (last)
+
+
+def test_info_schedule_prints_every_ranks_timeline(capsys):
+    from moe_overlap.cli import main
+    assert main(["info", "configs/tiny.yaml", "parallel.pipeline_model_parallel_size=2",
+                 "parallel.virtual_pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=1",
+                 "--schedule"]) == 0
+    out = capsys.readouterr().out
+    assert "interleaved_1f1b: PP=2 VPP=2 micro-batches=4" in out and "rank 1 |" in out and "bubble (mean" in out
+    assert main(["info", "configs/tiny.yaml", "--schedule"]) == 2
+    assert "--schedule=True: needs parallel.pipeline_model_parallel_size > 1" in capsys.readouterr().err

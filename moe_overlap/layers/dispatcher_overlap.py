@@ -103,6 +103,7 @@ class ExpertsCombine(torch.autograd.Function):
         combine.finish()
         ctx.state = state
         ctx.save_for_backward(w13_EHF2, w2_EFH)
+        ctx.weights = (w13_EHF2, w2_EFH)
         return combined_RH
 
     @staticmethod
@@ -144,7 +145,7 @@ class ExpertsCombine(torch.autograd.Function):
         state.grad_combine = grad_combine
         if deferred:
             grad_w13, grad_w2 = weight_grads(_deferred_chunk_wgrads, (wgrads, w13_EHF2, w2_EFH, plan.chunk_experts),
-                                             (w13_EHF2, w2_EFH))
+                                             ctx.weights)
         else:
             grad_w13, grad_w2 = _concat_chunk_wgrads(wgrads)
         return grad_combined_RH.new_zeros(0), grad_w13, grad_w2, None

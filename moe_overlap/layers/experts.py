@@ -54,6 +54,7 @@ class GroupedSwiGLU(torch.autograd.Function):
                 w2_EFH: torch.Tensor) -> torch.Tensor:
         y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH)
         ctx.save_for_backward(x_TH, offsets_E, w13_EHF2, w2_EFH, h_TF2)
+        ctx.weights = (w13_EHF2, w2_EFH)
         return y_TH
 
     @staticmethod
@@ -64,7 +65,7 @@ class GroupedSwiGLU(torch.autograd.Function):
         grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
         grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
         grad_w13_EHF2, grad_w2_EFH = weight_grads(experts_wgrad, (x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E),
-                                                  (w13_EHF2, w2_EFH))
+                                                  ctx.weights)
         return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH
 
 

@@ -43,7 +43,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RH: torch.Tensor, w_FH: torch.Tensor, comm: TPComm) -> torch.Tensor:
         ctx.save_for_backward(x_RH, w_FH)
-        ctx.comm = comm
+        ctx.comm, ctx.weights = comm, (w_FH,)
         return comm.gather_matmul(x_RH, w_FH.t(), overlap=comm.overlap.ag)[0]
 
     @staticmethod
@@ -53,7 +53,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         grad_y_SF = grad_y_SF.contiguous()
         x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
         grad_x = column_dgrad_start(grad_y_SF, w_FH, comm)
-        grad_w_FH, = weight_grads(column_wgrad, (grad_y_SF, x_gather.wait()), (w_FH,))
+        grad_w_FH, = weight_grads(column_wgrad, (grad_y_SF, x_gather.wait()), ctx.weights)
         return grad_x.wait(), grad_w_FH, None
 
 
@@ -73,14 +73,14 @@ class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SF: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> torch.Tensor:
         ctx.save_for_backward(x_SF, w_HF)
-        ctx.comm = comm
+        ctx.comm, ctx.weights = comm, (w_HF,)
         return comm.matmul_scatter(x_SF, w_HF.t(), overlap=comm.overlap.rs)
 
     @staticmethod
     def backward(ctx, grad_y_RH: torch.Tensor):
         x_SF, w_HF = ctx.saved_tensors
         grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm)
-        grad_w_HF, = weight_grads(row_wgrad, (grad_y_SH, x_SF), (w_HF,))
+        grad_w_HF, = weight_grads(row_wgrad, (grad_y_SH, x_SF), ctx.weights)
         return grad_x_SF, grad_w_HF, None
 
 

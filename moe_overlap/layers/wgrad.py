@@ -68,7 +68,10 @@ def is_deferring() -> bool:
 def weight_grads(compute: Callable[..., object], inputs: Sequence[object],
                  weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """``compute(*inputs)``: the gradients of the parameters ``weights`` (one tensor, or a tuple in their
-    order), now; or, while a store defers, ``None`` for each (the store computes them in its ``run``)."""
+    order), now; or, while a store defers, ``None`` for each (the store computes them in its ``run``).
+    ``weights`` must be the parameter objects themselves (keep them on the autograd ctx): under saved-tensor
+    hooks ``ctx.saved_tensors`` gives back other tensor objects, and accumulating into those would reach
+    neither the parameter's hooks nor its main_grad."""
     if _active is None:
         result = compute(*inputs)
         return (result,) if isinstance(result, torch.Tensor) else tuple(result)
