@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_throughput.py"}
+BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_throughput.py",
+              "pp": "pp_schedule.py"}
 
 
 def _bench(argv: list[str]) -> int:

@@ -281,6 +281,8 @@ def test_pp2_every_schedule_and_p2p_switch_matches_single_process(rank_pool, tmp
     }
     results = rank_pool(2).run(pipeline_case, str(tmp_path), 4, 2, variants)
     check(results)
+    eight = {name: variants[name] for name in ("1f1b_overlap_p2p", "afab", "zb_h1", "interleaved_vpp2")}
+    check(rank_pool(2).run(pipeline_case, str(tmp_path), 8, 2, eight))
     # The P2P switches change when transfers start and end, never the math: bit-identical losses.
     for per_rank in results:
         assert per_rank["1f1b_overlap_p2p"]["losses"] == per_rank["1f1b"]["losses"] == per_rank[
@@ -291,7 +293,7 @@ def test_pp2_every_schedule_and_p2p_switch_matches_single_process(rank_pool, tmp
 EIGHT_LAYERS = {"model.num_layers": 8, "model.moe_layer_freq": "[1,0,1,1,0,1,1,1]"}
 
 
-def test_pp4_every_schedule_with_8_micro_batches_matches_single_process(rank_pool, tmp_path):
+def test_pp4_every_schedule_with_8_and_4_micro_batches_matches_single_process(rank_pool, tmp_path):
     """PP=4 (and PP=4 x VPP=2, one layer per virtual stage) over 8 layers; an uneven split; recomputation."""
     variants = {
         "1f1b": pp_layout(4),
@@ -303,6 +305,8 @@ def test_pp4_every_schedule_with_8_micro_batches_matches_single_process(rank_poo
                                                 "train.recompute_granularity": "full"}),
     }
     check(rank_pool(4).run(pipeline_case, str(tmp_path), 8, 2, variants, EIGHT_LAYERS))
+    four = {name: variants[name] for name in ("1f1b", "zb_h1", "interleaved_vpp2")}
+    check(rank_pool(4).run(pipeline_case, str(tmp_path), 4, 2, four, EIGHT_LAYERS))
 
 
 def test_pp2_composes_with_ep_tp_dp_and_the_distributed_optimizer(rank_pool, tmp_path):

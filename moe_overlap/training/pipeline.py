@@ -83,9 +83,9 @@ class PipelineExecutor:
         self._eval_schedules: dict[int, Schedule] = {}
 
     def build(self, micro_batches: int, forward_only: bool = False) -> Schedule:
-        o, stages = self.cfg.overlap, self.schedule_name
-        return build_schedule(stages, self.mesh.pp.size, len(self.chunks), micro_batches, o.overlap_p2p_comm,
-                              o.batch_p2p_comm, forward_only)
+        o = self.cfg.overlap
+        return build_schedule(self.schedule_name, self.mesh.pp.size, len(self.chunks), micro_batches,
+                              o.overlap_p2p_comm, o.batch_p2p_comm, forward_only)
 
     # ------------------------------------------------------------------------------------------- runs
     def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
@@ -130,7 +130,7 @@ class PipelineExecutor:
     # ----------------------------------------------------------------------------------------- compute
     def _compute(self, action: Compute, step: _Step, schedule: Schedule, ledger) -> None:
         if action.kind == FORWARD:
-            self._forward(action, step, ledger)
+            self._forward(action, step, schedule, ledger)
             return
         # The distributed optimizer may start a bucket's reduce-scatter only on its last gradient.
         self.optimizer.arm_grad_sync(action.micro_batch == schedule.micro_batches - 1)
@@ -141,9 +141,9 @@ class PipelineExecutor:
             step.deferred.pop(key).run()
             _release(ledger, step, ("deferred", key))
 
-    def _forward(self, action: Compute, step: _Step, ledger) -> None:
+    def _forward(self, action: Compute, step: _Step, schedule: Schedule, ledger) -> None:
         chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
-        stage = action.chunk * self.mesh.pp.size + self.rank
+        stage = schedule.stage(self.rank, action.chunk)
         input_ids, labels = step.batches[action.micro_batch]
         if chunk.first:
             x = input_ids.to(self.device)
@@ -165,7 +165,7 @@ class PipelineExecutor:
 
     def _backward(self, action: Compute, step: _Step, schedule: Schedule, ledger) -> None:
         chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
-        stage = action.chunk * self.mesh.pp.size + self.rank
+        stage = schedule.stage(self.rank, action.chunk)
         output = step.outputs.pop(key)
         grad = None
         if not chunk.last:

@@ -286,7 +286,7 @@ def validate(schedule: Schedule, forward_only: bool = False) -> None:
     """Raise ScheduleError unless the lists can run: compute complete and ordered, transfers matched and
     ordered alike on both ends, activations in flight within the bound, and no deadlock (simulated)."""
     pp, m, stages = schedule.pp, schedule.micro_batches, schedule.stages
-    posted: dict[tuple[int, P2POp], int] = {}
+    posted: set[tuple[int, P2POp]] = set()
     for rank, actions in enumerate(schedule.ranks):
         _check_computes(schedule, rank, forward_only)
         waited: set[P2POp] = set()
@@ -300,7 +300,7 @@ def validate(schedule: Schedule, forward_only: bool = False) -> None:
                         raise ScheduleError(f"{where}: {op} posted twice")
                     if op.send and not any(_produced_by(a, op.message, rank, pp, stages) for a in done):
                         raise ScheduleError(f"{where}: {op} before the compute that produces it")
-                    posted[(rank, op)] = index
+                    posted.add((rank, op))
             elif isinstance(action, Wait):
                 for op in action.ops:
                     if (rank, op) not in posted or op in waited:
