@@ -44,7 +44,7 @@ CPU_OVERRIDES = ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidde
                  "model.num_attention_heads=8", "model.num_query_groups=4", "model.seq_length=128",
                  "model.num_moe_experts=8", "model.moe_layer_freq=[0,1,1,1]", "model.moe_ffn_hidden_size=384",
                  "model.moe_router_topk=2", "model.moe_aux_loss_coeff=0.01", "model.vocab_size=256",
-                 "train.micro_batch_size=2", "train.global_batch_size=16", "train.device=cpu",
+                 "train.micro_batch_size=3", "train.global_batch_size=24", "train.device=cpu",
                  "parallel.expert_model_parallel_size=1"]
 GPU_OVERRIDES = ["parallel.expert_model_parallel_size=1", "train.micro_batch_size=4", "train.global_batch_size=32"]
 FORCED = ["train.eval_interval=0", "checkpoint.save_final=false", "checkpoint.save_interval=0",
