@@ -14,9 +14,13 @@ Rows:
   variant   per schedule x overlap_p2p_comm: median step time (from a barrier to the end of the pipeline's
             forward and backward, slowest rank; the optimizer is not in it), the measured bubble (per
             rank: 1 - its compute time / the step time; mean over ranks; median over steps), the simulator's
-            bubble for each step from that step's measured action durations and the measured P2P latency
-            (median over steps), their relative difference (target <= 15%); the simulator's bubble and step
-            time from the median action costs; peak bytes per rank
+            bubble for each step replayed from that step's measured action durations (computes, and the host
+            time of each post: gloo writes a message in the caller when its receive is already posted) and
+            the measured P2P latency, median over steps; their relative difference (target <= 15%); the
+            simulator's bubble and step time from the median compute costs alone (free posts); peak bytes
+            per rank. On CPU only uncontended steps count (every rank's thread held its core >= 90% of its
+            compute time, by thread CPU time: another process on the shared machine would otherwise be what
+            the step measures), when there are 3 or more; the row says how many of its steps it used
   costs     median milliseconds of each rank's F / B / I / W per model chunk, per variant
   summary   the issue's targets: every variant's bubble within 15% of the simulator's; ZB-H1 faster than
             1F1B at no more peak memory; interleaved 1F1B (VPP=2) faster than 1F1B
@@ -38,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from moe_overlap.training.schedules import Compute  # noqa: E402
 
 SCHEDULE_NAMES = ("all_forward_all_backward", "1f1b", "interleaved_1f1b", "zb_h1")
 CPU_OVERRIDES = ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=768",
@@ -50,6 +55,7 @@ GPU_OVERRIDES = ["parallel.expert_model_parallel_size=1", "train.micro_batch_siz
 FORCED = ["train.eval_interval=0", "checkpoint.save_final=false", "checkpoint.save_interval=0",
           "train.max_steps=100000", "parallel.pipeline_model_parallel_size=2"]
 BUBBLE_TOLERANCE = 0.15
+ON_CPU = 0.9  # a CPU step counts when every rank's computes held their core at least this much of the time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,10 +104,12 @@ def main(argv=None) -> list[dict]:
         variants = [Variant(name, p2p == "on", args, base, mesh, device) for name in args.schedules
                     for p2p in args.p2p]
         latency = p2p_latency(variants[0], mesh, device)
+        loads = []
         for _ in range(args.rounds):
             for variant in variants:
                 for index in range(args.block):
                     variant.step(keep=index > 0)
+            loads.append(os.getloadavg()[0])
         load_after = os.getloadavg()
         rows = [variant.summary(latency) for variant in variants]
         rows += summary_rows(rows)
@@ -109,6 +117,7 @@ def main(argv=None) -> list[dict]:
             print_rows(rows, latency, load_before, load_after)
             header = dict(run_header(mesh.world_size), load_average_1_5_15_min={"before": load_before,
                                                                                 "after": load_after},
+                          load_average_1_min_after_each_round=loads,
                           p2p_latency_ms=latency * 1e3, config=args.config, overrides=base)
             write_json(args.json, header, rows)
             if args.timeline:
@@ -136,7 +145,7 @@ class Variant:
         self.trainer = Trainer(self.cfg, mesh, device)
         self.mesh, self.device = mesh, device
         self.executor = self.trainer.pipeline
-        self.samples: list[tuple[float, float, int, list]] = []  # (step s, busy s, peak bytes, trace)
+        self.samples: list[dict] = []  # per kept step: step s (slowest rank), busy s, peak, trace, on_cpu
         self.steps_run = 0
 
     def step(self, keep: bool) -> None:
@@ -147,26 +156,30 @@ class Variant:
         batches = list(trainer.sampler.micro_batches(self.steps_run))
         scale = 1.0 / (trainer.num_micro_batches * self.mesh.dp.size)
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         result = self.executor.run(batches, scale, measure=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
         trainer.optimizer.reduce_grads()
         trainer.optimizer.zero_grad()
         self.steps_run += 1
         slowest = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if keep:
-            busy = sum(end - begin for _, begin, end in result.trace)
-            self.samples.append((float(slowest), busy, result.peak_bytes, result.trace))
+            busy = sum(end - begin for a, begin, end in result.trace if isinstance(a, Compute))
+            # On CPU the computes hold this thread on a core; less CPU time than compute time means another
+            # process had the core (the machine is shared), and the step measures that, not the schedule.
+            self.samples.append({"step": float(slowest), "busy": busy, "peak": result.peak_bytes,
+                                 "trace": result.trace, "on_cpu": cpu / busy})
 
     def costs(self) -> dict[tuple[str, int], float]:
         """This rank's median seconds per (kind, chunk) over the kept steps."""
         durations: dict[tuple[str, int], list[float]] = {}
-        for _, _, _, trace in self.samples:
-            for action, begin, end in trace:
-                durations.setdefault((action.kind, action.chunk), []).append(end - begin)
+        for sample in self.samples:
+            for action, begin, end in sample["trace"]:
+                if isinstance(action, Compute):
+                    durations.setdefault((action.kind, action.chunk), []).append(end - begin)
         return {key: statistics.median(values) for key, values in durations.items()}
 
     def summary(self, latency: float) -> dict:
@@ -176,31 +189,36 @@ class Variant:
 
         from moe_overlap.training.schedules import simulate
 
-        mine = {"costs": self.costs(), "busy": [busy for _, busy, _, _ in self.samples],
-                "peak": max(peak for _, _, peak, _ in self.samples),
-                "traces": [trace for _, _, _, trace in self.samples]}
         everyone = [None] * self.mesh.world_size
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, {"costs": self.costs(), "samples": self.samples})
         ranks = [everyone[global_rank] for global_rank in self.mesh.pp.ranks]  # this pipeline, by stage
         schedule = self.executor.schedule
-        steps = [step for step, _, _, _ in self.samples]
+        clean = [i for i in range(len(self.samples))
+                 if self.device.type == "cuda" or min(r["samples"][i]["on_cpu"] for r in ranks) >= ON_CPU]
+        kept = clean if len(clean) >= 3 else list(range(len(self.samples)))
+        steps = [self.samples[i]["step"] for i in kept]
         measured, replayed = [], []
-        for i, step in enumerate(steps):
-            measured.append(statistics.mean(1 - r["busy"][i] / step for r in ranks))
-            durations = [{action: end - begin for action, begin, end in r["traces"][i]} for r in ranks]
-            replayed.append(simulate(schedule, lambda rank, a: durations[rank][a], latency).bubble())
+        for i in kept:
+            step = self.samples[i]["step"]
+            measured.append(statistics.mean(1 - r["samples"][i]["busy"] / step for r in ranks))
+            durations = [{action: end - begin for action, begin, end in r["samples"][i]["trace"]} for r in ranks]
+            replay = simulate(schedule, lambda rank, a: durations[rank][a], latency, lambda rank, a: durations[rank][a])
+            replayed.append(replay.bubble())
         costs = [r["costs"] for r in ranks]
         self.simulated = simulate(schedule, lambda rank, a: costs[rank][(a.kind, a.chunk)], latency)
-        self.measured_trace = [r["traces"][-1] for r in ranks]
+        self.measured_trace = [r["samples"][kept[-1]]["trace"] for r in ranks]
         bubble, predicted = statistics.median(measured), statistics.median(replayed)
         return {"row": "variant", "variant": self.name, "schedule": self.schedule_name,
                 "overlap_p2p_comm": self.overlap, "vpp": schedule.vpp, "micro_batches": schedule.micro_batches,
-                "steps": len(steps), "step_ms": statistics.median(steps) * 1e3, "step_ms_min": min(steps) * 1e3,
+                "steps": len(self.samples), "steps_uncontended": len(clean), "steps_used": len(kept),
+                "on_cpu_min_per_step": [min(r["samples"][i]["on_cpu"] for r in ranks)
+                                        for i in range(len(self.samples))],
+                "step_ms": statistics.median(steps) * 1e3, "step_ms_min": min(steps) * 1e3,
                 "step_ms_max": max(steps) * 1e3, "bubble_measured": bubble, "bubble_simulated": predicted,
                 "bubble_rel_diff": abs(bubble - predicted) / predicted if predicted else None,
                 "bubble_simulated_median_costs": self.simulated.bubble(),
                 "simulated_step_ms_median_costs": self.simulated.makespan * 1e3,
-                "peak_mib_per_rank": [r["peak"] / 2**20 for r in ranks],
+                "peak_mib_per_rank": [max(x["peak"] for x in r["samples"]) / 2**20 for r in ranks],
                 "costs_ms_per_rank": [{f"{kind}{chunk}": v * 1e3 for (kind, chunk), v in sorted(c.items())}
                                       for c in costs]}
 
@@ -255,12 +273,13 @@ def summary_rows(rows: list[dict]) -> list[dict]:
 def print_rows(rows: list[dict], latency: float, load_before, load_after) -> None:
     print(f"P2P latency (activation-sized transfer, one way): {latency * 1e3:.3f} ms; load average before "
           f"{load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-    print(f"{'variant':32} {'step ms':>9} {'min':>8} {'max':>8} {'bubble':>7} {'sim':>7} {'diff':>6} "
+    print(f"{'variant':32} {'steps':>7} {'step ms':>9} {'min':>8} {'max':>8} {'bubble':>7} {'sim':>7} {'diff':>6} "
           f"{'sim med':>7} {'ms med':>8}  peak MiB per rank")
     for row in rows:
         if row["row"] != "variant":
             continue
-        print(f"{row['variant']:32} {row['step_ms']:9.1f} {row['step_ms_min']:8.1f} {row['step_ms_max']:8.1f} "
+        print(f"{row['variant']:32} {row['steps_used']:3}/{row['steps']:<3} {row['step_ms']:9.1f} "
+              f"{row['step_ms_min']:8.1f} {row['step_ms_max']:8.1f} "
               f"{row['bubble_measured']:7.4f} {row['bubble_simulated']:7.4f} {row['bubble_rel_diff']:6.1%} "
               f"{row['bubble_simulated_median_costs']:7.4f} {row['simulated_step_ms_median_costs']:8.1f}  "
               f"{', '.join(f'{m:.1f}' for m in row['peak_mib_per_rank'])}")
@@ -283,7 +302,8 @@ def draw_timelines(variants: list[Variant], latency: float, path: str) -> None:
     for variant in variants:
         measured = Timeline(len(variant.measured_trace))
         for rank, trace in enumerate(variant.measured_trace):
-            measured.spans += [Span(rank, action, begin * 1e3, end * 1e3) for action, begin, end in trace]
+            measured.spans += [Span(rank, action, begin * 1e3, end * 1e3) for action, begin, end in trace
+                               if isinstance(action, Compute)]
         simulated = Timeline(variant.simulated.pp, [Span(s.rank, s.action, s.start * 1e3, s.end * 1e3)
                                                     for s in variant.simulated.spans])
         panels += [(f"{variant.name} measured", measured), (f"{variant.name} simulated", simulated)]

@@ -47,18 +47,37 @@ class WeightGradStore:
                 todo.extend(item)
         return found
 
-    @torch.no_grad()
     def run(self) -> None:
         """Compute every deferred weight gradient and accumulate it into its parameter."""
-        params, grads = [], []
-        for compute, inputs, weights in self.pending:
+        if not self.pending:
+            return
+        weights = [w for _, _, ws in self.pending for w in ws]
+        with torch.enable_grad():
+            _DeferredWeightGrads.apply(self, *weights).backward()
+
+    def compute(self) -> list[torch.Tensor]:
+        grads = []
+        for compute, inputs, _ in self.pending:
             result = compute(*inputs)
-            params += weights
             grads += [result] if isinstance(result, torch.Tensor) else list(result)
         self.pending.clear()
-        if params:
-            with torch.enable_grad():
-                torch.autograd.backward(params, grads)
+        return grads
+
+
+class _DeferredWeightGrads(torch.autograd.Function):
+    """The deferred gradients as the backward of a node whose inputs are the parameters: autograd then owns
+    them and accumulates them as in any backward (taking each tensor as ``.grad`` where its layout fits;
+    handing them over from outside would make it copy every one)."""
+
+    @staticmethod
+    def forward(ctx, store: WeightGradStore, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.store = store
+        return weights[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        with torch.no_grad():
+            return (None, *ctx.store.compute())
 
 
 def is_deferring() -> bool:

@@ -124,7 +124,8 @@ def stage_forward_flops(cfg: ModelConfig, layers: tuple[int, ...], last: bool, t
     for index in layers:
         flops += attention
         if cfg.is_moe_layer(index):
-            flops += 2 * tokens * h * cfg.num_moe_experts + cfg.moe_router_topk * 6 * tokens * h * cfg.expert_ffn_hidden_size
+            flops += 2 * tokens * h * cfg.num_moe_experts  # router
+            flops += cfg.moe_router_topk * 6 * tokens * h * cfg.expert_ffn_hidden_size
             flops += 6 * tokens * h * (cfg.moe_shared_expert_intermediate_size or 0)
         else:
             flops += 6 * tokens * h * cfg.ffn_hidden_size

@@ -15,7 +15,7 @@ starts when its last gradient of the step has arrived; its parameter all-gathers
 forward pre-hooks, at the bucket's first forward. Losses and token counts stay on the device and are
 shared over the pipeline group once per step.
 
-With ``measure``, the executor also records each compute action's start and end and the peak bytes this
+With ``measure``, the executor also records each action's start and end and the peak bytes this
 rank holds for the pipeline: tensors saved for backward (parameters excluded, each storage once), stage
 outputs kept for backward, inputs kept for deferred weight gradients, and P2P buffers in flight.
 """
@@ -36,8 +36,8 @@ from moe_overlap.distributed.p2p import PipelineP2P
 from moe_overlap.layers.wgrad import WeightGradStore
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages, model_chunks
-from moe_overlap.training.schedules import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, INPUT_GRAD, Compute, Message,
-                                            P2POp, Post, Schedule, Wait, build_schedule, default_schedule)
+from moe_overlap.training.schedules import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, INPUT_GRAD, Action, Compute,
+                                            Message, P2POp, Post, Schedule, Wait, build_schedule, default_schedule)
 
 
 @dataclass
@@ -46,7 +46,7 @@ class PipelineResult:
     aux_loss: torch.Tensor  # mean over micro-batches of the auxiliary losses of every stage
     tokens_per_expert: dict[int, torch.Tensor]  # every MoE layer's copies per expert, whichever rank holds it
     peak_bytes: int | None = None  # with measure
-    trace: list[tuple[Compute, float, float]] | None = None  # with measure: (action, start, end) in seconds
+    trace: list[tuple[Action, float, float]] | None = None  # with measure: every action's (start, end) in s
 
 
 @dataclass
@@ -65,7 +65,7 @@ class _Step:
     lm_sum: torch.Tensor | None = None
     aux_sum: torch.Tensor | None = None
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)
-    trace: list[tuple[Compute, float, float]] | None = None
+    trace: list[tuple[Action, float, float]] | None = None
 
 
 class PipelineExecutor:
@@ -112,16 +112,16 @@ class PipelineExecutor:
         ledger = _MemoryLedger(self.model.parameters()) if measure else None
         clock = _Clock(self.device) if measure else None
         for action in schedule.ranks[self.rank]:
+            start = clock.mark() if clock else None
             if isinstance(action, Post):
                 self._post(action, step, ledger)
             elif isinstance(action, Wait):
                 self._wait(action, step, ledger)
             else:
-                start = clock.mark() if clock else None
                 with ledger.saving() if ledger else contextlib.nullcontext():
                     self._compute(action, step, schedule, ledger)
-                if clock:
-                    step.trace.append((action, start, clock.mark()))
+            if clock:
+                step.trace.append((action, start, clock.mark()))
         totals = torch.stack([step.lm_sum, step.aux_sum]) / schedule.micro_batches
         all_reduce_(totals, self.mesh.pp.group)  # the loss from the last stage, auxiliary losses from all
         return PipelineResult(totals[0], totals[1], self._share_tokens(step.tokens),
@@ -235,7 +235,7 @@ class _Clock:
         event.record()
         return event
 
-    def resolve(self, trace) -> list[tuple[Compute, float, float]]:
+    def resolve(self, trace) -> list[tuple[Action, float, float]]:
         if not self.cuda:
             return [(action, start - self.origin, end - self.origin) for action, start, end in trace]
         torch.cuda.synchronize()

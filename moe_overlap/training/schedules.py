@@ -410,8 +410,10 @@ class Timeline:
 CostFn = Callable[[int, Compute], float]
 
 
-def simulate(schedule: Schedule, cost: CostFn, latency: float = 0.0) -> Timeline:
-    """Run the lists against per-action costs. A compute takes ``cost(rank, action)``; a transfer ends
+def simulate(schedule: Schedule, cost: CostFn, latency: float = 0.0,
+             post_cost: Callable[[int, Post], float] | None = None) -> Timeline:
+    """Run the lists against per-action costs. A compute takes ``cost(rank, action)``; a Post holds its
+    rank for ``post_cost(rank, action)`` (default 0: starting a transfer is free); a transfer ends
     ``latency`` after both of its ends have started it and (as on NCCL, strictest) after the transfer
     before it on its channel, or, batched, after the whole batch before it on either rank. A Wait blocks
     its rank until its transfers end. Raises ScheduleError naming the stuck ranks on a deadlock."""
@@ -481,6 +483,7 @@ def simulate(schedule: Schedule, cost: CostFn, latency: float = 0.0) -> Timeline
                     timeline.spans.append(Span(rank, action, clock[rank], clock[rank] + duration))
                     clock[rank] += duration
                 elif isinstance(action, Post):
+                    clock[rank] += post_cost(rank, action) if post_cost else 0.0
                     batches[rank].append((clock[rank], action.ops))
                     for op in action.ops:
                         post_time[(rank, op)] = clock[rank]
