@@ -25,7 +25,7 @@ Rows:
   summary   the issue's targets: every variant's bubble within 15% of the simulator's; ZB-H1 faster than
             1F1B at no more peak memory; interleaved 1F1B (VPP=2) faster than 1F1B. A speed-up is the median
             over rounds of the two variants' step-time ratio within the round (each round starts its
-            round-robin at another variant)
+            round-robin at another variant), over the rounds where both have steps in use
 The interleaved variants run with virtual_pipeline_model_parallel_size=2, the others without; every variant
 is the same model from the same seed. Without a config file the model is sized for CPU (one F of a stage
 takes tens of milliseconds on one core). On CUDA the step is timed after a synchronize and actions by CUDA
@@ -217,8 +217,9 @@ class Variant:
                 "on_cpu_min_per_step": [min(r["samples"][i]["on_cpu"] for r in ranks)
                                         for i in range(len(self.samples))],
                 "step_ms": statistics.median(steps) * 1e3,
-                "step_ms_by_round": {r: statistics.median(x["step"] for x in self.samples if x["round"] == r) * 1e3
-                                     for r in sorted({x["round"] for x in self.samples})},
+                "step_ms_by_round": {r: statistics.median(self.samples[i]["step"] for i in kept
+                                                          if self.samples[i]["round"] == r) * 1e3
+                                     for r in sorted({self.samples[i]["round"] for i in kept})},
                 "step_ms_min": min(steps) * 1e3,
                 "step_ms_max": max(steps) * 1e3, "bubble_measured": bubble, "bubble_simulated": predicted,
                 "bubble_rel_diff": abs(bubble - predicted) / predicted if predicted else None,
