@@ -4,7 +4,7 @@ simulator's prediction from those costs, and the peak memory the executor counts
 plus P2P buffers in flight, per rank). Variants run round-robin in blocks (A B C A B C ...), one launch.
 
     # CPU, gloo, PP=2, one core a rank (the committed run):
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/pp_schedule.py --rounds 8 \
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/pp_schedule.py --rounds 12 \
         --json benchmarks/results/pp_schedule_cpu_gloo.json --timeline benchmarks/results/pp_schedule_cpu_gloo.png
     # 2 GPUs, NCCL, NCCL through host memory (an inter-node stand-in):
     torchrun --nproc-per-node 2 benchmarks/pp_schedule.py configs/small_gpu.yaml --fabric slow \
