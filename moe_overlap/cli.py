@@ -7,6 +7,7 @@ Config errors are printed as one line naming the field, without a traceback; so 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -148,6 +149,8 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     if wants_schedule and p.pipeline_model_parallel_size == 1:
         raise ConfigError("--schedule", True, "needs parallel.pipeline_model_parallel_size > 1")
     given = None if costs is None else _parse_costs(costs)
+    if png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--png", png, "needs matplotlib: pip install -e '.[plot]'")
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
@@ -181,7 +184,7 @@ def _print_schedule(cfg: Config, world_size: int, given: dict[str, float] | None
         unit = "cost units"
     timeline = simulate(plan, cost)
     print(render(plan, timeline))
-    print(f"makespan {timeline.makespan:.4g} {unit} (the sum of each rank's busy time plus its idle time)")
+    print(f"makespan {timeline.makespan:.4g} {unit}")
     if png:
         draw([(name, timeline)], png, unit)
         print(f"timeline: {png}")
