@@ -276,6 +276,8 @@ def test_pp2_every_schedule_and_p2p_switch_matches_single_process(rank_pool, tmp
         "zb_h1": pp_layout(2, "zb_h1", **{"overlap.overlap_p2p_comm": "true"}),
         "interleaved_vpp2": pp_layout(2, vpp=2),
         "interleaved_vpp2_batch": pp_layout(2, vpp=2, **{"overlap.batch_p2p_comm": "true"}),
+        "zb_h1_tied": pp_layout(2, "zb_h1", **{"overlap.overlap_p2p_comm": "true",
+                                               "model.share_embeddings_and_output_weights": "true"}),
     }
     results = rank_pool(2).run(pipeline_case, str(tmp_path), 4, 2, variants)
     check(results)
