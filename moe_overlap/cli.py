@@ -10,6 +10,7 @@ train.exit_duration_min) ends with a checkpoint and exit 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import re
@@ -38,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("config")
     info.add_argument("overrides", nargs="*")
     info.add_argument("--world-size", type=int, default=None, help="layout to print (default: the smallest valid)")
+    info.add_argument("--schedule", action="store_true",
+                      help="also simulate the pipeline schedule: every rank's action timeline and the bubble")
+    info.add_argument("--costs", default=None, metavar="F=..,B=..,I=..,W=..",
+                      help="per-action costs for --schedule (any unit, per model chunk; default: model GFLOPs of "
+                           "each chunk's forward, B = 2F, I = W = F)")
+    info.add_argument("--png", default=None, metavar="PATH", help="with --schedule: draw the timeline (matplotlib)")
     for command in (train, info):
         command.add_argument("--debug", action="store_true", help="show the traceback behind an error message")
     sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ...")
@@ -93,7 +100,8 @@ def _tool(args: argparse.Namespace) -> int:
         return 2
 
 
-BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_step.py"}
+BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py", "train": "train_step.py",
+              "pp": "pp_schedule.py"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "info":
-            return _info(cfg, args.world_size)
+            return _info(cfg, args.world_size, args.schedule, args.costs, args.png)
         if args.nproc is not None:
             return _launch(args, cfg)
         return _train(cfg, args.debug)
@@ -270,7 +278,8 @@ def _is_collective_failure(err: BaseException) -> bool:
         word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
-def _info(cfg: Config, world_size: int | None) -> int:
+def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: str | None = None,
+          png: str | None = None) -> int:
     from moe_overlap.config import validate_for_world
     from moe_overlap.models.mixtral import count_parameters
     from moe_overlap.training.trainer import mesh_layout
@@ -279,8 +288,62 @@ def _info(cfg: Config, world_size: int | None) -> int:
     world_size = world_size or (p.tensor_model_parallel_size * p.context_parallel_size
                                 * p.pipeline_model_parallel_size * p.expert_model_parallel_size)
     validate_for_world(cfg, world_size, "cpu")
+    wants_schedule = schedule or costs is not None or png is not None
+    if wants_schedule and p.pipeline_model_parallel_size == 1:
+        raise ConfigError("--schedule", True, "needs parallel.pipeline_model_parallel_size > 1")
+    given = None if costs is None else _parse_costs(costs)
+    if png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--png", png, "needs matplotlib: pip install -e '.[plot]'")
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
     print(mesh_layout(cfg, world_size).table())
+    if wants_schedule:
+        _print_schedule(cfg, world_size, given, png)
     return 0
+
+
+def _print_schedule(cfg: Config, world_size: int, given: dict[str, float] | None, png: str | None) -> None:
+    """The configured schedule simulated from per-action costs: each rank's timeline and the bubble."""
+    from moe_overlap.models.pipeline_stages import PipelineStages, stage_forward_flops
+    from moe_overlap.training.schedules import build_schedule, default_schedule, draw, render, simulate
+
+    t = cfg.train
+    stages = PipelineStages.from_config(cfg)
+    name = t.pipeline_schedule or default_schedule(stages.vpp)
+    plan = build_schedule(name, stages.pp, stages.vpp, cfg.num_micro_batches(world_size), cfg.overlap.overlap_p2p_comm,
+                          cfg.overlap.batch_p2p_comm)
+    if given is None:
+        tokens = t.micro_batch_size * cfg.model.seq_length
+        forward = {stage: stage_forward_flops(cfg.model, layers, stage == stages.num_stages - 1, tokens) / 1e9
+                   for stage, layers in enumerate(stages.layers)}
+
+        def cost(rank, action):
+            return forward[stages.stage(rank, action.chunk)] * (2.0 if action.kind == "B" else 1.0)
+        unit = "GFLOP"
+    else:
+        def cost(rank, action):
+            return given[action.kind]
+        unit = "cost units"
+    timeline = simulate(plan, cost)
+    print(render(plan, timeline))
+    print(f"makespan {timeline.makespan:.4g} {unit}")
+    if png:
+        draw([(name, timeline)], png, unit)
+        print(f"timeline: {png}")
+
+
+def _parse_costs(text: str) -> dict[str, float]:
+    """``F=1,B=2,I=1,W=1``: F and B required; I and W default to B / 2."""
+    costs = {}
+    for item in text.split(","):
+        kind, _, value = item.partition("=")
+        try:
+            costs[kind.strip()] = float(value)
+        except ValueError:
+            raise ConfigError("--costs", text, "expected F=..,B=..[,I=..,W=..] with numbers") from None
+    if not {"F", "B"} <= set(costs) or not set(costs) <= {"F", "B", "I", "W"} or min(costs.values()) < 0:
+        raise ConfigError("--costs", text, "expected F=..,B=..[,I=..,W=..] with numbers >= 0")
+    costs.setdefault("I", costs["B"] / 2)
+    costs.setdefault("W", costs["B"] / 2)
+    return costs

@@ -32,10 +32,6 @@ def _not_implemented(field_name: str, value: Any, default: Any, waits_for: str) 
     return ConfigError(field_name, value, f"not implemented yet ({waits_for}); only {default!r} is supported")
 
 
-# Which later capability each not-yet-built field waits for; the message tells the user.
-_WAITS_FOR_PP = "waits for pipeline parallelism"
-
-
 @dataclass
 class ModelConfig:
     num_layers: int = 4
@@ -109,6 +105,10 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None  # None: tensor_model_parallel_size
     sequence_parallel: bool = False
+    # Uneven pipeline split (Megatron's names): layers on the first / last pipeline rank (over all its virtual
+    # stages); the other ranks share the rest evenly. None: an even split.
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
 
 
 @dataclass
@@ -169,6 +169,8 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     recompute_granularity: Literal["none", "full"] = "none"
+    # Pipeline schedule (PP > 1); null: 1f1b, or interleaved_1f1b with virtual stages.
+    pipeline_schedule: Optional[Literal["all_forward_all_backward", "1f1b", "interleaved_1f1b", "zb_h1"]] = None
     # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_sync_free_dispatch).
     moe_cuda_graph: bool = False
     # Sum the experts' weight gradients of two consecutive micro-batches in one grouped kernel: main_grad is read
@@ -459,32 +461,21 @@ def validate(cfg: Config) -> None:
     _require(m.expert_ffn_hidden_size % cfg.expert_tensor_parallel_size == 0, "model.moe_ffn_hidden_size",
              m.expert_ffn_hidden_size,
              f"must be divisible by parallel.expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}")
-    vpp = 1 if p.virtual_pipeline_model_parallel_size is None else p.virtual_pipeline_model_parallel_size
-    _require(vpp >= 1, "parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size,
-             "must be >= 1 or null")
-    _require(m.num_layers % (p.pipeline_model_parallel_size * vpp) == 0, "model.num_layers", m.num_layers,
-             f"must be divisible by pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"
-             f"={p.pipeline_model_parallel_size * vpp}")
+    _validate_pipeline_split(m, p)
     if p.sequence_parallel:
         _require(m.seq_length % tp == 0, "model.seq_length", m.seq_length,
                  f"must be divisible by parallel.tensor_model_parallel_size={tp} under sequence_parallel")
     _validate_context_parallel(m, p, o, t)
-    # Not built yet: accepted only at their defaults.
-    if p.pipeline_model_parallel_size != 1:
-        raise _not_implemented("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1,
-                               _WAITS_FOR_PP)
-    if p.virtual_pipeline_model_parallel_size is not None:
-        raise _not_implemented("parallel.virtual_pipeline_model_parallel_size",
-                               p.virtual_pipeline_model_parallel_size, None, _WAITS_FOR_PP)
     if tp > 1 and m.num_moe_experts is not None:
         _require(p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
                  "must be true for a MoE model with tensor_model_parallel_size > 1 (as Megatron-Core: each TP rank "
                  "routes its own sequence block)")
 
     _validate_overlap(o, p, m)
+    _validate_pipeline(cfg)
     _validate_moe_overlap(m, o, p)
     _validate_moe_cuda_graph(t, o, p)
-    _validate_expert_wgrad_pairs(t, o, m)
+    _validate_expert_wgrad_pairs(t, o, m, p)
     _validate_distributed_optimizer(o, t)
     _validate_comm_resources(o)
 
@@ -630,12 +621,75 @@ def _validate_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> No
     _require(o.tp_comm_num_splits >= 1, "overlap.tp_comm_num_splits", o.tp_comm_num_splits, "must be >= 1")
     _require(o.moe_a2a_chunks >= 1, "overlap.moe_a2a_chunks", o.moe_a2a_chunks, "must be >= 1")
     _validate_tp_overlap(o, p, m)
-    defaults = OverlapConfig()
-    waits = dict(overlap_p2p_comm=_WAITS_FOR_PP, batch_p2p_comm=_WAITS_FOR_PP,
-                 overlap_moe_expert_parallel_comm=_WAITS_FOR_PP)
-    for name, why in waits.items():
-        if getattr(o, name) != getattr(defaults, name):
-            raise _not_implemented(f"overlap.{name}", getattr(o, name), getattr(defaults, name), why)
+    if o.overlap_moe_expert_parallel_comm:
+        raise _not_implemented("overlap.overlap_moe_expert_parallel_comm", True, False,
+                               "waits for micro-batches overlapping each other")
+
+
+def _validate_pipeline_split(m: ModelConfig, p: ParallelConfig) -> None:
+    """Layers over PP x VPP virtual stages: evenly, or with the first / last pipeline rank's count given (the
+    other ranks share the rest evenly); every virtual stage gets at least one layer."""
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        _require(vpp >= 1, "parallel.virtual_pipeline_model_parallel_size", vpp, "must be >= 1 or null")
+        _require(pp > 1, "parallel.virtual_pipeline_model_parallel_size", vpp,
+                 "needs parallel.pipeline_model_parallel_size > 1 (virtual stages interleave pipeline ranks)")
+    vpp = vpp or 1
+    uneven = {name: getattr(p, name) for name in ("num_layers_in_first_pipeline_stage",
+                                                  "num_layers_in_last_pipeline_stage") if getattr(p, name) is not None}
+    if not uneven:
+        _require(m.num_layers % (pp * vpp) == 0, "model.num_layers", m.num_layers,
+                 f"must be divisible by pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"
+                 f"={pp * vpp} (or set parallel.num_layers_in_first_pipeline_stage / "
+                 "num_layers_in_last_pipeline_stage)")
+        return
+    for name, count in uneven.items():
+        _require(pp > 1, f"parallel.{name}", count, "needs parallel.pipeline_model_parallel_size > 1")
+        _require(count >= vpp and count % vpp == 0, f"parallel.{name}", count,
+                 f"must be a positive multiple of the virtual stages per rank, {vpp} (each gets an equal share)")
+    rest, ranks = m.num_layers - sum(uneven.values()), pp - len(uneven)
+    name, count = next(iter(uneven.items()))
+    if ranks == 0:
+        _require(rest == 0, f"parallel.{name}", count,
+                 f"with PP=2 the first and last stage hold every layer: they must add up to model.num_layers="
+                 f"{m.num_layers}")
+    else:
+        _require(rest >= ranks * vpp and rest % (ranks * vpp) == 0, f"parallel.{name}", count,
+                 f"leaves {rest} of model.num_layers={m.num_layers} layers to the other {ranks} pipeline ranks x "
+                 f"{vpp} virtual stages: must be a positive multiple of {ranks * vpp}")
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The schedule and its P2P switches: each needs PP > 1; a schedule fits the virtual stages."""
+    p, o, t = cfg.parallel, cfg.overlap, cfg.train
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    for name, value in (("overlap.overlap_p2p_comm", o.overlap_p2p_comm), ("overlap.batch_p2p_comm", o.batch_p2p_comm),
+                        ("train.pipeline_schedule", t.pipeline_schedule)):
+        _require(pp > 1 or value in (False, None), name, value,
+                 "has no effect without pipeline parallelism (parallel.pipeline_model_parallel_size > 1)")
+    # As Megatron: a batch ends when all its transfers have, so an early receive would hold its sends back.
+    _require(not (o.overlap_p2p_comm and o.batch_p2p_comm), "overlap.batch_p2p_comm", True,
+             "and overlap.overlap_p2p_comm=true cannot both be set: a batched call ends with its last transfer, "
+             "so a receive posted early would hold back the sends batched with it")
+    schedule = t.pipeline_schedule
+    if schedule == "interleaved_1f1b":
+        _require(vpp > 1, "train.pipeline_schedule", schedule,
+                 "needs parallel.virtual_pipeline_model_parallel_size > 1")
+    if schedule == "1f1b":
+        _require(vpp == 1, "train.pipeline_schedule", schedule,
+                 f"runs one model chunk per rank; with virtual_pipeline_model_parallel_size={vpp} use "
+                 "interleaved_1f1b or all_forward_all_backward")
+    if schedule == "zb_h1":
+        _require(vpp == 1, "train.pipeline_schedule", schedule,
+                 "not implemented yet over virtual stages (ZB-V); use interleaved_1f1b, or zb_h1 without "
+                 "parallel.virtual_pipeline_model_parallel_size")
+        _require(t.recompute_granularity == "none", "train.pipeline_schedule", schedule,
+                 "not implemented yet with train.recompute_granularity='full' (a deferred weight gradient would "
+                 "need the recomputed activations); use 1f1b")
+    if pp > 1 and t.moe_cuda_graph:
+        raise _not_implemented("train.moe_cuda_graph", True, False,
+                               "graphed MoE layers under pipeline parallelism (a graph keeps one micro-batch's "
+                               "activations; a pipeline holds several)")
 
 
 def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
@@ -713,7 +767,7 @@ def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig
         raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers with recomputation")
 
 
-def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig) -> None:
+def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig, p: ParallelConfig) -> None:
     if not t.expert_wgrad_pairs:
         return
     _require(m.num_moe_experts is not None, "train.expert_wgrad_pairs", True, "needs MoE layers (model.num_moe_experts)")
@@ -723,6 +777,9 @@ def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfi
     if o.moe_overlap_dispatch:
         raise _not_implemented("train.expert_wgrad_pairs", True, False,
                                "with overlap.moe_overlap_dispatch, whose chunks schedule their own weight gradients")
+    if p.pipeline_model_parallel_size > 1:
+        raise _not_implemented("train.expert_wgrad_pairs", True, False,
+                               "under pipeline parallelism, whose schedule interleaves other micro-batches' backwards")
 
 
 def _validate_comm_resources(o: OverlapConfig) -> None:
@@ -758,6 +815,12 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     dp = cfg.data_parallel_size(world_size)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size", t.global_batch_size,
              f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    if vpp > 1:
+        m = cfg.num_micro_batches(world_size)
+        _require(m % pp == 0, "train.global_batch_size", t.global_batch_size,
+                 f"gives {m} micro-batches per data-parallel rank; virtual pipeline stages take them in groups of "
+                 f"parallel.pipeline_model_parallel_size={pp}: need a multiple")
     _require(not t.moe_cuda_graph or device_type == "cuda", "train.moe_cuda_graph", True,
              f"CUDA graphs need train.device=cuda; the device is {device_type!r}")
     for name, default in (("dp_comm_ctas", None), ("gemm_sm_carveout", 0)):

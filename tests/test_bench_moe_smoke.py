@@ -32,5 +32,6 @@ def test_moe_layer_benchmark_smoke(tmp_path, world):
             for kind in ("serial", "overlapped", "comm", "gemm", "limit", "baseline"):
                 assert row[f"{kind}_{suffix}_ms"] > 0, (kind, suffix)
             assert row[f"limit_{suffix}_ms"] == max(row[f"comm_{suffix}_ms"], row[f"gemm_{suffix}_ms"])
-        assert row["backend"] == "gloo" and row["chunks"] in (1, 2)
+        # the fastest overlapped variant names the row: a chunked gloo pipeline or the sync-free path (one chunk)
+        assert (row["backend"], row["chunks"]) in {("gloo", 1), ("gloo", 2), ("sync_free", 1)}, row
         assert row["tokens_per_rank_max"] >= row["tokens_per_rank_mean"] > 0

@@ -28,16 +28,16 @@ def one_line_error(capsys) -> str:
 @pytest.mark.parametrize("argv,fragments", [
     (["info", TINY, "model.hiden_size=3"], ["model.hiden_size=3", "did you mean 'hidden_size'"]),
     (["train", TINY, "model.hiden_size=3"], ["model.hiden_size=3", "did you mean 'hidden_size'"]),
-    (["train", TINY, "parallel.pipeline_model_parallel_size=2"],
-     ["parallel.pipeline_model_parallel_size=2", "not implemented yet"]),
+    (["train", TINY, "overlap.overlap_moe_expert_parallel_comm=true"],
+     ["overlap.overlap_moe_expert_parallel_comm=True", "not implemented yet"]),
     (["train", TINY, "--nproc", "2", "overlap.overlap_p2p_comm=true"],
-     ["overlap.overlap_p2p_comm=True", "not implemented yet"]),
+     ["overlap.overlap_p2p_comm=True", "no effect without pipeline parallelism"]),
     (["info", TINY, "model.moe_router_topk=9"], ["model.moe_router_topk=9", "model.num_moe_experts=8"]),
     (["info", TINY, "--world-size", "3"], ["parallel.expert_model_parallel_size=2", "world_size"]),
     (["info", TINY, "--world-size", "8"], ["train.global_batch_size=32", "data-parallel size"]),
     (["info", str(ROOT / "configs" / "missing.yaml")], ["missing.yaml", "no such file"]),
     (["info", TINY, "hidden_size=3"], ["override=", "expected section.field=value"]),
-], ids=["unknown-field-info", "unknown-field-train", "not-implemented", "not-implemented-nproc", "topk",
+], ids=["unknown-field-info", "unknown-field-train", "not-implemented", "no-effect-nproc", "topk",
         "world-ep", "world-batch", "missing-file", "bad-override"])
 def test_config_error_is_one_line_exit_2(capsys, argv, fragments):
     assert main(argv) == 2

@@ -6,7 +6,8 @@ error against it, per tensor (normwise), for every gradient of the first step an
 auto-chosen transport), TP=2 with SP and expert-TP=2: serial, every TP overlap over the copy-engine ring
 (symm), the pipelined ones over NCCL p2p; EP=2 with the sync-free dispatch and its MoE layers replayed
 from CUDA graphs (train.moe_cuda_graph); the distributed optimizer with both overlaps and those graphed layers,
-its communicators at 2 CTAs and the GEMMs 8 SMs short (overlap.dp_comm_ctas, overlap.gemm_sm_carveout).
+its communicators at 2 CTAs and the GEMMs 8 SMs short (overlap.dp_comm_ctas, overlap.gemm_sm_carveout);
+PP=2 (one layer, then two): 1F1B with batched P2P, ZB-H1 with overlapped P2P over the per-direction groups.
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
 
@@ -55,6 +56,13 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
                             **tp_layout(2, *overlaps, **{"parallel.expert_tensor_parallel_size": 2, **extra}))
 
     tp_mesh = Mesh.create(mesh_layout(tp_cfg(), 2), timeout_s=120)
+
+    def pp_cfg(**extra):
+        return small_config(output_dir, 1, global_batch, **{
+            "train.precision": "bf16", "train.device": "cuda", "parallel.pipeline_model_parallel_size": 2,
+            "parallel.num_layers_in_first_pipeline_stage": 1, **extra})
+
+    pp_mesh = Mesh.create(mesh_layout(pp_cfg(), 2), timeout_s=120)
     layouts = LAYOUTS
     runs = {
         layouts[0]: Trainer(layout_cfg, mesh, device),
@@ -67,6 +75,9 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
                                    "tp_comm_bulk_dgrad", **{"overlap.tp_comm_backend": "p2p"}), tp_mesh, device),
         layouts[6]: Trainer(graph_cfg, mesh, device),
         layouts[7]: Trainer(dp_resources_cfg, dp_resources_mesh, device),
+        layouts[8]: Trainer(pp_cfg(**{"overlap.batch_p2p_comm": "true"}), pp_mesh, device),
+        layouts[9]: Trainer(pp_cfg(**{"train.pipeline_schedule": "zb_h1", "overlap.overlap_p2p_comm": "true"}),
+                            pp_mesh, device),
         "single_bf16": Trainer(small_config(output_dir, 1, global_batch, **{"train.precision": "bf16"}),
                                Mesh.single(), device),
         "single_fp32": Trainer(small_config(output_dir, 1, global_batch), Mesh.single(), device),
@@ -107,6 +118,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
         if layout_err > 2 * single_err:
             report["violations"].append((layout, f"loss curve over {steps} steps", layout_err, single_err))
     tp_mesh.destroy()
+    pp_mesh.destroy()
     dp_resources_mesh.destroy()
     mesh.destroy()
     dist.destroy_process_group()
@@ -116,7 +128,8 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
 LAYOUTS = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap", "layout_bf16_overlapped_dispatch",
            "layout_bf16_tp2_sp_etp2", "layout_bf16_tp2_sp_etp2_all_overlaps_symm",
            "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p", "layout_bf16_sync_free_dispatch_cuda_graph",
-           "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8")
+           "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8",
+           "layout_bf16_pp2_1f1b_batched_p2p", "layout_bf16_pp2_zb_h1_overlapped_p2p")
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def imported(tmp_path_factory):
 def our_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits (its forward returns the loss): layers, final norm, output layer."""
     x = model.embedding(ids)
-    for layer in model.layers:
+    for layer in model.layers.values():
         x = layer(x)[0]
     weight = model.embedding.weight if model.output_layer is None else model.output_layer.weight
     return model.final_layernorm(x) @ weight.t()

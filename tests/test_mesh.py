@@ -54,6 +54,7 @@ HAND_DERIVED = [
             "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
             "edp": singletons(8),
             "expert_mp": [list(range(8))],
+            "etp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],  # a MoE layer's counts stay within its pipeline stage
             "embedding": [[0, 4], [1, 5], [2, 6], [3, 7]],
         },
     ),

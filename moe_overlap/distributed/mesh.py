@@ -50,6 +50,9 @@ _GROUP_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "edp": (_EXPERT_AXES, ("edp",)),
     # expert grad-norm: expert parameters are sharded over expert-TP, EP and PP, replicated over expert-DP
     "expert_mp": (_EXPERT_AXES, ("etp", "ep", "pp")),
+    # a MoE layer's token counts: expert-TP x EP within one pipeline stage (Megatron's
+    # expert_tensor_and_model_parallel group)
+    "etp_ep": (_EXPERT_AXES, ("etp", "ep")),
 }
 
 #: Every group kind a Mesh holds, in the order Mesh.create makes its new_group calls.
@@ -258,6 +261,7 @@ class Mesh:
     ep: GroupHandle
     edp: GroupHandle
     expert_mp: GroupHandle
+    etp_ep: GroupHandle
     embedding: GroupHandle
 
     def __init__(
@@ -321,6 +325,10 @@ class Mesh:
         """World-1 mesh without torch.distributed: the single-process reference run."""
         handles = {kind: GroupHandle(ranks=[0], group=None, rank=0, size=1) for kind in GROUP_KINDS}
         return cls(MeshLayout(world_size=1), 0, handles, [])
+
+    def own(self, group: ProcessGroup) -> None:
+        """Destroy ``group`` with the mesh's own (a group made beside the mesh, e.g. a pipeline channel)."""
+        self._owned_groups.append(group)
 
     def destroy(self) -> None:
         """Destroy the process groups this mesh created, so a worker can build another mesh.

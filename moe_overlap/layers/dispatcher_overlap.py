@@ -22,6 +22,7 @@ import torch
 from moe_overlap.distributed.a2a import Exchange
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.dispatcher import ExchangePlan, ExpertTPPlan, gather_from_expert_tp, sum_to_expert_tp_owners
+from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
 
@@ -111,6 +112,8 @@ class ExpertsCombine(torch.autograd.Function):
         plan = state.plan
         w13_EHF2, w2_EFH = ctx.weights
         wgrads = []  # per chunk: its experts' fc1, fc2 weight gradients (None: added into main_grad)
+        chunk_inputs = []  # per chunk: what its weight gradients need (None: no rows)
+        deferred = is_deferring()  # a zero-bubble schedule's W computes them: keep their inputs instead
         grad_dispatch = state.transport.exchange(grad_combined_RH.contiguous(), plan.layout)
         for chunk in range(plan.layout.num_chunks):
             grad_dispatch.send(chunk)
@@ -124,21 +127,37 @@ class ExpertsCombine(torch.autograd.Function):
             start, stop = plan.layout.recv_range(chunk)
             # grouped_mm rejects empty gradients; no rows (on every expert-TP peer alike): zero weight gradient
             if grouped_RH.shape[0] == 0:
+                chunk_inputs.append(None)
                 wgrads.append((torch.zeros_like(weights[0]), torch.zeros_like(weights[1])))
                 grad_combine.send(chunk)
                 continue
             grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, *weights)
-            wgrad = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
-                     slice(first, last))
-            if not state.delay_wgrad:
+            chunk_inputs.append(WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets))
+            wgrad = (w13_EHF2, w2_EFH, chunk_inputs[-1:], slice(first, last))
+            if not (state.delay_wgrad or deferred):
                 wgrads.append(experts_wgrad(*wgrad))
             torch.index_select(_rows_from_experts(grad_x_RH, chunk, state), 0, plan.ungroup_index[chunk],
                                out=grad_in_RH[start:stop])
             grad_combine.send(chunk)
-            if state.delay_wgrad:  # fills the gap while this chunk's gradient travels
+            if state.delay_wgrad and not deferred:  # fills the gap while this chunk's gradient travels
                 wgrads.append(experts_wgrad(*wgrad))
         grad_dispatch.finish()
         state.saved = []
         state.grad_combine = grad_combine
-        return (grad_combined_RH.new_zeros(0), weight_grad_for_autograd(w13_EHF2, [g for g, _ in wgrads]),
-                weight_grad_for_autograd(w2_EFH, [g for _, g in wgrads]), None)
+        if deferred:
+            grad_w13, grad_w2 = weight_grads(_chunk_weight_grads, (w13_EHF2, w2_EFH, chunk_inputs, plan.chunk_experts),
+                                             ctx.weights)
+        else:
+            grad_w13 = weight_grad_for_autograd(w13_EHF2, [g for g, _ in wgrads])
+            grad_w2 = weight_grad_for_autograd(w2_EFH, [g for _, g in wgrads])
+        return grad_combined_RH.new_zeros(0), grad_w13, grad_w2, None
+
+
+def _chunk_weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, chunk_inputs: list[WgradInputs | None],
+                        chunk_experts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every chunk's weight gradients from the inputs its backward kept, as autograd takes them."""
+    grads = [(torch.zeros_like(w13_EHF2[first:last]), torch.zeros_like(w2_EFH[first:last])) if inputs is None
+             else experts_wgrad(w13_EHF2, w2_EFH, [inputs], slice(first, last))
+             for inputs, (first, last) in zip(chunk_inputs, chunk_experts)]
+    return (weight_grad_for_autograd(w13_EHF2, [g for g, _ in grads]),
+            weight_grad_for_autograd(w2_EFH, [g for _, g in grads]))

@@ -18,6 +18,7 @@ from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_f
 
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, TPShard, make_param
+from moe_overlap.layers.deferred_wgrad import weight_grads
 from moe_overlap.layers.wgrad import grouped_wgrad, main_grad_of, mark_own_grad, placeholder
 
 
@@ -64,13 +65,22 @@ def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[Wgr
 
 def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor | None]) -> torch.Tensor:
     """What a backward returns for an expert weight whose gradient it computed in runs of experts: a
-    placeholder when the runs went into main_grad, else the runs joined (one run: no copy; no run at all, or a
-    run without rows: zeros)."""
+    placeholder when the runs went into main_grad, else the runs joined (one run: no copy)."""
     if main_grad_of(param) is not None:
         return placeholder(param)
-    if any(grad is None for grad in chunk_grads):
-        return torch.zeros_like(param)
     return chunk_grads[0] if len(chunk_grads) == 1 else torch.cat(chunk_grads)
+
+
+def expert_weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
+                        inputs: list[WgradInputs]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both expert weights' gradients from one or two micro-batches' inputs (none: no rows reached them), as
+    autograd takes them (see weight_grad_for_autograd)."""
+    if not inputs:
+        grads = (None, None) if main_grad_of(w13_EHF2) is not None else (torch.zeros_like(w13_EHF2),
+                                                                         torch.zeros_like(w2_EFH))
+    else:
+        grads = experts_wgrad(w13_EHF2, w2_EFH, inputs)
+    return weight_grad_for_autograd(w13_EHF2, [grads[0]]), weight_grad_for_autograd(w2_EFH, [grads[1]])
 
 
 class ExpertWgradPairs:
@@ -119,9 +129,8 @@ class GroupedSwiGLU(torch.autograd.Function):
             grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
             inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         ready = ctx.pairs.take(inputs) if ctx.pairs is not None else [i for i in (inputs,) if i is not None]
-        grads = experts_wgrad(w13_EHF2, w2_EFH, ready) if ready else (None, None)
-        return (grad_x_TH, None, *(weight_grad_for_autograd(w, [g]) for w, g in zip((w13_EHF2, w2_EFH), grads)),
-                None)
+        grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready), ctx.weights)
+        return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None
 
 
 def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13_EHF2: torch.Tensor,

@@ -24,6 +24,7 @@ from torch import nn
 
 from moe_overlap.distributed.ring import Pending, TPComm
 from moe_overlap.layers.init import NORMAL, TPShard, make_param
+from moe_overlap.layers.deferred_wgrad import weight_grads
 from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
 
 # -------------------------------------------------------------------------------------- column parallel
@@ -40,18 +41,17 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RH: torch.Tensor, w_FH: torch.Tensor, comm: TPComm) -> torch.Tensor:
         ctx.save_for_backward(x_RH)
-        ctx.weight = w_FH  # the parameter itself (its main_grad), also under recomputation
-        ctx.comm = comm
+        ctx.comm, ctx.weights = comm, (w_FH,)  # the parameter itself (its main_grad), also under recomputation
         return comm.gather_matmul(x_RH, w_FH.t(), overlap=comm.overlap.ag)[0]
 
     @staticmethod
     def backward(ctx, grad_y_SF: torch.Tensor):
-        (x_RH,), w_FH = ctx.saved_tensors, ctx.weight
+        (x_RH,), (w_FH,) = ctx.saved_tensors, ctx.weights
         comm = ctx.comm
         grad_y_SF = grad_y_SF.contiguous()
         x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
         grad_x = column_dgrad_start(grad_y_SF, w_FH, comm)
-        grad_w_FH = linear_wgrad(w_FH, grad_y_SF, x_gather.wait())
+        grad_w_FH, = weight_grads(linear_wgrad, (w_FH, grad_y_SF, x_gather.wait()), ctx.weights)
         return grad_x.wait(), grad_w_FH, None
 
 
@@ -67,15 +67,15 @@ class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SF: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> torch.Tensor:
         ctx.save_for_backward(x_SF)
-        ctx.weight = w_HF
-        ctx.comm = comm
+        ctx.comm, ctx.weights = comm, (w_HF,)
         return comm.matmul_scatter(x_SF, w_HF.t(), overlap=comm.overlap.rs)
 
     @staticmethod
     def backward(ctx, grad_y_RH: torch.Tensor):
-        (x_SF,), w_HF = ctx.saved_tensors, ctx.weight
+        (x_SF,), (w_HF,) = ctx.saved_tensors, ctx.weights
         grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm)
-        return grad_x_SF, linear_wgrad(w_HF, grad_y_SH, x_SF), None
+        grad_w_HF, = weight_grads(linear_wgrad, (w_HF, grad_y_SH, x_SF), ctx.weights)
+        return grad_x_SF, grad_w_HF, None
 
 
 # ------------------------------------------------------------------------------------ region boundaries

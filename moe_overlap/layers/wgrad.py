@@ -30,7 +30,10 @@ def adds_own_grad(param: torch.Tensor) -> bool:
 
 def take_grad(param: torch.Tensor) -> None:
     """The optimizers' post-accumulate-grad hook: the gradient autograd accumulated goes into ``main_grad``
-    (unless the layer already put it there) and ``param.grad`` is dropped."""
+    (unless the layer already put it there) and ``param.grad`` is dropped. No gradient: its layer deferred it
+    to a zero-bubble schedule's W (layers/deferred_wgrad.py)."""
+    if param.grad is None:
+        return
     if not adds_own_grad(param):
         param.main_grad.add_(param.grad)
     param.grad = None

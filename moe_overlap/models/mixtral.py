@@ -9,6 +9,7 @@ only attention (a ring over the CP group), the router (which sees the whole micr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ class TransformerLayer(nn.Module):
         if self.is_moe:
             router = (SequenceParallelRouter.from_config(cfg, device, dtype, comm=comm, cp=cp)
                       if comm.sequence_shards > 1 or mesh.cp.size > 1 else None)
-            self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router, mesh.etp, mesh.expert_mp)
+            self.mlp = MoELayer(cfg, overlap, mesh.ep, transports, device, dtype, router, mesh.etp, mesh.etp_ep)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype, comm)
 
@@ -69,10 +70,18 @@ class ModelOutput:
 
 
 class MixtralModel(nn.Module):
+    """The decoder, or one pipeline rank's part of it: ``layers`` (global indices; default all), the embedding
+    with ``pre_process`` (first stage), the final norm and output layer with ``post_process`` (last stage).
+    Layers keep their global index in their parameter names, so names, init and checkpoint keys are the
+    same under every pipeline split."""
+
     def __init__(self, cfg: ModelConfig, mesh: Mesh, device=None, dtype=None, recompute: bool = False,
-                 overlap: OverlapConfig | None = None, timeout_s: float = 120.0, sequence_parallel: bool = False):
+                 overlap: OverlapConfig | None = None, timeout_s: float = 120.0, sequence_parallel: bool = False,
+                 layers: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
         self.cfg, self.recompute = cfg, recompute
+        self.pre_process, self.post_process = pre_process, post_process
+        tied = cfg.share_embeddings_and_output_weights
         overlap = overlap or OverlapConfig()
         tp_switches = tp_overlap(overlap)
         ring = None
@@ -85,14 +94,21 @@ class MixtralModel(nn.Module):
         if (overlap.moe_overlap_dispatch or overlap.moe_sync_free_dispatch) and cfg.num_moe_experts:  # one transport shared by every MoE layer
             transports = TransportSelector(overlap.moe_a2a_backend, mesh.ep.group, mesh.ep.ranks,
                                            torch.device(device or "cpu"), overlap.moe_a2a_chunks, timeout_s)
-        self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, overlap, i, mesh, transports, self.tp_comm, device, dtype,
-                                                     self.cp_comm)
-                                    for i in range(cfg.num_layers))
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype)
-        self.output_layer = (None if cfg.share_embeddings_and_output_weights
+        # With tied weights the last stage keeps its own copy of the table for the output layer (Megatron's).
+        self.embedding = (Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
+                          if pre_process or (post_process and tied) else None)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, overlap, i, mesh, transports, self.tp_comm, device,
+                                                              dtype, self.cp_comm)
+                                     for i in (range(cfg.num_layers) if layers is None else layers)})
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device, dtype) if post_process else None
+        self.output_layer = (None if tied or not post_process
                              else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, self.tp_comm, device=device,
                                                        dtype=dtype))
+        if tied and (pre_process != post_process):
+            # Both copies get every gradient (summed over the embedding group, as Megatron); the last stage's
+            # is not saved (the first stage's key loads into it) and counts once in the gradient norm.
+            self.embedding.weight.shared_embedding = True
+            self.embedding.weight.shared = not pre_process
         if self.tp_comm.sequence_shards > 1:
             # Megatron's sequence-parallel parameters: replicated over TP (norms, routers), each rank's gradient
             # from its own sequence block, so the optimizer sums them over the TP group.
@@ -101,27 +117,30 @@ class MixtralModel(nn.Module):
 
     def routers(self) -> dict[int, Router]:
         """The router of each MoE layer, keyed like ``ModelOutput.tokens_per_expert`` (layer index)."""
-        return {index: layer.mlp.router for index, layer in enumerate(self.layers) if layer.is_moe}
+        return {int(index): layer.mlp.router for index, layer in self.layers.items() if layer.is_moe}
 
     def forward_units(self) -> list[tuple[nn.Module, tuple[str, ...]]]:
         """The model's parts in the order forward first uses them, as (the module whose forward starts
         the part, the name prefixes of its parameters): the embedding, each layer, then the head -- the
         final norm and the output layer, whose weight the loss reads without calling its forward. The
         distributed optimizer buckets parameters and waits for their all-gather by these parts."""
-        head = ("final_layernorm",) + (() if self.output_layer is None else ("output_layer",))
-        return [(self.embedding, ("embedding",)),
-                *((layer, (f"layers.{index}",)) for index, layer in enumerate(self.layers)),
-                (self.final_layernorm, head)]
+        units = [(self.embedding, ("embedding",))] if self.pre_process else []
+        units += [(layer, (f"layers.{index}",)) for index, layer in self.layers.items()]
+        if self.post_process:
+            output = (("output_layer",) if self.output_layer is not None
+                      else () if self.pre_process else ("embedding",))  # a tied copy on the last stage
+            units.append((self.final_layernorm, ("final_layernorm",) + output))
+        return units
 
     def pair_expert_wgrads(self) -> None:
         """``train.expert_wgrad_pairs``: every MoE layer sums its experts' weight gradients two micro-batches at a
         time (layers/experts.py, ExpertWgradPairs); the trainer marks each micro-batch with start_micro_batch."""
-        for layer in self.layers:
+        for layer in self.layers.values():
             if layer.is_moe:
                 layer.mlp.experts.wgrad_pairs = ExpertWgradPairs()
 
     def start_micro_batch(self, first: bool, last: bool) -> None:
-        for layer in self.layers:
+        for layer in self.layers.values():
             if layer.is_moe and layer.mlp.experts.wgrad_pairs is not None:
                 layer.mlp.experts.wgrad_pairs.start_micro_batch(first, last)
 
@@ -131,7 +150,7 @@ class MixtralModel(nn.Module):
         of a few hundred small ones. Needs the sync-free dispatch (no host sync, no collective in the layer),
         a fixed micro-batch shape, and the parameters' final storage (call after the optimizer is built). All
         ranks capture together: the warm-up calls exchange rows. Eval-mode calls run the layers eagerly."""
-        moe_layers = tuple(layer.mlp for layer in self.layers if layer.is_moe)
+        moe_layers = tuple(layer.mlp for layer in self.layers.values() if layer.is_moe)
         if moe_layers:
             capture_moe_layers(moe_layers, (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards,
                                             self.cfg.hidden_size))
@@ -140,31 +159,43 @@ class MixtralModel(nn.Module):
         init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers)
 
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> ModelOutput:
-        x_BSH = self.embedding(input_ids_BS)
-        aux_loss = x_BSH.new_zeros((), dtype=torch.float32)
-        tokens_per_expert = {}
-        for index, layer in enumerate(self.layers):
-            if self.recompute and torch.is_grad_enabled():
-                x_BSH, layer_aux, layer_tokens = checkpoint(layer, x_BSH, use_reentrant=False)
-            else:
-                x_BSH, layer_aux, layer_tokens = layer(x_BSH)
-            if layer_aux is not None:
-                aux_loss = aux_loss + layer_aux
-                tokens_per_expert[index] = layer_tokens
-        output_weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
-        lm_loss = lm_cross_entropy(self.final_layernorm(x_BSH), output_weight, labels_BS, self.tp_comm)
+        x_BSH, aux_loss, tokens_per_expert = self.run_layers(self.embedding(input_ids_BS), self.layers.keys())
+        lm_loss = self.head_loss(x_BSH, labels_BS)
         logged = lm_loss.detach()
         if self.cp_comm.size > 1:  # this rank's share of the micro-batch mean; the gradient reduction sums the shares
             lm_loss = lm_loss / self.cp_comm.size
             logged = all_reduce_(lm_loss.detach().clone(), self.cp_comm.group.group)
         return ModelOutput(lm_loss + aux_loss, logged, aux_loss.detach(), tokens_per_expert)
 
+    def run_layers(self, x_BSH: torch.Tensor, indices: Iterable[int | str]
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The given layers in order: their output, summed auxiliary loss and tokens per expert by layer."""
+        aux_loss = x_BSH.new_zeros((), dtype=torch.float32)
+        tokens_per_expert = {}
+        for index in indices:
+            layer = self.layers[str(index)]
+            if self.recompute and torch.is_grad_enabled():
+                x_BSH, layer_aux, layer_tokens = checkpoint(layer, x_BSH, use_reentrant=False)
+            else:
+                x_BSH, layer_aux, layer_tokens = layer(x_BSH)
+            if layer_aux is not None:
+                aux_loss = aux_loss + layer_aux
+                tokens_per_expert[int(index)] = layer_tokens
+        return x_BSH, aux_loss, tokens_per_expert
+
+    def head_loss(self, x_BSH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """Final norm, output layer and the mean cross-entropy (the last stage's)."""
+        output_weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
+        return lm_cross_entropy(self.final_layernorm(x_BSH), output_weight, labels_BS, self.tp_comm)
+
 
 def build_model(cfg: ModelConfig, mesh: Mesh, device: torch.device | str, dtype: torch.dtype, seed: int,
                 recompute: bool = False, overlap: OverlapConfig | None = None,
-                timeout_s: float = 120.0, sequence_parallel: bool = False) -> MixtralModel:
+                timeout_s: float = 120.0, sequence_parallel: bool = False, layers: Sequence[int] | None = None,
+                pre_process: bool = True, post_process: bool = True) -> MixtralModel:
     """This rank's part of the model, initialised from the seed and each parameter's logical name."""
-    model = MixtralModel(cfg, mesh, device, dtype, recompute, overlap, timeout_s, sequence_parallel)
+    model = MixtralModel(cfg, mesh, device, dtype, recompute, overlap, timeout_s, sequence_parallel, layers,
+                         pre_process, post_process)
     model.init_weights(seed)
     return model
 

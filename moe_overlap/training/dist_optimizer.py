@@ -44,7 +44,8 @@ from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
 from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, GradNorms, adamw_hyper, clip_control, decays,
                                             logical_grad_copies, logical_parts)
-from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
+from moe_overlap.training.tp_grads import (counts_in_dense_norm, is_shared_embedding, sum_sequence_parallel_grads,
+                                           sum_shared_embedding_grads)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class _Bucket:
             a, b = max(slot.start, lo) - lo, min(slot.end, hi) - lo
             if a < b:
                 self.shard_parts.append((slot.name, slice(a, b), counts_in_norm(slot.param)))
+        # A tied embedding under PP sums over its stages' copies first, after the whole pipeline's backward.
+        self.after_backward = any(is_shared_embedding(slot.param) for slot in self.slots)
         self.ready: set[int] = set()  # slots whose gradient of the last micro-batch has arrived
         self.grad_work = self.param_work = None
         self.payload: Optional[torch.Tensor] = None
@@ -197,7 +200,14 @@ class DistributedOptimizer:
         for bucket in self.buckets:
             bucket.ready.clear()
 
+    def arm_grad_sync(self, armed: bool) -> None:
+        """Under a pipeline schedule, before each backward action: whether the gradients it produces are
+        their parameters' last of the step (its chunk's last micro-batch), keeping what is ready so far."""
+        self._sync_in_backward = self.overlap_grad_sync and armed
+
     def _on_grad(self, bucket_index: int, slot_index: int, param: nn.Parameter) -> None:
+        if param.grad is None:  # its layer deferred it to a zero-bubble schedule's W (layers/deferred_wgrad.py)
+            return
         bucket = self.buckets[bucket_index]
         slot = bucket.slots[slot_index]
         take_grad(param)
@@ -208,13 +218,14 @@ class DistributedOptimizer:
                                "a parameter used by two backward passes of one micro-batch cannot overlap "
                                "its gradient sync; set overlap.overlap_grad_sync=false")
         bucket.ready.add(id(slot))
-        if len(bucket.ready) == len(bucket.slots):
+        if len(bucket.ready) == len(bucket.slots) and not bucket.after_backward:
             self._start_grad_sync(bucket)
 
     def _start_grad_sync(self, bucket: _Bucket) -> None:
         """Sum the sequence-parallel gradients over TP (each TP rank saw its own sequence block), then
         start the bucket's reduce-scatter."""
         sum_sequence_parallel_grads(((slot.param, slot.param.main_grad) for slot in bucket.slots), self.mesh.tp)
+        sum_shared_embedding_grads(((slot.param, slot.param.main_grad) for slot in bucket.slots), self.mesh.embedding)
         bucket.start_grad_sync(self.collectives)
 
     def zero_grad(self) -> None:
@@ -227,8 +238,8 @@ class DistributedOptimizer:
     def reduce_grads(self) -> None:
         """Reduce-scatter every bucket not started from the backward hooks, then wait for all of them."""
         late = [bucket for bucket in self.buckets if bucket.grad_work is None]
-        if self._sync_in_backward and late:
-            missing = [s.name for b in late for s in b.slots if id(s) not in b.ready]
+        missing = [s.name for b in late for s in b.slots if id(s) not in b.ready]
+        if self._sync_in_backward and missing:
             log.warning("overlap_grad_sync: no gradient reached %s in the last micro-batch; their buckets "
                         "reduce after backward instead", ", ".join(missing))
         for bucket in reversed(late):  # backward order, as the hooks would have started them

@@ -27,7 +27,7 @@ from moe_overlap.kernels.adamw import AdamWHyper, adamw_update
 from moe_overlap.layers.init import expert_key, is_expert_param, is_tp_split, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import tp_logical_tensor
-from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads
+from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads, sum_shared_embedding_grads
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,9 @@ class MixedPrecisionAdamW:
     def start_micro_batch(self, is_last: bool) -> None:
         """Nothing to arm: this optimizer all-reduces after the whole backward (reduce_grads)."""
 
+    def arm_grad_sync(self, armed: bool) -> None:
+        """Nothing to arm (see start_micro_batch)."""
+
     @property
     def norm_names(self) -> list[str]:
         """The gradients :meth:`nonfinite_flags` speaks of, in order."""
@@ -199,6 +202,7 @@ class MixedPrecisionAdamW:
         """Sum main grads over data-parallel replicas: dense over DP x CP, experts over expert-DP (and the
         sequence-parallel ones over TP first)."""
         sum_sequence_parallel_grads(((e.param, e.main_grad) for e in self.entries), self.mesh.tp)
+        sum_shared_embedding_grads(((e.param, e.main_grad) for e in self.entries), self.mesh.embedding)
         for entry in self.entries:
             group = self.mesh.edp.group if entry.is_expert else self.mesh.dp_cp.group
             if group is None:

@@ -22,6 +22,7 @@ from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, check
                                              gemm_sm_carveout, measuring_exposed_comm, to_device_async)
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
+from moe_overlap.models.pipeline_stages import PipelineStages
 from moe_overlap.training.checkpoint import (DAMAGED_SUFFIX, check_checkpoint_matches, complete_steps,
                                              load_checkpoint, newest_good_checkpoint, save_checkpoint, step_dir)
 from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
@@ -29,6 +30,7 @@ from moe_overlap.training.data_prepare import check_token_index
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
+from moe_overlap.training.pipeline import PipelineExecutor
 from moe_overlap.training.preemption import StopRequests
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 
@@ -109,15 +111,19 @@ class Trainer:
         t = cfg.train
         check_gemm_sm_carveout(cfg.overlap.gemm_sm_carveout, device)
         torch.manual_seed(t.seed)
+        stages = PipelineStages.from_config(cfg)  # with PP, this rank builds only its stages' layers
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
                                  recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
-                                 timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel)
+                                 timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
+                                 **stages.model_kwargs(mesh.pp.rank))
         if t.init_from:  # before the optimizer, which takes its master weights from the parameters
             load_model_weights(self.model, t.init_from)
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
+        self.pipeline = (PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
+                         if stages.pp > 1 else None)
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
                 self.model.graph_moe_layers(t.micro_batch_size)
@@ -148,6 +154,10 @@ class Trainer:
         # Each micro-batch's loss is a mean over its tokens; dividing by every micro-batch of every
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
+        if self.pipeline is not None:  # the schedule's executor runs every micro-batch through the stages
+            result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale)
+            self.tokens_per_expert = result.tokens_per_expert
+            return torch.stack((result.lm_loss, result.aux_loss)).double()
         losses = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.tokens_per_expert = {}
         for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
@@ -228,6 +238,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
+        if self.pipeline is not None:
+            return float(self._dp_mean(torch.tensor([self.pipeline.evaluate(self.val_batches)], dtype=torch.float64,
+                                                    device=self.device)))
         total = sum(self.model(ids.to(self.device), labels.to(self.device)).lm_loss.double()
                     for ids, labels in self.val_batches)
         return float(self._dp_mean((total / len(self.val_batches)).view(1)))
@@ -247,8 +260,13 @@ class Trainer:
     def save(self, stopped_by: str | None = None) -> Path:
         per_rank = {"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
-        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self._checkpoint_state(self.step), per_rank,
-                               self.cfg.checkpoint.keep_last, stopped_by)
+        # A tied embedding's copy on the last pipeline stage equals the first stage's, which is saved (and loads
+        # into both).
+        copies = [name for name, param in self.model.named_parameters() if getattr(param, "shared", False)]
+        state = {key: tensor for key, tensor in self._checkpoint_state(self.step).items()
+                 if not any(key == f"model.{name}" or key.startswith(f"optimizer.{name}.") for name in copies)}
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, state, per_rank, self.cfg.checkpoint.keep_last,
+                               stopped_by)
         self.saved_step = self.step
         return path
 
