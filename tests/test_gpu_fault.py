@@ -25,7 +25,8 @@ def test_rank_killed_while_peers_wait_on_the_gpu(tmp_path, fault):
         pytest.fail("needs 2 CUDA GPUs or more (a dead peer needs a peer)")
     world = 1 << min(3, torch.cuda.device_count().bit_length() - 1)  # 2, 4 or 8: divides the 8 experts
     argv = train_argv(tmp_path / "run", "train.device=cuda", f"parallel.expert_model_parallel_size={world}",
-                      f"train.global_batch_size={4 * world}", "overlap.moe_sync_free_dispatch=true",
+                      f"train.global_batch_size={4 * world}", "overlap.moe_pipeline=true",
+                      "overlap.moe_planning=device",
                       f"train.distributed_timeout_s={TIMEOUT_S}")
     codes, outputs, ended = finish(launch_ranks(argv, tmp_path, f"{fault}:1:3", world_size=world, env=MULTICAST_OFF),
                                    tmp_path, timeout_s=300)
