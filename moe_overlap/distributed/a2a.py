@@ -295,7 +295,7 @@ class CollectiveFromExperts(_CollectiveExchange, _HostFromExperts):
 class CollectiveTransport:
     """``nccl`` or ``gloo``: host sizes, the process group's all-to-all."""
 
-    sizes, needs_sms = "host", True
+    needs_sms = True
 
     def __init__(self, name: str, group: ProcessGroup, device: torch.device):
         self.name, self.group = name, group
@@ -387,7 +387,7 @@ class CopyEngineFromExperts(_CopyEngineExchange, _HostFromExperts):
 class CopyEngineTransport:
     """``copy_engine``: host sizes, copy-engine peer copies through symmetric memory (no SMs move the data)."""
 
-    name, sizes, needs_sms = "copy_engine", "host", False
+    name, needs_sms = "copy_engine", False
 
     def __init__(self, regions, device: torch.device):
         self.regions = regions
@@ -498,7 +498,7 @@ class PushTransport:
     (:class:`LocalRegions` on a group of one rank). With ``twin`` it is the CPU twin instead: the same
     routes, the rows moved by ``twin_group`` (gloo), one host sync per move."""
 
-    name, sizes, needs_sms = "sm_push", "device", True
+    needs_sms = True
 
     def __init__(self, regions, device: torch.device, twin: bool = False, twin_group: ProcessGroup = None):
         self.regions, self.device, self.twin_group = regions, device, twin_group

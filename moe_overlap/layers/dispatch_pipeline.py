@@ -55,8 +55,9 @@ class PipelineState:
     saved: list = field(default_factory=list)  # per chunk: (grouped rows, fc1 output)
 
     def carveout(self):
-        """The carve-out around a GEMM: whenever rows move beside it (more than one chunk) over SMs."""
-        moving = len(self.plan.chunk_experts) > 1 and self.transport.needs_sms
+        """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
+        one chunk."""
+        moving = len(self.plan.chunk_experts) > 1
         return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
 
 
