@@ -17,7 +17,8 @@ memory): the pipeline's own cost, which a two-GPU run adds to its communication.
   comm        the fastest transport moving the full, unchunked dispatch and combine (forward), and their
               gradients too (forward+backward), for the same routing
   gemm        the unchunked expert GEMMs alone on the same per-expert counts: fc1, SwiGLU, fc2 (forward),
-              plus dgrad and wgrad (forward+backward)
+              plus dgrad and wgrad (forward+backward; into the fp32 main_grad that the layer's parameters carry,
+              as a training step has them)
   limit       max(comm, gemm)
   baseline    plain torch: router, argsort permute, all_to_all_single, torch._grouped_mm, all_to_all_single
 ``--carveout-probe`` adds, per shape, what a carve-out of N SMs costs the grouped GEMMs and what the push kernel
@@ -202,14 +203,19 @@ class Bench:
         return self._selectors[key]
 
     def build_layer(self, shape: Shape, setting: Setting = Setting(None)):
+        torch = self.torch
         from moe_overlap.config import ModelConfig, OverlapConfig
         from moe_overlap.layers.init import init_parameters
         from moe_overlap.layers.moe import MoELayer
+        from moe_overlap.layers.wgrad import take_grad
 
         cfg = ModelConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
                           moe_router_topk=shape.topk, moe_aux_loss_coeff=0.0)
         layer = MoELayer(cfg, OverlapConfig(), self.mesh.ep, None, self.device, self.dtype)
         init_parameters(layer, seed=1234, std=0.02, num_layers=1)
+        for param in layer.parameters():  # as the optimizer attaches them: weight gradients land as in training
+            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+            param.register_post_accumulate_grad_hook(take_grad)
         return self.configure(layer, shape, setting)
 
     def configure(self, layer, shape: Shape, setting: Setting):
@@ -517,11 +523,13 @@ class Probe:
                     back.finish()
             out[f"comm:{name}"] = comm
 
+        params = self.layer.experts.w13, self.layer.experts.w2  # their main_grad: the training step's wgrad
+
         def gemm():
             y, h = experts_forward(self.grouped_RH, offsets, w13, w2)
             if backward:
                 gx, gh, a = experts_dgrad(self.grad_y_RH, h, offsets, w13, w2)
-                experts_wgrad(w13, w2, [WgradInputs(self.grouped_RH, a, gh, self.grad_y_RH, offsets)])
+                experts_wgrad(*params, [WgradInputs(self.grouped_RH, a, gh, self.grad_y_RH, offsets)])
         out["gemm"] = gemm
         return out
 
