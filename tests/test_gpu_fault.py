@@ -1,5 +1,5 @@
 """A rank killed while its peers wait for it on the GPU (`pytest -m gpu`, on every visible GPU up to 8, at least
-2): in a symmetric-memory signal wait of the sync-free dispatch, which runs on the device and which no
+2): in a symmetric-memory signal wait of the device-planned MoE pipeline, which runs on the device and which no
 collective timeout reaches, and inside an NCCL all-reduce. The others exit within train.distributed_timeout_s
 with one line naming the dead rank and its phase: the heartbeat monitor ends them while their host threads are
 blocked behind the device. (On CPU, test_fault.py blocks a rank in a wait that never fails to the same end.)

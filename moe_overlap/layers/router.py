@@ -129,7 +129,9 @@ class Router(nn.Module):
             scores_TE = torch.sigmoid(logits_TE)
             experts_TK = self._top_k(scores_TE if self.expert_bias is None else scores_TE + self.expert_bias)
             probs_TK = scores_TE.gather(1, experts_TK)
-            return (probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20) if self.topk > 1 else probs_TK), experts_TK, None
+            if self.topk > 1:
+                probs_TK = probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20)
+            return probs_TK, experts_TK, None
         if self.pre_softmax:
             scores_TE = torch.softmax(logits_TE, dim=-1)
             experts_TK = self._top_k(scores_TE)
