@@ -129,16 +129,11 @@ def sync_case(mesh, x, grad, report, planning: str, transport: str) -> None:
     """Host-planned (dropless): at most one device-to-host sync per layer call, in the forward; device-planned:
     none at all (an error under set_sync_debug_mode), forward and backward, chunks on a side stream."""
     layer = make_layer(mesh, torch.bfloat16, (planning, transport, 2, None, False, True, True, 8))
+    if planning == "device":
+        report["device_nosync"] = runs_without_host_sync(layer, x, grad)
+        return
     run_layer(layer, x, grad)  # sizes the regions
     torch.cuda.synchronize()
-    if planning == "device":
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            run_layer(layer, x, grad)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        report["device_nosync"] = True
-        return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -150,11 +145,8 @@ def sync_case(mesh, x, grad, report, planning: str, transport: str) -> None:
     report["host_syncs_total"] = sum("synchroniz" in str(w.message) for w in caught)
 
 
-def local_case(mesh, x, grad, report) -> None:
-    """EP=1's local path (what training runs on one GPU): no host sync either."""
-    if mesh.ep.size != 1:
-        return
-    layer = make_layer(mesh, torch.bfloat16)
+def runs_without_host_sync(layer, x, grad) -> bool:
+    """A forward+backward after a first one (which sizes the regions) raises on any host sync."""
     run_layer(layer, x, grad)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -162,7 +154,13 @@ def local_case(mesh, x, grad, report) -> None:
         run_layer(layer, x, grad)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    report["local_nosync"] = True
+    return True
+
+
+def local_case(mesh, x, grad, report) -> None:
+    """EP=1's local path (what training runs on one GPU): no host sync either."""
+    if mesh.ep.size == 1:
+        report["local_nosync"] = runs_without_host_sync(make_layer(mesh, torch.bfloat16), x, grad)
 
 
 def graph_case(mesh, x, grad, report, sms: int) -> None:

@@ -292,20 +292,27 @@ class CollectiveFromExperts(_CollectiveExchange, _HostFromExperts):
         assert not self.works, f"chunks {sorted(self.works)} were sent but never received"
 
 
-class CollectiveTransport:
+class _Transport:
+    """A transport opens one exchange per direction and layer call (the classes it names)."""
+
+    to_class: type
+    from_class: type
+
+    def to_experts(self, send_RH: torch.Tensor, routes, sms: int):
+        return self.to_class(self, send_RH, routes, sms)
+
+    def from_experts(self, routes, width: int, like: torch.Tensor, sms: int):
+        return self.from_class(self, routes, width, like, sms)
+
+
+class CollectiveTransport(_Transport):
     """``nccl`` or ``gloo``: host sizes, the process group's all-to-all."""
 
-    needs_sms = True
+    needs_sms, to_class, from_class = True, CollectiveToExperts, CollectiveFromExperts
 
     def __init__(self, name: str, group: ProcessGroup, device: torch.device):
         self.name, self.group = name, group
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-
-    def to_experts(self, send_RH, routes: HostRoutes, sms: int) -> CollectiveToExperts:
-        return CollectiveToExperts(self, send_RH, routes, sms)
-
-    def from_experts(self, routes: HostRoutes, width: int, like: torch.Tensor, sms: int) -> CollectiveFromExperts:
-        return CollectiveFromExperts(self, routes, width, like, sms)
 
 
 class _CopyEngineExchange:
@@ -384,20 +391,14 @@ class CopyEngineFromExperts(_CopyEngineExchange, _HostFromExperts):
         self.regions.release(self.region)  # on the compute stream: after everything that read the region
 
 
-class CopyEngineTransport:
+class CopyEngineTransport(_Transport):
     """``copy_engine``: host sizes, copy-engine peer copies through symmetric memory (no SMs move the data)."""
 
-    name, needs_sms = "copy_engine", False
+    name, needs_sms, to_class, from_class = "copy_engine", False, CopyEngineToExperts, CopyEngineFromExperts
 
     def __init__(self, regions, device: torch.device):
         self.regions = regions
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-
-    def to_experts(self, send_RH, routes: HostRoutes, sms: int) -> CopyEngineToExperts:
-        return CopyEngineToExperts(self, send_RH, routes, sms)
-
-    def from_experts(self, routes: HostRoutes, width: int, like: torch.Tensor, sms: int) -> CopyEngineFromExperts:
-        return CopyEngineFromExperts(self, routes, width, like, sms)
 
 
 # ----------------------------------------------------------------------------------- device-sized transports
@@ -493,12 +494,12 @@ class PushFromExperts(_PushExchange):
         self.regions.release(self.region)  # on the compute stream: after everything that read the region
 
 
-class PushTransport:
+class PushTransport(_Transport):
     """``sm_push``: device sizes, rows stored by a Triton kernel into every rank's region of symmetric memory
     (:class:`LocalRegions` on a group of one rank). With ``twin`` it is the CPU twin instead: the same
     routes, the rows moved by ``twin_group`` (gloo), one host sync per move."""
 
-    needs_sms = True
+    needs_sms, to_class, from_class = True, PushToExperts, PushFromExperts
 
     def __init__(self, regions, device: torch.device, twin: bool = False, twin_group: ProcessGroup = None):
         self.regions, self.device, self.twin_group = regions, device, twin_group
@@ -512,12 +513,6 @@ class PushTransport:
                                         device=device) for region in range(regions.count)]
         else:
             self.name, self.stream = "gloo", None
-
-    def to_experts(self, send_RH, routes: DeviceRoutes, sms: int) -> PushToExperts:
-        return PushToExperts(self, send_RH, routes, sms)
-
-    def from_experts(self, routes: DeviceRoutes, width: int, like: torch.Tensor, sms: int) -> PushFromExperts:
-        return PushFromExperts(self, routes, width, like, sms)
 
     def move(self, src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, region: int, ctas: int) -> None:
         if self.symmetric:
