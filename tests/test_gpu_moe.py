@@ -165,7 +165,7 @@ def local_case(mesh, x, grad, report) -> None:
 
 def graph_case(mesh, x, grad, report, sms: int) -> None:
     """The chunked device-planned pipeline (4 chunks, deferred wgrad, shared expert in the gap; with a carve-out
-    its pushes and copy-outs on a side stream) captured as training captures it, replayed, against eager."""
+    its pushes on a side stream) captured as training captures it, replayed, against eager."""
     from moe_overlap.layers.moe import capture_moe_layers
 
     variant = ("device", "sm_push", 4, None, False, True, True, sms)

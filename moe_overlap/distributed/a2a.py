@@ -9,8 +9,8 @@ An exchange moves rows in chunks of local experts, in one of two directions:
 The backward uses the same two: a gradient travels the other way.
 
     to = transport.to_experts(send_RH, routes, sms)       from_ = transport.from_experts(routes, width, like, sms)
-    to.send(i); to.land(i)    # chunk i moves, then is made ready beside the compute stream
-    rows = to.recv(i)         # the compute stream waits for chunk i (an exposed EP wait)
+    to.send(i)                # chunk i starts moving, beside whatever the compute stream runs
+    rows = to.recv(i)         # the compute stream waits for chunk i (an exposed EP wait) and takes its rows
     from_.send(i, rows, ready)   # after the ``ready`` event (the GEMM that made the rows)
     all_rows = from_.result(); ...; from_.finish()   # ``transient``: a symmetric region, read before finish
     to.finish()
@@ -22,14 +22,15 @@ host sync, static worst-case buffers, CUDA-graph capturable). Transports (``over
   sm_push       a Triton kernel stores rows into the peers' symmetric memory (kernels/push_rows.py); device
                 sizes, one host
   gloo          the CPU process group; host sizes, or with device planning the twin of sm_push (same routes)
-Work beside the compute stream runs on the transport's side stream (NCCL's own, the copy stream, or the push
-stream); a push takes as many CTAs as the GEMMs beside it leave SMs free (``sms``), and with none free it runs
-on the compute stream between them, where it cannot stall a GEMM's launch (DESIGN.md, "What overlaps").
+Transfers run on the transport's side stream (NCCL's own, the copy stream, or the push stream); a push takes as
+many CTAs as the GEMMs beside it leave SMs free (``sms``), and with none free it runs on the compute stream
+between them at full width, where it cannot stall a GEMM's launch (DESIGN.md, "What overlaps"). A chunk's rows
+are taken out of the receive buffer on the compute stream, at full width, just before its GEMMs: a local copy of
+a few tens of microseconds, which beside the GEMMs would need as many SMs as the transfer itself.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from moe_overlap.distributed.collectives import ProcessGroup, all_gather_into, all_to_all_equal, all_to_all_rows
 from moe_overlap.distributed.streams import Event, exposed_wait, use_stream
 from moe_overlap.distributed.symm import DEFAULT_TIMEOUT_MS, LocalRegions, SymmRegions, symm_unavailable_reason
-from moe_overlap.kernels.push_rows import DEFAULT_CTAS, copy_rows_out, push_rows, push_rows_torch
+from moe_overlap.kernels.push_rows import copy_rows_out, full_width, push_rows
 
 log = logging.getLogger(__name__)
 
@@ -176,32 +177,18 @@ class _Streams:
             for t in tensors:
                 t.record_stream(self.side)
 
-    def hand_over(self, t: torch.Tensor) -> torch.Tensor:
-        """A tensor made on the side stream, used from now on by the compute stream."""
-        if self.side is not None:
-            t.record_stream(self.compute)
-        return t
 
 
 # ------------------------------------------------------------------------------------- host-sized transports
 class _HostToExperts:
-    """Rows arrive in (source, local expert) blocks; ``land`` regroups them into a private tensor (the copy-out
+    """Rows arrive in (source, local expert) blocks; ``recv`` regroups them into a private tensor (the copy-out
     of a symmetric region, when they landed in one)."""
 
     def __init__(self, streams: _Streams, routes: HostRoutes, width: int):
         self.streams, self.routes, self.layout, self.width = streams, routes, routes.layout, width
-        self.ready: dict[int, tuple[torch.Tensor, Event]] = {}
-
-    def land(self, chunk: int) -> None:
-        with self.streams.on_side():
-            landed_RH = self._arrived(chunk)
-            grouped_RH = landed_RH.index_select(0, self.routes.regroup[chunk])
-            self.ready[chunk] = grouped_RH, self.streams.mark()
 
     def recv(self, chunk: int) -> torch.Tensor:
-        grouped_RH, event = self.ready.pop(chunk)
-        self.streams.compute_waits(event)
-        return self.streams.hand_over(grouped_RH)
+        return self._arrived(chunk).index_select(0, self.routes.regroup[chunk])
 
 
 class _HostFromExperts:
@@ -242,8 +229,8 @@ class _CollectiveExchange:
     def _wait(self, chunk: int) -> None:
         work = self.works.pop(chunk, None)
         if work is not None:
-            with exposed_wait("ep") if self.streams.side is None else contextlib.nullcontext():
-                work.wait()  # the current stream (the side stream on CUDA) waits
+            with exposed_wait("ep"):
+                work.wait()  # the compute stream (gloo: the host) waits
 
 
 class CollectiveToExperts(_CollectiveExchange, _HostToExperts):
@@ -261,11 +248,13 @@ class CollectiveToExperts(_CollectiveExchange, _HostToExperts):
 
     def _arrived(self, chunk: int) -> torch.Tensor:
         self._wait(chunk)
+        if self.group is None:  # the copy ran on the side stream
+            self.streams.compute_waits(self.streams.mark())
         start, stop = self.layout.recv_range(chunk)
         return self.recv_RH[start:stop]
 
     def finish(self) -> None:
-        assert not self.works and not self.ready, "chunks were sent but never received"
+        assert not self.works, f"chunks {sorted(self.works)} were sent but never received"
 
 
 class CollectiveFromExperts(_CollectiveExchange, _HostFromExperts):
@@ -281,9 +270,7 @@ class CollectiveFromExperts(_CollectiveExchange, _HostFromExperts):
 
     def result(self) -> torch.Tensor:
         for chunk in list(self.works):
-            work = self.works.pop(chunk)
-            with exposed_wait("ep"):
-                work.wait()  # the compute stream waits
+            self._wait(chunk)
         if self.group is None:  # the copies ran on the side stream
             self.streams.compute_waits(self.streams.mark())
         return self.recv_RH
@@ -347,7 +334,7 @@ class CopyEngineToExperts(_CopyEngineExchange, _HostToExperts):
     def __init__(self, transport: CopyEngineTransport, send_RH: torch.Tensor, routes: HostRoutes, sms: int):
         _HostToExperts.__init__(self, _Streams(send_RH.device, transport.stream), routes, send_RH.shape[1])
         self._claim(transport, send_RH, self.width)
-        self.send_RH = send_RH
+        self.send_RH, self.sent = send_RH, {}
         self.streams.lend(send_RH)
         self.own_RH = self.regions.view(self.regions.rank, self.region, (self.layout.recv_total, self.width),
                                         send_RH.dtype)
@@ -355,16 +342,18 @@ class CopyEngineToExperts(_CopyEngineExchange, _HostToExperts):
     def send(self, chunk: int) -> None:
         with self.streams.on_side():
             self._copy_chunk(chunk, self.send_RH)
+            self.sent[chunk] = self.streams.mark()  # covers the local block, which no signal announces
 
     def _arrived(self, chunk: int) -> torch.Tensor:
-        self._wait_peers(chunk)
+        self.streams.compute_waits(self.sent.pop(chunk))
+        with exposed_wait("ep"):
+            self._wait_peers(chunk)
         start, stop = self.layout.recv_range(chunk)
         return self.own_RH[start:stop]
 
     def finish(self) -> None:
-        assert not self.ready, f"chunks {sorted(self.ready)} were sent but never received"
-        self.streams.join()
-        self.regions.release(self.region)  # after the last regroup read it
+        assert not self.sent, f"chunks {sorted(self.sent)} were sent but never received"
+        self.regions.release(self.region)  # on the compute stream: after the last regroup read it
 
 
 class CopyEngineFromExperts(_CopyEngineExchange, _HostFromExperts):
@@ -410,7 +399,7 @@ class _PushExchange:
     def _open(self, transport: PushTransport, device: torch.device, sms: int) -> None:
         self.transport, self.regions = transport, transport.regions
         self.streams = _Streams(device, transport.stream if sms else None)
-        self.ctas = sms or DEFAULT_CTAS
+        self.ctas = sms or full_width(device)
         self.region = self.regions.claim(self.streams.side or self.streams.compute)
 
     def _own(self, rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -433,7 +422,7 @@ class PushToExperts(_PushExchange):
 
     def __init__(self, transport: PushTransport, send_RH: torch.Tensor, routes: DeviceRoutes, sms: int):
         self._open(transport, send_RH.device, sms)
-        self.send_RH, self.routes, self.ready = send_RH, routes, {}
+        self.send_RH, self.routes, self.sent = send_RH, routes, {}
         self.streams.lend(send_RH)
         self.own_RH = self._own(routes.recv_rows, send_RH)
 
@@ -442,25 +431,22 @@ class PushToExperts(_PushExchange):
         start = r.send_start_C[chunk:chunk + 1]
         with self.streams.on_side():
             self._push(chunk, self.send_RH, start, r.send_rows_C[chunk:chunk + 1], r.dst_rank_R, r.dst_row_R, start)
-
-    def land(self, chunk: int) -> None:
-        r = self.routes
-        with self.streams.on_side():
-            self._wait_peers(chunk)
-            grouped_RH = self.send_RH.new_empty((r.chunk_rows[chunk], self.send_RH.shape[1]))
-            self.transport.copy_out(self.own_RH, r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1],
-                                    grouped_RH, self.ctas)
-            self.ready[chunk] = grouped_RH, self.streams.mark()
+            self.sent[chunk] = self.streams.mark()  # covers the local rows, which no signal announces
 
     def recv(self, chunk: int) -> torch.Tensor:
-        grouped_RH, event = self.ready.pop(chunk)
-        self.streams.compute_waits(event)
-        return self.streams.hand_over(grouped_RH)
+        """The chunk's rows copied out of the region to row 0 of a tensor of its static rows, at full width."""
+        r = self.routes
+        self.streams.compute_waits(self.sent.pop(chunk))
+        with exposed_wait("ep"):
+            self._wait_peers(chunk)
+        grouped_RH = self.send_RH.new_empty((r.chunk_rows[chunk], self.send_RH.shape[1]))
+        copy_rows_out(self.own_RH, r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1], grouped_RH,
+                      full_width(grouped_RH.device))
+        return grouped_RH
 
     def finish(self) -> None:
-        assert not self.ready, f"chunks {sorted(self.ready)} were sent but never received"
-        self.streams.join()
-        self.regions.release(self.region)  # after the last copy-out read it
+        assert not self.sent, f"chunks {sorted(self.sent)} were sent but never received"
+        self.regions.release(self.region)  # on the compute stream: after the last copy-out read it
 
 
 class PushFromExperts(_PushExchange):
@@ -523,9 +509,6 @@ class PushTransport(_Transport):
         own_RH = self.regions.view(self.regions.rank, region, (self.regions.region_bytes // (
             src_RH.shape[1] * src_RH.element_size()), src_RH.shape[1]), src_RH.dtype)
         _exchange_routed(rows_RH, ranks, dst_rows, own_RH, self.twin_group, self.regions.size)
-
-    def copy_out(self, own_RH, start, count, out_RH, ctas: int) -> None:
-        copy_rows_out(own_RH, start, count, out_RH, ctas)
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Every EP rank's copies per global expert, [source rank, expert], on the device: by the process group

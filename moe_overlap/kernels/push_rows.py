@@ -9,7 +9,7 @@
 
 ``src_start``, ``count`` and ``route_start`` are one-element device tensors, so no host ever needs them. The
 kernel is persistent: ``ctas`` programs loop over the rows, so a push takes no more SMs than it is given (the
-grouped GEMM it runs beside leaves that many free: DESIGN.md, "What overlaps"). Each program moves ``ROWS``
+grouped GEMM it runs beside leaves that many free: DESIGN.md, "What overlaps"; default: full width). Each program moves ``ROWS``
 whole rows per step with 16-byte vector loads and stores (dims are multiples of 8, so bf16 rows start on 16
 bytes; the address hints below tell the compiler), the most bytes in flight per SM a plain store allows.
 ``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric memory is mapped into
@@ -60,7 +60,12 @@ if HAVE_TRITON:
 
     _move_rows = Kernel(_move_rows_kernel)
 
-DEFAULT_CTAS = 32  # no carve-out to respect: 32 CTAs already reach NVLink speed (measured on 2xH200)
+def full_width(device: torch.device) -> int:
+    """CTAs of a push or copy with no carve-out to respect: two per SM, enough to keep HBM busy (32 already reach
+    NVLink speed, measured on 2xH200); a few for the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _scalar(value: torch.Tensor | int, like: torch.Tensor) -> torch.Tensor:
@@ -79,7 +84,7 @@ def push_rows_torch(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Te
 
 
 def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor,
-              route_start, dst_bases: torch.Tensor, ctas: int = DEFAULT_CTAS) -> None:
+              route_start, dst_bases: torch.Tensor, ctas: int | None = None) -> None:
     """Triton kernel (CUDA, or interpreted under TRITON_INTERPRET=1): each rank's destination buffer holds
     contiguous rows of ``src_RH.shape[1]`` elements of ``src_RH.dtype`` from the address in ``dst_bases``."""
     if src_RH.dim() != 2 or src_RH.stride(1) != 1:
@@ -97,7 +102,7 @@ def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, 
 
 
 def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,
-                  ctas: int = DEFAULT_CTAS) -> torch.Tensor:
+                  ctas: int | None = None) -> torch.Tensor:
     """out_RH[:count] = src_RH[src_start:src_start + count], both on the device (rows past the count stay as
     they were): a chunk of a received buffer copied out at the cost of its counted rows. Triton on CUDA (or
     interpreted), else torch with the two values read on the host."""
@@ -114,8 +119,9 @@ def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,
     return out_RH
 
 
-def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, stride_dst: int, ctas: int,
+def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, stride_dst: int, ctas: int | None,
             routed: bool) -> None:
+    ctas = full_width(src_RH.device) if ctas is None else ctas
     if not ctas >= 1:
         raise ValueError(f"ctas={ctas}: a push needs at least one CTA")
     H = src_RH.shape[1]

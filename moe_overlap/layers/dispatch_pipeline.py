@@ -7,9 +7,9 @@ beside it: a push launched first would hold SMs that the GEMM's launch waits for
 
     permute; chunk 0 on its way                                   DispatchStart
     (the caller's shared expert: runs while chunk 0 travels)
-    for chunk i:  wait for chunk i; its grouped GEMMs (the SM carve-out on)
-                  chunk i-1's outputs start back to their tokens' ranks
-                  chunk i+1 starts to the experts and is made ready (copied out) beside GEMM i
+    for chunk i:  wait for chunk i, take its rows out of the receive buffer; its grouped GEMMs (carve-out on)
+                  chunk i-1's outputs start back to their tokens' ranks     } beside GEMM i
+                  chunk i+1 starts to the experts                           }
     the last chunk's outputs back; unpermute reads them where they landed        ExpertsCombine
 
 Backward mirrors it: the output gradient's rows travel to the experts chunk by chunk under the dgrad GEMMs and
@@ -90,7 +90,6 @@ class DispatchStart(torch.autograd.Function):
         # host-planned: waits for the counts here, after the permutation was queued
         state.dispatch = state.transport.to_experts(permuted_RH, plan.routes, state.sms)
         state.dispatch.send(0)
-        state.dispatch.land(0)
         ctx.state, ctx.x_dtype = state, x_TH.dtype
         return x_TH.new_empty(0)  # orders ExpertsCombine after this; carries no data
 
@@ -119,7 +118,6 @@ def _run_chunks(state: PipelineState, to_experts, from_experts, compute) -> None
         waiting = back_RH, made
         if chunk + 1 < chunks:
             to_experts.send(chunk + 1)
-            to_experts.land(chunk + 1)
     from_experts.send(chunks - 1, *waiting)
 
 
@@ -164,7 +162,6 @@ class ExpertsCombine(torch.autograd.Function):
                                                          probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
         grad_dispatch = state.transport.to_experts(grad_rows_RH.to(w2_EFH.dtype), plan.routes, state.sms)
         grad_dispatch.send(0)
-        grad_dispatch.land(0)
         grad_combine = state.transport.from_experts(plan.routes, w13_EHF2.shape[1], w13_EHF2, state.sms)
         wgrads = {}  # per chunk: its experts' fc1, fc2 weight gradients (None: added into main_grad)
         delayed = []

@@ -164,11 +164,14 @@ class MoELayer(nn.Module):
         return out_TH if shared_TH is None else out_TH + shared_TH
 
     def _overlap_sms(self, transport, rows: int, hidden: int, element_size: int) -> int:
-        """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs; auto: the measured pairing for NCCL (2 x its
-        CTAs, none without a cap), for SM pushes from the bytes a chunk moves and the GEMM's time."""
+        """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk: nothing moves beside them);
+        auto: the measured pairing for NCCL (2 x its CTAs, none without a cap), for SM pushes from the bytes a
+        chunk moves and the GEMM's time."""
+        if self.chunks == 1:
+            return 0
         if self.carveout != "auto":
             return self.carveout
-        if self.chunks == 1 or not transport.needs_sms or transport.name == "gloo":
+        if not transport.needs_sms or transport.name == "gloo":
             return 0
         if transport.name == "nccl":
             return min(MAX_PUSH_CTAS, 2 * (self.ep_comm_ctas or 0))
