@@ -9,7 +9,7 @@ An exchange moves rows in chunks of local experts, in one of two directions:
 The backward uses the same two: a gradient travels the other way.
 
     to = transport.to_experts(send_RH, routes, sms)       from_ = transport.from_experts(routes, width, like, sms)
-    to.send(i)                # chunk i starts moving, beside whatever the compute stream runs
+    to.send(i, alone)         # chunk i starts moving (alone: no GEMM beside it, so at full width)
     rows = to.recv(i)         # the compute stream waits for chunk i (an exposed EP wait) and takes its rows
     from_.send(i, rows, ready)   # after the ``ready`` event (the GEMM that made the rows)
     all_rows = from_.result(); ...; from_.finish()   # ``transient``: a symmetric region, read before finish
@@ -199,7 +199,7 @@ class _HostFromExperts:
         self.send_RH = like.new_empty((self.layout.send_total, width))
         streams.lend(self.send_RH)
 
-    def send(self, chunk: int, grouped_RH: torch.Tensor, ready: Event) -> None:
+    def send(self, chunk: int, grouped_RH: torch.Tensor, ready: Event, alone: bool = False) -> None:
         start, stop = self.layout.send_range(chunk)
         self.streams.lend(grouped_RH)
         with self.streams.on_side():
@@ -242,7 +242,7 @@ class CollectiveToExperts(_CollectiveExchange, _HostToExperts):
         self.recv_RH = send_RH.new_empty((self.layout.recv_total, self.width))
         self.streams.lend(send_RH, self.recv_RH)
 
-    def send(self, chunk: int) -> None:
+    def send(self, chunk: int, alone: bool = False) -> None:
         with self.streams.on_side():
             self._all_to_all(chunk)
 
@@ -339,7 +339,7 @@ class CopyEngineToExperts(_CopyEngineExchange, _HostToExperts):
         self.own_RH = self.regions.view(self.regions.rank, self.region, (self.layout.recv_total, self.width),
                                         send_RH.dtype)
 
-    def send(self, chunk: int) -> None:
+    def send(self, chunk: int, alone: bool = False) -> None:
         with self.streams.on_side():
             self._copy_chunk(chunk, self.send_RH)
             self.sent[chunk] = self.streams.mark()  # covers the local block, which no signal announces
@@ -406,9 +406,10 @@ class _PushExchange:
         return self.regions.view(self.regions.rank, self.region, (rows, like.shape[1]), like.dtype)
 
     def _push(self, chunk: int, src_RH: torch.Tensor, src_start: torch.Tensor, count: torch.Tensor,
-              dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor, route_start: torch.Tensor) -> None:
+              dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor, route_start: torch.Tensor, alone: bool) -> None:
+        """``alone``: no GEMM runs beside this one (the pipeline's first transfer, or its last): full width."""
         self.transport.move(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self.region,
-                            self.ctas)
+                            full_width(src_RH.device) if alone else self.ctas)
         for peer in self.regions.peers:  # after the kernel, on its stream: its stores have landed
             self.regions.signal(peer, self.region, chunk)
 
@@ -426,11 +427,12 @@ class PushToExperts(_PushExchange):
         self.streams.lend(send_RH)
         self.own_RH = self._own(routes.recv_rows, send_RH)
 
-    def send(self, chunk: int) -> None:
+    def send(self, chunk: int, alone: bool = False) -> None:
         r = self.routes
         start = r.send_start_C[chunk:chunk + 1]
         with self.streams.on_side():
-            self._push(chunk, self.send_RH, start, r.send_rows_C[chunk:chunk + 1], r.dst_rank_R, r.dst_row_R, start)
+            self._push(chunk, self.send_RH, start, r.send_rows_C[chunk:chunk + 1], r.dst_rank_R, r.dst_row_R, start,
+                       alone)
             self.sent[chunk] = self.streams.mark()  # covers the local rows, which no signal announces
 
     def recv(self, chunk: int) -> torch.Tensor:
@@ -458,13 +460,13 @@ class PushFromExperts(_PushExchange):
         self.own_RH = self._own(routes.send_rows, like.new_empty((0, width)))
         self.zero = torch.zeros(1, dtype=torch.int64, device=like.device)
 
-    def send(self, chunk: int, grouped_RH: torch.Tensor, ready: Event) -> None:
+    def send(self, chunk: int, grouped_RH: torch.Tensor, ready: Event, alone: bool = False) -> None:
         r = self.routes
         self.streams.lend(grouped_RH)
         with self.streams.on_side():
             self.streams.side_waits(ready)
             self._push(chunk, grouped_RH, self.zero, r.recv_rows_C[chunk:chunk + 1], r.back_rank_W, r.back_row_W,
-                       r.recv_start_C[chunk:chunk + 1])
+                       r.recv_start_C[chunk:chunk + 1], alone)
             self.last = self.streams.mark()
         self.chunks += 1
 

@@ -89,7 +89,7 @@ class DispatchStart(torch.autograd.Function):
         permuted_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
         # host-planned: waits for the counts here, after the permutation was queued
         state.dispatch = state.transport.to_experts(permuted_RH, plan.routes, state.sms)
-        state.dispatch.send(0)
+        state.dispatch.send(0, alone=True)  # the pipeline's fill: no expert GEMM beside it
         ctx.state, ctx.x_dtype = state, x_TH.dtype
         return x_TH.new_empty(0)  # orders ExpertsCombine after this; carries no data
 
@@ -102,10 +102,10 @@ class DispatchStart(torch.autograd.Function):
         return grad_TH.to(ctx.x_dtype), None
 
 
-def _run_chunks(state: PipelineState, to_experts, from_experts, compute) -> None:
+def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_alone: bool = True) -> None:
     """The schedule both directions share: ``compute(chunk, rows)`` runs a chunk's GEMMs on its rows and returns
     the rows to send back, and work for after them (or None); transfers beside GEMM i are issued after it (see
-    the module docstring)."""
+    the module docstring). ``last_alone``: no GEMM runs beside the last transfer back (the pipeline's drain)."""
     chunks = len(state.plan.chunk_experts)
     waiting = None  # the previous chunk's rows to send back, and the event after the GEMM that made them
     for chunk in range(chunks):
@@ -118,7 +118,7 @@ def _run_chunks(state: PipelineState, to_experts, from_experts, compute) -> None
         waiting = back_RH, made
         if chunk + 1 < chunks:
             to_experts.send(chunk + 1)
-    from_experts.send(chunks - 1, *waiting)
+    from_experts.send(chunks - 1, *waiting, alone=last_alone)
 
 
 class ExpertsCombine(torch.autograd.Function):
@@ -161,7 +161,7 @@ class ExpertsCombine(torch.autograd.Function):
         grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
                                                          probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
         grad_dispatch = state.transport.to_experts(grad_rows_RH.to(w2_EFH.dtype), plan.routes, state.sms)
-        grad_dispatch.send(0)
+        grad_dispatch.send(0, alone=True)
         grad_combine = state.transport.from_experts(plan.routes, w13_EHF2.shape[1], w13_EHF2, state.sms)
         wgrads = {}  # per chunk: its experts' fc1, fc2 weight gradients (None: added into main_grad)
         delayed = []
@@ -187,7 +187,7 @@ class ExpertsCombine(torch.autograd.Function):
                 return _rows_from_experts(grad_x_RH, chunk, state), None
             return _rows_from_experts(grad_x_RH, chunk, state), lambda: wgrad(chunk, job)
 
-        _run_chunks(state, grad_dispatch, grad_combine, compute)
+        _run_chunks(state, grad_dispatch, grad_combine, compute, last_alone=not state.delay_wgrad)  # else: beside wgrads
         for chunk, job in delayed:
             wgrad(chunk, job)
         wgrads = [wgrads[chunk] for chunk in range(len(plan.chunk_experts))]
