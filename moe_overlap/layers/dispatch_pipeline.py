@@ -187,7 +187,8 @@ class ExpertsCombine(torch.autograd.Function):
                 return _rows_from_experts(grad_x_RH, chunk, state), None
             return _rows_from_experts(grad_x_RH, chunk, state), lambda: wgrad(chunk, job)
 
-        _run_chunks(state, grad_dispatch, grad_combine, compute, last_alone=not state.delay_wgrad)  # else: beside wgrads
+        # the last transfer back runs beside the deferred weight gradients, else alone
+        _run_chunks(state, grad_dispatch, grad_combine, compute, last_alone=not state.delay_wgrad)
         for chunk, job in delayed:
             wgrad(chunk, job)
         wgrads = [wgrads[chunk] for chunk in range(len(plan.chunk_experts))]
