@@ -336,11 +336,11 @@ def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
 def test_auto_carveout_sizes_pushes_by_bytes_and_gemm_time():
     from moe_overlap.layers.moe import MAX_PUSH_CTAS, auto_push_sms
 
-    fine = auto_push_sms(32768, 7168, 2048, 2, 4, 2)
+    fine = auto_push_sms(32768, 7168, 2048, 4, 2)
     assert 1 <= fine <= MAX_PUSH_CTAS
-    assert auto_push_sms(32768, 7168, 1024, 2, 4, 2) > fine  # half the GEMM time for the same bytes
-    assert auto_push_sms(32768, 7168, 2048, 8, 4, 2) > fine  # more of the rows leave the rank
-    assert auto_push_sms(32768, 7168, 65536, 2, 4, 2) == 1 and auto_push_sms(32768, 7168, 64, 8, 4, 2) == MAX_PUSH_CTAS
+    assert auto_push_sms(32768, 7168, 1024, 4, 2) > fine  # half the GEMM time for the same bytes
+    assert auto_push_sms(32768, 7168, 2048, 2, 2) == fine  # chunks change bytes and GEMM time alike
+    assert auto_push_sms(32768, 7168, 65536, 4, 2) == 1 and auto_push_sms(32768, 7168, 64, 4, 2) == MAX_PUSH_CTAS
 
 
 def test_dropless_plan_sizes_the_permutation_before_the_counts_arrive():

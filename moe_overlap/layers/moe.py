@@ -35,15 +35,14 @@ GROUPED_GEMM_FLOPS_PER_MS = 6.0e11
 MAX_PUSH_CTAS = 32  # already NVLink speed
 
 
-def auto_push_sms(rows: int, hidden: int, ffn: int, ranks: int, chunks: int, element_size: int) -> int:
+def auto_push_sms(rows: int, hidden: int, ffn: int, chunks: int, element_size: int) -> int:
     """SMs the grouped GEMMs leave free for the pushes beside them, as many as the pushes' CTAs: enough for a
-    chunk's remote rows, one chunk each way (the next dispatch, the previous combine), to move in one chunk's
-    forward GEMM time (6 x rows x hidden x ffn flops), for rows spread evenly over experts and ranks."""
+    chunk's rows (the push moves the local ones through the region too), one chunk each way (the next dispatch,
+    the previous combine), to move in one chunk's forward GEMM time (6 x rows x hidden x ffn flops), for rows
+    spread evenly over the chunks."""
     chunk_rows = rows / chunks
-    moved_bytes = 2 * chunk_rows * (ranks - 1) / ranks * hidden * element_size
+    moved_bytes = 2 * chunk_rows * hidden * element_size
     gemm_ms = 6 * chunk_rows * hidden * ffn / GROUPED_GEMM_FLOPS_PER_MS
-    if moved_bytes == 0:
-        return 1
     return max(1, min(MAX_PUSH_CTAS, math.ceil(moved_bytes / (gemm_ms * PUSH_BYTES_PER_CTA_MS))))
 
 
@@ -175,7 +174,7 @@ class MoELayer(nn.Module):
             return 0
         if transport.name == "nccl":
             return min(MAX_PUSH_CTAS, 2 * (self.ep_comm_ctas or 0))
-        return auto_push_sms(rows, hidden, self.experts.w2.shape[1], self.ep.size, self.chunks, element_size)
+        return auto_push_sms(rows, hidden, self.experts.w2.shape[1], self.chunks, element_size)
 
     def _expert_tp_rows(self, fetch_counts, capacity: int | None) -> torch.Tensor:
         """Rows each expert-TP peer received per local expert, [peer, local expert]: from the fetched counts,
