@@ -168,6 +168,16 @@ def test_overlap_starts_reduce_scatter_in_last_backward_and_waits_all_gather_in_
         assert {value for phase, value in carveouts if phase == "sync"} == {8}
 
 
+@pytest.mark.parametrize("carveout,ctas,want", [(8, None, 8), (0, 2, 0), ("auto", 2, 8), ("auto", None, 0),
+                                               ("auto", 64, 32)])
+def test_dp_carveout_setting(carveout, ctas, want):
+    """What the GEMMs beside the DP syncs leave free: as set; auto: the measured pairing, 4 x the CTA cap."""
+    from moe_overlap.config import Config, OverlapConfig
+    from moe_overlap.training.trainer import dp_gemm_sms
+
+    assert dp_gemm_sms(Config(overlap=OverlapConfig(gemm_sm_carveout=carveout, dp_comm_ctas=ctas))) == want
+
+
 def test_overlap_off_syncs_after_backward_and_in_the_step(rank_pool, tmp_path):
     events, _, carveouts = rank_pool(2).run(overlap_order_case, str(tmp_path), False)[0]
     assert {value for _, value in carveouts} == {None}  # nothing runs beside the GEMMs

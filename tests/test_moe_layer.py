@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
-from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, grouped_swiglu_reference
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.mlp import swiglu
@@ -315,7 +315,6 @@ def test_pipeline_over_one_rank_for_every_transport(monkeypatch, transport):
 
 
 def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
-    from moe_overlap.distributed.mesh import GroupHandle
     from moe_overlap.layers.moe import capture_moe_layers
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)  # the serial dropless dispatch syncs at EP=2
     layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2),
@@ -333,6 +332,23 @@ def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
     assert moe_case("sparse", 2, **setting) < 1e-5
 
 
+@pytest.mark.parametrize("carveout,transport,chunks,ctas,want", [
+    (8, "nccl", 4, None, 8), (8, "sm_push", 1, None, 0),  # one chunk: nothing moves beside a GEMM
+    ("auto", "nccl", 4, 4, 8), ("auto", "nccl", 4, None, 0), ("auto", "copy_engine", 4, None, 0),
+    ("auto", "sm_push", 4, None, "pushes")])
+def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want):
+    from moe_overlap.layers.moe import auto_push_sms
+
+    two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
+    overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, gemm_sm_carveout=carveout,
+                            ep_comm_ctas=ctas)
+    layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2), overlap,
+                     two_ranks, SimpleNamespace(planning="host"))
+    transport_like = SimpleNamespace(name=transport, needs_sms=transport != "copy_engine")
+    got = layer._overlap_sms(transport_like, 4096, H, 2)
+    assert got == (auto_push_sms(4096, H, F, chunks, 2) if want == "pushes" else want)
+
+
 def test_auto_carveout_sizes_pushes_by_bytes_and_gemm_time():
     from moe_overlap.layers.moe import MAX_PUSH_CTAS, auto_push_sms
 
@@ -346,7 +362,6 @@ def test_auto_carveout_sizes_pushes_by_bytes_and_gemm_time():
 def test_dropless_plan_sizes_the_permutation_before_the_counts_arrive():
     """All copies mapped: the permuted rows are known without the counts, so the permutation is queued before
     the layer's one host sync; the exchange plan waits for the counts once, on first use."""
-    from moe_overlap.distributed.mesh import GroupHandle
     from moe_overlap.layers.dispatcher import DispatchPlanner
 
     ep = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
