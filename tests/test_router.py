@@ -154,12 +154,14 @@ def test_merged_router_kernel_routes_like_its_twin(monkeypatch, options):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,K,pre_softmax", [(8192, 8, 2, False), (4096, 64, 8, True), (32768, 256, 8, False)])
 def test_merged_router_kernel_matches_twin_on_gpu(T, E, K, pre_softmax):
-    """On CUDA the kernel and the twin agree (random logits: no ties), forward and backward, with no host sync."""
+    """On CUDA the kernel and the twin agree, forward and backward, with no host sync. Each token's logits are a
+    shuffle of evenly spaced values: no ties, whose order torch.topk leaves unspecified."""
     from moe_overlap.kernels.router import TopKRoute, topk_route_torch
 
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA")
-    logits = torch.randn(T, E, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T))
+    g = torch.Generator(device="cuda").manual_seed(T)
+    logits = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1).float() * (8.0 / E) - 4.0
     grad = torch.randn(T, K, device="cuda")
     fused_in, twin_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     torch.cuda.set_sync_debug_mode("error")
