@@ -264,10 +264,12 @@ class StepBench:
     def switch(self, variant: str) -> None:
         spec = self.variants[variant]
         optimizer = self.optimizer
-        optimizer.overlap_grad_sync = optimizer.overlap_param_sync = spec.overlap
+        # compute-only runs its no-op collectives the overlapped way: the trainer holds to the carve-out the GEMMs
+        # that overlapped syncs run beside (every GEMM here: one micro-batch a step), so it lands where it would
+        optimizer.overlap_grad_sync = optimizer.overlap_param_sync = spec.overlap or spec.transport is None
         optimizer.collectives = self.collectives[spec.transport]
         carveout = self.configured_carveout if spec.carveout is None else spec.carveout
-        self.trainer.cfg.overlap.gemm_sm_carveout = carveout  # the trainer holds its GEMMs to it in every step
+        self.trainer.cfg.overlap.gemm_sm_carveout = carveout
 
     def bucket_syncs(self) -> list[tuple[float, float]]:
         """(reduce-scatter, all-gather) milliseconds of each bucket alone, through the real collectives."""

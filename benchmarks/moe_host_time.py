@@ -1,4 +1,4 @@
-"""Host-side cost of one overlapped MoE layer (symm, one chunk) on 2 GPUs: for the mixtral and fine_small
+"""Host-side cost of one host-planned MoE pipeline layer (copy engine, one chunk) on 2 GPUs: for the mixtral and fine_small
 shapes, the wall time of a forward (and forward+backward) from an idle GPU, the time the host takes to return
 from it (what it spends issuing work, the one sync included), and a cProfile of 10 back-to-back forwards.
 
@@ -21,8 +21,9 @@ dev = torch.device("cuda", rank)
 out_dir = sys.argv[1]
 for name, (T, H, F, E, K) in {"mixtral": (4096, 4096, 14336, 8, 2), "fine_small": (4096, 2048, 1024, 32, 4)}.items():
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K, moe_aux_loss_coeff=0.0)
-    sel = TransportSelector("symm", mesh.ep.group, mesh.ep.ranks, dev, E // 2, 300)
-    layer = MoELayer(cfg, OverlapConfig(moe_overlap_dispatch=True, moe_a2a_chunks=1), mesh.ep, sel, dev, torch.bfloat16)
+    sel = TransportSelector("host", "copy_engine", mesh.ep.group, mesh.ep.ranks, dev, E // 2, 300)
+    layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_planning="host", moe_transport="copy_engine"), mesh.ep,
+                     sel, dev, torch.bfloat16)
     init_parameters(layer, seed=1234, std=0.02, num_layers=1)
     x = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)

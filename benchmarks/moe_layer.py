@@ -1,24 +1,32 @@
-"""One MoE layer's forward and forward+backward under expert parallelism: serial, overlapped, the limit,
-and a plain-torch baseline, measured side by side in one run (also `moe-overlap bench moe`).
+"""One MoE layer's forward and forward+backward under expert parallelism: serial, the pipeline per planning mode,
+the limit, and a plain-torch baseline, measured side by side in one run (also `moe-overlap bench moe`).
 
-    torchrun --nproc-per-node 2 benchmarks/moe_layer.py --shapes mixtral,fine,fine_small --fabric nvlink \
+    torchrun --nproc-per-node 2 benchmarks/moe_layer.py --shapes mixtral,fine,fine_small --fabric nvlink \\
         --json benchmarks/results/moe_layer_2xh200_nvlink.json --timeline benchmarks/results/moe_layer_fine.png
     torchrun --nproc-per-node 1 benchmarks/moe_layer.py ...    # EP=1: the layer's own work against its GEMMs
 
-Rows per shape:
-  serial      the serial reference path (overlap off)
-  overlapped  the chunked pipeline; every (backend, chunks, delay_wgrad) setting is timed, the best reported;
-              with them the sync-free dropless dispatch (symm, or gloo's twin on CPU), eagerly and (CUDA)
-              replayed from CUDA graphs as train.moe_cuda_graph does it (a second layer, same weights)
+Rows per shape, one per planning mode (key ``planning``), each with the keys below:
+  host        the pipeline with host-planned sizes: every (transport, chunks, delay_wgrad) setting timed, the
+              best reported as ``overlapped``
+  device      the pipeline with device-planned sizes (SM pushes; gloo's twin on CPU), every (chunks, delay_wgrad,
+              carve-out) setting eagerly, and replayed from CUDA graphs as train.moe_cuda_graph does it (CUDA)
+  local       (one rank) what the layer runs at EP=1: no exchange at all, eagerly and graphed
+At EP=1 the host and device rows run the pipeline over the one-rank group (its rows pushed into its own
+memory): the pipeline's own cost, which a two-GPU run adds to its communication.
+  serial      the serial reference path (pipeline off; the local path at EP=1)
   comm        the fastest transport moving the full, unchunked dispatch and combine (forward), and their
               gradients too (forward+backward), for the same routing
   gemm        the unchunked expert GEMMs alone on the same per-expert counts: fc1, SwiGLU, fc2 (forward),
-              plus dgrad and wgrad (forward+backward)
+              plus dgrad and wgrad (forward+backward; into the fp32 main_grad that the layer's parameters carry,
+              as a training step has them)
   limit       max(comm, gemm)
   baseline    plain torch: router, argsort permute, all_to_all_single, torch._grouped_mm, all_to_all_single
+``--carveout-probe`` adds, per shape, what a carve-out of N SMs costs the grouped GEMMs and what the push kernel
+moves per CTA alone and beside a carved-out GEMM (into its own memory on one GPU, a peer's on more): the values
+``overlap.gemm_sm_carveout: auto`` sizes pushes by (layers/moe.py).
 Variants run round-robin (A B C A B C ...) and report medians: clocks drift under sustained load (DESIGN.md).
 `--fabric slow` sets NCCL_P2P_DISABLE=1 (NCCL through host memory, standing in for an inter-node link) and
-forces the nccl transport for every variant. `--shapes tiny` runs on CPU with gloo (the CI smoke test).
+forces the nccl transport. `--shapes tiny` runs on CPU with gloo (the CI smoke test).
 """
 
 from __future__ import annotations
@@ -53,22 +61,46 @@ SHAPES = {
 }
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the layer: the pipeline's planning and transport (None: the serial path), chunks,
+    delay_wgrad, carve-out, and whether it replays from CUDA graphs."""
+
+    planning: str | None
+    transport: str = "auto"
+    chunks: int = 1
+    delay: bool = False
+    sms: int | str = 0
+    graphed: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.planning is None:
+            return "local_graph" if self.graphed else "serial"
+        return f"{self.planning}:{self.transport}:{self.chunks}:{int(self.delay)}:{self.sms}" + (
+            ":graph" if self.graphed else "")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="mixtral,fine,fine_small")
     parser.add_argument("--fabric", choices=("nvlink", "slow"), default="nvlink")
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeline", default=None,
-                        help="PNG of one overlapped forward+backward (GPU only), and a .txt kernel table beside it")
+                        help="PNG of one forward+backward (GPU only), and a .txt kernel table beside it")
     parser.add_argument("--timeline-shape", default=None, help="shape of the timeline (default: the last one)")
-    parser.add_argument("--timeline-variant", choices=("chunked", "sync_free_graph"), default="chunked",
-                        help="the chunked pipeline (4 chunks, deferred wgrad) or the graphed sync-free layer (symm)")
-    parser.add_argument("--skew", action="store_true", help="add a skewed-routing row per shape")
+    parser.add_argument("--timeline-variant", choices=("host", "device", "device_graph", "local_graph"),
+                        default="device", help="the pipeline (4 chunks, deferred wgrad; device: carve-out auto), "
+                                               "replayed from CUDA graphs, or the graphed local path (EP=1)")
+    parser.add_argument("--skew", action="store_true", help="add skewed-routing rows per shape")
     parser.add_argument("--chunks", default="1,2,4", help="chunk counts to try (capped at the local experts)")
+    parser.add_argument("--carveouts", default="0,auto", help="GEMM SM carve-outs of the device-planned pipeline")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--transport-probe", action="store_true",
                         help="also time the dispatch transports alone and beside the expert GEMMs, chunked and not")
+    parser.add_argument("--carveout-probe", action="store_true",
+                        help="also time the grouped GEMMs under SM carve-outs and the push kernel per CTA count")
     parser.add_argument("--allow-multicast", action="store_true", help="do not force NVLink multicast off")
     return parser.parse_args(argv)
 
@@ -89,16 +121,18 @@ def main(argv=None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
-    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=300)
+    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=300) if world > 1 else Mesh.single()
     bench = Bench(mesh, torch.device("cuda") if cuda else torch.device("cpu"), args)
     rows = []
     for name in args.shapes.split(","):
-        rows.append(bench.run_shape(name, SHAPES[name], skew=False))
+        rows += bench.run_shape(name, SHAPES[name], skew=False)
         if args.skew:
-            rows.append(bench.run_shape(name, SHAPES[name], skew=True))
+            rows += bench.run_shape(name, SHAPES[name], skew=True)
         if args.transport_probe:
             rows.append(bench.transport_probe(name, SHAPES[name]))
-    if mesh.rank == 0:
+        if args.carveout_probe and cuda:
+            rows.append(bench.carveout_probe(name, SHAPES[name]))
+    if dist.get_rank() == 0:
         print_table(rows)
         write_json(args.json, run_header(world), rows)
     if args.timeline and cuda:
@@ -113,11 +147,14 @@ class Bench:
 
         self.torch, self.mesh, self.device, self.args = torch, mesh, device, args
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.backends = ["nccl"] if args.fabric == "slow" or device.type != "cuda" else ["symm", "nccl"]
-        if mesh.ep.size == 1:  # nothing to exchange: one transport stands for all (the layer runs its local path)
-            self.backends = ["nccl"]
         if device.type != "cuda":
-            self.backends = ["gloo"]
+            self.transports = {"host": ["gloo"], "device": ["gloo"]}
+        elif args.fabric == "slow":
+            self.transports = {"host": ["nccl"], "device": []}
+        else:  # one host (or one GPU: regions in its own memory)
+            self.transports = {"host": ["copy_engine", "nccl"], "device": ["sm_push"]}
+        self.local = mesh.ep.size == 1
+        self._selectors = {}
 
     # ---------------------------------------------------------------------------------------- timing
     def _timer(self):
@@ -147,7 +184,7 @@ class Bench:
         samples = {name: [] for name in variants}
         for _ in range(self.args.rounds):
             for name, fn in variants.items():
-                self.torch.distributed.barrier()
+                torch.distributed.barrier()
                 samples[name].append(timer(fn))
         medians = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64,
                                device=self.device)
@@ -155,21 +192,52 @@ class Bench:
         return dict(zip(variants, medians.tolist()))
 
     # ---------------------------------------------------------------------------------------- setup
-    def build_layer(self, shape: Shape):
-        from moe_overlap.config import ModelConfig, OverlapConfig
+    def selector(self, planning: str, transport: str, local_experts: int):
+        """One selector per (planning, transport) for the run, as a model shares one between its layers."""
         from moe_overlap.distributed.a2a import TransportSelector
+
+        key = (planning, transport)
+        if key not in self._selectors:
+            self._selectors[key] = TransportSelector(planning, transport, self.mesh.ep.group, self.mesh.ep.ranks,
+                                                     self.device, max(local_experts, 1), 300)
+        return self._selectors[key]
+
+    def build_layer(self, shape: Shape, setting: Setting = Setting(None)):
+        torch = self.torch
+        from moe_overlap.config import ModelConfig, OverlapConfig
         from moe_overlap.layers.init import init_parameters
         from moe_overlap.layers.moe import MoELayer
+        from moe_overlap.layers.wgrad import take_grad
 
         cfg = ModelConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
                           moe_router_topk=shape.topk, moe_aux_loss_coeff=0.0)
-        local = shape.experts // self.mesh.ep.size
-        selectors = {b: TransportSelector(b, self.mesh.ep.group, self.mesh.ep.ranks, self.device, max(local, 1), 300)
-                     for b in self.backends}
-        layer = MoELayer(cfg, OverlapConfig(moe_overlap_dispatch=True, moe_a2a_chunks=1), self.mesh.ep,
-                         selectors[self.backends[0]], self.device, self.dtype)
+        layer = MoELayer(cfg, OverlapConfig(), self.mesh.ep, None, self.device, self.dtype)
         init_parameters(layer, seed=1234, std=0.02, num_layers=1)
-        return layer, selectors
+        for param in layer.parameters():  # as the optimizer attaches them: weight gradients land as in training
+            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+            param.register_post_accumulate_grad_hook(take_grad)
+        return self.configure(layer, shape, setting)
+
+    def configure(self, layer, shape: Shape, setting: Setting):
+        """The layer runs ``setting`` from now on (the fields MoELayer reads from the config)."""
+        local_experts = shape.experts // self.mesh.ep.size
+        layer.pipelined = setting.planning is not None
+        layer.local = self.local and not layer.pipelined  # EP=1: the pipeline over the one-rank group
+        layer.chunks, layer.delay_wgrad, layer.carveout = min(setting.chunks, local_experts), setting.delay, setting.sms
+        if layer.pipelined:
+            layer.transports = self.selector(setting.planning, setting.transport, local_experts)
+            layer.planning = layer.transports.planning
+        return layer
+
+    def graphed(self, like, shape: Shape, setting: Setting, x):
+        """A second layer with ``like``'s weights, captured the way the trainer does it (train.moe_cuda_graph):
+        training-mode calls replay its forward and backward graphs."""
+        from moe_overlap.layers.moe import capture_moe_layers
+
+        layer = self.build_layer(shape, setting)
+        layer.load_state_dict(like.state_dict())
+        capture_moe_layers((layer,), tuple(x.shape))
+        return layer
 
     def inputs(self, shape: Shape, skew: bool):
         torch = self.torch
@@ -180,116 +248,172 @@ class Bench:
         grad = torch.randn(shape.tokens, shape.hidden, device=self.device, dtype=self.dtype, generator=g)
         return x.unsqueeze(0).requires_grad_(True), grad.unsqueeze(0)
 
+    def settings(self, shape: Shape) -> dict[str, list[Setting]]:
+        local = shape.experts // self.mesh.ep.size
+        chunks = sorted({min(int(c), local) for c in self.args.chunks.split(",")})
+        carveouts = [c if c == "auto" else int(c) for c in self.args.carveouts.split(",")]
+        out = {"host": [Setting("host", t, c, d) for t in self.transports["host"] for c in chunks
+                        for d in ((False, True) if c > 1 else (False,))],
+               "device": [Setting("device", t, c, d, s) for t in self.transports["device"] for c in chunks
+                          for d in ((False, True) if c > 1 else (False,)) for s in (carveouts if c > 1 else [0])]}
+        if self.device.type == "cuda":  # replayed from graphs, as training runs it
+            out["device"] += [Setting("device", t, c, False, "auto" if c > 1 and "auto" in carveouts else 0, True)
+                              for t in self.transports["device"] for c in chunks]
+        if self.local:
+            out["local"] = [Setting(None, graphed=True)] if self.device.type == "cuda" else []
+        return {planning: found for planning, found in out.items() if found or planning == "local"}
+
     # ------------------------------------------------------------------------------------------ rows
-    def run_shape(self, name: str, shape: Shape, skew: bool) -> dict:
+    def run_shape(self, name: str, shape: Shape, skew: bool) -> list[dict]:
         torch = self.torch
-        layer, selectors = self.build_layer(shape)
+        layer = self.build_layer(shape)
         if skew:
             with torch.no_grad():  # a router that prefers the first rank's experts
                 layer.router.weight[: shape.experts // self.mesh.ep.size] += 0.05
         x, grad = self.inputs(shape, skew)
-        local = shape.experts // self.mesh.ep.size
-        chunk_options = sorted({min(int(c), local) for c in self.args.chunks.split(",")})
+        by_planning = self.settings(shape)
+        layers = {s.name: self.graphed(layer, shape, s, x) for found in by_planning.values() for s in found
+                  if s.graphed}
 
-        def layer_fn(backend, chunks, delay, backward, overlap=True, sync_free=False):
+        def layer_fn(setting: Setting, backward: bool):
             def fn():
-                layer.overlap_dispatch, layer.chunks, layer.delay_wgrad = overlap and not sync_free, chunks, delay
-                layer.sync_free = sync_free
-                layer.transports = selectors[backend]
-                layer.zero_grad(set_to_none=True)  # time the layer, not the accumulation into old grads
+                run = layers[setting.name] if setting.graphed else self.configure(layer, shape, setting)
+                run.zero_grad(set_to_none=True)  # time the layer, not the accumulation into old grads
                 x.grad = None
-                out, _, _ = layer(x)
+                out, _, _ = run(x)
                 if backward:
                     out.backward(grad)
             return fn
 
-        settings = [(b, c, d) for b in self.backends for c in chunk_options for d in (False, True)]
-        sync_free = ("symm" if "symm" in self.backends else "gloo" if "gloo" in self.backends
-                     else self.backends[0] if self.mesh.ep.size == 1 else None)  # one rank: the local path
-        graph_layer = (self.graphed_layer(layer, shape, selectors[sync_free], x)
-                       if sync_free and self.device.type == "cuda" else None)
-
-        def graph_fn(backward):
-            def fn():
-                graph_layer.zero_grad(set_to_none=True)
-                x.grad = None
-                out, _, _ = graph_layer(x)
-                if backward:
-                    out.backward(grad)
-            return fn
-
-        probe = self.probe(layer, shape, x, selectors)
+        probe = Probe(self, layer, shape, x)
         baseline = Baseline(layer, self.mesh, shape)
-        row = {"shape": name + ("_skew" if skew else ""), "fabric": self.args.fabric}
+        times = {}
         for backward, suffix in ((False, "fwd"), (True, "fwdbwd")):
-            variants = {"serial": layer_fn(self.backends[0], 1, False, backward, overlap=False)}
-            for b, c, d in settings:
-                if d and not backward:
-                    continue  # deferring wgrad changes nothing in the forward
-                variants[f"overlapped:{b}:{c}:{int(d)}"] = layer_fn(b, c, d, backward)
-            if sync_free:  # dropless without a host sync: eager, and (CUDA) replayed from CUDA graphs
-                variants["overlapped:sync_free:1:0"] = layer_fn(sync_free, 1, False, backward, sync_free=True)
-            if graph_layer is not None:
-                variants["overlapped:sync_free_graph:1:0"] = graph_fn(backward)
+            variants = {"serial": layer_fn(Setting(None), backward)}
+            for found in by_planning.values():
+                for s in found:
+                    if not (s.delay and not backward):  # deferring wgrad changes nothing in the forward
+                        variants[s.name] = layer_fn(s, backward)
             variants.update(probe.variants(backward))
             variants["baseline"] = baseline.fn(x, grad, backward)
-            times = self.round_robin(variants)
-            best = min((k for k in times if k.startswith("overlapped")), key=times.get)
-            comm = min(times[k] for k in times if k.startswith("comm:"))
-            row.update({f"serial_{suffix}_ms": times["serial"], f"overlapped_{suffix}_ms": times[best],
-                        f"comm_{suffix}_ms": comm, f"gemm_{suffix}_ms": times["gemm"],
-                        f"limit_{suffix}_ms": max(comm, times["gemm"]), f"baseline_{suffix}_ms": times["baseline"]})
-            row[f"variants_{suffix}_ms"] = {k: round(v, 4) for k, v in times.items()}
-            if backward:
-                _, row["backend"], row["chunks"], row["delay_wgrad"] = best.split(":")
-                row["chunks"], row["delay_wgrad"] = int(row["chunks"]), bool(int(row["delay_wgrad"]))
-        row.update(probe.tokens_per_rank())
-        return row
-
-    def graphed_layer(self, like, shape: Shape, selector, x):
-        """A second layer with ``like``'s weights and the sync-free dispatch, captured the way the trainer does
-        it (``train.moe_cuda_graph``): training-mode calls replay its forward and backward graphs."""
-        from moe_overlap.layers.moe import capture_moe_layers
-
-        layer, _ = self.build_layer(shape)
-        layer.load_state_dict(like.state_dict())
-        layer.overlap_dispatch, layer.sync_free, layer.transports = False, True, selector
-        capture_moe_layers((layer,), tuple(x.shape))
-        return layer
+            times[suffix] = self.round_robin(variants)
+            self.configure(layer, shape, Setting(None))
+        rows = []
+        for planning, found in by_planning.items():
+            names = [s.name for s in found] or ["serial"]  # local, CPU: the eager local path is the serial one
+            row = {"shape": name + ("_skew" if skew else ""), "fabric": self.args.fabric, "planning": planning}
+            for suffix, measured in times.items():
+                best = min((n for n in names if n in measured), key=measured.get)
+                comm = min(measured[k] for k in measured if k.startswith("comm:"))
+                row.update({f"serial_{suffix}_ms": measured["serial"], f"overlapped_{suffix}_ms": measured[best],
+                            f"comm_{suffix}_ms": comm, f"gemm_{suffix}_ms": measured["gemm"],
+                            f"limit_{suffix}_ms": max(comm, measured["gemm"]),
+                            f"baseline_{suffix}_ms": measured["baseline"]})
+                row[f"variants_{suffix}_ms"] = {k: round(v, 4) for k, v in measured.items()}
+                if suffix == "fwdbwd":
+                    setting = next((s for s in found if s.name == best), Setting(None))
+                    row["best"], row["backend"] = best, setting.transport if setting.planning else best
+                    row["chunks"], row["delay_wgrad"], row["carveout"] = setting.chunks, setting.delay, setting.sms
+            row.update(probe.tokens_per_rank())
+            rows.append(row)
+        return rows
 
     def transport_probe(self, name: str, shape: Shape) -> dict:
         """Each transport moving one dispatch alone, and beside the forward expert GEMMs on the compute
         stream (sent before the GEMMs, received after), unchunked and in chunks."""
-        layer, selectors = self.build_layer(shape)
+        layer = self.build_layer(shape)
         x, _ = self.inputs(shape, skew=False)
         local = shape.experts // self.mesh.ep.size
         variants = {}
         for chunks in sorted({1, min(4, local)}):
-            probe = Probe(self, layer, shape, x, selectors, chunks)
-            variants.update(probe.exchange_variants(f":{chunks}"))
+            variants.update(Probe(self, layer, shape, x, chunks).exchange_variants(f":{chunks}"))
         times = self.round_robin(variants)
         return {"shape": name, "fabric": self.args.fabric, "kind": "transport_probe",
                 "times_ms": {k: round(v, 4) for k, v in times.items()}}
 
-    def probe(self, layer, shape, x, selectors):
-        return Probe(self, layer, shape, x, selectors)
+    def carveout_probe(self, name: str, shape: Shape) -> dict:
+        """The grouped FFN (forward, and dgrad) under carve-outs of N SMs; the push kernel moving a quarter of a
+        rank's rows with N CTAs, alone and beside the FFN carved out by N (the FFN launched first); local stores
+        on one GPU, the next rank's region on more."""
+        torch = self.torch
+        from moe_overlap.kernels.push_rows import push_rows
+        from moe_overlap.layers.experts import experts_dgrad, experts_forward
+
+        from moe_overlap.distributed.streams import gemm_sm_carveout
+
+        layer = self.build_layer(shape)
+        rows = shape.tokens * shape.topk
+        local = shape.experts // self.mesh.ep.size
+        x = torch.randn(rows, shape.hidden, device=self.device, dtype=self.dtype)
+        offsets = torch.linspace(rows / local, rows, local, device=self.device).to(torch.int32)
+        w13, w2 = layer.experts.w13.detach(), layer.experts.w2.detach()
+        y, h = experts_forward(x, offsets, w13, w2)
+        moved = rows // 4
+        dest = torch.empty_like(x)
+        peer = (self.mesh.ep.rank + 1) % self.mesh.ep.size
+        if self.mesh.ep.size > 1:  # a peer's region, as the pipeline pushes
+            transport = self.selector("device", "sm_push", local).transport(x.numel() * x.element_size())
+            bases = transport._bases[0]
+        else:
+            bases = torch.tensor([dest.data_ptr()], dtype=torch.int64, device=self.device)
+        zero, count = torch.zeros(1, dtype=torch.int64, device=self.device), torch.tensor([moved], device=self.device)
+        ranks = torch.full((rows,), peer if self.mesh.ep.size > 1 else 0, dtype=torch.int32, device=self.device)
+        dst_rows = torch.arange(rows, device=self.device)
+        side = torch.cuda.Stream()
+
+        def ffn(sms):
+            with gemm_sm_carveout(sms):
+                experts_forward(x, offsets, w13, w2)
+
+        def dgrad(sms):
+            with gemm_sm_carveout(sms):
+                experts_dgrad(y, h, offsets, w13, w2)
+
+        def push(ctas):
+            push_rows(x, zero, count, ranks, dst_rows, zero, bases, ctas)
+
+        def beside(ctas):
+            side.wait_stream(torch.cuda.current_stream())
+            ffn(ctas)  # launched first, then the push on the free SMs
+            with torch.cuda.stream(side):
+                push(ctas)
+            torch.cuda.current_stream().wait_stream(side)
+
+        variants = {}
+        for sms in (0, 4, 8, 16, 32):
+            variants[f"ffn_c{sms}"] = lambda sms=sms: ffn(sms)
+            variants[f"dgrad_c{sms}"] = lambda sms=sms: dgrad(sms)
+        for ctas in (1, 2, 4, 8, 16, 32):
+            variants[f"push_{ctas}"] = lambda ctas=ctas: push(ctas)
+        for ctas in (4, 8, 16):
+            variants[f"ffn_c{ctas}+push_{ctas}"] = lambda ctas=ctas: beside(ctas)
+        times = self.round_robin(variants)
+        nbytes = moved * shape.hidden * x.element_size()
+        return {"shape": name, "kind": "carveout_probe", "push_bytes": nbytes, "peer": self.mesh.ep.size > 1,
+                "times_ms": {k: round(v, 4) for k, v in times.items()},
+                "push_bytes_per_cta_ms": {ctas: round(nbytes / times[f"push_{ctas}"] / ctas)
+                                          for ctas in (1, 2, 4, 8, 16, 32)}}
 
     # -------------------------------------------------------------------------------------- timeline
     def timeline(self, path: str, shape: Shape):
-        """Profile one overlapped forward+backward and draw compute and transport as lanes."""
+        """Profile one forward+backward and draw compute and transport as lanes."""
         torch = self.torch
         from torch.profiler import ProfilerActivity, profile
 
         from moe_overlap.training.profiling import draw_timeline
 
-        layer, selectors = self.build_layer(shape)
+        variant = self.args.timeline_variant
         x, grad = self.inputs(shape, skew=False)
-        local = shape.experts // self.mesh.ep.size
-        layer.chunks, layer.delay_wgrad = min(4, local), True
-        title = f"overlapped MoE layer fwd+bwd, {layer.chunks} chunks, {selectors[self.backends[0]].name}"
-        if self.args.timeline_variant == "sync_free_graph":
-            layer = self.graphed_layer(layer, shape, selectors[self.backends[0]], x)
-            title = "MoE layer fwd+bwd, sync-free dispatch (symm), replayed from CUDA graphs"
+        planning = "host" if variant == "host" else "device"
+        setting = (Setting(None, graphed=True) if variant == "local_graph" else
+                   Setting(planning, self.transports[planning][0], 4, True, "auto" if planning == "device" else 0,
+                           graphed=variant == "device_graph"))
+        layer = self.build_layer(shape)
+        if setting.graphed:
+            layer = self.graphed(layer, shape, setting, x)
+        else:
+            self.configure(layer, shape, setting)
+        title = f"MoE layer fwd+bwd, {setting.name}"
         for _ in range(3):
             layer(x)[0].backward(grad)
         torch.cuda.synchronize()
@@ -309,19 +433,26 @@ class Bench:
 class Probe:
     """The limit's two halves for the same routing: the transports alone and the expert GEMMs alone."""
 
-    def __init__(self, bench: Bench, layer, shape: Shape, x, selectors, chunks: int = 1):
+    def __init__(self, bench: Bench, layer, shape: Shape, x, chunks: int = 1):
         torch = bench.torch
-        from moe_overlap.layers.dispatcher import DispatchPlanner, start_counts_fetch
+        from moe_overlap.layers.device_plan import DevicePlanner
+        from moe_overlap.layers.dispatcher import DispatchPlanner, chunk_bounds, start_counts_fetch
 
-        self.bench, self.layer, self.shape, self.selectors = bench, layer, shape, selectors
+        self.bench, self.layer, self.shape = bench, layer, shape
+        ep, local = bench.mesh.ep, shape.experts // bench.mesh.ep.size
         with torch.no_grad():
             x_TH = x.detach().reshape(-1, shape.hidden)
             routing = layer.router(x_TH)
-            planner = DispatchPlanner(shape.experts, bench.mesh.ep, chunks, x.device)
-            self.plan = planner.plan(routing.experts_TK, None, None,
-                                     start_counts_fetch(routing.tokens_per_expert_E, bench.mesh.ep))
-        layout = self.plan.exchange.layout
-        self.send_RH = torch.randn(layout.send_total, shape.hidden, device=x.device, dtype=x.dtype)
+            self.plans = {"host": DispatchPlanner(shape.experts, ep, chunks, x.device).plan(
+                routing.experts_TK, None, None, start_counts_fetch(routing.tokens_per_expert_E, ep))}
+            self.worst_bytes = ep.size * shape.tokens * shape.topk * shape.hidden * x.element_size()
+            for transport in bench.transports["device"]:
+                counts_SE = bench.selector("device", transport, local).transport(self.worst_bytes).gather_counts(
+                    routing.tokens_per_expert_E)
+                self.plans["device"] = DevicePlanner(shape.experts, ep, chunk_bounds(local, chunks), x.device).plan(
+                    routing.experts_TK, None, None, False, counts_SE)
+        layout = self.plans["host"].exchange.layout
+        self.send_RH = torch.randn(shape.tokens * shape.topk, shape.hidden, device=x.device, dtype=x.dtype)
         self.grouped_RH = torch.randn(layout.recv_total, shape.hidden, device=x.device, dtype=x.dtype)
         self.grad_y_RH = torch.randn_like(self.grouped_RH)
 
@@ -329,67 +460,76 @@ class Probe:
         from moe_overlap.distributed.collectives import all_gather_into
 
         torch = self.bench.torch
-        received = torch.tensor([float(self.plan.exchange.layout.recv_total)], device=self.bench.device)
+        received = torch.tensor([float(self.plans["host"].exchange.layout.recv_total)], device=self.bench.device)
         every = all_gather_into(torch.zeros(self.bench.mesh.ep.size, device=self.bench.device), received,
                                 self.bench.mesh.ep.group)
         return {"tokens_per_rank_max": int(every.max()), "tokens_per_rank_mean": float(every.mean())}
+
+    def _exchanges(self):
+        """(name, transport, plan) of every transport the bench runs."""
+        bench, local = self.bench, self.shape.experts // self.bench.mesh.ep.size
+        for planning, transports in bench.transports.items():
+            for transport in transports:
+                yield (f"{planning}:{transport}", bench.selector(planning, transport, local).transport(
+                    self.worst_bytes), self.plans[planning])
+
+    def _move(self, transport, plan, chunks: int, gemm=None) -> None:
+        """One dispatch (all chunks sent), optionally with the GEMMs between, then received (an SM push with no
+        carve-out runs at full width before the GEMMs: the carve-out probe times it beside them)."""
+        from moe_overlap.distributed.streams import Event
+
+        to = transport.to_experts(self.send_RH[:plan.num_rows], plan.routes, 0)
+        for chunk in range(chunks):
+            to.send(chunk)
+        if gemm is not None:
+            gemm()
+        received = [to.recv(chunk) for chunk in range(chunks)]
+        to.finish()
+        return received, Event(self.bench.device).record()
 
     def exchange_variants(self, suffix: str) -> dict:
         """One dispatch exchange per transport, alone and beside the GEMMs; and the GEMMs alone."""
         from moe_overlap.layers.experts import experts_forward
 
-        layout, offsets = self.plan.exchange.layout, self.plan.exchange.offsets
+        host = self.plans["host"].exchange
         w13, w2 = self.layer.experts.w13.detach(), self.layer.experts.w2.detach()
-        bounds = self.plan.exchange.chunk_experts
-        shape, ep = self.shape, self.bench.mesh.ep.size
-        worst_bytes = ep * shape.tokens * shape.topk * shape.hidden * self.send_RH.element_size()
+        chunks = len(host.chunk_experts)
 
         def gemm():
-            for chunk, (first, last) in enumerate(bounds):
-                start, stop = layout.recv_range(chunk)
-                experts_forward(self.grouped_RH[start:stop], offsets[chunk], w13[first:last], w2[first:last])
+            for chunk, (first, last) in enumerate(host.chunk_experts):
+                start, stop = host.layout.recv_range(chunk)
+                experts_forward(self.grouped_RH[start:stop], host.offsets[chunk], w13[first:last], w2[first:last])
 
         out = {f"gemm{suffix}": gemm}
-        for name, selector in self.selectors.items():
-            def exchange(beside: bool, selector=selector):
-                ex = selector.transport(worst_bytes).exchange(self.send_RH, layout)
-                for chunk in range(layout.num_chunks):
-                    ex.send(chunk)
-                if beside:
-                    gemm()
-                for chunk in range(layout.num_chunks):
-                    ex.recv(chunk)
-                ex.finish()
-            out[f"{name}_alone{suffix}"] = lambda exchange=exchange: exchange(False)
-            out[f"{name}_beside_gemm{suffix}"] = lambda exchange=exchange: exchange(True)
+        for name, transport, plan in self._exchanges():
+            out[f"{name}_alone{suffix}"] = lambda t=transport, p=plan: self._move(t, p, chunks)
+            out[f"{name}_beside_gemm{suffix}"] = lambda t=transport, p=plan: self._move(t, p, chunks, gemm)
         return out
 
     def variants(self, backward: bool) -> dict:
         from moe_overlap.layers.experts import WgradInputs, experts_dgrad, experts_forward, experts_wgrad
 
-        layout, offsets = self.plan.exchange.layout, self.plan.exchange.offsets[0]
+        host = self.plans["host"].exchange
+        offsets = host.offsets[0]
         w13, w2 = self.layer.experts.w13.detach(), self.layer.experts.w2.detach()
         out = {}
-        # The layer's worst case, identical on every rank (a symmetric workspace is made collectively).
-        shape, ep = self.shape, self.bench.mesh.ep.size
-        worst_bytes = ep * shape.tokens * shape.topk * shape.hidden * self.send_RH.element_size()
-        for name, selector in self.selectors.items():
-            def comm(selector=selector):
-                transport = selector.transport(worst_bytes)
-                for i in range(4 if backward else 2):  # dispatch, combine (, their gradients)
-                    lay = layout if i % 2 == 0 else layout.reversed()
-                    src = self.send_RH if i % 2 == 0 else self.grouped_RH
-                    ex = transport.exchange(src, lay)
-                    ex.send(0)
-                    ex.recv(0)
-                    ex.finish()
+        for name, transport, plan in self._exchanges():
+            def comm(transport=transport, plan=plan):
+                for _ in range(2 if backward else 1):  # dispatch and combine (, their gradients)
+                    (rows,), made = self._move(transport, plan, 1)
+                    back = transport.from_experts(plan.routes, rows.shape[1], rows, 0)
+                    back.send(0, rows, made)
+                    back.result()
+                    back.finish()
             out[f"comm:{name}"] = comm
+
+        params = self.layer.experts.w13, self.layer.experts.w2  # their main_grad: the training step's wgrad
 
         def gemm():
             y, h = experts_forward(self.grouped_RH, offsets, w13, w2)
             if backward:
                 gx, gh, a = experts_dgrad(self.grad_y_RH, h, offsets, w13, w2)
-                experts_wgrad(w13, w2, [WgradInputs(self.grouped_RH, a, gh, self.grad_y_RH, offsets)])
+                experts_wgrad(*params, [WgradInputs(self.grouped_RH, a, gh, self.grad_y_RH, offsets)])
         out["gemm"] = gemm
         return out
 
@@ -443,17 +583,21 @@ class Baseline:
 
 def print_table(rows: list[dict]) -> None:
     for row in rows:
-        if row.get("kind") == "transport_probe":
-            print(f"\ntransport probe {row['shape']} {row['fabric']}: "
+        if row.get("kind") in ("transport_probe", "carveout_probe"):
+            print(f"\n{row['kind']} {row['shape']}: "
                   + "  ".join(f"{k}={v:.3f}" for k, v in sorted(row["times_ms"].items())))
-    rows = [row for row in rows if row.get("kind") != "transport_probe"]
+            if "push_bytes_per_cta_ms" in row:
+                print("  push bytes per CTA per ms: " + "  ".join(
+                    f"{ctas}: {rate:.3g}" for ctas, rate in row["push_bytes_per_cta_ms"].items()))
+    rows = [row for row in rows if row.get("kind") is None]
     cols = ("serial", "overlapped", "comm", "gemm", "limit", "baseline")
     for suffix in ("fwd", "fwdbwd"):
-        print(f"\n{suffix} ms" + "".join(f"{c:>12}" for c in cols) + "   overlapped/limit  best")
+        print(f"\n{suffix} ms" + " " * 16 + "".join(f"{c:>12}" for c in cols) + "   overlapped/limit  best fwd+bwd")
         for row in rows:
             ratio = row[f"overlapped_{suffix}_ms"] / row[f"limit_{suffix}_ms"]
-            print(f"{row['shape'] + ' ' + row['fabric']:<22}" + "".join(f"{row[f'{c}_{suffix}_ms']:12.3f}" for c in cols)
-                  + f"   {ratio:8.3f}        {row['backend']}:{row['chunks']}:{int(row['delay_wgrad'])}")
+            label = f"{row['shape']} {row['fabric']} {row['planning']}"
+            print(f"{label:<30}" + "".join(f"{row[f'{c}_{suffix}_ms']:12.3f}" for c in cols)
+                  + f"   {ratio:8.3f}        {row['best']}")
 
 
 if __name__ == "__main__":

@@ -122,9 +122,15 @@ class OverlapConfig:
     # CTAs (NCCL channels) of the data-parallel communicators that reduce gradients and gather parameters
     # (mesh groups dp, dp_cp, edp); null: NCCL's choice. Few CTAs leave the SMs to the GEMMs they hide under.
     dp_comm_ctas: Optional[int] = None
-    # SMs every cuBLAS GEMM and grouped GEMM leaves free (torch's SM carve-out), so that communication kernels
-    # start beside a GEMM instead of queueing behind its full-chip grid; 0: GEMMs use the whole chip.
-    gemm_sm_carveout: int = 0
+    # The same for the expert-parallel communicator (mesh group ep: the MoE all-to-all over nccl).
+    ep_comm_ctas: Optional[int] = None
+    # SMs a GEMM with communication beside it leaves free (torch's SM carve-out), so that a communication kernel
+    # starts at once instead of queueing behind the GEMM's full-chip grid: the MoE pipeline's grouped GEMMs while
+    # rows move beside them (an SM push takes that many CTAs), and with the distributed optimizer's overlaps the
+    # GEMMs its syncs run beside (the first micro-batch's forward, the last one's backward). 0: none; auto: the
+    # measured pairings (2 x ep_comm_ctas, 4 x dp_comm_ctas; 0 without a cap) and, for SM pushes, the CTAs that
+    # move a chunk's rows in its GEMM's time.
+    gemm_sm_carveout: Union[int, Literal["auto"]] = 0
     tp_comm_overlap: bool = False
     tp_comm_overlap_ag: bool = False
     tp_comm_overlap_rs: bool = False
@@ -139,11 +145,18 @@ class OverlapConfig:
     batch_p2p_comm: bool = False
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
-    moe_overlap_dispatch: bool = False
-    moe_a2a_backend: Literal["auto", "nccl", "symm", "gloo"] = "auto"
-    moe_a2a_chunks: int = 1
-    # Dropless dispatch with no host sync: counts, routes and row pushes stay on the GPU (one chunk).
-    moe_sync_free_dispatch: bool = False
+    # The MoE exchange as a pipeline of chunks (runs of local experts) beside the grouped GEMMs, forward and
+    # backward; false: the serial reference (one all-to-all each way, sizes from the host).
+    moe_pipeline: bool = False
+    moe_pipeline_chunks: int = 1
+    # Where the pipeline's exchange sizes are planned: host (one fetch of every rank's counts per layer, exact
+    # buffers), device (no host sync, worst-case buffers, CUDA-graph capturable), auto (device when the
+    # transport takes device sizes).
+    moe_planning: Literal["auto", "host", "device"] = "auto"
+    # What moves the rows: nccl, copy_engine (symmetric memory, host sizes), sm_push (Triton stores into
+    # symmetric memory, device sizes), gloo (CPU); auto: sm_push or copy_engine on one host with peer access
+    # (by moe_planning), else nccl; gloo on CPU.
+    moe_transport: Literal["auto", "nccl", "copy_engine", "sm_push", "gloo"] = "auto"
 
 
 @dataclass
@@ -171,7 +184,7 @@ class TrainConfig:
     recompute_granularity: Literal["none", "full"] = "none"
     # Pipeline schedule (PP > 1); null: 1f1b, or interleaved_1f1b with virtual stages.
     pipeline_schedule: Optional[Literal["all_forward_all_backward", "1f1b", "interleaved_1f1b", "zb_h1"]] = None
-    # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_sync_free_dispatch).
+    # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_planning=device).
     moe_cuda_graph: bool = False
     # Sum the experts' weight gradients of two consecutive micro-batches in one grouped kernel: main_grad is read
     # and written once per pair (fewer, larger experts gain most), one micro-batch's wgrad inputs kept per layer.
@@ -244,6 +257,15 @@ class Config:
 
 
 # --------------------------------------------------------------------------------------------- loading
+
+# The dispatch fields of the three paths that the MoE pipeline replaced: (their default, what to write instead).
+_REPLACED = {
+    "overlap.moe_overlap_dispatch": (False, "use overlap.moe_pipeline=true overlap.moe_planning=host"),
+    "overlap.moe_sync_free_dispatch": (False, "use overlap.moe_pipeline=true overlap.moe_planning=device"),
+    "overlap.moe_a2a_chunks": (1, "use overlap.moe_pipeline_chunks"),
+    "overlap.moe_a2a_backend": ("auto", "use overlap.moe_transport (symm: copy_engine with overlap.moe_planning=host, "
+                                        "sm_push with overlap.moe_planning=device; auto, nccl, gloo as before)"),
+}
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -338,7 +360,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
-        if key not in names:
+        if f"{prefix}{key}" in _REPLACED:
+            default, replacement = _REPLACED[f"{prefix}{key}"]
+            if raw[key] != default:  # at its default (as every saved config.yaml holds it) it means the new default
+                raise ConfigError(f"{prefix}{key}", raw[key], f"was replaced: {replacement}")
+        elif key not in names:
             raise ConfigError(f"{prefix}{key}", raw[key], _suggest(str(key), names, "field" if prefix else "section"))
     values = {}
     for f in dataclasses.fields(cls):
@@ -619,7 +645,7 @@ def _validate_router_groups(m: ModelConfig) -> None:
 
 def _validate_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
     _require(o.tp_comm_num_splits >= 1, "overlap.tp_comm_num_splits", o.tp_comm_num_splits, "must be >= 1")
-    _require(o.moe_a2a_chunks >= 1, "overlap.moe_a2a_chunks", o.moe_a2a_chunks, "must be >= 1")
+    _require(o.moe_pipeline_chunks >= 1, "overlap.moe_pipeline_chunks", o.moe_pipeline_chunks, "must be >= 1")
     _validate_tp_overlap(o, p, m)
     if o.overlap_moe_expert_parallel_comm:
         raise _not_implemented("overlap.overlap_moe_expert_parallel_comm", True, False,
@@ -723,34 +749,35 @@ def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) ->
 
 
 def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -> None:
-    """The chunked EP pipeline's switches: each needs the pipeline, and chunks are runs of local experts."""
-    for name in ("moe_a2a_chunks", "delay_wgrad_compute"):
-        if getattr(o, name) != getattr(OverlapConfig(), name):
-            _require(o.moe_overlap_dispatch, f"overlap.{name}", getattr(o, name),
-                     "needs overlap.moe_overlap_dispatch=true (the serial and the sync-free dispatch have one "
-                     "chunk and no deferred wgrad)")
-    if o.moe_a2a_backend != OverlapConfig().moe_a2a_backend:
-        _require(o.moe_overlap_dispatch or o.moe_sync_free_dispatch, "overlap.moe_a2a_backend", o.moe_a2a_backend,
-                 "needs overlap.moe_overlap_dispatch=true or overlap.moe_sync_free_dispatch=true (the serial "
-                 "dispatch uses the process group's own all-to-all)")
-    if o.moe_sync_free_dispatch:
-        _require(not o.moe_overlap_dispatch, "overlap.moe_sync_free_dispatch", True,
-                 "and overlap.moe_overlap_dispatch=true are two different dispatch paths: set one")
-        _require(m.moe_expert_capacity_factor is None, "overlap.moe_sync_free_dispatch", True,
-                 "is the dropless path; with model.moe_expert_capacity_factor set, "
-                 "model.moe_pad_expert_input_to_capacity=true already needs no host sync")
-        _require(o.moe_a2a_backend != "nccl", "overlap.moe_a2a_backend", o.moe_a2a_backend,
-                 "cannot carry overlap.moe_sync_free_dispatch: its rows move by SM stores into peers' symmetric "
-                 "memory (use auto or symm)")
-        if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
-            raise _not_implemented("overlap.moe_sync_free_dispatch", True, False,
-                                   "the sync-free dispatch with expert_tensor_parallel_size > 1")
+    """The MoE pipeline's fields: each needs the pipeline; planning and transport must agree on where sizes are;
+    chunks are runs of local experts."""
+    defaults = OverlapConfig()
+    for name in ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport"):
+        if getattr(o, name) != getattr(defaults, name):
+            _require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
+                     "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
+                     "sizes and the process group's own all-to-all)")
+    host_sized = ("nccl", "copy_engine")
+    _require(not (o.moe_planning == "device" and o.moe_transport in host_sized), "overlap.moe_transport",
+             o.moe_transport, "takes host sizes: it cannot run with overlap.moe_planning=device (use sm_push, or "
+             "auto)")
+    _require(not (o.moe_planning == "host" and o.moe_transport == "sm_push"), "overlap.moe_transport", "sm_push",
+             "takes device sizes: it cannot run with overlap.moe_planning=host (use device, or auto)")
+    if o.moe_planning == "device" and (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+        raise _not_implemented("overlap.moe_planning", "device", "host or auto",
+                               "device planning with expert_tensor_parallel_size > 1: the expert-TP gather takes "
+                               "host sizes")
     if m.moe_shared_expert_overlap:
-        _require(o.moe_overlap_dispatch, "model.moe_shared_expert_overlap", True,
-                 "needs overlap.moe_overlap_dispatch=true (the shared expert fills the dispatch gap)")
+        _require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
+                 "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")
+    if o.ep_comm_ctas is not None:
+        _require(1 <= o.ep_comm_ctas <= MAX_NCCL_CTAS, "overlap.ep_comm_ctas", o.ep_comm_ctas,
+                 f"must be between 1 and {MAX_NCCL_CTAS} (or null: NCCL's choice)")
+        _require(p.expert_model_parallel_size > 1, "overlap.ep_comm_ctas", o.ep_comm_ctas,
+                 "needs parallel.expert_model_parallel_size > 1 (one EP rank has no EP communicator)")
     if m.num_moe_experts is not None:
         local = m.num_moe_experts // p.expert_model_parallel_size
-        _require(o.moe_a2a_chunks <= local, "overlap.moe_a2a_chunks", o.moe_a2a_chunks,
+        _require(o.moe_pipeline_chunks <= local, "overlap.moe_pipeline_chunks", o.moe_pipeline_chunks,
                  f"must be <= the local experts, model.num_moe_experts / parallel.expert_model_parallel_size "
                  f"= {local} (a chunk is a run of local experts)")
 
@@ -758,9 +785,10 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
 def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig) -> None:
     if not t.moe_cuda_graph:
         return
-    _require(o.moe_sync_free_dispatch or (p.expert_model_parallel_size == 1 and p.tensor_model_parallel_size == 1),
-             "train.moe_cuda_graph", True, "needs overlap.moe_sync_free_dispatch=true, or one EP rank (a graph cannot "
-             "hold the other paths' host sync)")
+    _require((o.moe_pipeline and o.moe_planning == "device")
+             or (p.expert_model_parallel_size == 1 and p.tensor_model_parallel_size == 1),
+             "train.moe_cuda_graph", True, "needs overlap.moe_pipeline=true with overlap.moe_planning=device, or one "
+             "EP rank (a graph cannot hold the host-planned paths' host sync)")
     if p.tensor_model_parallel_size != 1:
         raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers under tensor parallelism")
     if t.recompute_granularity != "none":
@@ -774,9 +802,9 @@ def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfi
     if t.moe_cuda_graph:
         raise _not_implemented("train.expert_wgrad_pairs", True, False,
                                "with train.moe_cuda_graph: a graph replays one backward, not alternating ones")
-    if o.moe_overlap_dispatch:
+    if o.moe_pipeline:
         raise _not_implemented("train.expert_wgrad_pairs", True, False,
-                               "with overlap.moe_overlap_dispatch, whose chunks schedule their own weight gradients")
+                               "with overlap.moe_pipeline, whose chunks schedule their own weight gradients")
     if p.pipeline_model_parallel_size > 1:
         raise _not_implemented("train.expert_wgrad_pairs", True, False,
                                "under pipeline parallelism, whose schedule interleaves other micro-batches' backwards")
@@ -786,7 +814,8 @@ def _validate_comm_resources(o: OverlapConfig) -> None:
     if o.dp_comm_ctas is not None:
         _require(1 <= o.dp_comm_ctas <= MAX_NCCL_CTAS, "overlap.dp_comm_ctas", o.dp_comm_ctas,
                  f"must be between 1 and {MAX_NCCL_CTAS} (or null: NCCL's choice)")
-    _require(o.gemm_sm_carveout >= 0, "overlap.gemm_sm_carveout", o.gemm_sm_carveout, "must be >= 0")
+    _require(o.gemm_sm_carveout == "auto" or o.gemm_sm_carveout >= 0, "overlap.gemm_sm_carveout",
+             o.gemm_sm_carveout, "must be >= 0, or auto")
 
 
 def _validate_distributed_optimizer(o: OverlapConfig, t: TrainConfig) -> None:
@@ -823,11 +852,12 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
                  f"parallel.pipeline_model_parallel_size={pp}: need a multiple")
     _require(not t.moe_cuda_graph or device_type == "cuda", "train.moe_cuda_graph", True,
              f"CUDA graphs need train.device=cuda; the device is {device_type!r}")
-    for name, default in (("dp_comm_ctas", None), ("gemm_sm_carveout", 0)):
+    for name, default in (("dp_comm_ctas", None), ("ep_comm_ctas", None), ("gemm_sm_carveout", 0)):
         value = getattr(cfg.overlap, name)
         _require(value == default or device_type == "cuda", f"overlap.{name}", value,
                  f"sets NCCL communicators and cuBLAS GEMMs: needs train.device=cuda; the device is {device_type!r}")
-    for field, wanted in (("moe_a2a_backend", {"cpu": ("auto", "gloo"), "cuda": ("auto", "nccl", "symm")}),
+    for field, wanted in (("moe_transport", {"cpu": ("auto", "gloo"),
+                                             "cuda": ("auto", "nccl", "copy_engine", "sm_push")}),
                           ("tp_comm_backend", {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")})):
         backend = getattr(cfg.overlap, field)
         _require(backend in wanted[device_type], f"overlap.{field}", backend,

@@ -10,8 +10,8 @@ faults a process survives. Kinds:
   save        SIGKILL in the save of STEP, after the DCP shards and before this rank's own file
   block       block forever at the start of STEP, in a wait that neither returns nor fails (as a device-side
               symmetric-memory wait does): only the monitor can end this rank
-  symm        SIGKILL at the first symmetric-memory push of STEP (GPU, sync-free dispatch): the peers wait on
-              its signal on the device
+  symm        SIGKILL at the first symmetric-memory row push of STEP (GPU, device-planned MoE pipeline): the
+              peers wait on its signal on the device
   slow        sleep 30 s at the start of STEP, saying so on stderr (a long step, for the second-signal test)
   sigterm     send SIGTERM to this process after STEP (a preemption notice)
   nan         NaN in this rank's reduced gradient of layers.1.mlp.experts.w2 at STEP
@@ -66,8 +66,8 @@ def install(kind: str, step: int) -> None:
         elif kind == "block":
             threading.Event().wait()
         elif kind == "symm":
-            from moe_overlap.distributed.a2a import SymmPusher
-            SymmPusher.push = lambda *a, **k: _die()
+            from moe_overlap.distributed.a2a import PushTransport
+            PushTransport.move = lambda *a, **k: _die()  # peers then wait for its rows on the GPU
         elif kind == "slow":
             print(f"faults: step {step} sleeps 30 s", file=sys.stderr, flush=True)
             time.sleep(30)

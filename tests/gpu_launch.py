@@ -1,4 +1,5 @@
-"""One torchrun launch of a GPU test module on 2 GPUs; each rank writes its report as JSON (``write_report``)."""
+"""One torchrun launch of a GPU test module on 2 GPUs (or any number); each rank writes its report as JSON
+(``write_report``)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,20 @@ def launch_two_ranks(module_file: str, out_dir: Path, timeout_s: int) -> list[di
     reports, printed for the log. Fails (not skips) without 2 GPUs: a GPU test that did not run did not pass."""
     if torch.cuda.device_count() < 2:
         pytest.fail("needs 2 CUDA GPUs")
+    return launch_ranks(module_file, out_dir, timeout_s, 2)
+
+
+def launch_ranks(module_file: str, out_dir: Path, timeout_s: int, world: int) -> list[dict]:
+    """The same with ``world`` ranks (one GPU each)."""
+    if torch.cuda.device_count() < max(world, 1):
+        pytest.fail(f"needs {world} CUDA GPUs")
     env = dict(os.environ, **MULTICAST_OFF, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", module_file,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", module_file,
            str(out_dir)]
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     found = [json.loads(p.read_text()) for p in sorted(out_dir.glob("report_rank*.json"))]
     for report in found:
         print(json.dumps(report, indent=1))
     fatal = [line for line in done.stdout.splitlines() if "FATAL" in line or "Error" in line]
-    assert len(found) == 2, "\n".join(fatal[-20:]) + "\n" + done.stderr[-6000:]
+    assert len(found) == world, "\n".join(fatal[-20:]) + "\n" + done.stderr[-6000:]
     return found

@@ -1,32 +1,42 @@
-"""Transport choice (auto, and refusals that say why) and the chunked exchange layout, without processes."""
+"""The MoE pipeline's planning and transport choice (auto, and refusals that say why) and the chunked exchange
+layout, without processes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from moe_overlap.distributed.a2a import choose_backend, exchange_layout
+from moe_overlap.distributed.a2a import choose_exchange, exchange_layout
 
 
-def test_auto_picks_symm_on_one_host_and_nccl_across_a_simulated_second_host():
-    assert choose_backend("auto", "cuda", [0, 1], 8, None)[0] == "symm"
-    name, why = choose_backend("auto", "cuda", [0, 1, 2, 3], local_world_size=2, symm_reason=None)
-    assert name == "nccl" and "span 2 hosts" in why
-    name, why = choose_backend("auto", "cuda", [0, 1], 8, "GPU 0 has no peer access to GPU 1")
-    assert name == "nccl" and "peer access" in why
-    assert choose_backend("auto", "cpu", [0, 1], 2, "the device is the CPU")[0] == "gloo"
-
-
-@pytest.mark.parametrize("requested,device,ranks,local,reason,fragment", [
-    ("symm", "cuda", [0, 1, 2, 3], 2, None, "span 2 hosts"),
-    ("symm", "cpu", [0, 1], 2, "the device is the CPU", "the device is the CPU"),
-    ("gloo", "cuda", [0, 1], 2, None, "use 'nccl'"),
-    ("nccl", "cpu", [0, 1], 2, "the device is the CPU", "use 'gloo'"),
-    ("mpi", "cpu", [0, 1], 2, None, "allowed auto, nccl, symm, gloo"),
+@pytest.mark.parametrize("planning,transport,device,reason,chosen", [
+    ("auto", "auto", "cuda", None, ("device", "sm_push")),  # one host with peer access
+    ("host", "auto", "cuda", None, ("host", "copy_engine")),
+    ("device", "auto", "cuda", None, ("device", "sm_push")),
+    ("auto", "auto", "cuda", "the ranks span 2 hosts", ("host", "nccl")),
+    ("auto", "nccl", "cuda", None, ("host", "nccl")),
+    ("auto", "copy_engine", "cuda", None, ("host", "copy_engine")),
+    ("auto", "auto", "cpu", "the device is the CPU", ("host", "gloo")),
+    ("device", "gloo", "cpu", None, ("device", "gloo")),  # the SM push's twin
 ])
-def test_a_transport_that_cannot_run_is_refused_with_the_reason(requested, device, ranks, local, reason, fragment):
-    with pytest.raises(ValueError, match="overlap.moe_a2a_backend") as err:
-        choose_backend(requested, device, ranks, local, reason)
+def test_auto_planning_and_transport(planning, transport, device, reason, chosen):
+    assert choose_exchange(planning, transport, device, reason)[:2] == chosen
+
+
+@pytest.mark.parametrize("planning,transport,device,reason,fragment", [
+    ("device", "auto", "cuda", "the ranks span 2 hosts", "needs overlap.moe_transport='sm_push', which cannot run: "
+                                                          "the ranks span 2 hosts"),
+    ("auto", "sm_push", "cuda", "GPU 0 has no peer access to GPU 1", "'sm_push' cannot run: GPU 0 has no peer"),
+    ("device", "nccl", "cuda", None, "takes host sizes"),
+    ("host", "sm_push", "cuda", None, "takes device sizes"),
+    ("auto", "gloo", "cuda", None, "is the CPU transport"),
+    ("auto", "nccl", "cpu", "the device is the CPU", "cannot run on the CPU; use 'auto' or 'gloo'"),
+    ("auto", "symm", "cpu", None, "allowed auto, nccl, copy_engine, sm_push, gloo"),
+    ("later", "auto", "cpu", None, "overlap.moe_planning='later': allowed auto, host, device"),
+])
+def test_a_pipeline_that_cannot_run_is_refused_with_the_reason(planning, transport, device, reason, fragment):
+    with pytest.raises(ValueError, match="overlap.moe_") as err:
+        choose_exchange(planning, transport, device, reason)
     assert fragment in str(err.value)
 
 

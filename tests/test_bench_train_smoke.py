@@ -13,10 +13,10 @@ def test_train_step_benchmark_smoke(tmp_path):
     out = tmp_path / "train.json"
     main(["configs/tiny.yaml", "parallel.expert_model_parallel_size=1", "train.micro_batch_size=2",
           "train.global_batch_size=4", "--steps", "2", "--warmup", "1", "--profile-steps", "1",
-          "--variant", "sync_free:overlap.moe_sync_free_dispatch=true", "--json", str(out)])
+          "--variant", "device_planned:overlap.moe_pipeline=true,overlap.moe_planning=device", "--json", str(out)])
     result = json.loads(out.read_text())
     assert {"device", "world_size", "date", "command", "env", "rows"} <= set(result)
-    assert [row["variant"] for row in result["rows"]] == ["config", "sync_free"]
+    assert [row["variant"] for row in result["rows"]] == ["config", "device_planned"]
     for row in result["rows"]:
         assert row["steps_timed"] == 2 and row["tokens_per_step"] == 4 * 128
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_tflops"] == 788.0

@@ -11,6 +11,7 @@ from moe_overlap.config import (
     Config,
     ConfigError,
     ModelConfig,
+    OverlapConfig,
     ParallelConfig,
     TrainConfig,
     load_config,
@@ -21,6 +22,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny.yaml"  # MoE: 4 layers, 8 heads / 4 groups, 8 experts top-2, EP=2, micro 8 / global 32
 NOT_YET = "not implemented yet"
 TP_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+DEVICE_PLANNED = ["overlap.moe_pipeline=true", "overlap.moe_planning=device"]
 
 
 def config_error(path, overrides) -> str:
@@ -103,7 +105,7 @@ BAD: list[tuple] = [
     (None, ["parallel.virtual_pipeline_model_parallel_size=0"], "parallel.virtual_pipeline_model_parallel_size",
      "0", "must be >= 1 or null"),
     (None, ["overlap.tp_comm_num_splits=0"], "overlap.tp_comm_num_splits", "0", "must be >= 1"),
-    (None, ["overlap.moe_a2a_chunks=0"], "overlap.moe_a2a_chunks", "0", "must be >= 1"),
+    (None, ["overlap.moe_pipeline_chunks=0"], "overlap.moe_pipeline_chunks", "0", "must be >= 1"),
     (None, ["train.micro_batch_size=0"], "train.micro_batch_size", "0", "must be >= 1"),
     (None, ["train.max_steps=0"], "train.max_steps", "0", "must be >= 1"),
     (None, ["train.lr=0"], "train.lr", "0.0", "must be > 0"),
@@ -183,7 +185,10 @@ BAD: list[tuple] = [
      "must be > 0 (or null: one Transformer layer per bucket)"),
     (None, ["overlap.dp_comm_ctas=0"], "overlap.dp_comm_ctas", "0", "must be between 1 and 64"),
     (None, ["overlap.dp_comm_ctas=65"], "overlap.dp_comm_ctas", "65", "must be between 1 and 64"),
-    (None, ["overlap.gemm_sm_carveout=-1"], "overlap.gemm_sm_carveout", "-1", "must be >= 0"),
+    (None, ["overlap.gemm_sm_carveout=-1"], "overlap.gemm_sm_carveout", "-1", "must be >= 0, or auto"),
+    (None, ["overlap.gemm_sm_carveout=some"], "overlap.gemm_sm_carveout", "'some'", "an integer or one of 'auto'"),
+    (TINY, ["overlap.ep_comm_ctas=0"], "overlap.ep_comm_ctas", "0", "must be between 1 and 64"),
+    (None, ["overlap.ep_comm_ctas=4"], "overlap.ep_comm_ctas", "4", "expert_model_parallel_size > 1"),
     (None, ["train.on_nonfinite_grad=ignore"], "train.on_nonfinite_grad", "'ignore'", "one of 'skip', 'stop'"),
     # --- bad override syntax
     (None, ["model.hidden_size"], "override", "'model.hidden_size'", "expected section.field=value"),
@@ -193,35 +198,42 @@ BAD: list[tuple] = [
     (None, ["=3"], "override", "'=3'", "expected section.field=value"),
     # --- files
     ("does/not/exist.yaml", [], "config", "does/not/exist.yaml", "no such file"),
-    # the chunked EP pipeline's switches need the pipeline; chunks are runs of local experts
-    (TINY, ["overlap.moe_a2a_chunks=2"], "overlap.moe_a2a_chunks", "2", "needs overlap.moe_overlap_dispatch=true"),
-    (TINY, ["overlap.delay_wgrad_compute=true"], "overlap.delay_wgrad_compute", "True", "moe_overlap_dispatch"),
-    (TINY, ["overlap.moe_a2a_backend=nccl"], "overlap.moe_a2a_backend", "'nccl'", "moe_overlap_dispatch"),
-    (TINY, ["overlap.moe_overlap_dispatch=true", "overlap.moe_a2a_chunks=5"], "overlap.moe_a2a_chunks", "5",
+    # the MoE pipeline's fields need the pipeline; chunks are runs of local experts; planning and transport agree
+    (TINY, ["overlap.moe_pipeline_chunks=2"], "overlap.moe_pipeline_chunks", "2", "needs overlap.moe_pipeline=true"),
+    (TINY, ["overlap.delay_wgrad_compute=true"], "overlap.delay_wgrad_compute", "True", "moe_pipeline=true"),
+    (TINY, ["overlap.moe_transport=nccl"], "overlap.moe_transport", "'nccl'", "moe_pipeline=true"),
+    (TINY, ["overlap.moe_planning=device"], "overlap.moe_planning", "'device'", "moe_pipeline=true"),
+    (TINY, ["overlap.moe_pipeline=true", "overlap.moe_pipeline_chunks=5"], "overlap.moe_pipeline_chunks", "5",
      "local experts", "= 4"),
-    # the sync-free dispatch: its own dropless path, one chunk, SM pushes over symmetric memory
-    (TINY, ["overlap.moe_sync_free_dispatch=true", "overlap.moe_overlap_dispatch=true"],
-     "overlap.moe_sync_free_dispatch", "True", "two different dispatch paths"),
-    (TINY, ["overlap.moe_sync_free_dispatch=true", "model.moe_expert_capacity_factor=1.0"],
-     "overlap.moe_sync_free_dispatch", "True", "dropless", "moe_pad_expert_input_to_capacity"),
-    (TINY, ["overlap.moe_sync_free_dispatch=true", "overlap.moe_a2a_backend=nccl"], "overlap.moe_a2a_backend",
-     "'nccl'", "SM stores", "auto or symm"),
-    (TINY, ["overlap.moe_sync_free_dispatch=true", "overlap.moe_a2a_chunks=2"], "overlap.moe_a2a_chunks", "2",
-     "one chunk"),
-    (TINY, ["overlap.moe_sync_free_dispatch=true", "parallel.expert_tensor_parallel_size=2"],
-     "overlap.moe_sync_free_dispatch", "True", "not implemented yet", "expert_tensor_parallel_size > 1"),
-    (TINY, ["train.moe_cuda_graph=true"], "train.moe_cuda_graph", "True", "overlap.moe_sync_free_dispatch=true"),
-    (TINY, ["train.moe_cuda_graph=true", "overlap.moe_sync_free_dispatch=true", "train.recompute_granularity=full"],
+    (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "overlap.moe_transport=nccl"],
+     "overlap.moe_transport", "'nccl'", "takes host sizes", "moe_planning=device"),
+    (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "overlap.moe_transport=copy_engine"],
+     "overlap.moe_transport", "'copy_engine'", "takes host sizes"),
+    (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=host", "overlap.moe_transport=sm_push"],
+     "overlap.moe_transport", "'sm_push'", "takes device sizes"),
+    (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "parallel.expert_tensor_parallel_size=2"],
+     "overlap.moe_planning", "'device'", "not implemented yet", "expert-TP gather takes host sizes"),
+    # the fields of the three dispatch paths the pipeline replaced: refused in one line naming the new ones
+    (TINY, ["overlap.moe_overlap_dispatch=true"], "overlap.moe_overlap_dispatch", "True",
+     "was replaced: use overlap.moe_pipeline=true overlap.moe_planning=host"),
+    (TINY, ["overlap.moe_sync_free_dispatch=true"], "overlap.moe_sync_free_dispatch", "True",
+     "overlap.moe_pipeline=true overlap.moe_planning=device"),
+    (TINY, ["overlap.moe_a2a_chunks=2"], "overlap.moe_a2a_chunks", "2", "use overlap.moe_pipeline_chunks"),
+    (TINY, ["overlap.moe_a2a_backend=symm"], "overlap.moe_a2a_backend", "'symm'", "overlap.moe_transport",
+     "copy_engine with overlap.moe_planning=host", "sm_push with overlap.moe_planning=device"),
+    (TINY, ["train.moe_cuda_graph=true"], "train.moe_cuda_graph", "True", "overlap.moe_planning=device"),
+    (TINY, ["train.moe_cuda_graph=true", "overlap.moe_pipeline=true"], "train.moe_cuda_graph", "True",
+     "overlap.moe_planning=device"),
+    (TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, "train.recompute_granularity=full"],
      "train.moe_cuda_graph", "True", "not implemented yet", "recomputation"),
-    (TINY, ["train.moe_cuda_graph=true", "overlap.moe_sync_free_dispatch=true", *TP_SP,
-            "parallel.expert_tensor_parallel_size=1"],
+    (TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, *TP_SP, "parallel.expert_tensor_parallel_size=1"],
      "train.moe_cuda_graph", "True", "not implemented yet", "tensor parallelism"),
     (TINY, ["model.moe_pad_expert_input_to_capacity=true"], "model.moe_pad_expert_input_to_capacity", "True",
      "moe_expert_capacity_factor"),
     (TINY, ["model.moe_shared_expert_overlap=true"], "model.moe_shared_expert_overlap", "True",
      "moe_shared_expert_intermediate_size"),
     (TINY, ["model.moe_shared_expert_intermediate_size=64", "model.moe_shared_expert_overlap=true"],
-     "model.moe_shared_expert_overlap", "True", "moe_overlap_dispatch"),
+     "model.moe_shared_expert_overlap", "True", "moe_pipeline=true"),
     (TINY, ["model.moe_shared_expert_intermediate_size=12"], "model.moe_shared_expert_intermediate_size", "12",
      "multiple of 8"),
 ]
@@ -288,11 +300,20 @@ def test_global_batch_divisible_by_micro_batch_times_dp():
     check(_world_error(cfg, 8), "train.global_batch_size", "32", "train.micro_batch_size x data-parallel size = 8 x 8")
 
 
-@pytest.mark.parametrize("backend,device,wanted", [("nccl", "cpu", "gloo"), ("symm", "cpu", "gloo"),
-                                                    ("gloo", "cuda", "nccl")])
-def test_a2a_backend_must_match_device(backend, device, wanted):
-    cfg = load_config(TINY, [f"overlap.moe_a2a_backend={backend}", "overlap.moe_overlap_dispatch=true"])
-    check(_world_error(cfg, 2, device), "overlap.moe_a2a_backend", repr(backend), f"device {device!r}", wanted)
+@pytest.mark.parametrize("transport,device,wanted", [("nccl", "cpu", "gloo"), ("sm_push", "cpu", "gloo"),
+                                                      ("copy_engine", "cpu", "gloo"), ("gloo", "cuda", "nccl")])
+def test_moe_transport_must_match_device(transport, device, wanted):
+    cfg = load_config(TINY, [f"overlap.moe_transport={transport}", "overlap.moe_pipeline=true"])
+    check(_world_error(cfg, 2, device), "overlap.moe_transport", repr(transport), f"device {device!r}", wanted)
+
+
+def test_replaced_dispatch_fields_at_their_defaults_still_load(tmp_path):
+    """A run directory's config.yaml from before the pipeline holds the old fields at their defaults: it loads,
+    meaning what it meant (the serial reference)."""
+    path = tmp_path / "config.yaml"
+    path.write_text("overlap:\n  moe_overlap_dispatch: false\n  moe_a2a_backend: auto\n  moe_a2a_chunks: 1\n"
+                    "  moe_sync_free_dispatch: false\n")
+    assert load_config(path).overlap == OverlapConfig()
 
 
 def test_tp_comm_backend_symm_needs_cuda():
@@ -448,6 +469,7 @@ def test_error_keeps_field_value_and_allowed():
 
 
 @pytest.mark.parametrize("override,field,value", [("overlap.dp_comm_ctas=2", "overlap.dp_comm_ctas", "2"),
+                                                  ("overlap.ep_comm_ctas=2", "overlap.ep_comm_ctas", "2"),
                                                   ("overlap.gemm_sm_carveout=8", "overlap.gemm_sm_carveout", "8")])
 def test_comm_resource_fields_need_cuda(override, field, value):
     cfg = load_config(TINY, [override])
@@ -456,6 +478,6 @@ def test_comm_resource_fields_need_cuda(override, field, value):
 
 
 def test_moe_cuda_graph_needs_cuda():
-    cfg = load_config(TINY, ["train.moe_cuda_graph=true", "overlap.moe_sync_free_dispatch=true"])
+    cfg = load_config(TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED])
     check(_world_error(cfg, 2, "cpu"), "train.moe_cuda_graph", "True", "train.device=cuda")
     validate_for_world(cfg, 2, "cuda")  # and is fine there

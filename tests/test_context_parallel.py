@@ -245,7 +245,7 @@ TINY_MOE = ["model.num_moe_experts=8"]
     (["overlap.cp_comm_overlap=true"], "overlap.cp_comm_overlap", "no effect with parallel.context_parallel_size=1"),
     (["parallel.context_parallel_size=2", "parallel.cp_comm_type=all_gather"], "parallel.cp_comm_type",
      "not implemented yet"),
-    (["parallel.context_parallel_size=2", *TINY_MOE, "overlap.moe_sync_free_dispatch=true",
+    (["parallel.context_parallel_size=2", *TINY_MOE, "overlap.moe_pipeline=true", "overlap.moe_planning=device",
       "train.moe_cuda_graph=true"], "train.moe_cuda_graph", "graphs of MoE layers under context parallelism"),
     (["parallel.context_parallel_size=0"], "parallel.context_parallel_size", "must be >= 1"),
     (["parallel.cp_comm_type=ring"], "parallel.cp_comm_type", "one of 'p2p'"),

@@ -117,16 +117,23 @@ class RecordingCollectives:
         return Recorded()
 
 
-def overlap_order_case(output_dir: str, overlap: bool) -> tuple[list, list[int]]:
-    """What happens, in order, over two steps; and how many buckets each forward part uses first."""
+def overlap_order_case(output_dir: str, overlap: bool) -> tuple[list, list[int], list]:
+    """What happens, in order, over two steps; how many buckets each forward part uses first; and the GEMM SM
+    carve-out at each micro-batch's forward and each reduce-scatter's start (overlap.gemm_sm_carveout=8)."""
     micro_batches = 4
     extra = OVERLAP if overlap else DIST
     cfg = small_config(output_dir, 2, 2 * micro_batches * dist.get_world_size(), **extra)
     _, mesh = world_and_mesh(cfg)
     try:
         trainer = Trainer(cfg, mesh, CPU)
+        trainer.cfg.overlap.gemm_sm_carveout = 8  # a CUDA setting in a config: what is checked is where it lands
         events: list = []
         trainer.optimizer.collectives = RecordingCollectives(events)
+        carveouts = []
+        carveout = torch._C._get_sm_carveout_experimental
+        trainer.model.register_forward_pre_hook(lambda *_: carveouts.append(("forward", carveout())))
+        start = trainer.optimizer.collectives.start_reduce_scatter
+        trainer.optimizer.collectives.start_reduce_scatter = lambda *a: carveouts.append(("sync", carveout())) or start(*a)
         modules = [module for module, _ in trainer.model.forward_units()]
         for index, module in enumerate(modules):
             module.register_forward_pre_hook(lambda *_, index=index: events.append(("forward", index)))
@@ -135,13 +142,13 @@ def overlap_order_case(output_dir: str, overlap: bool) -> tuple[list, list[int]]
             trainer.train_step()
             events.append(("step_done",))
         first_used = [sum(b.first_unit == index for b in trainer.optimizer.buckets) for index in range(len(modules))]
-        return events, first_used
+        return events, first_used, carveouts + [("after", carveout())]
     finally:
         mesh.destroy()
 
 
 def test_overlap_starts_reduce_scatter_in_last_backward_and_waits_all_gather_in_forward(rank_pool, tmp_path):
-    for events, first_used in rank_pool(2).run(overlap_order_case, str(tmp_path), True):
+    for events, first_used, carveouts in rank_pool(2).run(overlap_order_case, str(tmp_path), True):
         second_step = events[events.index(("step_done",)) + 1:]
         micro_batch_starts = [i for i, event in enumerate(second_step) if event == ("micro_batch",)]
         assert len(micro_batch_starts) == 4
@@ -155,10 +162,25 @@ def test_overlap_starts_reduce_scatter_in_last_backward_and_waits_all_gather_in_
             expected += [("wait_all_gather",)] * buckets + [("forward", index)]
         assert second_step[:micro_batch_starts[1]] == expected
         assert ("wait_all_gather",) not in second_step[micro_batch_starts[1]:]
+        # The carve-out holds the GEMMs beside the syncs only: the first forward, the last backward.
+        forwards = [value for phase, value in carveouts if phase == "forward"]
+        assert forwards == [8, None, None, None] * 2 and carveouts[-1] == ("after", None)
+        assert {value for phase, value in carveouts if phase == "sync"} == {8}
+
+
+@pytest.mark.parametrize("carveout,ctas,want", [(8, None, 8), (0, 2, 0), ("auto", 2, 8), ("auto", None, 0),
+                                               ("auto", 64, 32)])
+def test_dp_carveout_setting(carveout, ctas, want):
+    """What the GEMMs beside the DP syncs leave free: as set; auto: the measured pairing, 4 x the CTA cap."""
+    from moe_overlap.config import Config, OverlapConfig
+    from moe_overlap.training.trainer import dp_gemm_sms
+
+    assert dp_gemm_sms(Config(overlap=OverlapConfig(gemm_sm_carveout=carveout, dp_comm_ctas=ctas))) == want
 
 
 def test_overlap_off_syncs_after_backward_and_in_the_step(rank_pool, tmp_path):
-    events, _ = rank_pool(2).run(overlap_order_case, str(tmp_path), False)[0]
+    events, _, carveouts = rank_pool(2).run(overlap_order_case, str(tmp_path), False)[0]
+    assert {value for _, value in carveouts} == {None}  # nothing runs beside the GEMMs
     second_step = events[events.index(("step_done",)) + 1:]
     assert all(event[1] is False for event in second_step if event[0] == "reduce_scatter")
     last_forward = max(i for i, event in enumerate(second_step) if event[0] == "forward")

@@ -1,5 +1,5 @@
 """A rank killed while its peers wait for it on the GPU (`pytest -m gpu`, on every visible GPU up to 8, at least
-2): in a symmetric-memory signal wait of the sync-free dispatch, which runs on the device and which no
+2): in a symmetric-memory signal wait of the device-planned MoE pipeline, which runs on the device and which no
 collective timeout reaches, and inside an NCCL all-reduce. The others exit within train.distributed_timeout_s
 with one line naming the dead rank and its phase: the heartbeat monitor ends them while their host threads are
 blocked behind the device. (On CPU, test_fault.py blocks a rank in a wait that never fails to the same end.)
@@ -25,7 +25,8 @@ def test_rank_killed_while_peers_wait_on_the_gpu(tmp_path, fault):
         pytest.fail("needs 2 CUDA GPUs or more (a dead peer needs a peer)")
     world = 1 << min(3, torch.cuda.device_count().bit_length() - 1)  # 2, 4 or 8: divides the 8 experts
     argv = train_argv(tmp_path / "run", "train.device=cuda", f"parallel.expert_model_parallel_size={world}",
-                      f"train.global_batch_size={4 * world}", "overlap.moe_sync_free_dispatch=true",
+                      f"train.global_batch_size={4 * world}", "overlap.moe_pipeline=true",
+                      "overlap.moe_planning=device",
                       f"train.distributed_timeout_s={TIMEOUT_S}")
     codes, outputs, ended = finish(launch_ranks(argv, tmp_path, f"{fault}:1:3", world_size=world, env=MULTICAST_OFF),
                                    tmp_path, timeout_s=300)

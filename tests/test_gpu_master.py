@@ -2,11 +2,12 @@
 
 The bf16 runs' error against an fp32 single-process run must be at most 2x the single-process bf16 run's own
 error against it, per tensor (normwise), for every gradient of the first step and the loss curve of the steps. Layouts: EP=2
-(plain all-reduce optimizer; distributed optimizer with both overlaps; the overlapped dispatch over the
+(plain all-reduce optimizer; distributed optimizer with both overlaps; the host-planned MoE pipeline over the
 auto-chosen transport), TP=2 with SP and expert-TP=2: serial, every TP overlap over the copy-engine ring
-(symm), the pipelined ones over NCCL p2p; EP=2 with the sync-free dispatch and its MoE layers replayed
-from CUDA graphs (train.moe_cuda_graph); the distributed optimizer with both overlaps and those graphed layers,
-its communicators at 2 CTAs and the GEMMs 8 SMs short (overlap.dp_comm_ctas, overlap.gemm_sm_carveout);
+(symm), the pipelined ones over NCCL p2p; EP=2 with the device-planned MoE pipeline (SM pushes) and its MoE
+layers replayed from CUDA graphs (train.moe_cuda_graph); the distributed optimizer with both overlaps and those
+graphed layers, its communicators at 2 CTAs (and the EP one at 4) and the GEMMs beside its syncs 8 SMs short
+(overlap.dp_comm_ctas, overlap.ep_comm_ctas, overlap.gemm_sm_carveout).
 PP=2 (one layer, then two): 1F1B with batched P2P, ZB-H1 with overlapped P2P over the per-direction groups.
 Launched once under torchrun; the per-rank work is `gpu_equivalence` below.
 """
@@ -40,16 +41,17 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     dp_resources_cfg = small_config(output_dir, 2, global_batch, **{
         "train.precision": "bf16", "train.device": "cuda", "train.use_distributed_optimizer": "true",
         "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true", "overlap.dp_comm_ctas": 2,
-        "overlap.gemm_sm_carveout": 8, "overlap.moe_sync_free_dispatch": "true", "train.moe_cuda_graph": "true"})
+        "overlap.ep_comm_ctas": 4, "overlap.gemm_sm_carveout": 8, "overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
+        "train.moe_cuda_graph": "true"})
     dp_resources_mesh = Mesh.create(mesh_layout(dp_resources_cfg, 2), timeout_s=120,
                                     pg_options=mesh_group_options(dp_resources_cfg))
     overlap_cfg = small_config(output_dir, 2, global_batch, **{
-        "train.precision": "bf16", "train.device": "cuda", "overlap.moe_overlap_dispatch": "true",
-        "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true"})
+        "train.precision": "bf16", "train.device": "cuda", "overlap.moe_pipeline": "true",
+        "overlap.moe_planning": "host", "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"})
 
     graph_cfg = small_config(output_dir, 2, global_batch, **{
-        "train.precision": "bf16", "train.device": "cuda", "overlap.moe_sync_free_dispatch": "true",
-        "train.moe_cuda_graph": "true"})
+        "train.precision": "bf16", "train.device": "cuda", "overlap.moe_pipeline": "true",
+        "overlap.moe_planning": "device", "overlap.moe_pipeline_chunks": 2, "train.moe_cuda_graph": "true"})
 
     def tp_cfg(*overlaps: str, **extra):
         return small_config(output_dir, 1, global_batch, **{"train.precision": "bf16", "train.device": "cuda"},
@@ -84,12 +86,14 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
     }
     losses = {name: [] for name in runs}
     grads = {}
-    carveouts = {}  # the GEMM SM carve-out each run's step held, seen from inside the step
+    carveouts = {name: [] for name in runs}  # the GEMM SM carve-out each run's forwards held, in order
+    for name, trainer in runs.items():
+        trainer.model.embedding.register_forward_hook(
+            lambda *_, name=name: carveouts[name].append(torch._C._get_sm_carveout_experimental()))
 
     def inspect(name, captured):
         def hook(optimizer):
             captured.update(logical_grads(optimizer))
-            carveouts[name] = torch._C._get_sm_carveout_experimental()
         return hook
 
     for step in range(steps):
@@ -100,9 +104,11 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
                 grads[name] = captured
     ref = grads["single_fp32"]
     dp_backend = dp_resources_mesh.dp_cp.group._get_backend(torch.device("cuda"))
+    ep_backend = dp_resources_mesh.ep.group._get_backend(torch.device("cuda"))
     report = {"rank": dist.get_rank(), "losses": losses, "violations": [], "tensors": 0, "carveouts": carveouts,
               "carveout_after_steps": torch._C._get_sm_carveout_experimental(),
-              "dp_comm_ctas": [dp_backend.options.config.min_ctas, dp_backend.options.config.max_ctas]}
+              "dp_comm_ctas": [dp_backend.options.config.min_ctas, dp_backend.options.config.max_ctas],
+              "ep_comm_ctas": [ep_backend.options.config.min_ctas, ep_backend.options.config.max_ctas]}
     for layout in layouts:
         for key, grad in grads[layout].items():
             layout_err, single_err = rel_err(grad, ref[key]), rel_err(grads["single_bf16"][key], ref[key])
@@ -127,7 +133,7 @@ def gpu_equivalence(output_dir: str, steps: int = 3) -> dict:
 
 LAYOUTS = ("layout_bf16", "layout_bf16_distributed_optimizer_overlap", "layout_bf16_overlapped_dispatch",
            "layout_bf16_tp2_sp_etp2", "layout_bf16_tp2_sp_etp2_all_overlaps_symm",
-           "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p", "layout_bf16_sync_free_dispatch_cuda_graph",
+           "layout_bf16_tp2_sp_etp2_pipelined_overlaps_p2p", "layout_bf16_device_planned_pipeline_cuda_graph",
            "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8",
            "layout_bf16_pp2_1f1b_batched_p2p", "layout_bf16_pp2_zb_h1_overlapped_p2p")
 
@@ -148,11 +154,11 @@ def test_master_over_nccl_bf16(reports, layout):
 
 
 @pytest.mark.gpu
-def test_dp_comm_ctas_and_gemm_carveout_reach_nccl_and_the_step(reports):
+def test_comm_ctas_and_gemm_carveout_reach_nccl_and_the_step(reports):
     for report in reports:
-        assert report["dp_comm_ctas"] == [2, 2]
-        carve = report["carveouts"]
-        assert carve[LAYOUTS[7]] == 8 and carve[LAYOUTS[1]] in (None, 0)  # held inside its steps only
+        assert report["dp_comm_ctas"] == [2, 2] and report["ep_comm_ctas"] == [4, 4]
+        carve = report["carveouts"]  # per forward: 2 micro-batches a step, the first beside the all-gathers
+        assert carve[LAYOUTS[7]][:2] == [8, None] and set(carve[LAYOUTS[1]]) <= {None, 0}
         assert report["carveout_after_steps"] in (None, 0)
 
 

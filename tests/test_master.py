@@ -207,10 +207,12 @@ def test_metrics_and_checkpoint_of_a_short_fit(tmp_path):
     assert dataclasses.asdict(cfg)["train"]["max_steps"] == 3
 
 
-# The overlapped EP pipeline inside the full model (forward and backward, every micro-batch) against the
+# The EP pipeline inside the full model (forward and backward, every micro-batch) against the
 # serial single-process run: chunks, deferred wgrad, the shared expert in the dispatch gap, the full router,
-# padded capacity (static exchange sizes), and the sync-free dropless dispatch.
-OVERLAP = {"overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true"}
+# padded capacity (static exchange sizes), and the device-planned pipeline (sizes on the device), with drops too.
+OVERLAP = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host", "overlap.moe_pipeline_chunks": 2,
+           "overlap.delay_wgrad_compute": "true"}
+DEVICE_PLANNED = {**OVERLAP, "overlap.moe_planning": "device"}
 
 
 @pytest.mark.parametrize("world,ep,both,layout", [
@@ -218,9 +220,11 @@ OVERLAP = {"overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2, 
      {**OVERLAP, "model.moe_shared_expert_overlap": "true"}),
     (4, 4, {"model.moe_expert_capacity_factor": 1.0, "model.moe_pad_expert_input_to_capacity": "true"}, OVERLAP),
     (4, 2, {"model.moe_expert_capacity_factor": 1.5, "model.moe_token_drop_policy": "position"}, OVERLAP),
-    (4, 4, {"model.moe_shared_expert_intermediate_size": 16}, {"overlap.moe_sync_free_dispatch": "true"}),
-], ids=["ep2_shared_sigmoid", "ep4_padded_capacity", "ep2xdp2_capacity_position", "ep4_sync_free"])
-def test_overlapped_dispatch_matches_single_process(rank_pool, tmp_path, world, ep, both, layout):
+    (4, 4, {"model.moe_shared_expert_intermediate_size": 16}, DEVICE_PLANNED),
+    (4, 2, {"model.moe_expert_capacity_factor": 1.5}, DEVICE_PLANNED),
+], ids=["ep2_shared_sigmoid", "ep4_padded_capacity", "ep2xdp2_capacity_position", "ep4_device_planned",
+        "ep2xdp2_device_planned_capacity"])
+def test_moe_pipeline_matches_single_process(rank_pool, tmp_path, world, ep, both, layout):
     worst = rank_pool(world).run(equivalence_case, ep, 3, str(tmp_path), router=both, layout=layout)
     assert all(max(w.values()) < TOL for w in worst)
 
@@ -253,7 +257,7 @@ def test_checkpoint_moves_between_expert_tp_sizes(rank_pool, tmp_path):
 # tp_comm overlap) x DP=2, EP=2 folded over TP (the chunked dispatch pipeline with deferred weight gradients and
 # the shared expert in its gap), and the distributed optimizer overlapping both its syncs over small buckets.
 EVERY_SWITCH = dict(tp_layout(2, *ALL_TP_OVERLAPS, **{"overlap.tp_comm_num_splits": 2}), **{
-    "overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2, "overlap.delay_wgrad_compute": "true",
+    "overlap.moe_pipeline": "true", "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true",
     "model.moe_shared_expert_overlap": "true", "train.use_distributed_optimizer": "true",
     "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true", "overlap.bucket_size_mb": 0.01})
 EVERY_SWITCH_OFF = tp_layout(2)

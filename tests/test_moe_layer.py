@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
-from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, grouped_swiglu_reference
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.mlp import swiglu
@@ -111,80 +111,108 @@ def rank_inputs(rank: int, routing: str, topk: int):
 SHARED_F = 16
 
 
-def moe_case(routing: str, topk: int, chunks: int = 0, capacity: int | None = None, pad: bool = False,
-             shared: str = "off", delay_wgrad: bool = False, etp: int = 1, sync_free: bool = False) -> float:
-    """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula.
-
-    chunks 0 is the serial path (or, with sync_free, the sync-free one); >= 1 the overlapped pipeline with
-    that many chunks. shared: off, serial (shared expert outside the pipeline), overlap (inside the dispatch gap).
-    """
+def moe_case(routing: str, topk: int, **setting) -> float:
+    """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula (see
+    :func:`layer_case` for ``setting``)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    etp = setting.get("etp", 1)
     mesh = Mesh.create(MeshLayout(world, ep=world // etp, etp=etp), timeout_s=60) if world > 1 else Mesh.single()
     try:
-        cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
-                          moe_pad_expert_input_to_capacity=pad,
-                          moe_shared_expert_intermediate_size=SHARED_F if shared != "off" else None,
-                          moe_shared_expert_overlap=shared == "overlap")
-        overlap = OverlapConfig(moe_overlap_dispatch=chunks > 0, moe_a2a_chunks=max(chunks, 1),
-                                delay_wgrad_compute=delay_wgrad, moe_sync_free_dispatch=sync_free)
-        transports = (TransportSelector("auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), max(chunks, 1), 60)
-                      if chunks or sync_free else None)
-        layer = MoELayer(cfg, overlap, mesh.ep, transports, etp=mesh.etp, expert_mp=mesh.expert_mp)
-        w13, w2 = full_expert_weights()
-        ffn_slice = slice(mesh.etp.rank * F // etp, (mesh.etp.rank + 1) * F // etp)
-
-        def my_slice(t13, t2):  # this rank's FFN slice under expert-TP: gate and up columns, fc2 rows
-            return torch.cat((t13[..., :F][..., ffn_slice], t13[..., F:][..., ffn_slice]), -1), t2[:, ffn_slice]
-
-        g = torch.Generator().manual_seed(7)
-        shared_fc1, shared_fc2 = torch.randn(2 * SHARED_F, H, generator=g) * 0.3, torch.randn(H, SHARED_F, generator=g) * 0.3
-        local = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
-        with torch.no_grad():
-            mine13, mine2 = my_slice(w13[local], w2[local])
-            layer.experts.w13.copy_(mine13)
-            layer.experts.w2.copy_(mine2)
-            if layer.shared_expert is not None:
-                layer.shared_expert.linear_fc1.weight.copy_(shared_fc1)
-                layer.shared_expert.linear_fc2.weight.copy_(shared_fc2)
-        x, upstream, probs, experts = rank_inputs(rank, routing, topk)
-        x.requires_grad_(True)
-        probs.requires_grad_(True)
-        layer.router = FixedRouter(probs, experts, capacity)
-        out, _, tokens_per_expert = layer(x.unsqueeze(0))
-        kept = FixedRouter(probs, experts, capacity)(x)
-        assert torch.equal(tokens_per_expert, kept.tokens_per_expert_E)
-        out.squeeze(0).backward(upstream)
-
-        # Reference: every rank's tokens through the naive formula; expert grads sum over all of them.
-        ref_w13, ref_w2 = w13.clone().requires_grad_(True), w2.clone().requires_grad_(True)
-        ref_fc1, ref_fc2 = shared_fc1.clone().requires_grad_(True), shared_fc2.clone().requires_grad_(True)
-        errors = []
-        for r in range(world):
-            rx, rup, rprobs, rexperts = rank_inputs(r, routing, topk)
-            rx.requires_grad_(True)
-            rprobs.requires_grad_(True)
-            rkept = FixedRouter(rprobs, rexperts, capacity)(rx)
-            ref_out = naive_moe(rx, rkept.probs_TK, rexperts, ref_w13, ref_w2)
-            if shared != "off":
-                ref_out = ref_out + swiglu(rx @ ref_fc1.T) @ ref_fc2.T
-            ref_fc1.grad, ref_fc2.grad = None, None  # the shared expert sees one rank's tokens only
-            ref_out.backward(rup)
-            if r == rank and rx.shape[0] > 0:
-                errors += [rel_err(out.squeeze(0), ref_out), rel_err(x.grad, rx.grad), rel_err(probs.grad, rprobs.grad)]
-                if shared != "off":
-                    errors += [rel_err(layer.shared_expert.linear_fc1.weight.grad, ref_fc1.grad),
-                               rel_err(layer.shared_expert.linear_fc2.weight.grad, ref_fc2.grad)]
-        want13, want2 = my_slice(ref_w13.grad[local], ref_w2.grad[local])
-        for got, want in ((layer.experts.w13.grad, want13), (layer.experts.w2.grad, want2)):
-            if want.norm() == 0:
-                assert got.abs().max() == 0, "an expert that received nothing has a gradient"
-            else:
-                errors.append(rel_err(got, want))
-        assert max(errors, default=0.0) < 1e-5, errors
-        return max(errors, default=0.0)
+        return layer_case(mesh, routing, topk, **setting)
     finally:
         mesh.destroy()
+
+
+def moe_cases(routing: str, topk: int, settings: list[dict], etp: int = 1) -> list[float]:
+    """Many settings on one mesh (making gloo groups is the slow part of a case)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = Mesh.create(MeshLayout(world, ep=world // etp, etp=etp), timeout_s=60) if world > 1 else Mesh.single()
+    try:
+        return [layer_case(mesh, routing, topk, etp=etp, **setting) for setting in settings]
+    finally:
+        mesh.destroy()
+
+
+_SELECTORS: dict = {}  # one per (mesh, planning), as a model shares one between its layers
+
+
+def layer_case(mesh, routing: str, topk: int, chunks: int = 0, planning: str = "auto", capacity: int | None = None,
+               pad: bool = False, shared: str = "off", delay_wgrad: bool = False, etp: int = 1,
+               force_pipeline: bool = False, selector=None) -> float:
+    """chunks 0 is the serial path; >= 1 the pipeline with that many chunks, its sizes planned by ``planning``
+    (host, or device: on CPU the gloo twin of the SM push). shared: off, serial (shared expert outside the
+    pipeline), overlap (inside the dispatch gap). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
+    group), instead of the local path the layer picks there; ``selector``: the transports it uses then."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
+                      moe_pad_expert_input_to_capacity=pad,
+                      moe_shared_expert_intermediate_size=SHARED_F if shared != "off" else None,
+                      moe_shared_expert_overlap=shared == "overlap")
+    overlap = OverlapConfig(moe_pipeline=chunks > 0, moe_pipeline_chunks=max(chunks, 1),
+                            delay_wgrad_compute=delay_wgrad, moe_planning=planning)
+    transports = selector
+    if chunks and selector is None:
+        key = (id(mesh), planning)
+        if key not in _SELECTORS:
+            _SELECTORS[key] = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
+                                                E // mesh.ep.size, 60)
+        transports = _SELECTORS[key]
+    layer = MoELayer(cfg, overlap, mesh.ep, transports, etp=mesh.etp, expert_mp=mesh.expert_mp)
+    if force_pipeline:
+        layer.local = False
+    w13, w2 = full_expert_weights()
+    ffn_slice = slice(mesh.etp.rank * F // etp, (mesh.etp.rank + 1) * F // etp)
+
+    def my_slice(t13, t2):  # this rank's FFN slice under expert-TP: gate and up columns, fc2 rows
+        return torch.cat((t13[..., :F][..., ffn_slice], t13[..., F:][..., ffn_slice]), -1), t2[:, ffn_slice]
+
+    g = torch.Generator().manual_seed(7)
+    shared_fc1, shared_fc2 = torch.randn(2 * SHARED_F, H, generator=g) * 0.3, torch.randn(H, SHARED_F, generator=g) * 0.3
+    local = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
+    with torch.no_grad():
+        mine13, mine2 = my_slice(w13[local], w2[local])
+        layer.experts.w13.copy_(mine13)
+        layer.experts.w2.copy_(mine2)
+        if layer.shared_expert is not None:
+            layer.shared_expert.linear_fc1.weight.copy_(shared_fc1)
+            layer.shared_expert.linear_fc2.weight.copy_(shared_fc2)
+    x, upstream, probs, experts = rank_inputs(rank, routing, topk)
+    x.requires_grad_(True)
+    probs.requires_grad_(True)
+    layer.router = FixedRouter(probs, experts, capacity)
+    out, _, tokens_per_expert = layer(x.unsqueeze(0))
+    kept = FixedRouter(probs, experts, capacity)(x)
+    assert torch.equal(tokens_per_expert, kept.tokens_per_expert_E)
+    out.squeeze(0).backward(upstream)
+
+    # Reference: every rank's tokens through the naive formula; expert grads sum over all of them.
+    ref_w13, ref_w2 = w13.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    ref_fc1, ref_fc2 = shared_fc1.clone().requires_grad_(True), shared_fc2.clone().requires_grad_(True)
+    errors = []
+    world = mesh.world_size
+    for r in range(world):
+        rx, rup, rprobs, rexperts = rank_inputs(r, routing, topk)
+        rx.requires_grad_(True)
+        rprobs.requires_grad_(True)
+        rkept = FixedRouter(rprobs, rexperts, capacity)(rx)
+        ref_out = naive_moe(rx, rkept.probs_TK, rexperts, ref_w13, ref_w2)
+        if shared != "off":
+            ref_out = ref_out + swiglu(rx @ ref_fc1.T) @ ref_fc2.T
+        ref_fc1.grad, ref_fc2.grad = None, None  # the shared expert sees one rank's tokens only
+        ref_out.backward(rup)
+        if r == rank and rx.shape[0] > 0:
+            errors += [rel_err(out.squeeze(0), ref_out), rel_err(x.grad, rx.grad), rel_err(probs.grad, rprobs.grad)]
+            if shared != "off":
+                errors += [rel_err(layer.shared_expert.linear_fc1.weight.grad, ref_fc1.grad),
+                           rel_err(layer.shared_expert.linear_fc2.weight.grad, ref_fc2.grad)]
+    want13, want2 = my_slice(ref_w13.grad[local], ref_w2.grad[local])
+    for got, want in ((layer.experts.w13.grad, want13), (layer.experts.w2.grad, want2)):
+        if want.norm() == 0:
+            assert got.abs().max() == 0, "an expert that received nothing has a gradient"
+        else:
+            errors.append(rel_err(got, want))
+    assert max(errors, default=0.0) < 1e-5, errors
+    return max(errors, default=0.0)
 
 
 @pytest.mark.parametrize("routing", ["random", "first_rank_only", "last_rank_only", "sparse"])
@@ -200,27 +228,6 @@ def test_moe_layer_expert_parallel_skewed_routing(rank_pool, world, routing):
     assert max(errors) < 1e-5
 
 
-# The overlapped pipeline against the same formula (the serial path passes it too): chunks, capacity with
-# and without padding, shared expert in and out of the dispatch gap, deferred wgrad, skewed routing.
-OVERLAP_CASES = [
-    dict(chunks=1), dict(chunks=2), dict(chunks=4), dict(chunks=4, delay_wgrad=True),
-    dict(chunks=2, capacity=3), dict(chunks=2, capacity=3, pad=True), dict(capacity=3, pad=True),
-    dict(chunks=2, shared="overlap"), dict(chunks=2, shared="serial", delay_wgrad=True), dict(shared="serial"),
-]
-
-
-@pytest.mark.parametrize("case", OVERLAP_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("routing", ["random", "sparse"])
-def test_overlapped_dispatch_ep2(rank_pool, routing, case):
-    assert max(rank_pool(2).run(moe_case, routing, 2, **case)) < 1e-5
-
-
-@pytest.mark.parametrize("routing", ["random", "first_rank_only", "last_rank_only"])
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_overlapped_dispatch_ep4_skewed(rank_pool, routing, chunks):
-    assert max(rank_pool(4).run(moe_case, routing, 2, chunks=chunks, delay_wgrad=chunks == 2)) < 1e-5
-
-
 @pytest.mark.parametrize("world,routing,capacity", [(2, "random", None), (2, "sparse", None), (4, "random", None),
                                                     (4, "last_rank_only", None), (4, "sparse", 3)])
 def test_expert_tensor_parallel_serial_dispatch(rank_pool, world, routing, capacity):
@@ -230,60 +237,131 @@ def test_expert_tensor_parallel_serial_dispatch(rank_pool, world, routing, capac
     assert max(errors) < 1e-5
 
 
-@pytest.mark.parametrize("world,routing,capacity,delay", [(2, "random", None, True), (2, "sparse", None, False),
-                                                          (4, "random", None, True), (4, "sparse", 3, False)])
-def test_expert_tensor_parallel_overlapped_dispatch(rank_pool, world, routing, capacity, delay):
-    """The chunked pipeline with expert-TP=2: each chunk's rows gathered over expert-TP, summed back."""
-    errors = rank_pool(world).run(moe_case, routing, 2, chunks=2, capacity=capacity, pad=capacity is not None,
-                                  delay_wgrad=delay, etp=2)
-    assert max(errors) < 1e-5
+# The pipeline against the same formula (the serial path passes it too), every setting on one mesh per call:
+# planning (host; device, the gloo twin of the SM push) x chunks x dropless / capacity with drops / padded
+# capacity x shared expert (outside, or in the dispatch gap with deferred weight gradients).
+CAPACITIES = [dict(), dict(capacity=3), dict(capacity=3, pad=True)]
+SHARED = [dict(), dict(shared="overlap", delay_wgrad=True), dict(shared="serial")]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("routing", ["first_rank_only", "last_rank_only", "sparse"])
-@pytest.mark.parametrize("shared", ["off", "serial"])
-def test_sync_free_dispatch(rank_pool, world, routing, shared):
-    """Routes computed on the device, rows pushed to their (local expert, source) place and back: the
-    process group's twin of the SM pushes on CPU, against the naive formula."""
-    if world == 1:
-        assert moe_case(routing, 2, shared=shared, sync_free=True) < 1e-5
-    else:
-        assert max(rank_pool(world).run(moe_case, routing, 2, shared=shared, sync_free=True)) < 1e-5
+def pipeline_settings(plannings=("host", "device"), chunks=(1, 2)) -> list[dict]:
+    return [dict(planning=p, chunks=c, **cap, **sh) for p in plannings for c in chunks for cap in CAPACITIES
+            for sh in SHARED[:2]] + [dict(planning=p, chunks=max(chunks), **SHARED[2]) for p in plannings]
 
 
-def test_sync_free_dispatch_refuses_ranks_with_different_token_counts(rank_pool):
+@pytest.mark.parametrize("world,routing", [(2, "sparse"), (2, "first_rank_only"), (4, "last_rank_only"),
+                                           (4, "sparse")])
+def test_pipeline_every_planning_chunks_capacity_and_shared_expert(rank_pool, world, routing):
+    """Skewed routing too: whole ranks and experts receive nothing, one rank receives everything."""
+    chunks = (1, 2) if world == 4 else (1, 2, 4)
+    errors = rank_pool(world).run(moe_cases, routing, 2, pipeline_settings(chunks=chunks))
+    assert max(max(e) for e in errors) < 1e-5
+
+
+def test_pipeline_with_expert_tensor_parallelism(rank_pool):
+    """Expert-TP=2 x EP=2 (host planning: the expert-TP gather takes host sizes): each chunk's rows gathered
+    over expert-TP and summed back."""
+    settings = [dict(planning="host", chunks=c, **cap, **sh) for c in (1, 2) for cap in CAPACITIES
+                for sh in SHARED[:2]]
+    errors = rank_pool(4).run(moe_cases, "random", 2, settings, etp=2)
+    assert max(max(e) for e in errors) < 1e-5
+
+
+def test_host_planned_pipeline_with_a_rank_without_tokens(rank_pool):
+    """Exact host sizes: one rank routes nothing (rank 1 of "random") while the other sends to every expert."""
+    settings = [dict(planning="host", chunks=c, **cap) for c in (1, 4) for cap in CAPACITIES]
+    assert max(max(e) for e in rank_pool(2).run(moe_cases, "random", 2, settings)) < 1e-5
+
+
+def test_device_planned_pipeline_refuses_ranks_with_different_token_counts(rank_pool):
     """Its static sizes assume one micro-batch shape on every EP rank: a rank with no tokens is caught."""
-    with pytest.raises(Exception, match="must route"):
-        rank_pool(2).run(moe_case, "random", 2, sync_free=True)
+    with pytest.raises(Exception, match="same micro-batch shape"):
+        rank_pool(2).run(moe_cases, "random", 2, [dict(planning="device", chunks=2)])
+
+
+class OneRankTransports:
+    """A one-rank group's symmetric transport on CPU, its regions in this process's memory: the copy engine's
+    copies and (interpreted) the SM push kernel, with the same routes and flow as on GPUs."""
+
+    def __init__(self, name: str):
+        from moe_overlap.distributed.a2a import CopyEngineTransport, PushTransport
+
+        self.name, self.planning = name, "device" if name == "sm_push" else "host"
+        self.kind = PushTransport if name == "sm_push" else CopyEngineTransport
+        self.made = None
+
+    def transport(self, nbytes: int):
+        from moe_overlap.distributed.symm import LocalRegions
+
+        if self.made is None or self.made.regions.region_bytes < nbytes:
+            self.made = self.kind(LocalRegions(nbytes, 4, 8, torch.device("cpu")), torch.device("cpu"))
+        return self.made
+
+
+@pytest.mark.parametrize("transport", ["gloo_host", "gloo_device", "copy_engine", "sm_push"])
+def test_pipeline_over_one_rank_for_every_transport(monkeypatch, transport):
+    """EP=1 with the pipeline forced on (the layer picks the local path there): rows move within the process,
+    through the gloo group's copy, its device-planned twin, the copy engine's region, and the Triton push kernel
+    and copy-out (interpreted) into a region; chunks without rows, capacity, padding, the shared expert."""
+    if transport == "sm_push":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the push kernel writes through addresses: no torch twin
+    shared = SHARED[1:2] if transport == "sm_push" else SHARED[:2]  # every kernel interpreted: the fewest calls
+    settings = [dict(chunks=c, **cap, **sh) for c in (1, 4) for cap in CAPACITIES for sh in shared]
+    planning = "device" if transport in ("sm_push", "gloo_device") else "host"
+    for routing in ("first_rank_only", "sparse"):  # chunks 1..3 carry no rows at all / experts 2, 5 idle
+        for setting in settings:
+            selector = None if transport.startswith("gloo") else OneRankTransports(transport)
+            assert moe_case(routing, 2, planning=planning, force_pipeline=True, selector=selector, **setting) < 1e-5
 
 
 def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
-    from moe_overlap.distributed.mesh import GroupHandle
     from moe_overlap.layers.moe import capture_moe_layers
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)  # the serial dropless dispatch syncs at EP=2
     layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2),
                      OverlapConfig(), two_ranks)
     assert not layer.local
-    with pytest.raises(ValueError, match="moe_sync_free_dispatch"):
+    with pytest.raises(ValueError, match="moe_planning=device"):
         capture_moe_layers((layer,), (1, TOKENS, H))
 
 
-@pytest.mark.parametrize("setting", [dict(sync_free=True), dict(chunks=2), dict(capacity=3),
-                                     dict(capacity=3, pad=True), dict(shared="serial", sync_free=True)],
-                         ids=["sync_free", "chunked", "capacity", "padded", "shared"])
+@pytest.mark.parametrize("setting", [dict(chunks=2, planning="device"), dict(chunks=2, planning="host"),
+                                     dict(capacity=3), dict(capacity=3, pad=True), dict(chunks=1, shared="serial")],
+                         ids=["device", "host", "capacity", "padded", "shared"])
 def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
     """EP=1: no exchange and no host sync whatever the dispatch switches say, against the naive formula."""
     assert moe_case("sparse", 2, **setting) < 1e-5
 
 
-def test_overlapped_dispatch_single_process_chunk_without_rows():
-    assert moe_case("first_rank_only", 2, chunks=4) < 1e-5  # chunks 1..3 carry no rows at all
+@pytest.mark.parametrize("carveout,transport,chunks,ctas,want", [
+    (8, "nccl", 4, None, 8), (8, "sm_push", 1, None, 0),  # one chunk: nothing moves beside a GEMM
+    ("auto", "nccl", 4, 4, 8), ("auto", "nccl", 4, None, 0), ("auto", "copy_engine", 4, None, 0),
+    ("auto", "sm_push", 4, None, "pushes")])
+def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want):
+    from moe_overlap.layers.moe import auto_push_sms
+
+    two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
+    overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, gemm_sm_carveout=carveout,
+                            ep_comm_ctas=ctas)
+    layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2), overlap,
+                     two_ranks, SimpleNamespace(planning="host"))
+    transport_like = SimpleNamespace(name=transport, needs_sms=transport != "copy_engine")
+    got = layer._overlap_sms(transport_like, 4096, H, 2)
+    assert got == (auto_push_sms(4096, H, F, chunks, 2) if want == "pushes" else want)
+
+
+def test_auto_carveout_sizes_pushes_by_bytes_and_gemm_time():
+    from moe_overlap.layers.moe import MAX_PUSH_CTAS, auto_push_sms
+
+    fine = auto_push_sms(32768, 7168, 2048, 4, 2)
+    assert 1 <= fine <= MAX_PUSH_CTAS
+    assert auto_push_sms(32768, 7168, 1024, 4, 2) > fine  # half the GEMM time for the same bytes
+    assert auto_push_sms(32768, 7168, 2048, 2, 2) == fine  # chunks change bytes and GEMM time alike
+    assert auto_push_sms(32768, 7168, 65536, 4, 2) == 1 and auto_push_sms(32768, 7168, 64, 4, 2) == MAX_PUSH_CTAS
 
 
 def test_dropless_plan_sizes_the_permutation_before_the_counts_arrive():
     """All copies mapped: the permuted rows are known without the counts, so the permutation is queued before
     the layer's one host sync; the exchange plan waits for the counts once, on first use."""
-    from moe_overlap.distributed.mesh import GroupHandle
     from moe_overlap.layers.dispatcher import DispatchPlanner
 
     ep = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)

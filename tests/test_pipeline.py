@@ -321,14 +321,19 @@ def test_pp2_composes_with_ep_tp_dp_and_the_distributed_optimizer(rank_pool, tmp
           "parallel.expert_tensor_parallel_size": 1, "overlap.tp_comm_overlap": "true",
           **{f"overlap.{name}": "true" for name in ("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_bulk_dgrad",
                                                     "tp_comm_bulk_wgrad")}, "overlap.tp_comm_num_splits": 2}
-    overlapped = {"overlap.moe_overlap_dispatch": "true", "overlap.moe_a2a_chunks": 2,
+    overlapped = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host", "overlap.moe_pipeline_chunks": 2,
                   "overlap.delay_wgrad_compute": "true"}
     variants = {
         "ep2_1f1b": pp_layout(2, **{"parallel.expert_model_parallel_size": 2}),
         "ep2_zb_overlapped_dispatch": pp_layout(2, "zb_h1", **{"parallel.expert_model_parallel_size": 2,
                                                                "overlap.overlap_p2p_comm": "true", **overlapped}),
-        "ep2_interleaved_sync_free": pp_layout(2, vpp=2, **{"parallel.expert_model_parallel_size": 2,
-                                                            "overlap.moe_sync_free_dispatch": "true"}),
+        "ep2_interleaved_device_planned": pp_layout(2, vpp=2, **{"parallel.expert_model_parallel_size": 2,
+                                                                 "overlap.moe_pipeline": "true",
+                                                                 "overlap.moe_planning": "device"}),
+        "ep2_zb_device_planned_chunks": pp_layout(2, "zb_h1", **{"parallel.expert_model_parallel_size": 2,
+                                                                 "overlap.moe_pipeline": "true",
+                                                                 "overlap.moe_planning": "device",
+                                                                 "overlap.moe_pipeline_chunks": 2}),
         "dp2_dist_opt_tied": pp_layout(2, **dist_opt, **{"model.share_embeddings_and_output_weights": "true"}),
         "dp2_dist_opt_zb_buckets": pp_layout(2, "zb_h1", **dist_opt, **{"overlap.bucket_size_mb": 8 / 1024,
                                                                          "overlap.overlap_p2p_comm": "true"}),

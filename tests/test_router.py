@@ -126,6 +126,56 @@ def test_routing_matches_reference(variant):
     assert routing.probs_TK.dtype == torch.float32
 
 
+@pytest.mark.parametrize("options", [dict(topk=2), dict(topk=3, pre_softmax=True), dict(topk=2, capacity_factor=0.5)],
+                         ids=["softmax", "pre_softmax_top3", "capacity"])
+def test_merged_router_kernel_routes_like_its_twin(monkeypatch, options):
+    """The softmax router's top-k, weights and counts as one kernel (interpreted), against the torch twin: the
+    same experts, weights, counts and gradients reaching the router weight, with capacity drops after it."""
+    from moe_overlap.kernels import router as kernels
+
+    x = tokens(2 * SEQ)
+    runs = []
+    for interpret in (True, False):
+        if interpret:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        else:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        router = make_router(**options)
+        routing = router(x)
+        (routing.probs_TK * torch.arange(1.0, 1 + routing.probs_TK.numel()).view_as(routing.probs_TK)).sum().backward()
+        runs.append((routing, router.weight.grad))
+    (fused, fused_grad), (twin, twin_grad) = runs
+    assert torch.equal(fused.experts_TK, twin.experts_TK)
+    assert torch.equal(fused.tokens_per_expert_E, twin.tokens_per_expert_E)
+    assert rel_err(fused.probs_TK, twin.probs_TK) < 1e-6 and rel_err(fused_grad, twin_grad) < 1e-5
+    assert kernels.HAVE_TRITON
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,pre_softmax", [(8192, 8, 2, False), (4096, 64, 8, True), (32768, 256, 8, False)])
+def test_merged_router_kernel_matches_twin_on_gpu(T, E, K, pre_softmax):
+    """On CUDA the kernel and the twin agree, forward and backward, with no host sync. Each token's logits are a
+    shuffle of evenly spaced values: no ties, whose order torch.topk leaves unspecified."""
+    from moe_overlap.kernels.router import TopKRoute, topk_route_torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(T)
+    logits = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1).float() * (8.0 / E) - 4.0
+    grad = torch.randn(T, K, device="cuda")
+    fused_in, twin_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        probs, experts, copies = TopKRoute.apply(fused_in, K, pre_softmax)
+        probs.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want_probs, want_experts, want_copies = topk_route_torch(twin_in, K, pre_softmax)
+    want_probs.backward(grad)
+    assert torch.equal(experts, want_experts) and torch.equal(copies, want_copies)
+    assert rel_err(probs, want_probs) < 1e-6 and rel_err(fused_in.grad, twin_in.grad) < 1e-5
+
+
 def test_router_math_is_fp32_under_bf16():
     router = make_router(score_function="sigmoid", enable_expert_bias=True, dtype=torch.bfloat16)
     routing = router(tokens(dtype=torch.bfloat16))

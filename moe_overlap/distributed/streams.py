@@ -16,9 +16,10 @@ _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 EXPOSED_KINDS = ("ep", "tp", "dp", "pp", "cp")
 
 
-def check_gemm_sm_carveout(sms: int, device: torch.device) -> None:
-    """``overlap.gemm_sm_carveout`` must leave the GEMMs at least one SM of the device (0 everywhere)."""
-    if sms == 0:
+def check_gemm_sm_carveout(sms: int | str, device: torch.device) -> None:
+    """``overlap.gemm_sm_carveout`` must leave the GEMMs at least one SM of the device (0 everywhere; auto takes
+    at most 32)."""
+    if sms in (0, "auto"):
         return
     if device.type != "cuda":
         raise ValueError(f"overlap.gemm_sm_carveout={sms}: a CUDA setting; the device is {device.type!r}")
@@ -30,12 +31,13 @@ def check_gemm_sm_carveout(sms: int, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def gemm_sm_carveout(sms: int) -> Iterator[None]:
-    """Inside the block, every cuBLAS GEMM and grouped GEMM runs on all but ``sms`` SMs (0: the whole chip),
-    so that a communication kernel launched beside one starts at once on the free SMs; beside a full-chip grid
-    it queues, and once it holds SMs the GEMM's last wave waits for it. torch's setting is process-wide: the
-    block restores the one before it."""
+    """Inside the block, every cuBLAS GEMM and grouped GEMM leaves at least ``sms`` SMs free (a carve-out around
+    it stays: communication beside an inner GEMM may be the outer block's too), so that a communication kernel
+    launched beside one starts at once on the free SMs; beside a full-chip grid it queues, and once it holds SMs
+    the GEMM's last wave waits for it. A CUDA-graph capture keeps the setting of its GEMMs. torch's setting is
+    process-wide: the block restores the one before it."""
     before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms or None)
+    torch._C._set_sm_carveout_experimental(max(sms, before or 0) or None)
     try:
         yield
     finally:

@@ -133,6 +133,7 @@ class SymmRegions:
         self.workspace = SymmWorkspace(group, self.region_bytes * count, device, timeout_ms)
         self.rank, self.size = self.workspace.rank, self.workspace.size
         self.peers = [p for p in range(self.size) if p != self.rank]
+        self.buffer_ptrs = list(self.workspace.handle.buffer_ptrs)  # every rank's workspace, mapped here
         for region in range(count):
             for peer in self.peers:
                 self.workspace.signal(peer, region)
@@ -168,3 +169,31 @@ class SymmRegions:
 
     def wait(self, peer: int, region: int, step: int) -> None:
         self.workspace.wait(peer, self.data_channel(region, step))
+
+
+class LocalRegions:
+    """:class:`SymmRegions` for a group of one rank: the regions in ordinary device memory, no peers, so no
+    signals. A transport over it moves rows within the process (the pipeline's own cost, measured on one GPU)."""
+
+    def __init__(self, region_bytes: int, count: int, steps: int, device: torch.device):
+        self.region_bytes = -(-region_bytes // 256) * 256
+        self.count, self.steps, self.next = count, steps, 0
+        self.rank, self.size, self.peers = 0, 1, []
+        self.buffer = torch.empty(self.region_bytes * count, dtype=torch.uint8, device=device)
+        self.buffer_ptrs = [self.buffer.data_ptr()]
+
+    def claim(self, stream) -> int:
+        region, self.next = self.next, (self.next + 1) % self.count
+        return region
+
+    def release(self, region: int) -> None:
+        pass
+
+    def view(self, rank: int, region: int, shape: tuple[int, ...], dtype: torch.dtype,
+             offset_bytes: int = 0) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if offset_bytes + nbytes > self.region_bytes:
+            raise ValueError(f"a view of {tuple(shape)} {dtype} at byte {offset_bytes} does not fit a "
+                             f"{self.region_bytes}-byte region")
+        start = region * self.region_bytes + offset_bytes
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)

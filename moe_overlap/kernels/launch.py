@@ -20,6 +20,7 @@ try:
 
     sum_combine = tl.standard._sum_combine  # the combine function tl.sum uses; the interpreter knows it
     max_combine = tl.standard._elementwise_max  # tl.max's, likewise
+    min_combine = tl.standard._elementwise_min
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     HAVE_TRITON = False

@@ -166,9 +166,11 @@ if HAVE_TRITON:
         if DOT:
             tl.store(dot_ptr + t * K + kk, dot, mask=kk < K)
 
-    def _gather_sum_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, stride_src, stride_out, H, K, R,
-                           HAS_PROBS: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gather_sum_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, copy_ptr, stride_src, stride_out, stride_copy,
+                           H, K, R, HAS_PROBS: tl.constexpr, COPY: tl.constexpr, K_PAD: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
         # One program per token t: out[t] = sum_k (probs[t, k] *) src[row of (t, k)], fp32 accumulation.
+        # COPY: every row read is also written to the same row of copy (src is a buffer about to be reused).
         t = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
@@ -180,7 +182,10 @@ if HAVE_TRITON:
             hh = h0 + hh0
             hm = hh < H
             m = valid[:, None] & hm[None, :]
-            v = tl.load(src_ptr + rows[:, None] * stride_src + hh[None, :], mask=m, other=0.0).to(tl.float32)
+            raw = tl.load(src_ptr + rows[:, None] * stride_src + hh[None, :], mask=m, other=0.0)
+            if COPY:
+                tl.store(copy_ptr + rows[:, None] * stride_copy + hh[None, :], raw, mask=m)
+            v = raw.to(tl.float32)
             if HAS_PROBS:
                 v = v * w[:, None]
             acc = tl.reduce(v, 0, _sum_combine)
@@ -448,7 +453,7 @@ def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) 
 
 
 def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
-                       block_h: Optional[int]) -> torch.Tensor:
+                       block_h: Optional[int], copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out[t] = sum_k (probs[t, k] *) src[row of (t, k)]: the one kernel behind permute_backward and unpermute."""
     T, K = row_of_copy_TK.shape
     R, H = src_RH.shape
@@ -457,9 +462,11 @@ def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs
     out = src_RH.new_empty((T, H))
     src = _rows_2d(src_RH)
     probs = src if probs_TK is None else probs_TK.contiguous()  # an unused pointer without probs
+    copy = src if copy_out is None else copy_out
     k_pad, bh, warps = _row_tile(K, H, block_h)
-    _gather_sum[(T,), src.device](src, row_of_copy_TK.contiguous(), probs, out, src.stride(0), out.stride(0), H, K,
-                                  R, HAS_PROBS=probs_TK is not None, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
+    _gather_sum[(T,), src.device](src, row_of_copy_TK.contiguous(), probs, out, copy, src.stride(0), out.stride(0),
+                                  copy.stride(0), H, K, R, HAS_PROBS=probs_TK is not None, COPY=copy_out is not None,
+                                  K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
     return out
 
 
@@ -483,32 +490,45 @@ def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> tor
 # Unpermute
 # ----------------------------------------------------------------------------------------------------------
 
-def unpermute_torch(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
-    """Twin of `unpermute`: gather the copies' rows, fp32 weighted sum over k."""
+def _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out) -> None:
     _check_2d("y_RH", y_RH)
     _check_copies(row_of_copy_TK, probs_TK.shape[0] if probs_TK.dim() == 2 else -1)
     _check_probs(probs_TK, row_of_copy_TK)
+    if copy_out is not None and (copy_out.shape != y_RH.shape or copy_out.dtype != y_RH.dtype
+                                 or copy_out.stride(1) != 1):
+        raise ValueError(f"copy_out must be a {tuple(y_RH.shape)} {y_RH.dtype} tensor with contiguous rows, got "
+                         f"{tuple(copy_out.shape)} {copy_out.dtype}")
+
+
+def unpermute_torch(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
+                    copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Twin of `unpermute`: gather the copies' rows, fp32 weighted sum over k."""
+    _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out)
+    if copy_out is not None:
+        rows = row_of_copy_TK.reshape(-1).long()
+        rows = rows[rows >= 0]
+        copy_out[rows] = y_RH[rows]
     g, valid = _gather_copies(y_RH, row_of_copy_TK)
     w = torch.where(valid, probs_TK.float(), 0.0)
     return (g * w.unsqueeze(-1)).sum(1).to(y_RH.dtype)
 
 
-def unpermute_triton(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor, *,
-                     block_h: Optional[int] = None) -> torch.Tensor:
+def unpermute_triton(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
+                     copy_out: Optional[torch.Tensor] = None, *, block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `unpermute`: one program per token, its K rows weighted and summed in fp32 BLOCK_H at a time."""
     _require_triton()
-    _check_2d("y_RH", y_RH)
-    _check_copies(row_of_copy_TK, probs_TK.shape[0] if probs_TK.dim() == 2 else -1)
-    _check_probs(probs_TK, row_of_copy_TK)
-    return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h)
+    _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out)
+    return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h, copy_out)
 
 
-def unpermute(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+def unpermute(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
+              copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out_TH[t] = sum_k probs_TK[t, k] * y_RH[row_of_copy_TK[t, k]], fp32 accumulation, y's dtype;
-    -1 copies add nothing."""
+    -1 copies add nothing. ``copy_out``: also copy every row read into the same row of it, in the same pass (the
+    copy-out of a received buffer about to be reused, fused with the unpermute)."""
     if use_triton(y_RH, "permute"):
-        return unpermute_triton(y_RH, row_of_copy_TK, probs_TK)
-    return unpermute_torch(y_RH, row_of_copy_TK, probs_TK)
+        return unpermute_triton(y_RH, row_of_copy_TK, probs_TK, copy_out)
+    return unpermute_torch(y_RH, row_of_copy_TK, probs_TK, copy_out)
 
 
 def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows):

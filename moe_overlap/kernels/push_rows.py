@@ -1,15 +1,21 @@
-"""Rows pushed to other ranks' buffers by SM stores, with every size on the device: the sync-free dispatch.
+"""Rows moved by SM stores with every size on the device: the device-planned MoE exchange's pushes and copy-outs.
 
-    push_rows(src_RH, num_rows, dst_rank_R, dst_row_R, dst_base_ptrs)
-        for every row r < num_rows[0]:  buffer of rank dst_rank_R[r], row dst_row_R[r]  =  src_RH[r]
+    push_rows(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, dst_bases, ctas)
+        for i < count[0]:  q = route_start[0] + i
+                           row dst_row_Q[q] of the buffer of rank dst_rank_Q[q] (at address dst_bases[rank])
+                               = src_RH[src_start[0] + i]
+    copy_rows_out(src_RH, src_start, count, out_RH, ctas)
+        out_RH[i] = src_RH[src_start[0] + i] for i < count[0]    (rows past the count stay as they were)
 
-``num_rows`` is a one-element device tensor, so no host ever needs the count: the grid covers the static
-worst case and rows past the count are masked off. ``dst_base_ptrs`` holds each rank's buffer address as
-int64 (peers' symmetric-memory buffers, mapped into this process), read by the kernel and cast to pointers.
-The copy engine cannot do this: its sizes are host integers. 32 CTAs already reach NVLink speed (measured
-on 2xH200: 64 MiB in 0.195 ms, the copy engine 0.177 ms).
+``src_start``, ``count`` and ``route_start`` are one-element device tensors, so no host ever needs them. The
+kernel is persistent: ``ctas`` programs loop over the rows, so a push takes no more SMs than it is given (the
+grouped GEMM it runs beside leaves that many free: DESIGN.md, "What overlaps"; default: full width). Each program moves ``ROWS``
+whole rows per step with 16-byte vector loads and stores (dims are multiples of 8, so bf16 rows start on 16
+bytes; the address hints below tell the compiler), the most bytes in flight per SM a plain store allows.
+``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric memory is mapped into
+this process; a CPU test passes its own buffers' addresses).
 
-The torch twin takes the destination buffers as tensors (one process, or a CPU test standing in for peers).
+The torch twins take the destination buffers as tensors (one process, or a CPU test standing in for peers).
 """
 
 from __future__ import annotations
@@ -22,70 +28,106 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    def _push_rows_kernel(src_ptr, num_rows_ptr, dst_rank_ptr, dst_row_ptr, dst_ptr, H, stride_src,
-                          ROUTED: tl.constexpr, BLOCK_H: tl.constexpr):
-        # One program per row of the static worst case; rows at or past the device count are masked off.
-        # ROUTED: dst_ptr holds every rank's buffer address; else it is the buffer and rows keep their index.
-        row = tl.program_id(0).to(tl.int64)
-        valid = row < tl.load(num_rows_ptr)
-        if ROUTED:
-            rank = tl.load(dst_rank_ptr + row, mask=valid, other=0)
-            dst_row = tl.load(dst_row_ptr + row, mask=valid, other=0).to(tl.int64)
-            base = tl.load(dst_ptr + rank).to(tl.pointer_type(src_ptr.dtype.element_ty))
-        else:
-            dst_row, base = row, dst_ptr
-        cols = tl.arange(0, BLOCK_H)
-        for h0 in range(0, H, BLOCK_H):
-            mask = valid & (h0 + cols < H)
-            v = tl.load(src_ptr + row * stride_src + h0 + cols, mask=mask)
-            tl.store(base + dst_row * H + h0 + cols, v, mask=mask)
+    def _move_rows_kernel(src_ptr, src_start_ptr, count_ptr, route_start_ptr, dst_rank_ptr, dst_row_ptr, dst_ptr,
+                          H, stride_src, stride_dst, ROUTED: tl.constexpr, ALIGNED: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+        # ROUTED: dst_ptr holds every rank's buffer address, and row i goes to (dst_rank, dst_row)[route_start + i];
+        # else dst_ptr is the buffer and row i goes to its row i.
+        count = tl.load(count_ptr)
+        src_start = tl.load(src_start_ptr)
+        rr = tl.arange(0, ROWS)
+        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+        for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
+            i = first + rr
+            valid = i < count
+            src_rows = (src_start + i).to(tl.int64)
+            if ROUTED:
+                q = tl.load(route_start_ptr) + i
+                rank = tl.load(dst_rank_ptr + q, mask=valid, other=0)
+                dst_rows = tl.load(dst_row_ptr + q, mask=valid, other=0).to(tl.int64)
+                address = tl.load(dst_ptr + rank, mask=valid, other=0)
+                if ALIGNED:  # 16-byte rows in 16-byte aligned buffers: vector stores
+                    address = tl.multiple_of(address, 16)
+                base = address.to(tl.pointer_type(src_ptr.dtype.element_ty))
+                dst = base[:, None] + dst_rows[:, None] * stride_dst
+            else:
+                dst = dst_ptr + i.to(tl.int64)[:, None] * stride_dst
+            src = src_ptr + src_rows[:, None] * stride_src
+            for h0 in range(0, H, BLOCK_H):
+                mask = valid[:, None] & (h0 + cols < H)[None, :]
+                v = tl.load(src + h0 + cols[None, :], mask=mask)
+                tl.store(dst + h0 + cols[None, :], v, mask=mask)
 
-    _push_rows = Kernel(_push_rows_kernel)
+    _move_rows = Kernel(_move_rows_kernel)
+
+def full_width(device: torch.device) -> int:
+    """CTAs of a push or copy with no carve-out to respect: two per SM, enough to keep HBM busy (32 already reach
+    NVLink speed, measured on 2xH200); a few for the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def push_rows_torch(src_RH: torch.Tensor, num_rows: torch.Tensor, dst_rank_R: torch.Tensor, dst_row_R: torch.Tensor,
-                    dst_buffers: list[torch.Tensor]) -> None:
+def _scalar(value: torch.Tensor | int, like: torch.Tensor) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor([value], device=like.device)
+
+
+def push_rows_torch(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor,
+                    route_start, dst_buffers: list[torch.Tensor]) -> None:
     """Twin of :func:`push_rows` with the destination buffers as (rows, H) tensors, one per rank."""
-    n = int(num_rows.reshape(-1)[0])
+    first, n, q0 = (int(_scalar(v, src_RH).reshape(-1)[0]) for v in (src_start, count, route_start))
+    rows_RH = src_RH[first:first + n]
+    ranks, dst_rows = dst_rank_Q[q0:q0 + n], dst_row_Q[q0:q0 + n].long()
     for rank, dst_RH in enumerate(dst_buffers):
-        mine = (dst_rank_R[:n] == rank).nonzero().squeeze(1)
-        dst_RH.index_copy_(0, dst_row_R[:n][mine].long(), src_RH[:n][mine])
+        mine = (ranks == rank).nonzero().squeeze(1)
+        dst_RH.index_copy_(0, dst_rows[mine], rows_RH[mine])
 
 
-def push_rows(src_RH: torch.Tensor, num_rows: torch.Tensor, dst_rank_R: torch.Tensor, dst_row_R: torch.Tensor,
-              dst_base_ptrs: torch.Tensor) -> None:
+def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor,
+              route_start, dst_bases: torch.Tensor, ctas: int | None = None) -> None:
     """Triton kernel (CUDA, or interpreted under TRITON_INTERPRET=1): each rank's destination buffer holds
-    rows of ``src_RH.shape[1]`` contiguous elements of ``src_RH.dtype`` from the address in ``dst_base_ptrs``."""
-    rows, H = src_RH.shape
-    if src_RH.stride(1) != 1:
-        raise ValueError(f"src_RH rows must be contiguous, got strides {src_RH.stride()}")
-    for name, t in (("dst_rank_R", dst_rank_R), ("dst_row_R", dst_row_R)):
-        if t.shape != (rows,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({rows},): one entry per source row")
+    contiguous rows of ``src_RH.shape[1]`` elements of ``src_RH.dtype`` from the address in ``dst_bases``."""
+    if src_RH.dim() != 2 or src_RH.stride(1) != 1:
+        raise ValueError(f"src_RH must be 2-D with contiguous rows, got shape {tuple(src_RH.shape)} strides "
+                         f"{src_RH.stride()}")
+    if dst_rank_Q.shape != dst_row_Q.shape or dst_rank_Q.dim() != 1:
+        raise ValueError(f"dst_rank_Q {tuple(dst_rank_Q.shape)} and dst_row_Q {tuple(dst_row_Q.shape)} must be one "
+                         "1-D route, one entry per routed row")
     if not use_triton(src_RH, "push_rows"):
         raise RuntimeError("push_rows writes through raw peer addresses: it needs triton (on CUDA, or "
                            "TRITON_INTERPRET=1); push_rows_torch is the twin that takes buffers")
-    if rows == 0 or H == 0:
-        return
-    _launch(src_RH, num_rows, dst_rank_R, dst_row_R, dst_base_ptrs, routed=True)
+    if src_RH.shape[1]:
+        _launch(src_RH, _scalar(src_start, src_RH), _scalar(count, src_RH), _scalar(route_start, src_RH),
+                dst_rank_Q, dst_row_Q, dst_bases, src_RH.shape[1], ctas, routed=True)
 
 
-def copy_counted_rows(src_RH: torch.Tensor, num_rows: torch.Tensor, out_RH: torch.Tensor) -> torch.Tensor:
-    """out_RH[:num_rows[0]] = src_RH[:num_rows[0]], the count on the device (rows past it stay as they were):
-    a received worst-case buffer copied out at the cost of its counted rows. Triton on CUDA (or interpreted)."""
-    if out_RH.shape != src_RH.shape or not out_RH.is_contiguous():
-        raise ValueError(f"out_RH must be a contiguous {tuple(src_RH.shape)} tensor, got {tuple(out_RH.shape)}")
+def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,
+                  ctas: int | None = None) -> torch.Tensor:
+    """out_RH[:count] = src_RH[src_start:src_start + count], both on the device (rows past the count stay as
+    they were): a chunk of a received buffer copied out at the cost of its counted rows. Triton on CUDA (or
+    interpreted), else torch with the two values read on the host."""
+    if out_RH.dim() != 2 or out_RH.shape[1] != src_RH.shape[1] or not out_RH.is_contiguous():
+        raise ValueError(f"out_RH must be a contiguous (rows, {src_RH.shape[1]}) tensor, got {tuple(out_RH.shape)}")
     if not use_triton(src_RH, "push_rows"):
-        n = int(num_rows.reshape(-1)[0])
-        out_RH[:n] = src_RH[:n]
+        first, n = (int(_scalar(v, src_RH).reshape(-1)[0]) for v in (src_start, count))
+        out_RH[:n] = src_RH[first:first + n]
         return out_RH
-    if src_RH.numel():
-        _launch(src_RH, num_rows, num_rows, num_rows, out_RH, routed=False)
+    if src_RH.shape[1]:
+        start = _scalar(src_start, src_RH)
+        _launch(src_RH, start, _scalar(count, src_RH), start, start, start, out_RH, out_RH.stride(0), ctas,
+                routed=False)
     return out_RH
 
 
-def _launch(src_RH, num_rows, dst_rank_R, dst_row_R, dst, routed: bool) -> None:
-    block_h = min(4096, triton.next_power_of_2(src_RH.shape[1]))
-    _push_rows[(src_RH.shape[0],), src_RH.device](src_RH, num_rows, dst_rank_R, dst_row_R, dst, src_RH.shape[1],
-                                                  src_RH.stride(0), ROUTED=routed, BLOCK_H=block_h,
-                                                  num_warps=8 if block_h >= 2048 else 4)
+def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, stride_dst: int, ctas: int | None,
+            routed: bool) -> None:
+    ctas = full_width(src_RH.device) if ctas is None else ctas
+    if not ctas >= 1:
+        raise ValueError(f"ctas={ctas}: a push needs at least one CTA")
+    H = src_RH.shape[1]
+    block_h = min(8192 // src_RH.element_size(), triton.next_power_of_2(H))  # up to 8 KiB of a row a step
+    rows = max(1, min(4, 16384 // (block_h * src_RH.element_size())))  # up to 16 KiB in flight per program
+    aligned = all(n * src_RH.element_size() % 16 == 0 for n in (H, src_RH.stride(0), stride_dst))
+    _move_rows[(ctas,), src_RH.device](src_RH, src_start, count, route_start, dst_rank, dst_row, dst, H,
+                                       src_RH.stride(0), stride_dst, ROUTED=routed, ALIGNED=aligned, ROWS=rows,
+                                       BLOCK_H=block_h, num_warps=8)

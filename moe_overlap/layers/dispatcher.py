@@ -1,4 +1,4 @@
-"""Expert-parallel token dispatch: the plan both paths share, and the serial path (the reference).
+"""Expert-parallel token dispatch: the host-planned plan, and the serial path (the reference).
 
 Stages, each a separately callable unit with its own forward and backward:
   permute    token copies into rows ordered (chunk, destination EP rank, local expert)  kernels.Permute
@@ -8,8 +8,8 @@ Stages, each a separately callable unit with its own forward and backward:
   ungroup    back to (source rank, expert) order                                      PermuteRows
   combine    rows back to the rank that owns their token                              AllToAllRows
   unpermute  weighted sum of each token's k expert outputs                            kernels.Unpermute
-The overlapped path (dispatcher_overlap.py) runs the same units chunk by chunk; with one chunk the row
-order is the serial one.
+The pipeline (dispatch_pipeline.py) runs the same units chunk by chunk, with this plan or the device-planned
+one (device_plan.py); with one chunk the row order is the serial one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from moe_overlap.distributed.a2a import ExchangeLayout, exchange_layout
+from moe_overlap.distributed.a2a import ExchangeLayout, HostRoutes, exchange_layout
 from moe_overlap.distributed.collectives import AllToAllRows, all_gather_into, all_to_all_rows
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
@@ -54,13 +54,16 @@ def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 @dataclass
 class ExchangePlan:
-    """The host-derived part of a dispatch: the exchange layout and each chunk's local regrouping."""
+    """The host-derived part of a dispatch: the exchange layout, each chunk's local regrouping (in ``routes``)
+    and its grouped-GEMM offsets."""
 
-    layout: ExchangeLayout  # the dispatch exchange; combine is layout.reversed()
+    routes: HostRoutes  # the dispatch exchange; combine is its layout reversed
     chunk_experts: list[tuple[int, int]]  # local experts of each chunk
-    regroup_index: list[torch.Tensor]  # per chunk: its received rows in (local expert, source) order
-    ungroup_index: list[torch.Tensor]  # per chunk: the inverse permutation
     offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets of its experts
+
+    @property
+    def layout(self) -> ExchangeLayout:
+        return self.routes.layout
 
 
 class DispatchPlan:
@@ -87,6 +90,14 @@ class DispatchPlan:
     def num_rows(self) -> int:
         """Rows of the permuted (send) buffer: every copy's when all are mapped (known without the counts)."""
         return self.row_of_copy_TK.numel() if self.all_rows_mapped else self.exchange.layout.send_total
+
+    @property
+    def routes(self) -> HostRoutes:
+        return self.exchange.routes
+
+    @property
+    def offsets(self) -> list[torch.Tensor]:
+        return self.exchange.offsets
 
 
 def start_counts_fetch(tokens_per_expert_E: torch.Tensor, ep: GroupHandle) -> Callable[[], torch.Tensor]:
@@ -178,7 +189,8 @@ class DispatchPlanner:
             host += [*block_transpose(block_rows), np.cumsum(block_rows.sum(0))]
         device = _to_device(host, self.device)
         offsets = [o.to(torch.int32) for o in device[2::3]]  # grouped_mm takes int32 offsets
-        return ExchangePlan(exchange_layout(rows_SDC, ep.rank), self.bounds, device[0::3], device[1::3], offsets)
+        return ExchangePlan(HostRoutes(exchange_layout(rows_SDC, ep.rank), device[0::3], device[1::3]), self.bounds,
+                            offsets)
 
 
 @dataclass
@@ -238,11 +250,12 @@ def serial_dispatch_combine(x_TH: torch.Tensor, probs_TK: torch.Tensor, plan: Di
     exchange = plan.exchange  # after the permutation was queued (see DispatchPlan)
     layout = exchange.layout
     received_RH = AllToAllRows.apply(permuted_RH, layout.recv_rows[0], layout.send_rows[0], ep.group)
-    grouped_RH = PermuteRows.apply(received_RH, exchange.regroup_index[0], exchange.ungroup_index[0])
+    regroup, ungroup = exchange.routes.regroup[0], exchange.routes.ungroup[0]
+    grouped_RH = PermuteRows.apply(received_RH, regroup, ungroup)
     if expert_tp is None:
         expert_out_RH = experts(grouped_RH, exchange.offsets[0])
     else:
         expert_out_RH = expert_tp_experts(grouped_RH, *expert_tp, experts)
-    ungrouped_RH = PermuteRows.apply(expert_out_RH, exchange.ungroup_index[0], exchange.regroup_index[0])
+    ungrouped_RH = PermuteRows.apply(expert_out_RH, ungroup, regroup)
     combined_RH = AllToAllRows.apply(ungrouped_RH, layout.send_rows[0], layout.recv_rows[0], ep.group)
     return Unpermute.apply(combined_RH, plan.row_of_copy_TK, probs_TK, plan.all_rows_mapped)

@@ -1,13 +1,14 @@
 """The MoE block: router -> permute -> dispatch -> grouped experts -> combine -> unpermute, plus an
-optional shared expert. ``overlap.moe_overlap_dispatch`` picks the chunked pipeline (dispatcher_overlap),
-``overlap.moe_sync_free_dispatch`` the dropless path without a host sync (dispatcher_sync_free); otherwise
-the serial reference (dispatcher). The math is the same. With one EP rank (and no expert-TP) there is
-nothing to exchange, so every setting runs the local path: permute, grouped experts, unpermute."""
+optional shared expert. ``overlap.moe_pipeline`` runs the exchange as a pipeline of chunks beside the grouped
+GEMMs (dispatch_pipeline.py), its sizes planned on the host (dispatcher.py) or the device (device_plan.py);
+otherwise the serial reference (dispatcher.py). The math is the same. With one EP rank (and no expert-TP) there
+is nothing to exchange, so every setting runs the local path: permute, grouped experts, unpermute."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 from torch import nn
@@ -16,21 +17,39 @@ from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
-from moe_overlap.layers.dispatcher import (DispatchPlanner, expert_tp_counts, plan_expert_tp,
+from moe_overlap.layers.device_plan import DevicePlanner
+from moe_overlap.layers.dispatch_pipeline import DispatchStart, ExpertsCombine, PipelineState
+from moe_overlap.layers.dispatcher import (DispatchPlanner, chunk_bounds, expert_tp_counts, plan_expert_tp,
                                             serial_dispatch_combine, start_counts_fetch)
-from moe_overlap.layers.dispatcher_overlap import DispatchStart, ExpertsCombine, PipelineState
-from moe_overlap.layers.dispatcher_sync_free import gather_counts, sync_free_dispatch_combine, sync_free_routes
 from moe_overlap.layers.experts import GroupedExperts, expert_offsets
 from moe_overlap.layers.mlp import GatedSharedExpert, SwiGLUMLP
 from moe_overlap.layers.router import Router
 
 log = logging.getLogger(__name__)
 
+# What ``overlap.gemm_sm_carveout: auto`` sizes an SM push by (DESIGN.md, "What overlaps"; benchmarks/sm_carveout.py
+# measures both on the GPU in hand): a push CTA's bytes per ms (235 MB in 3.24 ms by 8 CTAs over NVLink, 2xH200),
+# and the grouped GEMMs' rate (610-690 TFLOP/s on the large shapes, about 480 on hidden 2048 / ffn 1024).
+PUSH_BYTES_PER_CTA_MS = 9.0e6
+GROUPED_GEMM_FLOPS_PER_MS = 6.0e11
+MAX_PUSH_CTAS = 32  # already NVLink speed
+
+
+def auto_push_sms(rows: int, hidden: int, ffn: int, chunks: int, element_size: int) -> int:
+    """SMs the grouped GEMMs leave free for the pushes beside them, as many as the pushes' CTAs: enough for a
+    chunk's rows (the push moves the local ones through the region too), one chunk each way (the next dispatch,
+    the previous combine), to move in one chunk's forward GEMM time (6 x rows x hidden x ffn flops), for rows
+    spread evenly over the chunks."""
+    chunk_rows = rows / chunks
+    moved_bytes = 2 * chunk_rows * hidden * element_size
+    gemm_ms = 6 * chunk_rows * hidden * ffn / GROUPED_GEMM_FLOPS_PER_MS
+    return max(1, min(MAX_PUSH_CTAS, math.ceil(moved_bytes / (gemm_ms * PUSH_BYTES_PER_CTA_MS))))
+
 
 class MoELayer(nn.Module):
     """Top-k MoE over the expert-parallel group ``ep``; rank r holds experts [r*E/EP, (r+1)*E/EP).
 
-    ``transports`` (shared by the model's MoE layers) is needed only with the overlapped dispatch.
+    ``transports`` (shared by the model's MoE layers) is needed only with the pipeline.
     ``router``: the sequence-parallel router under SP; by default the plain one from the config.
     """
 
@@ -44,20 +63,19 @@ class MoELayer(nn.Module):
         self.expert_mp = expert_mp
         self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
-        self.overlap_dispatch, self.chunks = overlap.moe_overlap_dispatch, overlap.moe_a2a_chunks
+        self.pipelined, self.chunks = overlap.moe_pipeline, overlap.moe_pipeline_chunks
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
-        self.sync_free = overlap.moe_sync_free_dispatch
-        if (self.overlap_dispatch or self.sync_free) and transports is None:
-            raise ValueError("overlap.moe_overlap_dispatch / moe_sync_free_dispatch need the model's TransportSelector")
-        if self.sync_free and self.etp is not None:
-            raise ValueError("overlap.moe_sync_free_dispatch is not implemented with expert-TP > 1")
+        self.carveout, self.ep_comm_ctas = overlap.gemm_sm_carveout, overlap.ep_comm_ctas
         self.local = ep.size == 1 and self.etp is None  # nothing to exchange: no transport, no host sync
-        if (self.overlap_dispatch or self.sync_free) and self.local:
-            log.info("MoE dispatch: one EP rank, so the exchange is the identity; overlap.moe_overlap_dispatch / "
-                     "moe_sync_free_dispatch have nothing to move and the layer runs the local path")
-        elif self.sync_free and transports.device.type == "cuda" and transports.name != "symm":
-            raise ValueError(f"overlap.moe_sync_free_dispatch needs the symm transport on CUDA (SM stores into "
-                             f"peers' symmetric memory); the EP group got {transports.name!r}")
+        if self.pipelined and self.local:
+            log.info("MoE dispatch: one EP rank, so the exchange is the identity; overlap.moe_pipeline has "
+                     "nothing to move and the layer runs the local path")
+        elif self.pipelined and transports is None:
+            raise ValueError("overlap.moe_pipeline needs the model's TransportSelector")
+        self.planning = transports.planning if self.pipelined and transports is not None else "host"
+        if self.planning == "device" and self.etp is not None:
+            raise ValueError("overlap.moe_planning=device is not implemented with expert-TP > 1: the expert-TP "
+                             "gather takes host sizes (use overlap.moe_planning=host)")
         local_experts = self.num_experts // ep.size
         self.router = router if router is not None else Router.from_config(cfg, device, dtype)
         self.experts = GroupedExperts(local_experts, ep.rank * local_experts, cfg.hidden_size,
@@ -65,7 +83,7 @@ class MoELayer(nn.Module):
         shared_expert = GatedSharedExpert if cfg.moe_shared_expert_gate else SwiGLUMLP
         self.shared_expert = (shared_expert(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, device, dtype)
                               if cfg.moe_shared_expert_intermediate_size else None)
-        self._planners: dict[int, DispatchPlanner] = {}  # by chunk count
+        self._planners: dict[tuple[str, int], DispatchPlanner | DevicePlanner] = {}  # by planning and chunks
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the output, the auxiliary losses (load balancing + z, already scaled) and the copies
@@ -74,10 +92,10 @@ class MoELayer(nn.Module):
         routing = self.router(x_TH)
         if self.local:
             out_TH = self._local(x_TH, routing)
-        elif self.sync_free:
-            out_TH = self._sync_free(x_TH, routing)
+        elif self.pipelined:
+            out_TH = self._pipelined(x_TH, routing)
         else:
-            out_TH = self._host_planned(x_TH, routing)
+            out_TH = self._serial(x_TH, routing)
         return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
 
     def _local(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
@@ -94,29 +112,69 @@ class MoELayer(nn.Module):
         out_TH = Unpermute.apply(expert_out_RH, row_of_copy_TK, routing.probs_TK, all_rows_mapped)
         return out_TH if self.shared_expert is None else out_TH + self.shared_expert(x_TH)
 
-    def _host_planned(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
-        """The serial and the chunked paths: their exchanges take sizes from the host."""
-        keep_TK, capacity = routing.keep_TK, routing.capacity
-        static = capacity is not None and self.pad_to_capacity
-        # Static (padded capacity) sizes need no counts; otherwise one host sync fetches every rank's, over
-        # EP, or over EP x expert-TP, whose counts the expert-TP gather needs too.
+    def _host_plan(self, x_TH: torch.Tensor, routing, chunks: int):
+        """The host-planned plan, and the counts fetch when sizes vary (None: padded capacity, static sizes)."""
+        static = routing.capacity is not None and self.pad_to_capacity
+        # Otherwise one host sync fetches every rank's counts, over EP, or over EP x expert-TP, whose counts the
+        # expert-TP gather needs too.
         counts = None if static else start_counts_fetch(routing.tokens_per_expert_E,
                                                          self.ep if self.etp is None else self.expert_mp)
         fetch = None if counts is None else functools.partial(self._ep_group_counts, counts)
-        plan = self._planner(x_TH.device).plan(routing.experts_TK, keep_TK, capacity, fetch)
-        rows_PL = None if self.etp is None else self._expert_tp_rows(counts, capacity)
-        if not self.overlap_dispatch:
-            expert_tp = None if rows_PL is None else (plan_expert_tp(rows_PL, x_TH.device), self.etp)
-            out_TH = serial_dispatch_combine(x_TH, routing.probs_TK, plan, self.ep, self.experts, expert_tp)
-            if self.shared_expert is not None:
-                out_TH = out_TH + self.shared_expert(x_TH)
+        plan = self._planner("host", chunks, x_TH.device).plan(routing.experts_TK, routing.keep_TK,
+                                                               routing.capacity, fetch)
+        rows_PL = None if self.etp is None else self._expert_tp_rows(counts, routing.capacity)
+        return plan, rows_PL
+
+    def _serial(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
+        """The reference: one all-to-all each way over the EP process group, sizes from the host."""
+        plan, rows_PL = self._host_plan(x_TH, routing, 1)
+        expert_tp = None if rows_PL is None else (plan_expert_tp(rows_PL, x_TH.device), self.etp)
+        out_TH = serial_dispatch_combine(x_TH, routing.probs_TK, plan, self.ep, self.experts, expert_tp)
+        return out_TH if self.shared_expert is None else out_TH + self.shared_expert(x_TH)
+
+    def _pipelined(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
+        tokens, hidden = x_TH.shape
+        padded = routing.capacity is not None and self.pad_to_capacity
+        rows = self.num_experts * routing.capacity if padded else tokens * self.topk  # a rank's permuted rows
+        expert_tp = None
+        if self.planning == "device":
+            # the compact receive buffer: every rank's rows landing here (padded: exactly E x capacity)
+            transport = self.transports.transport((rows if padded else self.ep.size * rows) * hidden
+                                                  * x_TH.element_size())
+            planner = self._planner("device", self.chunks, x_TH.device)
+            counts_SE = (planner.static_counts(routing.capacity) if padded
+                         else transport.gather_counts(routing.tokens_per_expert_E))
+            plan = planner.plan(routing.experts_TK, routing.keep_TK, routing.capacity, padded, counts_SE)
         else:
-            worst_rows = (self.num_experts * capacity if static  # full capacity blocks from every rank
-                          else self.ep.size * x_TH.shape[0] * self.topk)  # every rank's copies landing here
-            expert_tp = None if rows_PL is None else (
-                [plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.chunk_experts], self.etp)
-            out_TH = self._pipelined(x_TH, routing.probs_TK, plan, worst_rows, expert_tp)
-        return out_TH
+            plan, rows_PL = self._host_plan(x_TH, routing, self.chunks)
+            worst_rows = rows if padded else self.ep.size * rows  # every rank's copies landing here
+            transport = self.transports.transport(worst_rows * hidden * x_TH.element_size())
+            if rows_PL is not None:
+                expert_tp = ([plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.chunk_experts], self.etp)
+        sms = self._overlap_sms(transport, rows, hidden, x_TH.element_size())
+        state = PipelineState(plan, transport, sms, self.delay_wgrad, expert_tp)
+        shared_TH = None
+        if self.shared_expert is not None and not self.shared_overlap:
+            shared_TH = self.shared_expert(x_TH)
+        token = DispatchStart.apply(x_TH, state)
+        if self.shared_expert is not None and self.shared_overlap:  # runs while the first chunk travels
+            shared_TH = self.shared_expert(x_TH)
+        out_TH = ExpertsCombine.apply(token, routing.probs_TK, self.experts.w13, self.experts.w2, state)
+        return out_TH if shared_TH is None else out_TH + shared_TH
+
+    def _overlap_sms(self, transport, rows: int, hidden: int, element_size: int) -> int:
+        """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk: nothing moves beside them);
+        auto: the measured pairing for NCCL (2 x its CTAs, none without a cap), for SM pushes from the bytes a
+        chunk moves and the GEMM's time."""
+        if self.chunks == 1:
+            return 0
+        if self.carveout != "auto":
+            return self.carveout
+        if not transport.needs_sms or transport.name == "gloo":
+            return 0
+        if transport.name == "nccl":
+            return min(MAX_PUSH_CTAS, 2 * (self.ep_comm_ctas or 0))
+        return auto_push_sms(rows, hidden, self.experts.w2.shape[1], self.chunks, element_size)
 
     def _expert_tp_rows(self, fetch_counts, capacity: int | None) -> torch.Tensor:
         """Rows each expert-TP peer received per local expert, [peer, local expert]: from the fetched counts,
@@ -132,47 +190,24 @@ class MoELayer(nn.Module):
             return fetch_counts()
         return fetch_counts().view(self.ep.size, self.etp.size, -1)[:, self.etp.rank]
 
-    def _planner(self, device: torch.device) -> DispatchPlanner:
-        chunks = self.chunks if self.overlap_dispatch else 1
-        if chunks not in self._planners:
-            self._planners[chunks] = DispatchPlanner(self.num_experts, self.ep, chunks, device)
-        return self._planners[chunks]
-
-    def _sync_free(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
-        if routing.capacity is not None:
-            raise ValueError("overlap.moe_sync_free_dispatch is dropless: the router has a capacity factor")
-        copies = x_TH.shape[0] * self.topk
-        # worst case: every rank's copies landing on this one
-        pusher = self.transports.pusher(self.ep.size * copies * x_TH.shape[1] * x_TH.element_size())
-        routes = sync_free_routes(gather_counts(routing.tokens_per_expert_E, self.ep, pusher), self.ep.rank, copies)
-        row_of_copy_TK, _, _ = copy_rows(routing.experts_TK, self.num_experts)
-        out_TH = sync_free_dispatch_combine(x_TH, routing.probs_TK, row_of_copy_TK, routes, pusher, self.experts)
-        return out_TH if self.shared_expert is None else out_TH + self.shared_expert(x_TH)
-
-    def _pipelined(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, plan, worst_rows: int,
-                   expert_tp) -> torch.Tensor:
-        shared_TH = None
-        if self.shared_expert is not None and not self.shared_overlap:
-            shared_TH = self.shared_expert(x_TH)
-        permuted_RH = Permute.apply(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
-        transport = self.transports.transport(worst_rows * x_TH.shape[1] * x_TH.element_size())
-        state = PipelineState(plan.exchange, transport, self.delay_wgrad, expert_tp)
-        token = DispatchStart.apply(permuted_RH, state)
-        if self.shared_expert is not None and self.shared_overlap:  # runs while the dispatch travels
-            shared_TH = self.shared_expert(x_TH)
-        combined_RH = ExpertsCombine.apply(token, self.experts.w13, self.experts.w2, state)
-        out_TH = Unpermute.apply(combined_RH, plan.row_of_copy_TK, probs_TK, plan.all_rows_mapped)
-        return out_TH if shared_TH is None else out_TH + shared_TH
+    def _planner(self, planning: str, chunks: int, device: torch.device):
+        if (planning, chunks) not in self._planners:
+            local = self.num_experts // self.ep.size
+            self._planners[planning, chunks] = (
+                DispatchPlanner(self.num_experts, self.ep, chunks, device) if planning == "host"
+                else DevicePlanner(self.num_experts, self.ep, chunk_bounds(local, chunks), device))
+        return self._planners[planning, chunks]
 
 
 def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...]) -> None:
     """Capture each layer's forward and backward in CUDA graphs (torch.cuda.make_graphed_callables, one
     memory pool, forward in order and backward in reverse, as training runs them); from then on a
-    training-mode call replays them. Needs layers without a host sync or a collective (the sync-free dispatch,
-    or one EP rank) and inputs of ``input_shape``. A collective: every EP rank captures the same layers
+    training-mode call replays them. Needs layers without a host sync or a collective (the device-planned
+    pipeline, or one EP rank) and inputs of ``input_shape``. A collective: every EP rank captures the same layers
     together (the warm-up calls exchange rows)."""
-    if not all(layer.sync_free or layer.local for layer in moe_layers):
-        raise ValueError("CUDA graphs of MoE layers need overlap.moe_sync_free_dispatch=true (or one EP rank)")
+    if not all(layer.local or (layer.pipelined and layer.planning == "device") for layer in moe_layers):
+        raise ValueError("CUDA graphs of MoE layers need overlap.moe_pipeline=true with overlap.moe_planning=device "
+                         "(or one EP rank)")
     weight = moe_layers[0].experts.w13
     samples = tuple((torch.randn(input_shape, device=weight.device, dtype=weight.dtype, requires_grad=True),)
                     for _ in moe_layers)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_overlap.config import ModelConfig
+from moe_overlap.kernels.router import topk_route
 from moe_overlap.layers.init import NORMAL, make_param
 
 
@@ -88,13 +89,13 @@ class Router(nn.Module):
     def route(self, logits_TE: torch.Tensor) -> Routing:
         """Routing from the logits of one micro-batch's tokens (a separate step so that, under sequence
         parallelism, the logits of the whole micro-batch can be gathered first: layers/sp_router.py)."""
-        probs_TK, experts_TK = self._choose(logits_TE)
+        probs_TK, experts_TK, copies_E = self._choose(logits_TE)
         keep_TK = capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(logits_TE.shape[0] * self.topk / self.num_experts * self.capacity_factor)
             keep_TK = self._within_capacity(probs_TK, experts_TK, capacity)
             probs_TK = probs_TK * keep_TK
-        tokens_per_expert_E = self._count(experts_TK, keep_TK)
+        tokens_per_expert_E = copies_E if keep_TK is None and copies_E is not None else self._count(experts_TK, keep_TK)
         zero = logits_TE.new_zeros(())
         aux_loss = self._aux_loss(logits_TE) if self.aux_loss_coeff > 0 else zero
         z_loss = (self.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean() if self.z_loss_coeff > 0
@@ -119,19 +120,24 @@ class Router(nn.Module):
                                           torch.where(keep, fractions_E, self.previous_step_load))
 
     # ------------------------------------------------------------------------------------------ internals
-    def _choose(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights and global expert indices of each token's k experts."""
+    def _choose(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Routing weights and global expert indices of each token's k experts, and the copies per expert (None:
+        counted later). The softmax router without groups runs as one kernel (kernels/router.py)."""
+        if self.score_function == "softmax" and self.num_groups is None:
+            return topk_route(logits_TE, self.topk, self.pre_softmax)
         if self.score_function == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
             experts_TK = self._top_k(scores_TE if self.expert_bias is None else scores_TE + self.expert_bias)
             probs_TK = scores_TE.gather(1, experts_TK)
-            return (probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20) if self.topk > 1 else probs_TK), experts_TK
+            if self.topk > 1:
+                probs_TK = probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20)
+            return probs_TK, experts_TK, None
         if self.pre_softmax:
             scores_TE = torch.softmax(logits_TE, dim=-1)
             experts_TK = self._top_k(scores_TE)
-            return scores_TE.gather(1, experts_TK), experts_TK
+            return scores_TE.gather(1, experts_TK), experts_TK, None
         experts_TK = self._top_k(logits_TE)  # Mixtral: the k largest logits, renormalised by a softmax over them
-        return torch.softmax(logits_TE.gather(1, experts_TK), dim=-1), experts_TK
+        return torch.softmax(logits_TE.gather(1, experts_TK), dim=-1), experts_TK, None
 
     def _top_k(self, scores_TE: torch.Tensor) -> torch.Tensor:
         """Indices of the k best experts; with groups, only among each token's best ``group_topk`` groups."""

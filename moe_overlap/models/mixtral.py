@@ -91,9 +91,10 @@ class MixtralModel(nn.Module):
         self.tp_comm = TPComm(mesh.tp, sequence_parallel, tp_switches, ring)
         self.cp_comm = CPComm(mesh.cp, overlap.cp_comm_overlap)
         transports = None
-        if (overlap.moe_overlap_dispatch or overlap.moe_sync_free_dispatch) and cfg.num_moe_experts:  # one transport shared by every MoE layer
-            transports = TransportSelector(overlap.moe_a2a_backend, mesh.ep.group, mesh.ep.ranks,
-                                           torch.device(device or "cpu"), overlap.moe_a2a_chunks, timeout_s)
+        if overlap.moe_pipeline and cfg.num_moe_experts and (mesh.ep.size > 1 or mesh.etp.size > 1):
+            transports = TransportSelector(overlap.moe_planning, overlap.moe_transport, mesh.ep.group,  # every MoE
+                                           mesh.ep.ranks, torch.device(device or "cpu"),  # layer shares one
+                                           overlap.moe_pipeline_chunks, timeout_s)
         # With tied weights the last stage keeps its own copy of the table for the output layer (Megatron's).
         self.embedding = (Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
                           if pre_process or (post_process and tied) else None)
@@ -147,7 +148,7 @@ class MixtralModel(nn.Module):
     def graph_moe_layers(self, micro_batch_size: int) -> None:
         """Capture every MoE layer's forward and backward in CUDA graphs (``train.moe_cuda_graph``): from then
         on a training-mode call replays them, and the host issues one launch per layer and direction instead
-        of a few hundred small ones. Needs the sync-free dispatch (no host sync, no collective in the layer),
+        of a few hundred small ones. Needs the device-planned pipeline (no host sync, no collective in the layer),
         a fixed micro-batch shape, and the parameters' final storage (call after the optimizer is built). All
         ranks capture together: the warm-up calls exchange rows. Eval-mode calls run the layers eagerly."""
         moe_layers = tuple(layer.mlp for layer in self.layers.values() if layer.is_moe)

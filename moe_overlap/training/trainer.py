@@ -72,9 +72,18 @@ def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
 
 def mesh_group_options(cfg: Config) -> dict:
     """Backend options by mesh group kind: ``overlap.dp_comm_ctas`` holds the data-parallel communicators
-    (the plain optimizer's dp, the distributed optimizer's dp_cp, and edp) to that many CTAs."""
-    ctas = cfg.overlap.dp_comm_ctas
-    return {} if ctas is None else {kind: nccl_cta_options(ctas) for kind in ("dp", "dp_cp", "edp")}
+    (the plain optimizer's dp, the distributed optimizer's dp_cp, and edp) to that many CTAs, and
+    ``overlap.ep_comm_ctas`` the expert-parallel one (ep)."""
+    dp, ep = cfg.overlap.dp_comm_ctas, cfg.overlap.ep_comm_ctas
+    options = {} if dp is None else {kind: nccl_cta_options(dp) for kind in ("dp", "dp_cp", "edp")}
+    return options if ep is None else dict(options, ep=nccl_cta_options(ep))
+
+
+def dp_gemm_sms(cfg: Config) -> int:
+    """SMs the GEMMs beside the distributed optimizer's overlapped syncs leave free: ``overlap.gemm_sm_carveout``;
+    auto: 4 x dp_comm_ctas (the slow-fabric pairing measured best: 2 CTAs, 8 SMs), none without a CTA cap."""
+    sms, ctas = cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas
+    return sms if sms != "auto" else min(32, 4 * ctas) if ctas else 0
 
 
 def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
@@ -122,11 +131,13 @@ class Trainer:
             self.model.pair_expert_wgrads()
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
+        o = cfg.overlap  # which of the distributed optimizer's syncs overlap the compute (their GEMMs are carved out)
+        self._dp_overlaps = DPOverlaps(t.use_distributed_optimizer and o.overlap_grad_sync,
+                                       t.use_distributed_optimizer and o.overlap_param_sync)
         self.pipeline = (PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
                          if stages.pp > 1 else None)
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
-            with gemm_sm_carveout(cfg.overlap.gemm_sm_carveout):  # the captured GEMMs keep the steps' carve-out
-                self.model.graph_moe_layers(t.micro_batch_size)
+            self.model.graph_moe_layers(t.micro_batch_size)  # the pipeline's GEMMs capture their own carve-out
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         check_token_index(cfg.data.path, cfg.data.dtype, cfg.model.vocab_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
@@ -155,7 +166,9 @@ class Trainer:
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
         if self.pipeline is not None:  # the schedule's executor runs every micro-batch through the stages
-            result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale)
+            # a stage's syncs start and end anywhere in the schedule: every GEMM of the step leaves them SMs
+            with self._dp_carveout(self._dp_overlaps.grad_sync or self._dp_overlaps.param_sync):
+                result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale)
             self.tokens_per_expert = result.tokens_per_expert
             return torch.stack((result.lm_loss, result.aux_loss)).double()
         losses = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -164,12 +177,19 @@ class Trainer:
             last = index == self.num_micro_batches - 1
             self.optimizer.start_micro_batch(is_last=last)
             self.model.start_micro_batch(first=index == 0, last=last)
-            out = self.model(to_device_async(input_ids, self.device), to_device_async(labels, self.device))
-            (out.loss * loss_scale).backward()
+            with self._dp_carveout(index == 0 and self._dp_overlaps.param_sync):
+                out = self.model(to_device_async(input_ids, self.device), to_device_async(labels, self.device))
+            with self._dp_carveout(last and self._dp_overlaps.grad_sync):
+                (out.loss * loss_scale).backward()
             losses += torch.stack((out.lm_loss, out.aux_loss))
             for layer, counts in out.tokens_per_expert.items():
                 self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
         return losses / self.num_micro_batches
+
+    def _dp_carveout(self, beside_dp_sync: bool):
+        """The GEMMs the distributed optimizer's overlapped syncs run beside (the first micro-batch's forward:
+        parameter all-gathers; the last one's backward: gradient reduce-scatters) leave SMs to them."""
+        return gemm_sm_carveout(dp_gemm_sms(self.cfg) if beside_dp_sync else 0)
 
     def train_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> dict:
         """One optimizer step, its metrics read back; ``inspect_grads`` sees the reduced gradients before the
@@ -181,7 +201,7 @@ class Trainer:
         host can queue the next step while this one runs."""
         start = Event(self.device, timing=True).record() if self._last_step_end is None else self._last_step_end
         lr = lr_at(self.step, self.cfg.train)
-        with gemm_sm_carveout(self.cfg.overlap.gemm_sm_carveout), measuring_exposed_comm(self.device) as exposed:
+        with measuring_exposed_comm(self.device) as exposed:
             losses = self.forward_backward(self.step)
             self.optimizer.reduce_grads()
             if inspect_grads is not None:
@@ -398,6 +418,12 @@ class Trainer:
                 raise
             path = step_dir(self.cfg.checkpoint_dir, self.step) if self.saved_step == self.step else self.save()
             raise FloatingPointError(f"{err}; the state after step {self.step} is in {path}") from err
+
+
+@dataclass(frozen=True)
+class DPOverlaps:
+    grad_sync: bool  # gradient reduce-scatters start in the last micro-batch's backward
+    param_sync: bool  # parameter all-gathers are waited for in the first micro-batch's forward
 
 
 @dataclass

@@ -1,0 +1,221 @@
+"""The MoE layer's pipeline (``overlap.moe_pipeline``): the exchange cut into chunks of local experts and run
+beside the grouped GEMMs, forward and backward, with sizes planned on the host or the device and any transport
+(distributed/a2a.py); the serial path (dispatcher.py) is its reference.
+
+Forward, in the order the host issues the work (so that each GEMM is launched before the transfers that run
+beside it: a push launched first would hold SMs that the GEMM's launch waits for):
+
+    permute; chunk 0 on its way                                   DispatchStart
+    (the caller's shared expert: runs while chunk 0 travels)
+    for chunk i:  wait for chunk i, take its rows out of the receive buffer; its grouped GEMMs (carve-out on)
+                  chunk i-1's outputs start back to their tokens' ranks     } beside GEMM i
+                  chunk i+1 starts to the experts                           }
+    the last chunk's outputs back; unpermute reads them where they landed        ExpertsCombine
+
+Backward mirrors it: the output gradient's rows travel to the experts chunk by chunk under the dgrad GEMMs and
+go back the same way; with ``delay_wgrad`` every chunk's weight-gradient GEMMs run after the last dgrad, beside
+the last transfer. Received rows are read where they landed when a kernel can take them: the unpermute copies
+the rows it needs for the backward in the same pass, the permutation's backward reads its gradient rows
+in place (the copy-out of a symmetric region fused with them). Two autograd Functions bracket the work, so that
+whatever the caller runs between them (the shared expert) fills the dispatch gap in the forward and the combine
+gap in the backward:
+
+    token = DispatchStart.apply(x_TH, state)
+    shared_out = shared_expert(x)
+    out_TH = ExpertsCombine.apply(token, probs_TK, w13, w2, state)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.distributed.streams import Event, gemm_sm_carveout
+from moe_overlap.kernels.permute import permute, permute_backward, unpermute, unpermute_backward
+from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
+from moe_overlap.layers.dispatcher import ExpertTPPlan, gather_from_expert_tp, sum_to_expert_tp_owners
+from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
+                                        weight_grad_for_autograd)
+
+
+@dataclass
+class PipelineState:
+    """What the two Functions of one layer call share."""
+
+    plan: object  # DispatchPlan (host) or DevicePlan: row_of_copy_TK, num_rows, all_rows_mapped, chunk_experts,
+    #               routes, offsets
+    transport: object  # distributed/a2a.py
+    sms: int  # SMs the GEMMs leave free while rows move beside them (a push's CTAs); 0: none
+    delay_wgrad: bool
+    expert_tp: tuple[list[ExpertTPPlan], GroupHandle] | None = None  # per chunk, with expert-TP > 1
+    dispatch: object = None
+    grad_combine: object = None
+    saved: list = field(default_factory=list)  # per chunk: (grouped rows, fc1 output)
+
+    def carveout(self):
+        """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
+        one chunk."""
+        moving = len(self.plan.chunk_experts) > 1
+        return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
+
+
+def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's rows as its grouped GEMMs take them, with their offsets: under expert-TP, every peer's
+    rows gathered (each rank runs its FFN slice on all of them) and regrouped by expert."""
+    if state.expert_tp is None:
+        return rows_RH, state.plan.offsets[chunk]
+    plans, etp = state.expert_tp
+    gathered_RH = gather_from_expert_tp(rows_RH, plans[chunk], etp)
+    return gathered_RH.index_select(0, plans[chunk].regroup_index), plans[chunk].offsets
+
+
+def _rows_from_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) -> torch.Tensor:
+    """The adjoint of :func:`_rows_for_experts`: under expert-TP, each peer's rows back to it, summed."""
+    if state.expert_tp is None:
+        return rows_RH
+    plans, etp = state.expert_tp
+    return sum_to_expert_tp_owners(rows_RH.index_select(0, plans[chunk].ungroup_index), plans[chunk], etp)
+
+
+class DispatchStart(torch.autograd.Function):
+    """Permute, and start the first chunk to the experts; the backward collects the input gradient's rows
+    and sums each token's copies straight from where they landed."""
+
+    @staticmethod
+    def forward(ctx, x_TH: torch.Tensor, state: PipelineState) -> torch.Tensor:
+        plan = state.plan
+        permuted_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
+        # host-planned: waits for the counts here, after the permutation was queued
+        state.dispatch = state.transport.to_experts(permuted_RH, plan.routes, state.sms)
+        state.dispatch.send(0, alone=True)  # the pipeline's fill: no expert GEMM beside it
+        ctx.state, ctx.x_dtype = state, x_TH.dtype
+        return x_TH.new_empty(0)  # orders ExpertsCombine after this; carries no data
+
+    @staticmethod
+    def backward(ctx, _grad_token: torch.Tensor):
+        state = ctx.state
+        exchange, state.grad_combine = state.grad_combine, None
+        grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK)
+        exchange.finish()  # after the kernel that read the landed rows
+        return grad_TH.to(ctx.x_dtype), None
+
+
+def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_alone: bool = True) -> None:
+    """The schedule both directions share: ``compute(chunk, rows)`` runs a chunk's GEMMs on its rows and returns
+    the rows to send back, and work for after them (or None); transfers beside GEMM i are issued after it (see
+    the module docstring). ``last_alone``: no GEMM runs beside the last transfer back (the pipeline's drain)."""
+    chunks = len(state.plan.chunk_experts)
+    waiting = None  # the previous chunk's rows to send back, and the event after the GEMM that made them
+    for chunk in range(chunks):
+        back_RH, then = compute(chunk, to_experts.recv(chunk))
+        made = Event(back_RH.device).record()
+        if then is not None:
+            then()
+        if waiting is not None:
+            from_experts.send(chunk - 1, *waiting)
+        waiting = back_RH, made
+        if chunk + 1 < chunks:
+            to_experts.send(chunk + 1)
+    from_experts.send(chunks - 1, *waiting, alone=last_alone)
+
+
+class ExpertsCombine(torch.autograd.Function):
+    """The chunks' grouped GEMMs with the exchange beside them, the combine, and the unpermute."""
+
+    @staticmethod
+    def forward(ctx, _token: torch.Tensor, probs_TK: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
+                state: PipelineState) -> torch.Tensor:
+        plan, dispatch = state.plan, state.dispatch
+        combine = state.transport.from_experts(plan.routes, w2_EFH.shape[-1], w2_EFH, state.sms)
+        state.saved = []
+
+        def compute(chunk: int, rows_RH: torch.Tensor) -> torch.Tensor:
+            first, last = plan.chunk_experts[chunk]
+            grouped_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
+            with state.carveout():
+                y_RH, h_RF2 = experts_forward(grouped_RH, offsets, w13_EHF2[first:last], w2_EFH[first:last])
+            state.saved.append((grouped_RH, h_RF2))
+            return _rows_from_experts(y_RH, chunk, state), None
+
+        _run_chunks(state, dispatch, combine, compute)
+        dispatch.finish()
+        state.dispatch = None
+        combined_RH = combine.result()
+        keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows
+        copy_RH = combined_RH.new_empty(combined_RH.shape) if keep and combine.transient else None
+        out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH)
+        combine.finish()  # after the unpermute read the landed rows
+        ctx.save_for_backward(probs_TK, None if not keep else combined_RH if copy_RH is None else copy_RH)
+        ctx.state = state
+        ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad)
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, grad_out_TH: torch.Tensor):
+        state = ctx.state
+        plan = state.plan
+        probs_TK, combined_RH = ctx.saved_tensors
+        w13_EHF2, w2_EFH = ctx.weights
+        grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
+                                                         probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
+        grad_dispatch = state.transport.to_experts(grad_rows_RH.to(w2_EFH.dtype), plan.routes, state.sms)
+        grad_dispatch.send(0, alone=True)
+        grad_combine = state.transport.from_experts(plan.routes, w13_EHF2.shape[1], w13_EHF2, state.sms)
+        deferred = is_deferring()  # a zero-bubble schedule's W computes the weight gradients (deferred_wgrad.py)
+        jobs = [None] * len(plan.chunk_experts)  # per chunk: what its weight gradients need (None: no rows)
+        wgrads = [None] * len(plan.chunk_experts)  # per chunk: fc1, fc2 weight gradients (None: into main_grad)
+
+        def wgrad(chunk: int) -> None:
+            with state.carveout():
+                wgrads[chunk] = experts_wgrad(*jobs[chunk])
+
+        def compute(chunk: int, rows_RH: torch.Tensor):
+            first, last = plan.chunk_experts[chunk]
+            grouped_RH, h_RF2 = state.saved[chunk]
+            if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients; no rows (on every expert-TP peer)
+                return rows_RH.new_empty((0, w13_EHF2.shape[1])), None
+            grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
+            with state.carveout():
+                grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, w13_EHF2[first:last],
+                                                            w2_EFH[first:last])
+            jobs[chunk] = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
+                           slice(first, last))
+            later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
+            return _rows_from_experts(grad_x_RH, chunk, state), None if later else (lambda: wgrad(chunk))
+
+        # the last transfer back runs beside the delayed weight gradients, else alone
+        _run_chunks(state, grad_dispatch, grad_combine, compute, last_alone=deferred or not state.delay_wgrad)
+        if deferred:
+            grad_w13, grad_w2 = weight_grads(_deferred_weight_grads, (w13_EHF2, w2_EFH, jobs, plan.chunk_experts),
+                                             ctx.weights)
+        else:
+            for chunk in range(len(jobs)):
+                if state.delay_wgrad and jobs[chunk] is not None:
+                    wgrad(chunk)
+            grad_w13, grad_w2 = _weight_grads(w13_EHF2, w2_EFH, wgrads, jobs, plan.chunk_experts)
+        grad_dispatch.finish()
+        state.saved = []
+        state.grad_combine = grad_combine
+        if grad_probs_TK is not None:
+            grad_probs_TK = grad_probs_TK.to(probs_TK.dtype)
+        return grad_out_TH.new_zeros(0), grad_probs_TK, grad_w13, grad_w2, None
+
+
+def _weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, wgrads: list, jobs: list,
+                  chunk_experts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every chunk's weight gradients as autograd takes them (see weight_grad_for_autograd); a chunk no rows
+    reached contributes zeros."""
+    grads = [(torch.zeros_like(w13_EHF2[first:last]), torch.zeros_like(w2_EFH[first:last])) if job is None
+             else grad for grad, job, (first, last) in zip(wgrads, jobs, chunk_experts)]
+    return (weight_grad_for_autograd(w13_EHF2, [g for g, _ in grads]),
+            weight_grad_for_autograd(w2_EFH, [g for _, g in grads]))
+
+
+def _deferred_weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, jobs: list,
+                           chunk_experts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zero-bubble W: every chunk's weight gradients from the inputs its I kept."""
+    wgrads = [None if job is None else experts_wgrad(*job) for job in jobs]
+    return _weight_grads(w13_EHF2, w2_EFH, wgrads, jobs, chunk_experts)
