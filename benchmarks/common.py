@@ -17,9 +17,13 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 RECORDED_ENV = tuple(MULTICAST_OFF) + ("NCCL_P2P_DISABLE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 
 
-def disable_multicast(opt_in: bool = False) -> None:
-    if not opt_in:
+def set_run_env(allow_multicast: bool = False, fabric: str = "nvlink") -> None:
+    """Before any process group exists: NVLink multicast off (unless opted in); ``fabric="slow"``: NCCL through
+    host memory (NCCL_P2P_DISABLE=1), standing in for an inter-node link."""
+    if not allow_multicast:
         os.environ.update(MULTICAST_OFF)
+    if fabric == "slow":
+        os.environ["NCCL_P2P_DISABLE"] = "1"
 
 
 def run_header(world_size: int) -> dict:

@@ -32,7 +32,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, round_robin, run_header, write_json  # noqa: E402
+from benchmarks.common import round_robin, run_header, set_run_env, write_json  # noqa: E402
 from moe_overlap.training.profiling import draw_timeline  # noqa: E402
 
 SHAPE = dict(seqs="32768,131072", heads=32, kv_heads=8, head_dim=128, batch=1)
@@ -58,7 +58,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse(None)
-    disable_multicast(args.allow_multicast)  # before any process group exists
+    set_run_env(args.allow_multicast)
     import torch
     import torch.distributed as dist
 

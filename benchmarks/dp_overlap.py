@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import statistics
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_OVERRIDES = ["parallel.expert_model_parallel_size=1", "train.micro_batch_size=16", "train.global_batch_size=32",
@@ -102,9 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     """Run under torchrun (or on ranks that already share a process group); returns the rows."""
     args = parse_args(argv)
-    disable_multicast(args.allow_multicast)
-    if args.fabric == "slow":
-        os.environ["NCCL_P2P_DISABLE"] = "1"  # before init_process_group
+    set_run_env(args.allow_multicast, args.fabric)
 
     import torch.distributed as dist
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    disable_multicast(args.allow_multicast)
-    if args.fabric == "slow":
-        os.environ["NCCL_P2P_DISABLE"] = "1"  # before init_process_group
+    set_run_env(args.allow_multicast, args.fabric)
 
     import torch
     import torch.distributed as dist

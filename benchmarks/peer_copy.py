@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    disable_multicast(False)
+    set_run_env()
     import torch
     import torch.distributed as dist
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, round_robin, run_header, write_json  # noqa: E402
+from benchmarks.common import round_robin, run_header, set_run_env, write_json  # noqa: E402
 
 # (direction, rows in total, in features, out features before the TP split of the split side)
 GEMM_SHAPES = [("ag", 8192, 4096, 28672), ("ag", 8192, 8192, 10240), ("rs", 8192, 14336, 4096),
@@ -57,7 +57,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse(None)
-    disable_multicast(args.allow_multicast)  # before any process group exists
+    set_run_env(args.allow_multicast)
     import torch
     import torch.distributed as dist
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import disable_multicast, run_header, write_json  # noqa: E402
+from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,7 +110,7 @@ def release_memory() -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    disable_multicast()
+    set_run_env()
     import torch.distributed as dist
 
     rows = []
