@@ -502,6 +502,7 @@ def validate(cfg: Config) -> None:
     _validate_moe_overlap(m, o, p)
     _validate_moe_cuda_graph(t, o, p)
     _validate_expert_wgrad_pairs(t, o, m, p)
+    _validate_microbatch_overlap(cfg)
     _validate_distributed_optimizer(o, t)
     _validate_comm_resources(o)
 
@@ -647,9 +648,6 @@ def _validate_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> No
     _require(o.tp_comm_num_splits >= 1, "overlap.tp_comm_num_splits", o.tp_comm_num_splits, "must be >= 1")
     _require(o.moe_pipeline_chunks >= 1, "overlap.moe_pipeline_chunks", o.moe_pipeline_chunks, "must be >= 1")
     _validate_tp_overlap(o, p, m)
-    if o.overlap_moe_expert_parallel_comm:
-        raise _not_implemented("overlap.overlap_moe_expert_parallel_comm", True, False,
-                               "waits for micro-batches overlapping each other")
 
 
 def _validate_pipeline_split(m: ModelConfig, p: ParallelConfig) -> None:
@@ -795,6 +793,29 @@ def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig
         raise _not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers with recomputation")
 
 
+def _validate_microbatch_overlap(cfg: Config) -> None:
+    """``overlap.overlap_moe_expert_parallel_comm``: PP=1, an exchange that can be split into stages."""
+    m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
+    if not o.overlap_moe_expert_parallel_comm:
+        return
+    name = "overlap.overlap_moe_expert_parallel_comm"
+    _require(m.num_moe_experts is not None, name, True, "needs MoE layers (model.num_moe_experts)")
+    if p.pipeline_model_parallel_size > 1:
+        raise _not_implemented(name, True, False, "under pipeline parallelism: the 1F1B steady state's pairs")
+    if t.recompute_granularity != "none":
+        raise _not_implemented(name, True, False, "with train.recompute_granularity='full': a layer's stages "
+                                                  "would each recompute on their own")
+    if t.expert_wgrad_pairs:
+        raise _not_implemented(name, True, False, "with train.expert_wgrad_pairs: the pairs follow plain "
+                                                  "accumulation's backward order")
+    exchanging = p.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1
+    _require(not exchanging or o.moe_pipeline, name, True, "needs overlap.moe_pipeline=true with more than one "
+             "EP or expert-TP rank: the serial exchange blocks, so nothing could run beside it")
+    if exchanging and t.moe_cuda_graph:
+        raise _not_implemented(name, True, False, "with train.moe_cuda_graph and an exchange: a graphed layer is one "
+                                                  "stage, its exchange cannot be split (one EP rank: graphs run)")
+
+
 def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig, p: ParallelConfig) -> None:
     if not t.expert_wgrad_pairs:
         return
@@ -845,6 +866,11 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size", t.global_batch_size,
              f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    if cfg.overlap.overlap_moe_expert_parallel_comm:
+        m = cfg.num_micro_batches(world_size)
+        _require(m >= 2, "overlap.overlap_moe_expert_parallel_comm", True,
+                 f"pairs micro-batches: train.global_batch_size={t.global_batch_size} gives {m} per data-parallel "
+                 "rank, nothing to pair (raise it to at least 2 x micro_batch_size x data-parallel size)")
     if vpp > 1:
         m = cfg.num_micro_batches(world_size)
         _require(m % pp == 0, "train.global_batch_size", t.global_batch_size,

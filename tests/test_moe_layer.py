@@ -332,11 +332,12 @@ def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
     assert moe_case("sparse", 2, **setting) < 1e-5
 
 
-@pytest.mark.parametrize("carveout,transport,chunks,ctas,want", [
-    (8, "nccl", 4, None, 8), (8, "sm_push", 1, None, 0),  # one chunk: nothing moves beside a GEMM
-    ("auto", "nccl", 4, 4, 8), ("auto", "nccl", 4, None, 0), ("auto", "copy_engine", 4, None, 0),
-    ("auto", "sm_push", 4, None, "pushes")])
-def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want):
+@pytest.mark.parametrize("carveout,transport,chunks,ctas,want,paired", [
+    (8, "nccl", 4, None, 8, False), (8, "sm_push", 1, None, 0, False),  # one chunk: nothing moves beside a GEMM
+    (8, "sm_push", 1, None, 8, True),  # ... but another micro-batch's GEMMs (overlap_moe_expert_parallel_comm)
+    ("auto", "nccl", 4, 4, 8, False), ("auto", "nccl", 4, None, 0, False), ("auto", "copy_engine", 4, None, 0, False),
+    ("auto", "sm_push", 4, None, "pushes", False)])
+def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want, paired):
     from moe_overlap.layers.moe import auto_push_sms
 
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
@@ -345,7 +346,7 @@ def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want
     layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2), overlap,
                      two_ranks, SimpleNamespace(planning="host"))
     transport_like = SimpleNamespace(name=transport, needs_sms=transport != "copy_engine")
-    got = layer._overlap_sms(transport_like, 4096, H, 2)
+    got = layer._overlap_sms(transport_like, 4096, H, 2, paired)
     assert got == (auto_push_sms(4096, H, F, chunks, 2) if want == "pushes" else want)
 
 

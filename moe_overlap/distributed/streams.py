@@ -133,16 +133,35 @@ class ExposedComm:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.spans: list[tuple[str, Event, Event]] = []
+        self.spans: list[tuple[str, str | None, Event, Event]] = []  # kind, stage label, start, end
 
     def totals_ms(self) -> dict[str, float]:
         totals = dict.fromkeys(EXPOSED_KINDS, 0.0)
-        for kind, start, end in self.spans:
+        for kind, _, start, end in self.spans:
             totals[kind] += start.elapsed_ms(end)
+        return totals
+
+    def by_stage_ms(self) -> dict[str, float]:
+        """Per "kind stage" for the waits inside a labelled stage (:func:`stage_label`)."""
+        totals: dict[str, float] = {}
+        for kind, label, start, end in self.spans:
+            if label is not None:
+                totals[f"{kind} {label}"] = totals.get(f"{kind} {label}", 0.0) + start.elapsed_ms(end)
         return totals
 
 
 _MEASURING: list[ExposedComm] = []  # the tally of the step in flight, if the trainer measures one
+_STAGE: list[str] = []  # the label of the stage running (overlap_moe_expert_parallel_comm)
+
+
+@contextlib.contextmanager
+def stage_label(label: str) -> Iterator[None]:
+    """Waits inside the block are tallied under ``label`` too (ExposedComm.by_stage_ms)."""
+    _STAGE.append(label)
+    try:
+        yield
+    finally:
+        _STAGE.pop()
 
 
 @contextlib.contextmanager
@@ -166,4 +185,4 @@ def exposed_wait(kind: str) -> Iterator[None]:
     tally = _MEASURING[-1]
     start = Event(tally.device, timing=True).record()
     yield
-    tally.spans.append((kind, start, Event(tally.device, timing=True).record()))
+    tally.spans.append((kind, _STAGE[-1] if _STAGE else None, start, Event(tally.device, timing=True).record()))

@@ -10,19 +10,22 @@ beside it: a push launched first would hold SMs that the GEMM's launch waits for
     for chunk i:  wait for chunk i, take its rows out of the receive buffer; its grouped GEMMs (carve-out on)
                   chunk i-1's outputs start back to their tokens' ranks     } beside GEMM i
                   chunk i+1 starts to the experts                           }
-    the last chunk's outputs back; unpermute reads them where they landed        ExpertsCombine
+    the last chunk's outputs back                                                      Experts
+    unpermute reads them where they landed                                            Combine
 
 Backward mirrors it: the output gradient's rows travel to the experts chunk by chunk under the dgrad GEMMs and
 go back the same way; with ``delay_wgrad`` every chunk's weight-gradient GEMMs run after the last dgrad, beside
 the last transfer. Received rows are read where they landed when a kernel can take them: the unpermute copies
 the rows it needs for the backward in the same pass, the permutation's backward reads its gradient rows
-in place (the copy-out of a symmetric region fused with them). Two autograd Functions bracket the work, so that
-whatever the caller runs between them (the shared expert) fills the dispatch gap in the forward and the combine
-gap in the backward:
+in place (the copy-out of a symmetric region fused with them). Three autograd Functions bracket the work, each
+starting an exchange that the next one waits for (the backward likewise, in reverse), so that whatever the
+caller runs between them fills the gaps: the shared expert, or, with ``overlap_moe_expert_parallel_comm``,
+another micro-batch's stages (models/stages.py), the autograd graph cut between them:
 
     token = DispatchStart.apply(x_TH, state)
     shared_out = shared_expert(x)
-    out_TH = ExpertsCombine.apply(token, probs_TK, w13, w2, state)
+    token = Experts.apply(token, w13, w2, state)
+    out_TH = Combine.apply(token, probs_TK, state)
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ class PipelineState:
     sms: int  # SMs the GEMMs leave free while rows move beside them (a push's CTAs); 0: none
     delay_wgrad: bool
     expert_tp: tuple[list[ExpertTPPlan], GroupHandle] | None = None  # per chunk, with expert-TP > 1
-    dispatch: object = None
+    paired: bool = False  # another micro-batch's compute runs beside the first and last transfers (never alone)
+    dispatch: object = None  # the exchanges in flight between the Functions
+    combine: object = None
+    grad_dispatch: object = None
     grad_combine: object = None
     saved: list = field(default_factory=list)  # per chunk: (grouped rows, fc1 output)
 
@@ -90,7 +96,7 @@ class DispatchStart(torch.autograd.Function):
         permuted_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
         # host-planned: waits for the counts here, after the permutation was queued
         state.dispatch = state.transport.to_experts(permuted_RH, plan.routes, state.sms)
-        state.dispatch.send(0, alone=True)  # the pipeline's fill: no expert GEMM beside it
+        state.dispatch.send(0, alone=not state.paired)  # the pipeline's fill: no expert GEMM beside it
         ctx.state, ctx.x_dtype = state, x_TH.dtype
         return x_TH.new_empty(0)  # orders ExpertsCombine after this; carries no data
 
@@ -122,14 +128,14 @@ def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_al
     from_experts.send(chunks - 1, *waiting, alone=last_alone)
 
 
-class ExpertsCombine(torch.autograd.Function):
-    """The chunks' grouped GEMMs with the exchange beside them, the combine, and the unpermute."""
+class Experts(torch.autograd.Function):
+    """The chunks' grouped GEMMs with the exchange beside them; the last chunk's outputs start back."""
 
     @staticmethod
-    def forward(ctx, _token: torch.Tensor, probs_TK: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
+    def forward(ctx, _token: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
                 state: PipelineState) -> torch.Tensor:
         plan, dispatch = state.plan, state.dispatch
-        combine = state.transport.from_experts(plan.routes, w2_EFH.shape[-1], w2_EFH, state.sms)
+        state.combine = state.transport.from_experts(plan.routes, w2_EFH.shape[-1], w2_EFH, state.sms)
         state.saved = []
 
         def compute(chunk: int, rows_RH: torch.Tensor) -> torch.Tensor:
@@ -140,29 +146,19 @@ class ExpertsCombine(torch.autograd.Function):
             state.saved.append((grouped_RH, h_RF2))
             return _rows_from_experts(y_RH, chunk, state), None
 
-        _run_chunks(state, dispatch, combine, compute)
+        _run_chunks(state, dispatch, state.combine, compute, last_alone=not state.paired)
         dispatch.finish()
         state.dispatch = None
-        combined_RH = combine.result()
-        keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows
-        copy_RH = combined_RH.new_empty(combined_RH.shape) if keep and combine.transient else None
-        out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH)
-        combine.finish()  # after the unpermute read the landed rows
-        ctx.save_for_backward(probs_TK, None if not keep else combined_RH if copy_RH is None else copy_RH)
         ctx.state = state
         ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad)
-        return out_TH
+        return w2_EFH.new_empty(0)  # orders Combine after this; carries no data
 
     @staticmethod
-    def backward(ctx, grad_out_TH: torch.Tensor):
+    def backward(ctx, _grad_token: torch.Tensor):
         state = ctx.state
         plan = state.plan
-        probs_TK, combined_RH = ctx.saved_tensors
         w13_EHF2, w2_EFH = ctx.weights
-        grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
-                                                         probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
-        grad_dispatch = state.transport.to_experts(grad_rows_RH.to(w2_EFH.dtype), plan.routes, state.sms)
-        grad_dispatch.send(0, alone=True)
+        grad_dispatch, state.grad_dispatch = state.grad_dispatch, None
         grad_combine = state.transport.from_experts(plan.routes, w13_EHF2.shape[1], w13_EHF2, state.sms)
         deferred = is_deferring()  # a zero-bubble schedule's W computes the weight gradients (deferred_wgrad.py)
         jobs = [None] * len(plan.chunk_experts)  # per chunk: what its weight gradients need (None: no rows)
@@ -186,8 +182,9 @@ class ExpertsCombine(torch.autograd.Function):
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
             return _rows_from_experts(grad_x_RH, chunk, state), None if later else (lambda: wgrad(chunk))
 
-        # the last transfer back runs beside the delayed weight gradients, else alone
-        _run_chunks(state, grad_dispatch, grad_combine, compute, last_alone=deferred or not state.delay_wgrad)
+        # the last transfer back runs beside the delayed weight gradients (or another micro-batch), else alone
+        _run_chunks(state, grad_dispatch, grad_combine, compute,
+                    last_alone=not (deferred or state.delay_wgrad or state.paired))
         if deferred:
             grad_w13, grad_w2 = weight_grads(_deferred_weight_grads, (w13_EHF2, w2_EFH, jobs, plan.chunk_experts),
                                              ctx.weights)
@@ -199,9 +196,38 @@ class ExpertsCombine(torch.autograd.Function):
         grad_dispatch.finish()
         state.saved = []
         state.grad_combine = grad_combine
+        return _grad_token.new_zeros(0), grad_w13, grad_w2, None
+
+
+class Combine(torch.autograd.Function):
+    """Wait for the expert outputs to come back, and unpermute them; the backward starts the output gradient's
+    rows to the experts."""
+
+    @staticmethod
+    def forward(ctx, _token: torch.Tensor, probs_TK: torch.Tensor, state: PipelineState) -> torch.Tensor:
+        plan, combine = state.plan, state.combine
+        state.combine = None
+        combined_RH = combine.result()
+        keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows
+        copy_RH = combined_RH.new_empty(combined_RH.shape) if keep and combine.transient else None
+        out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH)
+        combine.finish()  # after the unpermute read the landed rows
+        ctx.save_for_backward(probs_TK, None if not keep else combined_RH if copy_RH is None else copy_RH)
+        ctx.state, ctx.rows_dtype = state, combined_RH.dtype
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, grad_out_TH: torch.Tensor):
+        state = ctx.state
+        plan = state.plan
+        probs_TK, combined_RH = ctx.saved_tensors
+        grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
+                                                         probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
+        state.grad_dispatch = state.transport.to_experts(grad_rows_RH.to(ctx.rows_dtype), plan.routes, state.sms)
+        state.grad_dispatch.send(0, alone=not state.paired)
         if grad_probs_TK is not None:
             grad_probs_TK = grad_probs_TK.to(probs_TK.dtype)
-        return grad_out_TH.new_zeros(0), grad_probs_TK, grad_w13, grad_w2, None
+        return grad_out_TH.new_zeros(0), grad_probs_TK, None
 
 
 def _weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, wgrads: list, jobs: list,

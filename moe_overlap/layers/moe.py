@@ -18,7 +18,7 @@ from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 from moe_overlap.layers.device_plan import DevicePlanner
-from moe_overlap.layers.dispatch_pipeline import DispatchStart, ExpertsCombine, PipelineState
+from moe_overlap.layers.dispatch_pipeline import Combine, DispatchStart, Experts, PipelineState
 from moe_overlap.layers.dispatcher import (DispatchPlanner, chunk_bounds, expert_tp_counts, plan_expert_tp,
                                             serial_dispatch_combine, start_counts_fetch)
 from moe_overlap.layers.experts import GroupedExperts, expert_offsets
@@ -134,6 +134,20 @@ class MoELayer(nn.Module):
         return out_TH if self.shared_expert is None else out_TH + self.shared_expert(x_TH)
 
     def _pipelined(self, x_TH: torch.Tensor, routing) -> torch.Tensor:
+        shared_TH = None
+        if self.shared_expert is not None and not self.shared_overlap:
+            shared_TH = self.shared_expert(x_TH)
+        token, state = self.start_dispatch(x_TH, routing)
+        if self.shared_expert is not None and self.shared_overlap:  # runs while the first chunk travels
+            shared_TH = self.shared_expert(x_TH)
+        out_TH = self.combine(self.run_experts(token, state), routing.probs_TK, state)
+        return out_TH if shared_TH is None else out_TH + shared_TH
+
+    # The pipeline's three steps, each starting an exchange the next one waits for (dispatch_pipeline.py); with
+    # ``overlap_moe_expert_parallel_comm`` another micro-batch's stages run between them (models/mixtral.py).
+    def start_dispatch(self, x_TH: torch.Tensor, routing, paired: bool = False) -> tuple[torch.Tensor, PipelineState]:
+        """Plan the exchange, permute, and start the first chunk to the experts; ``paired``: another micro-batch's
+        compute runs beside the first and last transfers."""
         tokens, hidden = x_TH.shape
         padded = routing.capacity is not None and self.pad_to_capacity
         rows = self.num_experts * routing.capacity if padded else tokens * self.topk  # a rank's permuted rows
@@ -152,22 +166,23 @@ class MoELayer(nn.Module):
             transport = self.transports.transport(worst_rows * hidden * x_TH.element_size())
             if rows_PL is not None:
                 expert_tp = ([plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.chunk_experts], self.etp)
-        sms = self._overlap_sms(transport, rows, hidden, x_TH.element_size())
-        state = PipelineState(plan, transport, sms, self.delay_wgrad, expert_tp)
-        shared_TH = None
-        if self.shared_expert is not None and not self.shared_overlap:
-            shared_TH = self.shared_expert(x_TH)
-        token = DispatchStart.apply(x_TH, state)
-        if self.shared_expert is not None and self.shared_overlap:  # runs while the first chunk travels
-            shared_TH = self.shared_expert(x_TH)
-        out_TH = ExpertsCombine.apply(token, routing.probs_TK, self.experts.w13, self.experts.w2, state)
-        return out_TH if shared_TH is None else out_TH + shared_TH
+        sms = self._overlap_sms(transport, rows, hidden, x_TH.element_size(), paired)
+        state = PipelineState(plan, transport, sms, self.delay_wgrad, expert_tp, paired)
+        return DispatchStart.apply(x_TH, state), state
 
-    def _overlap_sms(self, transport, rows: int, hidden: int, element_size: int) -> int:
-        """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk: nothing moves beside them);
-        auto: the measured pairing for NCCL (2 x its CTAs, none without a cap), for SM pushes from the bytes a
-        chunk moves and the GEMM's time."""
-        if self.chunks == 1:
+    def run_experts(self, token: torch.Tensor, state: PipelineState) -> torch.Tensor:
+        """Every chunk's grouped GEMMs as its rows arrive; the outputs start back."""
+        return Experts.apply(token, self.experts.w13, self.experts.w2, state)
+
+    def combine(self, token: torch.Tensor, probs_TK: torch.Tensor, state: PipelineState) -> torch.Tensor:
+        """The outputs back at their tokens, weighted and summed: (tokens, hidden)."""
+        return Combine.apply(token, probs_TK, state)
+
+    def _overlap_sms(self, transport, rows: int, hidden: int, element_size: int, paired: bool) -> int:
+        """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk and no other micro-batch
+        beside: nothing moves beside them); auto: the measured pairing for NCCL (2 x its CTAs, none without a cap),
+        for SM pushes from the bytes a chunk moves and the GEMM's time."""
+        if self.chunks == 1 and not paired:
             return 0
         if self.carveout != "auto":
             return self.carveout

@@ -9,7 +9,7 @@ only attention (a ring over the CP group), the router (which sees the whole micr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -51,14 +51,68 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype, comm)
 
-    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns the output and, for a MoE layer, its auxiliary loss and tokens per expert."""
+    def forward(self, x_BSH: torch.Tensor, attention_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the output and, for a MoE layer, its auxiliary loss and tokens per expert; ``attention_only``:
+        the residual stream after attention and the MLP's input (the first of :meth:`stages`, called through the
+        module so that its forward pre-hooks, the distributed optimizer's parameter wait, fire)."""
         x_BSH = x_BSH + self.self_attention(self.input_layernorm(x_BSH))
         mlp_in = self.pre_mlp_layernorm(x_BSH)
+        if attention_only:
+            return x_BSH, mlp_in
         if self.is_moe:
             mlp_out, aux_loss, tokens_per_expert = self.mlp(mlp_in)
             return x_BSH + mlp_out, aux_loss, tokens_per_expert
         return x_BSH + self.mlp(mlp_in), None, None
+
+    def stages(self, index: int) -> list[tuple[str, Stage]]:
+        """The layer as stages (``overlap_moe_expert_parallel_comm``): functions of a micro-batch's carry (x: the
+        layer's input, then its output; h: the residual stream after attention; m: the MLP's input; aux: the
+        auxiliary losses so far; tokens: tokens per expert by layer) returning what they add to it. The autograd
+        graph is cut between them (training/microbatch_overlap.py). A MoE layer whose exchange runs (the pipeline
+        over more than one rank) is cut at its exchanges, each started at the end of one stage and waited for at
+        the start of the next: attention, router and permute, dispatch started | shared expert, expert GEMMs,
+        combine started | combine waited, unpermute. Otherwise: attention | MLP (a one-rank MoE layer whole, so
+        that train.moe_cuda_graph replays it)."""
+        mlp = self.mlp
+
+        def attention(carry: dict) -> dict:
+            h_BSH, m_BSH = self(carry["x"], attention_only=True)
+            return {"h": h_BSH, "m": m_BSH}
+
+        def whole_mlp(carry: dict) -> dict:
+            if not self.is_moe:
+                return {"x": carry["h"] + mlp(carry["m"])}
+            out_BSH, aux_loss, carry["tokens"][index] = mlp(carry["m"])
+            return {"x": carry["h"] + out_BSH, "aux": carry["aux"] + aux_loss}
+
+        if not (self.is_moe and mlp.pipelined and not mlp.local):
+            return [(f"{index}.attention", attention), (f"{index}.mlp", whole_mlp)]
+
+        def attention_dispatch(carry: dict) -> dict:
+            out = attention(carry)
+            m_TH = out["m"].reshape(-1, out["m"].shape[-1])
+            routing = mlp.router(m_TH)
+            carry["tokens"][index] = routing.tokens_per_expert_E
+            token, state = mlp.start_dispatch(m_TH, routing, paired=True)
+            return dict(out, token=token, probs=routing.probs_TK, state=state,
+                        aux=carry["aux"] + routing.aux_loss + routing.z_loss)
+
+        def experts(carry: dict) -> dict:
+            out = {} if mlp.shared_expert is None else {"shared": mlp.shared_expert(carry["m"].flatten(0, -2))}
+            return dict(out, token=mlp.run_experts(carry["token"], carry["state"]))
+
+        def combine(carry: dict) -> dict:
+            out_TH = mlp.combine(carry["token"], carry["probs"], carry["state"])
+            if mlp.shared_expert is not None:
+                out_TH = out_TH + carry["shared"]
+            return {"x": carry["h"] + out_TH.view_as(carry["h"])}
+
+        return [(f"{index}.attention", attention_dispatch), (f"{index}.experts", experts),
+                (f"{index}.combine", combine)]
+
+
+Stage = Callable[[dict], dict]  # TransformerLayer.stages
 
 
 @dataclass
@@ -161,6 +215,24 @@ class MixtralModel(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> ModelOutput:
         x_BSH, aux_loss, tokens_per_expert = self.run_layers(self.embedding(input_ids_BS), self.layers.keys())
+        return self.output(x_BSH, aux_loss, tokens_per_expert, labels_BS)
+
+    def stages(self) -> list[tuple[str, Stage]]:
+        """The whole model as named stages of one micro-batch's carry (``overlap_moe_expert_parallel_comm``): it
+        starts with input_ids and labels, and the last stage adds ``output`` (the ModelOutput)."""
+        def embed(carry: dict) -> dict:
+            x_BSH = self.embedding(carry["input_ids"])
+            return {"x": x_BSH, "aux": x_BSH.new_zeros((), dtype=torch.float32), "tokens": {}}
+
+        def head(carry: dict) -> dict:
+            return {"output": self.output(carry["x"], carry["aux"], carry["tokens"], carry["labels"])}
+
+        layers = [stage for index, layer in self.layers.items() for stage in layer.stages(int(index))]
+        return [("embedding", embed), *layers, ("head", head)]
+
+    def output(self, x_BSH: torch.Tensor, aux_loss: torch.Tensor, tokens_per_expert: dict[int, torch.Tensor],
+               labels_BS: torch.Tensor) -> ModelOutput:
+        """The head's loss on the last layer's output, with the auxiliary losses."""
         lm_loss = self.head_loss(x_BSH, labels_BS)
         logged = lm_loss.detach()
         if self.cp_comm.size > 1:  # this rank's share of the micro-batch mean; the gradient reduction sums the shares

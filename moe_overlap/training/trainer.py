@@ -29,6 +29,7 @@ from moe_overlap.training.data import BatchSampler, eval_batches, load_token_spl
 from moe_overlap.training.data_prepare import check_token_index
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
+from moe_overlap.training.microbatch_overlap import run_paired
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
 from moe_overlap.training.pipeline import PipelineExecutor
 from moe_overlap.training.preemption import StopRequests
@@ -84,6 +85,16 @@ def dp_gemm_sms(cfg: Config) -> int:
     auto: 4 x dp_comm_ctas (the slow-fabric pairing measured best: 2 CTAs, 8 SMs), none without a CTA cap."""
     sms, ctas = cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas
     return sms if sms != "auto" else min(32, 4 * ctas) if ctas else 0
+
+
+def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
+    """SMs every GEMM leaves free while another micro-batch's exchange runs beside it
+    (``overlap_moe_expert_parallel_comm``): ``overlap.gemm_sm_carveout``; auto: 2 x ep_comm_ctas (the NCCL pairing
+    measured for the MoE pipeline), none without a CTA cap or an exchange (one EP rank)."""
+    sms, ctas = cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas
+    if mesh.ep.size * mesh.etp.size == 1:
+        return 0
+    return sms if sms != "auto" else min(32, 2 * ctas) if ctas else 0
 
 
 def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
@@ -156,6 +167,7 @@ class Trainer:
         self.is_logger = mesh.rank == 0
         self.flops_per_token = flops_per_token(cfg.model)
         self._last_step_end: Event | None = None  # where the next step's time starts (steps run back to back)
+        self.stage_order: list[tuple[str, int, str]] = []  # overlap_moe_expert_parallel_comm: the last step's order
 
     # ------------------------------------------------------------------------------------------ steps
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -171,6 +183,8 @@ class Trainer:
                 result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale)
             self.tokens_per_expert = result.tokens_per_expert
             return torch.stack((result.lm_loss, result.aux_loss)).double()
+        if self.cfg.overlap.overlap_moe_expert_parallel_comm:
+            return self._paired_forward_backward(step, loss_scale)
         losses = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.tokens_per_expert = {}
         for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
@@ -181,10 +195,31 @@ class Trainer:
                 out = self.model(to_device_async(input_ids, self.device), to_device_async(labels, self.device))
             with self._dp_carveout(last and self._dp_overlaps.grad_sync):
                 (out.loss * loss_scale).backward()
-            losses += torch.stack((out.lm_loss, out.aux_loss))
-            for layer, counts in out.tokens_per_expert.items():
-                self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
+            self._add_output(losses, out)
         return losses / self.num_micro_batches
+
+    def _paired_forward_backward(self, step: int, loss_scale: float) -> torch.Tensor:
+        """``overlap_moe_expert_parallel_comm``: micro-batch i's backward interleaved stage by stage with i+1's
+        forward (training/microbatch_overlap.py); the same losses and gradients."""
+        micro_batches = [(to_device_async(ids, self.device), to_device_async(labels, self.device))
+                         for ids, labels in self.sampler.micro_batches(step)]
+        overlaps = self._dp_overlaps
+        run = run_paired(self.model.stages(), micro_batches, loss_scale, self.optimizer.start_micro_batch,
+                         first_forward=lambda: self._dp_carveout(overlaps.param_sync),
+                         last_backward=lambda: self._dp_carveout(overlaps.grad_sync),
+                         paired=lambda: gemm_sm_carveout(paired_gemm_sms(self.cfg, self.mesh)))
+        self.stage_order = run.order
+        losses = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.tokens_per_expert = {}
+        for out in run.outputs:
+            self._add_output(losses, out)
+        return losses / self.num_micro_batches
+
+    def _add_output(self, losses: torch.Tensor, out) -> None:
+        """One micro-batch's losses into ``losses`` and its tokens per expert into the step's."""
+        losses += torch.stack((out.lm_loss, out.aux_loss))
+        for layer, counts in out.tokens_per_expert.items():
+            self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
 
     def _dp_carveout(self, beside_dp_sync: bool):
         """The GEMMs the distributed optimizer's overlapped syncs run beside (the first micro-batch's forward:
@@ -237,6 +272,8 @@ class Trainer:
                    "skipped": not applied, "step_time_s": seconds, "tokens_per_s": tokens / seconds,
                    "tflops_per_gpu": tflops_per_gpu, "mfu": tflops_per_gpu / self.cfg.train.peak_tflops,
                    "exposed_comm_ms": pending.exposed.totals_ms()}
+        if self.cfg.overlap.overlap_moe_expert_parallel_comm:
+            metrics["exposed_comm_by_stage_ms"] = pending.exposed.by_stage_ms()
         if self.device.type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if pending.moe_layers:
