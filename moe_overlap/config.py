@@ -805,9 +805,6 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
     if t.recompute_granularity != "none":
         raise _not_implemented(name, True, False, "with train.recompute_granularity='full': a layer's stages "
                                                   "would each recompute on their own")
-    if t.expert_wgrad_pairs:
-        raise _not_implemented(name, True, False, "with train.expert_wgrad_pairs: the pairs follow plain "
-                                                  "accumulation's backward order")
     exchanging = p.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1
     _require(not exchanging or o.moe_pipeline, name, True, "needs overlap.moe_pipeline=true with more than one "
              "EP or expert-TP rank: the serial exchange blocks, so nothing could run beside it")

@@ -33,8 +33,6 @@ def layout(ep: int, **extra) -> dict:
     (None, [], "needs MoE layers"),  # the defaults: a dense model
     (TINY, ["parallel.pipeline_model_parallel_size=2"], "not implemented yet (under pipeline parallelism"),
     (TINY, ["train.recompute_granularity=full"], "not implemented yet (with train.recompute_granularity='full'"),
-    (TINY, ["parallel.expert_model_parallel_size=1", "train.expert_wgrad_pairs=true"],
-     "not implemented yet (with train.expert_wgrad_pairs"),
     (TINY, [], "needs overlap.moe_pipeline=true with more than one EP or expert-TP rank"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "train.moe_cuda_graph=true"],
      "not implemented yet (with train.moe_cuda_graph and an exchange"),
@@ -56,18 +54,27 @@ def test_one_micro_batch_per_step_is_refused_with_the_world_size():
         validate_for_world(cfg, 2, "cpu")
 
 
-def test_one_rank_is_bit_identical_to_plain_accumulation_and_interleaves(tmp_path):
+@pytest.mark.parametrize("both", [{}, {"train.expert_wgrad_pairs": "true"}], ids=["plain", "expert_wgrad_pairs"])
+def test_one_rank_is_bit_identical_to_plain_accumulation_and_interleaves(tmp_path, monkeypatch, both):
     """EP=1 (no exchange: each layer is attention | MLP): the same floating-point operations in another order,
-    so bit-identical losses and gradients; the order alternates B(i) and F(i+1) stage by stage."""
+    so bit-identical losses and gradients (also with the experts' weight gradients summed in pairs, which follow
+    the backward order); the order alternates B(i) and F(i+1) stage by stage."""
+    from moe_overlap.layers.experts import ExpertWgradPairs
+
+    taken = []  # micro-batches per weight-gradient call of the paired experts
+    take = ExpertWgradPairs.take
+    monkeypatch.setattr(ExpertWgradPairs, "take", lambda self, inputs: taken.append(take(self, inputs)) or taken[-1])
     runs = []
     for extra in ({}, ON):
-        cfg = small_config(str(tmp_path), 1, 8, **LAYERS, **extra)  # 4 micro-batches of 2
+        cfg = small_config(str(tmp_path), 1, 8, **LAYERS, **both, **extra)  # 4 micro-batches of 2
         trainer = Trainer(cfg, Mesh.single(), CPU)
         grads = {}
         metrics = [trainer.train_step(lambda opt: grads.update(opt.logical_grads())) for _ in range(2)]
         runs.append(([(m["loss"], m["aux_loss"], m["grad_norm"], m["tokens_per_expert"]) for m in metrics], grads,
                      trainer.stage_order))
     (off, off_grads, _), (on, on_grads, order) = runs
+    if both:  # 4 micro-batches, 3 MoE layers, 2 steps: two pairs per layer and step, in both runs
+        assert [len(t) for t in taken if t is not None] == [2] * 24
     assert on == off
     assert all((on_grads[k] == off_grads[k]).all() for k in off_grads)
     stages = ["embedding"] + [f"{i}.{s}" for i in range(4) for s in ("attention", "mlp")] + ["head"]

@@ -77,8 +77,9 @@ def run_paired(stages: list[tuple[str, Stage]], micro_batches: list[tuple[torch.
                loss_scale: float, before_backward, first_forward=contextlib.nullcontext,
                last_backward=contextlib.nullcontext, paired=contextlib.nullcontext) -> PairedRun:
     """Every micro-batch's forward and backward under the schedule of the module docstring. ``before_backward(
-    is_last)`` runs before each micro-batch's backward (the optimizer arms its gradient sync on the last); the
-    contexts wrap the first forward, the last backward and the paired part (their GEMMs' SM carve-outs)."""
+    index, is_last)`` runs before each micro-batch's backward (the optimizer arms its gradient sync on the last,
+    the experts' weight-gradient pairs follow the backward order); the contexts wrap the first forward, the last
+    backward and the paired part (their GEMMs' SM carve-outs)."""
     run = PairedRun([])
     count = len(stages)
 
@@ -92,7 +93,7 @@ def run_paired(stages: list[tuple[str, Stage]], micro_batches: list[tuple[torch.
         for k in range(count):
             step("F", previous, 0, k)
     for index in range(1, len(micro_batches)):
-        before_backward(False)
+        before_backward(index - 1, False)
         current = StagedMicroBatch(stages, *micro_batches[index], loss_scale)
         with paired():
             for k in range(count):
@@ -100,7 +101,7 @@ def run_paired(stages: list[tuple[str, Stage]], micro_batches: list[tuple[torch.
                 step("F", current, index, k)
         run.outputs.append(previous.output)
         previous = current
-    before_backward(True)
+    before_backward(len(micro_batches) - 1, True)
     with last_backward():
         for k in reversed(range(count)):
             step("B", previous, len(micro_batches) - 1, k)

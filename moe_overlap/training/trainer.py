@@ -204,7 +204,12 @@ class Trainer:
         micro_batches = [(to_device_async(ids, self.device), to_device_async(labels, self.device))
                          for ids, labels in self.sampler.micro_batches(step)]
         overlaps = self._dp_overlaps
-        run = run_paired(self.model.stages(), micro_batches, loss_scale, self.optimizer.start_micro_batch,
+
+        def before_backward(index: int, last: bool) -> None:
+            self.optimizer.start_micro_batch(is_last=last)
+            self.model.start_micro_batch(first=index == 0, last=last)  # expert wgrad pairs: backward order
+
+        run = run_paired(self.model.stages(), micro_batches, loss_scale, before_backward,
                          first_forward=lambda: self._dp_carveout(overlaps.param_sync),
                          last_backward=lambda: self._dp_carveout(overlaps.grad_sync),
                          paired=lambda: gemm_sm_carveout(paired_gemm_sms(self.cfg, self.mesh)))
