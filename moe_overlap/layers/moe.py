@@ -85,6 +85,7 @@ class MoELayer(nn.Module):
         self.shared_expert = (shared_expert(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, device, dtype)
                               if cfg.moe_shared_expert_intermediate_size else None)
         self._planners: dict[tuple[str, int], DispatchPlanner | DevicePlanner] = {}  # by planning and chunks
+        self.graphed_twin: nn.Module | None = None  # capture_moe_layers(copies=2): the second graphed copy
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the output, the auxiliary losses (load balancing + z, already scaled) and the copies
@@ -215,12 +216,28 @@ class MoELayer(nn.Module):
         return self._planners[planning, chunks]
 
 
-def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...]) -> None:
+class _GraphedTwin(nn.Module):
+    """A second graphed copy of a MoE layer (its own static buffers, the same parameters), for a second
+    micro-batch in flight: capture_moe_layers(copies=2)."""
+
+    def __init__(self, layer: MoELayer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x_BSH: torch.Tensor):
+        return MoELayer.forward(self.layer, x_BSH)  # the eager forward: the layer's own is the first copy's replay
+
+
+def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...], copies: int = 1) -> None:
     """Capture each layer's forward and backward in CUDA graphs (torch.cuda.make_graphed_callables, one
     memory pool, forward in order and backward in reverse, as training runs them); from then on a
     training-mode call replays them. Needs layers without a host sync or a collective (the device-planned
     pipeline, or one EP rank) and inputs of ``input_shape``. A collective: every EP rank captures the same layers
-    together (the warm-up calls exchange rows)."""
+    together (the warm-up calls exchange rows).
+
+    A graph holds one call's activations until its backward replays, so with two micro-batches in flight
+    (overlap_moe_expert_parallel_comm) ``copies=2`` captures a second set in its own pool: ``layer.graphed_twin``
+    replays it (odd micro-batches); each set still runs its forwards in order and backwards in reverse."""
     if not all(layer.local or (layer.pipelined and layer.planning == "device") for layer in moe_layers):
         raise ValueError("CUDA graphs of MoE layers need overlap.moe_pipeline=true with overlap.moe_planning=device "
                          "(or one EP rank)")
@@ -232,6 +249,11 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
     graph = torch.cuda.graph
     torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")
     try:
+        twins = [_GraphedTwin(layer) for layer in moe_layers] if copies == 2 else []
         torch.cuda.make_graphed_callables(moe_layers, samples)
+        if twins:
+            torch.cuda.make_graphed_callables(tuple(twins), samples)  # its own call: its own memory pool
     finally:
         torch.cuda.graph = graph
+    for layer, twin in zip(moe_layers, twins):
+        object.__setattr__(layer, "graphed_twin", twin)  # not a submodule: the parameters stay the layer's

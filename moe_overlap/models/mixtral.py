@@ -83,7 +83,9 @@ class TransformerLayer(nn.Module):
         def whole_mlp(carry: dict) -> dict:
             if not self.is_moe:
                 return {"x": carry["h"] + mlp(carry["m"])}
-            out_BSH, aux_loss, carry["tokens"][index] = mlp(carry["m"])
+            # graphed layers: odd micro-batches replay the second copy (the first holds the other micro-batch)
+            run = mlp.graphed_twin if carry["micro_batch"] % 2 and mlp.graphed_twin is not None else mlp
+            out_BSH, aux_loss, carry["tokens"][index] = run(carry["m"])
             return {"x": carry["h"] + out_BSH, "aux": carry["aux"] + aux_loss}
 
         if not (self.is_moe and mlp.pipelined and not mlp.local):
@@ -199,16 +201,17 @@ class MixtralModel(nn.Module):
             if layer.is_moe and layer.mlp.experts.wgrad_pairs is not None:
                 layer.mlp.experts.wgrad_pairs.start_micro_batch(first, last)
 
-    def graph_moe_layers(self, micro_batch_size: int) -> None:
+    def graph_moe_layers(self, micro_batch_size: int, copies: int = 1) -> None:
         """Capture every MoE layer's forward and backward in CUDA graphs (``train.moe_cuda_graph``): from then
         on a training-mode call replays them, and the host issues one launch per layer and direction instead
         of a few hundred small ones. Needs the device-planned pipeline (no host sync, no collective in the layer),
         a fixed micro-batch shape, and the parameters' final storage (call after the optimizer is built). All
-        ranks capture together: the warm-up calls exchange rows. Eval-mode calls run the layers eagerly."""
+        ranks capture together: the warm-up calls exchange rows. Eval-mode calls run the layers eagerly.
+        ``copies=2``: a second set for a second micro-batch in flight (overlap_moe_expert_parallel_comm)."""
         moe_layers = tuple(layer.mlp for layer in self.layers.values() if layer.is_moe)
         if moe_layers:
             capture_moe_layers(moe_layers, (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards,
-                                            self.cfg.hidden_size))
+                                            self.cfg.hidden_size), copies)
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers)
@@ -219,7 +222,7 @@ class MixtralModel(nn.Module):
 
     def stages(self) -> list[tuple[str, Stage]]:
         """The whole model as named stages of one micro-batch's carry (``overlap_moe_expert_parallel_comm``): it
-        starts with input_ids and labels, and the last stage adds ``output`` (the ModelOutput)."""
+        starts with input_ids, labels and micro_batch (its index), and the last stage adds ``output``."""
         def embed(carry: dict) -> dict:
             x_BSH = self.embedding(carry["input_ids"])
             return {"x": x_BSH, "aux": x_BSH.new_zeros((), dtype=torch.float32), "tokens": {}}

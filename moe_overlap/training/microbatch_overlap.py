@@ -34,10 +34,10 @@ class StagedMicroBatch:
     detached leaves that collect the later stages' gradients, so the stage's backward is
     ``torch.autograd.backward(its outputs, their leaves' gradients)``; the last stage's loss starts it."""
 
-    def __init__(self, stages: list[tuple[str, Stage]], input_ids_BS: torch.Tensor, labels_BS: torch.Tensor,
-                 loss_scale: float):
+    def __init__(self, stages: list[tuple[str, Stage]], index: int, input_ids_BS: torch.Tensor,
+                 labels_BS: torch.Tensor, loss_scale: float):
         self.stages, self.loss_scale = stages, loss_scale
-        self.carry: dict = {"input_ids": input_ids_BS, "labels": labels_BS}
+        self.carry: dict = {"input_ids": input_ids_BS, "labels": labels_BS, "micro_batch": index}
         self.cuts: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
         self.output: ModelOutput | None = None
 
@@ -88,13 +88,13 @@ def run_paired(stages: list[tuple[str, Stage]], micro_batches: list[tuple[torch.
             (micro_batch.forward if direction == "F" else micro_batch.backward)(k)
         run.order.append((direction, index, stages[k][0]))
 
-    previous = StagedMicroBatch(stages, *micro_batches[0], loss_scale)
+    previous = StagedMicroBatch(stages, 0, *micro_batches[0], loss_scale)
     with first_forward():
         for k in range(count):
             step("F", previous, 0, k)
     for index in range(1, len(micro_batches)):
         before_backward(index - 1, False)
-        current = StagedMicroBatch(stages, *micro_batches[index], loss_scale)
+        current = StagedMicroBatch(stages, index, *micro_batches[index], loss_scale)
         with paired():
             for k in range(count):
                 step("B", previous, index - 1, count - 1 - k)

@@ -148,7 +148,8 @@ class Trainer:
         self.pipeline = (PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
                          if stages.pp > 1 else None)
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
-            self.model.graph_moe_layers(t.micro_batch_size)  # the pipeline's GEMMs capture their own carve-out
+            # the pipeline's GEMMs capture their own carve-out; two micro-batches in flight need two sets
+            self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         check_token_index(cfg.data.path, cfg.data.dtype, cfg.model.vocab_size)
         train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
