@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.gpu_launch import launch_ranks, write_report
+from tests.gpu_launch import bf16_rule, launch_ranks, write_report
 
 STEPS = 3
 
@@ -24,7 +24,7 @@ def gpu_case(output_dir: str) -> dict:
 
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer, init_distributed
-    from tests.test_master import rel_err, small_config
+    from tests.test_master import small_config
     from tests.test_pipeline import LAYERS
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -58,20 +58,9 @@ def gpu_case(output_dir: str) -> dict:
                 opt.logical_grads()))["loss"])
             if step == 0:
                 grads[name] = captured
-    ref, single = grads["single_fp32"], grads["single_bf16"]
-    report = {"rank": mesh.rank, "world": world, "losses": losses, "violations": [], "tensors": 0,
+    tensors, violations = bf16_rule(layouts, grads, losses)
+    report = {"rank": mesh.rank, "world": world, "losses": losses, "violations": violations, "tensors": tensors,
               "orders": {name: sorted({name for _, _, name in runs[name].stage_order}) for name in layouts}}
-    for layout in layouts:
-        for key, grad in grads[layout].items():
-            layout_err, single_err = rel_err(grad, ref[key]), rel_err(single[key], ref[key])
-            report["tensors"] += 1
-            if layout_err > 2 * single_err:
-                report["violations"].append((layout, key, layout_err, single_err))
-        curve = torch.tensor(losses["single_fp32"], dtype=torch.float64)
-        layout_err, single_err = (float((torch.tensor(losses[name], dtype=torch.float64) - curve).norm())
-                                  for name in (layout, "single_bf16"))
-        if layout_err > 2 * single_err:
-            report["violations"].append((layout, "loss curve", layout_err, single_err))
     mesh.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,8 +10,8 @@ beside it: a push launched first would hold SMs that the GEMM's launch waits for
     for chunk i:  wait for chunk i, take its rows out of the receive buffer; its grouped GEMMs (carve-out on)
                   chunk i-1's outputs start back to their tokens' ranks     } beside GEMM i
                   chunk i+1 starts to the experts                           }
-    the last chunk's outputs back                                                      Experts
-    unpermute reads them where they landed                                            Combine
+    the last chunk's outputs back                                 Experts
+    unpermute reads them where they landed                        Combine
 
 Backward mirrors it: the output gradient's rows travel to the experts chunk by chunk under the dgrad GEMMs and
 go back the same way; with ``delay_wgrad`` every chunk's weight-gradient GEMMs run after the last dgrad, beside
@@ -20,7 +20,7 @@ the rows it needs for the backward in the same pass, the permutation's backward 
 in place (the copy-out of a symmetric region fused with them). Three autograd Functions bracket the work, each
 starting an exchange that the next one waits for (the backward likewise, in reverse), so that whatever the
 caller runs between them fills the gaps: the shared expert, or, with ``overlap_moe_expert_parallel_comm``,
-another micro-batch's stages (models/stages.py), the autograd graph cut between them:
+another micro-batch's stages (training/microbatch_overlap.py), the autograd graph cut between them:
 
     token = DispatchStart.apply(x_TH, state)
     shared_out = shared_expert(x)
