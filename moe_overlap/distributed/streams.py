@@ -29,6 +29,14 @@ def check_gemm_sm_carveout(sms: int | str, device: torch.device) -> None:
                          f"{torch.cuda.get_device_name(device)}")
 
 
+def carveout_for(setting: int | str, comm_ctas: int | None, sms_per_cta: int) -> int:
+    """The SMs ``overlap.gemm_sm_carveout`` leaves free beside a NCCL communicator held to ``comm_ctas``: the
+    setting, or for ``auto`` the measured pairing of ``sms_per_cta`` per CTA (at most 32; none without a cap)."""
+    if setting != "auto":
+        return setting
+    return min(32, sms_per_cta * comm_ctas) if comm_ctas else 0
+
+
 @contextlib.contextmanager
 def gemm_sm_carveout(sms: int) -> Iterator[None]:
     """Inside the block, every cuBLAS GEMM and grouped GEMM leaves at least ``sms`` SMs free (a carve-out around

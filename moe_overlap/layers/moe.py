@@ -16,6 +16,7 @@ from torch import nn
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.distributed.streams import carveout_for
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 from moe_overlap.layers.device_plan import DevicePlanner
 from moe_overlap.layers.dispatch_pipeline import Combine, DispatchStart, Experts, PipelineState
@@ -190,7 +191,7 @@ class MoELayer(nn.Module):
         if not transport.needs_sms or transport.name == "gloo":
             return 0
         if transport.name == "nccl":
-            return min(MAX_PUSH_CTAS, 2 * (self.ep_comm_ctas or 0))
+            return carveout_for("auto", self.ep_comm_ctas, 2)
         return auto_push_sms(rows, hidden, self.experts.w2.shape[1], self.chunks, element_size)
 
     def _expert_tp_rows(self, fetch_counts, capacity: int | None) -> torch.Tensor:

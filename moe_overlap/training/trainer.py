@@ -18,7 +18,7 @@ from moe_overlap.config import Config, ConfigError, config_yaml, validate_for_wo
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
-from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, check_gemm_sm_carveout,
+from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
                                              gemm_sm_carveout, measuring_exposed_comm, to_device_async)
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
@@ -83,18 +83,16 @@ def mesh_group_options(cfg: Config) -> dict:
 def dp_gemm_sms(cfg: Config) -> int:
     """SMs the GEMMs beside the distributed optimizer's overlapped syncs leave free: ``overlap.gemm_sm_carveout``;
     auto: 4 x dp_comm_ctas (the slow-fabric pairing measured best: 2 CTAs, 8 SMs), none without a CTA cap."""
-    sms, ctas = cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas
-    return sms if sms != "auto" else min(32, 4 * ctas) if ctas else 0
+    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas, 4)
 
 
 def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
     """SMs every GEMM leaves free while another micro-batch's exchange runs beside it
     (``overlap_moe_expert_parallel_comm``): ``overlap.gemm_sm_carveout``; auto: 2 x ep_comm_ctas (the NCCL pairing
     measured for the MoE pipeline), none without a CTA cap or an exchange (one EP rank)."""
-    sms, ctas = cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas
     if mesh.ep.size * mesh.etp.size == 1:
         return 0
-    return sms if sms != "auto" else min(32, 2 * ctas) if ctas else 0
+    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas, 2)
 
 
 def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
