@@ -1,21 +1,44 @@
-"""Training-step throughput of a config at any world size: tokens/s, TFLOP/s per GPU, MFU (with the peak it
-used and this GPU's measured bf16 GEMM rate), peak memory, exposed communication per kind, and where the step's
-time goes (a profiled window of the last steps: the compute stream's time by kind of work, and a timeline).
+"""Training-step throughput of a config at any world size, with the two rows that say what it means: the same
+run without the exchange's transfers (``compute_only``) and the config on one GPU (``ep1``).
 
-    python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --json benchmarks/results/x.json \
-        --timeline benchmarks/results/x.png                       # one GPU
-    torchrun --nproc-per-node 2 benchmarks/train_step.py CONFIG parallel.expert_model_parallel_size=2 ...
+    python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --json out.json --timeline out.png   # one GPU
+    torchrun --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \\
+        parallel.expert_model_parallel_size=4 train.use_distributed_optimizer=true \\
+        --variant pipeline2:overlap.moe_pipeline=true,overlap.moe_pipeline_chunks=2 \\
+        --compute-only --ep1 --json out.json --timeline out.png
 
-Each ``--variant NAME:section.field=value,...`` runs the same config with those overrides, one after another
-in this launch (each builds its own model; the first variant is the config as given, named ``config``).
+Rows, in the order they run (one launch; each builds its own model, so they run one after another, not
+round-robin: compare rows of one launch, and repeat a launch to see its spread):
+  config        the config with the command line's overrides
+  NAME          each ``--variant NAME:section.field=value,...``: those overrides on top
+  compute_only  (``--compute-only``) the config with ``overlap.moe_compute_only=true`` (and the MoE pipeline on
+                if the config has it off: the serial path has no such mode): every exchange keeps its sizes, signals
+                and small messages, so each layer still waits for the most loaded rank, but rows stay on their
+                rank; each rank's expert GEMMs run on exactly the rows it would have received. The limit of
+                hiding the transfers. Its loss means nothing.
+  ep1           (``--ep1``) the config as the file has it (or with ``--ep1-overrides``) on one GPU of the same
+                machine, rank 0's, after the other rows; per-GPU tokens/s over ep1's is the weak-scaling efficiency
+Weak scaling: unless ``--no-scale-batch``, train.global_batch_size is multiplied by the data-parallel size, so each
+rank runs the config's micro-batches at any world size (the ep1 row runs the file's own batch).
+
+Each row: tokens/s of the job, per-GPU TFLOP/s and MFU (medians of the timed steps; MFU against
+train.peak_tflops, beside this GPU's measured bf16 GEMM rate), ``vs_ep1`` (per-GPU tokens/s over ep1's) and
+``vs_compute_only`` (step time over compute_only's), the maximum over ranks of peak memory (torch's allocator peak
+plus symmetric-memory regions, which that allocator does not see), exposed communication per kind (every wait of
+the compute stream or host for another rank, CUDA-graph replays included: median over steps, per rank and its
+maximum), routing imbalance per MoE layer (copies on the most loaded EP rank over the mean, and on the most
+loaded expert over the mean; median over steps), the profiled steps' compute-stream time by kind of work per
+rank, and ``resolved``: the settings the run used once ``auto`` was resolved. A timeline PNG per row (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,81 +47,172 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
 
+# What torchrun sets for its ranks: the ep1 row's single process must not see them.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "GROUP_WORLD_SIZE", "ROLE_NAME")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*", help="section.field=value for every variant")
+    parser.add_argument("overrides", nargs="*", help="section.field=value for every row but ep1")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
     parser.add_argument("--profile-steps", type=int, default=2, help="steps profiled after the timed ones (0: none)")
     parser.add_argument("--variant", action="append", default=[], help="NAME:section.field=value,...")
+    parser.add_argument("--compute-only", action="store_true", help="add the compute_only row")
+    parser.add_argument("--ep1", action="store_true", help="add the ep1 row (the config on one GPU)")
+    parser.add_argument("--ep1-overrides", default="", help="section.field=value,... for the ep1 row only")
+    parser.add_argument("--no-scale-batch", action="store_true",
+                        help="keep train.global_batch_size as given (default: times the data-parallel size)")
+    parser.add_argument("--fabric", choices=("nvlink", "slow"), default="nvlink",
+                        help="slow: NCCL through host memory (NCCL_P2P_DISABLE=1), an inter-node stand-in")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--timeline", default=None, help="PNG of the profiled steps (per variant: NAME inserted)")
+    parser.add_argument("--timeline", default=None, help="PNG of the profiled steps (per row: NAME inserted)")
     return parser.parse_args(argv)
 
 
-def variants(args) -> list[tuple[str, list[str]]]:
+def rows_to_run(args) -> list[tuple[str, list[str]]]:
     out = [("config", [])]
     for spec in args.variant:
         name, _, overrides = spec.partition(":")
+        if not name or name in ("config", "compute_only", "ep1") or name in dict(out):
+            raise SystemExit(f"--variant {spec!r}: needs a new NAME (not config, compute_only or ep1) before ':'")
         out.append((name, [item for item in overrides.split(",") if item]))
+    if args.compute_only:
+        out.append(("compute_only", ["overlap.moe_pipeline=true", "overlap.moe_compute_only=true"]))
     return out
 
 
-def run_variant(name: str, overrides: list[str], args, out_dir: Path) -> dict | None:
+def load_row_config(args, overrides: list[str], out_dir: Path, world_size: int):
+    """The row's config: the benchmark's own settings (steps, profile, no checkpoints) last, the global batch
+    scaled to the data-parallel size (weak scaling)."""
+    from moe_overlap.config import load_config
+
+    total = args.warmup + args.steps + args.profile_steps
+    profile = [f"train.profile_steps=[{total - args.profile_steps + 1},{total}]",
+               f"train.profile_ranks={list(range(world_size))}"] if args.profile_steps else []
+    fixed = profile + [f"train.max_steps={total}", "train.eval_interval=0", "checkpoint.save_final=false",
+                       "checkpoint.save_interval=0", "train.resume=false", f"train.output_dir={out_dir}"]
+    cfg = load_config(args.config, overrides + fixed)
+    if not args.no_scale_batch:
+        cfg.train.global_batch_size *= cfg.data_parallel_size(world_size)
+    return cfg
+
+
+def median_of(steps: list[dict], key: str) -> float:
+    return statistics.median(m[key] for m in steps)
+
+
+def per_layer_median(steps: list[dict], key: str) -> dict[str, float]:
+    layers = steps[0].get(key, {})
+    return {layer: round(statistics.median(m[key][layer] for m in steps), 4) for layer in layers}
+
+
+def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None:
+    """Train the row's steps on every rank; rank 0 returns the row (every rank's part gathered), others None."""
     import torch
     import torch.distributed as dist
 
-    from moe_overlap.config import load_config
     from moe_overlap.models.mixtral import count_parameters
     from moe_overlap.training.profiling import measured_gemm_tflops
     from moe_overlap.training.trainer import Trainer, init_distributed
 
-    total = args.warmup + args.steps + args.profile_steps
-    profile = [f"train.profile_steps=[{total - args.profile_steps + 1},{total}]"] if args.profile_steps else []
-    cfg = load_config(args.config, args.overrides + overrides + profile + [
-        f"train.max_steps={total}", "train.eval_interval=0", "checkpoint.save_final=false",
-        "checkpoint.save_interval=0", "train.resume=false", f"train.output_dir={out_dir / name}"])
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    all_overrides = args.overrides + overrides
+    cfg = load_row_config(args, all_overrides, out_dir / name, world)
     mesh, device = init_distributed(cfg)
-    if device.type == "cuda" and torch.cuda.is_initialized():  # an earlier variant's peak is not this one's
+    if device.type == "cuda" and torch.cuda.is_initialized():  # an earlier row's peak is not this one's
         torch.cuda.reset_peak_memory_stats(device)
-    history = Trainer(cfg, mesh, device).fit()
+    trainer = Trainer(cfg, mesh, device)
+    history = trainer.fit()
+    timed = history[args.warmup:args.warmup + args.steps]
+    mine = {  # this rank's part
+        "rank": mesh.rank,
+        "peak_memory_gib": max((m.get("peak_memory_gib", 0.0) for m in history), default=0.0),
+        "symmetric_memory_gib": max((m.get("symmetric_memory_gib", 0.0) for m in history), default=0.0),
+        "exposed_comm_ms": {kind: round(statistics.median(m["exposed_comm_ms"][kind] for m in timed), 3)
+                            for kind in timed[0]["exposed_comm_ms"]},
+        "step_time_s": median_of(timed, "step_time_s"),
+    }
+    breakdown = Path(cfg.train.output_dir) / "profile" / f"breakdown_rank{mesh.rank}.json"
+    if breakdown.is_file():
+        mine["profile"] = json.loads(breakdown.read_text())
+    parts = [mine]
+    if dist.is_initialized():
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+    resolved, losses = trainer.resolved_settings(), (history[0]["loss"], history[-1]["loss"])
+    del trainer, history
+    release_memory()
+    if dist.is_initialized():  # the next row builds its own groups; this one's communicators go
+        dist.barrier()
+        mesh.destroy()
     if mesh.rank != 0:
         return None
-    timed = history[args.warmup:args.warmup + args.steps]
-    median = lambda key: statistics.median(m[key] for m in timed)  # noqa: E731
     row = {
-        "variant": name, "overrides": args.overrides + overrides, "config": args.config,
-        "parameters": count_parameters(cfg.model), "world_size": mesh.world_size,
+        "variant": name, "overrides": all_overrides, "config": args.config,
+        "parameters": count_parameters(cfg.model), "world_size": world,
         "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_length,
         "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
-        "steps_timed": len(timed), "tokens_per_s": median("tokens_per_s"), "step_time_s": median("step_time_s"),
-        "tflops_per_gpu": median("tflops_per_gpu"), "mfu": median("mfu"), "peak_tflops": cfg.train.peak_tflops,
+        "micro_batches_per_rank": cfg.num_micro_batches(world),
+        "steps_timed": len(timed), "tokens_per_s": median_of(timed, "tokens_per_s"),
+        "tokens_per_s_per_gpu": median_of(timed, "tokens_per_s") / world,
+        "step_time_s": median_of(timed, "step_time_s"), "step_time_s_per_rank": [p["step_time_s"] for p in parts],
+        "tflops_per_gpu": median_of(timed, "tflops_per_gpu"), "mfu": median_of(timed, "mfu"),
+        "peak_tflops": cfg.train.peak_tflops,
         "gemm_tflops_measured": measured_gemm_tflops(device) if device.type == "cuda" else None,
-        "peak_memory_gib": max((m.get("peak_memory_gib", 0.0) for m in history), default=0.0),
-        "exposed_comm_ms": {kind: statistics.median(m["exposed_comm_ms"][kind] for m in timed)
-                            for kind in timed[0]["exposed_comm_ms"]},
-        "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
+        "peak_memory_gib": max(p["peak_memory_gib"] for p in parts),
+        "peak_memory_gib_per_rank": [round(p["peak_memory_gib"], 3) for p in parts],
+        "symmetric_memory_gib": max(p["symmetric_memory_gib"] for p in parts),
+        "exposed_comm_ms": {kind: max(p["exposed_comm_ms"][kind] for p in parts) for kind in parts[0]["exposed_comm_ms"]},
+        "exposed_comm_ms_per_rank": [p["exposed_comm_ms"] for p in parts],
+        "ep_imbalance": per_layer_median(timed, "ep_imbalance") if "ep_imbalance" in timed[0] else {},
+        "expert_imbalance": per_layer_median(timed, "expert_imbalance") if "expert_imbalance" in timed[0] else {},
+        "resolved": resolved,
+        "loss_first": losses[0], "loss_last": losses[1],
     }
-    breakdown = out_dir / name / "profile" / f"breakdown_rank{mesh.rank}.json"
-    if breakdown.is_file():
-        row["profile"] = json.loads(breakdown.read_text())
-        timeline = out_dir / name / "profile" / f"timeline_rank{mesh.rank}.png"
-        if args.timeline and timeline.is_file():
-            target = Path(args.timeline)
-            if name != "config":
-                target = target.with_name(f"{target.stem}_{name}{target.suffix}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(timeline, target)
-    if dist.is_initialized():
-        dist.barrier()
+    if "profile" in parts[0]:
+        row["profile_per_rank"] = [p.get("profile") for p in parts]
+    copy_timeline(args, name, Path(cfg.train.output_dir) / "profile" / "timeline_rank0.png")
     return row
 
 
+def copy_timeline(args, name: str, timeline: Path) -> None:
+    if args.timeline and timeline.is_file():
+        target = Path(args.timeline)
+        if name != "config":
+            target = target.with_name(f"{target.stem}_{name}{target.suffix}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(timeline, target)
+
+
+def run_ep1(args, tmp: Path) -> dict:
+    """The config on one GPU (rank 0's), in a process of its own after the other rows released the devices."""
+    import torch
+
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local] if visible else str(local)
+    out = tmp / "ep1.json"
+    timeline = [] if not args.timeline else ["--timeline", str(Path(args.timeline).with_name(
+        f"{Path(args.timeline).stem}_ep1{Path(args.timeline).suffix}"))]
+    cmd = [sys.executable, str(Path(__file__).resolve()), args.config,
+           *[item for item in args.ep1_overrides.split(",") if item], "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--profile-steps", str(args.profile_steps), "--json", str(out), *timeline]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"variant": "ep1", "error": f"exit {done.returncode}: {done.stderr[-3000:]}"}
+    result = json.loads(out.read_text())
+    return dict(result["rows"][0], variant="ep1", device=result["device"])
+
+
 def release_memory() -> None:
-    """Drop the finished variant's model, optimizer and graphs (autograd keeps reference cycles) and return the
-    cached blocks, so the next variant starts from an empty device."""
+    """Drop the finished row's model, optimizer and graphs (autograd keeps reference cycles) and return the
+    cached blocks, so the next row starts from an empty device and its peak memory is its own."""
     import gc
 
     import torch
@@ -108,25 +222,43 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def main(argv=None) -> None:
+def relate(rows: list[dict]) -> None:
+    """Each row against the reference rows of the same launch."""
+    by_name = {row["variant"]: row for row in rows if "error" not in row}
+    ep1, compute_only = by_name.get("ep1"), by_name.get("compute_only")
+    for row in by_name.values():
+        if ep1 is not None:
+            row["vs_ep1"] = round(row["tokens_per_s_per_gpu"] / ep1["tokens_per_s_per_gpu"], 4)
+        if compute_only is not None:
+            row["vs_compute_only"] = round(row["step_time_s"] / compute_only["step_time_s"], 4)
+
+
+def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    set_run_env()
+    set_run_env(fabric=args.fabric)
     import torch.distributed as dist
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="train_step_") as tmp:
-        for name, overrides in variants(args):
-            row = run_variant(name, overrides, args, Path(tmp))
-            release_memory()  # the next variant's peak memory is its own
+        for name, overrides in rows_to_run(args):
+            row = run_row(name, overrides, args, Path(tmp))
             if row is not None:
                 rows.append(row)
-                summary = {k: row[k] for k in ("variant", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib")}
-                print(json.dumps(summary), flush=True)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+                print(json.dumps({k: row[k] for k in ("variant", "tokens_per_s", "tflops_per_gpu", "mfu",
+                                                      "peak_memory_gib", "exposed_comm_ms")}), flush=True)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if dist.is_initialized():
+            dist.barrier()  # every rank is done with its devices before ep1 takes one
+            dist.destroy_process_group()
+        if args.ep1 and int(os.environ.get("RANK", 0)) == 0:
+            rows.append(run_ep1(args, Path(tmp)))
+            print(json.dumps({k: rows[-1].get(k) for k in ("variant", "tokens_per_s", "mfu", "error")}), flush=True)
     if rows:
-        write_json(args.json, run_header(world), rows)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        relate(rows)
+        header = dict(run_header(world), order=[row["variant"] for row in rows], config=args.config,
+                      overrides=args.overrides, weak_scaling=not args.no_scale_batch, fabric=args.fabric)
+        write_json(args.json, header, rows)
+    return rows
 
 
 if __name__ == "__main__":

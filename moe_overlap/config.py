@@ -157,6 +157,10 @@ class OverlapConfig:
     # symmetric memory, device sizes), gloo (CPU); auto: sm_push or copy_engine on one host with peer access
     # (by moe_planning), else nccl; gloo on CPU.
     moe_transport: Literal["auto", "nccl", "copy_engine", "sm_push", "gloo"] = "auto"
+    # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
+    # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
+    # expert GEMMs on exactly the rows each rank would receive without moving them. The loss means nothing.
+    moe_compute_only: bool = False
 
 
 @dataclass
@@ -750,7 +754,7 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
     """The MoE pipeline's fields: each needs the pipeline; planning and transport must agree on where sizes are;
     chunks are runs of local experts."""
     defaults = OverlapConfig()
-    for name in ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport"):
+    for name in ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only"):
         if getattr(o, name) != getattr(defaults, name):
             _require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
                      "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
@@ -765,6 +769,12 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
         raise _not_implemented("overlap.moe_planning", "device", "host or auto",
                                "device planning with expert_tensor_parallel_size > 1: the expert-TP gather takes "
                                "host sizes")
+    if o.moe_compute_only:
+        _require(p.expert_model_parallel_size > 1, "overlap.moe_compute_only", True,
+                 "needs parallel.expert_model_parallel_size > 1 (one EP rank exchanges nothing)")
+        if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+            raise _not_implemented("overlap.moe_compute_only", True, False,
+                                   "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
     if m.moe_shared_expert_overlap:
         _require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")

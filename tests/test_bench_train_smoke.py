@@ -1,24 +1,74 @@
-"""The training-step benchmark runs end to end on CPU (one process, the tiny config) and writes the JSON the GPU
-runs commit: throughput, MFU with its peak, memory, exposed communication per kind, one row per variant."""
+"""The training-step benchmark runs end to end on CPU, in one process and at 2 gloo ranks under torchrun (several
+rows in one launch, the compute_only and ep1 reference rows), and writes the JSON the GPU runs commit."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from benchmarks.train_step import main
 from moe_overlap.distributed.streams import EXPOSED_KINDS
 
+REPO = Path(__file__).resolve().parents[1]
+RESOLVED = {"moe_path", "moe_pipeline", "moe_planning", "moe_transport", "moe_pipeline_chunks", "moe_cuda_graph",
+            "moe_compute_only", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "ep_comm_ctas",
+            "moe_gemm_sm_carveout", "use_distributed_optimizer"}
 
-def test_train_step_benchmark_smoke(tmp_path):
+
+def check_row(row: dict, world: int) -> None:
+    assert row["steps_timed"] == 2 and row["world_size"] == world
+    assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_tflops"] == 788.0
+    assert math.isclose(row["tokens_per_s_per_gpu"] * world, row["tokens_per_s"])
+    assert set(row["exposed_comm_ms"]) == set(EXPOSED_KINDS) and len(row["exposed_comm_ms_per_rank"]) == world
+    assert RESOLVED <= set(row["resolved"])
+    assert set(row["ep_imbalance"]) == set(row["expert_imbalance"]) and row["ep_imbalance"]
+    assert all(value >= 1.0 for value in row["ep_imbalance"].values())
+    assert len(row["profile_per_rank"]) == world and all(p["steps"] == [4, 4] for p in row["profile_per_rank"])
+    assert math.isfinite(row["loss_last"])
+
+
+def test_train_step_benchmark_one_process(tmp_path):
     out = tmp_path / "train.json"
     main(["configs/tiny.yaml", "parallel.expert_model_parallel_size=1", "train.micro_batch_size=2",
           "train.global_batch_size=4", "--steps", "2", "--warmup", "1", "--profile-steps", "1",
           "--variant", "device_planned:overlap.moe_pipeline=true,overlap.moe_planning=device", "--json", str(out)])
     result = json.loads(out.read_text())
-    assert {"device", "world_size", "date", "command", "env", "rows"} <= set(result)
-    assert [row["variant"] for row in result["rows"]] == ["config", "device_planned"]
+    assert {"device", "world_size", "date", "command", "env", "rows", "order"} <= set(result)
+    assert result["order"] == ["config", "device_planned"]
     for row in result["rows"]:
-        assert row["steps_timed"] == 2 and row["tokens_per_step"] == 4 * 128
-        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_tflops"] == 788.0
-        assert set(row["exposed_comm_ms"]) == set(EXPOSED_KINDS)
-        assert row["profile"]["steps"] == [4, 4]
+        check_row(row, 1)
+        assert row["tokens_per_step"] == 4 * 128 and row["resolved"]["moe_path"] == "local"
+        assert set(row["ep_imbalance"].values()) == {1.0}  # one EP rank holds every expert
+
+
+def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
+    """2 gloo ranks (EP=2): two rows, compute_only and ep1 in one launch; every rank meets every collective
+    (a rank that left early used to hang the others at the last barrier)."""
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "benchmarks" / "train_step.py"), "configs/tiny.yaml", "train.micro_batch_size=2",
+           "train.global_batch_size=4", "--steps", "2", "--warmup", "1", "--profile-steps", "1",
+           "--variant", "pipeline:overlap.moe_pipeline=true,overlap.moe_pipeline_chunks=2",
+           "--compute-only", "--ep1", "--ep1-overrides",
+           "parallel.expert_model_parallel_size=1,train.micro_batch_size=2,train.global_batch_size=4", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["weak_scaling"]
+    assert result["order"] == ["config", "pipeline", "compute_only", "ep1"]
+    rows = {row["variant"]: row for row in result["rows"]}
+    for name in ("config", "pipeline", "compute_only"):
+        check_row(rows[name], 2)
+        assert rows[name]["global_batch_size"] == 8 and rows[name]["micro_batches_per_rank"] == 2  # weak scaling
+        assert rows[name]["resolved"]["moe_transport"] == "gloo"
+        assert rows[name]["vs_ep1"] > 0 and rows[name]["vs_compute_only"] > 0
+    assert rows["config"]["resolved"]["moe_path"] == "serial" and rows["config"]["exposed_comm_ms"]["ep"] > 0
+    assert rows["pipeline"]["resolved"]["moe_pipeline_chunks"] == 2
+    assert rows["compute_only"]["resolved"]["moe_compute_only"] is True
+    check_row(rows["ep1"], 1)
+    assert rows["ep1"]["global_batch_size"] == 4 and rows["ep1"]["vs_ep1"] == 1.0

@@ -22,6 +22,9 @@ host sync, static worst-case buffers, CUDA-graph capturable). Transports (``over
   sm_push       a Triton kernel stores rows into the peers' symmetric memory (kernels/push_rows.py); device
                 sizes, one host
   gloo          the CPU process group; host sizes, or with device planning the twin of sm_push (same routes)
+``overlap.moe_compute_only`` (a benchmark's reference) keeps every exchange's sizes, signals and small messages but
+lands each rank's rows in its own memory instead of the peers': the step without the transfers' cost, each layer
+still waiting for its slowest peer. The loss means nothing then.
 Transfers run on the transport's side stream (NCCL's own, the copy stream, or the push stream); a push takes as
 many CTAs as the GEMMs beside it leave SMs free (``sms``), and with none free it runs on the compute stream
 between them at full width, where it cannot stall a GEMM's launch (DESIGN.md, "What overlaps"). A chunk's rows
@@ -223,6 +226,12 @@ class _CollectiveExchange:
             raise RuntimeError("CUDA-graph capture of the MoE exchange needs overlap.moe_planning=device (sm_push): "
                                "a ProcessGroupNCCL all-to-all does not replay from a graph (measured: the capture "
                                "fails with cudaErrorStreamCaptureImplicit)")
+        if self.compute_only:  # one element to every peer keeps the wait for the slowest; the rows stay here
+            _fill_from(recv_RH, send_RH)
+            self.tokens = send_RH.new_zeros((2, self.group.size()))  # kept until the work is waited for
+            self.works[chunk] = dist.all_to_all_single(self.tokens[0], self.tokens[1], group=self.group,
+                                                       async_op=True)
+            return
         self.works[chunk] = dist.all_to_all_single(recv_RH, send_RH, self.layout.recv_rows[chunk],
                                                    self.layout.send_rows[chunk], group=self.group, async_op=True)
 
@@ -239,6 +248,7 @@ class CollectiveToExperts(_CollectiveExchange, _HostToExperts):
     def __init__(self, transport: CollectiveTransport, send_RH: torch.Tensor, routes: HostRoutes, sms: int):
         _HostToExperts.__init__(self, _Streams(send_RH.device, transport.stream), routes, send_RH.shape[1])
         self.group, self.works, self.send_RH = transport.group, {}, send_RH
+        self.compute_only = transport.compute_only
         self.recv_RH = send_RH.new_empty((self.layout.recv_total, self.width))
         self.streams.lend(send_RH, self.recv_RH)
 
@@ -262,7 +272,7 @@ class CollectiveFromExperts(_CollectiveExchange, _HostFromExperts):
 
     def __init__(self, transport: CollectiveTransport, routes: HostRoutes, width: int, like: torch.Tensor, sms: int):
         _HostFromExperts.__init__(self, _Streams(like.device, transport.stream), routes, width, like)
-        self.group, self.works = transport.group, {}
+        self.group, self.works, self.compute_only = transport.group, {}, transport.compute_only
         self.recv_RH = like.new_empty((self.layout.recv_total, width))
 
     def _start(self, chunk: int) -> None:
@@ -298,8 +308,21 @@ class CollectiveTransport(_Transport):
     needs_sms, to_class, from_class = True, CollectiveToExperts, CollectiveFromExperts
 
     def __init__(self, name: str, group: ProcessGroup, device: torch.device):
-        self.name, self.group = name, group
+        self.name, self.group, self.compute_only = name, group, False
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+
+def _fill_from(recv_RH: torch.Tensor, send_RH: torch.Tensor) -> None:
+    """compute_only: the rows this rank would receive, made from its own rows (repeated as often as needed):
+    as many bytes written as the exchange would land, all finite."""
+    done = 0
+    while done < recv_RH.shape[0]:
+        rows = min(send_RH.shape[0], recv_RH.shape[0] - done)
+        if rows == 0:  # nothing of its own to copy
+            recv_RH[done:].zero_()
+            return
+        recv_RH[done:done + rows].copy_(send_RH[:rows])
+        done += rows
 
 
 class _CopyEngineExchange:
@@ -307,7 +330,7 @@ class _CopyEngineExchange:
     then raises one signal per (peer, chunk); the local block lands by a local copy, which the event covers."""
 
     def _claim(self, transport: CopyEngineTransport, like: torch.Tensor, width: int) -> None:
-        self.transport, self.regions = transport, transport.regions
+        self.transport, self.regions, self.compute_only = transport, transport.regions, transport.compute_only
         self.row_bytes = width * like.element_size()
         self.region = self.regions.claim(self.streams.side)
 
@@ -317,7 +340,8 @@ class _CopyEngineExchange:
             rows = layout.send_rows[chunk][peer]
             if rows:
                 start = layout.send_offsets[chunk][peer]
-                dest = regions.view(peer, self.region, (rows, send_RH.shape[1]), send_RH.dtype,
+                dest = regions.view(regions.rank if self.compute_only else peer, self.region,
+                                    (rows, send_RH.shape[1]), send_RH.dtype,
                                     layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
                 dest.copy_(send_RH[start:start + rows], non_blocking=True)
         for peer in regions.peers:
@@ -353,7 +377,8 @@ class CopyEngineToExperts(_CopyEngineExchange, _HostToExperts):
 
     def finish(self) -> None:
         assert not self.sent, f"chunks {sorted(self.sent)} were sent but never received"
-        self.regions.release(self.region)  # on the compute stream: after the last regroup read it
+        with exposed_wait("ep"):  # a signal waits for the peer's slot to clear
+            self.regions.release(self.region)  # on the compute stream: after the last regroup read it
 
 
 class CopyEngineFromExperts(_CopyEngineExchange, _HostFromExperts):
@@ -377,7 +402,8 @@ class CopyEngineFromExperts(_CopyEngineExchange, _HostFromExperts):
                                  self.send_RH.dtype)
 
     def finish(self) -> None:
-        self.regions.release(self.region)  # on the compute stream: after everything that read the region
+        with exposed_wait("ep"):
+            self.regions.release(self.region)  # on the compute stream: after everything that read the region
 
 
 class CopyEngineTransport(_Transport):
@@ -386,7 +412,7 @@ class CopyEngineTransport(_Transport):
     name, needs_sms, to_class, from_class = "copy_engine", False, CopyEngineToExperts, CopyEngineFromExperts
 
     def __init__(self, regions, device: torch.device):
-        self.regions = regions
+        self.regions, self.compute_only = regions, False
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
 
@@ -400,7 +426,12 @@ class _PushExchange:
         self.transport, self.regions = transport, transport.regions
         self.streams = _Streams(device, transport.stream if sms else None)
         self.ctas = sms or full_width(device)
-        self.region = self.regions.claim(self.streams.side or self.streams.compute)
+        with self._exposed():
+            self.region = self.regions.claim(self.streams.side or self.streams.compute)
+
+    def _exposed(self):
+        """Pushes, claims and signals on the compute stream hold it: exposed; on the side stream they are not."""
+        return exposed_wait("ep" if self.streams.side is None else None)
 
     def _own(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         return self.regions.view(self.regions.rank, self.region, (rows, like.shape[1]), like.dtype)
@@ -408,10 +439,11 @@ class _PushExchange:
     def _push(self, chunk: int, src_RH: torch.Tensor, src_start: torch.Tensor, count: torch.Tensor,
               dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor, route_start: torch.Tensor, alone: bool) -> None:
         """``alone``: no GEMM runs beside this one (the pipeline's first transfer, or its last): full width."""
-        self.transport.move(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self.region,
-                            full_width(src_RH.device) if alone else self.ctas)
-        for peer in self.regions.peers:  # after the kernel, on its stream: its stores have landed
-            self.regions.signal(peer, self.region, chunk)
+        with self._exposed():
+            self.transport.move(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self.region,
+                                full_width(src_RH.device) if alone else self.ctas)
+            for peer in self.regions.peers:  # after the kernel, on its stream: its stores have landed
+                self.regions.signal(peer, self.region, chunk)
 
     def _wait_peers(self, chunk: int) -> None:
         for peer in self.regions.peers:
@@ -448,7 +480,8 @@ class PushToExperts(_PushExchange):
 
     def finish(self) -> None:
         assert not self.sent, f"chunks {sorted(self.sent)} were sent but never received"
-        self.regions.release(self.region)  # on the compute stream: after the last copy-out read it
+        with exposed_wait("ep"):
+            self.regions.release(self.region)  # on the compute stream: after the last copy-out read it
 
 
 class PushFromExperts(_PushExchange):
@@ -479,7 +512,8 @@ class PushFromExperts(_PushExchange):
         return self.own_RH
 
     def finish(self) -> None:
-        self.regions.release(self.region)  # on the compute stream: after everything that read the region
+        with exposed_wait("ep"):
+            self.regions.release(self.region)  # on the compute stream: after everything that read the region
 
 
 class PushTransport(_Transport):
@@ -491,26 +525,31 @@ class PushTransport(_Transport):
 
     def __init__(self, regions, device: torch.device, twin: bool = False, twin_group: ProcessGroup = None):
         self.regions, self.device, self.twin_group = regions, device, twin_group
-        self.symmetric = not twin
+        self.symmetric, self.compute_only = not twin, False
         if self.symmetric:
             self.name = "sm_push"
             self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
             size = regions.region_bytes
-            # Every rank's address of each region, as the kernel reads them.
-            self._bases = [torch.tensor([ptr + region * size for ptr in regions.buffer_ptrs], dtype=torch.int64,
-                                        device=device) for region in range(regions.count)]
+
+            def bases(ptrs: list[int]) -> list[torch.Tensor]:  # per region, every rank's address in the kernel's
+                return [torch.tensor([ptr + region * size for ptr in ptrs], dtype=torch.int64, device=device)
+                        for region in range(regions.count)]
+
+            self._bases = bases(regions.buffer_ptrs)
+            self._own_bases = bases([regions.buffer_ptrs[regions.rank]] * regions.size)  # compute_only's
         else:
             self.name, self.stream = "gloo", None
 
     def move(self, src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, region: int, ctas: int) -> None:
         if self.symmetric:
-            push_rows(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self._bases[region], ctas)
+            bases = self._own_bases if self.compute_only else self._bases
+            push_rows(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, bases[region], ctas)
             return
         first, n, q0 = (int(v.reshape(-1)[0]) for v in (src_start, count, route_start))
         rows_RH, ranks, dst_rows = src_RH[first:first + n], dst_rank_Q[q0:q0 + n], dst_row_Q[q0:q0 + n]
         own_RH = self.regions.view(self.regions.rank, region, (self.regions.region_bytes // (
             src_RH.shape[1] * src_RH.element_size()), src_RH.shape[1]), src_RH.dtype)
-        _exchange_routed(rows_RH, ranks, dst_rows, own_RH, self.twin_group, self.regions.size)
+        _exchange_routed(rows_RH, ranks, dst_rows, own_RH, self.twin_group, self.regions.size, self.compute_only)
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Every EP rank's copies per global expert, [source rank, expert], on the device: by the process group
@@ -558,12 +597,16 @@ class _TwinRegions:
 
 
 def _exchange_routed(rows_RH: torch.Tensor, ranks: torch.Tensor, dst_rows: torch.Tensor, out_RH: torch.Tensor,
-                     group: ProcessGroup, size: int) -> None:
-    """Rows to the ranks and rows the routes name, by an uneven all-to-all (its sizes read on the host)."""
+                     group: ProcessGroup, size: int, compute_only: bool = False) -> None:
+    """Rows to the ranks and rows the routes name, by an uneven all-to-all (its sizes read on the host);
+    ``compute_only``: the sizes travel, every row lands here."""
     order = torch.argsort(ranks, stable=True)
     send_rows = torch.bincount(ranks.long(), minlength=size)
     with exposed_wait("ep"):
         recv_rows = send_rows if group is None else all_to_all_equal(send_rows.view(size, 1), group)
+        if compute_only:
+            out_RH[dst_rows.long()] = rows_RH
+            return
         send, recv = send_rows.tolist(), recv_rows.view(-1).tolist()
         landed_RH = all_to_all_rows(rows_RH[order], recv, send, group)
         index_R = all_to_all_rows(dst_rows[order].long(), recv, send, group)
@@ -617,7 +660,7 @@ class TransportSelector:
     measurement of the pipeline) keeps its regions in ordinary memory."""
 
     def __init__(self, planning: str, transport: str, group: ProcessGroup, group_ranks: list[int],
-                 device: torch.device, max_chunks: int, timeout_s: float):
+                 device: torch.device, max_chunks: int, timeout_s: float, compute_only: bool = False):
         reason = None
         if device.type == "cuda" and group is None and transport not in SYMMETRIC:  # asked for: a one-GPU measure
             reason = "the group has one rank: nothing to exchange"
@@ -630,6 +673,9 @@ class TransportSelector:
         self.planning, self.name, why = choose_exchange(planning, transport, device.type, reason)
         self.group, self.device, self.max_chunks = group, device, max(max_chunks, 1)
         self.timeout_ms = int(timeout_s * 1000)
+        # overlap.moe_compute_only (a benchmark may switch it between steps of eager layers: every region holds
+        # finite rows from its start, so a row no peer wrote is still a number)
+        self.compute_only = compute_only
         self._transport = None
         self._retired: list = []  # outgrown ones (the first micro-batches only)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -645,6 +691,7 @@ class TransportSelector:
                 current = None
         if current is None:
             current = self._transport = self._make(worst_case_bytes)
+        current.compute_only = self.compute_only
         return current
 
     def _make(self, nbytes: int):

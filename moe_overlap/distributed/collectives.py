@@ -2,6 +2,8 @@
 
 Every function takes a process group that may be ``None``: a group of one rank, where the collective is
 the identity. Timeouts are set when the groups are made (``Mesh.create``), so every call here inherits one.
+A blocking call here holds the compute stream (or the host) until the collective is done: it counts as exposed
+communication of its group's kind (streams.exposed_wait; ``Mesh.create`` names every group's kind).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_overlap.distributed.streams import exposed_wait
+from moe_overlap.distributed.streams import exposed_kind, exposed_wait
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
@@ -32,7 +34,8 @@ def group_size(group: ProcessGroup) -> int:
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; the identity on a one-rank group."""
     if group is not None:
-        dist.all_reduce(tensor, op=op, group=group)
+        with exposed_wait(exposed_kind(group)):
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -80,14 +83,16 @@ def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Proc
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Gather equal shards along dim 0 into ``output`` (blocking)."""
-    start_all_gather(output, tensor, group).wait()
+    with exposed_wait(exposed_kind(group)):
+        start_all_gather(output, tensor, group).wait()
     return output
 
 
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup,
                         op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum ``tensor`` over the group and keep this rank's dim-0 shard in ``output`` (blocking)."""
-    start_reduce_scatter(output, tensor, group, op).wait()
+    with exposed_wait(exposed_kind(group)):
+        start_reduce_scatter(output, tensor, group, op).wait()
     return output
 
 
@@ -96,7 +101,8 @@ def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if group is None:
         return tensor.clone()
     output = torch.empty_like(tensor)
-    dist.all_to_all_single(output, tensor.contiguous(), group=group)
+    with exposed_wait(exposed_kind(group)):
+        dist.all_to_all_single(output, tensor.contiguous(), group=group)
     return output
 
 
@@ -106,7 +112,8 @@ def all_to_all_rows(x: torch.Tensor, output_splits: Sequence[int], input_splits:
     if group is None:
         return x.clone()
     output = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(output, x.contiguous(), list(output_splits), list(input_splits), group=group)
+    with exposed_wait(exposed_kind(group)):
+        dist.all_to_all_single(output, x.contiguous(), list(output_splits), list(input_splits), group=group)
     return output
 
 
@@ -121,13 +128,11 @@ class AllToAllRows(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                 group: ProcessGroup) -> torch.Tensor:
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        with exposed_wait("ep"):  # the serial EP exchange: the whole all-to-all is exposed
-            return all_to_all_rows(x, output_splits, input_splits, group)
+        return all_to_all_rows(x, output_splits, input_splits, group)  # the whole exchange is exposed
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        with exposed_wait("ep"):
-            return all_to_all_rows(grad_output, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+        return all_to_all_rows(grad_output, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
 class AllReduceSum(torch.autograd.Function):

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch.distributed as dist
 
+from moe_overlap.distributed.streams import set_exposed_kind
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -65,6 +67,12 @@ _MEGATRON_NAMES = {
     "ep": "expert_model_parallel_size",
     "etp": "expert_tensor_parallel_size",
 }
+
+# The exposed-communication kind (distributed/streams.py) a blocking collective over each group counts as: the
+# gradient-norm groups go with the parallelism that shards what they reduce (dense: TP; experts: EP), the tied
+# embedding's gradient sum between the first and last pipeline stages with PP.
+_EXPOSED_KIND = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "dp_cp": "dp", "mp": "tp", "etp": "ep", "ep": "ep",
+                 "edp": "dp", "expert_mp": "ep", "etp_ep": "ep", "embedding": "pp"}
 
 # Groups whose traffic is too heavy for an inter-host link, with the names messages use.
 _HOST_LOCAL_KINDS = {"tp": "TP", "ep": "EP", "etp": "expert-TP"}
@@ -315,6 +323,7 @@ class Mesh:
                     if rank in ranks:
                         my_group = group
                         owned_groups.append(group)
+                        set_exposed_kind(group, _EXPOSED_KIND[kind])
             handles[kind] = GroupHandle(
                 ranks=mine, group=my_group, rank=mine.index(rank) if mine else -1, size=len(mine)
             )
@@ -337,6 +346,7 @@ class Mesh:
         silently skipping collectives.
         """
         for group in self._owned_groups:
+            set_exposed_kind(group, None)
             dist.destroy_process_group(group)
         self._owned_groups = []
 

@@ -12,6 +12,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from moe_overlap.kernels.device_clock import add_clock
+
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 EXPOSED_KINDS = ("ep", "tp", "dp", "pp", "cp")
 
@@ -137,20 +139,34 @@ def synchronize(device: torch.device) -> None:
 
 class ExposedComm:
     """The time one training step's compute stream (on CPU: the host) spent waiting for communication, per
-    kind: an event pair around every wait that blocks it, summed once the step's work is done."""
+    kind: an event pair around every wait that blocks it (host waits included: the compute stream idles once its
+    queue drains), plus what the device clock added up inside CUDA-graph replays during the step; summed once the
+    step's work is done."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.spans: list[tuple[str, str | None, Event, Event]] = []  # kind, stage label, start, end
+        clock = _DEVICE_CLOCKS.get(_clock_key(device))
+        self._clock_start = None if clock is None else clock.clone()  # graphs replayed before the step: not ours
+        self._graph_waits_ns: HostCopy | None = None
+
+    def close(self) -> None:
+        """The step's work is queued: what the graphs' device clock adds from here on is the next step's. Its
+        part comes to the host by its own copy, which waits for this step's work only."""
+        if self._clock_start is not None:
+            self._graph_waits_ns = HostCopy(_DEVICE_CLOCKS[_clock_key(self.device)] - self._clock_start)
 
     def totals_ms(self) -> dict[str, float]:
         totals = dict.fromkeys(EXPOSED_KINDS, 0.0)
         for kind, _, start, end in self.spans:
             totals[kind] += start.elapsed_ms(end)
+        if self._graph_waits_ns is not None:
+            for kind, ns in zip(EXPOSED_KINDS, self._graph_waits_ns.wait().tolist()):
+                totals[kind] += ns / 1e6
         return totals
 
     def by_stage_ms(self) -> dict[str, float]:
-        """Per "kind stage" for the waits inside a labelled stage (:func:`stage_label`)."""
+        """Per "kind stage" for the waits inside a labelled stage (:func:`stage_label`); eager waits only."""
         totals: dict[str, float] = {}
         for kind, label, start, end in self.spans:
             if label is not None:
@@ -160,6 +176,40 @@ class ExposedComm:
 
 _MEASURING: list[ExposedComm] = []  # the tally of the step in flight, if the trainer measures one
 _STAGE: list[str] = []  # the label of the stage running (overlap_moe_expert_parallel_comm)
+_OPEN: list[str] = []  # the exposed wait being timed: a wait inside it is part of it, not counted again
+# Per CUDA device, nanoseconds of waits inside CUDA graphs, one int64 per EXPOSED_KINDS entry, ever growing.
+_DEVICE_CLOCKS: dict[int, torch.Tensor] = {}  # by CUDA device index
+# Process group -> the kind of exposed communication its collectives are (Mesh.create names them).
+_GROUP_KINDS: dict[object, str] = {}
+
+
+def set_exposed_kind(group, kind: str | None) -> None:
+    """The blocking collectives over ``group`` (distributed/collectives.py) count as exposed ``kind``; None
+    forgets the group (it is being destroyed)."""
+    if kind is None:
+        _GROUP_KINDS.pop(group, None)
+        return
+    if kind not in EXPOSED_KINDS:
+        raise ValueError(f"exposed kind {kind!r}: allowed {', '.join(EXPOSED_KINDS)}")
+    _GROUP_KINDS[group] = kind
+
+
+def exposed_kind(group) -> str | None:
+    """The kind a collective over ``group`` counts as; None for a group no mesh named (not timed)."""
+    return _GROUP_KINDS.get(group)
+
+
+def prepare_device_clock(device: torch.device) -> None:
+    """Make the device's wait clock before a CUDA-graph capture (a tensor made inside one would live in the
+    graph's pool, and its zero fill would replay)."""
+    if device.type == "cuda" and _clock_key(device) not in _DEVICE_CLOCKS:
+        _DEVICE_CLOCKS[_clock_key(device)] = torch.zeros(len(EXPOSED_KINDS), dtype=torch.int64, device=device)
+
+
+def _clock_key(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 @contextlib.contextmanager
@@ -181,16 +231,35 @@ def measuring_exposed_comm(device: torch.device) -> Iterator[ExposedComm]:
         yield tally
     finally:
         _MEASURING.remove(tally)
+        tally.close()
 
 
 @contextlib.contextmanager
-def exposed_wait(kind: str) -> Iterator[None]:
-    """Wrap a wait for communication of ``kind`` (EXPOSED_KINDS) that blocks the compute stream (or host);
-    timed only while a step measures (not inside a CUDA-graph capture, whose replays run no Python)."""
-    if not _MEASURING or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+def exposed_wait(kind: str | None) -> Iterator[None]:
+    """Wrap anything that holds the compute stream (or the host) up for another rank: a stream's wait for a
+    transfer, a host wait for a fetch, a device-side signal wait, a transfer kernel on the compute stream. Timed
+    by events while a step measures; inside a CUDA-graph capture by the device clock, which every replay then
+    advances (measured or not: a step's tally takes the difference). ``kind`` None: not timed (a group no mesh
+    named); a wait inside another is part of the outer one."""
+    if kind is None or _OPEN:
         yield
         return
-    tally = _MEASURING[-1]
-    start = Event(tally.device, timing=True).record()
-    yield
-    tally.spans.append((kind, _STAGE[-1] if _STAGE else None, start, Event(tally.device, timing=True).record()))
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        clock, slot = _DEVICE_CLOCKS[torch.cuda.current_device()], EXPOSED_KINDS.index(kind)
+        add_clock(clock, slot, -1)
+    elif not _MEASURING:
+        yield
+        return
+    else:
+        tally = _MEASURING[-1]
+        start = Event(tally.device, timing=True).record()
+    _OPEN.append(kind)
+    try:
+        yield
+    finally:
+        _OPEN.pop()
+    if capturing:
+        add_clock(clock, slot, +1)
+    else:
+        tally.spans.append((kind, _STAGE[-1] if _STAGE else None, start, Event(tally.device, timing=True).record()))

@@ -12,11 +12,19 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_MS = 60_000
+_LIVE_WORKSPACES: "weakref.WeakSet[SymmWorkspace]" = weakref.WeakSet()
+
+
+def symmetric_memory_bytes() -> int:
+    """Bytes of this process's live symmetric-memory workspaces: allocated outside torch's caching allocator, so
+    ``torch.cuda.max_memory_allocated`` does not see them."""
+    return sum(workspace.nbytes for workspace in _LIVE_WORKSPACES)
 
 
 def symm_unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
@@ -67,6 +75,15 @@ def choose_transport(field: str, requested: str, allowed: tuple[str, ...], colle
     return requested, "requested"
 
 
+def fill_finite(buffer_B: torch.Tensor) -> torch.Tensor:
+    """A new byte buffer's contents as small finite numbers (bf16 pairs, so fp32 views are finite too), from a
+    private generator: a row read before any rank wrote it (``overlap.moe_compute_only``, whose rows stay on
+    their own rank) is a number, not whatever the memory held."""
+    generator = torch.Generator(buffer_B.device).manual_seed(0)
+    buffer_B[:buffer_B.numel() // 2 * 2].view(torch.bfloat16).normal_(generator=generator)
+    return buffer_B
+
+
 class SymmWorkspace:
     """A registered buffer of ``nbytes`` on every rank of ``group`` (a collective: all ranks construct it)."""
 
@@ -84,6 +101,7 @@ class SymmWorkspace:
                 symm_mem.enable_symm_mem_for_group(group.group_name)
         self.nbytes = nbytes
         self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        _LIVE_WORKSPACES.add(self)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         if getattr(self.handle, "multicast_ptr", 0):
             raise RuntimeError("symmetric memory came with an NVLink multicast pointer; set "
@@ -134,6 +152,7 @@ class SymmRegions:
         self.rank, self.size = self.workspace.rank, self.workspace.size
         self.peers = [p for p in range(self.size) if p != self.rank]
         self.buffer_ptrs = list(self.workspace.handle.buffer_ptrs)  # every rank's workspace, mapped here
+        fill_finite(self.workspace.buffer)  # before any peer may write (the free signals below)
         for region in range(count):
             for peer in self.peers:
                 self.workspace.signal(peer, region)
@@ -179,7 +198,7 @@ class LocalRegions:
         self.region_bytes = -(-region_bytes // 256) * 256
         self.count, self.steps, self.next = count, steps, 0
         self.rank, self.size, self.peers = 0, 1, []
-        self.buffer = torch.empty(self.region_bytes * count, dtype=torch.uint8, device=device)
+        self.buffer = fill_finite(torch.empty(self.region_bytes * count, dtype=torch.uint8, device=device))
         self.buffer_ptrs = [self.buffer.data_ptr()]
 
     def claim(self, stream) -> int:

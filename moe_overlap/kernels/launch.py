@@ -48,9 +48,10 @@ def use_triton(t: torch.Tensor, what: str) -> bool:
 class Kernel:
     """One kernel function, compiled for CUDA or interpreted for CPU / TRITON_INTERPRET=1, chosen per launch."""
 
-    def __init__(self, fn, do_not_specialize=()):
+    def __init__(self, fn, do_not_specialize=(), name: str | None = None):
         self.fn = fn
         self.do_not_specialize = list(do_not_specialize)  # runtime sizes that change every step
+        self.name = name  # the compiled kernel's name (profiles show it), if not the function's
         self._compiled = None
         self._interpreted = None
 
@@ -61,5 +62,6 @@ class Kernel:
                 self._interpreted = InterpretedFunction(self.fn)
             return self._interpreted[grid]
         if self._compiled is None:
-            self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
+            self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize,
+                                         repr=None if self.name is None else lambda _: self.name)
         return self._compiled[grid]

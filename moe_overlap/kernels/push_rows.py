@@ -58,7 +58,9 @@ if HAVE_TRITON:
                 v = tl.load(src + h0 + cols[None, :], mask=mask)
                 tl.store(dst + h0 + cols[None, :], v, mask=mask)
 
-    _move_rows = Kernel(_move_rows_kernel)
+    # One kernel under two names, so that a profile tells a transfer to peers from a local copy.
+    _push_rows = Kernel(_move_rows_kernel, name="_push_rows_kernel")
+    _copy_rows_out = Kernel(_move_rows_kernel, name="_copy_rows_out_kernel")
 
 def full_width(device: torch.device) -> int:
     """CTAs of a push or copy with no carve-out to respect: two per SM, enough to keep HBM busy (32 already reach
@@ -128,6 +130,7 @@ def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, strid
     block_h = min(8192 // src_RH.element_size(), triton.next_power_of_2(H))  # up to 8 KiB of a row a step
     rows = max(1, min(4, 16384 // (block_h * src_RH.element_size())))  # up to 16 KiB in flight per program
     aligned = all(n * src_RH.element_size() % 16 == 0 for n in (H, src_RH.stride(0), stride_dst))
-    _move_rows[(ctas,), src_RH.device](src_RH, src_start, count, route_start, dst_rank, dst_row, dst, H,
-                                       src_RH.stride(0), stride_dst, ROUTED=routed, ALIGNED=aligned, ROWS=rows,
-                                       BLOCK_H=block_h, num_warps=8)
+    kernel = _push_rows if routed else _copy_rows_out
+    kernel[(ctas,), src_RH.device](src_RH, src_start, count, route_start, dst_rank, dst_row, dst, H,
+                                   src_RH.stride(0), stride_dst, ROUTED=routed, ALIGNED=aligned, ROWS=rows,
+                                   BLOCK_H=block_h, num_warps=8)

@@ -23,6 +23,7 @@ import torch
 from moe_overlap.distributed.a2a import ExchangeLayout, HostRoutes, exchange_layout
 from moe_overlap.distributed.collectives import AllToAllRows, all_gather_into, all_to_all_rows
 from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 
 
@@ -117,7 +118,8 @@ def start_counts_fetch(tokens_per_expert_E: torch.Tensor, ep: GroupHandle) -> Ca
     landed.record()
 
     def wait() -> torch.Tensor:
-        landed.synchronize()
+        with exposed_wait("ep"):  # the host stops queueing work until the counts land
+            landed.synchronize()
         return host_SE
 
     return wait

@@ -16,7 +16,7 @@ from torch import nn
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.distributed.streams import carveout_for
+from moe_overlap.distributed.streams import carveout_for, prepare_device_clock
 from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
 from moe_overlap.layers.device_plan import DevicePlanner
 from moe_overlap.layers.dispatch_pipeline import Combine, DispatchStart, Experts, PipelineState
@@ -87,6 +87,7 @@ class MoELayer(nn.Module):
                               if cfg.moe_shared_expert_intermediate_size else None)
         self._planners: dict[tuple[str, int], DispatchPlanner | DevicePlanner] = {}  # by planning and chunks
         self.graphed_twin: nn.Module | None = None  # capture_moe_layers(copies=2): the second graphed copy
+        self.last_overlap_sms: int | None = None  # the pipeline's GEMM carve-out in its last call
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the output, the auxiliary losses (load balancing + z, already scaled) and the copies
@@ -169,6 +170,7 @@ class MoELayer(nn.Module):
             if rows_PL is not None:
                 expert_tp = ([plan_expert_tp(rows_PL[:, a:b], x_TH.device) for a, b in plan.chunk_experts], self.etp)
         sms = self._overlap_sms(transport, rows, hidden, x_TH.element_size(), paired)
+        self.last_overlap_sms = sms  # what the last call chose (a benchmark reports it)
         state = PipelineState(plan, transport, sms, self.delay_wgrad, expert_tp, paired)
         return DispatchStart.apply(x_TH, state), state
 
@@ -243,6 +245,7 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
         raise ValueError("CUDA graphs of MoE layers need overlap.moe_pipeline=true with overlap.moe_planning=device "
                          "(or one EP rank)")
     weight = moe_layers[0].experts.w13
+    prepare_device_clock(weight.device)  # the graphs time their waits for peers on it (streams.exposed_wait)
     samples = tuple((torch.randn(input_shape, device=weight.device, dtype=weight.dtype, requires_grad=True),)
                     for _ in moe_layers)
     # NCCL's watchdog thread queries events during a capture, which the default "global" capture mode

@@ -33,6 +33,7 @@ from moe_overlap.config import Config
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.p2p import PipelineP2P
+from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages, model_chunks
@@ -197,8 +198,9 @@ class PipelineExecutor:
     def _wait(self, action: Wait, step: _Step, ledger) -> None:
         for op in action.ops:
             works, tensor = step.in_flight.pop(op)
-            for work in works:
-                work.wait()
+            with exposed_wait("pp"):
+                for work in works:
+                    work.wait()
             if op.send:
                 _release(ledger, step, ("send", tensor))
             else:

@@ -23,8 +23,11 @@ import torch
 log = logging.getLogger(__name__)
 
 # Kernel name -> kind of work, first match wins (CUDA kernel names of torch 2.11, cuBLAS, CUTLASS, NCCL, ours).
+# Communication is every kernel that moves data to or waits for another rank: NCCL's, our SM pushes, peer copies,
+# and symmetric memory's signal kernels (a wait for a peer spins on the stream, so its time is exposed there).
 KINDS = (
-    ("communication", r"nccl|push_rows|copy_counted|memcpy.*peer|cross_device"),
+    ("communication", r"nccl|push_rows|copy_counted|memcpy.*peer|cross_device|wait_signal|put_signal|"
+                      r"symmetric_memory|barrier_kernel"),
     ("optimizer", r"adamw|multi_tensor_apply|foreach|lpnorm|norm_kernel"),
     ("attention", r"flash|fmha|attention|cudnn.*sdpa|sdpa"),
     ("grouped GEMM", r"grouped|grouped_mm|_grouped_wgrad"),
@@ -47,13 +50,19 @@ def span_kind(name: str) -> str:
 
 
 def device_spans(prof) -> list[tuple[int, str, float, float]]:
-    """(stream, kernel or copy name, start us, end us) of every device event a torch profiler recorded."""
+    """(stream, kernel or copy name, start us, end us) of every device event a torch profiler recorded: kernels,
+    copies and sets, not the annotations that mirror host ranges onto the streams (``nccl:all_to_all`` beside
+    its NCCL kernel would count that kernel's time twice)."""
     spans = []
     for event in prof.profiler.kineto_results.events():
-        if event.device_type().name == "CUDA" and event.duration_ns() > 0:
+        if event.device_type().name == "CUDA" and event.duration_ns() > 0 and not _is_annotation(event):
             start = event.start_ns() / 1e3
             spans.append((event.device_resource_id(), event.name(), start, start + event.duration_ns() / 1e3))
     return spans
+
+
+def _is_annotation(event) -> bool:
+    return "annotation" in str(event.activity_type()) or bool(getattr(event, "is_user_annotation", bool)())
 
 
 def union(intervals) -> list[tuple[float, float]]:

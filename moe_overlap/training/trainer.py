@@ -20,6 +20,7 @@ from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
                                              gemm_sm_carveout, measuring_exposed_comm, to_device_async)
+from moe_overlap.distributed.symm import symmetric_memory_bytes
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.models.pipeline_stages import PipelineStages
@@ -145,6 +146,10 @@ class Trainer:
                                        t.use_distributed_optimizer and o.overlap_param_sync)
         self.pipeline = (PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
                          if stages.pp > 1 else None)
+        if cfg.overlap.moe_compute_only and mesh.rank == 0:
+            log.warning("overlap.moe_compute_only: every rank's MoE rows stay in its own memory (a benchmark's "
+                        "reference without the exchange's transfers); the model does not learn, its loss means "
+                        "nothing")
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             # the pipeline's GEMMs capture their own carve-out; two micro-batches in flight need two sets
             self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
@@ -278,12 +283,42 @@ class Trainer:
                    "exposed_comm_ms": pending.exposed.totals_ms()}
         if self.cfg.overlap.overlap_moe_expert_parallel_comm:
             metrics["exposed_comm_by_stage_ms"] = pending.exposed.by_stage_ms()
-        if self.device.type == "cuda":
-            metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.device.type == "cuda":  # symmetric memory is allocated beside torch's allocator: added
+            symmetric = symmetric_memory_bytes()
+            metrics["peak_memory_gib"] = (torch.cuda.max_memory_allocated(self.device) + symmetric) / 2**30
+            metrics["symmetric_memory_gib"] = symmetric / 2**30
         if pending.moe_layers:
             metrics["tokens_per_expert"] = {str(layer): [int(c) for c in loads[i * experts:(i + 1) * experts]]
                                             for i, layer in enumerate(pending.moe_layers)}
+            metrics["ep_imbalance"] = {layer: imbalance(counts, self.mesh.ep.size)
+                                       for layer, counts in metrics["tokens_per_expert"].items()}
+            metrics["expert_imbalance"] = {layer: imbalance(counts, len(counts))
+                                           for layer, counts in metrics["tokens_per_expert"].items()}
         return metrics
+
+    def resolved_settings(self) -> dict:
+        """What the run actually uses once ``auto`` settings are resolved (after a step has run: the MoE pipeline
+        picks its transport and carve-out at its first call)."""
+        o, t = self.cfg.overlap, self.cfg.train
+        moe = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
+        exchange = next((m.transports for m in moe if m.transports is not None), None)
+        path = ("none" if not moe else "local" if moe[0].local else "pipeline" if moe[0].pipelined else "serial")
+        return {
+            "moe_path": path, "moe_pipeline": o.moe_pipeline,
+            "moe_planning": exchange.planning if exchange is not None else ("host" if path == "serial" else None),
+            "moe_transport": (exchange.name if exchange is not None
+                              else dist.get_backend(self.mesh.ep.group) if path == "serial" else None),
+            "moe_pipeline_chunks": o.moe_pipeline_chunks if path == "pipeline" else 1,
+            "moe_cuda_graph": t.moe_cuda_graph, "moe_compute_only": o.moe_compute_only,
+            "overlap_moe_expert_parallel_comm": o.overlap_moe_expert_parallel_comm,
+            "delay_wgrad_compute": o.delay_wgrad_compute, "ep_comm_ctas": o.ep_comm_ctas,
+            "moe_gemm_sm_carveout": sorted({m.last_overlap_sms for m in moe if m.last_overlap_sms is not None}),
+            "paired_gemm_sm_carveout": (paired_gemm_sms(self.cfg, self.mesh)
+                                        if o.overlap_moe_expert_parallel_comm else None),
+            "dp_gemm_sm_carveout": dp_gemm_sms(self.cfg) if any(self._dp_overlaps.__dict__.values()) else None,
+            "use_distributed_optimizer": t.use_distributed_optimizer, "overlap_grad_sync": o.overlap_grad_sync,
+            "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_pairs": t.expert_wgrad_pairs,
+        }
 
     def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
         all_reduce_(values, self.mesh.dp.group)
@@ -459,6 +494,15 @@ class Trainer:
                 raise
             path = step_dir(self.cfg.checkpoint_dir, self.step) if self.saved_step == self.step else self.save()
             raise FloatingPointError(f"{err}; the state after step {self.step} is in {path}") from err
+
+
+def imbalance(counts_E: list[int], groups: int) -> float:
+    """How uneven a step's routing was: the copies on the most loaded of ``groups`` equal runs of experts over
+    the mean (EP ranks: each holds one run; ``groups`` = experts: per expert). 1.0 is perfect balance; an
+    exchange waits for the most loaded rank."""
+    per_group = [sum(counts_E[g * len(counts_E) // groups:(g + 1) * len(counts_E) // groups]) for g in range(groups)]
+    mean = sum(per_group) / groups
+    return max(per_group) / mean if mean else 1.0
 
 
 @dataclass(frozen=True)
