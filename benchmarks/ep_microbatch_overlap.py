@@ -1,8 +1,8 @@
 """One micro-batch's exchange under another's compute (``overlap.overlap_moe_expert_parallel_comm``): training
-steps of one model with the switch off (plain accumulation, the config's dispatch), on, and compute-only (every
-all-to-all of the exchange replaced by a local copy of as many bytes: the limit; host-planned collective
-transports only, and at EP=1 the same as off: nothing is exchanged), round-robin in blocks of steps on ONE
-trainer, so that every variant sees the same weights, memory and clocks. Any world size; EP = the config's.
+steps of one model with the switch off (plain accumulation, the config's dispatch), on, and compute-only (on, with
+``overlap.moe_compute_only``: each rank's rows stay in its own memory while sizes and signals still travel, the
+limit; at EP=1 the same as off: nothing is exchanged), round-robin in blocks of steps on ONE trainer, so that every
+variant sees the same weights, memory and clocks. Any world size; EP = the config's.
 
     python benchmarks/ep_microbatch_overlap.py configs/bench_fine_8l.yaml --json out.json --timeline out.png
     torchrun --nproc-per-node 2 benchmarks/ep_microbatch_overlap.py configs/bench_fine_8l.yaml \
@@ -43,24 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-def _local_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    """compute_only: as many bytes as the exchange moves into this rank, copied from its own send buffer."""
-    n = min(output.numel(), input.numel())
-    output.view(-1)[:n].copy_(input.reshape(-1)[:n])
-    output.view(-1)[n:].zero_()  # rows past the copy: finite
-    return _Done() if async_op else None
-
-
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     set_run_env(args.allow_multicast, args.fabric)
     import contextlib
-    from unittest import mock
 
     import torch
     import torch.distributed as dist
@@ -75,24 +61,20 @@ def main(argv=None) -> list[dict]:
         "checkpoint.save_interval=0", "train.resume=false", f"train.output_dir={out_dir}"])
     mesh, device = init_distributed(cfg)
     trainer = Trainer(cfg, mesh, device)
-    exchanging = mesh.ep.size * mesh.etp.size > 1
-    collective = exchanging and trainer.model.layers and any(
-        layer.is_moe and layer.mlp.transports is not None and layer.mlp.transports.name in ("nccl", "gloo")
-        and layer.mlp.planning == "host" for layer in trainer.model.layers.values())
-    variants = [v for v in VARIANTS if v != "compute_only" or collective]
-    notes = {} if collective else {"compute_only": "not run: " + (
-        "one EP rank exchanges nothing, so off is the limit" if not exchanging
-        else "only host-planned nccl/gloo exchanges can be replaced by a local copy")}
+    selectors = {layer.mlp.transports for layer in trainer.model.layers.values()
+                 if layer.is_moe and layer.mlp.transports is not None}  # the model's MoE layers share one
+    exchanging = mesh.ep.size * mesh.etp.size > 1 and bool(selectors)
+    variants = [v for v in VARIANTS if v != "compute_only" or exchanging]
+    notes = {} if exchanging else {"compute_only": "not run: one EP rank exchanges nothing, so off is the limit"}
 
     def run_steps(variant: str, count: int, profiler=None) -> list[dict]:
         cfg.overlap.overlap_moe_expert_parallel_comm = variant != "off"
-        local = mock.patch.object(dist, "all_to_all_single", _local_all_to_all) if variant == "compute_only" \
-            else contextlib.nullcontext()
+        for selector in selectors:
+            selector.compute_only = variant == "compute_only"
         metrics = []
-        with local:
-            for _ in range(count):
-                with profiler.step(trainer.step + 1) if profiler else contextlib.nullcontext():
-                    metrics.append(trainer.train_step())
+        for _ in range(count):
+            with profiler.step(trainer.step + 1) if profiler else contextlib.nullcontext():
+                metrics.append(trainer.train_step())
         return metrics
 
     timed: dict[str, list[dict]] = {v: [] for v in variants}

@@ -1,0 +1,79 @@
+"""``overlap.moe_compute_only``, the benchmarks' reference without the exchange's transfers: every rank's expert
+GEMMs run on exactly the rows it would receive, the sizes and signals still travel (each layer waits for its
+slowest peer), rows stay on their rank, and everything stays finite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig, load_config
+from moe_overlap.distributed.a2a import TransportSelector
+from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.distributed.streams import measuring_exposed_comm
+from moe_overlap.layers import dispatch_pipeline
+from moe_overlap.layers.moe import MoELayer
+from tests.test_moe_layer import E, F, FixedRouter, H, full_expert_weights, rank_inputs
+
+
+def compute_only_case(planning: str, chunks: int) -> dict:
+    """The same layer and inputs with the exchange real and compute-only: the grouped GEMMs' row counts per
+    chunk, the outputs and gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60)
+    counts, outputs, exposed = {}, {}, {}
+    real_forward = dispatch_pipeline.experts_forward
+    try:
+        for compute_only in (False, True):
+            rows = counts[compute_only] = []
+
+            def recording_forward(x_RH, offsets, *weights):
+                rows.append(int(offsets[-1]) if offsets.numel() else 0)  # the rows this chunk's GEMMs run on
+                return real_forward(x_RH, offsets, *weights)
+
+            dispatch_pipeline.experts_forward = recording_forward
+            selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), chunks,
+                                         60, compute_only=compute_only)
+            cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2)
+            layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, moe_planning=planning),
+                             mesh.ep, selector)
+            w13, w2 = full_expert_weights()
+            mine = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
+            with torch.no_grad():
+                layer.experts.w13.copy_(w13[mine])
+                layer.experts.w2.copy_(w2[mine])
+            x, upstream, probs, experts = rank_inputs(rank, "sparse", 2)
+            x.requires_grad_(True)
+            layer.router = FixedRouter(probs, experts, None)
+            with measuring_exposed_comm(torch.device("cpu")) as tally:
+                out, _, _ = layer(x.unsqueeze(0))
+                out.squeeze(0).backward(upstream)
+            exposed[compute_only] = tally.totals_ms()["ep"]
+            outputs[compute_only] = (out.detach(), x.grad, layer.experts.w13.grad)
+    finally:
+        dispatch_pipeline.experts_forward = real_forward
+        mesh.destroy()
+    return {"counts": counts, "finite": all(torch.isfinite(t).all() for t in outputs[True]),
+            "same_output": torch.equal(outputs[True][0], outputs[False][0]), "exposed": exposed}
+
+
+@pytest.mark.parametrize("planning,chunks", [("host", 1), ("host", 2), ("device", 2)])
+def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_pool, planning, chunks):
+    for result in rank_pool(2).run(compute_only_case, planning, chunks):
+        assert result["counts"][True] == result["counts"][False] and sum(result["counts"][True]) > 0
+        assert result["finite"]
+        assert not result["same_output"]  # rows from peers never arrived
+        assert result["exposed"][True] > 0  # the sizes and the per-chunk messages still wait for the peer
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["overlap.moe_compute_only=true"], "needs overlap.moe_pipeline=true"),
+    (["overlap.moe_pipeline=true", "overlap.moe_compute_only=true", "parallel.expert_model_parallel_size=1"],
+     "one EP rank exchanges nothing"),
+    (["overlap.moe_pipeline=true", "overlap.moe_compute_only=true", "parallel.tensor_model_parallel_size=2",
+      "parallel.sequence_parallel=true", "parallel.expert_model_parallel_size=2"], "not implemented yet"),
+])
+def test_compute_only_is_refused_where_it_would_mean_nothing(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config("configs/tiny.yaml", overrides)
