@@ -1,0 +1,112 @@
+"""Exposed communication that is true (`pytest -m gpu`, 2 GPUs): rank 1's GPU is held back by a known time before
+every MoE layer's forward; rank 0 waits for it at that layer's exchange and must report at least that much
+exposed EP time, for the serial path, every pipeline transport (nccl, copy_engine, sm_push) and MoE layers
+replayed from CUDA graphs (whose waits only the device clock can see). Launched once under torchrun; the per-rank
+work is `exposed_cases` below, each case reported on its own."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import pytest
+import torch
+
+from tests.gpu_launch import REPO, launch_ranks, write_report
+
+DELAY_MS = 20.0
+CASES = {
+    "serial_nccl": {},
+    "pipeline_nccl": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host", "overlap.moe_transport": "nccl"},
+    "pipeline_copy_engine": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host",
+                             "overlap.moe_transport": "copy_engine"},
+    "pipeline_sm_push": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
+                         "overlap.moe_transport": "sm_push", "overlap.moe_pipeline_chunks": 2},
+    "pipeline_sm_push_graphed": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
+                                 "overlap.moe_transport": "sm_push", "train.moe_cuda_graph": "true"},
+}
+
+
+def sleep_cycles_per_ms() -> float:
+    """torch.cuda._sleep spins for a number of GPU clock cycles: how many make a millisecond here."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):  # the first launch pays for loading the kernel
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def exposed_cases(output_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_layout
+    from tests.test_master import small_config
+
+    def config(extra: dict):
+        return small_config(output_dir, 2, 8, **{"train.precision": "bf16", "train.device": "cuda", **extra})
+
+    _, device = init_distributed(config({}))
+    rank, cycles_per_ms = dist.get_rank(), sleep_cycles_per_ms()
+    report = {"rank": rank, "cases": {}}
+    for name, extra in CASES.items():
+        cfg = config(extra)
+        mesh = Mesh.create(mesh_layout(cfg, 2), timeout_s=120)
+        try:
+            trainer = Trainer(cfg, mesh, device)
+            for _ in range(2):  # warm-up: symmetric regions, graphs, NCCL communicators
+                trainer.train_step()
+            calm = [trainer.train_step()["exposed_comm_ms"]["ep"] for _ in range(2)]
+            delays = []
+
+            def hold_back(*_):
+                torch.cuda._sleep(int(DELAY_MS * cycles_per_ms))
+                delays.append(DELAY_MS)
+
+            if rank == 1:
+                for layer in trainer.model.layers.values():
+                    if layer.is_moe:
+                        layer.mlp.register_forward_pre_hook(hold_back)
+            held = [trainer.train_step()["exposed_comm_ms"]["ep"] for _ in range(2)]
+            delayed = torch.tensor([sum(delays) / 2], dtype=torch.float64, device=device)
+            dist.broadcast(delayed, src=1)  # rank 1's GPU was held back this long per step
+            report["cases"][name] = {"calm_ep_ms": calm, "held_ep_ms": held, "delay_per_step_ms": float(delayed),
+                                     "resolved": trainer.resolved_settings()}
+            del trainer
+        except Exception:  # noqa: BLE001 - one case's failure is its own, reported with its traceback
+            report["cases"][name] = {"error": traceback.format_exc()[-3000:]}
+        finally:
+            mesh.destroy()
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; {torch.cuda.device_count()} visible")
+    return launch_ranks(__file__, tmp_path_factory.mktemp("gpu_exposed"), timeout_s=300, world=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_held_back_peer_shows_as_exposed_ep_time(reports, case):
+    by_rank = {report["rank"]: report["cases"][case] for report in reports}
+    for result in by_rank.values():
+        assert "error" not in result, result["error"]
+    waiting, held = by_rank[0], by_rank[1]
+    delay = waiting["delay_per_step_ms"]
+    assert delay >= 2 * DELAY_MS  # two MoE layers x micro-batches per step were held back
+    # Rank 0 waits out every hold-back at the held layer's exchange; the held rank itself barely waits.
+    for ms in waiting["held_ep_ms"]:
+        assert ms >= 0.9 * delay, (ms, delay, waiting)
+    assert max(held["held_ep_ms"]) < 0.5 * delay, held
+    if case.endswith("graphed"):
+        assert waiting["resolved"]["moe_cuda_graph"] is True
+
+
+if __name__ == "__main__":  # one rank under torchrun
+    sys.path.insert(0, str(REPO))
+    write_report(sys.argv[1], exposed_cases(sys.argv[1]))
