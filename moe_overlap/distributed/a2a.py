@@ -27,7 +27,7 @@ lands each rank's rows in its own memory instead of the peers': the step without
 still waiting for its slowest peer. The loss means nothing then.
 Transfers run on the transport's side stream (NCCL's own, the copy stream, or the push stream); a push takes as
 many CTAs as the GEMMs beside it leave SMs free (``sms``), and with none free it runs on the compute stream
-between them at full width, where it cannot stall a GEMM's launch (DESIGN.md, "What overlaps"). A chunk's rows
+between them at full width, where it cannot stall a GEMM's launch (README, "What overlaps on Hopper"). A chunk's rows
 are taken out of the receive buffer on the compute stream, at full width, just before its GEMMs: a local copy of
 a few tens of microseconds, which beside the GEMMs would need as many SMs as the transfer itself.
 """

@@ -9,7 +9,7 @@
 
 ``src_start``, ``count`` and ``route_start`` are one-element device tensors, so no host ever needs them. The
 kernel is persistent: ``ctas`` programs loop over the rows, so a push takes no more SMs than it is given (the
-grouped GEMM it runs beside leaves that many free: DESIGN.md, "What overlaps"; default: full width). Each program moves ``ROWS``
+grouped GEMM it runs beside leaves that many free: README, "What overlaps on Hopper"; default: full width). Each program moves ``ROWS``
 whole rows per step with 16-byte vector loads and stores (dims are multiples of 8, so bf16 rows start on 16
 bytes; the address hints below tell the compiler), the most bytes in flight per SM a plain store allows.
 ``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric memory is mapped into

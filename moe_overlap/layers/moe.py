@@ -28,7 +28,7 @@ from moe_overlap.layers.router import Router
 
 log = logging.getLogger(__name__)
 
-# What ``overlap.gemm_sm_carveout: auto`` sizes an SM push by (DESIGN.md, "What overlaps"; `benchmarks/moe_layer.py
+# What ``overlap.gemm_sm_carveout: auto`` sizes an SM push by (README, "What overlaps on Hopper"; `benchmarks/moe_layer.py
 # --carveout-probe` measures both on the GPU in hand): a push CTA's bytes per ms (235 MB in 3.24 ms by 8 CTAs over
 # NVLink, 2xH200; 8.4-10 GB/s per CTA at 8 CTAs into its own memory on one H200, moe_layer_1xh200_ep1.json), and the
 # grouped GEMMs' forward rate (690-720 TFLOP/s on the mixtral and fine shapes there, 550 on hidden 2048 / ffn 1024).
