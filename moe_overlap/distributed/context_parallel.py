@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.distributed.collectives import start_all_gather
+from moe_overlap.distributed.collectives import all_gather_into
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.ring import P2PTransport, Pending, RingTransport
 
@@ -94,7 +94,7 @@ class GatherSequence(torch.autograd.Function):
         if comm.size == 1:
             return x_T_
         gathered = x_T_.new_empty((comm.size, *x_T_.shape))
-        start_all_gather(gathered.view(-1, *x_T_.shape[1:]), x_T_.contiguous(), comm.group.group).wait()
+        all_gather_into(gathered.view(-1, *x_T_.shape[1:]), x_T_.contiguous(), comm.group.group)
         local = x_T_.shape[0] // batch
         order = torch.cat([positions(local * comm.size, rank, comm.size) for rank in range(comm.size)])
         in_rank_order = gathered.view(comm.size, batch, local, *x_T_.shape[1:]).transpose(0, 1).flatten(1, 2)

@@ -221,8 +221,9 @@ class SymmRingTransport(RingTransport):
                 regions.signal(peer, region, 0)
 
         def complete() -> torch.Tensor:
-            for peer in regions.peers:
-                regions.wait(peer, region, 0)
+            with exposed_wait(self.kind):  # the compute stream waits for every peer's signal
+                for peer in regions.peers:
+                    regions.wait(peer, region, 0)
             out = result()
             regions.release(region)
             return out
