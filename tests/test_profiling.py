@@ -90,3 +90,40 @@ def test_exposed_communication_is_counted_per_kind(rank_pool, tmp_path):
         assert exposed["ep"] > 0 and exposed["dp"] > 0 and exposed["tp"] == exposed["pp"] == exposed["cp"] == 0
     for exposed in tp_ep:
         assert exposed["ep"] > 0 and exposed["tp"] > 0 and exposed["dp"] == exposed["pp"] == 0
+
+
+def test_pipeline_and_context_parallel_waits_are_counted(rank_pool, tmp_path):
+    """PP=2: the stage's receives and sends; CP=2: the ring attention's key-value exchange and the sequence
+    gather of the router's input."""
+    pp = rank_pool(2).run(exposed_case, str(tmp_path / "pp"), [
+        "parallel.expert_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2"])
+    cp = rank_pool(2).run(exposed_case, str(tmp_path / "cp"), [
+        "parallel.expert_model_parallel_size=1", "parallel.context_parallel_size=2"])
+    for exposed in pp:
+        assert exposed["pp"] > 0 and exposed["ep"] == exposed["cp"] == 0
+    for exposed in cp:
+        assert exposed["cp"] > 0 and exposed["pp"] == 0
+
+
+def test_a_wait_inside_another_counts_once_and_groups_carry_their_kind():
+    import time
+
+    from moe_overlap.distributed.streams import exposed_kind, exposed_wait, measuring_exposed_comm, set_exposed_kind
+
+    with measuring_exposed_comm(torch.device("cpu")) as tally:
+        with exposed_wait("ep"):
+            time.sleep(0.02)
+            with exposed_wait("dp"):  # e.g. a blocking collective inside an exchange's wait
+                time.sleep(0.02)
+        with exposed_wait(None):  # a group no mesh named: not timed
+            time.sleep(0.01)
+    totals = tally.totals_ms()
+    assert totals["ep"] >= 40 and totals["dp"] == 0 and sum(totals.values()) == totals["ep"]
+    group = object()
+    assert exposed_kind(group) is None
+    set_exposed_kind(group, "dp")
+    assert exposed_kind(group) == "dp"
+    set_exposed_kind(group, None)  # destroyed with its mesh
+    assert exposed_kind(group) is None
+    with pytest.raises(ValueError, match="allowed ep, tp, dp, pp, cp"):
+        set_exposed_kind(group, "moe")

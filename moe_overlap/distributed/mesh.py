@@ -68,11 +68,11 @@ _MEGATRON_NAMES = {
     "etp": "expert_tensor_parallel_size",
 }
 
-# The exposed-communication kind (distributed/streams.py) a blocking collective over each group counts as: the
-# gradient-norm groups go with the parallelism that shards what they reduce (dense: TP; experts: EP), the tied
-# embedding's gradient sum between the first and last pipeline stages with PP.
-_EXPOSED_KIND = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "dp_cp": "dp", "mp": "tp", "etp": "ep", "ep": "ep",
-                 "edp": "dp", "expert_mp": "ep", "etp_ep": "ep", "embedding": "pp"}
+# The exposed-communication kind (distributed/streams.py) of each axis: expert-TP's gathers are part of the MoE
+# exchange. A group counts as the kind of the first of its varying axes (in _GROUP_AXES order) with more than one
+# rank (the gradient-norm group mp of TP=1 x PP=2 is pipeline traffic); the tied embedding's gradient sum, between
+# the first and last pipeline stages, as PP.
+_AXIS_EXPOSED_KIND = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "etp": "ep", "ep": "ep", "edp": "dp"}
 
 # Groups whose traffic is too heavy for an inter-host link, with the names messages use.
 _HOST_LOCAL_KINDS = {"tp": "TP", "ep": "EP", "etp": "expert-TP"}
@@ -142,6 +142,14 @@ class MeshLayout:
     def _axis_sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp,
                 "etp": self.etp, "ep": self.ep, "edp": self.edp}
+
+    def exposed_kind(self, kind: str) -> str:
+        """What a blocking collective over a group of ``kind`` counts as (see _AXIS_EXPOSED_KIND)."""
+        if kind == "embedding":
+            return "pp"
+        sizes = self._axis_sizes()
+        varying = self._kind_axes(kind)[1]
+        return _AXIS_EXPOSED_KIND[next((axis for axis in varying if sizes[axis] > 1), varying[0])]
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank``: keys tp, cp, dp, pp (dense) and etp, ep, edp (expert)."""
@@ -323,7 +331,7 @@ class Mesh:
                     if rank in ranks:
                         my_group = group
                         owned_groups.append(group)
-                        set_exposed_kind(group, _EXPOSED_KIND[kind])
+                        set_exposed_kind(group, layout.exposed_kind(kind))
             handles[kind] = GroupHandle(
                 ranks=mine, group=my_group, rank=mine.index(rank) if mine else -1, size=len(mine)
             )
