@@ -9,8 +9,8 @@ variant sees the same weights, memory and clocks. Any world size; EP = the confi
         parallel.expert_model_parallel_size=2 overlap.moe_pipeline=true overlap.ep_comm_ctas=4 --fabric slow
 
 Per variant: median step time, tokens/s and MFU, peak memory, exposed communication per kind and (on) per stage
-("ep F.experts": the forward's expert stage waiting for its dispatch, ...), and a profiled step's stream summary
-and timeline.
+("ep F.experts": the forward's expert stage waiting for its dispatch, ...), the routing imbalance per MoE layer
+(copies on the most loaded EP rank over the mean), and a profiled step's stream summary and timeline.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ def main(argv=None) -> list[dict]:
                "exposed_comm_ms": {kind: statistics.median(m["exposed_comm_ms"][kind] for m in steps)
                                    for kind in steps[0]["exposed_comm_ms"]},
                "exposed_comm_by_stage_ms": {key: statistics.median(v) for key, v in sorted(by_stage.items())},
+               "ep_imbalance": {layer: statistics.median(m["ep_imbalance"][layer] for m in steps)
+                                for layer in steps[0].get("ep_imbalance", {})},
                "loss_last": steps[-1]["loss"]}
         breakdown = profile / f"breakdown_rank{mesh.rank}.json"
         if breakdown.is_file():
