@@ -6,6 +6,7 @@ work is `exposed_cases` below, each case reported on its own."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 
@@ -75,6 +76,8 @@ def exposed_cases(output_dir: str) -> dict:
             report["cases"][name] = {"calm_ep_ms": calm, "held_ep_ms": held, "delay_per_step_ms": float(delayed),
                                      "resolved": trainer.resolved_settings()}
             del trainer
+            gc.collect()  # its symmetric workspaces freed now, not by a collection inside the next case's capture
+            torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - one case's failure is its own, reported with its traceback
             report["cases"][name] = {"error": traceback.format_exc()[-3000:]}
         finally:
