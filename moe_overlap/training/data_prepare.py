@@ -23,10 +23,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from moe_overlap.config import ConfigError
+from moe_overlap.config import ConfigError, synthetic_source
 
 INDEX_FORMAT = "moe_overlap token file v1"
 _BATCH_DOCUMENTS = 256  # documents encoded per tokenizer call
+EOS_TOKEN = "<|endoftext|>"  # the end-of-document token of a tokenizer trained here
+_NEEDS_HF = "data prepare needs Hugging Face tokenizers: pip install transformers tokenizers"
 
 
 def index_path(bin_path: str | os.PathLike) -> Path:
@@ -168,8 +170,8 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text", wo
 def check_token_index(path: str | None, dtype: str, vocab_size: int) -> None:
     """With PREFIX.json beside a token file: the file is whole, data.dtype is its dtype and the model's
     vocabulary holds the tokenizer's."""
-    if path is None or not index_path(Path(path).expanduser()).is_file():
-        return
+    if path is None or synthetic_source(path) is not None or not index_path(Path(path).expanduser()).is_file():
+        return  # the bundled corpus, a synthetic source, or a token file without an index
     index_file = index_path(Path(path).expanduser())
     index = json.loads(index_file.read_text())
     if index.get("format") != INDEX_FORMAT:

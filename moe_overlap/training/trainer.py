@@ -25,8 +25,7 @@ from moe_overlap.models.mixtral import build_model
 from moe_overlap.models.pipeline_stages import PipelineStages
 from moe_overlap.training.checkpoint import (DAMAGED_SUFFIX, check_checkpoint_matches, complete_steps,
                                              load_checkpoint, newest_good_checkpoint, save_checkpoint, step_dir)
-from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
-from moe_overlap.training.data_prepare import check_token_index
+from moe_overlap.training.data import BatchSampler, eval_batches, load_data
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.microbatch_overlap import run_paired
@@ -116,9 +115,9 @@ def check_resume_setting(cfg: Config) -> None:
 
 
 def check_inputs(cfg: Config) -> None:
-    """What can fail before any rank starts: the token file and train.resume against checkpoint.dir."""
-    load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction, seq_length=cfg.model.seq_length,
-                      vocab_size=cfg.model.vocab_size)
+    """What can fail before any rank starts: the data (the token file, its index, room for train.eval_iters) and
+    train.resume against checkpoint.dir."""
+    load_data(cfg)
     check_resume_setting(cfg)
 
 
@@ -149,15 +148,13 @@ class Trainer:
             # the pipeline's GEMMs capture their own carve-out; two micro-batches in flight need two sets
             self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
-        check_token_index(cfg.data.path, cfg.data.dtype, cfg.model.vocab_size)
-        train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
-                                                     seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size)
+        train_tokens, val_tokens = load_data(cfg)
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
                                     dp.rank, dp.size, t.seed, mesh.cp.rank, mesh.cp.size)
         self.val_batches = [] if not t.eval_interval else eval_batches(
-            val_tokens, cfg.model.seq_length, t.micro_batch_size,
-            t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size, mesh.cp.rank, mesh.cp.size)
+            val_tokens, cfg.model.seq_length, t.micro_batch_size, t.eval_iters, t.global_batch_size, dp.rank, dp.size,
+            mesh.cp.rank, mesh.cp.size)
         self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
         self.step = 0
         self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
