@@ -65,6 +65,9 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    # Benchmarks only (torchtitan's debug switch): copy j of token t goes to expert (t * topk + j) mod experts, the
+    # weights are the router's scores there; the model does not learn routing.
+    moe_router_force_load_balancing: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless

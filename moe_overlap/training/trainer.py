@@ -134,7 +134,12 @@ class Trainer:
                                  timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
                                  **stages.model_kwargs(mesh.pp.rank))
         if t.init_from:  # before the optimizer, which takes its master weights from the parameters
-            load_model_weights(self.model, t.init_from)
+            loaded = load_model_weights(self.model, t.init_from)
+            if mesh.rank == 0:
+                log.info("model weights from %s (train.init_from=%s)", loaded, t.init_from)
+        if cfg.model.moe_router_force_load_balancing and mesh.rank == 0:
+            log.warning("model.moe_router_force_load_balancing=true: every token's experts are assigned round-robin; "
+                        "the model does not learn routing (a benchmark setting)")
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
