@@ -65,7 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prepare training data").add_subparsers(dest="action", required=True)
     prepare = data.add_parser("prepare", help="tokenize text / JSONL into OUT.bin + OUT.json (data.path)")
     prepare.add_argument("inputs", nargs="+", metavar="INPUT")
-    prepare.add_argument("--tokenizer", required=True, help="a tokenizer directory or a name in the local HF cache")
+    vocabulary = prepare.add_mutually_exclusive_group(required=True)
+    vocabulary.add_argument("--tokenizer", help="a tokenizer directory or a name in the local HF cache")
+    vocabulary.add_argument("--train-bpe", type=int, default=None, metavar="VOCAB",
+                            help="train a byte-level BPE of VOCAB tokens on the inputs (deterministic for the same "
+                                 "inputs in the same order), saved as PREFIX.tokenizer/, and tokenize with it")
     prepare.add_argument("--out", required=True, metavar="PREFIX")
     prepare.add_argument("--field", default="text", help="the text field of .jsonl records")
     prepare.add_argument("--workers", type=int, default=None, help="parallel files (default: CPU count)")
@@ -80,7 +84,7 @@ def _tool(args: argparse.Namespace) -> int:
         if args.command == "data":
             from moe_overlap.training.data_prepare import prepare
 
-            index = prepare(args.inputs, args.tokenizer, args.out, args.field, args.workers)
+            index = prepare(args.inputs, args.tokenizer, args.out, args.field, args.workers, args.train_bpe)
             print(f"{args.out}.bin: {index['documents']} documents, {index['tokens']} tokens ({index['dtype']}, "
                   f"vocabulary {index['vocab_size']}): set data.path={args.out}.bin data.dtype={index['dtype']}")
             return 0
