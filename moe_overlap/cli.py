@@ -10,16 +10,20 @@ train.exit_duration_min) ends with a checkpoint and exit 0.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
+import itertools
 import logging
 import os
 import re
+import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
 
-from moe_overlap.config import Config, ConfigError, load_config
+from moe_overlap.config import Config, ConfigError, config_yaml, load_config
 
 EXIT_BAD_INPUT = 2
 EXIT_SAVE_FAILED = 4  # 3: a peer rank failed (moe_overlap.distributed.monitor)
@@ -47,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--png", default=None, metavar="PATH", help="with --schedule: draw the timeline (matplotlib)")
     for command in (train, info):
         command.add_argument("--debug", action="store_true", help="show the traceback behind an error message")
-    sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ...")
+    sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ... "
+                                 "(bench --help lists them)")
     hf = sub.add_parser("hf", help="import / export Hugging Face checkpoints").add_subparsers(dest="action",
                                                                                                required=True)
     hf_import = hf.add_parser("import", help="HF_DIR (safetensors) -> a checkpoint train.init_from reads")
@@ -108,22 +113,55 @@ BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py
               "pp": "pp_schedule.py"}
 
 
+_HELP = ("-h", "--help")
+
+
+def _bench_script(name: str) -> Path:
+    return Path(__file__).resolve().parents[1] / "benchmarks" / BENCHMARKS[name]
+
+
+def _bench_usage() -> str:
+    """What `moe-overlap bench --help` prints: the usage and each benchmark's first docstring line."""
+    lines = ["usage: moe-overlap bench NAME [--nproc N] [the benchmark's options]",
+             "", "Runs benchmarks/SCRIPT under torchrun with N local ranks (default 2); "
+             "`moe-overlap bench NAME --help` lists its options.", ""]
+    for name, script_name in BENCHMARKS.items():
+        script = _bench_script(name)
+        summary = "(missing: the benchmarks ship with the source checkout)"
+        if script.is_file():  # the docstring's opening lines, up to its first blank or indented one
+            doc = (ast.get_docstring(ast.parse(script.read_text())) or "").splitlines()
+            opening = " ".join(itertools.takewhile(lambda line: line and not line[0].isspace(), doc))
+            summary = textwrap.shorten(opening, 96, placeholder=" ...")
+        lines.append(f"  {name:<6}{script_name}: {summary}")
+    return "\n".join(lines)
+
+
 def _bench(argv: list[str]) -> int:
-    """`moe-overlap bench NAME [--nproc N] [benchmark options]`: the benchmark script under torchrun."""
+    """`moe-overlap bench NAME [--nproc N] [benchmark options]`: the benchmark script under torchrun;
+    `bench --help` lists the benchmarks, `bench NAME --help` shows the script's own options (one process)."""
+    if argv[:1] and argv[0] in _HELP:
+        print(_bench_usage())
+        return 0
     if not argv or argv[0] not in BENCHMARKS:
-        print(f"moe-overlap: bench: name one of {', '.join(BENCHMARKS)} (got {argv[0] if argv else 'nothing'})",
-              file=sys.stderr)
+        print(f"moe-overlap: bench: name one of {', '.join(BENCHMARKS)} (got {argv[0] if argv else 'nothing'}; "
+              "bench --help lists them)", file=sys.stderr)
         return 2
     name, rest, nproc = argv[0], list(argv[1:]), 2
-    if "--nproc" in rest:
-        at = rest.index("--nproc")
-        nproc = int(rest[at + 1])
-        del rest[at:at + 2]
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / BENCHMARKS[name]
+    script = _bench_script(name)
     if not script.is_file():
         print(f"moe-overlap: bench: {script} is missing: the benchmarks ship with the source checkout "
               "(git clone, then pip install -e .)", file=sys.stderr)
         return 2
+    if any(item in _HELP for item in rest):
+        return subprocess.call([sys.executable, str(script), "--help"])
+    if "--nproc" in rest:
+        at = rest.index("--nproc")
+        value = rest[at + 1] if at + 1 < len(rest) else ""
+        if not value.isdigit() or int(value) < 1:
+            print(f"moe-overlap: bench: --nproc {value or '(nothing)'}: give a number of ranks >= 1", file=sys.stderr)
+            return 2
+        nproc = int(value)
+        del rest[at:at + 2]
     from torch.distributed.run import main as torchrun
 
     torchrun(["--standalone", f"--nproc-per-node={nproc}", str(script), *rest])
@@ -286,6 +324,7 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
           png: str | None = None) -> int:
     from moe_overlap.config import validate_for_world
     from moe_overlap.models.mixtral import count_parameters
+    from moe_overlap.training.data import describe_source
     from moe_overlap.training.trainer import mesh_layout
 
     p = cfg.parallel
@@ -298,6 +337,9 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     given = None if costs is None else _parse_costs(costs)
     if png is not None and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--png", png, "needs matplotlib: pip install -e '.[plot]'")
+    print("# the validated config (every field; `moe-overlap train` reads this YAML back as is)")
+    print(config_yaml(cfg), end="")
+    print(f"data: {describe_source(cfg)}")
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")

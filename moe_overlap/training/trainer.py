@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moe_overlap.config import Config, ConfigError, config_yaml, validate_for_world
+from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
@@ -391,11 +392,11 @@ class Trainer:
             (out_dir / "config.yaml").write_text(config_yaml(self.cfg))  # what export reads the model from
         history: list[dict] = []
         profiler = StepProfiler.from_config(t, self.mesh.rank, out_dir)
-        bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)
+        progress = Progress(t, self.step, self.is_logger, show_mfu=self.device.type == "cuda")
         # The stop agreement is a CPU collective, so the host can ask it while the GPU runs the queued step.
         stop_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=t.distributed_timeout_s))
                       if dist.is_initialized() and self.device.type == "cuda" else None)
-        with (bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file,
+        with (progress, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file,
               StopRequests(t.exit_duration_min, self.device, self.mesh.rank) as stop_requests):
             pending, first = None, True
             while self.step < t.max_steps or pending is not None:
@@ -410,7 +411,7 @@ class Trainer:
                         launched = self.launch_step()
                     first = False
                 if pending is not None:
-                    history.append(self._after_step(self._finish_or_save(pending), metrics_file, bar, phase))
+                    history.append(self._after_step(self._finish_or_save(pending), metrics_file, progress, phase))
                 if self.stopped_by:
                     phase(f"checkpoint save of step {self.step}")
                     self.save(stopped_by=self.stopped_by)  # also when just saved: the pointer records why
@@ -431,7 +432,7 @@ class Trainer:
                     or (ckpt.save_interval and step % ckpt.save_interval == 0 and step < t.max_steps)
                     or t.on_nonfinite_grad == "stop")
 
-    def _after_step(self, metrics: dict, metrics_file, bar, phase) -> dict:
+    def _after_step(self, metrics: dict, metrics_file, progress: Progress, phase) -> dict:
         """The evaluation and checkpoint due after a finished step; its metrics logged."""
         t, ckpt = self.cfg.train, self.cfg.checkpoint
         step = metrics["step"]
@@ -444,9 +445,7 @@ class Trainer:
         if self.is_logger and (step % t.log_interval == 0 or step == t.max_steps):
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
-                        mfu=f"{metrics['mfu']:.2f}")
-        bar.update(1)
+        progress.update(metrics)
         return metrics
 
     def _finish_or_save(self, pending: StepInFlight) -> dict:
@@ -481,6 +480,42 @@ class StepInFlight:
     exposed: ExposedComm
     start: Event  # the step's work starts after this (the previous step's end) ...
     end: Event  # ... and is done at this
+
+
+class Progress:
+    """Rank 0's view of the run: a tqdm bar when stdout and stderr are terminals; otherwise (a log file, a pipe)
+    a plain line every train.log_interval steps and at the last, since a bar writes a carriage-return update per
+    step into a log. MFU only on GPU: train.peak_tflops is a GPU's."""
+
+    def __init__(self, train: TrainConfig, initial_step: int, enabled: bool, show_mfu: bool):
+        self.train, self.enabled, self.show_mfu = train, enabled, show_mfu
+        interactive = sys.stdout.isatty() and sys.stderr.isatty()
+        self.bar = (tqdm(total=train.max_steps, initial=initial_step, unit="step", dynamic_ncols=True)
+                    if enabled and interactive else None)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.bar is not None:
+            self.bar.close()
+        return False
+
+    def update(self, metrics: dict) -> None:
+        """After each finished step."""
+        if not self.enabled:
+            return
+        shown = {"loss": f"{metrics['loss']:.3f}", "tok_s": f"{metrics['tokens_per_s']:.0f}"}
+        if self.show_mfu:
+            shown["mfu"] = f"{metrics['mfu']:.2f}"
+        if "val_loss" in metrics:
+            shown["val_loss"] = f"{metrics['val_loss']:.3f}"
+        step, t = metrics["step"], self.train
+        if self.bar is not None:
+            self.bar.set_postfix(shown)
+            self.bar.update(1)
+        elif step % t.log_interval == 0 or step == t.max_steps:
+            print(f"step {step}/{t.max_steps}", *(f"{key}={value}" for key, value in shown.items()), flush=True)
 
 
 class _Null:
