@@ -31,8 +31,8 @@ TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dty
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), int64 [micro_batch_size, seq_length]
 
 # A synthetic source's virtual length, that of a 32 MiB uint16 file: an epoch of a bench config (4096-token
-# sequences, 32K tokens a step) is 512 steps, data.validation_fraction holds out its tail as for a file, and an
-# epoch's permutation of samples stays small (1M samples of 16 tokens).
+# sequences, 32K tokens a step, 5% held out) is 486 steps, data.validation_fraction holds out its tail as for a
+# file, and an epoch's permutation of samples stays small (1M samples of 16 tokens).
 SYNTHETIC_TOKENS = 2**24
 
 # Where a missing token file comes from, for its error line.
