@@ -10,16 +10,20 @@ train.exit_duration_min) ends with a checkpoint and exit 0.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
+import itertools
 import logging
 import os
 import re
+import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
 
-from moe_overlap.config import Config, ConfigError, load_config
+from moe_overlap.config import Config, ConfigError, config_yaml, load_config
 
 EXIT_BAD_INPUT = 2
 EXIT_SAVE_FAILED = 4  # 3: a peer rank failed (moe_overlap.distributed.monitor)
@@ -47,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--png", default=None, metavar="PATH", help="with --schedule: draw the timeline (matplotlib)")
     for command in (train, info):
         command.add_argument("--debug", action="store_true", help="show the traceback behind an error message")
-    sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ...")
+    sub.add_parser("bench", help=f"run a benchmark under torchrun: bench {{{','.join(BENCHMARKS)}}} [--nproc N] ... "
+                                 "(bench --help lists them)")
     hf = sub.add_parser("hf", help="import / export Hugging Face checkpoints").add_subparsers(dest="action",
                                                                                                required=True)
     hf_import = hf.add_parser("import", help="HF_DIR (safetensors) -> a checkpoint train.init_from reads")
@@ -65,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prepare training data").add_subparsers(dest="action", required=True)
     prepare = data.add_parser("prepare", help="tokenize text / JSONL into OUT.bin + OUT.json (data.path)")
     prepare.add_argument("inputs", nargs="+", metavar="INPUT")
-    prepare.add_argument("--tokenizer", required=True, help="a tokenizer directory or a name in the local HF cache")
+    vocabulary = prepare.add_mutually_exclusive_group(required=True)
+    vocabulary.add_argument("--tokenizer", help="a tokenizer directory or a name in the local HF cache")
+    vocabulary.add_argument("--train-bpe", type=int, default=None, metavar="VOCAB",
+                            help="train a byte-level BPE of VOCAB tokens on the inputs (deterministic for the same "
+                                 "inputs in the same order), saved as PREFIX.tokenizer/, and tokenize with it")
     prepare.add_argument("--out", required=True, metavar="PREFIX")
     prepare.add_argument("--field", default="text", help="the text field of .jsonl records")
     prepare.add_argument("--workers", type=int, default=None, help="parallel files (default: CPU count)")
@@ -80,7 +89,7 @@ def _tool(args: argparse.Namespace) -> int:
         if args.command == "data":
             from moe_overlap.training.data_prepare import prepare
 
-            index = prepare(args.inputs, args.tokenizer, args.out, args.field, args.workers)
+            index = prepare(args.inputs, args.tokenizer, args.out, args.field, args.workers, args.train_bpe)
             print(f"{args.out}.bin: {index['documents']} documents, {index['tokens']} tokens ({index['dtype']}, "
                   f"vocabulary {index['vocab_size']}): set data.path={args.out}.bin data.dtype={index['dtype']}")
             return 0
@@ -104,22 +113,55 @@ BENCHMARKS = {"moe": "moe_layer.py", "tp": "tp_overlap.py", "dp": "dp_overlap.py
               "pp": "pp_schedule.py"}
 
 
+_HELP = ("-h", "--help")
+
+
+def _bench_script(name: str) -> Path:
+    return Path(__file__).resolve().parents[1] / "benchmarks" / BENCHMARKS[name]
+
+
+def _bench_usage() -> str:
+    """What `moe-overlap bench --help` prints: the usage and each benchmark's first docstring line."""
+    lines = ["usage: moe-overlap bench NAME [--nproc N] [the benchmark's options]",
+             "", "Runs benchmarks/SCRIPT under torchrun with N local ranks (default 2); "
+             "`moe-overlap bench NAME --help` lists its options.", ""]
+    for name, script_name in BENCHMARKS.items():
+        script = _bench_script(name)
+        summary = "(missing: the benchmarks ship with the source checkout)"
+        if script.is_file():  # the docstring's opening lines, up to its first blank or indented one
+            doc = (ast.get_docstring(ast.parse(script.read_text())) or "").splitlines()
+            opening = " ".join(itertools.takewhile(lambda line: line and not line[0].isspace(), doc))
+            summary = textwrap.shorten(opening, 96, placeholder=" ...")
+        lines.append(f"  {name:<6}{script_name}: {summary}")
+    return "\n".join(lines)
+
+
 def _bench(argv: list[str]) -> int:
-    """`moe-overlap bench NAME [--nproc N] [benchmark options]`: the benchmark script under torchrun."""
+    """`moe-overlap bench NAME [--nproc N] [benchmark options]`: the benchmark script under torchrun;
+    `bench --help` lists the benchmarks, `bench NAME --help` shows the script's own options (one process)."""
+    if argv[:1] and argv[0] in _HELP:
+        print(_bench_usage())
+        return 0
     if not argv or argv[0] not in BENCHMARKS:
-        print(f"moe-overlap: bench: name one of {', '.join(BENCHMARKS)} (got {argv[0] if argv else 'nothing'})",
-              file=sys.stderr)
+        print(f"moe-overlap: bench: name one of {', '.join(BENCHMARKS)} (got {argv[0] if argv else 'nothing'}; "
+              "bench --help lists them)", file=sys.stderr)
         return 2
     name, rest, nproc = argv[0], list(argv[1:]), 2
-    if "--nproc" in rest:
-        at = rest.index("--nproc")
-        nproc = int(rest[at + 1])
-        del rest[at:at + 2]
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / BENCHMARKS[name]
+    script = _bench_script(name)
     if not script.is_file():
         print(f"moe-overlap: bench: {script} is missing: the benchmarks ship with the source checkout "
               "(git clone, then pip install -e .)", file=sys.stderr)
         return 2
+    if any(item in _HELP for item in rest):
+        return subprocess.call([sys.executable, str(script), "--help"])
+    if "--nproc" in rest:
+        at = rest.index("--nproc")
+        value = rest[at + 1] if at + 1 < len(rest) else ""
+        if not value.isdigit() or int(value) < 1:
+            print(f"moe-overlap: bench: --nproc {value or '(nothing)'}: give a number of ranks >= 1", file=sys.stderr)
+            return 2
+        nproc = int(value)
+        del rest[at:at + 2]
     from torch.distributed.run import main as torchrun
 
     torchrun(["--standalone", f"--nproc-per-node={nproc}", str(script), *rest])
@@ -282,6 +324,7 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
           png: str | None = None) -> int:
     from moe_overlap.config import validate_for_world
     from moe_overlap.models.mixtral import count_parameters
+    from moe_overlap.training.data import describe_source
     from moe_overlap.training.trainer import mesh_layout
 
     p = cfg.parallel
@@ -294,6 +337,9 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     given = None if costs is None else _parse_costs(costs)
     if png is not None and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--png", png, "needs matplotlib: pip install -e '.[plot]'")
+    print("# the validated config (every field; `moe-overlap train` reads this YAML back as is)")
+    print(config_yaml(cfg), end="")
+    print(f"data: {describe_source(cfg)}")
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")

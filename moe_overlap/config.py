@@ -65,6 +65,9 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    # Benchmarks only (torchtitan's debug switch): copy j of token t goes to expert (t * topk + j) mod experts, the
+    # weights are the router's scores there; the model does not learn routing.
+    moe_router_force_load_balancing: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless
@@ -218,7 +221,9 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = None  # None: the bundled public-domain corpus, byte-level tokens
+    # None: the bundled public-domain corpus, byte-level tokens; synthetic:uniform or synthetic:zipf:S: ids drawn
+    # from a stream seeded by train.seed, no file (synthetic_source); else a flat token file.
+    path: Optional[str] = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     validation_fraction: float = 0.05
 
@@ -258,6 +263,35 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+@dataclass(frozen=True)
+class SyntheticSource:
+    """A ``data.path`` of ``synthetic:uniform`` or ``synthetic:zipf:S``: ids over the vocabulary, no file."""
+
+    distribution: Literal["uniform", "zipf"]
+    exponent: Optional[float] = None  # Zipf's S > 0: id r is drawn with probability proportional to (r + 1)^-S
+
+
+def synthetic_source(path: Optional[str]) -> Optional[SyntheticSource]:
+    """The synthetic source ``data.path`` names; None for a token file or the bundled corpus (null)."""
+    if path is None or not path.startswith(SYNTHETIC_PREFIX):
+        return None
+    parts = path[len(SYNTHETIC_PREFIX):].split(":")
+    if parts == ["uniform"]:
+        return SyntheticSource("uniform")
+    if len(parts) == 2 and parts[0] == "zipf":
+        try:
+            exponent = float(parts[1])
+        except ValueError:
+            exponent = math.nan
+        if math.isfinite(exponent) and exponent > 0:
+            return SyntheticSource("zipf", exponent)
+    raise ConfigError("data.path", path, "a synthetic source is synthetic:uniform or synthetic:zipf:S with a Zipf "
+                                         "exponent S > 0 (e.g. synthetic:zipf:1.1)")
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -543,7 +577,11 @@ def validate(cfg: Config) -> None:
 
     _require(0 < d.validation_fraction <= 0.5, "data.validation_fraction", d.validation_fraction,
              "must be in (0, 0.5]")
-    if d.path is not None:
+    if synthetic_source(d.path) is not None:
+        _require(d.dtype == DataConfig.dtype, "data.dtype", d.dtype,
+                 f"has no effect with data.path={d.path!r} (its ids are drawn, not read): leave it at "
+                 f"{DataConfig.dtype!r}")
+    elif d.path is not None:
         _require(m.vocab_size <= (65536 if d.dtype == "uint16" else 2**32), "model.vocab_size", m.vocab_size,
                  f"must fit data.dtype={d.dtype}")
     else:

@@ -1,6 +1,6 @@
 """Every bad input of a training run is one line on stderr naming what is wrong and what is allowed, exit code 2,
-no traceback (``--debug`` raises instead); with ``--nproc`` the data and resume checks fail before any rank
-starts."""
+no traceback (``--debug`` raises instead); with ``--nproc`` the data (token file, synthetic source, room for
+train.eval_iters) and resume checks fail before any rank starts."""
 
 from __future__ import annotations
 
@@ -56,7 +56,10 @@ def _token_file(path, tokens) -> str:
 
 
 @pytest.mark.parametrize("make,fragment", [
-    (lambda d: str(d / "missing.bin"), "must be an existing token file (or null: the bundled corpus)"),
+    (lambda d: str(d / "missing.bin"), "no such token file; make one with `moe-overlap data prepare INPUT... "
+                                       "--tokenizer DIR --out PREFIX` (the Python standard library as real text: "
+                                       "`python benchmarks/prepare_stdlib_corpus.py DIR`), or use null (the bundled "
+                                       "corpus), synthetic:uniform or synthetic:zipf:S"),
     (lambda d: _token_file(d / "empty.bin", []), "file size 0 B must be a positive multiple of 2 B"),
     (lambda d: _token_file(d / "short.bin", range(20)), "the file holds 20 tokens; a train and a validation sample of "
                                                         "model.seq_length+1=17 tokens each need 34"),
@@ -68,6 +71,26 @@ def test_bad_data_fails_before_any_rank_starts(tmp_path, capsys, make, fragment)
     assert main(train_argv(tmp_path, f"data.path={path}", "--nproc", "2")) == 2
     line = one_line(capsys)
     assert line.startswith(f"moe-overlap: config error: data.path='{path}': {fragment}"), line
+
+
+@pytest.mark.parametrize("spec", ["synthetic:zipf", "synthetic:zipf:-1", "synthetic:foo"])
+def test_malformed_synthetic_source_fails_before_any_rank_starts(tmp_path, capsys, spec):
+    assert main(train_argv(tmp_path, f"data.path={spec}", "--nproc", "2")) == 2
+    assert one_line(capsys) == (f"moe-overlap: config error: data.path={spec!r}: a synthetic source is "
+                                "synthetic:uniform or synthetic:zipf:S with a Zipf exponent S > 0 (e.g. "
+                                "synthetic:zipf:1.1)")
+
+
+@pytest.mark.parametrize("launch", [["--nproc", "2"], ["parallel.expert_model_parallel_size=1"]],
+                         ids=["before-any-rank", "single-process"])
+def test_validation_split_too_small_for_eval_iters(tmp_path, capsys, launch):
+    """The bundled corpus's validation tail (5%) holds 1,575 samples of 16 + 1 tokens; 200 evaluation iterations
+    of 8 samples need 1,600."""
+    assert main(train_argv(tmp_path, "train.eval_interval=4", "train.eval_iters=200", *launch)) == 2
+    assert one_line(capsys) == ("moe-overlap: config error: train.eval_iters=200: evaluates 200 x "
+                                "train.global_batch_size=8 = 1600 samples of model.seq_length+1=17 tokens; the "
+                                "validation split holds 1575: lower train.eval_iters, or raise "
+                                "data.validation_fraction")
 
 
 def test_resume_settings_against_the_checkpoint_directory(tmp_path, capsys):

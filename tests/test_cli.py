@@ -1,15 +1,21 @@
-"""The command line: config errors as one line (no traceback, exit 2), `info` output, argument parsing."""
+"""The command line: config errors as one line (no traceback, exit 2), `info` output, `bench --help`, argument
+parsing, and what a run prints: where train.init_from's weights came from, and progress a log can read."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from moe_overlap.cli import main
+from moe_overlap.cli import BENCHMARKS, main
+from moe_overlap.config import load_config
+from tests.long_run import train_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -90,3 +96,62 @@ def test_module_entry_point_subprocess():
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "moe-overlap: config error: train.micro_batch_size=0: must be >= 1"]
+
+
+def test_info_prints_the_validated_config_and_the_data(capsys):
+    overrides = ["train.max_steps=7", "data.path=synthetic:zipf:1.5"]
+    assert main(["info", TINY, *overrides]) == 0
+    out = capsys.readouterr().out
+    config_text, data_line = out.split("\ndata: ")[0], out.split("\ndata: ")[1].splitlines()[0]
+    assert yaml.safe_load(config_text) == load_config(TINY, overrides).to_dict()  # every field, as train reads it
+    assert data_line == ("synthetic:zipf:1.5: Zipf (s=1.5) ids over model.vocab_size=256 from train.seed=1234, "
+                         "16,777,216 virtual tokens, the last 0.05 held out for validation")
+
+
+def test_bench_help_lists_the_benchmarks(capsys):
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: moe-overlap bench NAME [--nproc N]")
+    for name, script in BENCHMARKS.items():
+        assert re.search(rf"^  {name} +{script}: \w", out, re.MULTILINE), out
+    assert main(["bench"]) == 2
+    assert "bench --help lists them" in capsys.readouterr().err
+    assert main(["bench", "train", "--nproc"]) == 2
+    assert "--nproc (nothing): give a number of ranks >= 1" in capsys.readouterr().err
+
+
+def test_bench_name_help_shows_the_script_options_without_launching(capfd):
+    assert main(["bench", "train", "--help", "--nproc", "2"]) == 0
+    out = capfd.readouterr().out
+    assert "usage: train_step.py" in out and "--variant" in out and out.count("usage:") == 1  # one process, not 2
+
+
+SINGLE = ["parallel.expert_model_parallel_size=1"]
+
+
+def test_init_from_logs_where_the_weights_came_from(tmp_path, caplog):
+    assert main(train_argv(tmp_path / "first", *SINGLE, "train.max_steps=1")) == 0
+    caplog.set_level(logging.INFO, logger="moe_overlap.training.trainer")
+    init_from = f"train.init_from={tmp_path / 'first'}"
+    assert main(train_argv(tmp_path / "second", *SINGLE, "train.max_steps=1", init_from)) == 0
+    lines = [record.getMessage() for record in caplog.records if "(train.init_from=" in record.getMessage()]
+    assert lines == [f"model weights from {tmp_path / 'first' / 'checkpoints' / 'step_00000001'} "
+                     f"(train.init_from={tmp_path / 'first'})"]
+
+
+def test_progress_in_a_log_is_plain_lines_every_log_interval(tmp_path, capsys):
+    assert main(train_argv(tmp_path, *SINGLE, "train.max_steps=3", "train.log_interval=2")) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/3", "3/3"], captured.out
+    assert all(re.fullmatch(r"step [23]/3 loss=\d+\.\d{3} tok_s=\d+", line) for line in lines), lines
+    assert "\r" not in captured.out + captured.err and "mfu" not in captured.out + captured.err  # no MFU on CPU
+
+
+def test_progress_in_a_terminal_is_a_bar_without_mfu_on_cpu(tmp_path, capsys, monkeypatch):
+    for stream in (sys.stdout, sys.stderr):
+        monkeypatch.setattr(stream, "isatty", lambda: True)
+    assert main(train_argv(tmp_path, *SINGLE, "train.max_steps=2")) == 0
+    captured = capsys.readouterr()
+    assert "\r" in captured.err and "3/3" not in captured.err and "2/2" in captured.err and "loss=" in captured.err
+    assert "mfu" not in captured.err and not [line for line in captured.out.splitlines() if line.startswith("step ")]

@@ -16,7 +16,6 @@ from moe_overlap.cli import main
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.training.data_prepare import check_token_index
-from moe_overlap.training.hf_checkpoint import import_hf
 from moe_overlap.training.trainer import Trainer
 from tests.test_hf import our_logits, rel_err, tiny_hf_model
 
@@ -81,6 +80,44 @@ def test_prepare_refuses_bad_input_in_one_line(tokenizer_dir, prepared, tmp_path
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("moe-overlap:")]  # beside the progress bar
         assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+
+
+def test_prepare_trains_a_byte_level_bpe_deterministically(tmp_path):
+    """--train-bpe: a BPE trained on the inputs (saved as PREFIX.tokenizer/, which transformers loads), the
+    same bytes from the same inputs, and every document decodes back exactly, indentation included."""
+    from transformers import AutoTokenizer
+
+    documents = ["def f(x):\n    return x + 1\n", "\n".join(corpus_lines()[:400]), "class A:\n\tpass  # tab\n"]
+    inputs = []
+    for i, document in enumerate(documents):
+        (tmp_path / f"doc{i}.txt").write_text(document)
+        inputs.append(str(tmp_path / f"doc{i}.txt"))
+    for run in ("a", "b"):
+        assert main(["data", "prepare", *inputs, "--train-bpe", "400", "--out", str(tmp_path / run),
+                     "--workers", "1"]) == 0
+    tokens = (tmp_path / "a.bin").read_bytes()
+    assert tokens == (tmp_path / "b.bin").read_bytes()
+    assert (tmp_path / "a.tokenizer" / "tokenizer.json").read_text() == \
+        (tmp_path / "b.tokenizer" / "tokenizer.json").read_text()
+    index = json.loads((tmp_path / "a.json").read_text())
+    assert (index["vocab_size"], index["documents"], index["tokenizer"]) == (400, 3, str(tmp_path / "a.tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a.tokenizer")
+    ids = np.frombuffer(tokens, dtype="<u2").tolist()
+    eos = tokenizer.eos_token_id
+    assert tokenizer.eos_token == "<|endoftext|>" and ids.count(eos) == 3 and ids[-1] == eos
+    ends = [i for i, token in enumerate(ids) if token == eos]
+    decoded = [tokenizer.decode(ids[start + 1 if start else 0:end]) for start, end in zip([0] + ends, ends)]
+    assert decoded == documents
+
+
+def test_prepare_refuses_a_tokenizer_and_a_trained_one_together(tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text("text")
+    with pytest.raises(SystemExit):  # argparse: one of --tokenizer, --train-bpe
+        main(["data", "prepare", str(tmp_path / "doc.txt"), "--tokenizer", "x", "--train-bpe", "300", "--out", "y"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert main(["data", "prepare", str(tmp_path / "doc.txt"), "--train-bpe", "100", "--out", str(tmp_path / "z")]) == 2
+    assert "--train-bpe 100: a byte-level vocabulary holds the 256 bytes and <|endoftext|>: give 257" in \
+        capsys.readouterr().err
 
 
 def test_trainer_checks_the_index(prepared, tmp_path):

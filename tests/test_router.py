@@ -1,9 +1,11 @@
 """The router against straightforward per-token references: score functions, group-limited top-k, expert bias
 (selection only; its update, identical on every rank and kept in checkpoints), the auxiliary losses, capacity
-with both drop policies, gradients, and the config rules. tests/test_master.py runs the variants on 2 ranks."""
+with both drop policies, forced load balancing, gradients, and the config rules. tests/test_master.py runs the
+variants on 2 ranks."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -15,7 +17,7 @@ from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.layers.router import Router
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.trainer import Trainer
-from tests.test_master import CPU, small_config, world_and_mesh
+from tests.test_master import CPU, TOL, equivalence_case, small_config, tp_layout, world_and_mesh
 
 H, E, TOKENS, SEQ = 16, 8, 24, 6
 
@@ -126,8 +128,10 @@ def test_routing_matches_reference(variant):
     assert routing.probs_TK.dtype == torch.float32
 
 
-@pytest.mark.parametrize("options", [dict(topk=2), dict(topk=3, pre_softmax=True), dict(topk=2, capacity_factor=0.5)],
-                         ids=["softmax", "pre_softmax_top3", "capacity"])
+@pytest.mark.parametrize("options", [dict(topk=2), dict(topk=3, pre_softmax=True), dict(topk=2, capacity_factor=0.5),
+                                     dict(topk=2, force_load_balancing=True),
+                                     dict(topk=3, pre_softmax=True, force_load_balancing=True)],
+                         ids=["softmax", "pre_softmax_top3", "capacity", "forced", "pre_softmax_top3_forced"])
 def test_merged_router_kernel_routes_like_its_twin(monkeypatch, options):
     """The softmax router's top-k, weights and counts as one kernel (interpreted), against the torch twin: the
     same experts, weights, counts and gradients reaching the router weight, with capacity drops after it."""
@@ -152,10 +156,13 @@ def test_merged_router_kernel_routes_like_its_twin(monkeypatch, options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,K,pre_softmax", [(8192, 8, 2, False), (4096, 64, 8, True), (32768, 256, 8, False)])
-def test_merged_router_kernel_matches_twin_on_gpu(T, E, K, pre_softmax):
-    """On CUDA the kernel and the twin agree, forward and backward, with no host sync. Each token's logits are a
-    shuffle of evenly spaced values: no ties, whose order torch.topk leaves unspecified."""
+@pytest.mark.parametrize("T,E,K,pre_softmax,force", [(8192, 8, 2, False, False), (4096, 64, 8, True, False),
+                                                     (32768, 256, 8, False, False), (8192, 8, 2, False, True),
+                                                     (4096, 64, 8, True, True)])
+def test_merged_router_kernel_matches_twin_on_gpu(T, E, K, pre_softmax, force):
+    """On CUDA the kernel and the twin agree, forward and backward, with no host sync, also with forced load
+    balancing. Each token's logits are a shuffle of evenly spaced values: no ties, whose order torch.topk leaves
+    unspecified."""
     from moe_overlap.kernels.router import TopKRoute, topk_route_torch
 
     if not torch.cuda.is_available():
@@ -166,11 +173,13 @@ def test_merged_router_kernel_matches_twin_on_gpu(T, E, K, pre_softmax):
     fused_in, twin_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        probs, experts, copies = TopKRoute.apply(fused_in, K, pre_softmax)
+        probs, experts, copies = TopKRoute.apply(fused_in, K, pre_softmax, force)
         probs.backward(grad)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    want_probs, want_experts, want_copies = topk_route_torch(twin_in, K, pre_softmax)
+    want_probs, want_experts, want_copies = topk_route_torch(twin_in, K, pre_softmax, force)
+    if force:
+        assert torch.equal(copies, torch.full_like(copies, T * K // E))
     want_probs.backward(grad)
     assert torch.equal(experts, want_experts) and torch.equal(copies, want_copies)
     assert rel_err(probs, want_probs) < 1e-6 and rel_err(fused_in.grad, twin_in.grad) < 1e-5
@@ -263,6 +272,84 @@ def test_seq_aux_loss_is_per_sequence():
 def test_load_balancing_none_has_no_aux_loss():
     routing = make_router(load_balancing_type="none")(tokens())
     assert float(routing.aux_loss) == 0.0 and float(routing.z_loss) > 0
+
+
+# --------------------------------------------------------------------------------- forced load balancing
+
+FORCED = {
+    "softmax": dict(topk=2),
+    "pre_softmax": dict(topk=3, pre_softmax=True),
+    "sigmoid_top1": dict(topk=1, score_function="sigmoid"),
+    "sigmoid_groups_bias": dict(topk=4, score_function="sigmoid", num_groups=4, group_topk=2, enable_expert_bias=True),
+    "softmax_groups": dict(topk=2, num_groups=4, group_topk=2),
+}
+
+
+@pytest.mark.parametrize("variant", FORCED)
+def test_forced_balancing_assigns_round_robin_weighted_by_the_scores(variant):
+    """Copy j of token t goes to expert (t*k + j) mod E whatever the scores, groups or bias: every expert gets
+    exactly T*k/E copies. The weights are the scores there, normalised as the score function does; the aux loss
+    counts the assigned load (balanced: E * sum_e mean score_e / E = 1 x the coefficient)."""
+    options = FORCED[variant]
+    k = options["topk"]
+    router = make_router(**options, force_load_balancing=True)
+    if router.expert_bias is not None:
+        router.expert_bias.copy_(torch.linspace(0.0, 5.0, E))  # would pull every token to the last experts
+    x = tokens()
+    routing = router(x)
+    want_experts = torch.tensor([[(t * k + j) % E for j in range(k)] for t in range(TOKENS)])
+    assert torch.equal(routing.experts_TK, want_experts)
+    assert torch.equal(routing.tokens_per_expert_E, torch.full((E,), TOKENS * k // E))
+    logits = logits_of(router, x)
+    if options.get("score_function") == "sigmoid":
+        chosen = torch.sigmoid(logits).gather(1, want_experts)
+        want_probs = chosen / chosen.sum(-1, keepdim=True) if k > 1 else chosen
+    elif options.get("pre_softmax"):
+        want_probs = torch.softmax(logits, -1).gather(1, want_experts)
+    else:
+        want_probs = torch.softmax(logits.gather(1, want_experts), -1)
+    assert rel_err(routing.probs_TK, want_probs) < 1e-6
+    unforced = make_router(**options)(x)
+    assert not torch.equal(unforced.experts_TK, want_experts)  # the router alone would have chosen otherwise
+    aux_loss, z_loss, unforced_z_loss = (float(loss.detach()) for loss in (routing.aux_loss, routing.z_loss,
+                                                                              unforced.z_loss))
+    assert abs(aux_loss - 0.1) < 1e-6 and abs(z_loss - unforced_z_loss) < 1e-6 * unforced_z_loss
+
+
+def test_forced_balancing_keeps_capacity_and_its_drops():
+    """Capacity acts on the assigned copies: T*k/E each fit a factor of 1, a factor of 0.5 keeps half of each."""
+    x = tokens()
+    full = make_router(2, capacity_factor=1.0, force_load_balancing=True)(x)
+    assert full.keep_TK.all() and int(full.tokens_per_expert_E.sum()) == TOKENS * 2
+    half = make_router(2, capacity_factor=0.5, force_load_balancing=True)(x)
+    assert torch.equal(half.tokens_per_expert_E, torch.full((E,), TOKENS * 2 // E // 2))
+    assert torch.equal(half.probs_TK, torch.where(half.keep_TK, full.probs_TK, 0.0))
+
+
+FORCED_CONFIG = {"model.moe_router_force_load_balancing": "true", "data.path": "synthetic:zipf:1.0"}
+
+
+def test_forced_balancing_in_training_warns_and_balances_every_layer(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="moe_overlap.training.trainer")
+    trainer = Trainer(small_config(str(tmp_path), 1, 4, **FORCED_CONFIG), Mesh.single(), CPU)
+    warnings = [r.getMessage() for r in caplog.records if "moe_router_force_load_balancing" in r.getMessage()]
+    assert warnings == ["model.moe_router_force_load_balancing=true: every token's experts are assigned round-robin; "
+                        "the model does not learn routing (a benchmark setting)"]
+    loads = trainer.train_step()["tokens_per_expert"]
+    per_expert = 4 * 16 * 2 // 8  # global batch x seq_length x top-k / experts
+    assert loads == {"1": [per_expert] * 8, "2": [per_expert] * 8}
+    caplog.clear()
+    Trainer(small_config(str(tmp_path), 1, 4), Mesh.single(), CPU)
+    assert not [r for r in caplog.records if "moe_router_force_load_balancing" in r.getMessage()]
+
+
+@pytest.mark.parametrize("world,ep,layout", [(2, 2, {}), (2, 2, tp_layout(2))], ids=["ep2", "tp2_sp_ep2"])
+def test_forced_balancing_matches_single_process(rank_pool, tmp_path, world, ep, layout):
+    """EP=2, and TP=2 with sequence parallelism (each rank routes the gathered micro-batch in the single-process
+    order, so token t is the same token): the same assignment, losses and gradients as one process."""
+    both = dict(FORCED_CONFIG, **({"model.num_query_groups": 4, "train.adam_eps": 1e-4} if layout else {}))
+    worst = rank_pool(world).run(equivalence_case, ep, 2, str(tmp_path), router=both, layout=layout)
+    assert all(max(w.values()) < TOL for w in worst)
 
 
 # ---------------------------------------------------------------------------------------- gradients
@@ -406,6 +493,8 @@ BAD_ROUTER = [
      "model.moe_router_topk", "= 2"),
     (["model.moe_router_enable_expert_bias=true"], "model.moe_router_enable_expert_bias", "'sigmoid'"),
     (["model.moe_router_bias_update_rate=0"], "model.moe_router_bias_update_rate", "must be > 0"),
+    (["model.num_moe_experts=null", "model.moe_router_force_load_balancing=true"],
+     "model.moe_router_force_load_balancing", "has no effect on a dense model"),
 ]
 
 

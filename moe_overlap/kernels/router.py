@@ -1,8 +1,10 @@
 """The softmax router's small kernels merged into one: its top-k, the k weights and the copies per expert.
 
-    topk_route(logits_TE, k, pre_softmax) -> (probs_TK fp32, experts_TK int64, copies_E int64)
+    topk_route(logits_TE, k, pre_softmax, force_balance) -> (probs_TK fp32, experts_TK int64, copies_E int64)
         pre_softmax=False (Mixtral): the k largest logits, weighted by a softmax over those k
         pre_softmax=True: a softmax over every expert, its k largest scores as the weights
+        force_balance (benchmarks): the experts are not chosen but assigned round-robin, copy j of token t to
+        expert (t*k + j) mod E (:func:`round_robin_experts`), weighted as above from the scores at those experts
 
 A program holds a block of tokens' E logits: k rounds of (largest, its lowest index, masked out), the softmax,
 and the k experts added to the counts (integer atomics: the sums do not depend on the order). The separate torch ops
@@ -25,7 +27,7 @@ if HAVE_TRITON:
 
     def _topk_route_kernel(logits_ptr, probs_ptr, experts_ptr, copies_ptr, T, E, K: tl.constexpr,
                            K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                           PRE_SOFTMAX: tl.constexpr):
+                           PRE_SOFTMAX: tl.constexpr, FORCE_BALANCE: tl.constexpr):
         # BLOCK_T tokens per program, a token's E logits along the second axis.
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         cols = tl.arange(0, E_PAD)
@@ -40,8 +42,12 @@ if HAVE_TRITON:
         values = tl.full((BLOCK_T, K_PAD), float("-inf"), tl.float32)
         chosen = tl.full((BLOCK_T, K_PAD), 0, tl.int64)
         for k in tl.static_range(K):
-            best = tl.reduce(scores, 1, max_combine)
-            index = tl.reduce(tl.where(scores == best[:, None], cols[None, :], E_PAD), 1, min_combine)
+            if FORCE_BALANCE:  # assigned, not chosen: copy k of token t goes to expert (t*K + k) mod E
+                index = ((t * K + k) % E).to(tl.int32)
+                best = tl.reduce(tl.where(cols[None, :] == index[:, None], scores, float("-inf")), 1, max_combine)
+            else:
+                best = tl.reduce(scores, 1, max_combine)
+                index = tl.reduce(tl.where(scores == best[:, None], cols[None, :], E_PAD), 1, min_combine)
             values = tl.where(kk[None, :] == k, best[:, None], values)
             chosen = tl.where(kk[None, :] == k, index[:, None].to(tl.int64), chosen)
             scores = tl.where(cols[None, :] == index[:, None], float("-inf"), scores)
@@ -58,21 +64,27 @@ if HAVE_TRITON:
     _topk_route = Kernel(_topk_route_kernel)
 
 
-def topk_route_torch(logits_TE: torch.Tensor, k: int, pre_softmax: bool):
+def round_robin_experts(num_tokens: int, k: int, num_experts: int, device) -> torch.Tensor:
+    """Forced load balancing: copy j of token t goes to expert (t*k + j) mod E, so each expert receives exactly
+    T*k/E copies when E divides T*k (and a token's k copies go to k different experts, as k <= E)."""
+    return (torch.arange(num_tokens * k, device=device) % num_experts).view(num_tokens, k)
+
+
+def topk_route_torch(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
     """Twin of :func:`topk_route` (differentiable through torch's own ops)."""
-    if pre_softmax:
-        scores_TE = torch.softmax(logits_TE, dim=-1)
-        experts_TK = scores_TE.detach().topk(k, dim=-1).indices
-        probs_TK = scores_TE.gather(1, experts_TK)
-    else:
-        experts_TK = logits_TE.detach().topk(k, dim=-1).indices
-        probs_TK = torch.softmax(logits_TE.gather(1, experts_TK), dim=-1)
-    copies_E = torch.zeros(logits_TE.shape[1], dtype=torch.int64, device=logits_TE.device)
+    T, E = logits_TE.shape
+    scores_TE = torch.softmax(logits_TE, dim=-1) if pre_softmax else logits_TE  # what the experts are chosen by
+    experts_TK = (round_robin_experts(T, k, E, logits_TE.device) if force_balance
+                  else scores_TE.detach().topk(k, dim=-1).indices)
+    probs_TK = scores_TE.gather(1, experts_TK)
+    if not pre_softmax:  # Mixtral: a softmax over the k chosen logits
+        probs_TK = torch.softmax(probs_TK, dim=-1)
+    copies_E = torch.zeros(E, dtype=torch.int64, device=logits_TE.device)
     copies_E.scatter_add_(0, experts_TK.flatten(), torch.ones_like(experts_TK.flatten()))
     return probs_TK, experts_TK, copies_E
 
 
-def topk_route_triton(logits_TE: torch.Tensor, k: int, pre_softmax: bool):
+def topk_route_triton(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
     """The kernel's forward (no autograd)."""
     T, E = logits_TE.shape
     logits = logits_TE.contiguous()
@@ -84,7 +96,7 @@ def topk_route_triton(logits_TE: torch.Tensor, k: int, pre_softmax: bool):
         block_t = max(1, min(64, 2048 // e_pad))  # up to 2048 logits a program
         _topk_route[(triton.cdiv(T, block_t),), logits.device](
             logits, probs_TK, experts_TK, copies_E, T, E, K=k, K_PAD=max(2, triton.next_power_of_2(k)), E_PAD=e_pad,
-            BLOCK_T=block_t, PRE_SOFTMAX=pre_softmax, num_warps=4)
+            BLOCK_T=block_t, PRE_SOFTMAX=pre_softmax, FORCE_BALANCE=force_balance, num_warps=4)
     return probs_TK, experts_TK, copies_E
 
 
@@ -92,8 +104,8 @@ class TopKRoute(torch.autograd.Function):
     """(probs_TK, experts_TK, copies_E) of the logits; the weights' gradient flows back to the logits."""
 
     @staticmethod
-    def forward(ctx, logits_TE: torch.Tensor, k: int, pre_softmax: bool):
-        probs_TK, experts_TK, copies_E = topk_route_triton(logits_TE, k, pre_softmax)
+    def forward(ctx, logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
+        probs_TK, experts_TK, copies_E = topk_route_triton(logits_TE, k, pre_softmax, force_balance)
         ctx.save_for_backward(logits_TE if pre_softmax else None, probs_TK, experts_TK)
         ctx.pre_softmax, ctx.experts = pre_softmax, logits_TE.shape[1]
         ctx.mark_non_differentiable(experts_TK, copies_E)
@@ -110,15 +122,15 @@ class TopKRoute(torch.autograd.Function):
         else:  # a softmax over the chosen logits: its backward, scattered to them
             chosen_TK = probs_TK * (grad_probs_TK - (probs_TK * grad_probs_TK).sum(-1, keepdim=True))
             grad_TE = grad_probs_TK.new_zeros((probs_TK.shape[0], ctx.experts)).scatter_(1, experts_TK, chosen_TK)
-        return grad_TE, None, None
+        return grad_TE, None, None, None
 
 
-def topk_route(logits_TE: torch.Tensor, k: int, pre_softmax: bool):
+def topk_route(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
     """The kernel (CUDA, or interpreted) through :class:`TopKRoute` on fp32 logits, else the twin (which keeps a
     wider dtype: float64 gradient checks)."""
     if logits_TE.dim() != 2 or not 1 <= k <= logits_TE.shape[1]:
         raise ValueError(f"logits_TE must be (tokens, experts) with 1 <= k <= experts, got {tuple(logits_TE.shape)} "
                          f"and k={k}")
     if logits_TE.dtype == torch.float32 and use_triton(logits_TE, "router"):
-        return TopKRoute.apply(logits_TE, k, pre_softmax)
-    return topk_route_torch(logits_TE, k, pre_softmax)
+        return TopKRoute.apply(logits_TE, k, pre_softmax, force_balance)
+    return topk_route_torch(logits_TE, k, pre_softmax, force_balance)

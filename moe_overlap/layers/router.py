@@ -7,8 +7,16 @@ scores; only the best ``group_topk`` groups stay eligible. Optional expert bias 
 sigmoid only): added to the scores for selection only, never to the weights; :meth:`Router.update_load` moves
 it after each optimizer step.
 
+Forced load balancing (``force_load_balancing``, for benchmarks, as torchtitan's debug switch): the experts are
+assigned, not chosen: copy j of token t (its row in this micro-batch) goes to expert (t*k + j) mod E, so every
+expert receives exactly T*k/E copies when E divides T*k; the weights are the scores at those experts, normalised
+as the score function normalises chosen ones; group limits and the expert bias then select nothing. Every layout
+routes a micro-batch whole, in the single-process token order (under sequence and context parallelism the
+gathered micro-batch: layers/sp_router.py), so the assignment is the same on every layout.
+
 Auxiliary losses follow Megatron: they use the normalised scores of every expert and the load of a plain
-top-k over them (no bias, no group limit, no capacity), so they measure what the router prefers.
+top-k over them (no bias, no group limit, no capacity), so they measure what the router prefers; under forced
+balancing, the load of the assigned experts.
   aux_loss         E * sum_e(mean score_e * fraction of copies to e) over this micro-batch's tokens.
   seq_aux_loss     the same per sequence (consecutive runs of ``seq_length`` tokens), averaged over sequences.
   global_aux_loss  the load fractions are those of the previous optimizer step's whole global batch (every
@@ -33,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_overlap.config import ModelConfig
-from moe_overlap.kernels.router import topk_route
+from moe_overlap.kernels.router import round_robin_experts, topk_route
 from moe_overlap.layers.init import NORMAL, make_param
 
 
@@ -54,9 +62,10 @@ class Router(nn.Module):
                  score_function: str = "softmax", num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                  enable_expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  capacity_factor: Optional[float] = None, drop_policy: str = "probs",
-                 seq_length: Optional[int] = None):
+                 seq_length: Optional[int] = None, force_load_balancing: bool = False):
         super().__init__()
         self.num_experts, self.topk, self.pre_softmax = num_experts, topk, pre_softmax
+        self.force_load_balancing = force_load_balancing
         self.score_function, self.num_groups, self.group_topk = score_function, num_groups, group_topk
         self.capacity_factor, self.drop_policy, self.bias_update_rate = capacity_factor, drop_policy, bias_update_rate
         self.load_balancing_type, self.seq_length = load_balancing_type, seq_length
@@ -76,7 +85,8 @@ class Router(nn.Module):
                    score_function=cfg.moe_router_score_function, num_groups=cfg.moe_router_num_groups,
                    group_topk=cfg.moe_router_group_topk, enable_expert_bias=cfg.moe_router_enable_expert_bias,
                    bias_update_rate=cfg.moe_router_bias_update_rate, capacity_factor=cfg.moe_expert_capacity_factor,
-                   drop_policy=cfg.moe_token_drop_policy, seq_length=cfg.seq_length)
+                   drop_policy=cfg.moe_token_drop_policy, seq_length=cfg.seq_length,
+                   force_load_balancing=cfg.moe_router_force_load_balancing)
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
         """Route the tokens of one micro-batch; ``x_TH`` is (batch, seq) flattened sequence-major."""
@@ -97,7 +107,8 @@ class Router(nn.Module):
             probs_TK = probs_TK * keep_TK
         tokens_per_expert_E = copies_E if keep_TK is None and copies_E is not None else self._count(experts_TK, keep_TK)
         zero = logits_TE.new_zeros(())
-        aux_loss = self._aux_loss(logits_TE) if self.aux_loss_coeff > 0 else zero
+        aux_loss = (self._aux_loss(logits_TE, experts_TK if self.force_load_balancing else None)
+                    if self.aux_loss_coeff > 0 else zero)
         z_loss = (self.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean() if self.z_loss_coeff > 0
                   else zero)
         return Routing(probs_TK, experts_TK, tokens_per_expert_E, aux_loss, z_loss, keep_TK, capacity)
@@ -124,20 +135,22 @@ class Router(nn.Module):
         """Routing weights and global expert indices of each token's k experts, and the copies per expert (None:
         counted later). The softmax router without groups runs as one kernel (kernels/router.py)."""
         if self.score_function == "softmax" and self.num_groups is None:
-            return topk_route(logits_TE, self.topk, self.pre_softmax)
+            return topk_route(logits_TE, self.topk, self.pre_softmax, self.force_load_balancing)
+        # What the experts are chosen by; Mixtral's: the logits, the k largest renormalised by a softmax over them.
         if self.score_function == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
+        else:
+            scores_TE = torch.softmax(logits_TE, dim=-1) if self.pre_softmax else logits_TE
+        if self.force_load_balancing:
+            experts_TK = round_robin_experts(logits_TE.shape[0], self.topk, self.num_experts, logits_TE.device)
+        else:
             experts_TK = self._top_k(scores_TE if self.expert_bias is None else scores_TE + self.expert_bias)
-            probs_TK = scores_TE.gather(1, experts_TK)
-            if self.topk > 1:
-                probs_TK = probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20)
-            return probs_TK, experts_TK, None
-        if self.pre_softmax:
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-            experts_TK = self._top_k(scores_TE)
-            return scores_TE.gather(1, experts_TK), experts_TK, None
-        experts_TK = self._top_k(logits_TE)  # Mixtral: the k largest logits, renormalised by a softmax over them
-        return torch.softmax(logits_TE.gather(1, experts_TK), dim=-1), experts_TK, None
+        probs_TK = scores_TE.gather(1, experts_TK)
+        if self.score_function == "sigmoid" and self.topk > 1:
+            probs_TK = probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20)
+        elif self.score_function == "softmax" and not self.pre_softmax:
+            probs_TK = torch.softmax(probs_TK, dim=-1)
+        return probs_TK, experts_TK, None
 
     def _top_k(self, scores_TE: torch.Tensor) -> torch.Tensor:
         """Indices of the k best experts; with groups, only among each token's best ``group_topk`` groups."""
@@ -172,8 +185,9 @@ class Router(nn.Module):
         keep_C[order_C] = slot_C < capacity
         return keep_C.view_as(experts_TK)
 
-    def _aux_loss(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        """Switch-Transformer balance loss in Megatron's form: E * sum_e(mean score_e * load fraction_e)."""
+    def _aux_loss(self, logits_TE: torch.Tensor, assigned_TK: torch.Tensor | None) -> torch.Tensor:
+        """Switch-Transformer balance loss in Megatron's form: E * sum_e(mean score_e * load fraction_e); the load
+        of a plain top-k, or of ``assigned_TK`` (forced balancing)."""
         if self.score_function == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
             scores_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
@@ -189,7 +203,9 @@ class Router(nn.Module):
             num_sequences = num_tokens // self.seq_length
         else:
             num_sequences = 1
-        chosen_TE = torch.zeros_like(scores_TE).scatter_(1, scores_TE.detach().topk(self.topk, dim=-1).indices, 1.0)
+        if assigned_TK is None:
+            assigned_TK = scores_TE.detach().topk(self.topk, dim=-1).indices
+        chosen_TE = torch.zeros_like(scores_TE).scatter_(1, assigned_TK, 1.0)
         scores_BSE = scores_TE.view(num_sequences, -1, self.num_experts)
         fraction_BE = chosen_TE.view_as(scores_BSE).mean(1) / self.topk
         return self.aux_loss_coeff * self.num_experts * (scores_BSE.mean(1) * fraction_BE).sum(-1).mean()

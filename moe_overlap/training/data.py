@@ -5,6 +5,11 @@ the step number, and any data-parallel layout sees the same global batch as a si
 takes the d-th contiguous slice of it, which keeps the micro-batch order of gradient accumulation. Context
 parallel ranks of one data-parallel rank read the same samples and keep their local sequences (chunks r and
 2*CP-1-r, distributed/context_parallel.py) of the inputs and of the labels.
+
+Tokens come from the bundled corpus, a token file (memory-mapped) or a synthetic source (``data.path:
+synthetic:uniform | synthetic:zipf:S``): a virtual stream of SYNTHETIC_TOKENS ids in which the id at each
+position is a pure function of (train.seed, position), so it needs no file and every layout reads the same
+windows; it is split, sampled and evaluated exactly as a file is.
 """
 
 from __future__ import annotations
@@ -16,13 +21,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_overlap.config import ConfigError
+from moe_overlap.config import Config, ConfigError, SyntheticSource, synthetic_source
 from moe_overlap.distributed.context_parallel import split_sequence
+from moe_overlap.training.data_prepare import check_token_index
 
 # Files are little-endian so a token file moves between machines unchanged.
 TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), int64 [micro_batch_size, seq_length]
+
+# A synthetic source's virtual length, that of a 32 MiB uint16 file: an epoch of a bench config (4096-token
+# sequences, 32K tokens a step, 5% held out) is 486 steps, data.validation_fraction holds out its tail as for a
+# file, and an epoch's permutation of samples stays small (1M samples of 16 tokens).
+SYNTHETIC_TOKENS = 2**24
+
+# Where a missing token file comes from, for its error line.
+_MAKE_A_TOKEN_FILE = ("make one with `moe-overlap data prepare INPUT... --tokenizer DIR --out PREFIX` (the Python "
+                      "standard library as real text: `python benchmarks/prepare_stdlib_corpus.py DIR`), or use null "
+                      "(the bundled corpus), synthetic:uniform or synthetic:zipf:S")
 
 
 class ByteTokenizer:
@@ -54,25 +70,115 @@ def load_bundled_corpus() -> np.ndarray:
     return ByteTokenizer().encode(text)
 
 
-def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fraction: float,
-                      seq_length: int = 1, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) token arrays; validation is the contiguous tail of `validation_fraction`.
+class SyntheticTokens:
+    """A synthetic source's virtual token stream: the id at position p is a pure function of (seed, p), drawn
+    uniformly over [0, vocab_size) or by Zipf's law (id r with probability proportional to (r + 1)^-S).
 
-    path None: the bundled corpus, byte-tokenised. Otherwise a flat file of `dtype` tokens, memory-mapped
-    read-only so it is never loaded whole. Both splits must hold one sample of seq_length + 1 tokens;
-    pass model.seq_length so a too-small file fails here rather than in the sampler. With ``vocab_size``,
-    a file's ids are checked to lie in [0, vocab_size) (:func:`check_token_ids`).
+    It offers what the splits and the sampler use of a token array: ``len``, slices (the splits: views of one
+    stream, so train and validation windows differ) and integer-array indexing (the windows), as int64 ids.
+    Each position's uniform variate is SplitMix64's output for it, a counter-based generator: any window is
+    drawn on its own, in any order, on any rank, at numpy speed.
+    """
+
+    def __init__(self, source: SyntheticSource, vocab_size: int, seed: int, positions: range = range(SYNTHETIC_TOKENS)):
+        self.source, self.vocab_size, self.seed, self.positions = source, vocab_size, seed, positions
+        if source.distribution == "zipf":  # the inverse CDF over ids, searched by each variate
+            weights = np.arange(1, vocab_size + 1, dtype=np.float64) ** -source.exponent
+            self._cdf = np.cumsum(weights) / weights.sum()
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            positions = self.positions[key]
+            if positions.step != 1:
+                raise ValueError(f"a synthetic token stream slices with step 1, got {key}")
+            return SyntheticTokens(self.source, self.vocab_size, self.seed, positions)
+        index = np.asarray(key, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= len(self)):
+            raise IndexError(f"positions [{index.min()}, {index.max()}] outside a stream of {len(self)} tokens")
+        variates = _uniform_variates(self.seed, index + self.positions.start)
+        if self.source.distribution == "uniform":
+            ids = (variates * self.vocab_size).astype(np.int64)
+        else:
+            ids = np.searchsorted(self._cdf, variates, side="right")
+        return np.minimum(ids, self.vocab_size - 1)  # a variate within rounding of 1
+
+
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function (uint64 arithmetic wraps, as intended)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _uniform_variates(seed: int, positions: np.ndarray) -> np.ndarray:
+    """Position p's variate in [0, 1): output p of a SplitMix64 stream whose state starts at mix(seed)."""
+    with np.errstate(over="ignore"):
+        state = _mix64(np.array([seed], dtype=np.uint64) * _GOLDEN_GAMMA + _GOLDEN_GAMMA)
+        bits = _mix64(state + (positions.astype(np.uint64) + np.uint64(1)) * _GOLDEN_GAMMA)
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+Tokens = np.ndarray | SyntheticTokens  # what the splits, the sampler and the evaluation batches read
+
+
+def load_data(cfg: Config) -> tuple[Tokens, Tokens]:
+    """The run's (train, validation) tokens, checked before any step: a token file against its index
+    (:func:`check_token_index`) and the vocabulary, and room in the validation split for train.eval_iters."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    check_token_index(d.path, d.dtype, m.vocab_size)
+    train, validation = load_token_splits(d.path, d.dtype, d.validation_fraction, seq_length=m.seq_length,
+                                          vocab_size=m.vocab_size, seed=t.seed)
+    if t.eval_interval:
+        check_eval_fits(validation, m.seq_length, t.eval_iters, t.global_batch_size)
+    return train, validation
+
+
+def describe_source(cfg: Config) -> str:
+    """Where the run's tokens come from, in one line (``moe-overlap info``); reads no file."""
+    d = cfg.data
+    held_out = f"the last {d.validation_fraction:g} held out for validation"
+    synthetic = synthetic_source(d.path)
+    if synthetic is not None:
+        law = "uniform" if synthetic.distribution == "uniform" else f"Zipf (s={synthetic.exponent:g})"
+        return (f"{d.path}: {law} ids over model.vocab_size={cfg.model.vocab_size} from train.seed={cfg.train.seed}, "
+                f"{SYNTHETIC_TOKENS:,} virtual tokens, {held_out}")
+    if d.path is None:
+        return f"the bundled corpus (byte-level tokens), {held_out}"
+    return f"{d.path} ({d.dtype} tokens), {held_out}"
+
+
+def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fraction: float,
+                      seq_length: int = 1, vocab_size: int | None = None, seed: int = 0) -> tuple[Tokens, Tokens]:
+    """(train, validation) tokens; validation is the contiguous tail of `validation_fraction`.
+
+    path None: the bundled corpus, byte-tokenised. A synthetic source (``synthetic:...``): SYNTHETIC_TOKENS
+    ids over [0, vocab_size) drawn from ``seed`` (:class:`SyntheticTokens`). Otherwise a flat file of `dtype`
+    tokens, memory-mapped read-only so it is never loaded whole. Both splits must hold one sample of
+    seq_length + 1 tokens; pass model.seq_length so a too-small file fails here rather than in the sampler.
+    With ``vocab_size``, a file's ids are checked to lie in [0, vocab_size) (:func:`check_token_ids`).
     """
     token_dtype = _token_dtype(dtype)
     if not 0 < validation_fraction <= 0.5:
         raise ConfigError("data.validation_fraction", validation_fraction, "must be in (0, 0.5]")
+    synthetic = synthetic_source(None if path is None else str(path))
     if path is None:
         tokens = load_bundled_corpus()
         source = "the bundled corpus"
+    elif synthetic is not None:
+        if vocab_size is None:
+            raise ValueError(f"data.path={path!r} draws ids over the vocabulary: pass vocab_size")
+        tokens = SyntheticTokens(synthetic, vocab_size, seed)
+        source = "the synthetic stream"
     else:
         file_path = Path(path).expanduser()
         if not file_path.is_file():
-            raise ConfigError("data.path", str(path), "must be an existing token file (or null: the bundled corpus)")
+            raise ConfigError("data.path", str(path), f"no such token file; {_MAKE_A_TOKEN_FILE}")
         size = file_path.stat().st_size
         if size == 0 or size % token_dtype.itemsize:
             raise ConfigError("data.path", str(path), f"file size {size} B must be a positive multiple of "
@@ -124,7 +230,7 @@ def write_token_file(path: str | os.PathLike, tokens, dtype: str) -> None:
     token_array.astype(token_dtype).tofile(Path(path).expanduser())
 
 
-def _windows(tokens: np.ndarray, sample_indices: np.ndarray, seq_length: int) -> torch.Tensor:
+def _windows(tokens: Tokens, sample_indices: np.ndarray, seq_length: int) -> torch.Tensor:
     """Sample i is tokens[i*S : i*S + S + 1]; one fancy-index read, so a memmap reads only those rows."""
     offsets = sample_indices.astype(np.int64)[:, None] * seq_length + np.arange(seq_length + 1)
     return torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))
@@ -136,7 +242,7 @@ def _to_micro_batches(windows: torch.Tensor, micro_batch_size: int, cp_rank: int
             for chunk in windows.split(micro_batch_size)]
 
 
-def _count_samples(tokens: np.ndarray, seq_length: int) -> int:
+def _count_samples(tokens: Tokens, seq_length: int) -> int:
     if seq_length < 1:
         raise ConfigError("model.seq_length", seq_length, "must be >= 1")
     num_samples = (len(tokens) - 1) // seq_length
@@ -162,7 +268,7 @@ class BatchSampler:
     are the dp_size=1 micro-batches. CP rank c keeps its local sequence of each.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_length: int, global_batch_size: int, micro_batch_size: int,
+    def __init__(self, tokens: Tokens, seq_length: int, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int, cp_rank: int = 0, cp_size: int = 1):
         self.num_samples = _count_samples(tokens, seq_length)
         if micro_batch_size < 1:
@@ -207,26 +313,33 @@ class BatchSampler:
         return _to_micro_batches(windows, self.micro_batch_size, self.cp_rank, self.cp_size)
 
 
-def eval_batches(tokens: np.ndarray, seq_length: int, micro_batch_size: int, num_batches: int,
-                 dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> list[MicroBatch]:
-    """This rank's share of a fixed validation set: the first num_batches*micro_batch_size windows.
+def check_eval_fits(validation: Tokens, seq_length: int, eval_iters: int, global_batch_size: int) -> int:
+    """The validation windows an evaluation reads, train.eval_iters global batches of them; they must fit the
+    validation split. Returns their number."""
+    available = _count_samples(validation, seq_length)
+    needed = eval_iters * global_batch_size
+    if needed > available:
+        raise ConfigError("train.eval_iters", eval_iters,
+                          f"evaluates {eval_iters} x train.global_batch_size={global_batch_size} = {needed} samples of "
+                          f"model.seq_length+1={seq_length + 1} tokens; the validation split holds {available}: lower "
+                          "train.eval_iters, or raise data.validation_fraction")
+    return needed
 
-    num_batches counts micro-batches over all DP ranks together (to evaluate k global batches, pass
-    k * global_batch_size / micro_batch_size); each rank gets an equal contiguous share, so the mean of
-    the ranks' mean losses is the single-process mean loss over the same windows.
+
+def eval_batches(tokens: Tokens, seq_length: int, micro_batch_size: int, eval_iters: int, global_batch_size: int,
+                 dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> list[MicroBatch]:
+    """This rank's share of a fixed validation set: the first eval_iters * global_batch_size windows.
+
+    Each data-parallel rank gets an equal contiguous share, so the mean of the ranks' mean losses is the
+    single-process mean loss over the same windows.
     """
-    num_samples = _count_samples(tokens, seq_length)
     if micro_batch_size < 1:
         raise ConfigError("train.micro_batch_size", micro_batch_size, "must be >= 1")
     _check_dp(dp_rank, dp_size)
-    # Plain ValueErrors: num_batches may be derived from train.eval_iters, so its value is not the field's.
-    if num_batches < 1 or num_batches % dp_size:
-        raise ValueError(f"num_batches={num_batches} evaluation micro-batches (from train.eval_iters) must be "
-                         f"a positive multiple of the data-parallel size {dp_size}")
-    needed = num_batches * micro_batch_size
-    if needed > num_samples:
-        raise ValueError(f"the validation split holds {num_samples} samples of model.seq_length+1={seq_length + 1} "
-                         f"tokens; evaluation needs {needed}: raise data.validation_fraction or lower train.eval_iters")
-    per_rank = needed // dp_size
+    if global_batch_size % (micro_batch_size * dp_size):
+        raise ConfigError("train.global_batch_size", global_batch_size,
+                          f"must be a positive multiple of train.micro_batch_size x data-parallel size "
+                          f"= {micro_batch_size} x {dp_size}")
+    per_rank = check_eval_fits(tokens, seq_length, eval_iters, global_batch_size) // dp_size
     rank_indices = np.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     return _to_micro_batches(_windows(tokens, rank_indices, seq_length), micro_batch_size, cp_rank, cp_size)

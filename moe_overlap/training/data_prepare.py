@@ -7,8 +7,9 @@ vocabulary size; the trainer checks the config against it (:func:`check_token_in
 
 Inputs: ``.jsonl`` files hold one JSON object per line whose ``field`` (default "text") is a document;
 any other file is one document of UTF-8 text. The tokenizer loads from local files only (a directory, or
-a name already in the Hugging Face cache): nothing is downloaded. Files are tokenized in parallel, each by
-one worker, into a part file that is appended to PREFIX.bin in input order.
+a name already in the Hugging Face cache): nothing is downloaded. Or ``train_bpe`` trains one on the inputs
+first (:func:`train_bpe`), saved as PREFIX.tokenizer/. Files are tokenized in parallel, each by one worker,
+into a part file that is appended to PREFIX.bin in input order.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from moe_overlap.config import ConfigError
+from moe_overlap.config import ConfigError, synthetic_source
 
 INDEX_FORMAT = "moe_overlap token file v1"
 _BATCH_DOCUMENTS = 256  # documents encoded per tokenizer call
+EOS_TOKEN = "<|endoftext|>"  # the end-of-document token of a tokenizer trained here
+_NEEDS_HF = "data prepare needs Hugging Face tokenizers: pip install transformers tokenizers"
 
 
 def index_path(bin_path: str | os.PathLike) -> Path:
@@ -40,13 +43,36 @@ def load_tokenizer(name_or_dir: str):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ImportError("data prepare needs Hugging Face tokenizers: pip install transformers tokenizers") from None
+        raise ImportError(_NEEDS_HF) from None
     try:
         return AutoTokenizer.from_pretrained(name_or_dir, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"--tokenizer {name_or_dir!r}: no tokenizer there (a directory with tokenizer files, or "
                          f"a name already in the Hugging Face cache; nothing is downloaded): "
                          f"{str(err).splitlines()[0]}") from None
+
+
+def train_bpe(paths: list[Path], field: str, vocab_size: int, out_dir: Path) -> None:
+    """A byte-level BPE (GPT-2's pre-tokenizer: any text round-trips, whitespace and indentation included) of at
+    most ``vocab_size`` tokens, EOS_TOKEN among them, trained on the documents of ``paths`` and saved to
+    ``out_dir`` as a Hugging Face tokenizer. Deterministic: the same documents give the same tokenizer (the
+    trainer draws nothing at random; ties between merges go by the pair's bytes)."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise ImportError(_NEEDS_HF) from None
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if not len(alphabet) + 1 <= vocab_size <= 2**32:
+        raise ValueError(f"--train-bpe {vocab_size}: a byte-level vocabulary holds the {len(alphabet)} bytes and "
+                         f"{EOS_TOKEN}: give {len(alphabet) + 1} to {2**32}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator((document for path in paths for document in read_documents(path, field)), trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN).save_pretrained(out_dir)
 
 
 def token_dtype_for(vocab_size: int) -> str:
@@ -108,18 +134,27 @@ def _tokenize_file(job: tuple[int, str, str, str, str, int]) -> tuple[int, int, 
     return index, documents, tokens
 
 
-def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text", workers: int | None = None) -> dict:
-    """Tokenize ``inputs`` into OUT.bin and OUT.json (neither may exist); returns the index."""
+def prepare(inputs: list[str], tokenizer: str | None, out: str, field: str = "text", workers: int | None = None,
+            train_bpe_vocab: int | None = None) -> dict:
+    """Tokenize ``inputs`` into OUT.bin and OUT.json (neither may exist); returns the index. With
+    ``train_bpe_vocab`` instead of ``tokenizer``: first train a BPE of that many tokens on the inputs
+    (:func:`train_bpe`), saved as OUT.tokenizer/, and tokenize with it."""
+    if (tokenizer is None) == (train_bpe_vocab is None):
+        raise ValueError("give one of a tokenizer (--tokenizer) and a vocabulary size to train one (--train-bpe)")
     paths = [Path(p).expanduser() for p in inputs]
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such input file")
     bin_path = Path(out + ".bin").expanduser()
-    for target in (bin_path, index_path(bin_path)):
+    trained_dir = bin_path.with_suffix(".tokenizer")
+    for target in (bin_path, index_path(bin_path)) + ((trained_dir,) if train_bpe_vocab is not None else ()):
         if target.exists():
             raise FileExistsError(f"{target}: already exists; choose another --out (nothing is overwritten)")
     from moe_overlap.training.data import TOKEN_DTYPES  # here: workers need neither it nor torch
 
+    if train_bpe_vocab is not None:
+        train_bpe(paths, field, train_bpe_vocab, trained_dir)
+        tokenizer = str(trained_dir)
     hf_tokenizer = load_tokenizer(tokenizer)  # before any worker starts: a bad name fails once
     vocab_size, eos = len(hf_tokenizer), hf_tokenizer.eos_token_id
     if eos is None:
@@ -168,8 +203,8 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text", wo
 def check_token_index(path: str | None, dtype: str, vocab_size: int) -> None:
     """With PREFIX.json beside a token file: the file is whole, data.dtype is its dtype and the model's
     vocabulary holds the tokenizer's."""
-    if path is None or not index_path(Path(path).expanduser()).is_file():
-        return
+    if path is None or synthetic_source(path) is not None or not index_path(Path(path).expanduser()).is_file():
+        return  # the bundled corpus, a synthetic source, or a token file without an index
     index_file = index_path(Path(path).expanduser())
     index = json.loads(index_file.read_text())
     if index.get("format") != INDEX_FORMAT:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moe_overlap.config import Config, ConfigError, config_yaml, validate_for_world
+from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
@@ -26,8 +27,7 @@ from moe_overlap.models.mixtral import build_model
 from moe_overlap.models.pipeline_stages import PipelineStages
 from moe_overlap.training.checkpoint import (DAMAGED_SUFFIX, check_checkpoint_matches, complete_steps,
                                              load_checkpoint, newest_good_checkpoint, save_checkpoint, step_dir)
-from moe_overlap.training.data import BatchSampler, eval_batches, load_token_splits
-from moe_overlap.training.data_prepare import check_token_index
+from moe_overlap.training.data import BatchSampler, eval_batches, load_data
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.microbatch_overlap import run_paired
@@ -117,9 +117,9 @@ def check_resume_setting(cfg: Config) -> None:
 
 
 def check_inputs(cfg: Config) -> None:
-    """What can fail before any rank starts: the token file and train.resume against checkpoint.dir."""
-    load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction, seq_length=cfg.model.seq_length,
-                      vocab_size=cfg.model.vocab_size)
+    """What can fail before any rank starts: the data (the token file, its index, room for train.eval_iters) and
+    train.resume against checkpoint.dir."""
+    load_data(cfg)
     check_resume_setting(cfg)
 
 
@@ -136,7 +136,12 @@ class Trainer:
                                  timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
                                  **stages.model_kwargs(mesh.pp.rank))
         if t.init_from:  # before the optimizer, which takes its master weights from the parameters
-            load_model_weights(self.model, t.init_from)
+            loaded = load_model_weights(self.model, t.init_from)
+            if mesh.rank == 0:
+                log.info("model weights from %s (train.init_from=%s)", loaded, t.init_from)
+        if cfg.model.moe_router_force_load_balancing and mesh.rank == 0:
+            log.warning("model.moe_router_force_load_balancing=true: every token's experts are assigned round-robin; "
+                        "the model does not learn routing (a benchmark setting)")
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
@@ -154,15 +159,13 @@ class Trainer:
             # the pipeline's GEMMs capture their own carve-out; two micro-batches in flight need two sets
             self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
-        check_token_index(cfg.data.path, cfg.data.dtype, cfg.model.vocab_size)
-        train_tokens, val_tokens = load_token_splits(cfg.data.path, cfg.data.dtype, cfg.data.validation_fraction,
-                                                     seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size)
+        train_tokens, val_tokens = load_data(cfg)
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
                                     dp.rank, dp.size, t.seed, mesh.cp.rank, mesh.cp.size)
         self.val_batches = [] if not t.eval_interval else eval_batches(
-            val_tokens, cfg.model.seq_length, t.micro_batch_size,
-            t.eval_iters * t.global_batch_size // t.micro_batch_size, dp.rank, dp.size, mesh.cp.rank, mesh.cp.size)
+            val_tokens, cfg.model.seq_length, t.micro_batch_size, t.eval_iters, t.global_batch_size, dp.rank, dp.size,
+            mesh.cp.rank, mesh.cp.size)
         self.num_micro_batches = cfg.num_micro_batches(mesh.world_size)
         self.step = 0
         self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
@@ -424,11 +427,11 @@ class Trainer:
             (out_dir / "config.yaml").write_text(config_yaml(self.cfg))  # what export reads the model from
         history: list[dict] = []
         profiler = StepProfiler.from_config(t, self.mesh.rank, out_dir)
-        bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.is_logger, unit="step", dynamic_ncols=True)
+        progress = Progress(t, self.step, self.is_logger, show_mfu=self.device.type == "cuda")
         # The stop agreement is a CPU collective, so the host can ask it while the GPU runs the queued step.
         stop_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=t.distributed_timeout_s))
                       if dist.is_initialized() and self.device.type == "cuda" else None)
-        with (bar, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file,
+        with (progress, open(out_dir / "metrics.jsonl", "a") if self.is_logger else _Null() as metrics_file,
               StopRequests(t.exit_duration_min, self.device, self.mesh.rank) as stop_requests):
             pending, first = None, True
             while self.step < t.max_steps or pending is not None:
@@ -443,7 +446,7 @@ class Trainer:
                         launched = self.launch_step()
                     first = False
                 if pending is not None:
-                    history.append(self._after_step(self._finish_or_save(pending), metrics_file, bar, phase))
+                    history.append(self._after_step(self._finish_or_save(pending), metrics_file, progress, phase))
                 if self.stopped_by:
                     phase(f"checkpoint save of step {self.step}")
                     self.save(stopped_by=self.stopped_by)  # also when just saved: the pointer records why
@@ -464,7 +467,7 @@ class Trainer:
                     or (ckpt.save_interval and step % ckpt.save_interval == 0 and step < t.max_steps)
                     or t.on_nonfinite_grad == "stop")
 
-    def _after_step(self, metrics: dict, metrics_file, bar, phase) -> dict:
+    def _after_step(self, metrics: dict, metrics_file, progress: Progress, phase) -> dict:
         """The evaluation and checkpoint due after a finished step; its metrics logged."""
         t, ckpt = self.cfg.train, self.cfg.checkpoint
         step = metrics["step"]
@@ -477,9 +480,7 @@ class Trainer:
         if self.is_logger and (step % t.log_interval == 0 or step == t.max_steps):
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
-                        mfu=f"{metrics['mfu']:.2f}")
-        bar.update(1)
+        progress.update(metrics)
         return metrics
 
     def _finish_or_save(self, pending: StepInFlight) -> dict:
@@ -523,6 +524,42 @@ class StepInFlight:
     exposed: ExposedComm
     start: Event  # the step's work starts after this (the previous step's end) ...
     end: Event  # ... and is done at this
+
+
+class Progress:
+    """Rank 0's view of the run: a tqdm bar when stdout and stderr are terminals; otherwise (a log file, a pipe)
+    a plain line every train.log_interval steps and at the last, since a bar writes a carriage-return update per
+    step into a log. MFU only on GPU: train.peak_tflops is a GPU's."""
+
+    def __init__(self, train: TrainConfig, initial_step: int, enabled: bool, show_mfu: bool):
+        self.train, self.enabled, self.show_mfu = train, enabled, show_mfu
+        interactive = sys.stdout.isatty() and sys.stderr.isatty()
+        self.bar = (tqdm(total=train.max_steps, initial=initial_step, unit="step", dynamic_ncols=True)
+                    if enabled and interactive else None)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.bar is not None:
+            self.bar.close()
+        return False
+
+    def update(self, metrics: dict) -> None:
+        """After each finished step."""
+        if not self.enabled:
+            return
+        shown = {"loss": f"{metrics['loss']:.3f}", "tok_s": f"{metrics['tokens_per_s']:.0f}"}
+        if self.show_mfu:
+            shown["mfu"] = f"{metrics['mfu']:.2f}"
+        if "val_loss" in metrics:
+            shown["val_loss"] = f"{metrics['val_loss']:.3f}"
+        step, t = metrics["step"], self.train
+        if self.bar is not None:
+            self.bar.set_postfix(shown)
+            self.bar.update(1)
+        elif step % t.log_interval == 0 or step == t.max_steps:
+            print(f"step {step}/{t.max_steps}", *(f"{key}={value}" for key, value in shown.items()), flush=True)
 
 
 class _Null:
