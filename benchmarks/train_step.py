@@ -171,6 +171,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "ep_imbalance": per_layer_median(timed, "ep_imbalance") if "ep_imbalance" in timed[0] else {},
         "expert_imbalance": per_layer_median(timed, "expert_imbalance") if "expert_imbalance" in timed[0] else {},
         "resolved": resolved,
+        "routing": {"data_path": cfg.data.path or "bundled byte-level corpus",
+                    "force_load_balancing": cfg.model.moe_router_force_load_balancing},
         "loss_first": losses[0], "loss_last": losses[1],
     }
     if "profile" in parts[0]:
