@@ -1,8 +1,9 @@
-"""A rank killed while its peers wait for it on the GPU (`pytest -m gpu`, on every visible GPU up to 8, at least
-2): in a symmetric-memory signal wait of the device-planned MoE pipeline, which runs on the device and which no
-collective timeout reaches, and inside an NCCL all-reduce. The others exit within train.distributed_timeout_s
-with one line naming the dead rank and its phase: the heartbeat monitor ends them while their host threads are
-blocked behind the device. (On CPU, test_fault.py blocks a rank in a wait that never fails to the same end.)
+"""A rank killed while its peers wait for it on the GPU (`pytest -m gpu`, one rank per GPU: 2, 4 or 8; skipped on
+one GPU, where a dead rank has no peer): in a symmetric-memory signal wait of the device-planned MoE pipeline,
+which runs on the device and which no collective timeout reaches, and inside an NCCL all-reduce. The others exit
+within train.distributed_timeout_s with one line naming the dead rank and its phase: the heartbeat monitor ends
+them while their host threads are blocked behind the device. (On CPU, test_fault.py blocks a rank in a wait that
+never fails to the same end.)
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
 
 from benchmarks.common import MULTICAST_OFF
+from tests.gpu_launch import ranks_for_every_gpu, require_gpus
 from tests.long_run import finish, launch_ranks, train_argv
 
 TIMEOUT_S = 20
@@ -21,9 +22,8 @@ TIMEOUT_S = 20
 @pytest.mark.gpu
 @pytest.mark.parametrize("fault", ["symm", "collective"])
 def test_rank_killed_while_peers_wait_on_the_gpu(tmp_path, fault):
-    if torch.cuda.device_count() < 2:
-        pytest.fail("needs 2 CUDA GPUs or more (a dead peer needs a peer)")
-    world = 1 << min(3, torch.cuda.device_count().bit_length() - 1)  # 2, 4 or 8: divides the 8 experts
+    require_gpus(2)
+    world = ranks_for_every_gpu()  # 2, 4 or 8: divides the 8 experts
     argv = train_argv(tmp_path / "run", "train.device=cuda", f"parallel.expert_model_parallel_size={world}",
                       f"train.global_batch_size={4 * world}", "overlap.moe_pipeline=true",
                       "overlap.moe_planning=device",

@@ -1,9 +1,10 @@
-"""``overlap_moe_expert_parallel_comm`` on GPUs in bf16 (`pytest -m gpu`), DESIGN.md's rule: each run's error
+"""``overlap_moe_expert_parallel_comm`` on GPUs in bf16 (`pytest -m gpu`), the bf16 rule: each run's error
 against an fp32 single-process run is at most 2x the single-process bf16 run's own, per gradient of the first
-step (normwise) and for the loss curve. EP = the number of GPUs (one: no exchange, each layer attention | MLP,
-eager and with graphed MoE layers; two: the host-planned pipeline over NCCL with its CTA cap and carve-out, and
-the device-planned one over SM pushes in 2 chunks, each layer cut at its exchanges). The per-rank work is
-`gpu_case`, launched once under torchrun per GPU count.
+step (normwise) and for the loss curve. On one GPU (EP=1: no exchange, each layer attention | MLP, eager and with
+graphed MoE layers), and with EP = every GPU (2, 4 or 8; skipped on one: the host-planned pipeline over NCCL with
+its CTA cap and carve-out, and the device-planned one over SM pushes in 2 chunks, each layer cut at its
+exchanges). The per-rank work is `gpu_case`, launched once under torchrun per test; under MOE_GPU_TEST_DRYRUN=1
+(tests/gpu_launch.py) it runs on CPU gloo ranks, skipping what only CUDA runs (`-m slow`: the dry-run tests).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from tests.gpu_launch import bf16_rule, launch_ranks, write_report
+from tests.gpu_launch import (bf16_rule, cpu_skip_reason, launch_ranks, ranks_for_every_gpu, require_gpus,
+                              worker_device_type, write_report)
 
 STEPS = 3
 
@@ -28,8 +30,8 @@ def gpu_case(output_dir: str) -> dict:
     from tests.test_pipeline import LAYERS
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cuda = {"train.device": "cuda", **LAYERS}
-    bf16 = {**cuda, "train.precision": "bf16"}
+    fp32 = {"train.device": worker_device_type(), **LAYERS}
+    bf16 = {**fp32, "train.precision": "bf16"}
     on = {**bf16, "overlap.overlap_moe_expert_parallel_comm": "true"}
     world = int(os.environ.get("WORLD_SIZE", 1))
     global_batch = 8 * world  # 4 micro-batches of 2 per rank
@@ -45,10 +47,15 @@ def gpu_case(output_dir: str) -> dict:
                           "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"}
         layouts = {"off_host_nccl": host, "on_host_nccl": host, "off_device_push": device_planned,
                    "on_device_push": device_planned}
-    runs = {name: Trainer(small_config(output_dir, world, global_batch, **(on if name.startswith("on") else bf16),
-                                       **extra), mesh, device) for name, extra in layouts.items()}
+    runs, skipped = {}, {}
+    for name, extra in layouts.items():
+        cfg = small_config(output_dir, world, global_batch, **(on if name.startswith("on") else bf16), **extra)
+        skipped[name] = cpu_skip_reason(cfg, world)  # the dry-run's: what only CUDA runs
+        if not skipped[name]:
+            runs[name] = Trainer(cfg, mesh, device)
+    layouts = [name for name in layouts if not skipped[name]]
     runs["single_bf16"] = Trainer(small_config(output_dir, 1, global_batch, **bf16), Mesh.single(), device)
-    runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **cuda), Mesh.single(), device)
+    runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **fp32), Mesh.single(), device)
     losses = {name: [] for name in runs}
     grads = {}
     for step in range(STEPS):
@@ -60,16 +67,18 @@ def gpu_case(output_dir: str) -> dict:
                 grads[name] = captured
     tensors, violations = bf16_rule(layouts, grads, losses)
     report = {"rank": mesh.rank, "world": world, "losses": losses, "violations": violations, "tensors": tensors,
-              "orders": {name: sorted({name for _, _, name in runs[name].stage_order}) for name in layouts}}
+              "orders": {name: sorted({name for _, _, name in runs[name].stage_order}) for name in layouts},
+              "skipped": {name: why for name, why in skipped.items() if why}}
     mesh.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
     return report
 
 
-def check(reports: list[dict], split: bool) -> None:
+def check(reports: list[dict], split: bool, skipped: set[str] = frozenset()) -> None:
     for report in reports:
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
+        assert set(report["skipped"]) == skipped, report["skipped"]
         for name, stages in report["orders"].items():
             # the switch ran the stages (off: none), a MoE layer cut at its exchanges when there are any
             assert bool(stages) == name.startswith("on"), (name, stages)
@@ -83,8 +92,18 @@ def test_on_equals_off_bf16_one_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_on_equals_off_bf16_two_gpus(tmp_path):
-    check(launch_ranks(__file__, tmp_path, timeout_s=300, world=2), split=True)
+def test_on_equals_off_bf16_ep_over_every_gpu(tmp_path):
+    require_gpus(2)
+    check(launch_ranks(__file__, tmp_path, timeout_s=300, world=ranks_for_every_gpu()), split=True)
+
+
+@pytest.mark.slow  # the dry-run, not in CI: 25 s at 1 rank, 50 s at 2, 115 s at 4 on 2 shared cores
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dry_run_on_cpu_gloo(tmp_path, world):
+    """What the CPU can run of each world's cases (gloo, bf16), under the same checks; it skips the graphed MoE
+    layers on one rank, the host-planned pipeline over NCCL (CTA cap, carve-out) on more."""
+    cuda_only = {"off_graphed", "on_graphed"} if world == 1 else {"off_host_nccl", "on_host_nccl"}
+    check(launch_ranks(__file__, tmp_path, timeout_s=600, world=world, dry_run=True), world > 1, cuda_only)
 
 
 if __name__ == "__main__":

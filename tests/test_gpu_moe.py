@@ -1,12 +1,13 @@
-"""The MoE pipeline on every GPU of the machine (`pytest -m gpu`; one rank per GPU, up to 8): each planning mode
-and transport in bf16 against the serial path (DESIGN.md's bf16 rule), CUDA-graph replay of the chunked
-device-planned pipeline, no host sync in it (torch.cuda.set_sync_debug_mode("error")) and at most one in the
-host-planned one, no NVLink multicast.
+"""The MoE pipeline on every GPU of the machine (`pytest -m gpu`; one rank per GPU: 1, 2, 4 or 8): each planning
+mode and transport in bf16 against the serial path (the bf16 rule: each output and gradient's error against an
+fp32 run at most 2x the serial bf16 path's), CUDA-graph replay of the chunked device-planned pipeline, no host
+sync in it (torch.cuda.set_sync_debug_mode("error")) and at most one in the host-planned one, no NVLink multicast.
 
 On one GPU (EP=1) the layer runs its local path; the pipeline is run there too, forced over the one-rank group
 (nccl: the group's copy; copy_engine and sm_push: regions in the GPU's own memory, the same kernels and streams
-as between GPUs). Tests named ``two_gpus`` need a peer (the NCCL capture refusal, symmetric memory's multicast).
-Launched once under torchrun; the per-rank work is ``gpu_cases`` below.
+as between GPUs). Tests named ``with_peers`` need 2 GPUs or more (the NCCL capture refusal, symmetric memory's
+multicast) and are skipped on one. Every rank holds 4 experts (8 on one GPU), so that up to 4 chunks of local
+experts run at any GPU count. Launched once under torchrun; the per-rank work is ``gpu_cases`` below.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import warnings
 import pytest
 import torch
 
-from tests.gpu_launch import REPO, launch_ranks, write_report
+from tests.gpu_launch import init_worker, launch_ranks, ranks_for_every_gpu, require_gpus, write_report
 
-T, H, F, E, K = 512, 512, 256, 8, 2
+T, H, F, K = 512, 512, 256, 2  # tokens per rank, hidden, expert FFN, top-k
 # (planning, transport, chunks, capacity factor or None, padded, delay_wgrad, shared expert overlap, carve-out SMs)
 VARIANTS = [
     ("host", "nccl", 1, None, False, False, False, 0), ("host", "nccl", 4, None, False, True, False, 8),
@@ -44,6 +45,7 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
     from moe_overlap.layers.init import init_parameters
     from moe_overlap.layers.moe import MoELayer
 
+    num_experts = max(8, 4 * mesh.ep.size)  # 4 per rank: room for 4 chunks
     overlap = OverlapConfig()
     if variant is not None:
         planning, transport, chunks, capacity, padded, delay, shared, sms = variant
@@ -53,8 +55,8 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
         # while a CUDA graph is being captured is illegal.
         if (planning, transport) not in _SELECTORS:
             _SELECTORS[planning, transport] = TransportSelector(planning, transport, mesh.ep.group, mesh.ep.ranks,
-                                                                torch.device("cuda"), E // mesh.ep.size, 60)
-    cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K,
+                                                                torch.device("cuda"), num_experts // mesh.ep.size, 60)
+    cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=num_experts, moe_router_topk=K,
                       moe_expert_capacity_factor=capacity, moe_pad_expert_input_to_capacity=padded,
                       moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=shared and variant is not None)
     layer = MoELayer(cfg, overlap, mesh.ep, _SELECTORS[variant[:2]] if variant else None, "cuda", dtype)
@@ -80,9 +82,8 @@ def gpu_cases(out_dir: str) -> dict:
 
     from moe_overlap.distributed.mesh import Mesh, MeshLayout
 
-    dist.init_process_group("nccl")
+    init_worker()
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
     mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60) if world > 1 else Mesh.single()
     g = torch.Generator(device="cuda").manual_seed(rank)
     x32 = torch.randn(1, T, H, device="cuda", generator=g)
@@ -207,11 +208,7 @@ def nccl_capture_case(mesh, x, grad, report) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """Every case runs in one torchrun launch; each test below reads its part of the ranks' reports."""
-    world = min(torch.cuda.device_count(), E)
-    if world < 1:
-        pytest.fail("needs a CUDA GPU")
-    return launch_ranks(__file__, tmp_path_factory.mktemp("gpu_moe"), timeout_s=400,
-                        world=1 << (world.bit_length() - 1))  # 1, 2, 4 or 8: divides the experts
+    return launch_ranks(__file__, tmp_path_factory.mktemp("gpu_moe"), timeout_s=400, world=ranks_for_every_gpu())
 
 
 def _errors(report: dict, prefix: str) -> list[str]:
@@ -258,21 +255,18 @@ def test_no_multicast(reports):
 
 
 @pytest.mark.gpu
-def test_two_gpus_graph_capture_of_nccl_is_refused_clearly(reports):
-    if reports[0]["world"] < 2:
-        pytest.fail("needs 2 GPUs: one GPU's host-planned pipeline makes no NCCL call")
+def test_with_peers_graph_capture_of_nccl_is_refused_clearly(reports):
+    require_gpus(2)  # one GPU's host-planned pipeline makes no NCCL call
     for report in reports:
         assert "moe_planning=device" in report["nccl_capture_refusal"]
 
 
 @pytest.mark.gpu
-def test_two_gpus_symmetric_memory_is_checked_for_multicast(reports):
-    if reports[0]["world"] < 2:
-        pytest.fail("needs 2 GPUs: one GPU's regions are its own memory")
+def test_with_peers_symmetric_memory_is_checked_for_multicast(reports):
+    require_gpus(2)  # one GPU's regions are its own memory
     for report in reports:
         assert report["multicast_ptrs"] and not any(report["multicast_ptrs"])
 
 
-if __name__ == "__main__":  # one rank under torchrun
-    sys.path.insert(0, str(REPO))
+if __name__ == "__main__":  # one rank under torchrun (PYTHONPATH = the repository)
     gpu_cases(sys.argv[1])

@@ -1,5 +1,6 @@
-"""The TP ring's copy-engine transport on 2 GPUs (`pytest -m gpu`): pipelined and bulk, in bf16, against the
-serial NCCL path and the p2p ring; many rounds of changing shapes (flow control, workspace growth).
+"""The TP ring's copy-engine transport over every GPU (`pytest -m gpu`; TP = 2, 4 or 8, skipped on one GPU):
+pipelined and bulk, in bf16, against the serial NCCL path and the p2p ring; many rounds of changing shapes (flow
+control, workspace growth).
 
 Launched once under torchrun; the per-rank work is `gpu_cases` below.
 """
@@ -12,9 +13,10 @@ import traceback
 import pytest
 import torch
 
-from tests.gpu_launch import REPO, launch_two_ranks, write_report
+from tests.gpu_launch import init_worker, launch_ranks, ranks_for_every_gpu, require_gpus, write_report
 
 ROWS, K, N = 1024, 512, 768  # rows per rank; the GEMM's inner and outer sizes
+SPLITS = (1, 2, 4)
 BF16_REL = 1e-2  # a bf16 GEMM's rounding, summed in another order
 
 
@@ -28,22 +30,21 @@ def gpu_cases(out_dir: str) -> dict:
     from moe_overlap.distributed.mesh import GroupHandle
     from moe_overlap.distributed.ring import P2PTransport, SymmRingTransport, TPComm, TPOverlap
 
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    torch.cuda.set_device(rank)
-    group = GroupHandle(ranks=[0, 1], group=dist.group.WORLD, rank=rank, size=2)
-    device = torch.device("cuda", rank)
+    device = init_worker()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = GroupHandle(ranks=list(range(world)), group=dist.group.WORLD, rank=rank, size=world)
     report = {"rank": rank, "errors": [], "cases": {}}
-    symm = SymmRingTransport(group, device, max_steps=4, timeout_ms=20_000)  # a stuck signal fails in 20 s
+    symm = SymmRingTransport(group, device, max_steps=(world - 1) * max(SPLITS),
+                             timeout_ms=20_000)  # a stuck signal fails in 20 s
     comms = {"symm": symm, "p2p": P2PTransport(group)}
     g = torch.Generator(device="cuda").manual_seed(rank)
-    for splits in (1, 2, 4):
+    for splits in SPLITS:
         for name, transport in comms.items():
             try:
                 comm = TPComm(group, sequence_parallel=True, overlap=TPOverlap(num_splits=splits), transport=transport)
                 x_RK = torch.randn(ROWS, K, device=device, dtype=torch.bfloat16, generator=g)
                 w_KN = torch.randn(K, N, device=device, dtype=torch.bfloat16, generator=g) / K ** 0.5
-                a_SK = torch.randn(2 * ROWS, K, device=device, dtype=torch.bfloat16, generator=g)
+                a_SK = torch.randn(world * ROWS, K, device=device, dtype=torch.bfloat16, generator=g)
                 serial_y, serial_x = comm.gather_matmul(x_RK, w_KN, overlap=False, keep_gathered=True)
                 ring_y, ring_x = comm.gather_matmul(x_RK, w_KN, overlap=True, keep_gathered=True)
                 serial_rs = comm.matmul_scatter(a_SK, w_KN, overlap=False)
@@ -75,7 +76,7 @@ def bulk_case(symm, group, device, g) -> dict:
     from moe_overlap.distributed.ring import gather_rows, scatter_rows
 
     x_RK = torch.randn(ROWS, K, device=device, dtype=torch.bfloat16, generator=g)
-    y_SK = torch.randn(2 * ROWS, K, device=device, dtype=torch.bfloat16, generator=g)
+    y_SK = torch.randn(group.size * ROWS, K, device=device, dtype=torch.bfloat16, generator=g)
     gathered, scattered = symm.start_all_gather(x_RK), symm.start_reduce_scatter(y_SK)
     busy = torch.mm(y_SK, y_SK.t())  # the GEMM the collectives run under
     out = {"all_gather_exact": bool(torch.equal(gathered.wait(), gather_rows(x_RK, group))),
@@ -98,7 +99,7 @@ def many_rounds_case(symm, group, device, g) -> dict:
         w_KN = torch.randn(K, N, device=device, dtype=torch.bfloat16, generator=g) / K ** 0.5
         worst = max(worst, rel(comm.gather_matmul(x_RK, w_KN, overlap=True)[0],
                                comm.gather_matmul(x_RK, w_KN, overlap=False)[0]))
-        y_SK = torch.randn(2 * rows, K, device=device, dtype=torch.bfloat16, generator=g)
+        y_SK = torch.randn(group.size * rows, K, device=device, dtype=torch.bfloat16, generator=g)
         worst = max(worst, rel(comm.start_scatter(y_SK, overlap=True).wait(), comm.scatter(y_SK)))
     torch.cuda.synchronize()
     return {"worst": worst, "workspaces": len(symm.retired) + 1}
@@ -106,12 +107,13 @@ def many_rounds_case(symm, group, device, g) -> dict:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
-    return launch_two_ranks(__file__, tmp_path_factory.mktemp("gpu_tp"), timeout_s=300)
+    require_gpus(2)
+    return launch_ranks(__file__, tmp_path_factory.mktemp("gpu_tp"), timeout_s=300, world=ranks_for_every_gpu())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["symm", "p2p"])
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("splits", SPLITS)
 def test_pipelined_ring_equals_serial_in_bf16(reports, transport, splits):
     for report in reports:
         assert not report["errors"], report["errors"]
@@ -136,6 +138,5 @@ def test_symm_ring_stays_correct_over_many_rounds_and_growth_without_multicast(r
         assert report["multicast_ptrs"] and not any(report["multicast_ptrs"]), report["multicast_ptrs"]
 
 
-if __name__ == "__main__":  # one rank under torchrun
-    sys.path.insert(0, str(REPO))
+if __name__ == "__main__":  # one rank under torchrun (PYTHONPATH = the repository)
     write_report(sys.argv[1], gpu_cases(sys.argv[1]))
