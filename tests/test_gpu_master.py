@@ -94,6 +94,7 @@ LAYOUTS = {
     "layout_bf16_ep2_edp2_dp4_distributed_optimizer_overlap": Layout(4, 2, DIST_OPT),
 }
 CARVEOUT_LAYOUT = "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8"
+OUT_OF_STEP = "all ranks"  # the errors' key for what concerns every rank: their process groups out of step
 
 
 def layout_config(output_dir: str, world: int, ep: int, **overrides):
@@ -144,9 +145,12 @@ def groups_made(status) -> list[int]:
     return counts
 
 
-def run_layout(name: str, output_dir: str, world: int, device, meshes: dict, references: dict, status) -> dict:
+def run_layout(name: str, output_dir: str, world: int, device, meshes: dict, references: dict, status,
+               trainers: list) -> dict:
     """Build and run one layout, each phase guarded and agreed over ``status``. The result: ``errors`` (rank ->
-    why, from every rank), or ``skipped`` (dry-run), or the rule's ``violations`` with the tensors compared."""
+    why, from every rank), or ``skipped`` (dry-run), or the rule's ``violations`` with the tensors compared. The
+    trainer joins ``trainers``, alive to the end: its symmetric workspaces must not be freed under a later
+    layout's graph capture, nor while a peer may still signal into them."""
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer, mesh_group_options, mesh_layout
 
@@ -155,7 +159,7 @@ def run_layout(name: str, output_dir: str, world: int, device, meshes: dict, ref
     skip = cpu_skip_reason(cfg, world)
     if skip:  # the same on every rank
         return {"skipped": skip}
-    error = trainer = mesh = None
+    error = trainer = mesh = key = None
     try:
         # layouts of one mesh (and CTA caps) share its groups; every rank makes them in LAYOUTS order
         key = (mesh_layout(cfg, world), cfg.overlap.dp_comm_ctas, cfg.overlap.ep_comm_ctas)
@@ -163,6 +167,7 @@ def run_layout(name: str, output_dir: str, world: int, device, meshes: dict, ref
             meshes[key] = Mesh.create(key[0], timeout_s=MESH_TIMEOUT_S, pg_options=mesh_group_options(cfg))
         mesh = meshes[key]
         trainer = Trainer(cfg, mesh, device)
+        trainers.append(trainer)
     except Exception:
         error = f"build: {traceback.format_exc()[-3000:]}"
     errors = agree(status, error)
@@ -173,9 +178,12 @@ def run_layout(name: str, output_dir: str, world: int, device, meshes: dict, ref
             error = f"steps: {traceback.format_exc()[-3000:]}"
         errors = agree(status, error)
     if errors:
+        # Its communicators may hold a collective some ranks started and others never joined: a later layout of
+        # the same mesh gets a new one (its destroy could wait on that collective: left alone).
+        meshes.pop(key, None)
         counts = groups_made(status)
         if len(set(counts)) > 1:
-            errors["groups"] = f"process groups out of step after this layout: made per rank {counts}"
+            errors[OUT_OF_STEP] = f"process groups out of step after this layout: made per rank {counts}"
         return {"errors": errors}
     tensors, violations = bf16_rule([name], {name: run["grads"], **references["grads"]},
                                     {name: run["losses"], **references["losses"]})
@@ -212,11 +220,19 @@ def gpu_equivalence(output_dir: str) -> dict:
                                 Mesh.single(), device))
         references["losses"][name], references["grads"][name] = run["losses"], run["grads"]
     report.update(reference_losses=references["losses"], reference_keys=sorted(references["grads"]["single_fp32"]))
-    meshes: dict = {}
+    meshes, trainers, out_of_step = {}, [], None
     for name in (name for name, layout in LAYOUTS.items() if layout.world == world):
-        report["layouts"][name] = run_layout(name, output_dir, world, device, meshes, references, status)
+        if out_of_step:  # any group made now would pair up wrongly
+            report["layouts"][name] = {"errors": {OUT_OF_STEP: f"not run: process groups out of step since "
+                                                               f"{out_of_step}"}}
+            continue
+        report["layouts"][name] = result = run_layout(name, output_dir, world, device, meshes, references, status,
+                                                      trainers)
+        out_of_step = name if OUT_OF_STEP in result.get("errors", {}) else None
         write_report(output_dir, report)
     report["carveout_after_steps"] = torch._C._get_sm_carveout_experimental()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     for mesh in meshes.values():
         mesh.destroy()
     dist.destroy_process_group()
