@@ -25,7 +25,7 @@ def gpu_case(output_dir: str) -> dict:
     import torch.distributed as dist
 
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training.trainer import Trainer, init_distributed
+    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_group_options, mesh_layout
     from tests.test_master import small_config
     from tests.test_pipeline import LAYERS
 
@@ -48,11 +48,16 @@ def gpu_case(output_dir: str) -> dict:
         layouts = {"off_host_nccl": host, "on_host_nccl": host, "off_device_push": device_planned,
                    "on_device_push": device_planned}
     runs, skipped = {}, {}
+    meshes = {(None, None): mesh}  # by the CTA caps (dp_comm_ctas, ep_comm_ctas) its communicators are made with
     for name, extra in layouts.items():
         cfg = small_config(output_dir, world, global_batch, **(on if name.startswith("on") else bf16), **extra)
         skipped[name] = cpu_skip_reason(cfg, world)  # the dry-run's: what only CUDA runs
         if not skipped[name]:
-            runs[name] = Trainer(cfg, mesh, device)
+            caps = (cfg.overlap.dp_comm_ctas, cfg.overlap.ep_comm_ctas)
+            if caps not in meshes:
+                meshes[caps] = Mesh.create(mesh_layout(cfg, world), timeout_s=cfg.train.distributed_timeout_s,
+                                           pg_options=mesh_group_options(cfg))
+            runs[name] = Trainer(cfg, meshes[caps], device)
     layouts = [name for name in layouts if not skipped[name]]
     runs["single_bf16"] = Trainer(small_config(output_dir, 1, global_batch, **bf16), Mesh.single(), device)
     runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **fp32), Mesh.single(), device)
@@ -69,7 +74,8 @@ def gpu_case(output_dir: str) -> dict:
     report = {"rank": mesh.rank, "world": world, "losses": losses, "violations": violations, "tensors": tensors,
               "orders": {name: sorted({name for _, _, name in runs[name].stage_order}) for name in layouts},
               "skipped": {name: why for name, why in skipped.items() if why}}
-    mesh.destroy()
+    for each in meshes.values():
+        each.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
     return report
