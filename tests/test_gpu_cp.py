@@ -1,6 +1,6 @@
 """Ring attention's block kernels on one GPU (`pytest -m gpu`; any GPU count, one is enough): every CP rank's blocks
 in one process (CP=2 and CP=4, bf16), with the log-sum-exp from the flash, cuDNN and efficient SDPA ops, merged and
-backpropagated as the ring does, against one full attention. the bf16 rule, per tensor (output, dq, dk, dv):
+backpropagated as the ring does, against one full attention. The bf16 rule, per tensor (output, dq, dk, dv):
 the blockwise error against an fp32 full attention at most 2x that of one bf16 full attention (SDPA, as the model
 runs it at CP=1)."""
 
