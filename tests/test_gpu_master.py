@@ -57,7 +57,12 @@ HOST_PIPELINE = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host",
                  "overlap.delay_wgrad_compute": "true"}
 GRAPHED_DEVICE_PIPELINE = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
                            "overlap.moe_pipeline_chunks": 2, "train.moe_cuda_graph": "true"}
-PP2 = {"parallel.pipeline_model_parallel_size": 2, "parallel.num_layers_in_first_pipeline_stage": 1}
+
+
+def pp2(first_stage_layers: int) -> dict:
+    """PP=2 over small_config's 3 layers (dense, MoE, MoE)."""
+    return {"parallel.pipeline_model_parallel_size": 2,
+            "parallel.num_layers_in_first_pipeline_stage": first_stage_layers}
 
 
 def tp2_etp2(*overlaps: str, **extra) -> dict:
@@ -80,15 +85,16 @@ LAYOUTS = {
     "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8": Layout(2, 2, {
         **DIST_OPT, "overlap.dp_comm_ctas": 2, "overlap.ep_comm_ctas": 4, "overlap.gemm_sm_carveout": 8,
         "overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "train.moe_cuda_graph": "true"}),
-    "layout_bf16_pp2_1f1b_batched_p2p": Layout(2, 1, {**PP2, "overlap.batch_p2p_comm": "true"}),
-    "layout_bf16_pp2_zb_h1_overlapped_p2p": Layout(2, 1, {**PP2, "train.pipeline_schedule": "zb_h1",
+    "layout_bf16_pp2_1f1b_batched_p2p": Layout(2, 1, {**pp2(1), "overlap.batch_p2p_comm": "true"}),
+    "layout_bf16_pp2_zb_h1_overlapped_p2p": Layout(2, 1, {**pp2(1), "train.pipeline_schedule": "zb_h1",
                                                           "overlap.overlap_p2p_comm": "true"}),
     "layout_bf16_ep4": Layout(4, 4, {}),
     "layout_bf16_ep4_device_planned_pipeline_cuda_graph": Layout(4, 4, GRAPHED_DEVICE_PIPELINE),
     "layout_bf16_tp2_sp_ep2_dp2_all_overlaps": Layout(4, 2, tp_layout(2, *ALL_TP_OVERLAPS, **{
         "overlap.tp_comm_num_splits": 2})),
+    # two layers, then one: a MoE layer on each stage, so both stages' EP groups exchange
     "layout_bf16_pp2_ep2_zb_h1_overlapped_dispatch": Layout(4, 2, {
-        **PP2, "train.pipeline_schedule": "zb_h1", "overlap.overlap_p2p_comm": "true", **HOST_PIPELINE}),
+        **pp2(2), "train.pipeline_schedule": "zb_h1", "overlap.overlap_p2p_comm": "true", **HOST_PIPELINE}),
     "layout_bf16_cp2_ep2_dp2_overlap_distributed_optimizer": Layout(4, 2, {
         "parallel.context_parallel_size": 2, "overlap.cp_comm_overlap": "true", **DIST_OPT}),
     "layout_bf16_ep2_edp2_dp4_distributed_optimizer_overlap": Layout(4, 2, DIST_OPT),
