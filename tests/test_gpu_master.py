@@ -27,6 +27,7 @@ by hand: ``MOE_GPU_TEST_DRYRUN=1 PYTHONPATH=. torchrun --nproc-per-node 4 tests/
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 from dataclasses import dataclass
@@ -187,6 +188,7 @@ def run_layout(name: str, output_dir: str, world: int, device, meshes: dict, ref
         # Its communicators may hold a collective some ranks started and others never joined: a later layout of
         # the same mesh gets a new one (its destroy could wait on that collective: left alone).
         meshes.pop(key, None)
+        gc.collect()  # what a failed build left (symmetric workspaces) freed now, not inside a later capture
         counts = groups_made(status)
         if len(set(counts)) > 1:
             errors[OUT_OF_STEP] = f"process groups out of step after this layout: made per rank {counts}"
