@@ -13,7 +13,7 @@ import traceback
 import pytest
 import torch
 
-from tests.gpu_launch import REPO, launch_ranks, write_report
+from tests.gpu_launch import REPO, launch_ranks, require_gpus, write_report
 
 DELAY_MS = 20.0
 CASES = {
@@ -88,8 +88,7 @@ def exposed_cases(output_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs; {torch.cuda.device_count()} visible")
+    require_gpus(2)
     return launch_ranks(__file__, tmp_path_factory.mktemp("gpu_exposed"), timeout_s=300, world=2)
 
 
