@@ -240,26 +240,30 @@ def main(argv=None) -> list[dict]:
     set_run_env(fabric=args.fabric)
     import torch.distributed as dist
 
-    rows = []
+    rows: list[dict] = []
+    world = int(os.environ.get("WORLD_SIZE", 1))
+
+    def save() -> None:  # after every row: a launch cut short keeps what it measured
+        relate(rows)
+        header = dict(run_header(world), order=[row["variant"] for row in rows], config=args.config,
+                      overrides=args.overrides, weak_scaling=not args.no_scale_batch, fabric=args.fabric)
+        write_json(args.json, header, rows)
+
     with tempfile.TemporaryDirectory(prefix="train_step_") as tmp:
         for name, overrides in rows_to_run(args):
             row = run_row(name, overrides, args, Path(tmp))
             if row is not None:
                 rows.append(row)
+                save()
                 print(json.dumps({k: row[k] for k in ("variant", "tokens_per_s", "tflops_per_gpu", "mfu",
                                                       "peak_memory_gib", "exposed_comm_ms")}), flush=True)
-        world = dist.get_world_size() if dist.is_initialized() else 1
         if dist.is_initialized():
             dist.barrier()  # every rank is done with its devices before ep1 takes one
             dist.destroy_process_group()
         if args.ep1 and int(os.environ.get("RANK", 0)) == 0:
             rows.append(run_ep1(args, Path(tmp)))
+            save()
             print(json.dumps({k: rows[-1].get(k) for k in ("variant", "tokens_per_s", "mfu", "error")}), flush=True)
-    if rows:
-        relate(rows)
-        header = dict(run_header(world), order=[row["variant"] for row in rows], config=args.config,
-                      overrides=args.overrides, weak_scaling=not args.no_scale_batch, fabric=args.fabric)
-        write_json(args.json, header, rows)
     return rows
 
 
