@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The evidence runs on a 4-GPU host (H100 or H200), one phase per call, each under 10 minutes:
+#   bash benchmarks/evidence_gpu.sh suite    OUT   # pytest -m gpu at 4 GPUs, then 2 (GPUs 0,1) beside 1 (GPU 2)
+#   bash benchmarks/evidence_gpu.sh ep4      OUT   # train_step.py, EP=4, balanced routing, both bench models
+#   bash benchmarks/evidence_gpu.sh ep4_text OUT   # the same on real text (needs data/stdlib: see README)
+#   bash benchmarks/evidence_gpu.sh ep2_ppcp OUT   # EP=2 on GPUs 0,1 beside PP=2 and CP=2 on GPUs 2,3
+# Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
+# runs with NVLink multicast off. Rows of one train_step launch compare with each other (the same machine, one
+# after another); the ep1 row runs the config on rank 0's GPU after the others.
+set -uo pipefail
+phase=$1
+out=${2:-${OUT:-/tmp/evidence}}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
+res=benchmarks/results
+start=$(date +%s)
+stamp=$(mktemp)  # results newer than this are the phase's
+
+BAL="model.moe_router_force_load_balancing=true"
+TEXT="data.path=data/stdlib/stdlib.bin"
+DISTOPT="train.use_distributed_optimizer=true overlap.overlap_grad_sync=true overlap.overlap_param_sync=true"
+GRAPHED="overlap.moe_pipeline=true overlap.moe_planning=device train.moe_cuda_graph=true train.expert_wgrad_pairs=false"
+SERIAL="serial:overlap.moe_pipeline=false,overlap.moe_planning=auto,train.moe_cuda_graph=false"
+SERIAL+=",train.use_distributed_optimizer=false,overlap.overlap_grad_sync=false,overlap.overlap_param_sync=false"
+CHUNKS="chunks2_copy_engine:overlap.moe_planning=host,overlap.moe_pipeline_chunks=2,train.moe_cuda_graph=false"
+PAIRED="paired_copy_engine:overlap.moe_planning=host,overlap.overlap_moe_expert_parallel_comm=true"
+PAIRED+=",train.moe_cuda_graph=false"
+STEPS="--warmup 3 --steps 8 --profile-steps 1"
+
+left() { echo $((575 - $(date +%s) + start)); }  # seconds left of the call's 600
+pack() { find $res -newer "$stamp" -type f | tar czf "$out/$phase.tgz" -T -; }  # what this phase wrote so far
+
+train_step() {  # nproc, model (fine_8l | mixtral_2l), routing name, routing overrides, then train_step arguments
+  local n=$1 model=$2 routing=$3 routes=$4
+  shift 4
+  local name=train_step_${model}_ep${n}_${routing}_${n}x${gpu}
+  timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node "$n" benchmarks/train_step.py \
+    configs/bench_${model}.yaml parallel.expert_model_parallel_size="$n" $routes $DISTOPT $GRAPHED $STEPS \
+    --compute-only --ep1 --ep1-overrides "${routes// /,}" --json $res/$name.json --timeline $res/$name.png "$@" \
+    2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+  pack
+}
+
+suite() {  # name, GPUs, time limit (s)
+  local log=$out/gpu_tests_$1.txt
+  echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=$2: $(nvidia-smi -i "$2" --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs); torch $(python -c 'import torch; print(torch.__version__)'); NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs --durations=40 tests/" > "$log"
+  CUDA_VISIBLE_DEVICES=$2 timeout -k 20 "$3" python -m pytest -m gpu -p no:cacheprovider -rs --durations=40 \
+    --basetemp=/tmp/gpu_tests_$1 tests/ 2>&1 | tee -a "$log" | tail -n 40
+  cp "$log" "$res/gpu_tests_$1$gpu.txt"
+}
+
+case $phase in
+  suite)
+    suite 4x 0,1,2,3 330
+    rest=$(left)
+    suite 2x 0,1 "$rest" > /dev/null &
+    suite 1x 2 $((rest < 240 ? rest : 240)) > /dev/null &
+    wait
+    tail -qn 1 "$out"/gpu_tests_*.txt
+    ;;
+  ep4)
+    train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
+    train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
+    ;;
+  ep4_text)
+    train_step 4 fine_8l text "$TEXT" --variant "$SERIAL"
+    train_step 4 mixtral_2l text "$TEXT" --variant "$SERIAL"
+    ;;
+  ep2_ppcp)
+    (export CUDA_VISIBLE_DEVICES=0,1
+     train_step 2 fine_8l balanced "$BAL" --variant "$SERIAL"
+     train_step 2 mixtral_2l balanced "$BAL" --variant "$SERIAL") &
+    (export CUDA_VISIBLE_DEVICES=2,3
+     for fabric in nvlink slow; do
+       timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/pp_schedule.py \
+         configs/small_gpu.yaml --rounds 10 \
+         --max-minutes 1.25 --fabric $fabric --json $res/pp_schedule_2x${gpu}_$fabric.json \
+         --timeline $res/pp_schedule_2x${gpu}_$fabric.png > "$out/pp_$fabric.log" 2>&1
+       tail -n 4 "$out/pp_$fabric.log"
+     done
+     for fabric in nvlink slow; do
+       timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/cp_attention.py --fabric $fabric \
+         --json $res/cp_attention_2x${gpu}_$fabric.json --timeline $res/cp_attention_2x${gpu}_$fabric.png \
+         > "$out/cp_$fabric.log" 2>&1
+       tail -n 4 "$out/cp_$fabric.log"
+     done) &
+    wait
+    ;;
+  *) echo "unknown phase $phase: suite | ep4 | ep4_text | ep2_ppcp" >&2; exit 2 ;;
+esac
+pack
+echo "phase $phase: $(( $(date +%s) - start )) s; packed: $(tar tzf "$out/$phase.tgz" | wc -l) files"
