@@ -13,8 +13,10 @@ wiring can be checked at 2 and 4 ranks without a GPU, e.g.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -57,8 +59,11 @@ def write_report(out_dir: str, report: dict) -> None:
 
 
 def init_worker(timeout_s: float = 120) -> torch.device:
-    """Join torchrun's job from a worker: NCCL with one GPU per rank, or gloo on the CPU under the dry-run."""
+    """Join torchrun's job from a worker: NCCL with one GPU per rank, or gloo on the CPU under the dry-run. A
+    worker stopped by torchrun (a launch past its time) prints every thread's stack first: where it hung."""
     import torch.distributed as dist
+
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
     if dry_run():
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))

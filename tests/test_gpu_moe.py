@@ -208,7 +208,7 @@ def nccl_capture_case(mesh, x, grad, report) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """Every case runs in one torchrun launch; each test below reads its part of the ranks' reports."""
-    return launch_ranks(__file__, tmp_path_factory.mktemp("gpu_moe"), timeout_s=400, world=ranks_for_every_gpu())
+    return launch_ranks(__file__, tmp_path_factory.mktemp("gpu_moe"), timeout_s=180, world=ranks_for_every_gpu())
 
 
 def _errors(report: dict, prefix: str) -> list[str]:
