@@ -2,6 +2,8 @@
 # The evidence runs on a 4-GPU host (H100 or H200), one phase per call, each under 10 minutes:
 #   bash benchmarks/evidence_gpu.sh suite    OUT   # pytest -m gpu at 4 GPUs, then 2 (GPUs 0,1) beside 1 (GPU 2)
 #   bash benchmarks/evidence_gpu.sh ep4      OUT   # train_step.py, EP=4, balanced routing, both bench models
+#   bash benchmarks/evidence_gpu.sh ep4_fine OUT   #   the fine-grained model alone (serial beside the default)
+#   bash benchmarks/evidence_gpu.sh ep4_mixtral OUT #  the Mixtral-like model alone, every variant
 #   bash benchmarks/evidence_gpu.sh ep4_text OUT   # the same on real text (needs data/stdlib: see README)
 #   bash benchmarks/evidence_gpu.sh ep2_ppcp OUT   # EP=2 on GPUs 0,1 beside PP=2 and CP=2 on GPUs 2,3
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -14,7 +16,7 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
 res=benchmarks/results
-start=$(date +%s)
+start=${CALL_START:-$(date +%s)}  # when the device call began (phases chained in one call share its 600 s)
 stamp=$(mktemp)  # results newer than this are the phase's
 
 BAL="model.moe_router_force_load_balancing=true"
@@ -63,6 +65,12 @@ case $phase in
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
     train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
     ;;
+  ep4_fine)
+    train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL"
+    ;;
+  ep4_mixtral)
+    train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
+    ;;
   ep4_text)
     train_step 4 fine_8l text "$TEXT" --variant "$SERIAL"
     train_step 4 mixtral_2l text "$TEXT" --variant "$SERIAL"
@@ -87,7 +95,7 @@ case $phase in
      done) &
     wait
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_text | ep2_ppcp" >&2; exit 2 ;;
+  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2_ppcp" >&2; exit 2 ;;
 esac
 pack
 echo "phase $phase: $(( $(date +%s) - start )) s; packed: $(tar tzf "$out/$phase.tgz" | wc -l) files"
