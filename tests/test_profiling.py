@@ -127,3 +127,20 @@ def test_a_wait_inside_another_counts_once_and_groups_carry_their_kind():
     assert exposed_kind(group) is None
     with pytest.raises(ValueError, match="allowed ep, tp, dp, pp, cp"):
         set_exposed_kind(group, "moe")
+
+
+class _Event:
+    """A kineto event as torch 2.11 hands it over: no activity type, no annotation flag."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def name(self) -> str:
+        return self._name
+
+
+def test_annotations_are_told_from_kernels_without_torch_2_13s_fields():
+    from moe_overlap.training.profiling import _is_annotation
+
+    assert _is_annotation(_Event("nccl:all_to_all")) and not _is_annotation(_Event("ncclDevKernel_SendRecv"))
+    assert not _is_annotation(_Event("c10d::symmetric_memory::wait_signal_kernel"))

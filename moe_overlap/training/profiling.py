@@ -62,7 +62,13 @@ def device_spans(prof) -> list[tuple[int, str, float, float]]:
 
 
 def _is_annotation(event) -> bool:
-    return "annotation" in str(event.activity_type()) or bool(getattr(event, "is_user_annotation", bool)())
+    """A host range mirrored onto a stream. torch 2.13 says so (activity type, is_user_annotation); torch 2.11's
+    event has neither, so c10d's collective annotations are also known by name (``nccl:all_to_all``, whose kernel
+    is ``ncclDevKernel_...``)."""
+    kind = getattr(event, "activity_type", None)
+    flagged = getattr(event, "is_user_annotation", None)
+    return (kind is not None and "annotation" in str(kind())) or (flagged is not None and bool(flagged())) \
+        or event.name().startswith("nccl:")
 
 
 def union(intervals) -> list[tuple[float, float]]:
