@@ -6,6 +6,7 @@
 #   bash benchmarks/evidence_gpu.sh ep4_mixtral OUT #  the Mixtral-like model alone, every variant
 #   bash benchmarks/evidence_gpu.sh ep4_text OUT   # the same on real text (needs data/stdlib: see README)
 #   bash benchmarks/evidence_gpu.sh ep2_ppcp OUT   # EP=2 on GPUs 0,1 beside PP=2 and CP=2 on GPUs 2,3
+#   bash benchmarks/evidence_gpu.sh ep2      OUT   # EP=2 alone (a 2-GPU host)
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
 # runs with NVLink multicast off. Rows of one train_step launch compare with each other (the same machine, one
 # after another); the ep1 row runs the config on rank 0's GPU after the others.
@@ -71,6 +72,10 @@ case $phase in
   ep4_mixtral)
     train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
     ;;
+  ep2)
+    train_step 2 fine_8l balanced "$BAL" --variant "$SERIAL"
+    train_step 2 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$PAIRED"
+    ;;
   ep4_text)
     train_step 4 fine_8l text "$TEXT" --variant "$SERIAL"
     train_step 4 mixtral_2l text "$TEXT" --variant "$SERIAL"
@@ -95,7 +100,7 @@ case $phase in
      done) &
     wait
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2_ppcp" >&2; exit 2 ;;
+  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp" >&2; exit 2 ;;
 esac
 pack
 echo "phase $phase: $(( $(date +%s) - start )) s; packed: $(tar tzf "$out/$phase.tgz" | wc -l) files"
