@@ -2,10 +2,11 @@
 ...) in one launch, measured against the simulator (moe_overlap/training/schedules.py) fed the same run's median costs.
 
     # 2 GPUs, PP=2 (configs/small_gpu.yaml: 8 layers; 8 micro-batches of 8 x 1024 tokens), NVLink, then NCCL through
-    # host memory (an inter-node stand-in); the benchmark prints its expected duration after the first round:
-    torchrun --nproc-per-node 2 benchmarks/pp_schedule.py configs/small_gpu.yaml --rounds 10 --max-minutes 1.5 \
-        --json benchmarks/results/pp_schedule_2xh100_nvlink.json --timeline benchmarks/results/pp_schedule_2xh100_nvlink.png
-    torchrun --nproc-per-node 2 benchmarks/pp_schedule.py configs/small_gpu.yaml --rounds 10 --max-minutes 1.5 \
+    # host memory (an inter-node stand-in); each prints its expected duration after its first round:
+    torchrun --nproc-per-node 2 benchmarks/pp_schedule.py configs/small_gpu.yaml --rounds 10 --max-minutes 1.25 \
+        --json benchmarks/results/pp_schedule_2xh100_nvlink.json \
+        --timeline benchmarks/results/pp_schedule_2xh100_nvlink.png
+    torchrun --nproc-per-node 2 benchmarks/pp_schedule.py configs/small_gpu.yaml --rounds 10 --max-minutes 1.25 \
         --fabric slow --json benchmarks/results/pp_schedule_2xh100_slow.json
     # CPU, gloo, PP=2, one core a rank (the committed run; without a config file the model is sized for CPU):
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/pp_schedule.py --rounds 12 \
@@ -47,6 +48,7 @@ pipeline ranks: world >= 2.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -84,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6, help="round-robin rounds over the variants")
     parser.add_argument("--block", type=int, default=3, help="steps per variant per round; the first is left out")
     parser.add_argument("--max-minutes", type=float, default=None,
-                        help="start no round that would end past this many minutes after the start (the JSON "
-                             "records the rounds run)")
+                        help="start no round that would end past this many minutes after the benchmark started "
+                             "(torch imported); the JSON records the rounds run")
     parser.add_argument("--fabric", choices=("nvlink", "slow"), default="nvlink")
     parser.add_argument("--timeline", default=None, metavar="PNG",
                         help="draw one measured step of each variant beside its prediction (needs matplotlib)")
@@ -97,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.config, args.overrides = None, [args.config] + args.overrides
     if args.block < 2:
         parser.error("--block must be >= 2: a block's first step follows a switch and is left out")
+    if args.timeline and importlib.util.find_spec("matplotlib") is None:  # found out now, not after the run
+        parser.error(f"--timeline {args.timeline}: needs matplotlib (pip install -e '.[plot]'), which is not installed")
     return args
 
 
