@@ -36,7 +36,8 @@ Rows:
             peak_mib_per_rank  the executor's count, largest over steps
             On CPU only uncontended steps count (every rank's thread held its core >= 90% of its compute time, by
             thread CPU time: another process on a shared machine would otherwise be what the step measures), when
-            there are 3 or more; the row says how many it used.
+            there are 3 or more; else the row uses all its steps and is marked contended, and the targets that
+            compare it say not measured (met: null) rather than met or missed.
   summary   each target, met or missed: exposed P2P < 2% (overlap on); bubble within 15% of the prediction; ZB-H1
             faster than 1F1B at no more peak memory; interleaved 1F1B (VPP=2) faster than 1F1B (each against 1F1B
             with the same P2P setting).
@@ -280,6 +281,7 @@ class Variant:
         return {"row": "variant", "variant": self.name, "schedule": self.schedule_name,
                 "overlap_p2p_comm": self.overlap, "vpp": schedule.vpp, "micro_batches": schedule.micro_batches,
                 "steps": steps, "steps_uncontended": len(clean) if on_cpu else None, "steps_used": len(kept),
+                "contended": on_cpu is not None and len(clean) < 3,
                 "on_cpu_min_per_step": on_cpu,
                 "step_ms": statistics.median(step_ms.values()),
                 "step_ms_by_round": {r: statistics.median(ms for i, ms in step_ms.items()
@@ -336,13 +338,13 @@ def p2p_latency(variant: Variant, device, rounds: int = 20) -> float:
 
 def summary_rows(rows: list[dict]) -> list[dict]:
     by_name = {row["variant"]: row for row in rows}
-    out = [{"row": "summary", "target": f"exposed P2P < {EXPOSED_P2P_TARGET:.0%} of the step",
-            "variant": row["variant"], "p2p_exposed_fraction": row["p2p_exposed_fraction"],
-            "met": row["p2p_exposed_fraction"] < EXPOSED_P2P_TARGET}
+    out = [_judged({"row": "summary", "target": f"exposed P2P < {EXPOSED_P2P_TARGET:.0%} of the step",
+                    "variant": row["variant"], "p2p_exposed_fraction": row["p2p_exposed_fraction"]},
+                   row["p2p_exposed_fraction"] < EXPOSED_P2P_TARGET, row)
            for row in rows if row["overlap_p2p_comm"]]
-    out += [{"row": "summary", "target": f"bubble within {BUBBLE_TOLERANCE:.0%} of the prediction from median costs",
-             "variant": row["variant"], "rel_diff": row["bubble_rel_diff"],
-             "met": row["bubble_rel_diff"] is not None and row["bubble_rel_diff"] <= BUBBLE_TOLERANCE}
+    out += [_judged({"row": "summary", "target": f"bubble within {BUBBLE_TOLERANCE:.0%} of the prediction from median "
+                     "costs", "variant": row["variant"], "rel_diff": row["bubble_rel_diff"]},
+                    row["bubble_rel_diff"] is not None and row["bubble_rel_diff"] <= BUBBLE_TOLERANCE, row)
             for row in rows]
     for suffix in ("", "+p2p_overlap"):
         one = by_name.get("1f1b" + suffix)
@@ -351,18 +353,28 @@ def summary_rows(rows: list[dict]) -> list[dict]:
             row = by_name.get(other + suffix)
             if one is None or row is None:
                 continue
-            # Paired by round (the variants of one round ran minutes apart at most): robust to drift.
+            # Paired by round (the variants of one round ran minutes apart at most): robust to drift. On CPU the
+            # steps in use may share no round; then the ratio of the medians.
             rounds = sorted(set(one["step_ms_by_round"]) & set(row["step_ms_by_round"]))
             ratios = [one["step_ms_by_round"][r] / row["step_ms_by_round"][r] for r in rounds]
-            speed = statistics.median(ratios)
+            speed = statistics.median(ratios) if ratios else one["step_ms"] / row["step_ms"]
             memory = max(row["peak_mib_per_rank"]) / max(one["peak_mib_per_rank"])
             met = speed > 1 and (other != "zb_h1" or memory <= 1.0)
-            out.append({"row": "summary", "target": target, "variant": other + suffix,
-                        "speedup_vs_1f1b": speed, "speedup_by_round": ratios,
-                        "rounds_faster": sum(r > 1 for r in ratios), "rounds": len(ratios),
-                        "speedup_of_medians": one["step_ms"] / row["step_ms"],
-                        "peak_memory_vs_1f1b": memory, "met": met})
+            out.append(_judged({"row": "summary", "target": target, "variant": other + suffix,
+                                "speedup_vs_1f1b": speed, "speedup_by_round": ratios,
+                                "rounds_faster": sum(r > 1 for r in ratios), "rounds": len(ratios),
+                                "speedup_of_medians": one["step_ms"] / row["step_ms"],
+                                "peak_memory_vs_1f1b": memory}, met, one, row))
     return out
+
+
+def _judged(entry: dict, met: bool, *involved: dict) -> dict:
+    """The entry with met, or with met null where a row it compares ran contended (and why)."""
+    contended = [row["variant"] for row in involved if row["contended"]]
+    if contended:
+        return dict(entry, met=None, why=f"not measured: {', '.join(contended)} had fewer than 3 uncontended "
+                                         "steps (another process held the CPU)")
+    return dict(entry, met=met)
 
 
 def print_rows(rows: list[dict], latency: float, load_before, load_after) -> None:
@@ -392,7 +404,8 @@ def print_rows(rows: list[dict], latency: float, load_before, load_after) -> Non
             else:
                 detail = (f"speed-up {row['speedup_vs_1f1b']:.3f}x (faster in {row['rounds_faster']}/"
                           f"{row['rounds']} rounds), peak memory {row['peak_memory_vs_1f1b']:.3f}x")
-            print(f"target: {row['target']:54} {row['variant']:37} {detail:50} {'met' if row['met'] else 'MISSED'}")
+            verdict = {True: "met", False: "MISSED", None: "not measured (contended CPU)"}[row["met"]]
+            print(f"target: {row['target']:54} {row['variant']:37} {detail:50} {verdict}")
 
 
 def draw_timelines(variants: list[Variant], path: str) -> None:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from benchmarks.pp_schedule import EXPOSED_P2P_TARGET, main, step_measures
+from benchmarks.pp_schedule import EXPOSED_P2P_TARGET, main, step_measures, summary_rows
 from moe_overlap.training.schedules import Compute, build_schedule, simulate
 
 TINY = ["model.num_layers=4", "train.micro_batch_size=1", "train.global_batch_size=4"]
@@ -33,24 +33,32 @@ def test_two_ranks_measure_every_variant_against_its_prediction(rank_pool, tmp_p
             assert 0 < row[name] < 1, (name, row[name])
         assert math.isclose(row["bubble_rel_diff"], abs(row["bubble_measured"] - row["bubble_predicted"])
                             / row["bubble_predicted"])
-        # what the transfers add: finite, and never more than the step (a measured step ends later than its
-        # replay with instant transfers only by what waited for them, clocks aside)
+        # what the transfers add: finite, and less than the step (whose computes are in it too)
         assert math.isfinite(row["p2p_exposed_ms"]) and row["p2p_exposed_fraction"] < 1
-        assert math.isclose(row["p2p_exposed_ms"] > 0, row["p2p_exposed_fraction"] > 0)
         kinds = {"F0", "I0", "W0"} if row["schedule"] == "zb_h1" else {"F0", "B0"}
         for costs in row["costs_ms_per_rank"]:  # both ranks: every compute kind and some posts, all timed
             assert kinds <= set(costs) and any(key.startswith("post ") for key in costs), costs
             assert all(value >= 0 for value in costs.values())
         assert len(row["peak_mib_per_rank"]) == 2 and min(row["peak_mib_per_rank"]) > 0
+    contended = {row["variant"]: row["contended"] for row in variants}
+    assert all(row["contended"] == (row["steps_uncontended"] < 3) for row in variants)  # 2 steps: always, here
+
+    def judged(entry: dict, met: bool, *names: str) -> bool:
+        """met as computed, or null (with the reason) where a row compared ran on a contended CPU"""
+        if any(contended[name] for name in names):
+            return entry["met"] is None and "fewer than 3 uncontended steps" in entry["why"]
+        return entry["met"] is met
+
     summary = [row for row in saved["rows"] if row["row"] == "summary"]
     exposed = [row for row in summary if "p2p_exposed_fraction" in row]
     assert [row["variant"] for row in exposed] == ["1f1b+p2p_overlap", "zb_h1+p2p_overlap"]  # overlap on only
-    assert all(row["met"] == (row["p2p_exposed_fraction"] < EXPOSED_P2P_TARGET) for row in exposed)
+    assert all(judged(row, row["p2p_exposed_fraction"] < EXPOSED_P2P_TARGET, row["variant"]) for row in exposed)
     bubbles = [row for row in summary if "rel_diff" in row]
-    assert len(bubbles) == 4 and all(row["met"] == (row["rel_diff"] <= 0.15) for row in bubbles)
+    assert len(bubbles) == 4 and all(judged(row, row["rel_diff"] <= 0.15, row["variant"]) for row in bubbles)
     zb = [row for row in summary if row["target"].startswith("ZB-H1")]
     assert [row["variant"] for row in zb] == ["zb_h1", "zb_h1+p2p_overlap"]
-    assert all(row["met"] == (row["speedup_vs_1f1b"] > 1 and row["peak_memory_vs_1f1b"] <= 1) for row in zb)
+    assert all(judged(row, row["speedup_vs_1f1b"] > 1 and row["peak_memory_vs_1f1b"] <= 1, row["variant"],
+                      row["variant"].replace("zb_h1", "1f1b")) for row in zb)
     assert len(rows) == len(saved["rows"])
 
 
@@ -79,3 +87,13 @@ def test_a_bad_variant_config_is_one_line_before_any_rank_starts(capsys):
         main(["model.num_layers=2", "--schedules", "interleaved_1f1b"])  # 2 layers over PP=2 x VPP=2
     message = str(info.value)
     assert message.startswith("pp_schedule: model.num_layers=2: must be divisible") and "\n" not in message
+
+
+def test_a_speed_up_without_a_shared_round_is_the_ratio_of_medians():
+    """On a loaded CPU the steps in use of two variants may come from different rounds."""
+    base = {"row": "variant", "overlap_p2p_comm": False, "bubble_rel_diff": 0.0, "peak_mib_per_rank": [2.0, 1.0],
+            "contended": False}
+    rows = [dict(base, variant="1f1b", step_ms=10.0, step_ms_by_round={0: 10.0}),
+            dict(base, variant="zb_h1", step_ms=8.0, step_ms_by_round={1: 8.0})]
+    (zb,) = [row for row in summary_rows(rows) if row["target"].startswith("ZB-H1")]
+    assert zb["speedup_vs_1f1b"] == 1.25 and zb["rounds"] == 0 and zb["met"] is True
