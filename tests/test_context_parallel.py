@@ -1,11 +1,11 @@
 """Context parallelism on CPU gloo ranks: the load-balanced split and schedule (every causal pair once, the same
 work on every rank), ring attention against one full attention (alone, on the ring with and without overlap),
 the whole model at CP=2 and CP=4 alone and with TP, EP, DP and the distributed optimizer and recomputation
-against the single-process run, a checkpoint moved between CP sizes, bad configs, and the benchmark's smoke run."""
+against the single-process run, a checkpoint moved between CP sizes, and bad configs (the benchmark's smoke runs:
+test_bench_cp_attention_smoke.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -262,31 +262,3 @@ def test_world_size_must_hold_the_context_parallel_group():
     with pytest.raises(ConfigError, match="world_size=6: must be divisible by tensor x context x pipeline"):
         validate_for_world(cfg, 6, "cpu")
     validate_for_world(cfg, 8, "cpu")  # CP=4 x DP=2
-
-
-# ------------------------------------------------------------------------------------------ benchmark
-
-
-def test_benchmark_smoke_run_in_one_process(tmp_path):
-    from benchmarks.cp_attention import run
-
-    path = tmp_path / "cp.json"
-    rows = run(["--smoke", "--json", str(path)])
-    saved = json.loads(path.read_text())
-    assert saved["world_size"] == 1 and len(saved["rows"]) == len(rows) == 2
-    for row in rows:  # the blockwise CP=2 work equals one full attention, and both were timed
-        assert row["max_rel_err"] < 1e-5 and row["blockwise_ms"] > 0 and row["full_ms"] > 0, row
-
-
-def benchmark_ring_smoke_case(json_path: str) -> int:
-    from benchmarks.cp_attention import run
-
-    rows = run(["--smoke", "--json", json_path])
-    assert all(row["max_rel_err"] < 1e-5 and row["overlapped_ms"] > 0 for row in rows), rows
-    return len(rows)
-
-
-def test_benchmark_smoke_run_on_a_ring(rank_pool, tmp_path):
-    path = tmp_path / "cp2.json"
-    assert rank_pool(2).run(benchmark_ring_smoke_case, str(path)) == [2, 2]
-    assert json.loads(path.read_text())["world_size"] == 2
