@@ -9,12 +9,12 @@ Any failure (an exception on some rank, a dead worker, a timeout) discards the w
 did not fail may be stuck in a collective with one that did, and no later case should inherit that.
 `get_pool` then starts a fresh one.
 
-Nor may a case leave a process group behind in module state (a cache in a test module or the library): its
-groups die with it (``Mesh.destroy``), but a destroyed gloo group still exchanges over its old connections, so
-a later case that picks the reference up talks to a group its peers left. It did: a cache keyed by
-``id(mesh)`` handed one rank the previous case's group whenever CPython put the new mesh at the freed one's
-address on that rank only, and the exchange waited out gloo's timeout, or not, by memory layout. A case
-after which a repository module holds a process group (other than the default one) fails, naming where.
+Nor may module state (a cache in a test module or the library) keep a process group past its destruction:
+a destroyed gloo group still exchanges over its old connections, so a later case that picks the reference up
+talks to a group its peers have left. It happened: a cache keyed by ``id(mesh)`` handed one rank the previous
+case's EP group whenever CPython put the new mesh at the freed one's address on that rank only, and the
+exchange waited out gloo's timeout, or not, by memory layout. A case after which a repository module still
+reaches a destroyed process group fails, naming where.
 """
 
 from __future__ import annotations
@@ -334,23 +334,23 @@ def _worker_main(
             fn = _resolve(spec)
             args, kwargs = pickle.loads(payload)  # after _resolve: arguments may be of classes in fn's module
             reply = pickle.dumps((True, fn(*args, **kwargs)))  # an unpicklable result fails here, on this rank
-            kept = _groups_kept_in_module_state()
+            kept = _destroyed_groups_in_module_state()
             if kept:
-                raise RuntimeError(f"the case left process groups in module state, where a later case would use "
-                                   f"them after their mesh is gone: {', '.join(kept)}")
+                raise RuntimeError(f"the case left destroyed process groups in module state, where a later case "
+                                   f"would exchange over them: {', '.join(kept)}")
         except BaseException:
             reply = pickle.dumps((False, traceback.format_exc()))
         _send(conn, reply)
     dist.destroy_process_group()
 
 
-def _groups_kept_in_module_state(max_depth: int = 6) -> list[str]:
-    """Where the repository's modules (tests, library, benchmarks) still reach a process group other than the
-    default one: module globals, into containers and instances' attributes, ``max_depth`` levels deep."""
+def _destroyed_groups_in_module_state(max_depth: int = 6) -> list[str]:
+    """Where the repository's modules (tests, library, benchmarks) still reach a destroyed process group: module
+    globals, into containers and instances' attributes, ``max_depth`` levels deep."""
     import torch
     import torch.distributed as dist
 
-    default = dist.group.WORLD
+    registered = dist.distributed_c10d._world.pg_map  # torch's live groups (private, in torch 2.11 and 2.13)
     skipped = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor,
                str, bytes, int, float, bool, type(None))
     found: list[str] = []
@@ -358,7 +358,7 @@ def _groups_kept_in_module_state(max_depth: int = 6) -> list[str]:
 
     def visit(value: Any, where: str, depth: int) -> None:
         if isinstance(value, dist.ProcessGroup):
-            if value is not default:
+            if value not in registered:
                 found.append(where)
             return
         if depth == 0 or isinstance(value, skipped) or id(value) in seen:

@@ -154,6 +154,7 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
                                                     torch.device("cpu"), E // mesh.ep.size, 60)
         transports = selectors[planning]
     layer = MoELayer(cfg, overlap, mesh.ep, transports, etp=mesh.etp, expert_mp=mesh.expert_mp)
+    assert layer.local == (mesh.ep.size == 1 and mesh.etp.size == 1)  # nothing to exchange: the local path
     if force_pipeline:
         layer.local = False
     w13, w2 = full_expert_weights()
@@ -290,7 +291,7 @@ def test_a_case_that_keeps_a_process_group_past_its_mesh_fails(rank_pool):
     """The suite once hung at random here: a selector cache keyed by id(mesh) handed a rank the previous case's
     destroyed EP group whenever its new mesh landed at the old one's address on that rank alone; that rank
     exchanged over the old group, its peer over the new one, until gloo's timeout. The pool fails such a case."""
-    with pytest.raises(RankPoolError, match=r"left process groups in module state.*test_moe_layer\._KEPT\[0\]\.group"):
+    with pytest.raises(RankPoolError, match=r"destroyed process groups in module state.*_KEPT\[0\]\.group"):
         rank_pool(2).run(keep_a_selector_past_its_mesh)
 
 
@@ -343,7 +344,8 @@ def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
                                      dict(capacity=3), dict(capacity=3, pad=True), dict(chunks=1, shared="serial")],
                          ids=["device", "host", "capacity", "padded", "shared"])
 def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
-    """EP=1: no exchange and no host sync whatever the dispatch switches say, against the naive formula."""
+    """EP=1: the local path (layer_case checks it) whatever the dispatch switches say, against the naive formula;
+    that it runs without a host sync is test_gpu_moe.py's."""
     assert moe_case("sparse", 2, **setting) < 1e-5
 
 
