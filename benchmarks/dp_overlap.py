@@ -17,7 +17,7 @@ Rows:
             overlapped run as configured; compute_only replaces the DP collectives by no-ops and gives the
             GEMMs the whole chip (the limit); --extra adds overlapped variants on other NCCL groups (CTA
             caps, NCCL's default, a high-priority stream) and/or another GEMM SM carve-out. Variants run
-            round-robin in blocks of --block steps (A B C A B C ..., DESIGN.md: clocks drift); a block's
+            round-robin in blocks of --block steps (A B C A B C ...: clocks drift under load); a block's
             first step follows a switch and is left out.
   buckets   each bucket's reduce-scatter (with its payload cast) and all-gather, alone
   summary   exposed communication (overlapped - compute_only) against the serial cost (serial -
@@ -427,7 +427,7 @@ class Probe:
         from moe_overlap.distributed.symm import symm_unavailable_reason
 
         if self.args.fabric == "slow":
-            return "slow fabric: symmetric memory would still use NVLink (DESIGN.md); NCCL only"
+            return "slow fabric: NCCL_P2P_DISABLE=1 slows NCCL only, symmetric memory would still use NVLink; NCCL only"
         return symm_unavailable_reason(self.mesh.dp.group, self.device)
 
     def timed(self, fn) -> float:

@@ -24,7 +24,8 @@ memory): the pipeline's own cost, which a two-GPU run adds to its communication.
 ``--carveout-probe`` adds, per shape, what a carve-out of N SMs costs the grouped GEMMs and what the push kernel
 moves per CTA alone and beside a carved-out GEMM (into its own memory on one GPU, a peer's on more): the values
 ``overlap.gemm_sm_carveout: auto`` sizes pushes by (layers/moe.py).
-Variants run round-robin (A B C A B C ...) and report medians: clocks drift under sustained load (DESIGN.md).
+Variants run round-robin (A B C A B C ...) and report medians: clocks drift under sustained load (the same
+grouped FFN took 4.29-5.82 ms within one H200 run).
 `--fabric slow` sets NCCL_P2P_DISABLE=1 (NCCL through host memory, standing in for an inter-node link) and
 forces the nccl transport. `--shapes tiny` runs on CPU with gloo (the CI smoke test).
 """

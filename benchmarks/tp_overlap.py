@@ -8,7 +8,7 @@ TP = the world size; 8192 tokens in total, 8192/TP rows per rank (sequence paral
   rs     14336/TP -> 4096 and 10240/TP -> 8192:        y = reduce_scatter(x @ W^T)
   layer  one transformer layer (attention + dense SwiGLU MLP, Mixtral-size) forward + backward, every TP
          switch off vs on (tp_comm_overlap_ag, _rs, bulk_dgrad, bulk_wgrad).
-A GEMM row times, round-robin (clocks drift under sustained load, DESIGN.md) and reports medians (the slowest
+A GEMM row times, round-robin (clocks drift under sustained load) and reports medians (the slowest
 rank's): serial (the collective, then the GEMM, or the reverse), overlapped (the ring), the ring's transport
 alone, the NCCL collective alone, the GEMM alone, limit = max(faster communication alone, GEMM alone), and
 torch's torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter (CUDA only). Multicast is off

@@ -8,6 +8,13 @@ level runs on every rank; arguments and results travel pickled.
 Any failure (an exception on some rank, a dead worker, a timeout) discards the whole pool: ranks that
 did not fail may be stuck in a collective with one that did, and no later case should inherit that.
 `get_pool` then starts a fresh one.
+
+Nor may module state (a cache in a test module or the library) keep a process group past its destruction:
+a destroyed gloo group still exchanges over its old connections, so a later case that picks the reference up
+talks to a group its peers have left. It happened: a cache keyed by ``id(mesh)`` handed one rank the previous
+case's EP group whenever CPython put the new mesh at the freed one's address on that rank only, and the
+exchange waited out gloo's timeout, or not, by memory layout. A case after which a repository module still
+reaches a destroyed process group fails, naming where.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -326,10 +334,53 @@ def _worker_main(
             fn = _resolve(spec)
             args, kwargs = pickle.loads(payload)  # after _resolve: arguments may be of classes in fn's module
             reply = pickle.dumps((True, fn(*args, **kwargs)))  # an unpicklable result fails here, on this rank
+            kept = _destroyed_groups_in_module_state()
+            if kept:
+                raise RuntimeError(f"the case left destroyed process groups in module state, where a later case "
+                                   f"would exchange over them: {', '.join(kept)}")
         except BaseException:
             reply = pickle.dumps((False, traceback.format_exc()))
         _send(conn, reply)
     dist.destroy_process_group()
+
+
+def _destroyed_groups_in_module_state(max_depth: int = 6) -> list[str]:
+    """Where the repository's modules (tests, library, benchmarks) still reach a destroyed process group: module
+    globals, into containers and instances' attributes, ``max_depth`` levels deep."""
+    import torch
+    import torch.distributed as dist
+
+    registered = dist.distributed_c10d._world.pg_map  # torch's live groups (private, in torch 2.11 and 2.13)
+    skipped = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor,
+               str, bytes, int, float, bool, type(None))
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, where: str, depth: int) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            if value not in registered:
+                found.append(where)
+            return
+        if depth == 0 or isinstance(value, skipped) or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            for key, item in list(value.items()):
+                visit(key, f"{where} key {key!r}", depth - 1)
+                visit(item, f"{where}[{key!r}]", depth - 1)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for index, item in enumerate(list(value)):
+                visit(item, f"{where}[{index}]", depth - 1)
+        elif isinstance(attributes := getattr(value, "__dict__", None), dict):
+            for name, item in list(attributes.items()):
+                visit(item, f"{where}.{name}", depth - 1)
+
+    roots = tuple(str(REPO_ROOT / package) + os.sep for package in ("tests", "moe_overlap", "benchmarks"))
+    for module in list(sys.modules.values()):
+        if (getattr(module, "__file__", None) or "").startswith(roots):
+            for name, value in list(vars(module).items()):
+                visit(value, f"{module.__name__}.{name}", max_depth)
+    return found
 
 
 def _send(conn: multiprocessing.connection.Connection, reply: bytes) -> None:

@@ -4,6 +4,7 @@ there) and two gloo ranks at EP=2 (off, on, compute-only), writing the JSON the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,4 +37,4 @@ def test_two_ranks_with_the_compute_only_limit(tmp_path):
     on = rows[1]
     # the overlapped run waits for its exchanges inside labelled stages; the local copy never waits for a peer
     assert on["exposed_comm_by_stage_ms"] and all(key.startswith("ep ") for key in on["exposed_comm_by_stage_ms"])
-    assert all(row["loss_last"] == row["loss_last"] for row in rows)  # finite: the copy leaves no garbage
+    assert all(math.isfinite(row["loss_last"]) for row in rows)  # the local copy leaves no garbage behind

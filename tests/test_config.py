@@ -1,5 +1,5 @@
 """Config loading: every bad value fails early with a ConfigError naming the field and the value given;
-not-yet-built features say "not implemented yet"; the shipped configs load (or fail as documented)."""
+not-yet-built features say "not implemented yet"; the shipped configs load."""
 
 from __future__ import annotations
 
@@ -351,7 +351,6 @@ def test_valid_worlds_for_tiny(world):
 # ------------------------------------------------------------------------------------ positive cases
 
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
-EXPECTED_NOT_YET: set[str] = set()  # every shipped config loads (deepseek_like.yaml since the full router)
 
 
 def test_shipped_configs_exist():
@@ -361,15 +360,7 @@ def test_shipped_configs_exist():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_config_loads(path):
-    if path.name in EXPECTED_NOT_YET:
-        # Keeps passing when the features land: then it must simply load.
-        try:
-            cfg = load_config(path)
-        except ConfigError as err:
-            assert NOT_YET in str(err) and str(err).startswith("model."), str(err)
-            return
-    else:
-        cfg = load_config(path)
+    cfg = load_config(path)
     p = cfg.parallel
     world = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
     world *= p.expert_model_parallel_size
@@ -377,17 +368,46 @@ def test_shipped_config_loads(path):
     validate_for_world(cfg, world, device)
 
 
-def test_deepseek_like_fails_naming_the_waiting_field():
-    try:
-        cfg = load_config(CONFIGS / "deepseek_like.yaml")
-    except ConfigError as err:
-        assert NOT_YET in str(err) and "waits for" in str(err), str(err)
-        assert err.field_name.startswith("model.moe_"), str(err)
-    else:  # the features have landed: then the file must say what it claims
-        m = cfg.model
-        assert (m.num_moe_experts, m.moe_router_topk, m.moe_router_score_function) == (64, 6, "sigmoid")
-        assert m.moe_router_enable_expert_bias and m.moe_shared_expert_intermediate_size == 2816
-        assert not m.is_moe_layer(0) and all(m.is_moe_layer(i) for i in range(1, m.num_layers))
+def test_deepseek_like_loads_and_a_small_copy_trains_a_step_with_its_router(tmp_path):
+    """configs/deepseek_like.yaml waits for nothing: its router (sigmoid scores, group-limited top-k, the
+    aux-loss-free expert bias, the sequence-level auxiliary loss) and shared expert are built. The file has
+    the dimensions it states, and a copy shrunk to CPU size (same router and layer pattern) trains a step."""
+    import math
+
+    import torch
+
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.models.mixtral import count_parameters
+    from moe_overlap.training.trainer import Trainer
+
+    path = CONFIGS / "deepseek_like.yaml"
+    m = load_config(path).model
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_router_score_function) == (64, 6, "sigmoid")
+    assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_load_balancing_type) == (8, 4,
+                                                                                                      "seq_aux_loss")
+    assert m.moe_router_enable_expert_bias and m.moe_shared_expert_intermediate_size == 2816
+    assert not m.is_moe_layer(0) and all(m.is_moe_layer(i) for i in range(1, m.num_layers))
+    assert abs(count_parameters(m) - 9.0e9) <= 0.05e9  # "about 9.0B parameters", as the file says
+
+    tokens = 4 * 16  # global batch 4 x seq_length 16
+    cfg = load_config(path, [
+        "model.num_layers=3", "model.moe_layer_freq=[0,1,1]", "model.hidden_size=32", "model.ffn_hidden_size=64",
+        "model.num_attention_heads=4", "model.seq_length=16", "model.moe_ffn_hidden_size=16",
+        "model.moe_shared_expert_intermediate_size=32", "parallel.expert_model_parallel_size=1",
+        "train.device=cpu", "train.precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=4",
+        "train.eval_interval=0", f"train.output_dir={tmp_path}", "checkpoint.save_final=false"])
+    trainer = Trainer(cfg, Mesh.single(), torch.device("cpu"))
+    routers = trainer.model.routers()
+    assert sorted(routers) == [1, 2]  # the first layer is dense
+    metrics = trainer.train_step()
+    assert math.isfinite(metrics["loss"]) and not metrics["skipped"]
+    assert metrics["aux_loss"] > 0  # the sequence-level balance loss is in the step
+    rate = cfg.model.moe_router_bias_update_rate
+    for layer, router in routers.items():
+        load_E = torch.tensor(metrics["tokens_per_expert"][str(layer)], dtype=torch.float32)
+        assert load_E.sum() == tokens * 6  # every token's 6 copies, none dropped
+        # aux-loss-free balancing: each expert's bias moved one step against its load's deviation from the mean
+        assert torch.equal(router.expert_bias, rate * torch.sign(load_E.mean() - load_E))
 
 
 def test_mixtral_8x7b_dimensions_and_parameter_count():

@@ -14,6 +14,7 @@ from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, grouped_swiglu_reference
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.mlp import swiglu
+from tests.rankpool import RankPoolError
 
 H, F, E, TOKENS = 16, 24, 8, 12
 
@@ -111,38 +112,34 @@ def rank_inputs(rank: int, routing: str, topk: int):
 SHARED_F = 16
 
 
-def moe_case(routing: str, topk: int, **setting) -> float:
+def moe_case(routing: str, topk: int, etp: int = 1, selectors: dict | None = None, **setting) -> float:
     """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula (see
-    :func:`layer_case` for ``setting``)."""
+    :func:`layer_case` for ``selectors`` and ``setting``)."""
+    return moe_cases(routing, topk, [setting], etp, selectors)[0]
+
+
+def moe_cases(routing: str, topk: int, settings: list[dict], etp: int = 1,
+              selectors: dict | None = None) -> list[float]:
+    """Many settings on one mesh (making gloo groups is the slow part of a case), sharing one transport selector
+    per planning mode, as a model's layers share one. The selectors hold the mesh's EP group, so they live and
+    die with the mesh: one kept past it (a module-level cache) would hand a later case a destroyed group."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    etp = setting.get("etp", 1)
     mesh = Mesh.create(MeshLayout(world, ep=world // etp, etp=etp), timeout_s=60) if world > 1 else Mesh.single()
+    selectors = {} if selectors is None else selectors
     try:
-        return layer_case(mesh, routing, topk, **setting)
+        return [layer_case(mesh, selectors, routing, topk, etp=etp, **setting) for setting in settings]
     finally:
         mesh.destroy()
 
 
-def moe_cases(routing: str, topk: int, settings: list[dict], etp: int = 1) -> list[float]:
-    """Many settings on one mesh (making gloo groups is the slow part of a case)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    mesh = Mesh.create(MeshLayout(world, ep=world // etp, etp=etp), timeout_s=60) if world > 1 else Mesh.single()
-    try:
-        return [layer_case(mesh, routing, topk, etp=etp, **setting) for setting in settings]
-    finally:
-        mesh.destroy()
-
-
-_SELECTORS: dict = {}  # one per (mesh, planning), as a model shares one between its layers
-
-
-def layer_case(mesh, routing: str, topk: int, chunks: int = 0, planning: str = "auto", capacity: int | None = None,
-               pad: bool = False, shared: str = "off", delay_wgrad: bool = False, etp: int = 1,
-               force_pipeline: bool = False, selector=None) -> float:
+def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, planning: str = "auto",
+               capacity: int | None = None, pad: bool = False, shared: str = "off", delay_wgrad: bool = False,
+               etp: int = 1, force_pipeline: bool = False) -> float:
     """chunks 0 is the serial path; >= 1 the pipeline with that many chunks, its sizes planned by ``planning``
     (host, or device: on CPU the gloo twin of the SM push). shared: off, serial (shared expert outside the
     pipeline), overlap (inside the dispatch gap). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
-    group), instead of the local path the layer picks there; ``selector``: the transports it uses then."""
+    group), instead of the local path the layer picks there. ``selectors``: the pipeline's transports per
+    planning mode, made over ``mesh``'s EP group for a mode it lacks."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
                       moe_pad_expert_input_to_capacity=pad,
@@ -150,14 +147,14 @@ def layer_case(mesh, routing: str, topk: int, chunks: int = 0, planning: str = "
                       moe_shared_expert_overlap=shared == "overlap")
     overlap = OverlapConfig(moe_pipeline=chunks > 0, moe_pipeline_chunks=max(chunks, 1),
                             delay_wgrad_compute=delay_wgrad, moe_planning=planning)
-    transports = selector
-    if chunks and selector is None:
-        key = (id(mesh), planning)
-        if key not in _SELECTORS:
-            _SELECTORS[key] = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
-                                                E // mesh.ep.size, 60)
-        transports = _SELECTORS[key]
+    transports = None
+    if chunks:
+        if planning not in selectors:
+            selectors[planning] = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks,
+                                                    torch.device("cpu"), E // mesh.ep.size, 60)
+        transports = selectors[planning]
     layer = MoELayer(cfg, overlap, mesh.ep, transports, etp=mesh.etp, expert_mp=mesh.expert_mp)
+    assert layer.local == (mesh.ep.size == 1 and mesh.etp.size == 1)  # nothing to exchange: the local path
     if force_pipeline:
         layer.local = False
     w13, w2 = full_expert_weights()
@@ -279,6 +276,25 @@ def test_device_planned_pipeline_refuses_ranks_with_different_token_counts(rank_
         rank_pool(2).run(moe_cases, "random", 2, [dict(planning="device", chunks=2)])
 
 
+_KEPT: list = []
+
+
+def keep_a_selector_past_its_mesh() -> None:
+    """What this module's selector cache did: a transport selector, and with it the EP group, outlives its mesh."""
+    world = dist.get_world_size()
+    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60)
+    _KEPT.append(TransportSelector("host", "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), E // world, 60))
+    mesh.destroy()
+
+
+def test_a_case_that_keeps_a_process_group_past_its_mesh_fails(rank_pool):
+    """The suite once hung at random here: a selector cache keyed by id(mesh) handed a rank the previous case's
+    destroyed EP group whenever its new mesh landed at the old one's address on that rank alone; that rank
+    exchanged over the old group, its peer over the new one, until gloo's timeout. The pool fails such a case."""
+    with pytest.raises(RankPoolError, match=r"destroyed process groups in module state.*_KEPT\[0\]\.group"):
+        rank_pool(2).run(keep_a_selector_past_its_mesh)
+
+
 class OneRankTransports:
     """A one-rank group's symmetric transport on CPU, its regions in this process's memory: the copy engine's
     copies and (interpreted) the SM push kernel, with the same routes and flow as on GPUs."""
@@ -310,8 +326,8 @@ def test_pipeline_over_one_rank_for_every_transport(monkeypatch, transport):
     planning = "device" if transport in ("sm_push", "gloo_device") else "host"
     for routing in ("first_rank_only", "sparse"):  # chunks 1..3 carry no rows at all / experts 2, 5 idle
         for setting in settings:
-            selector = None if transport.startswith("gloo") else OneRankTransports(transport)
-            assert moe_case(routing, 2, planning=planning, force_pipeline=True, selector=selector, **setting) < 1e-5
+            selectors = None if transport.startswith("gloo") else {planning: OneRankTransports(transport)}
+            assert moe_case(routing, 2, planning=planning, force_pipeline=True, selectors=selectors, **setting) < 1e-5
 
 
 def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
@@ -328,7 +344,8 @@ def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
                                      dict(capacity=3), dict(capacity=3, pad=True), dict(chunks=1, shared="serial")],
                          ids=["device", "host", "capacity", "padded", "shared"])
 def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
-    """EP=1: no exchange and no host sync whatever the dispatch switches say, against the naive formula."""
+    """EP=1: the local path (layer_case checks it) whatever the dispatch switches say, against the naive formula;
+    that it runs without a host sync is test_gpu_moe.py's."""
     assert moe_case("sparse", 2, **setting) < 1e-5
 
 

@@ -19,7 +19,8 @@ Transports move the ring's chunks, one hop per step, and run the bulk collective
         ProcessGroupNCCL runs on its own stream, ordered after the work the current stream has queued when the
         call is made; ``wait`` makes the current stream wait without blocking the host.
   symm  copy-engine peer copies into registered buffers (distributed/symm.py), GPU ranks of one host: the data
-        moves without SMs, so it hides under a full-chip GEMM where NCCL's kernels compete with it (DESIGN.md).
+        moves without SMs, so it hides under a full-chip GEMM where NCCL's kernels compete with it for SMs
+        (measured on H200: a 128 MiB push beside a full-chip GEMM about 57-76% hidden, 32 MiB or less hardly).
 Every wait is bounded: gloo and NCCL by the group's timeout (set in Mesh.create), symm signals by their own.
 """
 
