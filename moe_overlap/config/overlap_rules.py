@@ -1,0 +1,200 @@
+"""The rules of the overlap switches and of what they compose with: TP communication overlap, the MoE pipeline and
+its graphs, pairing micro-batches, pipeline schedules and their P2P, the distributed optimizer, communicator CTAs
+and the GEMM carve-out. ``validate_overlaps`` checks them in one fixed order (the first broken rule is the one
+reported)."""
+
+from __future__ import annotations
+
+from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
+                                       not_implemented, require)
+
+MAX_NCCL_CTAS = 64  # NCCL's MAXCHANNELS
+
+
+def validate_overlaps(cfg: Config) -> None:
+    m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
+    _validate_overlap(o, p, m)
+    _validate_pipeline(cfg)
+    _validate_moe_overlap(m, o, p)
+    _validate_moe_cuda_graph(t, o, p)
+    _validate_expert_wgrad_pairs(t, o, m, p)
+    _validate_microbatch_overlap(cfg)
+    _validate_distributed_optimizer(o, t)
+    _validate_comm_resources(o)
+
+
+def _validate_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
+    require(o.tp_comm_num_splits >= 1, "overlap.tp_comm_num_splits", o.tp_comm_num_splits, "must be >= 1")
+    require(o.moe_pipeline_chunks >= 1, "overlap.moe_pipeline_chunks", o.moe_pipeline_chunks, "must be >= 1")
+    _validate_tp_overlap(o, p, m)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The schedule and its P2P switches: each needs PP > 1; a schedule fits the virtual stages."""
+    p, o, t = cfg.parallel, cfg.overlap, cfg.train
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    for name, value in (("overlap.overlap_p2p_comm", o.overlap_p2p_comm), ("overlap.batch_p2p_comm", o.batch_p2p_comm),
+                        ("train.pipeline_schedule", t.pipeline_schedule)):
+        require(pp > 1 or value in (False, None), name, value,
+                 "has no effect without pipeline parallelism (parallel.pipeline_model_parallel_size > 1)")
+    # As Megatron: a batch ends when all its transfers have, so an early receive would hold its sends back.
+    require(not (o.overlap_p2p_comm and o.batch_p2p_comm), "overlap.batch_p2p_comm", True,
+             "and overlap.overlap_p2p_comm=true cannot both be set: a batched call ends with its last transfer, "
+             "so a receive posted early would hold back the sends batched with it")
+    schedule = t.pipeline_schedule
+    if schedule == "interleaved_1f1b":
+        require(vpp > 1, "train.pipeline_schedule", schedule,
+                 "needs parallel.virtual_pipeline_model_parallel_size > 1")
+    if schedule == "1f1b":
+        require(vpp == 1, "train.pipeline_schedule", schedule,
+                 f"runs one model chunk per rank; with virtual_pipeline_model_parallel_size={vpp} use "
+                 "interleaved_1f1b or all_forward_all_backward")
+    if schedule == "zb_h1":
+        require(vpp == 1, "train.pipeline_schedule", schedule,
+                 "not implemented yet over virtual stages (ZB-V); use interleaved_1f1b, or zb_h1 without "
+                 "parallel.virtual_pipeline_model_parallel_size")
+        require(t.recompute_granularity == "none", "train.pipeline_schedule", schedule,
+                 "not implemented yet with train.recompute_granularity='full' (a deferred weight gradient would "
+                 "need the recomputed activations); use 1f1b")
+    if pp > 1 and t.moe_cuda_graph:
+        raise not_implemented("train.moe_cuda_graph", True, False,
+                               "graphed MoE layers under pipeline parallelism (a graph keeps one micro-batch's "
+                               "activations; a pipeline holds several)")
+
+
+def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
+    """One switch per overlap, each under the master switch tp_comm_overlap, all only with sequence parallelism."""
+    sub_switches = ("tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad", "tp_comm_bulk_dgrad",
+                    "tp_comm_bulk_wgrad")
+    for name in ("tp_comm_overlap",) + sub_switches:
+        if getattr(o, name) and not p.sequence_parallel:
+            raise ConfigError(f"overlap.{name}", True, "TP communication overlap needs parallel.sequence_parallel=true")
+    for name in sub_switches:
+        require(not getattr(o, name) or o.tp_comm_overlap, f"overlap.{name}", True,
+                 "needs the master switch overlap.tp_comm_overlap=true")
+    require(o.tp_comm_backend == "auto" or o.tp_comm_overlap, "overlap.tp_comm_backend", o.tp_comm_backend,
+             "needs overlap.tp_comm_overlap=true (the serial TP path uses the process group's own collectives)")
+    if o.tp_comm_overlap:
+        require(any(getattr(o, name) for name in sub_switches), "overlap.tp_comm_overlap", True,
+                 "turns nothing on by itself: set one or more of " + ", ".join(f"overlap.{n}" for n in sub_switches))
+    require(not (o.tp_comm_bulk_wgrad and o.tp_comm_overlap_rs_dgrad), "overlap.tp_comm_bulk_wgrad", True,
+             "has nothing to hide with overlap.tp_comm_overlap_rs_dgrad=true (that ring already carries the dgrad's "
+             "reduce-scatter); set one of them")
+    pipelined = o.tp_comm_overlap_ag or o.tp_comm_overlap_rs or o.tp_comm_overlap_rs_dgrad
+    if not pipelined:
+        require(o.tp_comm_num_splits == OverlapConfig().tp_comm_num_splits, "overlap.tp_comm_num_splits",
+                 o.tp_comm_num_splits, "has no effect without a pipelined overlap (overlap.tp_comm_overlap_ag, "
+                 "overlap.tp_comm_overlap_rs or overlap.tp_comm_overlap_rs_dgrad)")
+        return
+    block = m.seq_length // (p.tensor_model_parallel_size * p.context_parallel_size)
+    require(block % o.tp_comm_num_splits == 0, "overlap.tp_comm_num_splits", o.tp_comm_num_splits,
+             f"must divide the per-rank sequence block, model.seq_length / (parallel.tensor_model_parallel_size x "
+             f"parallel.context_parallel_size) = {block}")
+
+
+def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -> None:
+    """The MoE pipeline's fields: each needs the pipeline; planning and transport must agree on where sizes are;
+    chunks are runs of local experts."""
+    defaults = OverlapConfig()
+    for name in ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only"):
+        if getattr(o, name) != getattr(defaults, name):
+            require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
+                     "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
+                     "sizes and the process group's own all-to-all)")
+    host_sized = ("nccl", "copy_engine")
+    require(not (o.moe_planning == "device" and o.moe_transport in host_sized), "overlap.moe_transport",
+             o.moe_transport, "takes host sizes: it cannot run with overlap.moe_planning=device (use sm_push, or "
+             "auto)")
+    require(not (o.moe_planning == "host" and o.moe_transport == "sm_push"), "overlap.moe_transport", "sm_push",
+             "takes device sizes: it cannot run with overlap.moe_planning=host (use device, or auto)")
+    if o.moe_planning == "device" and (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+        raise not_implemented("overlap.moe_planning", "device", "host or auto",
+                               "device planning with expert_tensor_parallel_size > 1: the expert-TP gather takes "
+                               "host sizes")
+    if o.moe_compute_only:
+        require(p.expert_model_parallel_size > 1, "overlap.moe_compute_only", True,
+                 "needs parallel.expert_model_parallel_size > 1 (one EP rank exchanges nothing)")
+        if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+            raise not_implemented("overlap.moe_compute_only", True, False,
+                                   "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
+    if m.moe_shared_expert_overlap:
+        require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
+                 "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")
+    if o.ep_comm_ctas is not None:
+        require(1 <= o.ep_comm_ctas <= MAX_NCCL_CTAS, "overlap.ep_comm_ctas", o.ep_comm_ctas,
+                 f"must be between 1 and {MAX_NCCL_CTAS} (or null: NCCL's choice)")
+        require(p.expert_model_parallel_size > 1, "overlap.ep_comm_ctas", o.ep_comm_ctas,
+                 "needs parallel.expert_model_parallel_size > 1 (one EP rank has no EP communicator)")
+    if m.num_moe_experts is not None:
+        local = m.num_moe_experts // p.expert_model_parallel_size
+        require(o.moe_pipeline_chunks <= local, "overlap.moe_pipeline_chunks", o.moe_pipeline_chunks,
+                 f"must be <= the local experts, model.num_moe_experts / parallel.expert_model_parallel_size "
+                 f"= {local} (a chunk is a run of local experts)")
+
+
+def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig) -> None:
+    if not t.moe_cuda_graph:
+        return
+    require((o.moe_pipeline and o.moe_planning == "device")
+             or (p.expert_model_parallel_size == 1 and p.tensor_model_parallel_size == 1),
+             "train.moe_cuda_graph", True, "needs overlap.moe_pipeline=true with overlap.moe_planning=device, or one "
+             "EP rank (a graph cannot hold the host-planned paths' host sync)")
+    if p.tensor_model_parallel_size != 1:
+        raise not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers under tensor parallelism")
+    if t.recompute_granularity != "none":
+        raise not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers with recomputation")
+
+
+def _validate_microbatch_overlap(cfg: Config) -> None:
+    """``overlap.overlap_moe_expert_parallel_comm``: PP=1, an exchange that can be split into stages."""
+    m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
+    if not o.overlap_moe_expert_parallel_comm:
+        return
+    name = "overlap.overlap_moe_expert_parallel_comm"
+    require(m.num_moe_experts is not None, name, True, "needs MoE layers (model.num_moe_experts)")
+    if p.pipeline_model_parallel_size > 1:
+        raise not_implemented(name, True, False, "under pipeline parallelism: the 1F1B steady state's pairs")
+    if t.recompute_granularity != "none":
+        raise not_implemented(name, True, False, "with train.recompute_granularity='full': a layer's stages "
+                                                  "would each recompute on their own")
+    exchanging = p.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1
+    require(not exchanging or o.moe_pipeline, name, True, "needs overlap.moe_pipeline=true with more than one "
+             "EP or expert-TP rank: the serial exchange blocks, so nothing could run beside it")
+    if exchanging and t.moe_cuda_graph:
+        raise not_implemented(name, True, False, "with train.moe_cuda_graph and an exchange: a graphed layer is one "
+                                                  "stage, its exchange cannot be split (one EP rank: graphs run)")
+
+
+def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig, p: ParallelConfig) -> None:
+    if not t.expert_wgrad_pairs:
+        return
+    require(m.num_moe_experts is not None, "train.expert_wgrad_pairs", True, "needs MoE layers (model.num_moe_experts)")
+    if t.moe_cuda_graph:
+        raise not_implemented("train.expert_wgrad_pairs", True, False,
+                               "with train.moe_cuda_graph: a graph replays one backward, not alternating ones")
+    if o.moe_pipeline:
+        raise not_implemented("train.expert_wgrad_pairs", True, False,
+                               "with overlap.moe_pipeline, whose chunks schedule their own weight gradients")
+    if p.pipeline_model_parallel_size > 1:
+        raise not_implemented("train.expert_wgrad_pairs", True, False,
+                               "under pipeline parallelism, whose schedule interleaves other micro-batches' backwards")
+
+
+def _validate_comm_resources(o: OverlapConfig) -> None:
+    if o.dp_comm_ctas is not None:
+        require(1 <= o.dp_comm_ctas <= MAX_NCCL_CTAS, "overlap.dp_comm_ctas", o.dp_comm_ctas,
+                 f"must be between 1 and {MAX_NCCL_CTAS} (or null: NCCL's choice)")
+    require(o.gemm_sm_carveout == "auto" or o.gemm_sm_carveout >= 0, "overlap.gemm_sm_carveout",
+             o.gemm_sm_carveout, "must be >= 0, or auto")
+
+
+def _validate_distributed_optimizer(o: OverlapConfig, t: TrainConfig) -> None:
+    if o.bucket_size_mb is not None:
+        require(o.bucket_size_mb > 0, "overlap.bucket_size_mb", o.bucket_size_mb,
+                 "must be > 0 (or null: one Transformer layer per bucket)")
+    if t.use_distributed_optimizer:
+        return
+    needs = "needs train.use_distributed_optimizer=true (the plain all-reduce optimizer has no buckets)"
+    for name in ("overlap_grad_sync", "overlap_param_sync"):
+        require(not getattr(o, name), f"overlap.{name}", getattr(o, name), needs)
+    require(o.bucket_size_mb is None, "overlap.bucket_size_mb", o.bucket_size_mb, needs)

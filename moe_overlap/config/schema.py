@@ -1,0 +1,295 @@
+"""The run configuration's schema: typed sections (model / parallel / overlap / train / data / checkpoint), what
+each field means and its default, and the error every check raises.
+
+Field names follow Megatron-Core / NeMo where the meaning is the same. Every error names the field
+(``section.name``), the value given and what is allowed. A field whose behaviour is not built yet is
+rejected with "not implemented yet" when set to anything but its default, never accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field, the value and what is allowed."""
+
+    def __init__(self, field_name: str, value: Any, allowed: str):
+        self.field_name, self.value, self.allowed = field_name, value, allowed
+        super().__init__(f"{field_name}={value!r}: {allowed}")
+
+
+def not_implemented(field_name: str, value: Any, default: Any, waits_for: str) -> ConfigError:
+    return ConfigError(field_name, value, f"not implemented yet ({waits_for}); only {default!r} is supported")
+
+
+def require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """A rule: unless ``ok``, the field ``name`` with ``value`` fails, saying what is ``allowed``."""
+    if not ok:
+        raise ConfigError(name, value, allowed)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 384
+    num_attention_heads: int = 8
+    num_query_groups: Optional[int] = None  # None: multi-head attention (= num_attention_heads)
+    vocab_size: int = 256
+    seq_length: int = 128
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    share_embeddings_and_output_weights: bool = False
+    kv_channels: Optional[int] = None  # channels per attention head; None: hidden_size / num_attention_heads
+    add_qkv_bias: bool = False  # a bias on the query, key and value projections (Qwen2)
+    qk_layernorm: bool = False  # RMSNorm of queries and keys before RoPE
+    # its channels: each head's (one weight shared by the heads: Qwen3, Megatron) or a token's whole query /
+    # key projection (a weight per channel: OLMoE)
+    qk_layernorm_scope: Literal["head", "all_heads"] = "head"
+    # MoE. num_moe_experts None: a dense model.
+    num_moe_experts: Optional[int] = None
+    # Megatron semantics: an int N makes every N-th layer (0, N, 2N, ...) MoE; a list of 0/1 per layer.
+    moe_layer_freq: Union[int, list[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
+    moe_router_topk: int = 2
+    # False (Mixtral): softmax over the top-k logits. True: softmax over all experts, then top-k.
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    # Benchmarks only (torchtitan's debug switch): copy j of token t goes to expert (t * topk + j) mod experts, the
+    # weights are the router's scores there; the model does not learn routing.
+    moe_router_force_load_balancing: bool = False
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False  # the shared expert's output scaled by a per-token sigmoid gate (Qwen2-MoE)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        if self.num_moe_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return layer_index % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer_index])
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    # How the ring attention's key-value blocks move between CP ranks (Megatron's name); only p2p is built.
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # None: tensor_model_parallel_size
+    sequence_parallel: bool = False
+    # Uneven pipeline split (Megatron's names): layers on the first / last pipeline rank (over all its virtual
+    # stages); the other ranks share the rest evenly. None: an even split.
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+
+
+@dataclass
+class OverlapConfig:
+    overlap_grad_sync: bool = False
+    overlap_param_sync: bool = False
+    grad_sync_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Distributed optimizer buckets (Megatron's ddp_bucket_size, in MB of grad_sync_dtype payload);
+    # None: one Transformer layer per bucket (dense and expert parameters in separate buckets).
+    bucket_size_mb: Optional[float] = None
+    # CTAs (NCCL channels) of the data-parallel communicators that reduce gradients and gather parameters
+    # (mesh groups dp, dp_cp, edp); null: NCCL's choice. Few CTAs leave the SMs to the GEMMs they hide under.
+    dp_comm_ctas: Optional[int] = None
+    # The same for the expert-parallel communicator (mesh group ep: the MoE all-to-all over nccl).
+    ep_comm_ctas: Optional[int] = None
+    # SMs a GEMM with communication beside it leaves free (torch's SM carve-out), so that a communication kernel
+    # starts at once instead of queueing behind the GEMM's full-chip grid: the MoE pipeline's grouped GEMMs while
+    # rows move beside them (an SM push takes that many CTAs), and with the distributed optimizer's overlaps the
+    # GEMMs its syncs run beside (the first micro-batch's forward, the last one's backward). 0: none; auto: the
+    # measured pairings (2 x ep_comm_ctas, 4 x dp_comm_ctas; 0 without a cap) and, for SM pushes, the CTAs that
+    # move a chunk's rows in its GEMM's time.
+    gemm_sm_carveout: Union[int, Literal["auto"]] = 0
+    tp_comm_overlap: bool = False
+    tp_comm_overlap_ag: bool = False
+    tp_comm_overlap_rs: bool = False
+    tp_comm_overlap_rs_dgrad: bool = False
+    tp_comm_bulk_dgrad: bool = False
+    tp_comm_bulk_wgrad: bool = False
+    tp_comm_num_splits: int = 4
+    tp_comm_backend: Literal["auto", "p2p", "symm"] = "auto"
+    # Ring attention: the next key-value block (and a block's gradient) moves while the block in hand is computed.
+    cp_comm_overlap: bool = False
+    overlap_p2p_comm: bool = False
+    batch_p2p_comm: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    # The MoE exchange as a pipeline of chunks (runs of local experts) beside the grouped GEMMs, forward and
+    # backward; false: the serial reference (one all-to-all each way, sizes from the host).
+    moe_pipeline: bool = False
+    moe_pipeline_chunks: int = 1
+    # Where the pipeline's exchange sizes are planned: host (one fetch of every rank's counts per layer, exact
+    # buffers), device (no host sync, worst-case buffers, CUDA-graph capturable), auto (device when the
+    # transport takes device sizes).
+    moe_planning: Literal["auto", "host", "device"] = "auto"
+    # What moves the rows: nccl, copy_engine (symmetric memory, host sizes), sm_push (Triton stores into
+    # symmetric memory, device sizes), gloo (CPU); auto: sm_push or copy_engine on one host with peer access
+    # (by moe_planning), else nccl; gloo on CPU.
+    moe_transport: Literal["auto", "nccl", "copy_engine", "sm_push", "gloo"] = "auto"
+    # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
+    # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
+    # expert GEMMs on exactly the rows each rank would receive without moving them. The loss means nothing.
+    moe_compute_only: bool = False
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    max_steps: int = 200
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup_steps: int = 10
+    lr_decay_steps: Optional[int] = None  # None: max_steps
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
+    on_nonfinite_grad: Literal["skip", "stop"] = "skip"  # a NaN/inf gradient norm skips the step, or stops
+    # Shard fp32 master weights and Adam states over data-parallel ranks (Megatron's name); false: the
+    # plain all-reduce optimizer, the serial reference.
+    use_distributed_optimizer: bool = False
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    recompute_granularity: Literal["none", "full"] = "none"
+    # Pipeline schedule (PP > 1); null: 1f1b, or interleaved_1f1b with virtual stages.
+    pipeline_schedule: Optional[Literal["all_forward_all_backward", "1f1b", "interleaved_1f1b", "zb_h1"]] = None
+    # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_planning=device).
+    moe_cuda_graph: bool = False
+    # Sum the experts' weight gradients of two consecutive micro-batches in one grouped kernel: main_grad is read
+    # and written once per pair (fewer, larger experts gain most), one micro-batch's wgrad inputs kept per layer.
+    expert_wgrad_pairs: bool = False
+    # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.
+    peak_tflops: float = 788.0
+    # [first, last] (1-based): profile those steps on profile_ranks into <output_dir>/profile (trace, timeline,
+    # the step's time by kind of work); null: no profile.
+    profile_steps: Optional[list[int]] = None
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    eval_interval: int = 50  # 0: never
+    eval_iters: int = 4
+    log_interval: int = 1
+    output_dir: str = "runs/default"
+    # auto: continue from the newest good checkpoint if there is one, else start fresh; true: the same, but a
+    # missing checkpoint is a warning; required: a missing checkpoint is an error; false: start fresh (and
+    # refuse a checkpoint.dir whose checkpoints this run's saves would overwrite).
+    resume: Union[bool, Literal["auto", "required"]] = "auto"
+    # Stop cleanly (finish the step, save, exit 0) after this many minutes of training, as Megatron's
+    # --exit-duration-in-mins; null: no limit.
+    exit_duration_min: Optional[float] = None
+    # A checkpoint (an imported Hugging Face model, or a run's) whose model weights a fresh run starts from;
+    # each rank reads its own slices. A resumable checkpoint of this run takes precedence (train.resume).
+    init_from: Optional[str] = None
+    distributed_timeout_s: float = 120.0
+
+
+@dataclass
+class DataConfig:
+    # None: the bundled public-domain corpus, byte-level tokens; synthetic:uniform or synthetic:zipf:S: ids drawn
+    # from a stream seeded by train.seed, no file (synthetic_source); else a flat token file.
+    path: Optional[str] = None
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    validation_fraction: float = 0.05
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 0  # steps between saves; 0: only the final save
+    save_final: bool = True
+    dir: Optional[str] = None  # None: <train.output_dir>/checkpoints
+    keep_last: int = 2
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.train.output_dir) / "checkpoints"
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        return self.parallel.expert_tensor_parallel_size or self.parallel.tensor_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        p = self.parallel
+        return world_size // (p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size)
+
+    def num_micro_batches(self, world_size: int) -> int:
+        """Micro-batches each data-parallel rank runs per step (gradient accumulation)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size(world_size))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+@dataclass(frozen=True)
+class SyntheticSource:
+    """A ``data.path`` of ``synthetic:uniform`` or ``synthetic:zipf:S``: ids over the vocabulary, no file."""
+
+    distribution: Literal["uniform", "zipf"]
+    exponent: Optional[float] = None  # Zipf's S > 0: id r is drawn with probability proportional to (r + 1)^-S
+
+
+def synthetic_source(path: Optional[str]) -> Optional[SyntheticSource]:
+    """The synthetic source ``data.path`` names; None for a token file or the bundled corpus (null)."""
+    if path is None or not path.startswith(SYNTHETIC_PREFIX):
+        return None
+    parts = path[len(SYNTHETIC_PREFIX):].split(":")
+    if parts == ["uniform"]:
+        return SyntheticSource("uniform")
+    if len(parts) == 2 and parts[0] == "zipf":
+        try:
+            exponent = float(parts[1])
+        except ValueError:
+            exponent = math.nan
+        if math.isfinite(exponent) and exponent > 0:
+            return SyntheticSource("zipf", exponent)
+    raise ConfigError("data.path", path, "a synthetic source is synthetic:uniform or synthetic:zipf:S with a Zipf "
+                                         "exponent S > 0 (e.g. synthetic:zipf:1.1)")
