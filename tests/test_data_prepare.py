@@ -15,7 +15,7 @@ import torch
 from moe_overlap.cli import main
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.training.data_prepare import check_token_index
+from moe_overlap.training.token_file import check_token_index
 from moe_overlap.training.trainer import Trainer
 from tests.test_hf import our_logits, rel_err, tiny_hf_model
 

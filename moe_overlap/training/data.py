@@ -23,10 +23,7 @@ import torch
 
 from moe_overlap.config import Config, ConfigError, SyntheticSource, synthetic_source
 from moe_overlap.distributed.context_parallel import split_sequence
-from moe_overlap.training.data_prepare import check_token_index
-
-# Files are little-endian so a token file moves between machines unchanged.
-TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+from moe_overlap.training.token_file import TOKEN_DTYPES, check_token_index
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), int64 [micro_batch_size, seq_length]
 

@@ -3,7 +3,7 @@
 PREFIX.bin holds every document's tokens followed by the tokenizer's EOS token, documents in input order,
 as the flat little-endian file the trainer memory-maps (``data.path``): uint16 when the vocabulary fits,
 else uint32 (``data.dtype``). PREFIX.json indexes it: documents, tokens, dtype, the tokenizer and its
-vocabulary size; the trainer checks the config against it (:func:`check_token_index`).
+vocabulary size; the trainer checks the config against it (token_file.check_token_index).
 
 Inputs: ``.jsonl`` files hold one JSON object per line whose ``field`` (default "text") is a document;
 any other file is one document of UTF-8 text. The tokenizer loads from local files only (a directory, or
@@ -24,18 +24,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from moe_overlap.config import ConfigError, synthetic_source
+from moe_overlap.training.token_file import INDEX_FORMAT, TOKEN_DTYPES, index_path, token_dtype_for
 
-INDEX_FORMAT = "moe_overlap token file v1"
 _BATCH_DOCUMENTS = 256  # documents encoded per tokenizer call
 EOS_TOKEN = "<|endoftext|>"  # the end-of-document token of a tokenizer trained here
 _NEEDS_HF = "data prepare needs Hugging Face tokenizers: pip install transformers tokenizers"
-
-
-def index_path(bin_path: str | os.PathLike) -> Path:
-    """PREFIX.json beside PREFIX.bin."""
-    path = Path(bin_path)
-    return path.with_suffix(".json") if path.suffix == ".bin" else path.with_name(path.name + ".json")
 
 
 def load_tokenizer(name_or_dir: str):
@@ -73,10 +66,6 @@ def train_bpe(paths: list[Path], field: str, vocab_size: int, out_dir: Path) -> 
                                   initial_alphabet=alphabet, show_progress=False)
     tokenizer.train_from_iterator((document for path in paths for document in read_documents(path, field)), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN).save_pretrained(out_dir)
-
-
-def token_dtype_for(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
 def read_documents(path: Path, field: str):
@@ -150,7 +139,6 @@ def prepare(inputs: list[str], tokenizer: str | None, out: str, field: str = "te
     for target in (bin_path, index_path(bin_path)) + ((trained_dir,) if train_bpe_vocab is not None else ()):
         if target.exists():
             raise FileExistsError(f"{target}: already exists; choose another --out (nothing is overwritten)")
-    from moe_overlap.training.data import TOKEN_DTYPES  # here: workers need neither it nor torch
 
     if train_bpe_vocab is not None:
         train_bpe(paths, field, train_bpe_vocab, trained_dir)
@@ -198,23 +186,3 @@ def prepare(inputs: list[str], tokenizer: str | None, out: str, field: str = "te
              "eos_token_id": eos, "field": field, "inputs": [str(p) for p in paths]}
     index_path(bin_path).write_text(json.dumps(index, indent=2) + "\n")
     return index
-
-
-def check_token_index(path: str | None, dtype: str, vocab_size: int) -> None:
-    """With PREFIX.json beside a token file: the file is whole, data.dtype is its dtype and the model's
-    vocabulary holds the tokenizer's."""
-    if path is None or synthetic_source(path) is not None or not index_path(Path(path).expanduser()).is_file():
-        return  # the bundled corpus, a synthetic source, or a token file without an index
-    index_file = index_path(Path(path).expanduser())
-    index = json.loads(index_file.read_text())
-    if index.get("format") != INDEX_FORMAT:
-        return  # not ours: nothing to check against
-    if index["dtype"] != dtype:
-        raise ConfigError("data.dtype", dtype, f"{path} holds {index['dtype']} tokens (its index {index_file})")
-    if index["vocab_size"] > vocab_size:
-        raise ConfigError("model.vocab_size", vocab_size, f"must be >= {index['vocab_size']}, the vocabulary of "
-                          f"tokenizer {index['tokenizer']!r} that wrote {path}")
-    size = Path(path).expanduser().stat().st_size
-    if size != index["tokens"] * np.dtype(dtype).itemsize:
-        raise ConfigError("data.path", path, f"{size} bytes, its index {index_file} promises {index['tokens']} "
-                          f"{dtype} tokens: truncated or rewritten?")
