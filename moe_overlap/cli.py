@@ -247,7 +247,7 @@ def _train(cfg: Config, debug: bool = False) -> int:
     from moe_overlap.training.trainer import Trainer, init_distributed
 
     owns_group = not dist.is_initialized()  # a caller's group (tests) outlives this run
-    monitor = None
+    monitor = mesh = None
     try:
         mesh, device = init_distributed(cfg)
         monitor = RankMonitor.start(cfg.train.distributed_timeout_s)
@@ -261,9 +261,11 @@ def _train(cfg: Config, debug: bool = False) -> int:
         text = f"{kind}: {err}" if str(err) else kind
         if monitor is not None:
             monitor.finish(text)
+        rank = _rank()
+        _release_groups(mesh, owns_group)  # every rank stops here alike: nothing is left in flight
         if debug:
             raise
-        if _rank() == 0:
+        if rank == 0:
             print(f"moe-overlap: {text}", file=sys.stderr)
         return code
     except (dist.DistError, RuntimeError) as err:
@@ -280,10 +282,18 @@ def _train(cfg: Config, debug: bool = False) -> int:
         last = history[-1]
         print(f"done: step {last['step']} loss {last['loss']:.4f}"
               + (f" val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-    mesh.destroy()
+    _release_groups(mesh, owns_group)
+    return 0
+
+
+def _release_groups(mesh, owns_group: bool) -> None:
+    """The run's process groups go with it (the default group too, unless a caller made it)."""
+    import torch.distributed as dist
+
+    if mesh is not None:
+        mesh.destroy()
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
-    return 0
 
 
 def _exit_on_failed_collective(err: BaseException, cfg: Config, monitor, debug: bool) -> None:

@@ -350,9 +350,9 @@ class Mesh:
     def destroy(self) -> None:
         """Destroy the process groups this mesh created, so a worker can build another mesh.
 
-        The handles keep their (now dead) groups: using the mesh afterwards fails loudly instead of
-        silently skipping collectives.
-        """
+        The handles keep their (now destroyed) groups, so a collective through the mesh afterwards is not skipped
+        as on a one-rank group: NCCL refuses it; gloo may still run it over the old connections, so never reuse a
+        destroyed mesh (the test suite's rank pool fails a case that leaves one reachable)."""
         for group in self._owned_groups:
             set_exposed_kind(group, None)
             dist.destroy_process_group(group)
