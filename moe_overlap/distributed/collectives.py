@@ -88,14 +88,6 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGr
     return output
 
 
-def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup,
-                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """Sum ``tensor`` over the group and keep this rank's dim-0 shard in ``output`` (blocking)."""
-    with exposed_wait(exposed_kind(group)):
-        start_reduce_scatter(output, tensor, group, op).wait()
-    return output
-
-
 def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-to-all of equal dim-0 slices, no autograd (used for the per-expert token counts)."""
     if group is None:

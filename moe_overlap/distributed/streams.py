@@ -14,7 +14,6 @@ import torch
 
 from moe_overlap.kernels.device_clock import add_clock
 
-_COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 EXPOSED_KINDS = ("ep", "tp", "dp", "pp", "cp")
 
 
@@ -52,15 +51,6 @@ def gemm_sm_carveout(sms: int) -> Iterator[None]:
         yield
     finally:
         torch._C._set_sm_carveout_experimental(before)
-
-
-def comm_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
-    """The device's side stream for communication (one per device, made on first use); None on CPU."""
-    if device.type != "cuda":
-        return None
-    if device not in _COMM_STREAMS:
-        _COMM_STREAMS[device] = torch.cuda.Stream(device)
-    return _COMM_STREAMS[device]
 
 
 @contextlib.contextmanager
