@@ -1,10 +1,11 @@
 """The MoE exchange's rules table (moe_overlap/exchange_rules.py): each rule refuses what it should, in its one
-message, whoever reads it (the transport choice, config validation), and README's "What runs where" is its
-rendering."""
+message, whoever reads it (the transport choice, graph capture, the layer, config validation), and README's
+"What runs where" is its rendering."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -155,6 +156,23 @@ def test_the_table_carries_what_config_validation_promises(case):
     message = str(refusal)
     assert message.startswith(f"{field}=") and value in message
     assert all(fragment in message for fragment in fragments), message
+
+
+def test_graph_capture_and_the_layer_refuse_with_the_rules_message():
+    from moe_overlap.config import ModelConfig, OverlapConfig
+    from moe_overlap.distributed.mesh import GroupHandle
+    from moe_overlap.layers.moe import MoELayer, capture_moe_layers
+
+    cfg = ModelConfig(hidden_size=16, ffn_hidden_size=24, num_moe_experts=8, moe_router_topk=2)
+    two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
+    serial = MoELayer(cfg, OverlapConfig(), two_ranks)
+    with pytest.raises(ValueError) as err:
+        capture_moe_layers((serial,), (1, 4, 16))
+    assert str(err.value) == str(graph_refusal(False, "host", True))
+    device_planned = SimpleNamespace(planning="device")  # a selector made for expert-TP = 1
+    with pytest.raises(ValueError) as err:
+        MoELayer(cfg, OverlapConfig(moe_pipeline=True), two_ranks, device_planned, etp=two_ranks, expert_mp=two_ranks)
+    assert str(err.value) == str(expert_tp_refusal("device", 2))
 
 
 def test_readme_prints_the_table_from_the_rules():
