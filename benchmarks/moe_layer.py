@@ -435,21 +435,21 @@ class Probe:
     def __init__(self, bench: Bench, layer, shape: Shape, x, chunks: int = 1):
         torch = bench.torch
         from moe_overlap.layers.device_plan import DevicePlanner
-        from moe_overlap.layers.dispatcher import DispatchPlanner, chunk_bounds, start_counts_fetch
+        from moe_overlap.layers.host_plan import HostPlanner
 
         self.bench, self.layer, self.shape = bench, layer, shape
         ep, local = bench.mesh.ep, shape.experts // bench.mesh.ep.size
         with torch.no_grad():
             x_TH = x.detach().reshape(-1, shape.hidden)
             routing = layer.router(x_TH)
-            self.plans = {"host": DispatchPlanner(shape.experts, ep, chunks, x.device).plan(
-                routing.experts_TK, None, None, start_counts_fetch(routing.tokens_per_expert_E, ep))}
-            self.worst_bytes = ep.size * shape.tokens * shape.topk * shape.hidden * x.element_size()
-            for transport in bench.transports["device"]:
-                counts_SE = bench.selector("device", transport, local).transport(self.worst_bytes).gather_counts(
-                    routing.tokens_per_expert_E)
-                self.plans["device"] = DevicePlanner(shape.experts, ep, chunk_bounds(local, chunks), x.device).plan(
-                    routing.experts_TK, None, None, False, counts_SE)
+            row_bytes = shape.hidden * x.element_size()
+            host = HostPlanner(shape.experts, ep, chunks, False, None, x.device, row_bytes)
+            self.plans = {"host": host.plan(routing)}
+            self.worst_bytes = ep.size * shape.tokens * shape.topk * row_bytes
+            for transport in bench.transports["device"]:  # the plan's counts gathered by that transport
+                self.plans["device"] = DevicePlanner(shape.experts, ep, chunks, False,
+                                                     bench.selector("device", transport, local), x.device,
+                                                     row_bytes).plan(routing)
         layout = self.plans["host"].exchange.layout
         self.send_RH = torch.randn(shape.tokens * shape.topk, shape.hidden, device=x.device, dtype=x.dtype)
         self.grouped_RH = torch.randn(layout.recv_total, shape.hidden, device=x.device, dtype=x.dtype)
@@ -490,12 +490,12 @@ class Probe:
         """One dispatch exchange per transport, alone and beside the GEMMs; and the GEMMs alone."""
         from moe_overlap.layers.experts import experts_forward
 
-        host = self.plans["host"].exchange
+        host, chunk_experts = self.plans["host"].exchange, self.plans["host"].chunk_experts
         w13, w2 = self.layer.experts.w13.detach(), self.layer.experts.w2.detach()
-        chunks = len(host.chunk_experts)
+        chunks = len(chunk_experts)
 
         def gemm():
-            for chunk, (first, last) in enumerate(host.chunk_experts):
+            for chunk, (first, last) in enumerate(chunk_experts):
                 start, stop = host.layout.recv_range(chunk)
                 experts_forward(self.grouped_RH[start:stop], host.offsets[chunk], w13[first:last], w2[first:last])
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_overlap.distributed.a2a import choose_exchange, exchange_layout
+from moe_overlap.distributed.a2a_routes import exchange_layout
+from moe_overlap.exchange_rules import choose_exchange
 
 
 @pytest.mark.parametrize("planning,transport,device,reason,chosen", [
@@ -76,7 +77,7 @@ def test_tp_ring_transport_choice_names_its_field_and_falls_back_to_p2p():
 
 @pytest.mark.parametrize("shape", [(2, 3), (4, 1), (1, 5), (3, 4)])
 def test_block_transpose_matches_a_stable_sort_by_target_block(shape):
-    from moe_overlap.layers.dispatcher import block_transpose
+    from moe_overlap.layers.host_plan import block_transpose
 
     rows_AB = np.random.default_rng(sum(shape)).integers(0, 4, shape)
     rows_AB[0, 0] = 0  # an empty block

@@ -300,7 +300,8 @@ class OneRankTransports:
     copies and (interpreted) the SM push kernel, with the same routes and flow as on GPUs."""
 
     def __init__(self, name: str):
-        from moe_overlap.distributed.a2a import CopyEngineTransport, PushTransport
+        from moe_overlap.distributed.a2a_host import CopyEngineTransport
+        from moe_overlap.distributed.a2a_push import PushTransport
 
         self.name, self.planning = name, "device" if name == "sm_push" else "host"
         self.kind = PushTransport if name == "sm_push" else CopyEngineTransport
@@ -355,7 +356,7 @@ def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
     ("auto", "nccl", 4, 4, 8, False), ("auto", "nccl", 4, None, 0, False), ("auto", "copy_engine", 4, None, 0, False),
     ("auto", "sm_push", 4, None, "pushes", False)])
 def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want, paired):
-    from moe_overlap.layers.moe import auto_push_sms
+    from moe_overlap.tuning import auto_push_sms
 
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
     overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, gemm_sm_carveout=carveout,
@@ -368,7 +369,7 @@ def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want
 
 
 def test_auto_carveout_sizes_pushes_by_bytes_and_gemm_time():
-    from moe_overlap.layers.moe import MAX_PUSH_CTAS, auto_push_sms
+    from moe_overlap.tuning import MAX_PUSH_CTAS, auto_push_sms
 
     fine = auto_push_sms(32768, 7168, 2048, 4, 2)
     assert fine == 22  # a chunk's 235 MB both ways in its 1.20 ms of forward GEMM, at 9 MB per CTA-ms
@@ -377,17 +378,20 @@ def test_auto_carveout_sizes_pushes_by_bytes_and_gemm_time():
     assert auto_push_sms(32768, 7168, 65536, 4, 2) == 1 and auto_push_sms(32768, 7168, 64, 4, 2) == MAX_PUSH_CTAS
 
 
-def test_dropless_plan_sizes_the_permutation_before_the_counts_arrive():
+def test_dropless_plan_sizes_the_permutation_before_the_counts_arrive(monkeypatch):
     """All copies mapped: the permuted rows are known without the counts, so the permutation is queued before
     the layer's one host sync; the exchange plan waits for the counts once, on first use."""
-    from moe_overlap.layers.dispatcher import DispatchPlanner
+    from moe_overlap.layers import host_plan
 
     ep = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
     experts_TK = torch.tensor([[0, 3], [1, 2], [3, 0]])
     counts_SE = torch.tensor([[2, 1, 1, 2], [1, 1, 2, 2]])
     fetches = []
-    plan = DispatchPlanner(4, ep, 1, torch.device("cpu")).plan(experts_TK, None, None,
-                                                               lambda: fetches.append(1) or counts_SE)
+    monkeypatch.setattr(host_plan, "start_counts_fetch", lambda tokens_per_expert_E, group:
+                        lambda: fetches.append(1) or counts_SE)  # the fetch started, waited for on first use
+    routing = SimpleNamespace(experts_TK=experts_TK, keep_TK=None, capacity=None,
+                              tokens_per_expert_E=torch.bincount(experts_TK.flatten(), minlength=4))
+    plan = host_plan.HostPlanner(4, ep, 1, False, None, torch.device("cpu"), H * 4).plan(routing)
     assert plan.num_rows == 6 and not fetches
     assert plan.exchange.layout.send_total == 6 and plan.exchange.layout.recv_total == 5 and fetches == [1]
     plan.exchange

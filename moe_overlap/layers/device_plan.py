@@ -1,9 +1,9 @@
 """The device-planned dispatch (``overlap.moe_planning: device``): every size stays on the GPU, so a layer call
 never waits for the host and can be captured in a CUDA graph.
 
-The host-planned plan (dispatcher.py) fetches every rank's counts to the host once per layer, because NCCL and
-copy-engine exchanges take host sizes. Here the counts are gathered on the device (or are static: padded
-capacity), and the routes of both directions follow from them with static shapes:
+The host-planned plan (host_plan.py) fetches every rank's counts to the host once per layer, because NCCL and
+copy-engine exchanges take host sizes. Here the transport gathers the counts on the device (or they are static:
+padded capacity), and the routes of both directions follow from them with static shapes:
 
   permuted rows   this rank's token copies ordered (chunk, destination rank, local expert), as on the host, in a
                   buffer of R rows: T x K (dropless; with drops the kept copies come first) or E x capacity
@@ -18,6 +18,9 @@ capacity), and the routes of both directions follow from them with static shapes
 The memory price of no host sync is the worst case: a chunk's tensors hold EP x R rows whatever the routing
 (host planning sizes them exactly). The math is the host plan's: the same rows meet the same weights in the
 same (local expert, source rank) order.
+
+Letters: E global experts, L local experts, S source rank, D destination rank, B a slot's block (an expert's
+rows in the permuted order), C chunk, R permuted rows, W compact receive rows.
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.distributed.a2a import DeviceRoutes
+from moe_overlap.distributed.a2a import TransportSelector
+from moe_overlap.distributed.a2a_exchange import Transport
+from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.kernels.permute import copy_rows
 from moe_overlap.kernels.routes import fill_routes
+from moe_overlap.layers.exchange_plan import Planner
+from moe_overlap.layers.router import Routing
 
 
 @dataclass
 class DevicePlan:
-    """What the pipeline needs of one layer call, all sizes on the device (see DispatchPlan for the host's)."""
+    """One layer call's plan with every size on the device (see exchange_plan.Plan)."""
 
     row_of_copy_TK: torch.Tensor  # int32 permuted row of each copy, -1 if dropped
     num_rows: int  # static rows of the permuted buffer
@@ -42,24 +48,24 @@ class DevicePlan:
     chunk_experts: list[tuple[int, int]]
     routes: DeviceRoutes
     offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets within its tensor
+    transport: Transport
+    expert_tp = None  # device planning with expert-TP > 1 is refused (exchange_rules.expert_tp_refusal)
 
 
 def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cumsum(x, dim) - x
 
 
-class DevicePlanner:
-    """Builds a layer's DevicePlan each call; the row order is the host planner's (same slots, same chunks)."""
+class DevicePlanner(Planner):
+    """Builds a layer call's DevicePlan from the counts its transport gathers on the device; the row order is the
+    host planner's (the same slots, the same chunks)."""
 
-    def __init__(self, num_experts: int, ep: GroupHandle, bounds: list[tuple[int, int]], device: torch.device):
-        self.num_experts, self.ep, self.bounds = num_experts, ep, bounds
-        ranks, local = ep.size, num_experts // ep.size
-        order = [d * local + l for start, stop in bounds for d in range(ranks) for l in range(start, stop)]
-        self.expert_of_slot = torch.tensor(order, dtype=torch.long, device=device)
-        self.slot_of_expert = torch.empty_like(self.expert_of_slot)
-        self.slot_of_expert[self.expert_of_slot] = torch.arange(num_experts, device=device)
-        self.rank_of_slot = (self.expert_of_slot // local).to(torch.int32)
-        self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(local)  # blocks (l, s)
+    def __init__(self, num_experts: int, ep: GroupHandle, chunks: int, pad_to_capacity: bool,
+                 transports: TransportSelector, device: torch.device, row_bytes: int):
+        super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes)
+        ranks, bounds = ep.size, self.chunk_experts
+        self.rank_of_slot = (self.expert_of_slot // self.local).to(torch.int32)
+        self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(self.local)  # (l, s)
         self.first_slot = torch.tensor([ranks * start for start, _ in bounds], device=device)
         self.last_slot = torch.tensor([ranks * stop - 1 for _, stop in bounds], device=device)
         self.first_expert = torch.tensor([start for start, _ in bounds], device=device)
@@ -71,16 +77,19 @@ class DevicePlanner:
         """Padded capacity: every rank sends ``capacity`` rows to every expert."""
         if capacity not in self._static_counts:
             self._static_counts[capacity] = torch.full((self.ep.size, self.num_experts), capacity,
-                                                       dtype=torch.int64, device=self.slot_of_expert.device)
+                                                       dtype=torch.int64, device=self.device)
         return self._static_counts[capacity]
 
-    def plan(self, experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, capacity: int | None, padded: bool,
-             counts_SE: torch.Tensor) -> DevicePlan:
-        """``counts_SE[source rank, global expert]``: every rank's (kept) copies, on the device."""
+    def plan(self, routing: Routing) -> DevicePlan:
+        padded = self.padded(routing)
+        transport = self.transport(routing)
+        # every rank's (kept) copies per global expert, [source rank, expert], on the device
+        counts_SE = (self.static_counts(routing.capacity) if padded
+                     else transport.gather_counts(routing.tokens_per_expert_E))
         E, D, me = self.num_experts, self.ep.size, self.ep.rank
-        L = E // D
-        row_of_copy_TK, _, _ = copy_rows(self.slot_of_expert[experts_TK], E, capacity if padded else None, keep_TK)
-        R = E * capacity if padded else experts_TK.numel()
+        L = self.local
+        row_of_copy_TK = self.permute_copies(routing)
+        R = self.permuted_rows(routing)
         # Static sizes assume one micro-batch shape on every EP rank; checked on the device.
         torch._assert_async(torch.all(counts_SE.sum(1) <= R), f"overlap.moe_planning=device: every EP rank must "
                             f"route at most {R} copies (the same micro-batch shape on every rank)")
@@ -107,8 +116,8 @@ class DevicePlanner:
         recv_start_C = recv_start_DLS[me, :, 0][self.first_expert]
         recv_rows_C = recv_end_L[self.last_expert] - recv_start_C
         offsets_L = (recv_end_L - recv_start_C[self.chunk_of_expert]).to(torch.int32)
-        chunk_rows = [D * capacity * (b - a) if padded else W for a, b in self.bounds]
+        chunk_rows = [D * routing.capacity * (b - a) if padded else W for a, b in self.chunk_experts]
         routes = DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, recv_start_C, recv_rows_C,
                               back_rank_W, back_row_W, R, W, chunk_rows)
-        offsets = [offsets_L[a:b] for a, b in self.bounds]
-        return DevicePlan(row_of_copy_TK, R, not padded, self.bounds, routes, offsets)
+        offsets = [offsets_L[a:b] for a, b in self.chunk_experts]
+        return DevicePlan(row_of_copy_TK, R, not padded, self.chunk_experts, routes, offsets, transport)

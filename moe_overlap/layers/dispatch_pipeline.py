@@ -1,12 +1,12 @@
 """The MoE layer's pipeline (``overlap.moe_pipeline``): the exchange cut into chunks of local experts and run
-beside the grouped GEMMs, forward and backward, with sizes planned on the host or the device and any transport
-(distributed/a2a.py); the serial path (dispatcher.py) is its reference.
+beside the grouped GEMMs, forward and backward, on a plan made on the host or the device (exchange_plan.py) with
+its transport (distributed/a2a_exchange.py); the serial path (dispatcher.py) is its reference.
 
 Forward, in the order the host issues the work (so that each GEMM is launched before the transfers that run
 beside it: a push launched first would hold SMs that the GEMM's launch waits for):
 
     permute; chunk 0 on its way                                   DispatchStart
-    (the caller's shared expert: runs while chunk 0 travels)
+    (the layer's shared expert, with moe_shared_expert_overlap: runs while chunk 0 travels)
     for chunk i:  wait for chunk i, take its rows out of the receive buffer; its grouped GEMMs (carve-out on)
                   chunk i-1's outputs start back to their tokens' ranks     } beside GEMM i
                   chunk i+1 starts to the experts                           }
@@ -20,7 +20,8 @@ the rows it needs for the backward in the same pass, the permutation's backward 
 in place (the copy-out of a symmetric region fused with them). Three autograd Functions bracket the work, each
 starting an exchange that the next one waits for (the backward likewise, in reverse), so that whatever the
 caller runs between them fills the gaps: the shared expert, or, with ``overlap_moe_expert_parallel_comm``,
-another micro-batch's stages (training/microbatch_overlap.py), the autograd graph cut between them:
+another micro-batch's stages (training/microbatch_overlap.py), the autograd graph cut between them. MoELayer's
+three steps (start_dispatch, run_experts, finish_combine) call them:
 
     token = DispatchStart.apply(x_TH, state)
     shared_out = shared_expert(x)
@@ -35,31 +36,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.distributed.a2a_exchange import FromExperts, ToExperts
 from moe_overlap.distributed.streams import Event, gemm_sm_carveout
 from moe_overlap.kernels.permute import permute, permute_backward, unpermute, unpermute_backward
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
-from moe_overlap.layers.dispatcher import ExpertTPPlan, gather_from_expert_tp, sum_to_expert_tp_owners
+from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
+from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
 
 
 @dataclass
 class PipelineState:
-    """What the two Functions of one layer call share."""
+    """What the three Functions of one layer call share: its plan (and the plan's transport) and the exchanges in
+    flight between them."""
 
-    plan: object  # DispatchPlan (host) or DevicePlan: row_of_copy_TK, num_rows, all_rows_mapped, chunk_experts,
-    #               routes, offsets
-    transport: object  # distributed/a2a.py
+    plan: Plan
     sms: int  # SMs the GEMMs leave free while rows move beside them (a push's CTAs); 0: none
     delay_wgrad: bool
-    expert_tp: tuple[list[ExpertTPPlan], GroupHandle] | None = None  # per chunk, with expert-TP > 1
     paired: bool = False  # another micro-batch's compute runs beside the first and last transfers (never alone)
-    dispatch: object = None  # the exchanges in flight between the Functions
-    combine: object = None
-    grad_dispatch: object = None
-    grad_combine: object = None
-    saved: list = field(default_factory=list)  # per chunk: (grouped rows, fc1 output)
+    dispatch: ToExperts | None = None
+    combine: FromExperts | None = None
+    grad_dispatch: ToExperts | None = None
+    grad_combine: FromExperts | None = None
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per chunk: grouped rows, fc1 out
 
     def carveout(self):
         """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
@@ -71,19 +71,19 @@ class PipelineState:
 def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's rows as its grouped GEMMs take them, with their offsets: under expert-TP, every peer's
     rows gathered (each rank runs its FFN slice on all of them) and regrouped by expert."""
-    if state.expert_tp is None:
+    if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]
-    plans, etp = state.expert_tp
-    gathered_RH = gather_from_expert_tp(rows_RH, plans[chunk], etp)
-    return gathered_RH.index_select(0, plans[chunk].regroup_index), plans[chunk].offsets
+    expert_tp = state.plan.expert_tp[chunk]
+    gathered_RH = gather_from_expert_tp(rows_RH, expert_tp)
+    return gathered_RH.index_select(0, expert_tp.regroup_index), expert_tp.offsets
 
 
 def _rows_from_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) -> torch.Tensor:
     """The adjoint of :func:`_rows_for_experts`: under expert-TP, each peer's rows back to it, summed."""
-    if state.expert_tp is None:
+    if state.plan.expert_tp is None:
         return rows_RH
-    plans, etp = state.expert_tp
-    return sum_to_expert_tp_owners(rows_RH.index_select(0, plans[chunk].ungroup_index), plans[chunk], etp)
+    expert_tp = state.plan.expert_tp[chunk]
+    return sum_to_expert_tp_owners(rows_RH.index_select(0, expert_tp.ungroup_index), expert_tp)
 
 
 class DispatchStart(torch.autograd.Function):
@@ -95,10 +95,10 @@ class DispatchStart(torch.autograd.Function):
         plan = state.plan
         permuted_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
         # host-planned: waits for the counts here, after the permutation was queued
-        state.dispatch = state.transport.to_experts(permuted_RH, plan.routes, state.sms)
+        state.dispatch = plan.transport.to_experts(permuted_RH, plan.routes, state.sms)
         state.dispatch.send(0, alone=not state.paired)  # the pipeline's fill: no expert GEMM beside it
         ctx.state, ctx.x_dtype = state, x_TH.dtype
-        return x_TH.new_empty(0)  # orders ExpertsCombine after this; carries no data
+        return x_TH.new_empty(0)  # orders Experts after this; carries no data
 
     @staticmethod
     def backward(ctx, _grad_token: torch.Tensor):
@@ -135,7 +135,7 @@ class Experts(torch.autograd.Function):
     def forward(ctx, _token: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
                 state: PipelineState) -> torch.Tensor:
         plan, dispatch = state.plan, state.dispatch
-        state.combine = state.transport.from_experts(plan.routes, w2_EFH.shape[-1], w2_EFH, state.sms)
+        state.combine = plan.transport.from_experts(plan.routes, w2_EFH.shape[-1], w2_EFH, state.sms)
         state.saved = []
 
         def compute(chunk: int, rows_RH: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ class Experts(torch.autograd.Function):
         plan = state.plan
         w13_EHF2, w2_EFH = ctx.weights
         grad_dispatch, state.grad_dispatch = state.grad_dispatch, None
-        grad_combine = state.transport.from_experts(plan.routes, w13_EHF2.shape[1], w13_EHF2, state.sms)
+        grad_combine = plan.transport.from_experts(plan.routes, w13_EHF2.shape[1], w13_EHF2, state.sms)
         deferred = is_deferring()  # a zero-bubble schedule's W computes the weight gradients (deferred_wgrad.py)
         jobs = [None] * len(plan.chunk_experts)  # per chunk: what its weight gradients need (None: no rows)
         wgrads = [None] * len(plan.chunk_experts)  # per chunk: fc1, fc2 weight gradients (None: into main_grad)
@@ -223,7 +223,7 @@ class Combine(torch.autograd.Function):
         probs_TK, combined_RH = ctx.saved_tensors
         grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
                                                          probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
-        state.grad_dispatch = state.transport.to_experts(grad_rows_RH.to(ctx.rows_dtype), plan.routes, state.sms)
+        state.grad_dispatch = plan.transport.to_experts(grad_rows_RH.to(ctx.rows_dtype), plan.routes, state.sms)
         state.grad_dispatch.send(0, alone=not state.paired)
         if grad_probs_TK is not None:
             grad_probs_TK = grad_probs_TK.to(probs_TK.dtype)

@@ -1,5 +1,5 @@
 """Experts as grouped GEMMs (torch._grouped_mm): SwiGLU fc1 -> fc2 over rows sorted by local expert.
-Rows past the last offset are not computed (a static worst-case buffer of the sync-free dispatch): the
+Rows past the last offset are not computed (a static worst-case buffer of the device-planned exchange): the
 GEMMs skip them (measured: no cost, and garbage there reaches no valid output or weight gradient), and so
 does the SwiGLU kernel.
 

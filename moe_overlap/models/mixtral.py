@@ -71,9 +71,9 @@ class TransformerLayer(nn.Module):
         auxiliary losses so far; tokens: tokens per expert by layer) returning what they add to it. The autograd
         graph is cut between them (training/microbatch_overlap.py). A MoE layer whose exchange runs (the pipeline
         over more than one rank) is cut at its exchanges, each started at the end of one stage and waited for at
-        the start of the next: attention, router and permute, dispatch started | shared expert, expert GEMMs,
-        combine started | combine waited, unpermute. Otherwise: attention | MLP (a one-rank MoE layer whole, so
-        that train.moe_cuda_graph replays it)."""
+        the start of the next, by the layer's own three steps: attention, then router, permute, dispatch started |
+        (shared expert,) expert GEMMs, combine started | combine waited, unpermute (, shared expert). Otherwise:
+        attention | MLP (a one-rank MoE layer whole, so that train.moe_cuda_graph replays it)."""
         mlp = self.mlp
 
         def attention(carry: dict) -> dict:
@@ -88,26 +88,23 @@ class TransformerLayer(nn.Module):
             out_BSH, aux_loss, carry["tokens"][index] = run(carry["m"])
             return {"x": carry["h"] + out_BSH, "aux": carry["aux"] + aux_loss}
 
-        if not (self.is_moe and mlp.pipelined and not mlp.local):
+        if not (self.is_moe and mlp.stepped):
             return [(f"{index}.attention", attention), (f"{index}.mlp", whole_mlp)]
 
         def attention_dispatch(carry: dict) -> dict:
             out = attention(carry)
-            m_TH = out["m"].reshape(-1, out["m"].shape[-1])
-            routing = mlp.router(m_TH)
+            routing, token, state = mlp.start_dispatch(out["m"].flatten(0, -2), paired=True)
             carry["tokens"][index] = routing.tokens_per_expert_E
-            token, state = mlp.start_dispatch(m_TH, routing, paired=True)
             return dict(out, token=token, probs=routing.probs_TK, state=state,
                         aux=carry["aux"] + routing.aux_loss + routing.z_loss)
 
         def experts(carry: dict) -> dict:
-            out = {} if mlp.shared_expert is None else {"shared": mlp.shared_expert(carry["m"].flatten(0, -2))}
-            return dict(out, token=mlp.run_experts(carry["token"], carry["state"]))
+            token, shared_TH = mlp.run_experts(carry["m"].flatten(0, -2), carry["token"], carry["state"])
+            return {"token": token, "shared": shared_TH}
 
         def combine(carry: dict) -> dict:
-            out_TH = mlp.combine(carry["token"], carry["probs"], carry["state"])
-            if mlp.shared_expert is not None:
-                out_TH = out_TH + carry["shared"]
+            out_TH = mlp.finish_combine(carry["m"].flatten(0, -2), carry["token"], carry["probs"], carry["state"],
+                                        carry["shared"])
             return {"x": carry["h"] + out_TH.view_as(carry["h"])}
 
         return [(f"{index}.attention", attention_dispatch), (f"{index}.experts", experts),
@@ -150,7 +147,8 @@ class MixtralModel(nn.Module):
         if overlap.moe_pipeline and cfg.num_moe_experts and (mesh.ep.size > 1 or mesh.etp.size > 1):
             transports = TransportSelector(overlap.moe_planning, overlap.moe_transport, mesh.ep.group,  # every MoE
                                            mesh.ep.ranks, torch.device(device or "cpu"),  # layer shares one
-                                           overlap.moe_pipeline_chunks, timeout_s, overlap.moe_compute_only)
+                                           overlap.moe_pipeline_chunks, timeout_s, overlap.moe_compute_only,
+                                           mesh.etp.size)
         # With tied weights the last stage keeps its own copy of the table for the output layer (Megatron's).
         self.embedding = (Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
                           if pre_process or (post_process and tied) else None)

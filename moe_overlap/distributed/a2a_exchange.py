@@ -1,0 +1,131 @@
+"""The MoE pipeline's row exchange, the interface every transport implements, and the streams it runs on.
+
+An exchange moves rows in chunks of local experts, in one of two directions:
+  to the experts    a rank's permuted rows (ordered chunk, destination rank, local expert) to their experts'
+                    owners, handed over per chunk in the experts' grouped order (local expert, source rank), in
+                    a private tensor the grouped GEMM reads from row 0 (rows past the chunk's offsets: unused)
+  from the experts  a chunk's grouped rows back to the ranks that own their tokens, in those ranks' permuted
+                    order; ``result()`` holds every chunk's rows once all arrived
+The backward uses the same two: a gradient travels the other way.
+
+    to = transport.to_experts(send_RH, routes, sms)       from_ = transport.from_experts(routes, width, like, sms)
+    to.send(i, alone)         # chunk i starts moving (alone: no GEMM beside it, so at full width)
+    rows = to.recv(i)         # the compute stream waits for chunk i (an exposed EP wait) and takes its rows
+    from_.send(i, rows, ready)   # after the ``ready`` event (the GEMM that made the rows)
+    all_rows = from_.result(); ...; from_.finish()   # ``transient``: a symmetric region, read before finish
+    to.finish()
+
+The routes come from the layer's plan (a2a_routes.py). Transports (``overlap.moe_transport``; a2a.py picks one):
+  nccl          the EP process group's all-to-all (its communicator held to ``overlap.ep_comm_ctas``); host sizes
+  copy_engine   peer copies into symmetric memory on a copy stream, no SMs; host sizes, one host   (a2a_host.py)
+  sm_push       a Triton kernel stores rows into the peers' symmetric memory (kernels/push_rows.py); device
+                sizes, one host                                                                     (a2a_push.py)
+  gloo          the CPU process group; host sizes, or with device planning the twin of sm_push (same routes)
+``overlap.moe_compute_only`` (a benchmark's reference) keeps every exchange's sizes, signals and small messages but
+lands each rank's rows in its own memory instead of the peers': the step without the transfers' cost, each layer
+still waiting for its slowest peer. The loss means nothing then.
+Transfers run on the transport's side stream (NCCL's own, the copy stream, or the push stream); a push takes as
+many CTAs as the GEMMs beside it leave SMs free (``sms``), and with none free it runs on the compute stream
+between them at full width, where it cannot stall a GEMM's launch (README, "What overlaps on Hopper"). A chunk's rows
+are taken out of the receive buffer on the compute stream, at full width, just before its GEMMs: a local copy of
+a few tens of microseconds, which beside the GEMMs would need as many SMs as the transfer itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from moe_overlap.distributed.streams import Event, exposed_wait, use_stream
+
+
+class ExchangeStreams:
+    """The compute stream and the side stream an exchange's work runs on beside it (CUDA); on CPU, or with no
+    side stream, everything runs in order on the compute stream."""
+
+    def __init__(self, device: torch.device, side: torch.cuda.Stream | None):
+        self.device = device
+        self.compute = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.side = side if device.type == "cuda" else None
+        if self.side is not None:
+            self.side.wait_stream(self.compute)  # sees everything queued so far (and forks a CUDA-graph capture)
+
+    def on_side(self):
+        return use_stream(self.side)
+
+    def mark(self) -> Event:
+        return Event(self.device).record(self.side or self.compute)
+
+    def side_waits(self, event: Event) -> None:
+        if self.side is not None:
+            event.wait(self.side)
+
+    def compute_waits(self, event: Event) -> None:
+        if self.side is not None:
+            with exposed_wait("ep"):
+                event.wait(self.compute)
+
+    def join(self) -> None:
+        """The compute stream waits for everything queued on the side stream so far (a CUDA-graph capture must
+        join every stream it forked)."""
+        if self.side is not None:
+            self.compute_waits(self.mark())
+
+    def lend(self, *tensors: torch.Tensor) -> None:
+        """Tensors of the compute stream that side-stream work reads or writes: not reused before it is done."""
+        if self.side is not None:
+            for t in tensors:
+                t.record_stream(self.side)
+
+
+class ToExperts(ABC):
+    """One layer call's rows on their way to the experts."""
+
+    @abstractmethod
+    def send(self, chunk: int, alone: bool = False) -> None:
+        """Chunk ``chunk`` starts moving; ``alone``: no GEMM beside it, so at full width."""
+
+    @abstractmethod
+    def recv(self, chunk: int) -> torch.Tensor:
+        """The compute stream waits for the chunk (an exposed EP wait); its rows in grouped order, from row 0."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Every chunk sent was received; the buffers go back."""
+
+
+class FromExperts(ABC):
+    """One layer call's grouped rows on their way back to their tokens' ranks."""
+
+    transient = False  # result() is a symmetric region, valid until finish()
+
+    @abstractmethod
+    def send(self, chunk: int, grouped_RH: torch.Tensor, ready: Event, alone: bool = False) -> None:
+        """The chunk's rows start back once ``ready`` (the GEMM that made them) has run."""
+
+    @abstractmethod
+    def result(self) -> torch.Tensor:
+        """Every chunk's rows, in this rank's permuted order, once all arrived."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """After everything that reads result() was queued: the buffers go back."""
+
+
+class Transport:
+    """A way of moving rows (``overlap.moe_transport``): opens one exchange per direction and layer call (the
+    classes it names). ``needs_sms``: its transfers run on SMs, so a GEMM beside them leaves some free."""
+
+    name: str
+    needs_sms: bool
+    stream: torch.cuda.Stream | None  # the side stream its transfers run on (None on CPU)
+    compute_only: bool  # overlap.moe_compute_only: rows land in this rank's own memory
+    to_class: type[ToExperts]
+    from_class: type[FromExperts]
+
+    def to_experts(self, send_RH: torch.Tensor, routes, sms: int) -> ToExperts:
+        return self.to_class(self, send_RH, routes, sms)
+
+    def from_experts(self, routes, width: int, like: torch.Tensor, sms: int) -> FromExperts:
+        return self.from_class(self, routes, width, like, sms)

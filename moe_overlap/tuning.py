@@ -1,0 +1,35 @@
+"""Measured constants of the MoE exchange's overlap, each with where and when it was measured (README, "What
+overlaps on Hopper"; the JSON under benchmarks/results/ holds the commands). ``overlap.gemm_sm_carveout: auto``
+reads them. Pure numbers, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+# GEMM SMs left free per CTA of the EP NCCL communicator (``overlap.ep_comm_ctas``): NCCL held to 4 CTAs beside a
+# grouped GEMM carved out by 8 SMs hid the whole all-to-all, either launch order (2xH200 NV18, 2026-11-22/23;
+# README "What overlaps on Hopper").
+EP_NCCL_SMS_PER_CTA = 2
+
+# An SM push CTA's bytes per ms: 235 MB in 3.24 ms by 8 CTAs over NVLink (2xH200, 2026-11-23); 8.4-10 GB/s per CTA
+# at 8 CTAs into its own memory on one H200 (benchmarks/results/moe_layer_1xh200_ep1.json, push_bytes_per_cta_ms,
+# 2026-11-24). `benchmarks/moe_layer.py --carveout-probe` measures it on the GPU in hand.
+PUSH_BYTES_PER_CTA_MS = 9.0e6
+# The grouped GEMMs' forward rate: 690-720 TFLOP/s on the mixtral and fine shapes, 550 on hidden 2048 / ffn 1024
+# (1xH200, moe_layer_1xh200_ep1.json, 2026-11-24).
+GROUPED_GEMM_FLOPS_PER_MS = 6.0e11
+# More push CTAs than this already move rows at NVLink speed (a 64 MiB push: 0.20 ms at 32 CTAs, 0.19 ms at 132;
+# 2xH200, 2026-11-23, benchmarks/results/sync_free_probe_2xh200.json).
+MAX_PUSH_CTAS = 32
+
+
+def auto_push_sms(rows: int, hidden: int, ffn: int, chunks: int, element_size: int) -> int:
+    """SMs the grouped GEMMs leave free for the pushes beside them, as many as the pushes' CTAs: enough for a
+    chunk's rows (the push moves the local ones through the region too), one chunk each way (the next dispatch,
+    the previous combine), to move in one chunk's forward GEMM time (6 x rows x hidden x ffn flops), for rows
+    spread evenly over the chunks."""
+    chunk_rows = rows / chunks
+    moved_bytes = 2 * chunk_rows * hidden * element_size
+    gemm_ms = 6 * chunk_rows * hidden * ffn / GROUPED_GEMM_FLOPS_PER_MS
+    return max(1, min(MAX_PUSH_CTAS, math.ceil(moved_bytes / (gemm_ms * PUSH_BYTES_PER_CTA_MS))))
