@@ -6,7 +6,8 @@ reported)."""
 from __future__ import annotations
 
 from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
-                                       not_implemented, require)
+                                       not_implemented, refuse, require)
+from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal
 
 MAX_NCCL_CTAS = 64  # NCCL's MAXCHANNELS
 
@@ -101,16 +102,8 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
             require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
                      "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
                      "sizes and the process group's own all-to-all)")
-    host_sized = ("nccl", "copy_engine")
-    require(not (o.moe_planning == "device" and o.moe_transport in host_sized), "overlap.moe_transport",
-             o.moe_transport, "takes host sizes: it cannot run with overlap.moe_planning=device (use sm_push, or "
-             "auto)")
-    require(not (o.moe_planning == "host" and o.moe_transport == "sm_push"), "overlap.moe_transport", "sm_push",
-             "takes device sizes: it cannot run with overlap.moe_planning=host (use device, or auto)")
-    if o.moe_planning == "device" and (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
-        raise not_implemented("overlap.moe_planning", "device", "host or auto",
-                               "device planning with expert_tensor_parallel_size > 1: the expert-TP gather takes "
-                               "host sizes")
+    refuse(sizes_refusal(o.moe_planning, o.moe_transport)
+           or expert_tp_refusal(o.moe_planning, p.expert_tensor_parallel_size or p.tensor_model_parallel_size))
     if o.moe_compute_only:
         require(p.expert_model_parallel_size > 1, "overlap.moe_compute_only", True,
                  "needs parallel.expert_model_parallel_size > 1 (one EP rank exchanges nothing)")
@@ -135,10 +128,8 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
 def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig) -> None:
     if not t.moe_cuda_graph:
         return
-    require((o.moe_pipeline and o.moe_planning == "device")
-             or (p.expert_model_parallel_size == 1 and p.tensor_model_parallel_size == 1),
-             "train.moe_cuda_graph", True, "needs overlap.moe_pipeline=true with overlap.moe_planning=device, or one "
-             "EP rank (a graph cannot hold the host-planned paths' host sync)")
+    expert_ranks = p.expert_model_parallel_size * (p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
+    refuse(graph_refusal(o.moe_pipeline, o.moe_planning, exchanging=expert_ranks > 1))
     if p.tensor_model_parallel_size != 1:
         raise not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers under tensor parallelism")
     if t.recompute_granularity != "none":

@@ -8,7 +8,8 @@ import dataclasses
 
 from moe_overlap.config.overlap_rules import validate_overlaps
 from moe_overlap.config.schema import (Config, ConfigError, DataConfig, ModelConfig, OverlapConfig, ParallelConfig,
-                                       TrainConfig, not_implemented, require, synthetic_source)
+                                       TrainConfig, not_implemented, refuse, require, synthetic_source)
+from moe_overlap.exchange_rules import device_refusal, graph_device_refusal
 
 def validate(cfg: Config) -> None:
     """Ranges, cross-field rules and not-yet-implemented features; independent of the world size."""
@@ -275,15 +276,12 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
         require(m % pp == 0, "train.global_batch_size", t.global_batch_size,
                  f"gives {m} micro-batches per data-parallel rank; virtual pipeline stages take them in groups of "
                  f"parallel.pipeline_model_parallel_size={pp}: need a multiple")
-    require(not t.moe_cuda_graph or device_type == "cuda", "train.moe_cuda_graph", True,
-             f"CUDA graphs need train.device=cuda; the device is {device_type!r}")
+    refuse(graph_device_refusal(device_type) if t.moe_cuda_graph else None)
     for name, default in (("dp_comm_ctas", None), ("ep_comm_ctas", None), ("gemm_sm_carveout", 0)):
         value = getattr(cfg.overlap, name)
         require(value == default or device_type == "cuda", f"overlap.{name}", value,
                  f"sets NCCL communicators and cuBLAS GEMMs: needs train.device=cuda; the device is {device_type!r}")
-    for field, wanted in (("moe_transport", {"cpu": ("auto", "gloo"),
-                                             "cuda": ("auto", "nccl", "copy_engine", "sm_push")}),
-                          ("tp_comm_backend", {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")})):
-        backend = getattr(cfg.overlap, field)
-        require(backend in wanted[device_type], f"overlap.{field}", backend,
-                 f"'{backend}' cannot run on device {device_type!r}; use one of {', '.join(wanted[device_type])}")
+    refuse(device_refusal(cfg.overlap.moe_transport, device_type))
+    backend, wanted = cfg.overlap.tp_comm_backend, {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")}[device_type]
+    require(backend in wanted, "overlap.tp_comm_backend", backend,
+            f"'{backend}' cannot run on device {device_type!r}; use one of {', '.join(wanted)}")

@@ -33,6 +33,12 @@ def require(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(name, value, allowed)
 
 
+def refuse(refusal) -> None:
+    """A rule of a table (moe_overlap/exchange_rules.py): its refusal, if any, as the config error."""
+    if refusal is not None:
+        raise ConfigError(refusal.field, refusal.value, refusal.reason)
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = 4
