@@ -1,6 +1,6 @@
-"""Measured constants of the MoE exchange's overlap, each with where and when it was measured (README, "What
-overlaps on Hopper"; the JSON under benchmarks/results/ holds the commands). ``overlap.gemm_sm_carveout: auto``
-reads them. Pure numbers, no torch.
+"""Measured constants of the overlaps (the MoE exchange's and the data-parallel syncs'), each with where and when
+it was measured (README, "What overlaps on Hopper"; the JSON under benchmarks/results/ holds the commands).
+``overlap.gemm_sm_carveout: auto`` reads them. Pure numbers, no torch.
 """
 
 from __future__ import annotations
@@ -11,6 +11,13 @@ import math
 # grouped GEMM carved out by 8 SMs hid the whole all-to-all, either launch order (2xH200 NV18, 2026-11-22/23;
 # README "What overlaps on Hopper").
 EP_NCCL_SMS_PER_CTA = 2
+# The same for the data-parallel communicators (``overlap.dp_comm_ctas``): on the slow fabric NCCL at 2 CTAs
+# beside GEMMs 8 SMs short hid most of the gradient traffic (2xH200, 2026-11-22,
+# benchmarks/results/dp_overlap_2xh200_slow_ctas_pairs.json).
+DP_NCCL_SMS_PER_CTA = 4
+# The most SMs ``auto`` takes from a GEMM for NCCL beside it: 32 already cost a full-chip grouped GEMM about 25%
+# (2xH200, 2026-11-22/23; README "What overlaps on Hopper").
+MAX_AUTO_CARVEOUT_SMS = 32
 
 # An SM push CTA's bytes per ms: 235 MB in 3.24 ms by 8 CTAs over NVLink (2xH200, 2026-11-23); 8.4-10 GB/s per CTA
 # at 8 CTAs into its own memory on one H200 (benchmarks/results/moe_layer_1xh200_ep1.json, push_bytes_per_cta_ms,

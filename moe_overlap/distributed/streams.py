@@ -13,13 +13,14 @@ from typing import Iterator, Optional
 import torch
 
 from moe_overlap.kernels.device_clock import add_clock
+from moe_overlap.tuning import MAX_AUTO_CARVEOUT_SMS
 
 EXPOSED_KINDS = ("ep", "tp", "dp", "pp", "cp")
 
 
 def check_gemm_sm_carveout(sms: int | str, device: torch.device) -> None:
     """``overlap.gemm_sm_carveout`` must leave the GEMMs at least one SM of the device (0 everywhere; auto takes
-    at most 32)."""
+    at most MAX_AUTO_CARVEOUT_SMS)."""
     if sms in (0, "auto"):
         return
     if device.type != "cuda":
@@ -32,10 +33,11 @@ def check_gemm_sm_carveout(sms: int | str, device: torch.device) -> None:
 
 def carveout_for(setting: int | str, comm_ctas: int | None, sms_per_cta: int) -> int:
     """The SMs ``overlap.gemm_sm_carveout`` leaves free beside a NCCL communicator held to ``comm_ctas``: the
-    setting, or for ``auto`` the measured pairing of ``sms_per_cta`` per CTA (at most 32; none without a cap)."""
+    setting, or for ``auto`` the measured pairing of ``sms_per_cta`` per CTA (at most MAX_AUTO_CARVEOUT_SMS; none
+    without a cap)."""
     if setting != "auto":
         return setting
-    return min(32, sms_per_cta * comm_ctas) if comm_ctas else 0
+    return min(MAX_AUTO_CARVEOUT_SMS, sms_per_cta * comm_ctas) if comm_ctas else 0
 
 
 @contextlib.contextmanager
