@@ -2,7 +2,7 @@
 rows, or two micro-batches' summed in the same program: see layers/experts.py, ``train.expert_wgrad_pairs``).
 
 The rows of expert e are [offsets[e-1], offsets[e]) of a_TM and b_TN (offsets int32 on the device, rows past
-the last offset never read), so the kernel serves the static worst-case buffers of the sync-free dispatch and
+the last offset never read), so the kernel serves the static worst-case buffers of the device-planned exchange and
 runs inside CUDA graphs. Each program owns one (BLOCK_M, BLOCK_N) tile of one expert's output: it sums the
 expert's rows in fp32 on the tensor cores and adds the tile into ``out`` (the parameter's fp32 main_grad)
 once, so the bf16 gradient and the separate pass that added it never exist. torch._grouped_mm cannot do this
