@@ -1,13 +1,13 @@
-"""One micro-batch through one model chunk, segment by segment; and ``overlap.overlap_moe_expert_parallel_comm``:
-one micro-batch's exchanges in flight while another micro-batch computes (Megatron-Core's batch-level overlap
-and combined 1F1B, DeepSeek-V3's DualPipe pairs).
+"""One micro-batch through one model chunk, segment by segment; and
+``overlap.overlap_moe_expert_parallel_comm``: one micro-batch's exchanges in flight while another micro-batch
+computes (Megatron-Core's batch-level overlap and combined 1F1B, DeepSeek-V3's DualPipe pairs).
 
 A chunk's forward is a list of segments (models/pipeline_stages.ModelChunk): one, the plain forward, or, paired,
-the embedding | per layer its stages (a MoE layer whose exchange runs: attention + router + permute with the
-dispatch started | shared expert + expert GEMMs with the combine started | combine waited + unpermute; a
-dense or one-rank layer: attention | MLP) | the head or the stage's output. A :class:`ChunkRun` hands each
-segment's outputs that need gradients on as detached leaves (the autograd graph cut between segments), so
-that one segment's backward runs on its own. :func:`run_pair` runs a pair of the schedule (one micro-batch's
+the embedding | per layer the pieces of TransformerLayer.stages (a MoE layer whose exchange runs: attention +
+router + permute with the dispatch started | shared expert + expert GEMMs with the combine started | combine
+waited + unpermute; a dense or one-rank layer: attention | MLP) | the head or the PP stage's output. A
+:class:`ChunkRun` hands each segment's outputs that need gradients on as detached leaves (the autograd graph cut
+between segments), so that one segment's backward runs on its own. :func:`run_pair` runs a pair of the schedule (one micro-batch's
 forward, another's backward) alternating segments: the backward's last, the forward's first, the backward's
 next, ...
 
@@ -29,16 +29,19 @@ from moe_overlap.distributed.streams import stage_label
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.pipeline_stages import ChunkOutput, Segment
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds no state
+
 
 class ChunkRun:
     """One micro-batch run through one chunk's segments. A segment's tensor outputs that need gradients are
     handed on as detached leaves that collect the later segments' gradients (the last segment's are not), so a
     segment's backward is ``torch.autograd.backward(its outputs, their leaves' gradients)``; the last one's
-    starts from the chunk's output and ``grad``, the received gradient of it (none on the last stage). ``order``
-    collects (F | B, micro-batch, segment name) as segments run; waits inside a segment are tallied under
-    ``F.name`` / ``B.name`` (the last part of the name) in the exposed-communication labels."""
+    starts from the chunk's output and ``grad``, the received gradient of it (none on the last stage). With
+    ``order`` (split runs), it collects (F | B, micro-batch, segment name) as segments run, and waits inside a
+    segment are tallied under ``F.name`` / ``B.name`` (the name's last part) in the exposed-communication labels."""
 
-    def __init__(self, segments: list[tuple[str, Segment]], carry: dict, order: list[tuple[str, int, str]]):
+    def __init__(self, segments: list[tuple[str, Segment]], carry: dict,
+                 order: list[tuple[str, int, str]] | None = None):
         self.segments, self.carry, self.order = segments, carry, order
         self.cuts: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
         self.grad: torch.Tensor | None = None
@@ -50,7 +53,7 @@ class ChunkRun:
 
     def forward(self, k: int) -> None:
         name, segment = self.segments[k]
-        with stage_label(f"F.{name.split('.')[-1]}"):
+        with self._label("F", name):
             added = segment(self.carry)
         cut = []
         if k < len(self.segments) - 1:
@@ -61,12 +64,12 @@ class ChunkRun:
                     added[key] = leaf
         self.carry.update(added)
         self.cuts.append(cut)
-        self.order.append(("F", self.carry["micro_batch"], name))
+        if self.order is not None:
+            self.order.append(("F", self.carry["micro_batch"], name))
 
     def backward(self, k: int) -> None:
         name = self.segments[k][0]
-        deferring = self.store.deferring() if self.store is not None else contextlib.nullcontext()
-        with stage_label(f"B.{name.split('.')[-1]}"), deferring:
+        with self._label("B", name), self.store.deferring() if self.store is not None else _NO_CONTEXT:
             if k == len(self.segments) - 1:
                 torch.autograd.backward(self.output.output, self.grad)
             else:
@@ -74,7 +77,11 @@ class ChunkRun:
                 if pairs:
                     torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         self.cuts[k] = None
-        self.order.append(("B", self.carry["micro_batch"], name))
+        if self.order is not None:
+            self.order.append(("B", self.carry["micro_batch"], name))
+
+    def _label(self, direction: str, name: str):
+        return stage_label(f"{direction}.{name.split('.')[-1]}") if self.order is not None else _NO_CONTEXT
 
     def forward_all(self) -> None:
         for k in range(len(self.segments)):

@@ -26,14 +26,13 @@ stage's backward (models/pipeline_stages.AttachAuxLoss). Losses (summed in fp64)
 device and are shared over the pipeline group once per step.
 
 With ``measure``, the executor also records each action's start and end and the peak bytes this rank holds for
-the pipeline: tensors saved for backward (parameters excluded, each storage once), stage outputs kept for
+the pipeline: tensors saved for backward (parameters excluded, each storage once), chunk outputs kept for
 backward, inputs kept for deferred weight gradients, and P2P buffers in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -62,6 +61,9 @@ class Carveouts:
     grad_sync: int = 0  # its gradient reduce-scatters: from the last micro-batch's first backward action on
     paired: int = 0  # the other micro-batch's exchanges: every pair
 
+    def __bool__(self) -> bool:
+        return bool(self.param_sync or self.grad_sync or self.paired)
+
 
 @dataclass
 class PipelineResult:
@@ -70,7 +72,7 @@ class PipelineResult:
     tokens_per_expert: dict[int, torch.Tensor]  # every MoE layer's copies per expert, whichever rank holds it
     peak_bytes: int | None = None  # with measure
     trace: list[tuple[Action, float, float]] | None = None  # with measure: every action's (start, end) in s
-    order: list[tuple[str, int, str]] = field(default_factory=list)  # (F | B, micro-batch, segment) as they ran
+    order: list[tuple[str, int, str]] = field(default_factory=list)  # paired: (F | B, micro-batch, segment) as run
 
     @property
     def lm_loss(self) -> torch.Tensor:
@@ -127,7 +129,7 @@ class PipelineExecutor:
     def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float, measure: bool = False,
             carveouts: Carveouts = Carveouts()) -> PipelineResult:
         """One step's forward and backward over ``batches`` (every micro-batch; each rank reads what its
-        stages need): the gradients accumulate as gradient accumulation would accumulate them."""
+        chunks need): the gradients accumulate as gradient accumulation would accumulate them."""
         self.optimizer.start_micro_batch(is_last=False)  # forget last step's readiness; hooks disarmed
         return self._execute(self.schedule, batches, loss_scale, measure, carveouts)
 
@@ -147,8 +149,7 @@ class PipelineExecutor:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         run = _Run(batches, loss_scale, schedule.paired, zero, zero.clone(), trace=[] if measure else None)
         actions = schedule.ranks[self.rank]
-        sms = _carveout_sms(actions, schedule.micro_batches, carveouts) if any(
-            dataclasses.astuple(carveouts)) else None
+        sms = _carveout_sms(actions, schedule.micro_batches, carveouts) if carveouts else None
         ledger = _MemoryLedger(self.model.parameters()) if measure else None
         clock = _Clock(self.device) if measure else None
         for index, action in enumerate(actions):
@@ -157,10 +158,12 @@ class PipelineExecutor:
                 self._post(action, run, ledger)
             elif isinstance(action, Wait):
                 self._wait(action, run, ledger)
-            else:
-                with (gemm_sm_carveout(sms[index]) if sms and sms[index] else contextlib.nullcontext(),
+            elif (sms and sms[index]) or ledger:
+                with (gemm_sm_carveout(sms[index] if sms else 0),
                       ledger.saving() if ledger else contextlib.nullcontext()):
                     self._compute(action, run, schedule, ledger)
+            else:  # plain accumulation's path: no context to enter
+                self._compute(action, run, schedule, ledger)
             if clock:
                 run.trace.append((action, start, clock.mark()))
         losses = torch.stack([run.lm_sum, run.aux_sum]) / schedule.micro_batches
@@ -200,7 +203,9 @@ class PipelineExecutor:
             x.requires_grad_(torch.is_grad_enabled())
         labels = to_device_async(labels, self.device) if chunk.last else None
         carry = chunk.carry(x, labels, action.micro_batch, run.loss_scale, run.split)
-        return ChunkRun(chunk.split if run.split else chunk.whole, carry, run.order)
+        if run.split:
+            return ChunkRun(chunk.split, carry, run.order)
+        return ChunkRun(chunk.whole, carry)
 
     def _finish_forward(self, action: Compute, unit: ChunkRun, run: _Run, ledger) -> None:
         chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)

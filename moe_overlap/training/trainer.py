@@ -89,7 +89,7 @@ def dp_gemm_sms(cfg: Config) -> int:
 def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
     """SMs every GEMM leaves free while another micro-batch's exchange runs beside it
     (``overlap_moe_expert_parallel_comm``): ``overlap.gemm_sm_carveout``; auto: 2 x ep_comm_ctas (the NCCL pairing
-    measured for the MoE pipeline), none without a CTA cap or an exchange (one EP rank)."""
+    measured for the MoE layer's exchange), none without a CTA cap or an exchange (one EP rank)."""
     if mesh.ep.size * mesh.etp.size == 1:
         return 0
     return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas, 2)
@@ -155,7 +155,8 @@ class Trainer:
                         "reference without the exchange's transfers); the model does not learn, its loss means "
                         "nothing")
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
-            # the pipeline's GEMMs capture their own carve-out; two micro-batches in flight need two sets
+            # the MoE layers' GEMMs capture their own carve-out; two micro-batches in flight (paired) need two
+            # sets, which odd and even micro-batches replay (TransformerLayer.stages)
             self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         train_tokens, val_tokens = load_data(cfg)
