@@ -34,7 +34,7 @@ def one_line_error(capsys) -> str:
 @pytest.mark.parametrize("argv,fragments", [
     (["info", TINY, "model.hiden_size=3"], ["model.hiden_size=3", "did you mean 'hidden_size'"]),
     (["train", TINY, "model.hiden_size=3"], ["model.hiden_size=3", "did you mean 'hidden_size'"]),
-    (["train", TINY, "parallel.pipeline_model_parallel_size=2", "overlap.overlap_moe_expert_parallel_comm=true"],
+    (["train", TINY, "train.recompute_granularity=full", "overlap.overlap_moe_expert_parallel_comm=true"],
      ["overlap.overlap_moe_expert_parallel_comm=True", "not implemented yet"]),
     (["train", TINY, "--nproc", "2", "overlap.overlap_p2p_comm=true"],
      ["overlap.overlap_p2p_comm=True", "no effect without pipeline parallelism"]),

@@ -1,10 +1,13 @@
-"""``overlap.overlap_moe_expert_parallel_comm``: micro-batch i's backward interleaved stage by stage with
-micro-batch i+1's forward (training/microbatch_overlap.py).
+"""``overlap.overlap_moe_expert_parallel_comm``: one micro-batch's forward interleaved segment by segment with
+another's backward (training/microbatch_overlap.py, run by the one executor): at PP=1 micro-batch i's backward
+with micro-batch i+1's forward; under PP the steady state's pairs of 1F1B, interleaved 1F1B and ZB-H1.
 
 On equals off: every layout reproduces the single-process losses and gradients within 1e-5 normwise (fp32,
 gloo) -- EP=2 and EP=4, 2/3/4/8 micro-batches per rank, dense and MoE layers mixed, host and device planning,
 chunks, capacity (dropping and padded), the shared expert, expert-TP, TP with sequence parallelism, the
-distributed optimizer with both overlaps. The recorded order shows the interleaving; bad settings are one line.
+distributed optimizer with both overlaps; PP=2 x EP=2 under each paired schedule equals the same layout off.
+The paired schedules keep their unpaired bubble; the recorded order shows the interleaving; bad settings are
+one line.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import torch.distributed as dist
 
 from moe_overlap.config import ConfigError, load_config, validate_for_world
 from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.training.schedules import (Compute, Pair, Schedule, ScheduleError, build_schedule, in_flight,
+                                            in_flight_bound, simulate, validate)
 from moe_overlap.training.trainer import Trainer
-from tests.test_master import CPU, small_config, world_and_mesh
-from tests.test_pipeline import LAYERS, check, pipeline_case, pp_layout
+from tests.test_master import CPU, TOL, rel_err, small_config, world_and_mesh
+from tests.test_pipeline import LAYERS, check, pipeline_case, pp_layout, unit_costs
 
 TINY = "configs/tiny.yaml"
 ON = {"overlap.overlap_moe_expert_parallel_comm": "true"}
@@ -31,7 +36,8 @@ def layout(ep: int, **extra) -> dict:
 
 @pytest.mark.parametrize("config,overrides,fragment", [
     (None, [], "needs MoE layers"),  # the defaults: a dense model
-    (TINY, ["parallel.pipeline_model_parallel_size=2"], "not implemented yet (under pipeline parallelism"),
+    (TINY, ["parallel.pipeline_model_parallel_size=2", "train.pipeline_schedule=all_forward_all_backward"],
+     "all_forward_all_backward has none to pair"),
     (TINY, ["train.recompute_granularity=full"], "not implemented yet (with train.recompute_granularity='full'"),
     (TINY, [], "needs overlap.moe_pipeline=true with more than one EP or expert-TP rank"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "train.moe_cuda_graph=true"],
@@ -149,3 +155,127 @@ def test_ep4_expert_tp_and_tp_match_single_process(rank_pool, tmp_path):
     both = {"model.num_query_groups": 4, "train.adam_eps": 1e-4}  # as the TP cases in test_master.py
     check(rank_pool(4).run(pipeline_case, str(tmp_path), 16, 1, {"ep4_device": variants.pop("ep4_device")}, both))
     check(rank_pool(4).run(pipeline_case, str(tmp_path), 8, 1, variants, both))
+
+
+# ----------------------------------------------------------------------------------- paired schedules
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 8), (3, 6), (4, 16)])
+def test_paired_schedules_pair_independent_units_and_keep_the_bubble(name, vpp, pp, m):
+    """Every steady-state forward runs beside another unit's backward; the bubble stays the unpaired schedule's
+    (from 2 PP micro-batches on; ZB-H1 with overlapped transfers, as it needs unpaired) at up to 2 (PP - rank)
+    micro-batches in flight (1F1B), one more (interleaved), 2 PP (ZB-H1)."""
+    if vpp > 1 and m % pp:
+        pytest.skip(f"virtual stages take micro-batches in groups of PP={pp}; {m} is not a multiple")
+    for overlap, batch in ((False, False), (False, True), (True, False)):
+        paired = build_schedule(name, pp, vpp, m, overlap, batch, paired=True)  # validates: raises on any fault
+        plain = build_schedule(name, pp, vpp, m, overlap, batch)
+        for rank, actions in enumerate(paired.ranks):
+            pairs = [a for a in actions if isinstance(a, Pair)]
+            assert len(pairs) >= m * vpp - in_flight_bound(name, pp, vpp, m, rank, paired=True)
+            assert all(p.forward.micro_batch != p.backward.micro_batch or p.forward.chunk != p.backward.chunk
+                       for p in pairs)
+            assert in_flight(actions) <= in_flight_bound(name, pp, vpp, m, rank, paired=True)
+        if m >= 2 * pp and (overlap or name != "zb_h1"):
+            assert simulate(paired, unit_costs(vpp)).bubble() == pytest.approx(
+                simulate(plain, unit_costs(vpp)).bubble(), abs=1e-12)
+    assert max(in_flight(a) for a in paired.ranks) == {"1f1b": min(m, 2 * pp), "zb_h1": min(m, 2 * pp),
+                                                       "interleaved_1f1b": min(m * vpp, 2 * pp - 1 + (vpp - 1) * pp + 1)
+                                                       }[name]
+
+
+def test_one_stage_paired_schedule_is_plain_accumulation_paired():
+    """PP=1: 1F1B is F0 B0 F1 B1 ...; paired, F0 alone, then B(i) beside F(i+1), then the last B alone."""
+    assert [str(a) for a in build_schedule("1f1b", 1, 1, 4).ranks[0]] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3",
+                                                                         "B3"]
+    assert [str(a) for a in build_schedule("1f1b", 1, 1, 4, paired=True).ranks[0]] == ["F0", "F1+B0", "F2+B1",
+                                                                                       "F3+B2", "B3"]
+    with pytest.raises(ScheduleError, match="nothing to pair"):
+        build_schedule("all_forward_all_backward", 2, 1, 4, paired=True)
+
+
+def test_validation_refuses_a_pair_of_one_unit():
+    good = build_schedule("1f1b", 1, 1, 4, paired=True)
+    bad = (Compute("F", 0, 0), Pair(Compute("F", 1, 0), Compute("B", 1, 0)), Compute("B", 0, 0),
+           Compute("F", 2, 0), Compute("B", 2, 0), Compute("F", 3, 0), Compute("B", 3, 0))
+    with pytest.raises(ScheduleError, match="must pair a forward with another unit's B or I"):
+        validate(Schedule(good.name, 1, 1, 4, False, False, (bad,), True))
+
+
+def test_info_schedule_shows_the_paired_schedule(capsys):
+    from moe_overlap.cli import main
+    assert main(["info", "configs/tiny.yaml", "parallel.pipeline_model_parallel_size=2", "overlap.moe_pipeline=true",
+                 "overlap.overlap_moe_expert_parallel_comm=true", "train.global_batch_size=64", "--schedule", "--costs",
+                 "F=1,B=2"]) == 0  # world 4 (PP x EP), DP=2: 4 micro-batches of 8
+    out = capsys.readouterr().out
+    assert "1f1b: PP=2 VPP=1 micro-batches=4" in out and "paired (overlap_moe_expert_parallel_comm)" in out
+    assert "rank 0 order: F0 F1 F2 F3+B0 B1 B2 B3" in out and "rank 1 order: F0 F1+B0 F2+B1 F3+B2 B3" in out
+    assert "bubble (mean over ranks): 0.2000" in out  # 1F1B's (PP - 1) / (m + PP - 1)
+
+
+# ------------------------------------------------------------------------------ paired under PP, same math
+
+
+def on_off_case(output_dir: str, micro_batches: int, steps: int, layouts: dict[str, dict]) -> dict[str, dict]:
+    """Each layout with the switch off and on, step by step: the worst relative error of on against off (losses,
+    gradient norm, every gradient), and the on run's schedule and segment order of its last step."""
+    out = {}
+    for name, layout in layouts.items():
+        runs = []
+        for extra in ({}, ON):
+            cfg = small_config(output_dir, int(layout["parallel.expert_model_parallel_size"]), 2 * micro_batches,
+                               **LAYERS, **layout, **extra)
+            _, mesh = world_and_mesh(cfg)
+            try:
+                trainer = Trainer(cfg, mesh, CPU)
+                metrics = []
+                for _ in range(steps):
+                    grads = {}
+                    metrics.append((trainer.train_step(lambda opt: grads.update(opt.logical_grads())), grads))
+                computes = [str(a) for a in trainer.pipeline.schedule.computes(mesh.pp.rank)]
+                runs.append((metrics, computes, trainer.stage_order))
+            finally:
+                mesh.destroy()
+        (off, _, _), (on, computes, order) = runs
+        worst = 0.0
+        for (m_off, g_off), (m_on, g_on) in zip(off, on):
+            assert m_on["tokens_per_expert"] == m_off["tokens_per_expert"] and sorted(g_on) == sorted(g_off), name
+            worst = max(worst, *(abs(m_on[k] - m_off[k]) / abs(m_off[k]) for k in ("loss", "aux_loss", "grad_norm")),
+                        *(rel_err(g_on[k], g_off[k]) for k in g_off))
+        out[name] = {"worst": worst, "computes": computes, "order": order}
+    return out
+
+
+def test_pp2_ep2_paired_equals_unpaired(rank_pool, tmp_path):
+    """4 ranks, PP=2 x EP=2 (DP=2), 8 micro-batches per pipeline, the distributed optimizer with both overlaps:
+    1F1B with the MoE layers' delayed weight gradients (host-planned), interleaved 1F1B over VPP=2 (device-planned,
+    overlapped P2P), ZB-H1 (its deferred weight gradients; 2 exchange chunks). Each pair alternates the two
+    micro-batches' segments, the MoE layers cut at their exchanges."""
+    common = {"parallel.expert_model_parallel_size": 2, "overlap.moe_pipeline": "true", **DIST_OPT}
+    layouts = {
+        "1f1b_delay_wgrad": pp_layout(2, **common, **{"overlap.moe_planning": "host",
+                                                      "overlap.delay_wgrad_compute": "true"}),
+        "interleaved_vpp2_device": pp_layout(2, vpp=2, **common, **{"overlap.moe_planning": "device",
+                                                                     "overlap.overlap_p2p_comm": "true"}),
+        "zb_h1_chunks2": pp_layout(2, "zb_h1", **common, **{"overlap.overlap_p2p_comm": "true",
+                                                            "overlap.moe_pipeline_chunks": 2}),
+    }
+    per_rank = rank_pool(4).run(on_off_case, str(tmp_path), 16, 2, layouts)
+    for got in per_rank:
+        for name, result in got.items():
+            assert result["worst"] < TOL, (name, result["worst"])
+    # 1F1B: stage 0 (global ranks 0, 1) runs 3 forwards ahead, stage 1 (global ranks 2, 3; the last) one.
+    for rank, warm, names in ((0, 3, ["embedding", "0.attention", "0.experts", "0.combine", "1.attention", "1.mlp",
+                                      "stage0.output"]),
+                              (2, 1, ["2.attention", "2.experts", "2.combine", "3.attention", "3.experts",
+                                      "3.combine", "head"])):
+        result = per_rank[rank]["1f1b_delay_wgrad"]
+        assert result["computes"] == ([f"F{i}" for i in range(warm)] + [f"F{i + warm}+B{i}" for i in range(8 - warm)]
+                                      + [f"B{i}" for i in range(8 - warm, 8)])
+        order, n = result["order"], len(names)
+        assert [name for kind, mb, name in order if (kind, mb) == ("F", 0)] == names
+        assert order[warm * n:(warm + 2) * n] == [step for k in range(n) for step in (
+            ("B", 0, names[-1 - k]), ("F", warm, names[k]))]
+    assert any("+" in c for c in per_rank[0]["interleaved_vpp2_device"]["computes"])
+    assert any(c.startswith("F") and "+I" in c for c in per_rank[2]["zb_h1_chunks2"]["computes"])

@@ -137,14 +137,16 @@ def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig
 
 
 def _validate_microbatch_overlap(cfg: Config) -> None:
-    """``overlap.overlap_moe_expert_parallel_comm``: PP=1, an exchange that can be split into stages."""
+    """``overlap.overlap_moe_expert_parallel_comm``: a schedule with forwards beside backwards, an exchange that can
+    be split into segments."""
     m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
     if not o.overlap_moe_expert_parallel_comm:
         return
     name = "overlap.overlap_moe_expert_parallel_comm"
     require(m.num_moe_experts is not None, name, True, "needs MoE layers (model.num_moe_experts)")
-    if p.pipeline_model_parallel_size > 1:
-        raise not_implemented(name, True, False, "under pipeline parallelism: the 1F1B steady state's pairs")
+    require(t.pipeline_schedule != "all_forward_all_backward", name, True,
+            "needs a schedule that runs forwards beside backwards: train.pipeline_schedule=all_forward_all_backward "
+            "has none to pair; use 1f1b, interleaved_1f1b or zb_h1")
     if t.recompute_granularity != "none":
         raise not_implemented(name, True, False, "with train.recompute_granularity='full': a layer's stages "
                                                   "would each recompute on their own")

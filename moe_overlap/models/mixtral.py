@@ -218,19 +218,6 @@ class MixtralModel(nn.Module):
         x_BSH, aux_loss, tokens_per_expert = self.run_layers(self.embedding(input_ids_BS), self.layers.keys())
         return self.output(x_BSH, aux_loss, tokens_per_expert, labels_BS)
 
-    def stages(self) -> list[tuple[str, Stage]]:
-        """The whole model as named stages of one micro-batch's carry (``overlap_moe_expert_parallel_comm``): it
-        starts with input_ids, labels and micro_batch (its index), and the last stage adds ``output``."""
-        def embed(carry: dict) -> dict:
-            x_BSH = self.embedding(carry["input_ids"])
-            return {"x": x_BSH, "aux": x_BSH.new_zeros((), dtype=torch.float32), "tokens": {}}
-
-        def head(carry: dict) -> dict:
-            return {"output": self.output(carry["x"], carry["aux"], carry["tokens"], carry["labels"])}
-
-        layers = [stage for index, layer in self.layers.items() for stage in layer.stages(int(index))]
-        return [("embedding", embed), *layers, ("head", head)]
-
     def output(self, x_BSH: torch.Tensor, aux_loss: torch.Tensor, tokens_per_expert: dict[int, torch.Tensor],
                labels_BS: torch.Tensor) -> ModelOutput:
         """The head's loss on the last layer's output, with the auxiliary losses."""

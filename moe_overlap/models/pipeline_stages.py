@@ -1,19 +1,24 @@
 """Pipeline stages: which layers each pipeline rank builds, and the forward of one model chunk.
 
-Virtual stage s = c * PP + r is model chunk c on pipeline rank r (Megatron's interleaving); the layers run
-in virtual-stage order, so rank r's chunks hold non-adjacent runs of layers. A rank builds one
-:class:`MixtralModel` with all of its chunks' layers (named by their global index), the embedding if it
-holds the first stage and the output layer if it holds the last; a :class:`ModelChunk` runs one chunk.
+Words: a (virtual) stage is one slice of the layers in pipeline order; virtual stage s = c * PP + r is model
+chunk c on pipeline rank r (Megatron's interleaving), so rank r's chunks hold non-adjacent runs of layers. PP=1
+is one stage, one chunk: the whole model. A rank builds one :class:`MixtralModel` with all of its chunks'
+layers (named by their global index), the embedding if it holds the first stage and the output layer if it
+holds the last; a :class:`ModelChunk` runs one chunk's forward as segments: functions of one micro-batch's
+carry, between which the executor may cut the autograd graph (training/microbatch_overlap.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from moe_overlap.config import Config, ModelConfig
-from moe_overlap.models.mixtral import MixtralModel
+from moe_overlap.models.mixtral import MixtralModel, ModelOutput, Stage
+
+Segment = Stage  # a function of a micro-batch's carry (a dict) returning what it adds to it
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int = 1, first: int | None = None,
@@ -93,26 +98,62 @@ class AttachAuxLoss(torch.autograd.Function):
 
 class ModelChunk:
     """One virtual stage of a rank's model: its layers, behind the embedding on the first stage and before
-    the output layer and loss on the last."""
+    the output layer and loss on the last, as segments of one micro-batch's carry.
 
-    def __init__(self, model: MixtralModel, layers: tuple[int, ...], first: bool, last: bool):
-        self.model, self.layers, self.first, self.last = model, layers, first, last
+    The carry (:meth:`carry`) starts with the input (``input_ids`` on the first stage, else ``x``, the previous
+    stage's activations (batch, seq block, hidden)), ``labels`` (last stage), ``micro_batch`` (its index) and
+    ``loss_scale``; the last segment adds ``output``, a :class:`ChunkOutput`. :attr:`whole` is one segment, the
+    chunk's plain forward (recomputation and graphed MoE layers as configured; on a whole model through the
+    model's own call, so that hooks on it fire). :attr:`split` is the embedding | each layer's stages
+    (TransformerLayer.stages: a MoE layer whose exchange runs is cut at its exchanges) | ``head`` (the loss) or
+    ``stage{s}.output`` (the activations sent on): the segments that overlap_moe_expert_parallel_comm
+    interleaves with another micro-batch's."""
 
-    def __call__(self, input_: torch.Tensor, labels_BS: torch.Tensor, loss_scale: float) -> ChunkOutput:
-        """``input_``: token ids (first stage) or the previous stage's activations (batch, seq block, hidden)."""
-        x_BSH = self.model.embedding(input_) if self.first else input_
-        x_BSH, aux_loss, tokens_per_expert = self.model.run_layers(x_BSH, self.layers)
+    def __init__(self, model: MixtralModel, layers: tuple[int, ...], stage: int, first: bool, last: bool):
+        self.model, self.layers, self.stage, self.first, self.last = model, layers, stage, first, last
+
+    def carry(self, input_: torch.Tensor, labels_BS: torch.Tensor | None, micro_batch: int, loss_scale: float,
+              split: bool) -> dict:
+        carry = {"input_ids" if self.first else "x": input_, "labels": labels_BS, "micro_batch": micro_batch,
+                 "loss_scale": loss_scale}
+        if split:  # what the layers' stages add to
+            carry.update(aux=input_.new_zeros((), dtype=torch.float32), tokens={})
+        return carry
+
+    @cached_property
+    def whole(self) -> list[tuple[str, Segment]]:
+        def forward(carry: dict) -> dict:
+            if self.first and self.last:
+                out = self.model(carry["input_ids"], carry["labels"])
+                return {"output": _scaled(out, carry["loss_scale"])}
+            x_BSH = self.model.embedding(carry["input_ids"]) if self.first else carry["x"]
+            return {"output": self._tail(*self.model.run_layers(x_BSH, self.layers), carry)}
+
+        return [(f"stage{self.stage}", forward)]
+
+    @cached_property
+    def split(self) -> list[tuple[str, Segment]]:
+        segments = [("embedding", lambda carry: {"x": self.model.embedding(carry["input_ids"])})] if self.first else []
+        segments += [step for index in self.layers for step in self.model.layers[str(index)].stages(index)]
+        tail = "head" if self.last else f"stage{self.stage}.output"
+        segments.append((tail, lambda carry: {"output": self._tail(carry["x"], carry["aux"], carry["tokens"], carry)}))
+        return segments
+
+    def _tail(self, x_BSH: torch.Tensor, aux_loss: torch.Tensor, tokens_per_expert: dict[int, torch.Tensor],
+              carry: dict) -> ChunkOutput:
         if self.last:
-            lm_loss = self.model.head_loss(x_BSH, labels_BS)
-            return ChunkOutput((lm_loss + aux_loss) * loss_scale, lm_loss.detach(), aux_loss.detach(),
-                               tokens_per_expert)
-        return ChunkOutput(AttachAuxLoss.apply(x_BSH, aux_loss, loss_scale), None, aux_loss.detach(),
+            return _scaled(self.model.output(x_BSH, aux_loss, tokens_per_expert, carry["labels"]), carry["loss_scale"])
+        return ChunkOutput(AttachAuxLoss.apply(x_BSH, aux_loss, carry["loss_scale"]), None, aux_loss.detach(),
                            tokens_per_expert)
 
 
+def _scaled(out: ModelOutput, loss_scale: float) -> ChunkOutput:
+    return ChunkOutput(out.loss * loss_scale, out.lm_loss, out.aux_loss, out.tokens_per_expert)
+
+
 def model_chunks(model: MixtralModel, stages: PipelineStages, rank: int) -> list[ModelChunk]:
-    return [ModelChunk(model, stages.layers[stages.stage(rank, chunk)], stages.stage(rank, chunk) == 0,
-                       stages.stage(rank, chunk) == stages.num_stages - 1) for chunk in range(stages.vpp)]
+    return [ModelChunk(model, stages.layers[stage], stage, stage == 0, stage == stages.num_stages - 1)
+            for stage in (stages.stage(rank, chunk) for chunk in range(stages.vpp))]
 
 
 def stage_forward_flops(cfg: ModelConfig, layers: tuple[int, ...], last: bool, tokens: int) -> float:

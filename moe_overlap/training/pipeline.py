@@ -1,23 +1,33 @@
-"""The pipeline executor: runs this pipeline rank's action list (training/schedules.py) over its model chunks.
+"""The executor: runs this pipeline rank's action list (training/schedules.py) over its model chunks. It runs every
+micro-batch schedule: plain gradient accumulation (PP=1 is a one-stage pipeline, whose 1F1B is F0 B0 F1 B1 ...;
+no transfers), paired micro-batches (``overlap.overlap_moe_expert_parallel_comm``) and every PP schedule.
 
-One executor runs any schedule. F runs a chunk's forward (the first stage reads token ids, a later one the
-activations received from the stage before) and keeps what backward needs; B runs the chunk's backward
-from the received gradient of its output (the last stage: from its loss) and leaves the gradient of its
-input to send; I does the same with the weight gradients of the linears and experts deferred
-(layers/deferred_wgrad.py), and W computes them. Post and Wait start and finish the transfers
-(distributed/p2p.py); receive buffers have the static activation shape (micro-batch, sequence block,
-hidden), so no shape is ever exchanged.
+F runs a chunk's forward (the first stage reads token ids, a later one the activations received from the stage
+before) and keeps what backward needs; B runs the chunk's backward from the received gradient of its output (the
+last stage: from its loss) and leaves the gradient of its input to send; I does the same with the weight
+gradients of the linears and experts deferred (layers/deferred_wgrad.py), and W computes them; a Pair runs one
+micro-batch's F and another's B or I segment by segment in turn (training/microbatch_overlap.py). A chunk runs
+as one segment (its plain forward: no graph cut) unless the schedule pairs; then every training forward runs as
+the chunk's segments, the autograd graph cut between them. Post and Wait start and finish the transfers
+(distributed/p2p.py); receive buffers have the static activation shape (micro-batch, sequence block, hidden), so
+no shape is ever exchanged.
 
-The loss of each micro-batch is scaled as gradient accumulation scales it; MoE auxiliary losses enter their
-own stage's backward (models/pipeline_stages.AttachAuxLoss). The distributed optimizer's backward hooks
-are armed only during the last micro-batch's backward actions of each chunk, so a bucket's reduce-scatter
-starts when its last gradient of the step has arrived; its parameter all-gathers are waited for by the
-forward pre-hooks, at the bucket's first forward. Losses and token counts stay on the device and are
-shared over the pipeline group once per step.
+Every hook of a step is armed here, from the action list:
+- the optimizer's gradient sync, before each backward action (B, I, W, a pair's B or I): armed on its chunk's
+  last micro-batch only, so that the distributed optimizer starts a bucket's reduce-scatter when the bucket's last
+  gradient of the step has arrived (its parameter all-gathers are waited for by forward pre-hooks, at the
+  bucket's first forward);
+- the model's start_micro_batch (the experts' weight-gradient pairs), before each backward, in backward order;
+- the GEMMs' SM carve-outs (:class:`Carveouts`): beside the parameter all-gathers from the step's start through
+  each chunk's first forward, beside the gradient reduce-scatters from the last micro-batch's first backward
+  action to the end, beside the other micro-batch's exchanges in every pair.
+The loss of each micro-batch is scaled as gradient accumulation scales it; MoE auxiliary losses enter their own
+stage's backward (models/pipeline_stages.AttachAuxLoss). Losses (summed in fp64) and token counts stay on the
+device and are shared over the pipeline group once per step.
 
-With ``measure``, the executor also records each action's start and end and the peak bytes this
-rank holds for the pipeline: tensors saved for backward (parameters excluded, each storage once), stage
-outputs kept for backward, inputs kept for deferred weight gradients, and P2P buffers in flight.
+With ``measure``, the executor also records each action's start and end and the peak bytes this rank holds for
+the pipeline: tensors saved for backward (parameters excluded, each storage once), chunk outputs kept for
+backward, inputs kept for deferred weight gradients, and P2P buffers in flight.
 """
 
 from __future__ import annotations
@@ -33,50 +43,77 @@ from moe_overlap.config import Config
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.p2p import PipelineP2P
-from moe_overlap.distributed.streams import exposed_wait
+from moe_overlap.distributed.streams import exposed_wait, gemm_sm_carveout, to_device_async
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages, model_chunks
-from moe_overlap.training.schedules import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, INPUT_GRAD, Action, Compute,
-                                            Message, P2POp, Post, Schedule, Wait, build_schedule, default_schedule)
+from moe_overlap.training.microbatch_overlap import ChunkRun, run_pair
+from moe_overlap.training.schedules import (ACTIVATION, FORWARD, GRADIENT, INPUT_GRAD, WEIGHT_GRAD, Action, Compute,
+                                            Message, P2POp, Pair, Post, Schedule, Wait, build_schedule,
+                                            default_schedule)
+
+
+@dataclass(frozen=True)
+class Carveouts:
+    """SMs the GEMMs of an action leave free to the communication beside them (``overlap.gemm_sm_carveout``)."""
+
+    param_sync: int = 0  # the distributed optimizer's parameter all-gathers: through each chunk's first forward
+    grad_sync: int = 0  # its gradient reduce-scatters: from the last micro-batch's first backward action on
+    paired: int = 0  # the other micro-batch's exchanges: every pair
+
+    def __bool__(self) -> bool:
+        return bool(self.param_sync or self.grad_sync or self.paired)
 
 
 @dataclass
 class PipelineResult:
-    lm_loss: torch.Tensor  # mean over micro-batches of the last stage's cross-entropy (the same on every rank)
-    aux_loss: torch.Tensor  # mean over micro-batches of the auxiliary losses of every stage
+    losses: torch.Tensor  # (2,) fp64, the same on every rank: the mean over micro-batches of the last stage's
+    # cross-entropy, and of the auxiliary losses of every stage
     tokens_per_expert: dict[int, torch.Tensor]  # every MoE layer's copies per expert, whichever rank holds it
     peak_bytes: int | None = None  # with measure
     trace: list[tuple[Action, float, float]] | None = None  # with measure: every action's (start, end) in s
+    order: list[tuple[str, int, str]] = field(default_factory=list)  # paired: (F | B, micro-batch, segment) as run
+
+    @property
+    def lm_loss(self) -> torch.Tensor:
+        return self.losses[0]
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        return self.losses[1]
 
 
 @dataclass
-class _Step:
+class _Run:
     """What one run holds between actions, keyed by (micro-batch, chunk) or by message."""
 
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     loss_scale: float
-    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    split: bool  # chunks run as their segments (the schedule pairs)
+    lm_sum: torch.Tensor
+    aux_sum: torch.Tensor
+    units: dict[tuple[int, int], ChunkRun] = field(default_factory=dict)  # forward run, backward not yet
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # received activations
     received: dict[Message, torch.Tensor] = field(default_factory=dict)
     to_send: dict[Message, torch.Tensor] = field(default_factory=dict)
     in_flight: dict[P2POp, tuple[list, torch.Tensor]] = field(default_factory=dict)
     deferred: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
     held: dict[object, list] = field(default_factory=dict)  # measure: ledger holds by owner
-    lm_sum: torch.Tensor | None = None
-    aux_sum: torch.Tensor | None = None
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     trace: list[tuple[Action, float, float]] | None = None
+    order: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 class PipelineExecutor:
+    """This rank's part of every step: its action list run over its model chunks (a one-stage pipeline at PP=1)."""
+
     def __init__(self, cfg: Config, mesh: Mesh, model: MixtralModel, stages: PipelineStages, optimizer,
                  device: torch.device, dtype: torch.dtype):
         self.cfg, self.mesh, self.model, self.optimizer = cfg, mesh, model, optimizer
         self.device, self.dtype = device, dtype
         self.rank = mesh.pp.rank
         self.chunks = model_chunks(model, stages, self.rank)
-        self.p2p = PipelineP2P(mesh, cfg.train.distributed_timeout_s)
+        self.p2p = PipelineP2P(mesh, cfg.train.distributed_timeout_s) if stages.pp > 1 else None
         m, t = cfg.model, cfg.train
         self.shape = (t.micro_batch_size, m.seq_length // model.tp_comm.sequence_shards, m.hidden_size)
         self.schedule_name = t.pipeline_schedule or default_schedule(stages.vpp)
@@ -86,129 +123,160 @@ class PipelineExecutor:
     def build(self, micro_batches: int, forward_only: bool = False) -> Schedule:
         o = self.cfg.overlap
         return build_schedule(self.schedule_name, self.mesh.pp.size, len(self.chunks), micro_batches,
-                              o.overlap_p2p_comm, o.batch_p2p_comm, forward_only)
+                              o.overlap_p2p_comm, o.batch_p2p_comm, forward_only, o.overlap_moe_expert_parallel_comm)
 
     # ------------------------------------------------------------------------------------------- runs
-    def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-            measure: bool = False) -> PipelineResult:
+    def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float, measure: bool = False,
+            carveouts: Carveouts = Carveouts()) -> PipelineResult:
         """One step's forward and backward over ``batches`` (every micro-batch; each rank reads what its
-        stages need): the gradients accumulate as gradient accumulation would accumulate them."""
+        chunks need): the gradients accumulate as gradient accumulation would accumulate them."""
         self.optimizer.start_micro_batch(is_last=False)  # forget last step's readiness; hooks disarmed
-        return self._execute(self.schedule, batches, loss_scale, measure)
+        return self._execute(self.schedule, batches, loss_scale, measure, carveouts)
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean cross-entropy over ``batches``, forward only (the same on every rank of the pipeline)."""
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Mean cross-entropy over ``batches``, forward only (fp64 on the device, the same on every rank of the
+        pipeline)."""
         m = len(batches)
         if m not in self._eval_schedules:
             self._eval_schedules[m] = self.build(m, forward_only=True)
-        return float(self._execute(self._eval_schedules[m], batches, 1.0, False).lm_loss)
+        return self._execute(self._eval_schedules[m], batches, 1.0, False, Carveouts()).lm_loss
 
-    def _execute(self, schedule: Schedule, batches, loss_scale: float, measure: bool) -> PipelineResult:
+    def _execute(self, schedule: Schedule, batches, loss_scale: float, measure: bool,
+                 carveouts: Carveouts) -> PipelineResult:
         if len(batches) != schedule.micro_batches:
             raise ValueError(f"the schedule runs {schedule.micro_batches} micro-batches; got {len(batches)}")
-        step = _Step(batches, loss_scale, trace=[] if measure else None)
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        step.lm_sum, step.aux_sum = zero, zero.clone()
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        run = _Run(batches, loss_scale, schedule.paired, zero, zero.clone(), trace=[] if measure else None)
+        actions = schedule.ranks[self.rank]
+        sms = _carveout_sms(actions, schedule.micro_batches, carveouts) if carveouts else None
         ledger = _MemoryLedger(self.model.parameters()) if measure else None
         clock = _Clock(self.device) if measure else None
-        for action in schedule.ranks[self.rank]:
+        for index, action in enumerate(actions):
             start = clock.mark() if clock else None
             if isinstance(action, Post):
-                self._post(action, step, ledger)
+                self._post(action, run, ledger)
             elif isinstance(action, Wait):
-                self._wait(action, step, ledger)
-            else:
-                with ledger.saving() if ledger else contextlib.nullcontext():
-                    self._compute(action, step, schedule, ledger)
+                self._wait(action, run, ledger)
+            elif (sms and sms[index]) or ledger:
+                with (gemm_sm_carveout(sms[index] if sms else 0),
+                      ledger.saving() if ledger else contextlib.nullcontext()):
+                    self._compute(action, run, schedule, ledger)
+            else:  # plain accumulation's path: no context to enter
+                self._compute(action, run, schedule, ledger)
             if clock:
-                step.trace.append((action, start, clock.mark()))
-        totals = torch.stack([step.lm_sum, step.aux_sum]) / schedule.micro_batches
-        all_reduce_(totals, self.mesh.pp.group)  # the loss from the last stage, auxiliary losses from all
-        return PipelineResult(totals[0], totals[1], self._share_tokens(step.tokens),
-                              ledger.peak if ledger else None, clock.resolve(step.trace) if clock else None)
+                run.trace.append((action, start, clock.mark()))
+        losses = torch.stack([run.lm_sum, run.aux_sum]) / schedule.micro_batches
+        all_reduce_(losses, self.mesh.pp.group)  # the loss from the last stage, auxiliary losses from all
+        return PipelineResult(losses, self._share_tokens(run.tokens), ledger.peak if ledger else None,
+                              clock.resolve(run.trace) if clock else None, run.order)
 
     # ----------------------------------------------------------------------------------------- compute
-    def _compute(self, action: Compute, step: _Step, schedule: Schedule, ledger) -> None:
-        if action.kind == FORWARD:
-            self._forward(action, step, schedule, ledger)
-            return
-        # The distributed optimizer may start a bucket's reduce-scatter only on its last gradient.
-        self.optimizer.arm_grad_sync(action.micro_batch == schedule.micro_batches - 1)
-        key = (action.micro_batch, action.chunk)
-        if action.kind in (BACKWARD, INPUT_GRAD):
-            self._backward(action, step, schedule, ledger)
+    def _compute(self, action: Compute | Pair, run: _Run, schedule: Schedule, ledger) -> None:
+        if isinstance(action, Pair):
+            forward = self._start_forward(action.forward, run)
+            backward = self._start_backward(action.backward, run, schedule)
+            run_pair(forward, backward)
+            self._finish_forward(action.forward, forward, run, ledger)
+            self._finish_backward(action.backward, backward, run, ledger)
+        elif action.kind == FORWARD:
+            unit = self._start_forward(action, run)
+            unit.forward_all()
+            self._finish_forward(action, unit, run, ledger)
+        elif action.kind == WEIGHT_GRAD:
+            self._arm_backward(action, schedule)
+            key = (action.micro_batch, action.chunk)
+            run.deferred.pop(key).run()
+            _release(ledger, run, ("deferred", key))
         else:
-            step.deferred.pop(key).run()
-            _release(ledger, step, ("deferred", key))
+            unit = self._start_backward(action, run, schedule)
+            unit.backward_all()
+            self._finish_backward(action, unit, run, ledger)
 
-    def _forward(self, action: Compute, step: _Step, schedule: Schedule, ledger) -> None:
+    def _start_forward(self, action: Compute, run: _Run) -> ChunkRun:
         chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
-        stage = schedule.stage(self.rank, action.chunk)
-        input_ids, labels = step.batches[action.micro_batch]
+        input_ids, labels = run.batches[action.micro_batch]
         if chunk.first:
-            x = input_ids.to(self.device)
+            x = to_device_async(input_ids, self.device)
         else:
-            x = step.received.pop(Message(ACTIVATION, action.micro_batch, stage - 1))
+            x = run.inputs[key] = run.received.pop(Message(ACTIVATION, action.micro_batch, chunk.stage - 1))
             x.requires_grad_(torch.is_grad_enabled())
-        out = chunk(x, labels.to(self.device), step.loss_scale)
-        _release(ledger, step, ("recv", x))  # now saved for backward, or gone
-        if not chunk.last:
-            step.to_send[Message(ACTIVATION, action.micro_batch, stage)] = out.output.detach()
-        if torch.is_grad_enabled():
-            step.inputs[key], step.outputs[key] = x, out.output
-            _hold(ledger, step, ("output", key), [out.output])
-        if out.lm_loss is not None:
-            step.lm_sum = step.lm_sum + out.lm_loss
-        step.aux_sum = step.aux_sum + out.aux_loss
-        for layer, counts in out.tokens_per_expert.items():
-            step.tokens[layer] = step.tokens.get(layer, 0) + counts
+        labels = to_device_async(labels, self.device) if chunk.last else None
+        carry = chunk.carry(x, labels, action.micro_batch, run.loss_scale, run.split)
+        if run.split:
+            return ChunkRun(chunk.split, carry, run.order)
+        return ChunkRun(chunk.whole, carry)
 
-    def _backward(self, action: Compute, step: _Step, schedule: Schedule, ledger) -> None:
+    def _finish_forward(self, action: Compute, unit: ChunkRun, run: _Run, ledger) -> None:
         chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
-        stage = schedule.stage(self.rank, action.chunk)
-        output = step.outputs.pop(key)
-        grad = None
+        out = unit.output
+        if not chunk.first:  # the received activations: now saved for backward, or gone
+            _release(ledger, run, ("recv", run.inputs[key] if torch.is_grad_enabled() else run.inputs.pop(key)))
         if not chunk.last:
-            grad = step.received.pop(Message(GRADIENT, action.micro_batch, stage + 1))
+            run.to_send[Message(ACTIVATION, action.micro_batch, chunk.stage)] = out.output.detach()
+        if torch.is_grad_enabled():
+            run.units[key] = unit
+            _hold(ledger, run, ("output", key), [out.output])
+        if out.lm_loss is not None:
+            run.lm_sum = run.lm_sum + out.lm_loss
+        run.aux_sum = run.aux_sum + out.aux_loss
+        for layer, counts in out.tokens_per_expert.items():
+            run.tokens[layer] = run.tokens.get(layer, 0) + counts
+
+    def _arm_backward(self, action: Compute, schedule: Schedule) -> None:
+        """Before a backward action: the distributed optimizer may start a bucket's reduce-scatter only on its
+        last gradient; the experts' weight-gradient pairs follow the backward order."""
+        last = action.micro_batch == schedule.micro_batches - 1
+        self.optimizer.arm_grad_sync(last)
+        if action.kind != WEIGHT_GRAD:
+            self.model.start_micro_batch(first=action.micro_batch == 0, last=last)
+
+    def _start_backward(self, action: Compute, run: _Run, schedule: Schedule) -> ChunkRun:
+        chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
+        self._arm_backward(action, schedule)
+        unit = run.units.pop(key)
+        if not chunk.last:
+            unit.grad = run.received.pop(Message(GRADIENT, action.micro_batch, chunk.stage + 1))
         if action.kind == INPUT_GRAD:
-            store = step.deferred[key] = WeightGradStore()
-            with store.deferring():
-                torch.autograd.backward(output, grad)
-            _hold(ledger, step, ("deferred", key), store.tensors())
-        else:
-            torch.autograd.backward(output, grad)
-        _release(ledger, step, ("output", key))
-        if grad is not None:
-            _release(ledger, step, ("recv", grad))
-        x = step.inputs.pop(key)
+            unit.store = run.deferred[key] = WeightGradStore()
+        return unit
+
+    def _finish_backward(self, action: Compute, unit: ChunkRun, run: _Run, ledger) -> None:
+        chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
+        if unit.store is not None:
+            _hold(ledger, run, ("deferred", key), unit.store.tensors())
+        _release(ledger, run, ("output", key))
+        if unit.grad is not None:
+            _release(ledger, run, ("recv", unit.grad))
         if not chunk.first:
-            step.to_send[Message(GRADIENT, action.micro_batch, stage)] = x.grad
+            run.to_send[Message(GRADIENT, action.micro_batch, chunk.stage)] = run.inputs.pop(key).grad
 
     # ------------------------------------------------------------------------------------------ transfers
-    def _post(self, action: Post, step: _Step, ledger) -> None:
-        tensors = [step.to_send.pop(op.message) if op.send
+    def _post(self, action: Post, run: _Run, ledger) -> None:
+        tensors = [run.to_send.pop(op.message) if op.send
                    else torch.empty(self.shape, dtype=self.dtype, device=self.device) for op in action.ops]
         works = self.p2p.post([(op.send, t, op.peer) for op, t in zip(action.ops, tensors)],
                               batch=self.cfg.overlap.batch_p2p_comm)
         for op, tensor, work in zip(action.ops, tensors, works):
-            step.in_flight[op] = (work, tensor)
-            _hold(ledger, step, ("send" if op.send else "recv", tensor), [tensor])
+            run.in_flight[op] = (work, tensor)
+            _hold(ledger, run, ("send" if op.send else "recv", tensor), [tensor])
 
-    def _wait(self, action: Wait, step: _Step, ledger) -> None:
+    def _wait(self, action: Wait, run: _Run, ledger) -> None:
         for op in action.ops:
-            works, tensor = step.in_flight.pop(op)
+            works, tensor = run.in_flight.pop(op)
             with exposed_wait("pp"):
                 for work in works:
                     work.wait()
             if op.send:
-                _release(ledger, step, ("send", tensor))
+                _release(ledger, run, ("send", tensor))
             else:
-                step.received[op.message] = tensor  # held until the compute that consumes it
+                run.received[op.message] = tensor  # held until the compute that consumes it
 
     # --------------------------------------------------------------------------------------------- totals
     def _share_tokens(self, tokens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Every MoE layer's counts on every rank of the pipeline (for the metrics; routers use their own)."""
+        if self.mesh.pp.size == 1:
+            return tokens
         m = self.cfg.model
         moe_layers = [index for index in range(m.num_layers) if m.is_moe_layer(index)]
         if not moe_layers:
@@ -218,6 +286,20 @@ class PipelineExecutor:
             table[layer] = counts
         all_reduce_(table, self.mesh.pp.group)
         return {layer: table[layer] for layer in moe_layers}
+
+
+def _carveout_sms(actions: Sequence[Action], micro_batches: int, carveouts: Carveouts) -> list[int]:
+    """Per action, the SMs its GEMMs leave free: the parameter all-gathers are in flight from the step's start
+    until each chunk's first forward has waited for its buckets; the gradient reduce-scatters from the first
+    backward action of the last micro-batch (they start on its chunk's last gradients) to the end; the other
+    micro-batch's exchanges during a pair."""
+    parts = [a.parts if isinstance(a, (Compute, Pair)) else () for a in actions]
+    first_forwards = [i for i, ps in enumerate(parts) if any(p.kind == FORWARD and p.micro_batch == 0 for p in ps)]
+    last_backwards = [i for i, ps in enumerate(parts)
+                      if any(p.kind != FORWARD and p.micro_batch == micro_batches - 1 for p in ps)]
+    param_end, grad_start = max(first_forwards, default=-1), min(last_backwards, default=len(actions))
+    return [max(carveouts.param_sync if i <= param_end else 0, carveouts.grad_sync if i >= grad_start else 0,
+                carveouts.paired if isinstance(action, Pair) else 0) for i, action in enumerate(actions)]
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -300,14 +382,14 @@ def _unpack(saved):
     return saved.tensor if isinstance(saved, _Saved) else saved
 
 
-def _hold(ledger: _MemoryLedger | None, step: _Step, owner, tensors) -> None:
+def _hold(ledger: _MemoryLedger | None, run: _Run, owner, tensors) -> None:
     if ledger is not None:
-        step.held[_owner_key(owner)] = [ledger.hold(t) for t in tensors]
+        run.held[_owner_key(owner)] = [ledger.hold(t) for t in tensors]
 
 
-def _release(ledger: _MemoryLedger | None, step: _Step, owner) -> None:
+def _release(ledger: _MemoryLedger | None, run: _Run, owner) -> None:
     if ledger is not None:
-        for ptr in step.held.pop(_owner_key(owner), []):
+        for ptr in run.held.pop(_owner_key(owner), []):
             ledger.release(ptr)
 
 

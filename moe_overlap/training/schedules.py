@@ -2,17 +2,21 @@
 
 Compute actions: ``F`` (one micro-batch forward through one model chunk), ``B`` (its backward), or B's two
 halves for zero-bubble schedules, ``I`` (the input gradient, which the previous stage waits for) and ``W``
-(the weight gradients, which nobody waits for). Model chunk c on pipeline rank r holds virtual stage
-s = c * PP + r. Communication actions: ``Post`` starts sends and receives (one batched call, or one call
-per transfer) and ``Wait`` blocks until they are done.
+(the weight gradients, which nobody waits for); and a :class:`Pair`, one micro-batch's F run together with
+another's B or I (``overlap.overlap_moe_expert_parallel_comm``: the executor alternates their segments, so
+that each one's MoE exchanges run beside the other's compute). Model chunk c on pipeline rank r holds virtual
+stage s = c * PP + r. Communication actions: ``Post`` starts sends and receives (one batched call, or one call
+per transfer) and ``Wait`` blocks until they are done. PP=1 is a one-stage pipeline: its lists hold no
+transfers (1F1B there is plain gradient accumulation, F0 B0 F1 B1 ...).
 
-A builder gives each rank's compute order (:func:`compute_orders`); :func:`lower` adds the transfers for
-the blocking or the overlapped policy (``overlap.overlap_p2p_comm``); :func:`validate` checks a list (every
-transfer has its other end, in the same order on both ends of a channel, F before B, the activations in
-flight within the schedule's bound, no deadlock); :func:`simulate` times it from per-action costs, which
-gives the timeline and the bubble fraction that ``moe-overlap info --schedule`` prints and the benchmark
-checks against measurement. One executor (training/pipeline.py) runs any list. A later action kind (one
-micro-batch's forward paired with another's backward) fits beside these: the executor dispatches on it.
+A builder gives each rank's compute order (:func:`compute_orders`); paired, it runs one more warm-up forward
+(as Megatron-Core's combined 1F1B), so that every steady-state forward has another micro-batch's backward to
+pair with. :func:`lower` adds the transfers for the blocking or the overlapped policy
+(``overlap.overlap_p2p_comm``); :func:`validate` checks a list (every transfer has its other end, in the same
+order on both ends of a channel, F before B, a pair's halves independent, the activations in flight within
+the schedule's bound, no deadlock); :func:`simulate` times it from per-action costs, which gives the timeline
+and the bubble fraction that ``moe-overlap info --schedule`` prints and the benchmark checks against
+measurement. One executor (training/pipeline.py) runs any list.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
-FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "I", "W"
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, PAIR = "F", "B", "I", "W", "P"
 ACTIVATION, GRADIENT = "act", "grad"
 
 # train.pipeline_schedule values; null picks 1f1b, or interleaved_1f1b with virtual stages.
@@ -38,8 +42,30 @@ class Compute:
     micro_batch: int
     chunk: int  # model chunk on this rank
 
+    @property
+    def parts(self) -> tuple[Compute, ...]:
+        return (self,)
+
     def __str__(self) -> str:
         return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One micro-batch's forward and another's backward (B or I) of this rank run together, segment by segment
+    in turn (``overlap_moe_expert_parallel_comm``). Its transfers are those of both halves: every receive waited
+    for before it starts, every send started after it ends; so the halves must not depend on each other."""
+
+    forward: Compute
+    backward: Compute
+    kind = PAIR
+
+    @property
+    def parts(self) -> tuple[Compute, ...]:
+        return self.forward, self.backward
+
+    def __str__(self) -> str:
+        return f"{self.forward}+{self.backward}"
 
 
 @dataclass(frozen=True)
@@ -74,7 +100,8 @@ class Wait:
     ops: tuple[P2POp, ...]
 
 
-Action = Union[Compute, Post, Wait]
+ComputeAction = Union[Compute, Pair]
+Action = Union[Compute, Pair, Post, Wait]
 
 
 @dataclass(frozen=True)
@@ -86,6 +113,7 @@ class Schedule:
     overlap_p2p: bool
     batch_p2p: bool
     ranks: tuple[tuple[Action, ...], ...]  # by pipeline rank
+    paired: bool = False  # forwards paired with backwards (overlap_moe_expert_parallel_comm)
 
     @property
     def stages(self) -> int:
@@ -94,8 +122,12 @@ class Schedule:
     def stage(self, rank: int, chunk: int) -> int:
         return chunk * self.pp + rank
 
-    def computes(self, rank: int) -> list[Compute]:
-        return [a for a in self.ranks[rank] if isinstance(a, Compute)]
+    def computes(self, rank: int) -> list[ComputeAction]:
+        return [a for a in self.ranks[rank] if isinstance(a, (Compute, Pair))]
+
+    def units(self, rank: int) -> list[Compute]:
+        """The compute actions with each pair as its two halves, forward first."""
+        return [part for action in self.computes(rank) for part in action.parts]
 
 
 def default_schedule(vpp: int) -> str:
@@ -105,12 +137,16 @@ def default_schedule(vpp: int) -> str:
 # ------------------------------------------------------------------------------------------- builders
 
 
-def compute_orders(name: str, pp: int, vpp: int, micro_batches: int) -> list[list[tuple[Compute, ...]]]:
+def compute_orders(name: str, pp: int, vpp: int, micro_batches: int,
+                   paired: bool = False) -> list[list[tuple[ComputeAction, ...]]]:
     """Each pipeline rank's compute actions in the order it runs them, in steps: the blocking policy
     exchanges between steps (Megatron's: after every action, or after each forward-backward pair of the
-    interleaved steady state, whose transfers both ends then start together)."""
+    interleaved steady state, whose transfers both ends then start together). ``paired``: one more warm-up
+    forward on every rank, and each steady-state forward and backward one :class:`Pair`."""
     if name not in SCHEDULES:
         raise ScheduleError(f"schedule {name!r}: allowed {', '.join(SCHEDULES)}")
+    if paired and name == "all_forward_all_backward":
+        raise ScheduleError(f"schedule {name!r} runs no forward beside a backward: nothing to pair")
     if name in ("1f1b", "zb_h1") and vpp != 1:
         raise ScheduleError(f"schedule {name!r} has one model chunk per rank; virtual stages need interleaved_1f1b")
     if vpp > 1 and micro_batches % pp:
@@ -118,30 +154,43 @@ def compute_orders(name: str, pp: int, vpp: int, micro_batches: int) -> list[lis
                             "multiple")
     build = {"all_forward_all_backward": _all_forward_all_backward, "1f1b": _one_f_one_b,
              "interleaved_1f1b": _interleaved, "zb_h1": _zb_h1}[name]
-    return [build(pp, vpp, micro_batches, rank) for rank in range(pp)]
+    return [build(pp, vpp, micro_batches, rank, paired) for rank in range(pp)]
 
 
-def _all_forward_all_backward(pp: int, vpp: int, m: int, rank: int) -> list[tuple[Compute, ...]]:
+def _warm_up(pp: int, rank: int, paired: bool) -> int:
+    """Forwards a one-chunk rank runs before its first backward: PP - rank - 1; paired, 2 (PP - rank - 1) + 1,
+    the interleaved warm-up at VPP = 1 plus one (Megatron-Core's combined 1F1B). A pair sends its forward's
+    output only when both halves end, and its backward needs the next rank's gradient when it starts: with
+    two forwards of lead per later rank, that gradient was sent a pair earlier, and the steady state has no
+    bubble; with one, each pair would wait for the next rank's pair."""
+    return 2 * (pp - rank - 1) + 1 if paired else pp - rank - 1
+
+
+def _all_forward_all_backward(pp: int, vpp: int, m: int, rank: int, paired: bool) -> list[tuple[Compute, ...]]:
     """Every forward, then every backward (GPipe): the reference, holding all micro-batches at once. With
     virtual stages, in the interleaved order (a chunk at a time over all micro-batches would have each rank
     wait, in a blocking send, for a receive that its peer reaches only after its own sends)."""
     if vpp > 1:
-        return _interleaved(pp, vpp, m, rank, warm_up=m * vpp)
+        return _interleaved(pp, vpp, m, rank, paired, warm_up=m * vpp)
     return [(Compute(FORWARD, mb, 0),) for mb in range(m)] + [(Compute(BACKWARD, mb, 0),) for mb in range(m)]
 
 
-def _one_f_one_b(pp: int, vpp: int, m: int, rank: int) -> list[tuple[Compute, ...]]:
-    """PP - rank - 1 warm-up forwards, then one forward and one backward in turn, then the cool-down."""
-    warm = min(pp - rank - 1, m)
+def _one_f_one_b(pp: int, vpp: int, m: int, rank: int, paired: bool) -> list[tuple[ComputeAction, ...]]:
+    """The warm-up forwards (:func:`_warm_up`), then one forward and one backward in turn (paired: together),
+    then the cool-down."""
+    warm = min(_warm_up(pp, rank, paired), m)
     order = [(Compute(FORWARD, mb, 0),) for mb in range(warm)]
     for i in range(m - warm):
-        order += [(Compute(FORWARD, warm + i, 0),), (Compute(BACKWARD, i, 0),)]
+        forward, backward = Compute(FORWARD, warm + i, 0), Compute(BACKWARD, i, 0)
+        order += [(Pair(forward, backward),)] if paired else [(forward,), (backward,)]
     return order + [(Compute(BACKWARD, mb, 0),) for mb in range(m - warm, m)]
 
 
-def _interleaved(pp: int, vpp: int, m: int, rank: int, warm_up: int | None = None) -> list[tuple[Compute, ...]]:
+def _interleaved(pp: int, vpp: int, m: int, rank: int, paired: bool,
+                 warm_up: int | None = None) -> list[tuple[ComputeAction, ...]]:
     """Megatron-Core's interleaved 1F1B: micro-batches go through the chunks in groups of PP, so each
-    rank's warm-up is (PP - rank - 1) * 2 + (VPP - 1) * PP chunk-forwards and the bubble shrinks by VPP."""
+    rank's warm-up is (PP - rank - 1) * 2 + (VPP - 1) * PP chunk-forwards (one more paired) and the bubble
+    shrinks by VPP."""
     total = m * vpp
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
@@ -149,51 +198,63 @@ def _interleaved(pp: int, vpp: int, m: int, rank: int, warm_up: int | None = Non
         chunk = in_group // pp
         return group * pp + in_group % pp, chunk if forward else vpp - 1 - chunk
 
-    warm = min((pp - rank - 1) * 2 + (vpp - 1) * pp if warm_up is None else warm_up, total)
+    warm = min((pp - rank - 1) * 2 + (vpp - 1) * pp + paired if warm_up is None else warm_up, total)
     order = [(Compute(FORWARD, *unit(k, True)),) for k in range(warm)]
-    order += [(Compute(FORWARD, *unit(warm + i, True)), Compute(BACKWARD, *unit(i, False)))
-              for i in range(total - warm)]
+    for i in range(total - warm):
+        forward, backward = Compute(FORWARD, *unit(warm + i, True)), Compute(BACKWARD, *unit(i, False))
+        order.append((Pair(forward, backward),) if paired else (forward, backward))
     return order + [(Compute(BACKWARD, *unit(k, False)),) for k in range(total - warm, total)]
 
 
-def _zb_h1(pp: int, vpp: int, m: int, rank: int) -> list[tuple[Compute, ...]]:
+def _zb_h1(pp: int, vpp: int, m: int, rank: int, paired: bool) -> list[tuple[ComputeAction, ...]]:
     """Zero-bubble H1 (Qi et al., 2023): in the steady state rank r runs F(x), I(x - (PP - 1 - r)),
     W(x - (PP - 1)), so I leaves as early as 1F1B's B and each W waits until a bubble would open; warm-up
     and cool-down are the same rule with the out-of-range micro-batches left out. Rank 0 holds PP
     micro-batches' activations, as in 1F1B; a later rank also holds the weight-gradient inputs of up to
-    ``rank`` more. The bubble falls from (PP - 1)(F + B) to (PP - 1)(F + I - W)."""
+    ``rank`` more. The bubble falls from (PP - 1)(F + B) to (PP - 1)(F + I - W). Paired, I runs as far
+    behind F as 1F1B's B (:func:`_warm_up`), W as far as rank 0's I, and each F with its I is one pair: the
+    same bubble, with up to 2 PP micro-batches in flight on every rank."""
+    behind, weights_behind = _warm_up(pp, rank, paired), _warm_up(pp, 0, paired)
     order = []
-    for x in range(m + pp - 1):
-        for kind, mb in ((FORWARD, x), (INPUT_GRAD, x - (pp - 1 - rank)), (WEIGHT_GRAD, x - (pp - 1))):
-            if 0 <= mb < m:
-                order.append((Compute(kind, mb, 0),))
+    for x in range(m + weights_behind):
+        forward, backward = Compute(FORWARD, x, 0), Compute(INPUT_GRAD, x - behind, 0)
+        weights = [Compute(WEIGHT_GRAD, x - weights_behind, 0)] if 0 <= x - weights_behind < m else []
+        if paired and 0 <= backward.micro_batch and forward.micro_batch < m:
+            # one step: the pair's sends wait for the next pair's receives, not for both ends' W
+            order.append((Pair(forward, backward), *weights))
+        else:
+            order += [(c,) for c in [forward, backward, *weights] if 0 <= c.micro_batch < m]
     return order
 
 
 # ---------------------------------------------------------------------------------------- transfers
 
 
-def needs(action: Compute, rank: int, pp: int, stages: int) -> list[P2POp]:
+def needs(action: ComputeAction, rank: int, pp: int, stages: int) -> list[P2POp]:
     """The receives a compute action consumes."""
-    stage = action.chunk * pp + rank
-    if action.kind == FORWARD and stage > 0:
-        return [P2POp(False, Message(ACTIVATION, action.micro_batch, stage - 1), (rank - 1) % pp)]
-    if action.kind in (BACKWARD, INPUT_GRAD) and stage < stages - 1:
-        return [P2POp(False, Message(GRADIENT, action.micro_batch, stage + 1), (rank + 1) % pp)]
-    return []
+    ops = []
+    for part in action.parts:
+        stage = part.chunk * pp + rank
+        if part.kind == FORWARD and stage > 0:
+            ops.append(P2POp(False, Message(ACTIVATION, part.micro_batch, stage - 1), (rank - 1) % pp))
+        elif part.kind in (BACKWARD, INPUT_GRAD) and stage < stages - 1:
+            ops.append(P2POp(False, Message(GRADIENT, part.micro_batch, stage + 1), (rank + 1) % pp))
+    return ops
 
 
-def produces(action: Compute, rank: int, pp: int, stages: int) -> list[P2POp]:
+def produces(action: ComputeAction, rank: int, pp: int, stages: int) -> list[P2POp]:
     """The sends of what a compute action produces."""
-    stage = action.chunk * pp + rank
-    if action.kind == FORWARD and stage < stages - 1:
-        return [P2POp(True, Message(ACTIVATION, action.micro_batch, stage), (rank + 1) % pp)]
-    if action.kind in (BACKWARD, INPUT_GRAD) and stage > 0:
-        return [P2POp(True, Message(GRADIENT, action.micro_batch, stage), (rank - 1) % pp)]
-    return []
+    ops = []
+    for part in action.parts:
+        stage = part.chunk * pp + rank
+        if part.kind == FORWARD and stage < stages - 1:
+            ops.append(P2POp(True, Message(ACTIVATION, part.micro_batch, stage), (rank + 1) % pp))
+        elif part.kind in (BACKWARD, INPUT_GRAD) and stage > 0:
+            ops.append(P2POp(True, Message(GRADIENT, part.micro_batch, stage), (rank - 1) % pp))
+    return ops
 
 
-def lower(steps: Sequence[Sequence[tuple[Compute, ...]]], pp: int, vpp: int,
+def lower(steps: Sequence[Sequence[tuple[ComputeAction, ...]]], pp: int, vpp: int,
           overlap: bool) -> list[list[Action]]:
     """Add the transfers to each rank's compute order.
 
@@ -241,13 +302,17 @@ def lower(steps: Sequence[Sequence[tuple[Compute, ...]]], pp: int, vpp: int,
 
 
 def build_schedule(name: str, pp: int, vpp: int, micro_batches: int, overlap_p2p: bool = False,
-                   batch_p2p: bool = False, forward_only: bool = False) -> Schedule:
-    """The validated schedule ``name``; ``forward_only`` keeps just the forwards (evaluation)."""
-    steps = compute_orders(name, pp, vpp, micro_batches)
+                   batch_p2p: bool = False, forward_only: bool = False, paired: bool = False) -> Schedule:
+    """The validated schedule ``name``; ``forward_only`` keeps just the forwards (evaluation); ``paired``: its
+    steady-state forwards and backwards in pairs (see compute_orders)."""
     if forward_only:
-        steps = [[(a,) for step in rank_steps for a in step if a.kind == FORWARD] for rank_steps in steps]
+        steps = [[(a,) for step in rank_steps for a in step if a.kind == FORWARD]
+                 for rank_steps in compute_orders(name, pp, vpp, micro_batches)]
+    else:
+        steps = compute_orders(name, pp, vpp, micro_batches, paired)
     schedule = Schedule(name, pp, vpp, micro_batches, overlap_p2p, batch_p2p,
-                        tuple(tuple(actions) for actions in lower(steps, pp, vpp, overlap_p2p)))
+                        tuple(tuple(actions) for actions in lower(steps, pp, vpp, overlap_p2p)),
+                        paired and not forward_only)
     validate(schedule, forward_only=forward_only)
     return schedule
 
@@ -255,25 +320,26 @@ def build_schedule(name: str, pp: int, vpp: int, micro_batches: int, overlap_p2p
 # --------------------------------------------------------------------------------------- validation
 
 
-def in_flight_bound(name: str, pp: int, vpp: int, micro_batches: int, rank: int) -> int:
-    """Most (micro-batch, chunk) units whose forward has run and whose backward (all of it) has not."""
+def in_flight_bound(name: str, pp: int, vpp: int, micro_batches: int, rank: int, paired: bool = False) -> int:
+    """Most (micro-batch, chunk) units whose forward has run and whose backward (all of it) has not (see
+    :func:`_warm_up` for the paired schedules' longer warm-up)."""
     total = micro_batches * vpp
     if name == "all_forward_all_backward":
         return total
     if name == "interleaved_1f1b":
-        return min(total, (pp - rank - 1) * 2 + (vpp - 1) * pp + 1)
-    if name == "zb_h1":
-        return min(total, pp)  # in flight until W: up to PP on every rank (activations on rank 0 only)
-    return min(total, pp - rank)  # 1f1b
+        return min(total, (pp - rank - 1) * 2 + (vpp - 1) * pp + 1 + paired)
+    if name == "zb_h1":  # in flight until W, on every rank as on rank 0 (activations: rank 0 only)
+        return min(total, _warm_up(pp, 0, paired) + 1)
+    return min(total, _warm_up(pp, rank, paired) + 1)  # 1f1b
 
 
 def in_flight(actions: Sequence[Action]) -> int:
-    """Peak units in flight in one rank's list (W, where there is one, ends a unit; else B)."""
-    split = {(a.micro_batch, a.chunk) for a in actions if isinstance(a, Compute) and a.kind == WEIGHT_GRAD}
+    """Peak units in flight in one rank's list (W, where there is one, ends a unit; else B; a pair's forward
+    counts before its backward)."""
+    units = [part for a in actions if isinstance(a, (Compute, Pair)) for part in a.parts]
+    split = {(a.micro_batch, a.chunk) for a in units if a.kind == WEIGHT_GRAD}
     live = peak = 0
-    for a in actions:
-        if not isinstance(a, Compute):
-            continue
+    for a in units:
         if a.kind == FORWARD:
             live += 1
             peak = max(peak, live)
@@ -316,7 +382,8 @@ def validate(schedule: Schedule, forward_only: bool = False) -> None:
         unwaited = [str(op) for (r, op) in posted if r == rank and op not in waited]
         if unwaited:
             raise ScheduleError(f"rank {rank}: never waits for {', '.join(unwaited)}")
-        bound = m * schedule.vpp if forward_only else in_flight_bound(schedule.name, pp, schedule.vpp, m, rank)
+        bound = (m * schedule.vpp if forward_only
+                 else in_flight_bound(schedule.name, pp, schedule.vpp, m, rank, schedule.paired))
         if in_flight(actions) > bound:
             raise ScheduleError(f"rank {rank}: {in_flight(actions)} micro-batch chunks in flight, over the "
                                 f"schedule's bound {bound}")
@@ -334,9 +401,14 @@ def validate(schedule: Schedule, forward_only: bool = False) -> None:
 
 
 def _check_computes(schedule: Schedule, rank: int, forward_only: bool) -> None:
+    for pair in (a for a in schedule.computes(rank) if isinstance(a, Pair)):
+        f, b = pair.parts
+        if f.kind != FORWARD or b.kind not in (BACKWARD, INPUT_GRAD) or (f.micro_batch, f.chunk) == (
+                b.micro_batch, b.chunk):
+            raise ScheduleError(f"rank {rank}: {pair} must pair a forward with another unit's B or I")
     seen: dict[tuple[str, int, int], int] = {}
     last_of_kind: dict[tuple[str, int], int] = {}
-    for index, action in enumerate(schedule.computes(rank)):
+    for index, action in enumerate(schedule.units(rank)):
         key = (action.kind, action.micro_batch, action.chunk)
         if key in seen:
             raise ScheduleError(f"rank {rank}: {action} runs twice")
@@ -381,7 +453,7 @@ def _channels(schedule: Schedule, send: bool) -> dict[tuple[int, int], list[Mess
 @dataclass(frozen=True)
 class Span:
     rank: int
-    action: Compute
+    action: ComputeAction
     start: float
     end: float
 
@@ -412,7 +484,8 @@ CostFn = Callable[[int, Compute], float]
 
 def simulate(schedule: Schedule, cost: CostFn, latency: float = 0.0,
              post_cost: Callable[[int, Post], float] | None = None) -> Timeline:
-    """Run the lists against per-action costs. A compute takes ``cost(rank, action)``; a Post holds its
+    """Run the lists against per-action costs. A compute takes ``cost(rank, action)`` (a pair the sum of its
+    halves': what it hides is communication, which the costs leave out); a Post holds its
     rank for ``post_cost(rank, action)`` (default 0: starting a transfer is free); a transfer ends
     ``latency`` after both of its ends have started it and (as on NCCL, strictest) after the transfer
     before it on its channel, or, batched, after the whole batch before it on either rank. A Wait blocks
@@ -478,8 +551,8 @@ def simulate(schedule: Schedule, cost: CostFn, latency: float = 0.0,
             actions = schedule.ranks[rank]
             while pc[rank] < len(actions):
                 action = actions[pc[rank]]
-                if isinstance(action, Compute):
-                    duration = cost(rank, action)
+                if isinstance(action, (Compute, Pair)):
+                    duration = sum(cost(rank, part) for part in action.parts)
                     timeline.spans.append(Span(rank, action, clock[rank], clock[rank] + duration))
                     clock[rank] += duration
                 elif isinstance(action, Post):
@@ -516,27 +589,33 @@ def predicted_bubble(name: str, pp: int, vpp: int, micro_batches: int) -> float 
 
 
 def render(schedule: Schedule, timeline: Timeline, width: int = 96) -> str:
-    """Text timeline: one row per rank (F/B/I/W, a chunk > 0 in lower case; '.' idle), its action order,
-    and the bubble fractions."""
+    """Text timeline: one row per rank (F/B/I/W, P a pair, a chunk > 0 in lower case; '.' idle), its action
+    order, and the bubble fractions."""
     t0 = min((s.start for s in timeline.spans), default=0.0)
     scale = timeline.makespan / width if timeline.makespan else 1.0
     lines = [f"{schedule.name}: PP={schedule.pp} VPP={schedule.vpp} micro-batches={schedule.micro_batches} "
-             f"overlap_p2p_comm={schedule.overlap_p2p} batch_p2p_comm={schedule.batch_p2p}"]
+             f"overlap_p2p_comm={schedule.overlap_p2p} batch_p2p_comm={schedule.batch_p2p}"
+             + (" paired (overlap_moe_expert_parallel_comm)" if schedule.paired else "")]
     for rank in range(schedule.pp):
         row = ["."] * width
         for span in (s for s in timeline.spans if s.rank == rank):
-            letter = span.action.kind if span.action.chunk == 0 else span.action.kind.lower()
+            letter = span.action.kind if _first_chunk(span.action) else span.action.kind.lower()
             for col in range(int((span.start - t0) / scale + 0.5), int((span.end - t0) / scale + 0.5)):
                 row[min(col, width - 1)] = letter
         lines.append(f"rank {rank} |{''.join(row)}| bubble {timeline.bubble(rank):.3f}")
     for rank in range(schedule.pp):
         lines.append(f"rank {rank} order: {' '.join(str(a) for a in schedule.computes(rank))}")
-    formula = predicted_bubble(schedule.name, schedule.pp, schedule.vpp, schedule.micro_batches)
+    formula = None if schedule.paired else predicted_bubble(schedule.name, schedule.pp, schedule.vpp,
+                                                             schedule.micro_batches)
     lines.append(f"bubble (mean over ranks): {timeline.bubble():.4f}"
                  + ("" if formula is None else f"; textbook at B = 2F: {formula:.4f}")
                  + f"; peak micro-batch chunks in flight per rank: "
                  + ", ".join(str(in_flight(actions)) for actions in schedule.ranks))
     return "\n".join(lines)
+
+
+def _first_chunk(action: ComputeAction) -> bool:
+    return all(part.chunk == 0 for part in action.parts)
 
 
 def draw(timelines: Sequence[tuple[str, Timeline]], path: str, unit: str = "ms") -> None:
@@ -546,7 +625,8 @@ def draw(timelines: Sequence[tuple[str, Timeline]], path: str, unit: str = "ms")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {FORWARD: "tab:blue", BACKWARD: "tab:green", INPUT_GRAD: "tab:olive", WEIGHT_GRAD: "tab:purple"}
+    colors = {FORWARD: "tab:blue", BACKWARD: "tab:green", INPUT_GRAD: "tab:olive", WEIGHT_GRAD: "tab:purple",
+              PAIR: "tab:red"}
     fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 0.3 + 0.55 * sum(t.pp + 1 for _, t in timelines)),
                              squeeze=False)
     for ax, (title, timeline) in zip(axes[:, 0], timelines):
@@ -554,13 +634,13 @@ def draw(timelines: Sequence[tuple[str, Timeline]], path: str, unit: str = "ms")
         for span in timeline.spans:
             left, width = span.start - t0, span.end - span.start
             ax.broken_barh([(left, width)], (span.rank - 0.4, 0.8), color=colors[span.action.kind],
-                           alpha=1.0 if span.action.chunk == 0 else 0.6, edgecolor="white", linewidth=0.5)
-            ax.text(left + width / 2, span.rank, str(span.action.micro_batch), ha="center", va="center",
-                    fontsize=6, color="white")
+                           alpha=1.0 if _first_chunk(span.action) else 0.6, edgecolor="white", linewidth=0.5)
+            ax.text(left + width / 2, span.rank, "+".join(str(part.micro_batch) for part in span.action.parts),
+                    ha="center", va="center", fontsize=6, color="white")
         ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
         ax.invert_yaxis()
         ax.set_title(f"{title}: makespan {timeline.makespan:.1f} {unit}, bubble {timeline.bubble():.3f}", fontsize=9)
-    axes[-1, 0].set_xlabel(f"{unit}; F blue, B green, I olive, W purple; lighter: chunk 1+")
+    axes[-1, 0].set_xlabel(f"{unit}; F blue, B green, I olive, W purple, F+B pair red; lighter: chunk 1+")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

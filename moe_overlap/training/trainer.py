@@ -20,7 +20,7 @@ from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, r
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
-                                             gemm_sm_carveout, measuring_exposed_comm, to_device_async)
+                                             measuring_exposed_comm)
 from moe_overlap.distributed.symm import symmetric_memory_bytes
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
@@ -30,9 +30,8 @@ from moe_overlap.training.checkpoint import (DAMAGED_SUFFIX, check_checkpoint_ma
 from moe_overlap.training.data import BatchSampler, eval_batches, load_data
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
-from moe_overlap.training.microbatch_overlap import run_paired
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
-from moe_overlap.training.pipeline import PipelineExecutor
+from moe_overlap.training.pipeline import Carveouts, PipelineExecutor
 from moe_overlap.training.preemption import StopRequests
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 
@@ -90,7 +89,7 @@ def dp_gemm_sms(cfg: Config) -> int:
 def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
     """SMs every GEMM leaves free while another micro-batch's exchange runs beside it
     (``overlap_moe_expert_parallel_comm``): ``overlap.gemm_sm_carveout``; auto: 2 x ep_comm_ctas (the NCCL pairing
-    measured for the MoE pipeline), none without a CTA cap or an exchange (one EP rank)."""
+    measured for the MoE layer's exchange), none without a CTA cap or an exchange (one EP rank)."""
     if mesh.ep.size * mesh.etp.size == 1:
         return 0
     return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas, 2)
@@ -149,14 +148,15 @@ class Trainer:
         o = cfg.overlap  # which of the distributed optimizer's syncs overlap the compute (their GEMMs are carved out)
         self._dp_overlaps = DPOverlaps(t.use_distributed_optimizer and o.overlap_grad_sync,
                                        t.use_distributed_optimizer and o.overlap_param_sync)
-        self.pipeline = (PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
-                         if stages.pp > 1 else None)
+        # every micro-batch schedule, PP=1 included (a one-stage pipeline)
+        self.pipeline = PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
         if cfg.overlap.moe_compute_only and mesh.rank == 0:
             log.warning("overlap.moe_compute_only: every rank's MoE rows stay in its own memory (a benchmark's "
                         "reference without the exchange's transfers); the model does not learn, its loss means "
                         "nothing")
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
-            # the pipeline's GEMMs capture their own carve-out; two micro-batches in flight need two sets
+            # the MoE layers' GEMMs capture their own carve-out; two micro-batches in flight (paired) need two
+            # sets, which odd and even micro-batches replay (TransformerLayer.stages)
             self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         train_tokens, val_tokens = load_data(cfg)
@@ -174,69 +174,29 @@ class Trainer:
         self.is_logger = mesh.rank == 0
         self.flops_per_token = flops_per_token(cfg.model)
         self._last_step_end: Event | None = None  # where the next step's time starts (steps run back to back)
-        self.stage_order: list[tuple[str, int, str]] = []  # overlap_moe_expert_parallel_comm: the last step's order
+        # the last step's segment runs on this rank, (F | B, micro-batch, segment name): with
+        # overlap_moe_expert_parallel_comm, the interleaving (segments are named as the exposed-comm stage labels)
+        self.stage_order: list[tuple[str, int, str]] = []
 
     # ------------------------------------------------------------------------------------------ steps
     def forward_backward(self, step: int) -> torch.Tensor:
-        """Accumulate one global batch's gradients; returns this rank's mean LM and auxiliary losses, (2,) fp64
-        on the device: nothing here waits for the host."""
+        """Accumulate one global batch's gradients through this rank's schedule (training/pipeline.py); returns
+        this rank's mean LM and auxiliary losses, (2,) fp64 on the device: nothing here waits for the host."""
         self.model.train()
         # Each micro-batch's loss is a mean over its tokens; dividing by every micro-batch of every
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
-        if self.pipeline is not None:  # the schedule's executor runs every micro-batch through the stages
-            # a stage's syncs start and end anywhere in the schedule: every GEMM of the step leaves them SMs
-            with self._dp_carveout(self._dp_overlaps.grad_sync or self._dp_overlaps.param_sync):
-                result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale)
-            self.tokens_per_expert = result.tokens_per_expert
-            return torch.stack((result.lm_loss, result.aux_loss)).double()
-        if self.cfg.overlap.overlap_moe_expert_parallel_comm:
-            return self._paired_forward_backward(step, loss_scale)
-        losses = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self.tokens_per_expert = {}
-        for index, (input_ids, labels) in enumerate(self.sampler.micro_batches(step)):
-            last = index == self.num_micro_batches - 1
-            self.optimizer.start_micro_batch(is_last=last)
-            self.model.start_micro_batch(first=index == 0, last=last)
-            with self._dp_carveout(index == 0 and self._dp_overlaps.param_sync):
-                out = self.model(to_device_async(input_ids, self.device), to_device_async(labels, self.device))
-            with self._dp_carveout(last and self._dp_overlaps.grad_sync):
-                (out.loss * loss_scale).backward()
-            self._add_output(losses, out)
-        return losses / self.num_micro_batches
+        result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale, carveouts=self._carveouts())
+        self.tokens_per_expert, self.stage_order = result.tokens_per_expert, result.order
+        return result.losses
 
-    def _paired_forward_backward(self, step: int, loss_scale: float) -> torch.Tensor:
-        """``overlap_moe_expert_parallel_comm``: micro-batch i's backward interleaved stage by stage with i+1's
-        forward (training/microbatch_overlap.py); the same losses and gradients."""
-        micro_batches = [(to_device_async(ids, self.device), to_device_async(labels, self.device))
-                         for ids, labels in self.sampler.micro_batches(step)]
-        overlaps = self._dp_overlaps
-
-        def before_backward(index: int, last: bool) -> None:
-            self.optimizer.start_micro_batch(is_last=last)
-            self.model.start_micro_batch(first=index == 0, last=last)  # expert wgrad pairs: backward order
-
-        run = run_paired(self.model.stages(), micro_batches, loss_scale, before_backward,
-                         first_forward=lambda: self._dp_carveout(overlaps.param_sync),
-                         last_backward=lambda: self._dp_carveout(overlaps.grad_sync),
-                         paired=lambda: gemm_sm_carveout(paired_gemm_sms(self.cfg, self.mesh)))
-        self.stage_order = run.order
-        losses = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self.tokens_per_expert = {}
-        for out in run.outputs:
-            self._add_output(losses, out)
-        return losses / self.num_micro_batches
-
-    def _add_output(self, losses: torch.Tensor, out) -> None:
-        """One micro-batch's losses into ``losses`` and its tokens per expert into the step's."""
-        losses += torch.stack((out.lm_loss, out.aux_loss))
-        for layer, counts in out.tokens_per_expert.items():
-            self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
-
-    def _dp_carveout(self, beside_dp_sync: bool):
-        """The GEMMs the distributed optimizer's overlapped syncs run beside (the first micro-batch's forward:
-        parameter all-gathers; the last one's backward: gradient reduce-scatters) leave SMs to them."""
-        return gemm_sm_carveout(dp_gemm_sms(self.cfg) if beside_dp_sync else 0)
+    def _carveouts(self) -> Carveouts:
+        """The SMs the step's GEMMs leave free beside the distributed optimizer's overlapped syncs and, paired,
+        beside the other micro-batch's exchanges (read from the config at each step)."""
+        dp, overlaps = dp_gemm_sms(self.cfg), self._dp_overlaps
+        paired = self.cfg.overlap.overlap_moe_expert_parallel_comm
+        return Carveouts(dp if overlaps.param_sync else 0, dp if overlaps.grad_sync else 0,
+                         paired_gemm_sms(self.cfg, self.mesh) if paired else 0)
 
     def train_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> dict:
         """One optimizer step, its metrics read back; ``inspect_grads`` sees the reduced gradients before the
@@ -337,12 +297,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        if self.pipeline is not None:
-            return float(self._dp_mean(torch.tensor([self.pipeline.evaluate(self.val_batches)], dtype=torch.float64,
-                                                    device=self.device)))
-        total = sum(self.model(ids.to(self.device), labels.to(self.device)).lm_loss.double()
-                    for ids, labels in self.val_batches)
-        return float(self._dp_mean((total / len(self.val_batches)).view(1)))
+        return float(self._dp_mean(self.pipeline.evaluate(self.val_batches).view(1)))
 
     # ------------------------------------------------------------------------------------ checkpoints
     def model_buffers(self) -> dict[str, torch.Tensor]:
