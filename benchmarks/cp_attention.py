@@ -195,7 +195,6 @@ def _rel(a, b) -> float:
 
 
 def _one_process_row(inputs: dict, cp: int, kernels: list[str], rounds: int, warmup: int, device) -> dict:
-    import torch
     import torch.nn.functional as F
 
     from moe_overlap.layers.ring_attention import KERNELS, blockwise_backward, blockwise_forward
@@ -246,7 +245,6 @@ def _one_process_row(inputs: dict, cp: int, kernels: list[str], rounds: int, war
 
 
 def _ring_row(inputs: dict, kernels: list[str], rounds: int, warmup: int, device, fabric: str) -> dict:
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -416,7 +414,6 @@ def _print(rows: list[dict], world: int, summary: list[dict]) -> None:
 
 def _timeline(png_path: str, inputs: dict, cp: int, kernel_name: str, device, rank: int, world: int) -> None:
     """Profile one blockwise run (world 1) or overlapped ring (world > 1); Chrome trace per rank, PNG of rank 0."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from moe_overlap.distributed.streams import synchronize

@@ -129,7 +129,7 @@ def run(argv: list[str]) -> list[dict]:
 def _ag_variants(comms: dict, total: int, k: int, n: int, device, dtype) -> dict[str, Callable[[], object]]:
     import torch
 
-    from moe_overlap.distributed.ring import gather_rows, ring_all_gather
+    from moe_overlap.distributed.ring import gather_rows
 
     comm = next(iter(comms.values()))
     x_RK = torch.randn(total // comm.size, k, device=device, dtype=dtype)

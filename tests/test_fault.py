@@ -29,7 +29,7 @@ def test_killed_rank_is_named_and_the_run_resumes_onto_the_same_curve(rank_pool,
     codes, outputs, ended = finish(launch_ranks(train_argv(run, KILL_TIMEOUT), tmp_path, fault), tmp_path, timeout_s=120)
     assert codes == [3, -signal.SIGKILL], outputs[0][-3000:]
     line = next(line for line in outputs[0].splitlines() if "moe-overlap: rank 0" in line)
-    assert f"(in {phase})" in line and f"rank 1 is gone" in line and f"(it was in {phase})" in line, line
+    assert f"(in {phase})" in line and "rank 1 is gone" in line and f"(it was in {phase})" in line, line
     assert ended[0] - ended[1] < TIMEOUT_S, line  # within train.distributed_timeout_s of the death
     assert latest(run)["step"] == last_good  # a crash mid-save leaves the previous checkpoint as latest
     code, text = rank_pool(2).run(fault_case, train_argv(run))[0]  # train.resume=auto, the default

@@ -13,7 +13,6 @@ one line.
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from moe_overlap.config import ConfigError, load_config, validate_for_world
 from moe_overlap.distributed.mesh import Mesh

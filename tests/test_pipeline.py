@@ -10,7 +10,6 @@ several layouts against one single-process reference, to keep the pool's per-cal
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from moe_overlap.config import ConfigError, load_config

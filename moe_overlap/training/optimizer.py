@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch

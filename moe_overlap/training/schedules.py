@@ -609,7 +609,7 @@ def render(schedule: Schedule, timeline: Timeline, width: int = 96) -> str:
                                                              schedule.micro_batches)
     lines.append(f"bubble (mean over ranks): {timeline.bubble():.4f}"
                  + ("" if formula is None else f"; textbook at B = 2F: {formula:.4f}")
-                 + f"; peak micro-batch chunks in flight per rank: "
+                 + "; peak micro-batch chunks in flight per rank: "
                  + ", ".join(str(in_flight(actions)) for actions in schedule.ranks))
     return "\n".join(lines)
 
