@@ -206,6 +206,7 @@ class Bench:
         from moe_overlap.config import ModelConfig, OverlapConfig
         from moe_overlap.layers.init import init_parameters
         from moe_overlap.layers.moe import MoELayer
+        from moe_overlap.layers.param_info import param_info
         from moe_overlap.layers.wgrad import take_grad
 
         cfg = ModelConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
@@ -213,7 +214,7 @@ class Bench:
         layer = MoELayer(cfg, OverlapConfig(), self.mesh.ep, None, self.device, self.dtype)
         init_parameters(layer, seed=1234, std=0.02, num_layers=1)
         for param in layer.parameters():  # as the optimizer attaches them: weight gradients land as in training
-            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+            param_info(param).main_grad = torch.zeros_like(param, dtype=torch.float32)
             param.register_post_accumulate_grad_hook(take_grad)
         return self.configure(layer, shape, setting)
 

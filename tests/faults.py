@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from moe_overlap import cli  # noqa: E402
+from moe_overlap.layers.param_info import param_info  # noqa: E402
 from moe_overlap.training.trainer import Trainer  # noqa: E402
 
 NAN_PARAM = "layers.1.mlp.experts.w2"
@@ -76,7 +77,7 @@ def install(kind: str, step: int) -> None:
 
             def reduce_then_poison():
                 reduce()
-                dict(self.model.named_parameters())[NAN_PARAM].main_grad.fill_(float("nan"))
+                param_info(dict(self.model.named_parameters())[NAN_PARAM]).main_grad.fill_(float("nan"))
                 self.optimizer.reduce_grads = reduce
             self.optimizer.reduce_grads = reduce_then_poison
         launched = launch_step(self, *args, **kwargs)

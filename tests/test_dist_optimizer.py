@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_overlap.distributed import collectives
-from moe_overlap.layers.init import is_expert_param
+from moe_overlap.layers.param_info import is_expert_param, param_info
 from moe_overlap.training.checkpoint import _boxes, latest_step, step_dir
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.trainer import Trainer
@@ -226,7 +226,7 @@ def memory_case(output_dir: str) -> dict:
         dense = sum(p.numel() for p in params if not is_expert_param(p))
         expert = sum(p.numel() for p in params if is_expert_param(p))
         shard_bytes = 4 * (dense / mesh.dp_cp.size + expert / mesh.edp.size)  # one fp32 value per shard element
-        grad_storages = _storages(p.main_grad for p in params)
+        grad_storages = _storages(param_info(p).main_grad for p in params)
         model_storages = _storages(params) | _storages(trainer.model.buffers())
         held = {ptr: size for ptr, size in _storages(_tensors_held_by(trainer.optimizer)).items()
                 if ptr not in model_storages}

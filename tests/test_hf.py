@@ -22,7 +22,7 @@ import torch.distributed as dist
 from moe_overlap.cli import main
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.layers.init import is_expert_param
+from moe_overlap.layers.param_info import is_expert_param
 from moe_overlap.models.hf import HFConversionError, hf_config_from_model
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training import hf_checkpoint

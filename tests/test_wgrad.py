@@ -8,6 +8,7 @@ import torch
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_torch, grouped_wgrad_accumulate_triton
+from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.wgrad import adds_own_grad
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
@@ -76,7 +77,7 @@ def model_grads(with_optimizer: bool, pairs: bool = False, distributed: bool = F
         return {name: p.grad for name, p in model.named_parameters()}
     assert all(p.grad is None for p in model.parameters())  # the hooks dropped autograd's copies
     assert any(adds_own_grad(p) for p in model.parameters())
-    return {name: p.main_grad.clone() for name, p in model.named_parameters()}
+    return {name: param_info(p).main_grad.clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("pairs,distributed,micro_batches", [(False, False, 2), (True, False, 3), (True, True, 4),

@@ -19,7 +19,8 @@ from torch import nn
 from moe_overlap.distributed.context_parallel import CPComm
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.rope import qkv_rotary, qkv_rotary_backward, rotary_tables, rotate_pairs
-from moe_overlap.layers.init import SCALED_NORMAL, ZEROS, TPShard, make_param
+from moe_overlap.layers.init import SCALED_NORMAL, ZEROS, make_param
+from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.norm import QKLayerNorm
 from moe_overlap.layers.ring_attention import ring_attention
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear

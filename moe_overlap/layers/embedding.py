@@ -15,7 +15,8 @@ from torch import nn
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.cross_entropy import cross_entropy_grad, cross_entropy_stats
-from moe_overlap.layers.init import NORMAL, TPShard, make_param
+from moe_overlap.layers.init import NORMAL, make_param
+from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.tp_linear import ColumnParallelLinearFn, ScatterToRegion, region_rows
 from moe_overlap.layers.wgrad import main_grad_of, mark_own_grad, placeholder
 

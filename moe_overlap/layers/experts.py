@@ -17,7 +17,8 @@ from torch import nn
 from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_forward_torch
 
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, TPShard, make_param
+from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
+from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
 from moe_overlap.layers.wgrad import grouped_wgrad, main_grad_of, mark_own_grad, placeholder
 

@@ -9,7 +9,8 @@ from torch import nn
 from moe_overlap.distributed.collectives import AllReduceSum
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
-from moe_overlap.layers.init import ONES, TPShard, make_param
+from moe_overlap.layers.init import ONES, make_param
+from moe_overlap.layers.param_info import TPShard, param_info
 from moe_overlap.layers.wgrad import fp32_wgrad, mark_own_grad
 
 
@@ -55,7 +56,7 @@ class QKLayerNorm(nn.Module):
         self.eps, self.scope, self.comm = eps, scope, comm
         if scope == "head":
             self.weight = make_param((head_dim,), ONES, device, dtype)
-            self.weight.sequence_parallel = comm.size > 1
+            param_info(self.weight).sequence_parallel = comm.size > 1
         else:
             shard = TPShard(dim=0, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks))
             self.weight = make_param((local_heads * head_dim,), ONES, device, dtype, tp=shard)

@@ -23,7 +23,8 @@ from einops import rearrange
 from torch import nn
 
 from moe_overlap.distributed.ring import Pending, TPComm
-from moe_overlap.layers.init import NORMAL, TPShard, make_param
+from moe_overlap.layers.init import NORMAL, make_param
+from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
 from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
 

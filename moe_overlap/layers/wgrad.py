@@ -17,15 +17,16 @@ from __future__ import annotations
 import torch
 
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate
+from moe_overlap.layers.param_info import param_info
 
 def mark_own_grad(*params: torch.Tensor) -> None:
     """These parameters' layers add their gradients into ``main_grad`` themselves."""
     for param in params:
-        param.adds_own_grad = True
+        param_info(param).adds_own_grad = True
 
 
 def adds_own_grad(param: torch.Tensor) -> bool:
-    return getattr(param, "adds_own_grad", False)
+    return param_info(param).adds_own_grad
 
 
 def take_grad(param: torch.Tensor) -> None:
@@ -35,7 +36,7 @@ def take_grad(param: torch.Tensor) -> None:
     if param.grad is None:
         return
     if not adds_own_grad(param):
-        param.main_grad.add_(param.grad)
+        param_info(param).main_grad.add_(param.grad)
     param.grad = None
 
 
@@ -46,7 +47,7 @@ def placeholder(param: torch.Tensor) -> torch.Tensor:
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:
-    return getattr(param, "main_grad", None)
+    return param_info(param).main_grad
 
 
 def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 from moe_overlap.layers.attention import SelfAttention
 from moe_overlap.layers.embedding import Embedding, lm_cross_entropy
 from moe_overlap.layers.experts import ExpertWgradPairs
-from moe_overlap.layers.init import init_parameters, is_expert_param, is_tp_split
+from moe_overlap.layers.init import init_parameters
+from moe_overlap.layers.param_info import is_expert_param, is_tp_split, param_info
 from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.moe import MoELayer, capture_moe_layers
 from moe_overlap.layers.norm import RMSNorm
@@ -162,13 +163,13 @@ class MixtralModel(nn.Module):
         if tied and (pre_process != post_process):
             # Both copies get every gradient (summed over the embedding group, as Megatron); the last stage's
             # is not saved (the first stage's key loads into it) and counts once in the gradient norm.
-            self.embedding.weight.shared_embedding = True
-            self.embedding.weight.shared = not pre_process
+            param_info(self.embedding.weight).tied_embedding = True
+            param_info(self.embedding.weight).tied_copy = not pre_process
         if self.tp_comm.sequence_shards > 1:
             # Megatron's sequence-parallel parameters: replicated over TP (norms, routers), each rank's gradient
             # from its own sequence block, so the optimizer sums them over the TP group.
             for param in self.parameters():
-                param.sequence_parallel = not (is_expert_param(param) or is_tp_split(param))
+                param_info(param).sequence_parallel = not (is_expert_param(param) or is_tp_split(param))
 
     def routers(self) -> dict[int, Router]:
         """The router of each MoE layer, keyed like ``ModelOutput.tokens_per_expert`` (layer index)."""

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_overlap.config import ConfigError
-from moe_overlap.layers.init import TPShard
+from moe_overlap.layers.param_info import TPShard
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"

@@ -39,7 +39,7 @@ from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.kernels.adamw import adamw_update
-from moe_overlap.layers.init import is_expert_param, tp_shard
+from moe_overlap.layers.param_info import is_expert_param, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
 from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, GradNorms, adamw_hyper, clip_control, decays,
@@ -89,7 +89,7 @@ class _Bucket:
             view = self.param_data[slot.start:slot.end].view_as(slot.param)
             view.copy_(slot.param.detach())
             slot.param.data = view
-            slot.param.main_grad = self.grad_data[slot.start:slot.end].view_as(slot.param)
+            param_info(slot.param).main_grad = self.grad_data[slot.start:slot.end].view_as(slot.param)
         self.param_shard, self.grad_shard = self.param_data[self.shard], self.grad_data[self.shard]
         # fp32 parameters are their own master weights, as in MixedPrecisionAdamW.
         self.master = self.param_shard if dtype == torch.float32 else self.param_shard.float()
@@ -224,8 +224,10 @@ class DistributedOptimizer:
     def _start_grad_sync(self, bucket: _Bucket) -> None:
         """Sum the sequence-parallel gradients over TP (each TP rank saw its own sequence block), then
         start the bucket's reduce-scatter."""
-        sum_sequence_parallel_grads(((slot.param, slot.param.main_grad) for slot in bucket.slots), self.mesh.tp)
-        sum_shared_embedding_grads(((slot.param, slot.param.main_grad) for slot in bucket.slots), self.mesh.embedding)
+        sum_sequence_parallel_grads(((slot.param, param_info(slot.param).main_grad) for slot in bucket.slots),
+                                    self.mesh.tp)
+        sum_shared_embedding_grads(((slot.param, param_info(slot.param).main_grad) for slot in bucket.slots),
+                                   self.mesh.embedding)
         bucket.start_grad_sync(self.collectives)
 
     def zero_grad(self) -> None:

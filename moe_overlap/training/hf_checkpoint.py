@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from moe_overlap.config import Config, ConfigError, ModelConfig, config_yaml, load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.layers.init import tp_shard
+from moe_overlap.layers.param_info import tp_shard
 from moe_overlap.models import hf
 from moe_overlap.models.hf import HFConversionError, TensorMap
 from moe_overlap.models.mixtral import MixtralModel

@@ -23,7 +23,8 @@ from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.kernels.adamw import AdamWHyper, adamw_update
-from moe_overlap.layers.init import expert_key, is_expert_param, is_tp_split, tp_shard
+from moe_overlap.layers.init import expert_key
+from moe_overlap.layers.param_info import is_expert_param, is_tp_split, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import tp_logical_tensor
 from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads, sum_shared_embedding_grads
@@ -62,7 +63,7 @@ def logical_parts(name: str, param: torch.Tensor) -> list[tuple[str, int, torch.
         return [(name, 0, param.shape if shard is None else shard.local_shape(param.shape))]
     per_expert, shard = param[0].numel(), tp_shard(param)
     shape = param.shape[1:] if shard is None else shard.local_shape(param.shape[1:])
-    return [(expert_key(name, param.first_expert + local), local * per_expert, shape)
+    return [(expert_key(name, param_info(param).first_expert + local), local * per_expert, shape)
             for local in range(param.shape[0])]
 
 
@@ -127,7 +128,7 @@ def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: 
         shard = tp_shard(param)
         if not is_expert_param(param):
             return {name: shard.assemble(blocks)}
-        return {expert_key(name, param.first_expert + local): shard.assemble([block[local] for block in blocks])
+        return {expert_key(name, param_info(param).first_expert + local): shard.assemble([block[local] for block in blocks])
                 for local in range(param.shape[0])}
     flat = grad.view(-1)
     return {key: flat[offset:offset + shape.numel()].view(shape).clone()
@@ -165,7 +166,7 @@ class MixedPrecisionAdamW:
         for name, param in model.named_parameters():
             master = param if param.dtype == torch.float32 else param.detach().float().clone()
             main_grad = torch.zeros_like(param, dtype=torch.float32)
-            param.main_grad = main_grad
+            param_info(param).main_grad = main_grad
             param.register_post_accumulate_grad_hook(take_grad)
             self.entries.append(ParamEntry(name, param, master, main_grad, is_expert_param(param),
                                            torch.zeros_like(master), torch.zeros_like(master)))

@@ -6,7 +6,7 @@ sequence block only, so they are summed over the TP group, in one coalesced all-
 norm a TP-split parameter counts on every TP rank (each holds another block) and a replicated dense one on TP
 rank 0 only; the dense squares are then summed over the model-parallel group (TP x PP). Tied embeddings under
 PP: the first and the last stage each hold the table; their gradients are summed over the embedding group,
-and the last stage's copy (``param.shared``) does not count in the norm.
+and the last stage's copy (its record's ``tied_copy``) does not count in the norm.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.layers.init import is_tp_split
+from moe_overlap.layers.param_info import is_tp_split, param_info
 
 
 def is_sequence_parallel(param: torch.Tensor) -> bool:
-    return getattr(param, "sequence_parallel", False)
+    return param_info(param).sequence_parallel
 
 
 @torch.no_grad()
@@ -38,11 +38,11 @@ def sum_sequence_parallel_grads(params_and_grads: Iterable[tuple[torch.Tensor, t
 
 def counts_in_dense_norm(param: torch.Tensor, tp: GroupHandle) -> bool:
     """Whether this rank adds a dense parameter's squares to the norm (before the sum over TP x PP)."""
-    return not getattr(param, "shared", False) and (tp.rank == 0 or is_tp_split(param))
+    return not param_info(param).tied_copy and (tp.rank == 0 or is_tp_split(param))
 
 
 def is_shared_embedding(param: torch.Tensor) -> bool:
-    return getattr(param, "shared_embedding", False)
+    return param_info(param).tied_embedding
 
 
 @torch.no_grad()

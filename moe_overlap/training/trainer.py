@@ -22,6 +22,7 @@ from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
                                              measuring_exposed_comm)
 from moe_overlap.distributed.symm import symmetric_memory_bytes
+from moe_overlap.layers.param_info import param_info
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.models.pipeline_stages import PipelineStages
@@ -316,7 +317,7 @@ class Trainer:
                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
         # A tied embedding's copy on the last pipeline stage equals the first stage's, which is saved (and loads
         # into both).
-        copies = [name for name, param in self.model.named_parameters() if getattr(param, "shared", False)]
+        copies = [name for name, param in self.model.named_parameters() if param_info(param).tied_copy]
         state = {key: tensor for key, tensor in self._checkpoint_state(self.step).items()
                  if not any(key == f"model.{name}" or key.startswith(f"optimizer.{name}.") for name in copies)}
         path = save_checkpoint(self.cfg.checkpoint_dir, self.step, state, per_rank, self.cfg.checkpoint.keep_last,
