@@ -167,6 +167,13 @@ class OverlapConfig:
     # symmetric memory, device sizes), gloo (CPU); auto: sm_push or copy_engine on one host with peer access
     # (by moe_planning), else nccl; gloo on CPU.
     moe_transport: Literal["auto", "nccl", "copy_engine", "sm_push", "gloo"] = "auto"
+    # The device-planned exchange's receive bound (Megatron's name): a rank's chunk of local experts receives at most
+    # ceil(factor x T x K x its share of the local experts) rows per layer call (T x K: the copies each rank routes;
+    # factor x the balanced share), so its buffers, symmetric regions and stashed activations do not grow with EP.
+    # A step in which rows overflow the bound on any rank is skipped on the device and run again planned on the host:
+    # training stays dropless. >= 1.0; null: the worst case (EP x T x K rows), never exceeded. Host planning is exact
+    # and needs no bound (with auto planning there, it has no effect).
+    moe_expert_rank_capacity_factor: Optional[float] = 2.0
     # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
     # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
     # expert GEMMs on exactly the rows each rank would receive without moving them. The loss means nothing.

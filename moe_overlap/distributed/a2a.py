@@ -1,6 +1,8 @@
 """The MoE pipeline's choice of transport: which planning and transport a run uses (``overlap.moe_planning``,
 ``overlap.moe_transport``, auto resolved by the rules of exchange_rules.py), and the one transport every MoE layer
-of the model shares, its symmetric regions grown to the worst exchange seen.
+of the model shares, its symmetric regions grown to the largest exchange seen (device-planned: the bounded receive
+buffer of layers/device_plan.py). It also holds what the device-planned layers report, the rows past their bound
+(``overflow_rows``), and the host-planned transport a step that overflowed runs again on (``host_planned``).
 
 The exchange itself: its interface and streams in a2a_exchange.py, where rows go in a2a_routes.py, the host-sized
 transports (nccl, gloo, copy_engine) in a2a_host.py, the device-sized one (sm_push, and its gloo twin) in
@@ -27,10 +29,10 @@ log = logging.getLogger(__name__)
 
 class TransportSelector:
     """Picks the EP pipeline's planning and transport once (logging which and why) and sizes the symmetric
-    regions lazily: for the worst exchange of the first call (every rank's copies landing on one rank); all EP
-    ranks see the same micro-batch shape, so they grow them together. A group of one rank (a one-GPU
-    measurement of the pipeline) keeps its regions in ordinary memory. ``expert_tp``: the expert-TP size of the
-    layers it serves (auto plans on the host there)."""
+    regions lazily: for the largest exchange of the first call (host-planned: every rank's copies landing on one
+    rank; device-planned: the bounded receive buffer); all EP ranks see the same micro-batch shape, so they grow
+    them together. A group of one rank (a one-GPU measurement of the pipeline) keeps its regions in ordinary
+    memory. ``expert_tp``: the expert-TP size of the layers it serves (auto plans on the host there)."""
 
     def __init__(self, planning: str, transport: str, group: ProcessGroup, group_ranks: list[int],
                  device: torch.device, max_chunks: int, timeout_s: float, compute_only: bool = False,
@@ -46,19 +48,36 @@ class TransportSelector:
             if reason is None and len(hosts) > 1:
                 reason = f"the ranks {group_ranks} span {len(hosts)} hosts (LOCAL_WORLD_SIZE={local})"
         self.planning, self.name, why = choose_exchange(planning, transport, device.type, reason, expert_tp)
-        self.group, self.device, self.max_chunks = group, device, max(max_chunks, 1)
-        self.timeout_ms = int(timeout_s * 1000)
+        self.group, self.group_ranks, self.device, self.max_chunks = group, group_ranks, device, max(max_chunks, 1)
+        self.timeout_s, self.timeout_ms = timeout_s, int(timeout_s * 1000)
         # overlap.moe_compute_only (a benchmark may switch it between steps of eager layers: every region holds
         # finite rows from its start, so a row no peer wrote is still a number)
         self.compute_only = compute_only
         self._transport: Transport | None = None
         self._retired: list[Transport] = []  # outgrown ones (the first micro-batches only)
+        self._host_planned: TransportSelector | None = None
+        # rows the device-planned layers could not receive within their bound since the trainer last zeroed it:
+        # made before any CUDA graph is captured, so that the replays add into this very tensor
+        self.overflow_rows = torch.zeros((), dtype=torch.int64, device=device)
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info("MoE pipeline: %s-planned sizes over %s (moe_planning=%s, moe_transport=%s: %s)",
                      self.planning, self.name, planning, transport, why)
 
+    def count_overflow(self, rows: torch.Tensor) -> None:
+        """A device-planned layer call's rows past its bound (on the device, no host sync)."""
+        self.overflow_rows.add_(rows)
+
+    def host_planned(self) -> TransportSelector:
+        """The selector of the host-planned exchange over the same group (the process group's all-to-all: nccl, or
+        gloo on the CPU) that a step whose device-planned exchange overflowed runs again on; made on first use."""
+        if self._host_planned is None:
+            self._host_planned = TransportSelector("host", "nccl" if self.device.type == "cuda" else "gloo",
+                                                   self.group, self.group_ranks, self.device, self.max_chunks,
+                                                   self.timeout_s)
+        return self._host_planned
+
     def transport(self, worst_case_bytes: int) -> Transport:
-        """The transport, its regions (if any) holding at least ``worst_case_bytes`` each."""
+        """The transport, its regions (if any) holding at least ``worst_case_bytes`` each (the call's largest)."""
         current = self._transport
         if current is not None and getattr(current, "regions", None) is not None:
             if current.regions.region_bytes < worst_case_bytes:  # exchanges in flight may still use it: kept

@@ -1,7 +1,7 @@
 """The device-sized MoE transport, ``sm_push``: every size stays on the GPU (a2a_routes.DeviceRoutes, static
-worst-case buffers), so a layer call never waits for the host and can be captured in a CUDA graph. A Triton kernel
-(kernels/push_rows.py) stores each row straight into its destination's claimed region of symmetric memory,
-announced by one signal per (peer, chunk); on CPU its twin moves the same routes over gloo.
+buffers bounded by layers/device_plan.py), so a layer call never waits for the host and can be captured in a CUDA
+graph. A Triton kernel (kernels/push_rows.py) stores each row straight into its destination's claimed region of
+symmetric memory, announced by one signal per (peer, chunk); on CPU its twin moves the same routes over gloo.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Where the MoE exchange's rows go: the host-planned layout and routes (sizes read on the host, exact buffers)
-and the device-planned routes (every size a device tensor, static worst-case buffers). The planners
+and the device-planned routes (every size a device tensor, static buffers: bounded, layers/device_plan.py). The planners
 (layers/host_plan.py, layers/device_plan.py) build them; the transports (a2a_host.py, a2a_push.py) follow them.
 
 Rows travel in chunks of local experts; a rank's permuted rows are ordered (chunk, destination rank, local
@@ -78,7 +78,7 @@ class HostRoutes:
 
 @dataclass
 class DeviceRoutes:
-    """Device-planned, every size a device tensor; buffers have static worst-case shapes.
+    """Device-planned, every size a device tensor; buffers have static shapes (their bound: layers/device_plan.py).
 
     This rank's permuted rows of chunk c are rows [send_start_C[c], + send_rows_C[c]); permuted row r goes to
     rank dst_rank_R[r], row dst_row_R[r] of its compact receive buffer (chunks in order, each in grouped
@@ -95,5 +95,5 @@ class DeviceRoutes:
     back_rank_W: torch.Tensor
     back_row_W: torch.Tensor
     send_rows: int  # static rows of a permuted buffer
-    recv_rows: int  # static rows of the compact receive buffer
+    recv_rows: int  # static rows of the compact receive buffer, the spare row for rows past the bound last
     chunk_rows: list[int]  # static rows of each chunk's grouped tensor

@@ -11,13 +11,21 @@ padded capacity), and the routes of both directions follow from them with static
   dispatch route  each permuted row's destination rank and row in that rank's compact receive buffer, where the
                   chunks follow each other, each in grouped (local expert, source rank) order
   chunks          each chunk's rows copied out of the receive buffer to row 0 of a tensor of static rows (its
-                  worst case: every rank's rows landing in it, EP x R; padded: exactly EP x capacity x its
-                  experts), whose grouped GEMMs read the device offsets and skip rows past the last one
+                  bound, below), whose grouped GEMMs read the device offsets and skip rows past the last one
   combine route   each received row's source rank and its row in the source's permuted buffer
 
-The memory price of no host sync is the worst case: a chunk's tensors hold EP x R rows whatever the routing
-(host planning sizes them exactly). The math is the host plan's: the same rows meet the same weights in the
-same (local expert, source rank) order.
+Static sizes, the receive bound (``overlap.moe_expert_rank_capacity_factor``, Megatron's name): a chunk of n of the
+L local experts receives at most ``ceil(factor x R x n / L)`` rows (factor x its balanced share: with every rank
+routing R copies evenly, each rank receives R), so the compact receive buffer (``receive_rows``: the chunks' bounds
+summed, plus one spare row), the chunk tensors, the tensors they stash for the backward and the transport's
+symmetric regions hold O(R x factor) rows whatever the EP size. null: the worst case, every rank's R copies
+landing in the chunk (EP x R rows, never exceeded; the buffer EP x R + 1). Padded capacity is exact: EP x capacity
+rows per local expert. A rank's rows past its chunk's bound are *overflow*: every sender sees every rank's counts,
+so the dispatch route sends them all to the spare row (memory is never written out of bounds), the GEMM offsets
+stop at the bound, and the plan counts them on the device (``overflow_rows``, summed into the transport selector's
+counter). The step's result is then wrong: the trainer skips its update on the device and runs it again planned on
+the host (training/trainer.py), so training stays dropless. With no overflow the rows, their order and the math
+are the host plan's: the same rows meet the same weights in the same (local expert, source rank) order.
 
 Letters: E global experts, L local experts, S source rank, D destination rank, B a slot's block (an expert's
 rows in the permuted order), C chunk, R permuted rows, W compact receive rows.
@@ -25,6 +33,7 @@ rows in the permuted order), C chunk, R permuted rows, W compact receive rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +58,7 @@ class DevicePlan:
     routes: DeviceRoutes
     offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets within its tensor
     transport: Transport
+    overflow_rows: torch.Tensor  # int64 scalar: rows this rank would receive past its chunks' bounds (0: exact)
     expert_tp = None  # device planning with expert-TP > 1 is refused (exchange_rules.expert_tp_refusal)
 
 
@@ -56,13 +66,32 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cumsum(x, dim) - x
 
 
+def chunk_bounds_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None) -> list[int]:
+    """Static rows each chunk of a rank's local experts may receive per layer call: ``ceil(factor x rows x its
+    share of the local experts)`` (``rows``: the copies every rank routes, T x K; factor x the balanced share), at
+    most every rank's copies (``ranks x rows``); ``factor`` None: that worst case, which no routing exceeds."""
+    local = chunk_experts[-1][1]
+    worst = ranks * rows
+    if factor is None:
+        return [worst] * len(chunk_experts)
+    return [min(worst, math.ceil(factor * rows * (stop - start) / local)) for start, stop in chunk_experts]
+
+
+def receive_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None) -> int:
+    """Static rows of the compact receive buffer (and the transport's symmetric regions, in rows): the chunks'
+    bounds summed, at most every rank's copies, plus the spare row that overflowing rows land in."""
+    return min(ranks * rows, sum(chunk_bounds_rows(ranks, rows, chunk_experts, factor))) + 1
+
+
 class DevicePlanner(Planner):
     """Builds a layer call's DevicePlan from the counts its transport gathers on the device; the row order is the
     host planner's (the same slots, the same chunks)."""
 
     def __init__(self, num_experts: int, ep: GroupHandle, chunks: int, pad_to_capacity: bool,
-                 transports: TransportSelector, device: torch.device, row_bytes: int):
+                 transports: TransportSelector, device: torch.device, row_bytes: int,
+                 capacity_factor: float | None = None):
         super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes)
+        self.capacity_factor = capacity_factor  # overlap.moe_expert_rank_capacity_factor; None: the worst case
         ranks, bounds = ep.size, self.chunk_experts
         self.rank_of_slot = (self.expert_of_slot // self.local).to(torch.int32)
         self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(self.local)  # (l, s)
@@ -71,7 +100,9 @@ class DevicePlanner(Planner):
         self.first_expert = torch.tensor([start for start, _ in bounds], device=device)
         self.last_expert = torch.tensor([stop - 1 for _, stop in bounds], device=device)
         self.chunk_of_expert = torch.tensor([c for c, (a, b) in enumerate(bounds) for _ in range(a, b)], device=device)
+        self.chunk_of_slot = self.chunk_of_expert[self.expert_of_slot % self.local]
         self._static_counts: dict[int, torch.Tensor] = {}
+        self._bounds: dict[tuple[bool, int], tuple[list[int], torch.Tensor, int]] = {}
 
     def static_counts(self, capacity: int) -> torch.Tensor:
         """Padded capacity: every rank sends ``capacity`` rows to every expert."""
@@ -80,44 +111,76 @@ class DevicePlanner(Planner):
                                                        dtype=torch.int64, device=self.device)
         return self._static_counts[capacity]
 
+    def bounds(self, padded: bool, rows: int) -> tuple[list[int], torch.Tensor, int]:
+        """Each chunk's static receive rows (a list, and on the device) and the compact receive buffer's rows, the
+        last of them the spare row (see the module docstring); padded: exact, every rank's capacity per expert."""
+        key = (padded, rows)
+        if key not in self._bounds:
+            D = self.ep.size
+            if padded:  # rows = E x capacity: every rank sends capacity rows to each of a chunk's experts
+                chunk_rows = [D * rows // self.num_experts * (b - a) for a, b in self.chunk_experts]
+                buffer_rows = sum(chunk_rows) + 1
+            else:
+                chunk_rows = chunk_bounds_rows(D, rows, self.chunk_experts, self.capacity_factor)
+                buffer_rows = receive_rows(D, rows, self.chunk_experts, self.capacity_factor)
+            self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), buffer_rows)
+        return self._bounds[key]
+
     def plan(self, routing: Routing) -> DevicePlan:
         padded = self.padded(routing)
-        transport = self.transport(routing)
+        E, D, me = self.num_experts, self.ep.size, self.ep.rank
+        L = self.local
+        R = self.permuted_rows(routing)
+        chunk_rows, bound_C, W = self.bounds(padded, R)  # W: the compact receive rows, the spare one last
+        # its regions hold the compact receive buffer (dispatch) and a permuted buffer (combine)
+        transport = self.transports.transport(max(W, R) * self.row_bytes)
         # every rank's (kept) copies per global expert, [source rank, expert], on the device
         counts_SE = (self.static_counts(routing.capacity) if padded
                      else transport.gather_counts(routing.tokens_per_expert_E))
-        E, D, me = self.num_experts, self.ep.size, self.ep.rank
-        L = self.local
         row_of_copy_TK = self.permute_copies(routing)
-        R = self.permuted_rows(routing)
         # Static sizes assume one micro-batch shape on every EP rank; checked on the device.
         torch._assert_async(torch.all(counts_SE.sum(1) <= R), f"overlap.moe_planning=device: every EP rank must "
                             f"route at most {R} copies (the same micro-batch shape on every rank)")
         blocks_SB = counts_SE[:, self.expert_of_slot]  # every source's permuted blocks, in slot order
         send_start_SB = _exclusive_cumsum(blocks_SB)
         rows_DLS = counts_SE.view(D, D, L).permute(1, 2, 0)  # [destination, local expert, source]
-        recv_start_DLS = _exclusive_cumsum(rows_DLS.reshape(D, L * D)).view(D, L, D)
+        # Every destination's compact layout: its chunks follow each other, each holding its rows up to its bound.
+        rows_DL = rows_DLS.sum(2)
+        end_DL = torch.cumsum(rows_DL, 1)
+        first_row_DC = _exclusive_cumsum(rows_DL)[:, self.first_expert]  # as if unbounded
+        arrived_DC = end_DL[:, self.last_expert] - first_row_DC
+        kept_DC = torch.minimum(arrived_DC, bound_C)
+        start_DC = _exclusive_cumsum(kept_DC)
+        limit_DC = start_DC + kept_DC  # a row at or past it does not fit: the spare row W - 1 takes it
+        within_DLS = (_exclusive_cumsum(rows_DLS.reshape(D, L * D)).view(D, L, D)
+                      - first_row_DC[:, self.chunk_of_expert, None])
+        recv_start_DLS = start_DC[:, self.chunk_of_expert, None] + within_DLS
         # Dispatch: my block of slot b goes to rank d = its expert's owner, at that rank's block (l, me).
         dst_start_B = recv_start_DLS[:, :, me].reshape(E)[self.expert_of_slot]
+        dst_limit_B = limit_DC[self.rank_of_slot.long(), self.chunk_of_slot]
         dst_rank_R = torch.empty(R, dtype=torch.int32, device=counts_SE.device)
         dst_row_R = torch.empty(R, dtype=torch.int64, device=counts_SE.device)
-        fill_routes(send_start_SB[me], blocks_SB[me], self.rank_of_slot, dst_start_B, dst_rank_R, dst_row_R)
-        # Combine: my received block (l, s) goes back to source s, where its block of slot (me, l) starts.
-        W = R if padded else D * R  # padded: every rank sends exactly capacity rows per expert
+        fill_routes(send_start_SB[me], blocks_SB[me], self.rank_of_slot, dst_start_B, dst_rank_R, dst_row_R,
+                    dst_limit_B, W - 1)
+        # Combine: my received block (l, s) goes back to source s, where its block of slot (me, l) starts; only
+        # the rows that fit came.
         back_start_LS = send_start_SB[:, self.slot_of_expert[me * L:(me + 1) * L]].T
+        limit_L1 = limit_DC[me, self.chunk_of_expert, None]
+        recv_start_LS = torch.minimum(recv_start_DLS[me], limit_L1)  # blocks past the limit: empty, in order
+        fitting_LS = torch.minimum(recv_start_DLS[me] + rows_DLS[me], limit_L1) - recv_start_LS
         back_rank_W = torch.empty(W, dtype=torch.int32, device=counts_SE.device)
         back_row_W = torch.empty(W, dtype=torch.int64, device=counts_SE.device)
-        fill_routes(recv_start_DLS[me].reshape(-1), rows_DLS[me].reshape(-1), self.source_of_block,
+        fill_routes(recv_start_LS.reshape(-1), fitting_LS.reshape(-1), self.source_of_block,
                     back_start_LS.reshape(-1), back_rank_W, back_row_W)
         # Chunks: contiguous runs of my slots on the send side, of my local experts on the receive side.
         send_start_C = send_start_SB[me][self.first_slot]
         send_rows_C = torch.cumsum(blocks_SB[me], 0)[self.last_slot] - send_start_C
-        recv_end_L = torch.cumsum(rows_DLS[me].sum(1), 0)
-        recv_start_C = recv_start_DLS[me, :, 0][self.first_expert]
-        recv_rows_C = recv_end_L[self.last_expert] - recv_start_C
-        offsets_L = (recv_end_L - recv_start_C[self.chunk_of_expert]).to(torch.int32)
-        chunk_rows = [D * routing.capacity * (b - a) if padded else W for a, b in self.chunk_experts]
-        routes = DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, recv_start_C, recv_rows_C,
+        offsets_L = torch.minimum(end_DL[me] - first_row_DC[me, self.chunk_of_expert],
+                                  kept_DC[me, self.chunk_of_expert]).to(torch.int32)
+        routes = DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, start_DC[me], kept_DC[me],
                               back_rank_W, back_row_W, R, W, chunk_rows)
         offsets = [offsets_L[a:b] for a, b in self.chunk_experts]
-        return DevicePlan(row_of_copy_TK, R, not padded, self.chunk_experts, routes, offsets, transport)
+        overflow_rows = (arrived_DC[me] - kept_DC[me]).sum()
+        self.transports.count_overflow(overflow_rows)
+        return DevicePlan(row_of_copy_TK, R, not padded, self.chunk_experts, routes, offsets, transport,
+                          overflow_rows)

@@ -16,8 +16,10 @@ otherwise the serial reference (dispatcher.py). The math is the same.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -59,6 +61,8 @@ class MoELayer(nn.Module):
         self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.pipelined, self.chunks = overlap.moe_pipeline, overlap.moe_pipeline_chunks
+        self.capacity_factor = overlap.moe_expert_rank_capacity_factor  # the device-planned receive bound
+        self.host_planned_rerun = False  # host_planned_rerun(): plan on the host whatever the selector planned
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
         self.carveout, self.ep_comm_ctas = overlap.gemm_sm_carveout, overlap.ep_comm_ctas
         self.local = ep.size == 1 and self.etp is None  # nothing to exchange: no transport, no host sync
@@ -172,14 +176,39 @@ class MoELayer(nn.Module):
     def _planner(self, x_TH: torch.Tensor) -> HostPlanner | DevicePlanner:
         """The planner for the layer's exchange settings (a benchmark may switch them between calls), made at the
         first call with them: rows of ``x_TH``'s width and dtype, on its device."""
-        key = (self.planning, self.chunks, self.transports) if self.pipelined else ("host", 1, None)
+        if not self.pipelined:
+            key = ("host", 1, None)
+        elif self.host_planned_rerun:
+            key = ("host", self.chunks, self.transports.host_planned())
+        else:
+            key = (self.planning, self.chunks, self.transports)
         if key not in self._planners:
             planning, chunks, transports = key
             setting = (self.num_experts, self.ep, chunks, self.pad_to_capacity, transports, x_TH.device,
                        x_TH.shape[1] * x_TH.element_size())
             self._planners[key] = (HostPlanner(*setting, self.etp, self.expert_mp) if planning == "host"
-                                   else DevicePlanner(*setting))
+                                   else DevicePlanner(*setting, self.capacity_factor))
         return self._planners[key]
+
+
+@contextlib.contextmanager
+def host_planned_rerun(moe_layers: list[MoELayer]) -> Iterator[None]:
+    """Inside: every pipelined layer plans its exchange on the host over the process group's all-to-all, eagerly
+    (a graphed layer's and its twin's captured forwards are set aside, so nothing replays): how the trainer runs
+    again a step whose device-planned exchange overflowed its bound (layers/device_plan.py). The same math."""
+    set_aside = []
+    for layer in moe_layers:
+        layer.host_planned_rerun = True
+        for module in (layer, layer.graphed_twin):
+            if module is not None and "forward" in module.__dict__:  # make_graphed_callables' replaying forward
+                set_aside.append((module, module.__dict__.pop("forward")))
+    try:
+        yield
+    finally:
+        for layer in moe_layers:
+            layer.host_planned_rerun = False
+        for module, forward in set_aside:
+            module.forward = forward
 
 
 class _GraphedTwin(nn.Module):
