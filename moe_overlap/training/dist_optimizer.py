@@ -284,11 +284,12 @@ class DistributedOptimizer:
 
     # --------------------------------------------------------------------------------- update
     @torch.no_grad()
-    def step(self, lr: float, step_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, lr: float, step_index: int, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, update the local shards and start the parameter all-gathers; returns the gradient norm and
-        whether the update applied (device tensors). A skipped update all-gathers the unchanged shards."""
+        whether the update applied (device tensors). A skipped update (see clip_control for ``skip``) all-gathers
+        the unchanged shards."""
         norm = self.grad_norm()
-        control = clip_control(norm, self.steps_made, self.cfg)
+        control = clip_control(norm, self.steps_made, self.cfg, skip)
         for bucket in self.buckets:  # forward order: the all-gather the next forward needs first starts first
             bucket.update(lr, self.cfg, control)
             bucket.start_param_sync(self.collectives)

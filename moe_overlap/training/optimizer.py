@@ -67,16 +67,20 @@ def logical_parts(name: str, param: torch.Tensor) -> list[tuple[str, int, torch.
             for local in range(param.shape[0])]
 
 
-def clip_control(norm: torch.Tensor, steps_made: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+def clip_control(norm: torch.Tensor, steps_made: torch.Tensor, cfg: TrainConfig,
+                 skip: torch.Tensor | None = None) -> torch.Tensor:
     """The AdamW kernels' control tensor (grad scale, step, apply) from the global gradient norm, on the device:
-    the factor that clips to ``cfg.clip_grad``, and no update at all for a NaN/inf norm. ``steps_made`` (updates
-    so far) counts this one in place when it applies. The host learns of a skip later (check_nonfinite)."""
-    finite = torch.isfinite(norm)
+    the factor that clips to ``cfg.clip_grad``, and no update at all for a NaN/inf norm, or where ``skip`` (a
+    device bool, the same on every rank: the step will run again) is set. ``steps_made`` (updates so far) counts
+    this one in place when it applies. The host learns of a skip later (check_nonfinite)."""
+    apply = torch.isfinite(norm)
+    if skip is not None:
+        apply = apply & ~skip
     scale = torch.ones_like(norm)
     if cfg.clip_grad > 0:
-        scale = torch.where(finite & (norm > cfg.clip_grad), cfg.clip_grad / (norm + 1e-6), scale)
-    steps_made.add_(finite.to(steps_made.dtype))
-    return torch.stack([scale.to(torch.float32), steps_made.to(torch.float32), finite.to(torch.float32)])
+        scale = torch.where(apply & (norm > cfg.clip_grad), cfg.clip_grad / (norm + 1e-6), scale)
+    steps_made.add_(apply.to(steps_made.dtype))
+    return torch.stack([scale.to(torch.float32), steps_made.to(torch.float32), apply.to(torch.float32)])
 
 
 def check_nonfinite(norm: float, step_index: int, cfg: TrainConfig, nonfinite_names: list[str]) -> None:
@@ -224,11 +228,12 @@ class MixedPrecisionAdamW:
         return (dense_sq + expert_sq).sqrt()
 
     @torch.no_grad()
-    def step(self, lr: float, step_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, lr: float, step_index: int, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and update the masters, writing the model's copies in the same pass; returns the gradient norm
-        and whether the update applied (device tensors: the host reads them once per step)."""
+        and whether the update applied (device tensors: the host reads them once per step). ``skip``: see
+        clip_control."""
         norm = self.grad_norm()
-        control = clip_control(norm, self.steps_made, self.cfg)
+        control = clip_control(norm, self.steps_made, self.cfg, skip)
         for entry in self.entries:
             adamw_update(entry.master, entry.main_grad, entry.exp_avg, entry.exp_avg_sq, entry.model_copy, control,
                          adamw_hyper(self.cfg, lr, decays(entry.param)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,12 +17,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
-from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
+from moe_overlap.distributed.collectives import all_gather_into, all_reduce_, nccl_cta_options, restart_safe_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
-                                             measuring_exposed_comm)
+                                             measuring_exposed_comm, to_device_async)
 from moe_overlap.distributed.symm import symmetric_memory_bytes
+from moe_overlap.layers.moe import host_planned_rerun
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
@@ -172,6 +174,13 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
         self.stopped_by: str | None = None  # why fit stopped before train.max_steps (a signal, the time limit)
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
+        # The device-planned exchange's receive bound (overlap.moe_expert_rank_capacity_factor): a step in which any
+        # rank's rows overflowed it is skipped on the device and run again planned on the host (_run_again); the
+        # step queued behind it (fit queues one ahead) ran on the same weights and is skipped too, by this flag
+        self._moe_layers = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
+        self._exchange = next((m.transports for m in self._moe_layers if m.transports is not None), None)
+        self._bounded = bounded_exchange(cfg)  # from the config alone: every rank joins the reduction
+        self._rerun_pending = torch.zeros((), dtype=torch.bool, device=device)
         self.is_logger = mesh.rank == 0
         self.flops_per_token = flops_per_token(cfg.model)
         self._last_step_end: Event | None = None  # where the next step's time starts (steps run back to back)
@@ -201,27 +210,59 @@ class Trainer:
 
     def train_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> dict:
         """One optimizer step, its metrics read back; ``inspect_grads`` sees the reduced gradients before the
-        update (tests)."""
-        return self.finish_step(self.launch_step(inspect_grads))
+        update (tests; again for a step run again)."""
+        attempt = self.launch_step(inspect_grads)
+        metrics = self.finish_step(attempt)
+        if metrics.get("moe_overflow_rows"):
+            metrics, _ = self._run_again(attempt, metrics, None,
+                                         lambda: self.finish_step(self.launch_step(inspect_grads)))
+        return metrics
+
+    def _run_again(self, attempt: StepInFlight, metrics: dict, queued: StepInFlight | None,
+                   finish: Callable[[], dict]) -> tuple[dict, StepInFlight | None]:
+        """After a step (``attempt``, its ``metrics``) whose device-planned exchange overflowed its bound on some
+        rank (its update was skipped on the device): the same step again, every MoE layer planned on the host and
+        run eagerly (graphs set aside); ``finish`` launches and finishes it. ``queued``, a step launched behind it,
+        ran on the same weights and was skipped too (the pending flag): it is launched again after. Returns the
+        step's metrics (with the overflow that caused the re-run; its time from the attempt's start, so the wasted
+        work counts) and the step now queued."""
+        self.step = metrics["step"] - 1
+        self._rerun_pending.zero_()  # stream-ordered after the queued step read it
+        self._last_step_end = attempt.start
+        with host_planned_rerun(self._moe_layers):
+            again = finish()
+        again.update(moe_overflow_rows=metrics["moe_overflow_rows"], moe_overflow_reruns=1)
+        if self.is_logger:
+            log.info("step %d: %d MoE rows overflowed the device-planned exchange's bound "
+                     "(overlap.moe_expert_rank_capacity_factor=%s); the step ran again planned on the host",
+                     metrics["step"], metrics["moe_overflow_rows"], self.cfg.overlap.moe_expert_rank_capacity_factor)
+        return again, None if queued is None else self.launch_step()
 
     def launch_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> StepInFlight:
         """Queue one optimizer step's work; its numbers stay on the device until :meth:`finish_step`, so the
         host can queue the next step while this one runs."""
         start = Event(self.device, timing=True).record() if self._last_step_end is None else self._last_step_end
         lr = lr_at(self.step, self.cfg.train)
+        if self._exchange is not None:
+            self._exchange.overflow_rows.zero_()
         with measuring_exposed_comm(self.device) as exposed:
             losses = self.forward_backward(self.step)
             self.optimizer.reduce_grads()
             if inspect_grads is not None:
                 inspect_grads(self.optimizer)
-            grad_norm, applied = self.optimizer.step(lr, self.step)
+            world = self._world_stats()
+            skip = None
+            if self._bounded:  # the same on every rank: reduced over the world
+                skip = self._rerun_pending | (world[0] > 0)
+                self._rerun_pending.copy_(skip)
+            grad_norm, applied = self.optimizer.step(lr, self.step, skip)
         loads = self._step_expert_load()
         for layer, router in self.model.routers().items():
             router.update_load(loads[layer], applied)
         # One copy to the host of everything the metrics read, queued now: finish_step waits for this step only.
         values = HostCopy(torch.cat([self._dp_mean(losses), grad_norm.view(1).double(), applied.view(1).double(),
                                      self.optimizer.nonfinite_flags(),
-                                     *(counts.double() for counts in loads.values())]))
+                                     *(counts.double() for counts in loads.values()), world]))
         self._last_step_end = Event(self.device, timing=True).record()
         self.step += 1
         return StepInFlight(self.step, lr, values, list(loads), exposed, start, self._last_step_end)
@@ -233,9 +274,10 @@ class Trainer:
             self._last_step_end = None
         loss, aux_loss, grad_norm, applied = values[:4]
         nonfinite = values[4:4 + len(self.optimizer.norm_names)]
-        loads = values[4 + len(nonfinite):]
+        loads = values[4 + len(nonfinite):-2]
+        overflow_rows, peak_bytes = values[-2:]
         experts = len(loads) // max(1, len(pending.moe_layers))
-        if not applied:
+        if not applied and not overflow_rows:  # an overflowed step runs again (train_step, fit)
             check_nonfinite(grad_norm, pending.step - 1, self.cfg.train,
                             [name for name, bad in zip(self.optimizer.norm_names, nonfinite) if bad])
         seconds = pending.start.elapsed_ms(pending.end) / 1e3
@@ -248,9 +290,10 @@ class Trainer:
         if self.cfg.overlap.overlap_moe_expert_parallel_comm:
             metrics["exposed_comm_by_stage_ms"] = pending.exposed.by_stage_ms()
         if self.device.type == "cuda":  # symmetric memory is allocated beside torch's allocator: added
-            symmetric = symmetric_memory_bytes()
-            metrics["peak_memory_gib"] = (torch.cuda.max_memory_allocated(self.device) + symmetric) / 2**30
-            metrics["symmetric_memory_gib"] = symmetric / 2**30
+            metrics["peak_memory_gib"] = peak_bytes / 2**30  # the most on any rank
+            metrics["symmetric_memory_gib"] = symmetric_memory_bytes() / 2**30  # this rank's
+        if self._bounded:
+            metrics.update(moe_overflow_rows=int(overflow_rows), moe_overflow_reruns=0)
         if pending.moe_layers:
             metrics["tokens_per_expert"] = {str(layer): [int(c) for c in loads[i * experts:(i + 1) * experts]]
                                             for i, layer in enumerate(pending.moe_layers)}
@@ -284,6 +327,22 @@ class Trainer:
             "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_pairs": t.expert_wgrad_pairs,
         }
 
+    def _world_stats(self) -> torch.Tensor:
+        """(rows past the device-planned exchange's bound summed over the ranks and MoE layers of this step, the most
+        memory any rank holds: torch's allocator peak plus symmetric memory, which it does not see), fp64 on the
+        device: one small all-gather over the world where either needs it, no host sync."""
+        overflow = (self._exchange.overflow_rows if self._exchange is not None
+                    else torch.zeros((), dtype=torch.int64, device=self.device))
+        peak = 0
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) + symmetric_memory_bytes()
+        mine = torch.cat([overflow.view(1).double(), to_device_async(torch.tensor([float(peak)]), self.device)
+                          .double()])
+        if self.mesh.world_size == 1 or not (self._bounded or self.device.type == "cuda"):
+            return mine
+        every = all_gather_into(mine.new_empty(self.mesh.world_size * 2), mine, dist.group.WORLD).view(-1, 2)
+        return torch.stack([every[:, 0].sum(), every[:, 1].max()])
+
     def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
         all_reduce_(values, self.mesh.dp.group)
         return values / self.mesh.dp.size
@@ -297,8 +356,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """The validation loss; a bounded device-planned exchange is planned on the host here (exact: no step to
+        run again)."""
         self.model.eval()
-        return float(self._dp_mean(self.pipeline.evaluate(self.val_batches).view(1)))
+        with host_planned_rerun(self._moe_layers) if self._bounded else contextlib.nullcontext():
+            return float(self._dp_mean(self.pipeline.evaluate(self.val_batches).view(1)))
 
     # ------------------------------------------------------------------------------------ checkpoints
     def model_buffers(self) -> dict[str, torch.Tensor]:
@@ -402,7 +464,12 @@ class Trainer:
                         launched = self.launch_step()
                     first = False
                 if pending is not None:
-                    history.append(self._after_step(self._finish_or_save(pending), metrics_file, progress, phase))
+                    metrics = self._finish_or_save(pending)
+                    if metrics.get("moe_overflow_rows"):
+                        phase(f"train step {metrics['step']} again, planned on the host")
+                        metrics, launched = self._run_again(pending, metrics, launched,
+                                                            lambda: self._finish_or_save(self.launch_step()))
+                    history.append(self._after_step(metrics, metrics_file, progress, phase))
                 if self.stopped_by:
                     phase(f"checkpoint save of step {self.step}")
                     self.save(stopped_by=self.stopped_by)  # also when just saved: the pointer records why
@@ -451,6 +518,16 @@ class Trainer:
                 raise
             path = step_dir(self.cfg.checkpoint_dir, self.step) if self.saved_step == self.step else self.save()
             raise FloatingPointError(f"{err}; the state after step {self.step} is in {path}") from err
+
+
+def bounded_exchange(cfg: Config) -> bool:
+    """Whether the MoE layers may plan a bounded exchange on the device (overlap.moe_expert_rank_capacity_factor
+    with the pipeline over more than one expert rank, planned on the device or by auto): then every step reduces
+    the overflow over the world and may run again."""
+    o, p = cfg.overlap, cfg.parallel
+    return (cfg.model.num_moe_experts is not None and o.moe_pipeline and o.moe_planning != "host"
+            and o.moe_expert_rank_capacity_factor is not None
+            and p.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1)
 
 
 def imbalance(counts_E: list[int], groups: int) -> float:
