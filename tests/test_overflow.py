@@ -1,0 +1,273 @@
+"""The device-planned exchange's receive bound (``overlap.moe_expert_rank_capacity_factor``): its sizes do not grow
+with EP, rows past it are never written out of bounds and are counted on the device, and a training step whose
+exchange overflowed on any rank is skipped and run again planned on the host, so that the losses and gradients are
+the host-planned run's (fp32, 1e-5) and the metrics say it happened.
+
+Forcing an overflow: the smallest factor, 1.0, with any routing that is not exactly balanced (here a freshly
+initialised router; on GPU ``data.path=synthetic:zipf:1.2``): the most loaded rank's chunks overflow, the others'
+not. ``model.moe_router_force_load_balancing=true`` routes exactly the balanced share to every chunk, so factor 1.0
+never overflows there.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_overlap.config import ConfigError, load_config
+from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.layers.device_plan import DevicePlanner, chunk_bounds_rows, receive_rows
+from moe_overlap.training.trainer import Trainer
+from tests.test_master import CPU, TOL, rel_err, small_config, world_and_mesh
+
+FACTOR = "overlap.moe_expert_rank_capacity_factor"
+
+
+# ------------------------------------------------------------------------------------------ the sizes
+@pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
+def test_overflow_bound_sizes_do_not_grow_with_ep(factor):
+    """The same tokens per rank at EP=2, 4, 8 and 64: each chunk's bound is ceil(factor x R x its share of the
+    local experts), the receive buffer their sum plus the spare row, whatever EP; null is the worst case, EP x R."""
+    rows = 2 * 4096 * 8  # bench_fine_8l: T x K copies per rank and micro-batch
+    for chunks in (1, 2, 4):
+        sizes = set()
+        for ep in (2, 4, 8, 64):
+            local = 256 // ep
+            bounds = [(c * local // chunks, (c + 1) * local // chunks) for c in range(chunks)]
+            chunk_rows = chunk_bounds_rows(ep, rows, bounds, factor)
+            assert chunk_rows == [-(-int(factor * rows * (b - a)) // local) for a, b in bounds]
+            sizes.add((tuple(chunk_rows), receive_rows(ep, rows, bounds, factor)))
+            worst = chunk_bounds_rows(ep, rows, bounds, None)
+            assert worst == [ep * rows] * chunks and receive_rows(ep, rows, bounds, None) == ep * rows + 1
+        assert len(sizes) == 1, sizes
+        (chunk_rows, buffer_rows), = sizes
+        assert sum(chunk_rows) == int(factor * rows) and buffer_rows == int(factor * rows) + 1
+
+
+def test_overflow_bound_is_at_most_the_worst_case():
+    assert chunk_bounds_rows(2, 100, [(0, 1)], 3.0) == [200]  # factor x R above EP x R: the worst case
+    assert receive_rows(2, 100, [(0, 1), (1, 2)], 3.0) == 201
+
+
+def test_overflow_factor_rules_are_one_line():
+    for value, fragment in (("0.5", "must be >= 1.0"), ("null", "needs overlap.moe_pipeline=true")):
+        with pytest.raises(ConfigError, match=fragment) as err:
+            load_config(None, [f"{FACTOR}={value}"] + (["overlap.moe_pipeline=true"] if value == "0.5" else []))
+        assert str(err.value).startswith(f"{FACTOR}=") and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="bounds the device-planned exchange only"):
+        load_config(None, ["overlap.moe_pipeline=true", "overlap.moe_planning=host", f"{FACTOR}=1.5"])
+    assert load_config(None, ["overlap.moe_pipeline=true", f"{FACTOR}=null"]).overlap.moe_expert_rank_capacity_factor \
+        is None
+
+
+# ------------------------------------------------------------------------------ the routes, one process
+E, L, RANKS, T, K, H = 8, 4, 2, 8, 2, 4
+
+
+class _Counts:
+    """The transport's part the planner reads: every rank's counts (fixed here) and the overflow counter."""
+
+    def __init__(self, counts_SE: torch.Tensor):
+        self.counts_SE, self.overflow_rows, self.asked_bytes = counts_SE, torch.zeros((), dtype=torch.int64), []
+
+    def transport(self, nbytes: int):
+        self.asked_bytes.append(nbytes)
+        return self
+
+    def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        return self.counts_SE
+
+    def count_overflow(self, rows: torch.Tensor) -> None:
+        self.overflow_rows += rows
+
+
+def _plans(experts_STK: torch.Tensor, factor: float | None, chunks: int):
+    counts_SE = torch.stack([torch.bincount(e.flatten(), minlength=E) for e in experts_STK])
+    plans, selectors = [], []
+    for rank in range(RANKS):
+        selector = _Counts(counts_SE)
+        planner = DevicePlanner(E, GroupHandle(ranks=list(range(RANKS)), group=None, rank=rank, size=RANKS), chunks,
+                                False, selector, CPU, H * 4, factor)
+        routing = SimpleNamespace(experts_TK=experts_STK[rank], keep_TK=None, capacity=None,
+                                  tokens_per_expert_E=counts_SE[rank])
+        plans.append(planner.plan(routing))
+        selectors.append(selector)
+    return plans, selectors, counts_SE
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("sources", [[[0, 1], [0, 1]], [[0, 1], [0, 2]]], ids=["one_chunk", "both_chunks"])
+def test_overflow_routes_stay_in_bounds_and_count_the_rows_past_the_bound(chunks, sources):
+    """Every token of source rank s goes to experts ``sources[s]``, all rank 0's: rank 0's first chunk receives up
+    to 2 R rows, its bound at factor 1.0 is R x the chunk's share of the local experts. Every dispatch route lands
+    inside the bounded receive buffer, the rows that do not fit in the spare row; the kept rows' combine routes
+    invert their dispatch routes; the GEMM offsets stop at the bound; the overflow is what arrived past it, on
+    rank 0 only; the regions are asked for the bounded buffer, not EP x R rows."""
+    experts_STK = torch.tensor(sources).unsqueeze(1).repeat(1, T, 1)
+    R = T * K
+    plans, selectors, counts_SE = _plans(experts_STK, 1.0, chunks)
+    chunk_experts = [(c * L // chunks, (c + 1) * L // chunks) for c in range(chunks)]
+    bounds = chunk_bounds_rows(RANKS, R, chunk_experts, 1.0)
+    W = plans[0].routes.recv_rows
+    assert W == R + 1 and all(p.routes.chunk_rows == bounds for p in plans)
+    assert selectors[0].asked_bytes == [W * H * 4]
+    for rank, plan in enumerate(plans):
+        r = plan.routes
+        arrived = [int(counts_SE[:, rank * L + a:rank * L + b].sum()) for a, b in chunk_experts]
+        assert int(plan.overflow_rows) == sum(max(0, a - b) for a, b in zip(arrived, bounds)) \
+            == int(selectors[rank].overflow_rows)
+        assert (r.dst_row_R >= 0).all() and (r.dst_row_R < W).all()
+        kept = r.recv_rows_C.tolist()
+        assert kept == [min(a, b) for a, b in zip(arrived, bounds)]
+        for c, offsets in enumerate(plan.offsets):
+            assert offsets.numel() == 0 or int(offsets.max()) <= kept[c]
+        for q in range(sum(kept)):  # each kept row goes back to where it came from
+            source, row = int(r.back_rank_W[q]), int(r.back_row_W[q])
+            assert (int(plans[source].routes.dst_rank_R[row]), int(plans[source].routes.dst_row_R[row])) == (rank, q)
+    spare = sum(int((p.routes.dst_row_R == W - 1).sum()) for p in plans)
+    assert spare == sum(int(p.overflow_rows) for p in plans) > 0
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_overflow_free_bounded_routes_equal_the_worst_case_routes(chunks):
+    """Within the bound the bounded plan routes every row exactly as the unbounded one (the same compact layout),
+    only its buffers are smaller."""
+    g = torch.Generator().manual_seed(3)
+    experts_STK = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+                               for _ in range(RANKS)])
+    bounded, _, _ = _plans(experts_STK, float(RANKS), chunks)  # factor EP: never exceeded, yet a bound
+    worst, _, _ = _plans(experts_STK, None, chunks)
+    for b, w in zip(bounded, worst):
+        assert int(b.overflow_rows) == 0
+        kept = int(b.routes.recv_rows_C.sum())
+        for name in ("send_start_C", "send_rows_C", "dst_rank_R", "dst_row_R", "recv_start_C", "recv_rows_C"):
+            assert torch.equal(getattr(b.routes, name), getattr(w.routes, name)), name
+        for name in ("back_rank_W", "back_row_W"):
+            assert torch.equal(getattr(b.routes, name)[:kept], getattr(w.routes, name)[:kept]), name
+        assert all(torch.equal(x, y) for x, y in zip(b.offsets, w.offsets))
+
+
+# ------------------------------------------------------------------ training steps, gloo ranks
+def _grads_and_metrics(trainer: Trainer, steps: int) -> list[tuple[dict, dict]]:
+    out = []
+    for _ in range(steps):
+        grads = {}
+        metrics = trainer.train_step(lambda opt: grads.update(opt.logical_grads()))
+        out.append((metrics, grads))
+    return out
+
+
+def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dict | None = None,
+                  fit: bool = False, fake_overflow_at: int | None = None) -> dict:
+    """The bounded device-planned run against the host-planned run of the same layout, step by step: the worst
+    relative error of losses, gradient norms and every gradient (or, with ``fit``, of every step's losses and the
+    weights fit ends with), and the overflow metrics of the bounded run. ``fake_overflow_at``: the bounded run's
+    forward-backward of that launch (1-based, re-runs counted) reports one overflowing row per rank."""
+    both = {"overlap.moe_pipeline": "true", **(both or {})}
+    runs = []
+    for extra in ({"overlap.moe_planning": "host"}, {"overlap.moe_planning": "device", **bounded}):
+        cfg = small_config(f"{output_dir}/{len(runs)}", ep, 4 * (torch.distributed.get_world_size()), **both, **extra)
+        _, mesh = world_and_mesh(cfg)
+        try:
+            trainer = Trainer(cfg, mesh, CPU)
+            if fake_overflow_at is not None and runs:
+                _fake_overflow(trainer, fake_overflow_at)
+            if fit:
+                history = trainer.fit()
+                state = {k: v.clone() for k, v in trainer.optimizer.logical_state().items() if k.startswith("model.")}
+                runs.append((history, state))
+            else:
+                runs.append(_grads_and_metrics(trainer, steps))
+        finally:
+            mesh.destroy()
+    worst = 0.0
+    if fit:
+        (want, want_state), (got, got_state) = runs
+        assert [m["step"] for m in got] == [m["step"] for m in want]
+        for m, r in zip(got, want):
+            worst = max(worst, abs(m["loss"] - r["loss"]) / abs(r["loss"]), abs(m["grad_norm"] - r["grad_norm"])
+                        / r["grad_norm"])
+        worst = max([worst] + [rel_err(got_state[k], want_state[k]) for k in want_state])
+        metrics = got
+    else:
+        want, got = runs
+        for (m, grads), (r, want_grads) in zip(got, want):
+            assert m["step"] == r["step"] and m["tokens_per_expert"] == r["tokens_per_expert"]
+            worst = max(worst, abs(m["loss"] - r["loss"]) / abs(r["loss"]),
+                        abs(m["grad_norm"] - r["grad_norm"]) / r["grad_norm"],
+                        *(rel_err(grads[k], want_grads[k]) for k in want_grads))
+        metrics = [m for m, _ in got]
+    return {"worst": worst, "overflow_rows": [m["moe_overflow_rows"] for m in metrics],
+            "reruns": [m["moe_overflow_reruns"] for m in metrics], "skipped": [m["skipped"] for m in metrics]}
+
+
+def _fake_overflow(trainer: Trainer, launch: int) -> None:
+    forward_backward, launches = trainer.forward_backward, []
+
+    def counting(step: int):
+        losses = forward_backward(step)
+        launches.append(step)
+        if len(launches) == launch:
+            trainer._exchange.overflow_rows.add_(1)
+        return losses
+
+    trainer.forward_backward = counting
+
+
+def _check(results: list[dict], overflow: bool) -> None:
+    for result in results:
+        assert result["worst"] < TOL, result
+        assert not any(result["skipped"])
+        if overflow:  # every step overflowed somewhere, and ran again
+            assert all(rows > 0 for rows in result["overflow_rows"]) and all(result["reruns"]), result
+        else:
+            assert result["overflow_rows"] == [0] * len(result["overflow_rows"]) and not any(result["reruns"])
+    assert len({str(r["overflow_rows"]) for r in results}) == 1  # every rank saw the same world-wide count
+
+
+BALANCED = {"model.moe_router_force_load_balancing": "true"}
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_overflow_free_bounded_run_equals_host_planned(rank_pool, tmp_path, chunks):
+    """Forced balance routes each chunk exactly its balanced share: factor 1.0, the tightest bound, never
+    overflows, and the steps equal the host-planned ones."""
+    both = {**BALANCED, "overlap.moe_pipeline_chunks": chunks}
+    _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0}, both), False)
+
+
+@pytest.mark.parametrize("world,chunks,extra", [
+    (2, 1, {}), (2, 2, {"overlap.delay_wgrad_compute": "true"}),
+    (4, 2, {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
+            "overlap.overlap_param_sync": "true"}),
+], ids=["ep2", "ep2_chunks2_delay_wgrad", "ep4_chunks2_dist_opt"])
+def test_overflowing_steps_run_again_and_equal_host_planned(rank_pool, tmp_path, world, chunks, extra):
+    """Factor 1.0 with learned routing overflows on the most loaded ranks every step: each step is skipped on
+    the device and run again planned on the host, its losses and gradients the host-planned run's."""
+    both = {"overlap.moe_pipeline_chunks": chunks, **extra}
+    _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, {FACTOR: 1.0}, both), True)
+
+
+def test_overflowing_paired_micro_batches_run_again_and_equal_host_planned(rank_pool, tmp_path):
+    """overlap_moe_expert_parallel_comm: the layers' stages, split at their exchanges, run host-planned too."""
+    both = {"overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2}
+    _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0}, both), True)
+
+
+def test_overflowing_steps_in_fit_equal_host_planned(rank_pool, tmp_path):
+    """fit queues step i+1 before it reads step i: an overflowed step i leaves i+1 skipped by the pending flag, and
+    both run again in order; the weights fit ends with and every logged loss are the host-planned run's."""
+    both = {"train.max_steps": 3}
+    _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 0, {FACTOR: 1.0}, both, True), True)
+
+
+def test_a_step_queued_behind_an_overflowed_one_runs_again_in_fit(rank_pool, tmp_path):
+    """Only step 1 overflows (one row per rank, reported by the test; factor 2.0 at EP=2 is never exceeded): step 2, queued before step 1 was read, is
+    skipped by the pending flag although it did not overflow, and launched again after step 1's re-run; with it
+    applied instead, the weights would take step 2's update computed before step 1's."""
+    both = {"train.max_steps": 3}
+    for result in rank_pool(2).run(overflow_case, str(tmp_path), 2, 0, {FACTOR: 2.0}, both, True, 1):
+        assert result["worst"] < TOL and not any(result["skipped"]), result
+        assert result["overflow_rows"] == [2, 0, 0] and result["reruns"] == [1, 0, 0], result
