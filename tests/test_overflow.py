@@ -62,6 +62,29 @@ def test_overflow_factor_rules_are_one_line():
         is None
 
 
+def test_overflow_route_limit_kernel_matches_twin(monkeypatch):
+    """fill_routes with a limit per block: rows at or past it go to the spare row, interpreted Triton and twin alike
+    (a block longer than the kernel's step, one wholly past its limit, one empty)."""
+    from moe_overlap.kernels.routes import fill_routes, fill_routes_torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sizes, limits, spare = [3, 2000, 4, 0], [102, 1300, 300, 400], 999_999
+    start_B = torch.tensor([0, 3, 2003, 2007])
+    dst_start_B = torch.tensor([100, 200, 300, 400])
+    outs = []
+    for fill in (fill_routes, fill_routes_torch):
+        rank_Q, row_Q = torch.full((2010,), -1, dtype=torch.int32), torch.full((2010,), -1, dtype=torch.int64)
+        fill(start_B, torch.tensor(sizes), torch.arange(4, dtype=torch.int32), dst_start_B, rank_Q, row_Q,
+             torch.tensor(limits), spare)
+        outs.append((rank_Q, row_Q))
+    (rank, row), (rank_twin, row_twin) = outs
+    assert torch.equal(rank, rank_twin) and torch.equal(row, row_twin)
+    for b, (q0, n, first, limit) in enumerate(zip(start_B.tolist(), sizes, dst_start_B.tolist(), limits)):
+        want = first + torch.arange(n)
+        assert torch.equal(row[q0:q0 + n], torch.where(want < limit, want, spare)) and (rank[q0:q0 + n] == b).all()
+    assert (row[2007:] == -1).all()
+
+
 # ------------------------------------------------------------------------------ the routes, one process
 E, L, RANKS, T, K, H = 8, 4, 2, 8, 2, 4
 
