@@ -130,7 +130,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
     timed = history[args.warmup:args.warmup + args.steps]
     mine = {  # this rank's part
         "rank": mesh.rank,
-        "peak_memory_gib": max((m.get("peak_memory_gib", 0.0) for m in history), default=0.0),
+        "peak_memory_gib": rank_peak_gib(device),  # the metrics' peak_memory_gib is the maximum over ranks already
         "symmetric_memory_gib": max((m.get("symmetric_memory_gib", 0.0) for m in history), default=0.0),
         "exposed_comm_ms": {kind: round(statistics.median(m["exposed_comm_ms"][kind] for m in timed), 3)
                             for kind in timed[0]["exposed_comm_ms"]},
@@ -174,11 +174,26 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "routing": {"data_path": cfg.data.path or "bundled byte-level corpus",
                     "force_load_balancing": cfg.model.moe_router_force_load_balancing},
         "loss_first": losses[0], "loss_last": losses[1],
+        # the device-planned exchange's bound (overlap.moe_expert_rank_capacity_factor): steps run again, and rows
+        # past the bound, over the timed steps (their step_time_s counts the wasted attempt)
+        "moe_overflow_reruns": sum(m.get("moe_overflow_reruns", 0) for m in timed),
+        "moe_overflow_rows": sum(m.get("moe_overflow_rows", 0) for m in timed),
     }
     if "profile" in parts[0]:
         row["profile_per_rank"] = [p.get("profile") for p in parts]
     copy_timeline(args, name, Path(cfg.train.output_dir) / "profile" / "timeline_rank0.png")
     return row
+
+
+def rank_peak_gib(device) -> float:
+    """This rank's peak: torch's allocator peak plus the symmetric memory it does not see."""
+    import torch
+
+    from moe_overlap.distributed.symm import symmetric_memory_bytes
+
+    if device.type != "cuda":
+        return 0.0
+    return (torch.cuda.max_memory_allocated(device) + symmetric_memory_bytes()) / 2**30
 
 
 def copy_timeline(args, name: str, timeline: Path) -> None:
@@ -256,7 +271,8 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 save()
                 print(json.dumps({k: row[k] for k in ("variant", "tokens_per_s", "tflops_per_gpu", "mfu",
-                                                      "peak_memory_gib", "exposed_comm_ms")}), flush=True)
+                                                      "peak_memory_gib", "exposed_comm_ms", "moe_overflow_reruns")}),
+                      flush=True)
         if dist.is_initialized():
             dist.barrier()  # every rank is done with its devices before ep1 takes one
             dist.destroy_process_group()
