@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from moe_overlap import tuning
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
 from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
@@ -83,8 +84,8 @@ def mesh_group_options(cfg: Config) -> dict:
 
 def dp_gemm_sms(cfg: Config) -> int:
     """SMs the GEMMs beside the distributed optimizer's overlapped syncs leave free: ``overlap.gemm_sm_carveout``;
-    auto: 4 x dp_comm_ctas (the slow-fabric pairing measured best: 2 CTAs, 8 SMs), none without a CTA cap."""
-    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas, 4)
+    auto: tuning.DP_NCCL_SMS_PER_CTA x dp_comm_ctas, none without a CTA cap."""
+    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas, tuning.DP_NCCL_SMS_PER_CTA)
 
 
 def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
@@ -93,7 +94,7 @@ def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
     measured for the MoE layer's exchange), none without a CTA cap or an exchange (one EP rank)."""
     if mesh.ep.size * mesh.etp.size == 1:
         return 0
-    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas, 2)
+    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas, tuning.EP_NCCL_SMS_PER_CTA)
 
 
 def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
