@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from moe_overlap import tuning
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
-from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, restart_safe_store
+from moe_overlap.distributed.collectives import all_reduce_, nccl_cta_options, rendezvous_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
@@ -66,9 +66,11 @@ def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.train.distributed_timeout_s)
-        store = restart_safe_store(timeout)
+        store = rendezvous_store(timeout)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
                                 **({} if store is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}))
+        if store is not None:
+            store.set_timeout(timeout)  # joined: from now on a missing rank is noticed within the collective timeout
     return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s,
                        pg_options=mesh_group_options(cfg)), device
 
