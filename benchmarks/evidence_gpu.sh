@@ -8,6 +8,7 @@
 #   bash benchmarks/evidence_gpu.sh ep2_ppcp OUT   # EP=2 on GPUs 0,1 beside PP=2 and CP=2 on GPUs 2,3
 #   bash benchmarks/evidence_gpu.sh ep2      OUT   # EP=2 alone (a 2-GPU host)
 #   bash benchmarks/evidence_gpu.sh suite2   OUT   # pytest -m gpu on a 2-GPU host
+#   bash benchmarks/evidence_gpu.sh ep2_text OUT   # EP=2 on real text (needs data/stdlib)
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -106,6 +107,10 @@ case $phase in
   suite2)
     suite 2x 0,1 300
     ;;
+  ep2_text)
+    train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"
+    train_step 2 mixtral_2l text "$TEXT" --variant "$SERIAL"
+    ;;
   pp2)
     (sleep 240; pkill -ABRT -f benchmarks/pp_schedule.py) &  # PYTHONFAULTHANDLER: SIGABRT dumps every thread
     watchdog=$!
@@ -115,7 +120,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | pp2" >&2
      exit 2 ;;
 esac
 pack
