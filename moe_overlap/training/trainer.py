@@ -156,8 +156,8 @@ class Trainer:
         self.pipeline = PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
         if cfg.overlap.moe_compute_only and mesh.rank == 0:
             log.warning("overlap.moe_compute_only: every rank's MoE rows stay in its own memory (a benchmark's "
-                        "reference without the exchange's transfers); the model does not learn, its loss means "
-                        "nothing")
+                        "reference without the exchange's transfers); its learning rate is held at 0 and its loss "
+                        "means nothing")
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             # the MoE layers' GEMMs capture their own carve-out; two micro-batches in flight (paired) need two
             # sets, which odd and even micro-batches replay (TransformerLayer.stages)
@@ -211,7 +211,9 @@ class Trainer:
         """Queue one optimizer step's work; its numbers stay on the device until :meth:`finish_step`, so the
         host can queue the next step while this one runs."""
         start = Event(self.device, timing=True).record() if self._last_step_end is None else self._last_step_end
-        lr = lr_at(self.step, self.cfg.train)
+        # compute_only's experts read rows that never left another rank: learning from them diverges (real-text
+        # routing then crashed a GPU run within 4 steps), so its optimizer does the same work at learning rate 0
+        lr = 0.0 if self.cfg.overlap.moe_compute_only else lr_at(self.step, self.cfg.train)
         with measuring_exposed_comm(self.device) as exposed:
             losses = self.forward_backward(self.step)
             self.optimizer.reduce_grads()
