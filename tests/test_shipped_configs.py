@@ -109,3 +109,15 @@ def test_the_world_size_is_checked_before_launch(tmp_path, corpus_stand_in):
     cfg = load_config(EXAMPLES[0], [f"data.path={corpus_stand_in}", f"train.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"^parallel.expert_model_parallel_size="):
         check_before_launch(cfg, 3, "cuda")
+
+
+def test_train_nproc_beyond_the_visible_gpus_fails_before_launch(monkeypatch, capsys):
+    import torch
+
+    from moe_overlap.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["train", str(EXAMPLES[0]), "--nproc", "2"]) == 2
+    assert capsys.readouterr().err == ("moe-overlap: config error: --nproc=2: needs a GPU per rank "
+                                       "(train.device=cuda): 1 visible\n")
