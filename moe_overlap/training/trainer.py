@@ -176,6 +176,7 @@ class Trainer:
         self.stopped_by: str | None = None  # why fit stopped before train.max_steps (a signal, the time limit)
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
         self.is_logger = mesh.rank == 0
+        self.dead_experts = DeadExperts(warn=self.is_logger)
         self.flops_per_token = flops_per_token(cfg.model)
         self._last_step_end: Event | None = None  # where the next step's time starts (steps run back to back)
         # the last step's segment runs on this rank, (F | B, micro-batch, segment name): with
@@ -263,6 +264,7 @@ class Trainer:
                                        for layer, counts in metrics["tokens_per_expert"].items()}
             metrics["expert_imbalance"] = {layer: imbalance(counts, len(counts))
                                            for layer, counts in metrics["tokens_per_expert"].items()}
+            metrics["moe_dead_experts"] = self.dead_experts.update(pending.step, metrics["tokens_per_expert"])
         return metrics
 
     def resolved_settings(self) -> dict:
@@ -465,6 +467,39 @@ def imbalance(counts_E: list[int], groups: int) -> float:
     per_group = [sum(counts_E[g * len(counts_E) // groups:(g + 1) * len(counts_E) // groups]) for g in range(groups)]
     mean = sum(per_group) / groups
     return max(per_group) / mean if mean else 1.0
+
+
+# Consecutive steps without a token after which an expert is reported dead: long enough that a few unlucky
+# micro-batches do not trip it, short enough to be seen early in a run.
+DEAD_EXPERT_STEPS = 20
+
+
+class DeadExperts:
+    """Experts that received no token in a step (after capacity drops): counted every step, and a warning once per
+    (layer, expert) that has received nothing for DEAD_EXPERT_STEPS consecutive steps: its router has collapsed
+    onto the other experts. The counts are the same on every rank; ``warn``: this rank logs."""
+
+    def __init__(self, warn: bool):
+        self.warn = warn
+        self.idle_steps: dict[str, list[int]] = {}  # per MoE layer: each expert's steps without a token, so far
+        self.warned: set[tuple[str, int]] = set()
+
+    def update(self, step: int, tokens_per_expert: dict[str, list[int]]) -> int:
+        """This step's experts without a token, summed over the MoE layers."""
+        dead = 0
+        for layer, counts_E in tokens_per_expert.items():
+            idle_E = self.idle_steps.setdefault(layer, [0] * len(counts_E))
+            for expert, count in enumerate(counts_E):
+                idle_E[expert] = idle_E[expert] + 1 if count == 0 else 0
+                dead += count == 0
+                if idle_E[expert] >= DEAD_EXPERT_STEPS and (layer, expert) not in self.warned:
+                    self.warned.add((layer, expert))
+                    if self.warn:
+                        log.warning("MoE layer %s, expert %d: no token for %d consecutive steps (steps %d-%d): its "
+                                    "router has collapsed onto the other experts (balance routing with "
+                                    "model.moe_router_enable_expert_bias or model.moe_aux_loss_coeff)", layer, expert,
+                                    idle_E[expert], step - idle_E[expert] + 1, step)
+        return dead
 
 
 @dataclass(frozen=True)
