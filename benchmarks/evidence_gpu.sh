@@ -7,6 +7,10 @@
 #   bash benchmarks/evidence_gpu.sh ep4_text OUT   # the same on real text (needs data/stdlib: see README)
 #   bash benchmarks/evidence_gpu.sh ep2_ppcp OUT   # EP=2 on GPUs 0,1 beside PP=2 and CP=2 on GPUs 2,3
 #   bash benchmarks/evidence_gpu.sh ep2      OUT   # EP=2 alone (a 2-GPU host)
+#   bash benchmarks/evidence_gpu.sh suite2   OUT   # pytest -m gpu on a 2-GPU host
+#   bash benchmarks/evidence_gpu.sh ep2_text OUT   # EP=2 on real text (needs data/stdlib)
+#   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
+#                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
 # runs with NVLink multicast off. Rows of one train_step launch compare with each other (the same machine, one
 # after another); the ep1 row runs the config on rank 0's GPU after the others.
@@ -100,7 +104,24 @@ case $phase in
      done) &
     wait
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp" >&2; exit 2 ;;
+  suite2)
+    suite 2x 0,1 300
+    ;;
+  ep2_text)
+    train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"
+    train_step 2 mixtral_2l text "$TEXT" --variant "$SERIAL"
+    ;;
+  pp2)
+    (sleep 240; pkill -ABRT -f benchmarks/pp_schedule.py) &  # PYTHONFAULTHANDLER: SIGABRT dumps every thread
+    watchdog=$!
+    PYTHONFAULTHANDLER=1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/pp_schedule.py \
+      configs/small_gpu.yaml --rounds 6 --max-minutes 1.5 --json $res/pp_schedule_2x${gpu}_nvlink.json \
+      --timeline $res/pp_schedule_2x${gpu}_nvlink.png > "$out/pp_nvlink.log" 2>&1
+    kill $watchdog 2>/dev/null
+    tail -n 30 "$out/pp_nvlink.log"
+    ;;
+  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | pp2" >&2
+     exit 2 ;;
 esac
 pack
 echo "phase $phase: $(( $(date +%s) - start )) s; packed: $(tar tzf "$out/$phase.tgz" | wc -l) files"

@@ -208,9 +208,7 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from moe_overlap.training.trainer import check_inputs
-
-    check_inputs(cfg)
+    check_before_launch(cfg, args.nproc, launch_device_type(cfg, args.nproc))
     started = time.time()
     try:
         torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "moe_overlap", "train", args.config,
@@ -222,6 +220,31 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
     except SignalException as err:  # torchrun relayed the signal to the ranks and waited for them
         return _stopped_by_signal(err.sigval, cfg, started)
     return 0
+
+
+def launch_device_type(cfg: Config, nproc: int) -> str:
+    """The kind of device ``nproc`` local ranks will train on (train.device; auto: CUDA if visible), checked: CUDA
+    must be visible with a GPU for every rank."""
+    import torch
+
+    wanted = cfg.train.device
+    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    visible = torch.cuda.device_count()
+    if visible < nproc:
+        raise ConfigError("--nproc", nproc, f"needs a GPU per rank (train.device={wanted}): {visible} visible")
+    return "cuda"
+
+
+def check_before_launch(cfg: Config, world_size: int, device_type: str) -> None:
+    """What `moe-overlap train` checks before any rank starts: the layout and batch for ``world_size`` ranks on
+    ``device_type`` (the rules each rank checks again), the data (the token file, its index, room for
+    train.eval_iters) and train.resume against checkpoint.dir. Reads no GPU: a CPU host checks a GPU config."""
+    from moe_overlap.config import validate_for_world
+    from moe_overlap.training.trainer import check_inputs
+
+    validate_for_world(cfg, world_size, device_type)
+    check_inputs(cfg)
 
 
 def _stopped_by_signal(sig, cfg: Config, launched_at: float) -> int:
@@ -340,7 +363,7 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     p = cfg.parallel
     world_size = world_size or (p.tensor_model_parallel_size * p.context_parallel_size
                                 * p.pipeline_model_parallel_size * p.expert_model_parallel_size)
-    validate_for_world(cfg, world_size, "cpu")
+    validate_for_world(cfg, world_size, "cuda" if cfg.train.device == "cuda" else "cpu")
     wants_schedule = schedule or costs is not None or png is not None
     if wants_schedule and p.pipeline_model_parallel_size == 1:
         raise ConfigError("--schedule", True, "needs parallel.pipeline_model_parallel_size > 1")

@@ -14,6 +14,7 @@ faults a process survives. Kinds:
               peers wait on its signal on the device
   slow        sleep 30 s at the start of STEP, saying so on stderr (a long step, for the second-signal test)
   sigterm     send SIGTERM to this process after STEP (a preemption notice)
+  latejoin    sleep STEP seconds before the command starts (a rank slow to start: imports, CUDA, a read)
   nan         NaN in this rank's reduced gradient of layers.1.mlp.experts.w2 at STEP
   diskfull    the save of STEP writes into a 4 KiB file-size limit (RLIMIT_FSIZE: every larger write fails
               with EFBIG, as on a full disk)
@@ -137,7 +138,16 @@ def fault_case(argv: list[str], spec: str = "") -> tuple[int, str]:
     return code, captured.getvalue()
 
 
+def join_late(spec: str, rank: int) -> None:
+    for item in filter(None, spec.split(",")):
+        kind, fault_rank, seconds = item.split(":")
+        if kind == "latejoin" and int(fault_rank) == rank:
+            time.sleep(int(seconds))
+
+
 if __name__ == "__main__":
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
-        install_from(os.environ.get("MOE_OVERLAP_TEST_FAULT", ""), int(os.environ.get("RANK", 0)))
+        spec, rank = os.environ.get("MOE_OVERLAP_TEST_FAULT", ""), int(os.environ.get("RANK", 0))
+        join_late(spec, rank)
+        install_from(",".join(item for item in spec.split(",") if not item.startswith("latejoin:")), rank)
     raise SystemExit(cli.main(sys.argv[1:]))

@@ -14,6 +14,8 @@ from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.streams import measuring_exposed_comm
 from moe_overlap.layers import dispatch_pipeline
 from moe_overlap.layers.moe import MoELayer
+from moe_overlap.training.trainer import Trainer
+from tests.test_master import small_config, world_and_mesh
 from tests.test_moe_layer import E, F, FixedRouter, H, full_expert_weights, rank_inputs
 
 
@@ -65,6 +67,26 @@ def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_po
         assert result["finite"]
         assert not result["same_output"]  # rows from peers never arrived
         assert result["exposed"][True] > 0  # the sizes and the per-chunk messages still wait for the peer
+
+
+def trainer_case(output_dir: str) -> dict:
+    cfg = small_config(output_dir, 2, 8, **{"overlap.moe_pipeline": "true", "overlap.moe_compute_only": "true"})
+    _, mesh = world_and_mesh(cfg)
+    try:
+        trainer = Trainer(cfg, mesh, torch.device("cpu"))
+        before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        metrics = [trainer.train_step() for _ in range(2)]
+        return {"unchanged": all(torch.equal(p.detach(), before[name]) for name, p in trainer.model.named_parameters()),
+                "grad_norm": [m["grad_norm"] for m in metrics]}
+    finally:
+        mesh.destroy()
+
+
+def test_compute_only_trains_at_learning_rate_0(rank_pool, tmp_path):
+    """The step does every piece of work (the gradients are there) but moves no weight: rows that never arrived
+    made a real-text GPU run diverge within 4 steps."""
+    for result in rank_pool(2).run(trainer_case, str(tmp_path)):
+        assert result["unchanged"] and all(norm > 0 for norm in result["grad_norm"]), result
 
 
 @pytest.mark.parametrize("overrides,fragment", [

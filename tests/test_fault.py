@@ -37,6 +37,14 @@ def test_killed_rank_is_named_and_the_run_resumes_onto_the_same_curve(rank_pool,
     assert logged_losses(run) == reference  # bit for bit: the interrupted steps re-run identically
 
 
+def test_a_rank_that_starts_later_than_the_collective_timeout_still_joins(tmp_path):
+    """Joining waits longer than a collective (collectives.JOIN_TIMEOUT): rank 0, which hosts the store, starts
+    twice the collective timeout after rank 1, and the run still trains to the end on both ranks."""
+    argv = train_argv(tmp_path / "run", KILL_TIMEOUT, "train.max_steps=2", "checkpoint.save_interval=0")
+    codes, outputs, _ = finish(launch_ranks(argv, tmp_path, f"latejoin:0:{2 * TIMEOUT_S}"), tmp_path, timeout_s=120)
+    assert codes == [0, 0], [o[-2000:] for o in outputs]
+
+
 def test_rank_blocked_where_no_timeout_reaches_is_ended_by_the_monitor(tmp_path):
     """Rank 0 waits forever in something that never fails (as a device-side symmetric-memory wait on a GPU,
     which only its own timeout ends) while rank 1 dies: the heartbeat monitor ends rank 0."""

@@ -65,7 +65,7 @@ def test_second_signal_exits_at_once_and_a_relayed_duplicate_does_not(tmp_path):
 def test_torchrun_max_restarts_resumes_from_the_newest_checkpoint(rank_pool, tmp_path):
     """Rank 1 dies at step 5; torchrun restarts both ranks, which resume from step 4 (train.resume=auto) and
     reach step 8 on the uninterrupted curve. torchrun's agent hosts one store for every attempt: the ranks'
-    keys are kept apart by attempt (collectives.restart_safe_store), or the restart cannot connect."""
+    keys are kept apart by attempt (collectives.rendezvous_store), or the restart cannot connect."""
     reference = uninterrupted_losses(rank_pool, tmp_path / "reference")
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MOE_OVERLAP_TEST_FAULT="start:1:5")

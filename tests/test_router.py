@@ -155,6 +155,23 @@ def test_merged_router_kernel_routes_like_its_twin(monkeypatch, options):
     assert kernels.HAVE_TRITON
 
 
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_merged_router_kernel_keeps_experts_in_range_on_non_finite_logits(monkeypatch, pre_softmax):
+    """NaN logits (a diverged step) route each token to k distinct experts in [0, E), never past the last one
+    (an index past it crashed a GPU run with a device-side assert in the dispatch); the step's non-finite loss
+    and gradients report it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moe_overlap.kernels.router import topk_route_triton
+
+    logits_TE = torch.randn(6, 8)
+    logits_TE[1] = float("nan")
+    logits_TE[3, 2] = float("nan")
+    probs_TK, experts_TK, copies_E = topk_route_triton(logits_TE, 3, pre_softmax)
+    assert int(experts_TK.min()) >= 0 and int(experts_TK.max()) < 8
+    assert all(len(set(row.tolist())) == 3 for row in experts_TK)
+    assert int(copies_E.sum()) == 6 * 3 and torch.isfinite(probs_TK).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,K,pre_softmax,force", [(8192, 8, 2, False, False), (4096, 64, 8, True, False),
                                                      (32768, 256, 8, False, False), (8192, 8, 2, False, True),

@@ -176,7 +176,8 @@ class OverlapConfig:
     moe_expert_rank_capacity_factor: Optional[float] = 2.0
     # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
     # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
-    # expert GEMMs on exactly the rows each rank would receive without moving them. The loss means nothing.
+    # expert GEMMs on as many rows as each rank would receive without moving them. The learning rate is held at
+    # 0 (rows that never arrived would make the model diverge); the loss means nothing.
     moe_compute_only: bool = False
 
 

@@ -147,14 +147,25 @@ def default_store() -> "dist.Store":
     return dist.distributed_c10d._get_default_store()
 
 
-def restart_safe_store(timeout: timedelta) -> "dist.Store | None":
-    """The store to initialize the default group with under torchrun, or None for torch's own (env://).
+# How long a rank waits for the others to join the rendezvous: start-up (imports, CUDA contexts, a checkpoint read)
+# differs between ranks by far more than a collective may take, so joining does not use the collective timeout.
+JOIN_TIMEOUT = timedelta(minutes=5)
 
-    torchrun's agent hosts one store for every restart of a job (TORCHELASTIC_USE_AGENT_STORE), and the
-    ranks of a restart would read the previous attempt's keys (gloo addresses, NCCL ids) and fail to
-    connect; this client prefixes its keys with the attempt (TORCHELASTIC_RESTART_COUNT)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+
+def rendezvous_store(timeout: timedelta) -> "dist.Store | None":
+    """The store to initialize the default group with, or None for torch's own (no MASTER_ADDR: a group made by
+    the caller). Joining waits up to max(``timeout``, JOIN_TIMEOUT); call ``store.set_timeout(timeout)`` once
+    the group exists, so that a rank that dies later is noticed within the collective timeout.
+
+    Under torchrun the agent hosts one store for every restart of a job (TORCHELASTIC_USE_AGENT_STORE), and the
+    ranks of a restart would read the previous attempt's keys (gloo addresses, NCCL ids) and fail to connect;
+    this client prefixes its keys with the attempt (TORCHELASTIC_RESTART_COUNT). Without the agent (env://, as
+    the tests launch ranks) rank 0 hosts the store."""
+    if "MASTER_ADDR" not in os.environ:
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"moe_overlap/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    join = max(timeout, JOIN_TIMEOUT)
+    addr, port, world = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=join)
+        return dist.PrefixStore(f"moe_overlap/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.TCPStore(addr, port, world, is_master=int(os.environ["RANK"]) == 0, timeout=join, multi_tenant=True)

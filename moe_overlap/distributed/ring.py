@@ -22,6 +22,9 @@ Transports move the ring's chunks, one hop per step, and run the bulk collective
         moves without SMs, so it hides under a full-chip GEMM where NCCL's kernels compete with it for SMs
         (measured on H200: a 128 MiB push beside a full-chip GEMM about 57-76% hidden, 32 MiB or less hardly).
 Every wait is bounded: gloo and NCCL by the group's timeout (set in Mesh.create), symm signals by their own.
+
+Letters: R this rank's rows, S the TP region's rows (every rank's, rank-major), N ranks, C a ring chunk's rows,
+J the columns (any width: the transports move rows whatever they hold).
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ class RingRound(ABC):
     rank-1 into slot k; every rank starts the same steps in the same order."""
 
     @abstractmethod
-    def start(self, step: int, send_CK: torch.Tensor) -> None:
-        """Begin step ``step``; ``send_CK`` stays untouched until the step has been waited on."""
+    def start(self, step: int, send_CJ: torch.Tensor) -> None:
+        """Begin step ``step``; ``send_CJ`` stays untouched until the step has been waited on."""
 
     @abstractmethod
     def wait(self, step: int) -> torch.Tensor:
@@ -78,11 +81,11 @@ class RingTransport(ABC):
         ...
 
     @abstractmethod
-    def start_all_gather(self, x_RK: torch.Tensor) -> "Pending":
+    def start_all_gather(self, x_RJ: torch.Tensor) -> "Pending":
         """Every rank's rows, rank-major."""
 
     @abstractmethod
-    def start_reduce_scatter(self, x_SK: torch.Tensor) -> "Pending":
+    def start_reduce_scatter(self, x_SJ: torch.Tensor) -> "Pending":
         """This rank's block of the sum over ranks."""
 
 
@@ -100,31 +103,31 @@ class P2PTransport(RingTransport):
     def open(self, num_steps, chunk_shape, dtype, device) -> RingRound:
         return _P2PRound(self, torch.empty((num_steps, *chunk_shape), dtype=dtype, device=device))
 
-    def start_all_gather(self, x_RK: torch.Tensor) -> "Pending":
-        return start_gather_rows(x_RK, self.handle)
+    def start_all_gather(self, x_RJ: torch.Tensor) -> "Pending":
+        return start_gather_rows(x_RJ, self.handle)
 
-    def start_reduce_scatter(self, x_SK: torch.Tensor) -> "Pending":
-        return start_scatter_rows(x_SK, self.handle)
+    def start_reduce_scatter(self, x_SJ: torch.Tensor) -> "Pending":
+        return start_scatter_rows(x_SJ, self.handle)
 
 
 class _P2PRound(RingRound):
-    def __init__(self, transport: P2PTransport, recv_NCK: torch.Tensor):
-        self.transport, self.recv_NCK = transport, recv_NCK
+    def __init__(self, transport: P2PTransport, recv_NCJ: torch.Tensor):
+        self.transport, self.recv_NCJ = transport, recv_NCJ
         self.pending: dict[int, tuple[list, torch.Tensor]] = {}
 
-    def start(self, step: int, send_CK: torch.Tensor) -> None:
+    def start(self, step: int, send_CJ: torch.Tensor) -> None:
         t = self.transport
-        send_CK = send_CK.contiguous()
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_CK, t.next_rank, t.group),
-                                        dist.P2POp(dist.irecv, self.recv_NCK[step], t.prev_rank, t.group)])
-        self.pending[step] = (works, send_CK)  # the send buffer lives until the step is waited on
+        send_CJ = send_CJ.contiguous()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_CJ, t.next_rank, t.group),
+                                        dist.P2POp(dist.irecv, self.recv_NCJ[step], t.prev_rank, t.group)])
+        self.pending[step] = (works, send_CJ)  # the send buffer lives until the step is waited on
 
     def wait(self, step: int) -> torch.Tensor:
         works, _ = self.pending.pop(step)
         with exposed_wait(self.transport.kind):
             for work in works:
                 work.wait()
-        return self.recv_NCK[step]
+        return self.recv_NCJ[step]
 
     def finish(self) -> None:
         if self.pending:
@@ -184,35 +187,35 @@ class SymmRingTransport(RingTransport):
         return _SymmRound(self, regions, region, regions.view(regions.rank, region, shape, dtype),
                           regions.view(self.next_peer, region, shape, dtype))
 
-    def start_all_gather(self, x_RK: torch.Tensor) -> "Pending":
-        rows, rank = x_RK.shape[0], self.group.rank
-        shape = (self.group.size * rows, *x_RK.shape[1:])
-        regions, region = self.claim(x_RK.numel() * self.group.size * x_RK.element_size())
-        x_RK = x_RK.contiguous()
+    def start_all_gather(self, x_RJ: torch.Tensor) -> "Pending":
+        rows, rank = x_RJ.shape[0], self.group.rank
+        shape = (self.group.size * rows, *x_RJ.shape[1:])
+        regions, region = self.claim(x_RJ.numel() * self.group.size * x_RJ.element_size())
+        x_RJ = x_RJ.contiguous()
         for peer in regions.peers + [rank]:  # our own block last: a local copy-engine copy
-            landed = self.push(regions.view(peer, region, shape, x_RK.dtype)[rank * rows:(rank + 1) * rows], x_RK)
-        own_SK = regions.view(rank, region, shape, x_RK.dtype)
+            landed = self.push(regions.view(peer, region, shape, x_RJ.dtype)[rank * rows:(rank + 1) * rows], x_RJ)
+        own_SJ = regions.view(rank, region, shape, x_RJ.dtype)
 
         def gathered() -> torch.Tensor:
             torch.cuda.current_stream().wait_event(landed)
-            return own_SK.clone()
+            return own_SJ.clone()
 
         return self._start_bulk(regions, region, gathered)
 
-    def start_reduce_scatter(self, x_SK: torch.Tensor) -> "Pending":
-        _check_rows(x_SK.shape[0], self.group.size)
+    def start_reduce_scatter(self, x_SJ: torch.Tensor) -> "Pending":
+        _check_rows(x_SJ.shape[0], self.group.size)
         size, rank = self.group.size, self.group.rank
-        x_NRK = x_SK.contiguous().view(size, x_SK.shape[0] // size, *x_SK.shape[1:])
-        regions, region = self.claim(x_SK.numel() * x_SK.element_size())
+        x_NRK = x_SJ.contiguous().view(size, x_SJ.shape[0] // size, *x_SJ.shape[1:])
+        regions, region = self.claim(x_SJ.numel() * x_SJ.element_size())
         for peer in regions.peers:  # slot q of a rank's region holds rank q's partial of that rank's block
-            self.push(regions.view(peer, region, tuple(x_NRK.shape), x_SK.dtype)[rank], x_NRK[peer])
-        own_NRK = regions.view(rank, region, tuple(x_NRK.shape), x_SK.dtype)
+            self.push(regions.view(peer, region, tuple(x_NRK.shape), x_SJ.dtype)[rank], x_NRK[peer])
+        own_NRK = regions.view(rank, region, tuple(x_NRK.shape), x_SJ.dtype)
 
         def reduce() -> torch.Tensor:
-            out_RK = x_NRK[rank].clone()
+            out_RJ = x_NRK[rank].clone()
             for peer in regions.peers:
-                out_RK.add_(own_NRK[peer])
-            return out_RK
+                out_RJ.add_(own_NRK[peer])
+            return out_RJ
 
         return self._start_bulk(regions, region, reduce)
 
@@ -233,16 +236,16 @@ class SymmRingTransport(RingTransport):
 
 
 class _SymmRound(RingRound):
-    def __init__(self, transport: SymmRingTransport, regions: SymmRegions, region: int, own_NCK: torch.Tensor,
-                 next_NCK: torch.Tensor):
-        self.transport, self.regions, self.region, self.own_NCK, self.next_NCK = (transport, regions, region,
-                                                                                   own_NCK, next_NCK)
+    def __init__(self, transport: SymmRingTransport, regions: SymmRegions, region: int, own_NCJ: torch.Tensor,
+                 next_NCJ: torch.Tensor):
+        self.transport, self.regions, self.region, self.own_NCJ, self.next_NCJ = (transport, regions, region,
+                                                                                   own_NCJ, next_NCJ)
         self.started: set[int] = set()
         self.last_push: torch.cuda.Event | None = None
 
-    def start(self, step: int, send_CK: torch.Tensor) -> None:
+    def start(self, step: int, send_CJ: torch.Tensor) -> None:
         t = self.transport
-        self.last_push = t.push(self.next_NCK[step], send_CK.contiguous())
+        self.last_push = t.push(self.next_NCJ[step], send_CJ.contiguous())
         with torch.cuda.stream(t.copy_stream):
             self.regions.signal(t.next_peer, self.region, step)
         self.started.add(step)
@@ -251,7 +254,7 @@ class _SymmRound(RingRound):
         with exposed_wait(self.transport.kind):
             self.regions.wait(self.transport.prev_peer, self.region, step)
         self.started.discard(step)
-        return self.own_NCK[step]
+        return self.own_NCJ[step]
 
     def finish(self) -> None:
         if self.started:
@@ -279,27 +282,27 @@ def make_ring_transport(requested: str, group: GroupHandle, device: torch.device
 # ------------------------------------------------------------------------------------------- the rings
 
 
-def ring_all_gather(x_RK: torch.Tensor, group: GroupHandle, transport: RingTransport, num_splits: int,
+def ring_all_gather(x_RJ: torch.Tensor, group: GroupHandle, transport: RingTransport, num_splits: int,
                     consume: Callable[[torch.Tensor, int], None]) -> None:
-    """Every rank's ``x_RK``, chunk by chunk: ``consume(chunk_CK, first_row)`` once per chunk of the gathered
+    """Every rank's ``x_RJ``, chunk by chunk: ``consume(chunk_CJ, first_row)`` once per chunk of the gathered
     (size*R, K) rows, the local chunks first, the others as they arrive (each forwarded on at once)."""
-    rows = x_RK.shape[0]
+    rows = x_RJ.shape[0]
     _check_splits(rows, num_splits)
-    local = x_RK.contiguous().chunk(num_splits)
+    local = x_RJ.contiguous().chunk(num_splits)
     chunk_rows = rows // num_splits
     steps = (group.size - 1) * num_splits
-    ring = transport.open(steps, local[0].shape, x_RK.dtype, x_RK.device) if steps else None
+    ring = transport.open(steps, local[0].shape, x_RJ.dtype, x_RJ.device) if steps else None
     if ring is not None:
-        for j, chunk_CK in enumerate(local):  # hop 0 sends the local chunks
-            ring.start(j, chunk_CK)
-    for j, chunk_CK in enumerate(local):
-        consume(chunk_CK, group.rank * rows + j * chunk_rows)
+        for j, chunk_CJ in enumerate(local):  # hop 0 sends the local chunks
+            ring.start(j, chunk_CJ)
+    for j, chunk_CJ in enumerate(local):
+        consume(chunk_CJ, group.rank * rows + j * chunk_rows)
     for k in range(steps):
         hop, j = divmod(k, num_splits)
-        chunk_CK = ring.wait(k)
+        chunk_CJ = ring.wait(k)
         if k + num_splits < steps:
-            ring.start(k + num_splits, chunk_CK)
-        consume(chunk_CK, (group.rank - hop - 1) % group.size * rows + j * chunk_rows)
+            ring.start(k + num_splits, chunk_CJ)
+        consume(chunk_CJ, (group.rank - hop - 1) % group.size * rows + j * chunk_rows)
     if ring is not None:
         ring.finish()
 
@@ -341,61 +344,61 @@ def _check_splits(rows: int, num_splits: int) -> None:
 # --------------------------------------------------------------------------- serial and overlapped ops
 
 
-def all_gather_matmul(x_RK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
+def all_gather_matmul(x_RJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
                       keep_gathered: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Serial: gather the rows, then one GEMM. Returns (AG(x) @ b, AG(x) if ``keep_gathered``)."""
-    x_SK = gather_rows(x_RK, group)
-    return torch.mm(x_SK, b_KN), (x_SK if keep_gathered else None)
+    x_SJ = gather_rows(x_RJ, group)
+    return torch.mm(x_SJ, b_KN), (x_SJ if keep_gathered else None)
 
 
-def ring_all_gather_matmul(x_RK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle, transport: RingTransport,
+def ring_all_gather_matmul(x_RJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle, transport: RingTransport,
                            num_splits: int, keep_gathered: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pipelined twin of :func:`all_gather_matmul`: each chunk's GEMM runs as the chunk arrives."""
-    total = group.size * x_RK.shape[0]
-    y_SN = x_RK.new_empty((total, b_KN.shape[1]))
-    x_SK = x_RK.new_empty((total, x_RK.shape[1])) if keep_gathered else None
+    total = group.size * x_RJ.shape[0]
+    y_SN = x_RJ.new_empty((total, b_KN.shape[1]))
+    x_SJ = x_RJ.new_empty((total, x_RJ.shape[1])) if keep_gathered else None
 
-    def consume(chunk_CK: torch.Tensor, first: int) -> None:
-        rows = slice(first, first + chunk_CK.shape[0])
-        torch.mm(chunk_CK, b_KN, out=y_SN[rows])
-        if x_SK is not None:
-            x_SK[rows].copy_(chunk_CK)
+    def consume(chunk_CJ: torch.Tensor, first: int) -> None:
+        rows = slice(first, first + chunk_CJ.shape[0])
+        torch.mm(chunk_CJ, b_KN, out=y_SN[rows])
+        if x_SJ is not None:
+            x_SJ[rows].copy_(chunk_CJ)
 
-    ring_all_gather(x_RK, group, transport, num_splits, consume)
-    return y_SN, x_SK
+    ring_all_gather(x_RJ, group, transport, num_splits, consume)
+    return y_SN, x_SJ
 
 
-def matmul_reduce_scatter(a_SK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+def matmul_reduce_scatter(a_SJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle) -> torch.Tensor:
     """Serial: one GEMM, then reduce-scatter its rows."""
-    return scatter_rows(torch.mm(a_SK, b_KN), group)
+    return scatter_rows(torch.mm(a_SJ, b_KN), group)
 
 
-def ring_matmul_reduce_scatter(a_SK: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
+def ring_matmul_reduce_scatter(a_SJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
                                transport: RingTransport, num_splits: int) -> torch.Tensor:
     """Pipelined twin of :func:`matmul_reduce_scatter`: partial sums travel the ring while the next GEMM runs."""
-    _check_rows(a_SK.shape[0], group.size)
-    rows = a_SK.shape[0] // group.size
-    out_RN = a_SK.new_empty((rows, b_KN.shape[1]))
+    _check_rows(a_SJ.shape[0], group.size)
+    rows = a_SJ.shape[0] // group.size
+    out_RN = a_SJ.new_empty((rows, b_KN.shape[1]))
 
     def partial(first: int, num: int, out: Optional[torch.Tensor]) -> torch.Tensor:
-        return torch.mm(a_SK[first:first + num], b_KN, out=out)
+        return torch.mm(a_SJ[first:first + num], b_KN, out=out)
 
     return ring_reduce_scatter(rows, group, transport, num_splits, partial, out_RN)
 
 
-def gather_rows(x_RK: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+def gather_rows(x_RJ: torch.Tensor, group: GroupHandle) -> torch.Tensor:
     """All-gather along rows (rank-major), blocking."""
     if group.size == 1:
-        return x_RK
-    out = x_RK.new_empty((group.size * x_RK.shape[0], *x_RK.shape[1:]))
+        return x_RJ
+    out = x_RJ.new_empty((group.size * x_RJ.shape[0], *x_RJ.shape[1:]))
     with exposed_wait("tp"):
-        start_all_gather(out, x_RK.contiguous(), group.group).wait()
+        start_all_gather(out, x_RJ.contiguous(), group.group).wait()
     return out
 
 
-def scatter_rows(x_SK: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+def scatter_rows(x_SJ: torch.Tensor, group: GroupHandle) -> torch.Tensor:
     """Reduce-scatter along rows (sum; rank r keeps block r), blocking."""
-    return start_scatter_rows(x_SK, group).wait()
+    return start_scatter_rows(x_SJ, group).wait()
 
 
 def _check_rows(rows: int, size: int) -> None:
@@ -421,21 +424,21 @@ class Pending:
         return self._result
 
 
-def start_gather_rows(x_RK: torch.Tensor, group: GroupHandle) -> Pending:
+def start_gather_rows(x_RJ: torch.Tensor, group: GroupHandle) -> Pending:
     """Bulk twin of :func:`gather_rows`: started now, waited on later."""
     if group.size == 1:
-        return Pending(x_RK)
-    out = x_RK.new_empty((group.size * x_RK.shape[0], *x_RK.shape[1:]))
-    return Pending(out, start_all_gather(out, x_RK.contiguous(), group.group))
+        return Pending(x_RJ)
+    out = x_RJ.new_empty((group.size * x_RJ.shape[0], *x_RJ.shape[1:]))
+    return Pending(out, start_all_gather(out, x_RJ.contiguous(), group.group))
 
 
-def start_scatter_rows(x_SK: torch.Tensor, group: GroupHandle) -> Pending:
+def start_scatter_rows(x_SJ: torch.Tensor, group: GroupHandle) -> Pending:
     """Bulk twin of :func:`scatter_rows`."""
     if group.size == 1:
-        return Pending(x_SK)
-    _check_rows(x_SK.shape[0], group.size)
-    out = x_SK.new_empty((x_SK.shape[0] // group.size, *x_SK.shape[1:]))
-    return Pending(out, start_reduce_scatter(out, x_SK.contiguous(), group.group))
+        return Pending(x_SJ)
+    _check_rows(x_SJ.shape[0], group.size)
+    out = x_SJ.new_empty((x_SJ.shape[0] // group.size, *x_SJ.shape[1:]))
+    return Pending(out, start_reduce_scatter(out, x_SJ.contiguous(), group.group))
 
 
 # ------------------------------------------------------------------------------------------- TPComm
@@ -486,39 +489,39 @@ class TPComm:
     def _sharded(self) -> bool:
         return self.sequence_parallel and self.size > 1
 
-    def gather(self, x_RK: torch.Tensor) -> torch.Tensor:
-        return gather_rows(x_RK, self.group) if self._sharded() else x_RK
+    def gather(self, x_RJ: torch.Tensor) -> torch.Tensor:
+        return gather_rows(x_RJ, self.group) if self._sharded() else x_RJ
 
-    def scatter(self, x_SK: torch.Tensor) -> torch.Tensor:
-        return self.start_scatter(x_SK, overlap=False).wait()
+    def scatter(self, x_SJ: torch.Tensor) -> torch.Tensor:
+        return self.start_scatter(x_SJ, overlap=False).wait()
 
-    def start_gather(self, x_RK: torch.Tensor, overlap: bool) -> Pending:
+    def start_gather(self, x_RJ: torch.Tensor, overlap: bool) -> Pending:
         if not self._sharded():
-            return Pending(x_RK)
-        return self.transport.start_all_gather(x_RK) if overlap else Pending(gather_rows(x_RK, self.group))
+            return Pending(x_RJ)
+        return self.transport.start_all_gather(x_RJ) if overlap else Pending(gather_rows(x_RJ, self.group))
 
-    def start_scatter(self, x_SK: torch.Tensor, overlap: bool) -> Pending:
+    def start_scatter(self, x_SJ: torch.Tensor, overlap: bool) -> Pending:
         if self.size == 1:
-            return Pending(x_SK.contiguous())
+            return Pending(x_SJ.contiguous())
         if not self._sharded():
             with exposed_wait("tp"):
-                return Pending(all_reduce_(x_SK.contiguous(), self.group.group))
-        return self.transport.start_reduce_scatter(x_SK) if overlap else Pending(scatter_rows(x_SK, self.group))
+                return Pending(all_reduce_(x_SJ.contiguous(), self.group.group))
+        return self.transport.start_reduce_scatter(x_SJ) if overlap else Pending(scatter_rows(x_SJ, self.group))
 
-    def gather_matmul(self, x_RK: torch.Tensor, b_KN: torch.Tensor, overlap: bool,
+    def gather_matmul(self, x_RJ: torch.Tensor, b_KN: torch.Tensor, overlap: bool,
                       keep_gathered: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(gather(x) @ b, gather(x) if ``keep_gathered``)."""
         if not self._sharded():
-            return torch.mm(x_RK, b_KN), (x_RK if keep_gathered else None)
+            return torch.mm(x_RJ, b_KN), (x_RJ if keep_gathered else None)
         if overlap:
-            return ring_all_gather_matmul(x_RK, b_KN, self.group, self.transport, self.overlap.num_splits,
+            return ring_all_gather_matmul(x_RJ, b_KN, self.group, self.transport, self.overlap.num_splits,
                                           keep_gathered)
-        return all_gather_matmul(x_RK, b_KN, self.group, keep_gathered)
+        return all_gather_matmul(x_RJ, b_KN, self.group, keep_gathered)
 
-    def matmul_scatter(self, a_SK: torch.Tensor, b_KN: torch.Tensor, overlap: bool) -> torch.Tensor:
+    def matmul_scatter(self, a_SJ: torch.Tensor, b_KN: torch.Tensor, overlap: bool) -> torch.Tensor:
         """scatter(a @ b)."""
         if not self._sharded():
-            return all_reduce_(torch.mm(a_SK, b_KN), self.group.group)
+            return all_reduce_(torch.mm(a_SJ, b_KN), self.group.group)
         if overlap:
-            return ring_matmul_reduce_scatter(a_SK, b_KN, self.group, self.transport, self.overlap.num_splits)
-        return matmul_reduce_scatter(a_SK, b_KN, self.group)
+            return ring_matmul_reduce_scatter(a_SJ, b_KN, self.group, self.transport, self.overlap.num_splits)
+        return matmul_reduce_scatter(a_SJ, b_KN, self.group)

@@ -39,6 +39,9 @@ if HAVE_TRITON:
         if PRE_SOFTMAX:
             shifted = tl.exp(scores - tl.reduce(scores, 1, max_combine)[:, None])
             scores = tl.where((cols < E)[None, :], shifted / tl.reduce(shifted, 1, sum_combine)[:, None], float("-inf"))
+        # NaN (a diverged step) ranks below every number and above the chosen and padded -inf: a NaN equals no
+        # maximum, and an index past E-1 would send rows out of bounds; the step's non-finite loss reports it
+        scores = tl.where(scores == scores, scores, -3.0e38)
         values = tl.full((BLOCK_T, K_PAD), float("-inf"), tl.float32)
         chosen = tl.full((BLOCK_T, K_PAD), 0, tl.int64)
         for k in tl.static_range(K):

@@ -1,7 +1,7 @@
 """Tensor-parallel linears (Megatron's column / row parallel), optionally sequence parallel.
 
 R: this rank's token rows (its sequence block under SP); S: the rows of the TP region (all ranks' blocks,
-rank-major, under SP; the same rows as R without SP). Every communication goes through a TPComm, which
+rank-major, under SP; the same rows as R without SP); J: any width. Every communication goes through a TPComm, which
 picks the serial path or its overlapped twin by switch; the math here is the same either way.
 
   column  y_SF = gather(x_RH) @ W_FH^T        (W split on its output dim)
@@ -102,16 +102,16 @@ class GatherReplicated(torch.autograd.Function):
     full gradient of the repeated computation, so summing the copies would count it ``size`` times."""
 
     @staticmethod
-    def forward(ctx, x_RK: torch.Tensor, comm: TPComm) -> torch.Tensor:
-        ctx.comm, ctx.rows = comm, x_RK.shape[0]
-        return comm.gather(x_RK.contiguous())
+    def forward(ctx, x_RJ: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        ctx.comm, ctx.rows = comm, x_RJ.shape[0]
+        return comm.gather(x_RJ.contiguous())
 
     @staticmethod
-    def backward(ctx, grad_SK: torch.Tensor):
+    def backward(ctx, grad_SJ: torch.Tensor):
         if not ctx.comm.sequence_parallel:
-            return grad_SK, None
+            return grad_SJ, None
         rank, rows = ctx.comm.rank, ctx.rows
-        return grad_SK[rank * rows:(rank + 1) * rows], None
+        return grad_SJ[rank * rows:(rank + 1) * rows], None
 
 
 def region_rows(x_BS_: torch.Tensor, comm: TPComm) -> torch.Tensor:

@@ -36,6 +36,19 @@ SYNTHETIC_TOKENS = 2**24
 _MAKE_A_TOKEN_FILE = ("make one with `moe-overlap data prepare INPUT... --tokenizer DIR --out PREFIX` (the Python "
                       "standard library as real text: `python benchmarks/prepare_stdlib_corpus.py DIR`), or use null "
                       "(the bundled corpus), synthetic:uniform or synthetic:zipf:S")
+# The real-text corpus's token file, DIR/stdlib.bin, as benchmarks/prepare_stdlib_corpus.py DIR writes it (the GPU
+# examples in configs/ read data/stdlib/stdlib.bin): its error line names the one command that makes it.
+_STDLIB_CORPUS_FILE = "stdlib.bin"
+
+
+def _how_to_make(file_path: Path) -> str:
+    """What makes a missing token file: the command that writes the standard-library corpus there, else the ways to
+    make one."""
+    if file_path.name != _STDLIB_CORPUS_FILE:
+        return _MAKE_A_TOKEN_FILE
+    return (f"make it with `python benchmarks/prepare_stdlib_corpus.py {file_path.parent}` (the Python standard "
+            "library as real text with its 32K BPE vocabulary; about 5 minutes on 2 cores, needs `tokenizers`: "
+            "pip install -e '.[hf]'; copy the directory to a machine without them)")
 
 
 class ByteTokenizer:
@@ -175,7 +188,7 @@ def load_token_splits(path: str | os.PathLike | None, dtype: str, validation_fra
     else:
         file_path = Path(path).expanduser()
         if not file_path.is_file():
-            raise ConfigError("data.path", str(path), f"no such token file; {_MAKE_A_TOKEN_FILE}")
+            raise ConfigError("data.path", str(path), f"no such token file; {_how_to_make(file_path)}")
         size = file_path.stat().st_size
         if size == 0 or size % token_dtype.itemsize:
             raise ConfigError("data.path", str(path), f"file size {size} B must be a positive multiple of "

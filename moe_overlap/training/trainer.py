@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from moe_overlap import tuning
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
-from moe_overlap.distributed.collectives import all_gather_into, all_reduce_, nccl_cta_options, restart_safe_store
+from moe_overlap.distributed.collectives import all_gather_into, all_reduce_, nccl_cta_options, rendezvous_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
@@ -67,9 +68,11 @@ def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.train.distributed_timeout_s)
-        store = restart_safe_store(timeout)
+        store = rendezvous_store(timeout)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
                                 **({} if store is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}))
+        if store is not None:
+            store.set_timeout(timeout)  # joined: from now on a missing rank is noticed within the collective timeout
     return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s,
                        pg_options=mesh_group_options(cfg)), device
 
@@ -85,8 +88,8 @@ def mesh_group_options(cfg: Config) -> dict:
 
 def dp_gemm_sms(cfg: Config) -> int:
     """SMs the GEMMs beside the distributed optimizer's overlapped syncs leave free: ``overlap.gemm_sm_carveout``;
-    auto: 4 x dp_comm_ctas (the slow-fabric pairing measured best: 2 CTAs, 8 SMs), none without a CTA cap."""
-    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas, 4)
+    auto: tuning.DP_NCCL_SMS_PER_CTA x dp_comm_ctas, none without a CTA cap."""
+    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.dp_comm_ctas, tuning.DP_NCCL_SMS_PER_CTA)
 
 
 def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
@@ -95,7 +98,7 @@ def paired_gemm_sms(cfg: Config, mesh: Mesh) -> int:
     measured for the MoE layer's exchange), none without a CTA cap or an exchange (one EP rank)."""
     if mesh.ep.size * mesh.etp.size == 1:
         return 0
-    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas, 2)
+    return carveout_for(cfg.overlap.gemm_sm_carveout, cfg.overlap.ep_comm_ctas, tuning.EP_NCCL_SMS_PER_CTA)
 
 
 def mesh_layout(cfg: Config, world_size: int) -> MeshLayout:
@@ -155,8 +158,8 @@ class Trainer:
         self.pipeline = PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
         if cfg.overlap.moe_compute_only and mesh.rank == 0:
             log.warning("overlap.moe_compute_only: every rank's MoE rows stay in its own memory (a benchmark's "
-                        "reference without the exchange's transfers); the model does not learn, its loss means "
-                        "nothing")
+                        "reference without the exchange's transfers); its learning rate is held at 0 and its loss "
+                        "means nothing")
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             # the MoE layers' GEMMs capture their own carve-out; two micro-batches in flight (paired) need two
             # sets, which odd and even micro-batches replay (TransformerLayer.stages)
@@ -182,6 +185,7 @@ class Trainer:
         self._bounded = bounded_exchange(cfg)  # from the config alone: every rank joins the reduction
         self._rerun_pending = torch.zeros((), dtype=torch.bool, device=device)
         self.is_logger = mesh.rank == 0
+        self.dead_experts = DeadExperts(warn=self.is_logger)
         self.flops_per_token = flops_per_token(cfg.model)
         self._last_step_end: Event | None = None  # where the next step's time starts (steps run back to back)
         # the last step's segment runs on this rank, (F | B, micro-batch, segment name): with
@@ -242,7 +246,9 @@ class Trainer:
         """Queue one optimizer step's work; its numbers stay on the device until :meth:`finish_step`, so the
         host can queue the next step while this one runs."""
         start = Event(self.device, timing=True).record() if self._last_step_end is None else self._last_step_end
-        lr = lr_at(self.step, self.cfg.train)
+        # compute_only's experts read rows that never left another rank: learning from them diverges (real-text
+        # routing then crashed a GPU run within 4 steps), so its optimizer does the same work at learning rate 0
+        lr = 0.0 if self.cfg.overlap.moe_compute_only else lr_at(self.step, self.cfg.train)
         if self._exchange is not None:
             self._exchange.overflow_rows.zero_()
         with measuring_exposed_comm(self.device) as exposed:
@@ -301,6 +307,8 @@ class Trainer:
                                        for layer, counts in metrics["tokens_per_expert"].items()}
             metrics["expert_imbalance"] = {layer: imbalance(counts, len(counts))
                                            for layer, counts in metrics["tokens_per_expert"].items()}
+            if not overflow_rows:  # an overflowed step counts once, when it runs again
+                metrics["moe_dead_experts"] = self.dead_experts.update(pending.step, metrics["tokens_per_expert"])
         return metrics
 
     def resolved_settings(self) -> dict:
@@ -539,6 +547,39 @@ def imbalance(counts_E: list[int], groups: int) -> float:
     return max(per_group) / mean if mean else 1.0
 
 
+# Consecutive steps without a token after which an expert is reported dead: long enough that a few unlucky
+# micro-batches do not trip it, short enough to be seen early in a run.
+DEAD_EXPERT_STEPS = 20
+
+
+class DeadExperts:
+    """Experts that received no token in a step (after capacity drops): counted every step, and a warning once per
+    (layer, expert) that has received nothing for DEAD_EXPERT_STEPS consecutive steps: its router has collapsed
+    onto the other experts. The counts are the same on every rank; ``warn``: this rank logs."""
+
+    def __init__(self, warn: bool):
+        self.warn = warn
+        self.idle_steps: dict[str, list[int]] = {}  # per MoE layer: each expert's steps without a token, so far
+        self.warned: set[tuple[str, int]] = set()
+
+    def update(self, step: int, tokens_per_expert: dict[str, list[int]]) -> int:
+        """This step's experts without a token, summed over the MoE layers."""
+        dead = 0
+        for layer, counts_E in tokens_per_expert.items():
+            idle_E = self.idle_steps.setdefault(layer, [0] * len(counts_E))
+            for expert, count in enumerate(counts_E):
+                idle_E[expert] = idle_E[expert] + 1 if count == 0 else 0
+                dead += count == 0
+                if idle_E[expert] >= DEAD_EXPERT_STEPS and (layer, expert) not in self.warned:
+                    self.warned.add((layer, expert))
+                    if self.warn:
+                        log.warning("MoE layer %s, expert %d: no token for %d consecutive steps (steps %d-%d): its "
+                                    "router has collapsed onto the other experts (balance routing with "
+                                    "model.moe_router_enable_expert_bias or model.moe_aux_loss_coeff)", layer, expert,
+                                    idle_E[expert], step - idle_E[expert] + 1, step)
+        return dead
+
+
 @dataclass(frozen=True)
 class DPOverlaps:
     grad_sync: bool  # gradient reduce-scatters start in the last micro-batch's backward
@@ -551,8 +592,9 @@ class StepInFlight:
 
     step: int  # 1-based, as the metrics count
     lr: float
-    values: HostCopy  # fp64: data-parallel mean LM loss and auxiliary loss, gradient norm, applied, then the
-    # copies per expert of each MoE layer
+    values: HostCopy  # fp64: data-parallel mean LM loss and auxiliary loss, gradient norm, applied, the non-finite
+    # flags, the copies per expert of each MoE layer, then the rows past the exchange's bound and the memory peak
+    # (Trainer._world_stats)
     moe_layers: list[int]
     exposed: ExposedComm
     start: Event  # the step's work starts after this (the previous step's end) ...

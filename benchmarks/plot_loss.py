@@ -1,0 +1,195 @@
+"""A training run's metrics log as what the README's quick-start table reports, a routing-balance check and a loss
+curve: throughput and MFU, peak memory, the loss after N steps, and whether every expert kept at least a share of
+the mean load (by default "no expert below 25% of the mean load from step 50 on").
+
+    python benchmarks/plot_loss.py runs/gpu2_mixtral --png benchmarks/results/loss_gpu2_mixtral.png
+    python benchmarks/plot_loss.py runs/bias runs/aux --labels "expert bias,aux loss" --png loss.png --json out.json
+
+Each RUN is a run directory (its metrics.jsonl, which `moe-overlap train` writes every train.log_interval steps: keep
+it at 1 for the check to see every step) or the metrics file itself. Per run it prints the steps logged, the loss
+and validation loss at the last step, the medians of tokens/s, per-GPU TFLOP/s and MFU over the steps after
+``--skip`` (start-up and CUDA-graph capture), the highest peak memory, the most dead experts in a step (experts
+that received no token, summed over the MoE layers) and the balance check: over the steps from ``--from-step`` on,
+the lowest load of any expert in any MoE layer as a share of that layer's mean, and where it was. Exit status 1 if
+a run fails the check (or has no MoE load to check), else 0.
+
+The PNG (matplotlib: `pip install -e '.[plot]'`; without it the PNG is skipped with a message and the rest stands):
+the loss (and validation loss) per step of every run, and below it each step's lowest expert share of the mean.
+``--json`` writes the summaries with the date, the command and ``--machine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or its metrics.jsonl")
+    parser.add_argument("--labels", default=None, help="comma-separated names of the runs (default: their paths)")
+    parser.add_argument("--from-step", type=int, default=50, help="the balance check covers the steps from this on")
+    parser.add_argument("--min-share", type=float, default=0.25,
+                        help="the lowest load an expert may get, as a share of its layer's mean load")
+    parser.add_argument("--skip", type=int, default=5, help="steps left out of the throughput medians")
+    parser.add_argument("--png", default=None, help="write the loss curves here")
+    parser.add_argument("--json", default=None, help="write the summaries here")
+    parser.add_argument("--machine", default=None, help="what ran it, for --json (e.g. '2x H100 80GB, NV18')")
+    args = parser.parse_args(argv)
+    args.labels = args.labels.split(",") if args.labels else [str(run) for run in args.runs]
+    if len(args.labels) != len(args.runs):
+        parser.error(f"--labels names {len(args.labels)} runs, {len(args.runs)} given")
+    return args
+
+
+def read_metrics(run: str) -> list[dict]:
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise SystemExit(f"plot_loss: {path}: no such metrics file (a run directory holds metrics.jsonl)")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise SystemExit(f"plot_loss: {path} is empty")
+    # A resumed run appends: the last record of a step is the one that counts.
+    return sorted({record["step"]: record for record in records}.values(), key=lambda record: record["step"])
+
+
+def lowest_share(record: dict) -> tuple[float, str, int] | None:
+    """The step's least loaded expert as (its load over its layer's mean load, layer, expert); None without MoE."""
+    lowest = None
+    for layer, counts in record.get("tokens_per_expert", {}).items():
+        mean = sum(counts) / len(counts)
+        if mean > 0:
+            expert = min(range(len(counts)), key=counts.__getitem__)
+            share = counts[expert] / mean
+            if lowest is None or share < lowest[0]:
+                lowest = (share, layer, expert)
+    return lowest
+
+
+def summarize(records: list[dict], from_step: int, min_share: float, skip: int) -> dict:
+    last = records[-1]
+    timed = [record for record in records if record["step"] > skip] or records
+
+    def median(key: str) -> float | None:
+        values = [record[key] for record in timed if key in record]
+        return statistics.median(values) if values else None
+
+    evaluated = [record for record in records if "val_loss" in record]
+    checked = [(record["step"], lowest_share(record)) for record in records if record["step"] >= from_step]
+    checked = [(step, lowest) for step, lowest in checked if lowest is not None]
+    summary = {
+        "steps_logged": len(records), "last_step": last["step"], "loss": last["loss"],
+        "val_loss": evaluated[-1]["val_loss"] if evaluated else None,
+        "val_loss_step": evaluated[-1]["step"] if evaluated else None,
+        "median_tokens_per_s": median("tokens_per_s"), "median_tflops_per_gpu": median("tflops_per_gpu"),
+        "median_mfu": median("mfu"), "medians_after_step": skip,
+        "peak_memory_gib": max((record["peak_memory_gib"] for record in records if "peak_memory_gib" in record),
+                               default=None),
+        "max_dead_experts": max((record.get("moe_dead_experts", 0) for record in records), default=0),
+        "balance_from_step": from_step, "balance_min_share": min_share, "balance_steps_checked": len(checked),
+    }
+    if checked:
+        step, (share, layer, expert) = min(checked, key=lambda item: item[1][0])
+        below = sum(lowest[0] < min_share for _, lowest in checked)
+        summary.update(lowest_share=share, lowest_share_at={"step": step, "layer": layer, "expert": expert},
+                       steps_below=below, balanced=below == 0)
+    else:
+        summary["balanced"] = None
+    return summary
+
+
+def balance_line(summary: dict) -> str:
+    rule = (f"no expert below {summary['balance_min_share']:.0%} of mean load from step "
+            f"{summary['balance_from_step']} on")
+    if summary["balanced"] is None:
+        return f"{rule}: NOT CHECKED (no MoE load logged at those steps)"
+    at = summary["lowest_share_at"]
+    lowest = (f"lowest {summary['lowest_share']:.0%} of the mean: layer {at['layer']} expert {at['expert']} at step "
+              f"{at['step']}")
+    if summary["balanced"]:
+        return f"{rule}: PASS ({summary['balance_steps_checked']} steps; {lowest})"
+    return (f"{rule}: FAIL ({summary['steps_below']} of {summary['balance_steps_checked']} steps had an expert "
+            f"below; {lowest})")
+
+
+def report(label: str, summary: dict) -> str:
+    def number(value, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    val = (f" (val {summary['val_loss']:.3f} at step {summary['val_loss_step']})" if summary["val_loss"] is not None
+           else "")
+    return "\n".join([
+        f"{label}: {summary['steps_logged']} steps logged, loss {summary['loss']:.3f} after step "
+        f"{summary['last_step']}{val}",
+        f"  tokens/s {number(summary['median_tokens_per_s'], ',.0f')}, MFU {number(summary['median_mfu'], '.3f')} "
+        f"({number(summary['median_tflops_per_gpu'], '.0f')} TFLOP/s per GPU; medians after step "
+        f"{summary['medians_after_step']}), peak memory {number(summary['peak_memory_gib'], '.1f')} GiB, at most "
+        f"{summary['max_dead_experts']} dead experts in a step",
+        f"  {balance_line(summary)}",
+    ])
+
+
+def plot(runs: list[tuple[str, list[dict]]], path: str, from_step: int, min_share: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axes, share_axes) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
+                                                      gridspec_kw={"height_ratios": [2, 1]})
+    for label, records in runs:
+        steps = [record["step"] for record in records]
+        line, = loss_axes.plot(steps, [record["loss"] for record in records], label=f"{label} (train)")
+        evaluated = [record for record in records if "val_loss" in record]
+        if evaluated:
+            loss_axes.plot([record["step"] for record in evaluated], [record["val_loss"] for record in evaluated],
+                           "o--", color=line.get_color(), label=f"{label} (validation)")
+        shares = [(record["step"], lowest_share(record)) for record in records]
+        shares = [(step, lowest[0]) for step, lowest in shares if lowest is not None]
+        if shares:
+            share_axes.plot(*zip(*shares), color=line.get_color(), label=label)
+    loss_axes.set_ylabel("loss (nats per token)")
+    loss_axes.legend()
+    loss_axes.grid(alpha=0.3)
+    share_axes.axhline(min_share, color="red", linewidth=0.8, linestyle=":", label=f"{min_share:.0%} of the mean")
+    share_axes.axvline(from_step, color="gray", linewidth=0.8, linestyle=":")
+    share_axes.set_ylabel("least loaded expert\n/ its layer's mean")
+    share_axes.set_xlabel("step")
+    share_axes.set_ylim(bottom=0)
+    share_axes.legend(fontsize="small")
+    share_axes.grid(alpha=0.3)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    runs = [(label, read_metrics(run)) for label, run in zip(args.labels, args.runs)]
+    summaries = {}
+    for label, records in runs:
+        summaries[label] = summarize(records, args.from_step, args.min_share, args.skip)
+        print(report(label, summaries[label]))
+    if args.png:
+        if importlib.util.find_spec("matplotlib") is None:
+            print(f"plot_loss: matplotlib is not installed (pip install -e '.[plot]'): no PNG written to {args.png}; "
+                  "the summaries and the check above stand")
+        else:
+            plot(runs, args.png, args.from_step, args.min_share)
+            print(f"loss curve: {args.png}")
+    if args.json:
+        header = {"machine": args.machine, "date": datetime.date.today().isoformat(),
+                  "command": " ".join(["python benchmarks/plot_loss.py", *(sys.argv[1:] if argv is None else argv)])}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(header, runs=summaries), indent=2) + "\n")
+    return 0 if all(summary["balanced"] for summary in summaries.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""benchmarks/plot_loss.py: a run's metrics log as the quick-start table's numbers and the routing-balance check
+("no expert below 25% of the mean load from step 50 on"); the loss curve as a PNG, or a message without matplotlib."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from benchmarks.plot_loss import main
+
+
+def write_run(directory, low_expert_at: dict[int, float]) -> None:
+    """60 logged steps of a 2-layer MoE run with 4 experts of 100 copies each, except that at each step in
+    ``low_expert_at`` layer 2's expert 3 gets that share of the mean."""
+    directory.mkdir()
+    with open(directory / "metrics.jsonl", "w") as f:
+        for step in range(1, 61):
+            low = round(100 * low_expert_at.get(step, 1.0))
+            record = {"step": step, "loss": 10.0 - step / 10, "tokens_per_s": 1000.0 * (step > 5) + 10,
+                      "tflops_per_gpu": 300.0, "mfu": 0.4 if step > 5 else 0.01, "peak_memory_gib": 50.0 + step / 60,
+                      "moe_dead_experts": int(low == 0),
+                      "tokens_per_expert": {"1": [100, 100, 100, 100], "2": [100 + 100 - low, 100, 100, low]}}
+            if step % 25 == 0:
+                record["val_loss"] = 9.0
+            f.write(json.dumps(record) + "\n")
+
+
+def test_a_balanced_run_passes_and_reports_the_table_numbers(tmp_path, capsys):
+    write_run(tmp_path / "run", {10: 0.0, 49: 0.1})  # a collapse before step 50 is not checked
+    out = tmp_path / "summary.json"
+    assert main([str(tmp_path / "run"), "--json", str(out), "--machine", "test"]) == 0
+    text = capsys.readouterr().out
+    assert "60 steps logged, loss 4.000 after step 60 (val 9.000 at step 50)" in text
+    assert "tokens/s 1,010, MFU 0.400 (300 TFLOP/s per GPU; medians after step 5), peak memory 51.0 GiB" in text
+    assert "at most 1 dead experts in a step" in text
+    assert "no expert below 25% of mean load from step 50 on: PASS (11 steps;" in text
+    summary = json.loads(out.read_text())
+    assert summary["machine"] == "test" and summary["runs"][str(tmp_path / "run")]["balanced"] is True
+
+
+def test_an_expert_below_the_share_after_step_50_fails_naming_where(tmp_path, capsys):
+    write_run(tmp_path / "run", {55: 0.1, 57: 0.2, 58: 0.3})
+    assert main([str(tmp_path / "run" / "metrics.jsonl"), "--labels", "bias"]) == 1
+    text = capsys.readouterr().out
+    assert ("bias: 60 steps logged" in text and "FAIL (2 of 11 steps had an expert below; lowest 10% of the mean: "
+            "layer 2 expert 3 at step 55)" in text)
+    assert main([str(tmp_path / "run"), "--min-share", "0.05"]) == 0  # the share is a parameter
+
+
+def test_the_png_or_a_clear_message_without_matplotlib(tmp_path, capsys):
+    write_run(tmp_path / "a", {})
+    write_run(tmp_path / "b", {})
+    png = tmp_path / "loss.png"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--labels", "a,b", "--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not png.exists()
+        assert f"matplotlib is not installed (pip install -e '.[plot]'): no PNG written to {png}" in text
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss curve: {png}" in text
