@@ -74,6 +74,7 @@ class TransportSelector:
             self._host_planned = TransportSelector("host", "nccl" if self.device.type == "cuda" else "gloo",
                                                    self.group, self.group_ranks, self.device, self.max_chunks,
                                                    self.timeout_s)
+        self._host_planned.compute_only = self.compute_only  # a compute-only reference runs again as one
         return self._host_planned
 
     def transport(self, worst_case_bytes: int) -> Transport:
