@@ -9,6 +9,9 @@
 #   bash benchmarks/evidence_gpu.sh ep2      OUT   # EP=2 alone (a 2-GPU host)
 #   bash benchmarks/evidence_gpu.sh suite2   OUT   # pytest -m gpu on a 2-GPU host
 #   bash benchmarks/evidence_gpu.sh ep2_text OUT   # EP=2 on real text (needs data/stdlib)
+#   bash benchmarks/evidence_gpu.sh bound2   OUT   # the bounded exchange at EP=2: GPU tests, a forced overflow
+#                                                  #   (graphed), 4 chunks' memory unbounded / 2.0 / 1.25 (eager)
+#   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -111,6 +114,33 @@ case $phase in
     train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"
     train_step 2 mixtral_2l text "$TEXT" --variant "$SERIAL"
     ;;
+  bound2)
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) python -m pytest -m gpu -q \
+      -p no:cacheprovider tests/test_gpu_master.py tests/test_gpu_microbatch_overlap.py 2>&1 | tail -n 4 \
+      | tee "$out/gpu_tests_bound_2x$gpu.txt"
+    fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 train.use_distributed_optimizer=true"
+    fine+=" overlap.moe_pipeline=true"
+    timeout -k 10 $(( $(left) < 130 ? $(left) : 130 )) torchrun --standalone --nproc-per-node 2 \
+      benchmarks/train_step.py $fine --variant overflow:overlap.moe_expert_rank_capacity_factor=1.0 --warmup 2 \
+      --steps 5 --profile-steps 0 --json $res/bound_ep2_overflow_graphed_2x$gpu.json 2>&1 \
+      | tee "$out/bound_overflow.log" | grep -E '^\{"variant"|Error' | cut -c1-500
+    timeout -k 10 $(( $(left) < 170 ? $(left) : 170 )) torchrun --standalone --nproc-per-node 2 \
+      benchmarks/train_step.py $fine overlap.moe_pipeline_chunks=4 overlap.delay_wgrad_compute=true \
+      train.moe_cuda_graph=false --variant unbounded:overlap.moe_expert_rank_capacity_factor=null \
+      --variant f1.25:overlap.moe_expert_rank_capacity_factor=1.25 \
+      --variant serial:overlap.moe_pipeline=false,overlap.moe_pipeline_chunks=1,overlap.delay_wgrad_compute=false \
+      --warmup 2 --steps 5 --profile-steps 0 --json $res/bound_ep2_chunks4_2x$gpu.json 2>&1 \
+      | tee "$out/bound_chunks4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
+    ;;
+  example2)
+    name=examples_gpu2_fine_${ROUTING_NAME:-default}_2x$gpu
+    timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu2_fine.yaml --nproc 2 ${ROUTING:-} \
+      train.output_dir="$out/$name" > "$out/$name.log" 2>&1
+    tail -n 2 "$out/$name.log"
+    python benchmarks/plot_loss.py "$out/$name" --labels "${ROUTING_NAME:-default}" --png $res/$name.png \
+      --json $res/$name.json --machine "2x ${gpu^^}" | tail -n 4
+    cp "$out/$name/metrics.jsonl" $res/${name}_metrics.jsonl
+    ;;
   pp2)
     (sleep 240; pkill -ABRT -f benchmarks/pp_schedule.py) &  # PYTHONFAULTHANDLER: SIGABRT dumps every thread
     watchdog=$!
@@ -120,7 +150,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | pp2" >&2
      exit 2 ;;
 esac
 pack
