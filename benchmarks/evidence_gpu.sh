@@ -119,7 +119,7 @@ case $phase in
       -p no:cacheprovider tests/test_gpu_master.py tests/test_gpu_microbatch_overlap.py 2>&1 | tail -n 4 \
       | tee "$out/gpu_tests_bound_2x$gpu.txt"
     fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 train.use_distributed_optimizer=true"
-    fine+=" overlap.moe_pipeline=true"
+    fine+=" overlap.moe_pipeline=true overlap.moe_planning=device"
     timeout -k 10 $(( $(left) < 130 ? $(left) : 130 )) torchrun --standalone --nproc-per-node 2 \
       benchmarks/train_step.py $fine --variant overflow:overlap.moe_expert_rank_capacity_factor=1.0 --warmup 2 \
       --steps 5 --profile-steps 0 --json $res/bound_ep2_overflow_graphed_2x$gpu.json 2>&1 \
@@ -128,7 +128,7 @@ case $phase in
       benchmarks/train_step.py $fine overlap.moe_pipeline_chunks=4 overlap.delay_wgrad_compute=true \
       train.moe_cuda_graph=false --variant unbounded:overlap.moe_expert_rank_capacity_factor=null \
       --variant f1.25:overlap.moe_expert_rank_capacity_factor=1.25 \
-      --variant serial:overlap.moe_pipeline=false,overlap.moe_pipeline_chunks=1,overlap.delay_wgrad_compute=false \
+      --variant serial:overlap.moe_pipeline=false,overlap.moe_pipeline_chunks=1,overlap.delay_wgrad_compute=false,overlap.moe_planning=auto \
       --warmup 2 --steps 5 --profile-steps 0 --json $res/bound_ep2_chunks4_2x$gpu.json 2>&1 \
       | tee "$out/bound_chunks4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
     ;;
