@@ -171,9 +171,10 @@ class OverlapConfig:
     # ceil(factor x T x K x its share of the local experts) rows per layer call (T x K: the copies each rank routes;
     # factor x the balanced share), so its buffers, symmetric regions and stashed activations do not grow with EP.
     # A step in which rows overflow the bound on any rank is skipped on the device and run again planned on the host:
-    # training stays dropless. >= 1.0; null: the worst case (EP x T x K rows), never exceeded. Host planning is exact
-    # and needs no bound (with auto planning there, it has no effect).
-    moe_expert_rank_capacity_factor: Optional[float] = 2.0
+    # training stays dropless. >= 1.0; null (the default): the worst case (EP x T x K rows), never exceeded: on
+    # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (README). Host planning is exact and
+    # needs no bound (with auto planning there, it has no effect).
+    moe_expert_rank_capacity_factor: Optional[float] = None
     # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
     # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
     # expert GEMMs on as many rows as each rank would receive without moving them. The learning rate is held at
