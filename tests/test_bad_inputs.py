@@ -121,3 +121,24 @@ def test_checkpoint_of_another_model_names_every_mismatch(tmp_path, capsys):
                      "model.layers.2.mlp.experts.7.w2 is there, not in this model",
                      "resume it with the model it was saved with, or point checkpoint.dir elsewhere"):
         assert fragment in line, line
+
+
+def test_the_trainer_checks_the_data_before_it_builds_a_model(monkeypatch, tmp_path):
+    """A plain torchrun launch skips --nproc's checks: the trainer's own data check comes before the model (and
+    its graphs, which take minutes on a GPU)."""
+    import torch
+
+    from moe_overlap.config import load_config
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.training import trainer
+
+    def built_first(*args, **kwargs):
+        raise AssertionError("the model was built before the data was checked")
+
+    monkeypatch.setattr(trainer, "build_model", built_first)
+    from tests.long_run import REPO
+
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.path={tmp_path / 'missing.bin'}",
+                                            "parallel.expert_model_parallel_size=1"])
+    with pytest.raises(ConfigError, match="missing.bin"):
+        trainer.Trainer(cfg, Mesh.single(), torch.device("cpu"))

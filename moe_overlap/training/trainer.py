@@ -134,6 +134,7 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t = cfg.train
         check_gemm_sm_carveout(cfg.overlap.gemm_sm_carveout, device)
+        train_tokens, val_tokens = load_data(cfg)  # first: a missing corpus fails before a model is built
         torch.manual_seed(t.seed)
         stages = PipelineStages.from_config(cfg)  # with PP, this rank builds only its stages' layers
         self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
@@ -165,7 +166,6 @@ class Trainer:
             # sets, which odd and even micro-batches replay (TransformerLayer.stages)
             self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
-        train_tokens, val_tokens = load_data(cfg)
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
                                     dp.rank, dp.size, t.seed, mesh.cp.rank, mesh.cp.size)
