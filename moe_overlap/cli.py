@@ -378,9 +378,9 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
-    print(mesh_layout(cfg, world_size).table())
     for line in describe_exchange_memory(cfg, device_type):
         print(line)
+    print(mesh_layout(cfg, world_size).table())
     if wants_schedule:
         _print_schedule(cfg, world_size, given, png)
     return 0

@@ -76,7 +76,7 @@ def _info_rows(capsys, world: int, *overrides: str) -> dict[str, list[str]]:
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("MoE exchange per rank"))
     assert f"EP {world}" in lines[at] and "R = 65,536 token copies of 4 KiB" in lines[at]
-    cells = [re.split(r"\s{2,}", row.strip()) for row in lines[at + 2:at + 4]]
+    cells = [re.split(r"\s{2,}", row.strip()) for row in lines[at + 2:at + 4]]  # the table: the rows under its header
     return {cell[0]: cell[1:] for cell in cells if cell[0].split()[0] in ("null", "1.25")}
 
 
