@@ -98,6 +98,6 @@ def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
                      f"{REGIONS} x {_size(size.region_bytes)}")
     lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs, "
               f"{_size(sizes[0].stash_row_bytes)} a row;",
-              f"  the receive buffer lies in a region); the regions are shared by "
+              "  the receive buffer lies in a region); the regions are shared by "
               + (f"the {layers} MoE layers" if p.pipeline_model_parallel_size == 1 else "the stage's MoE layers")]
     return lines
