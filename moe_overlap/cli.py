@@ -356,6 +356,7 @@ def _is_collective_failure(err: BaseException) -> bool:
 def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: str | None = None,
           png: str | None = None) -> int:
     from moe_overlap.config import validate_for_world
+    from moe_overlap.layers.exchange_memory import describe_exchange_memory
     from moe_overlap.models.mixtral import count_parameters
     from moe_overlap.training.data import describe_source
     from moe_overlap.training.trainer import mesh_layout
@@ -363,7 +364,8 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     p = cfg.parallel
     world_size = world_size or (p.tensor_model_parallel_size * p.context_parallel_size
                                 * p.pipeline_model_parallel_size * p.expert_model_parallel_size)
-    validate_for_world(cfg, world_size, "cuda" if cfg.train.device == "cuda" else "cpu")
+    device_type = "cuda" if cfg.train.device == "cuda" else "cpu"
+    validate_for_world(cfg, world_size, device_type)
     wants_schedule = schedule or costs is not None or png is not None
     if wants_schedule and p.pipeline_model_parallel_size == 1:
         raise ConfigError("--schedule", True, "needs parallel.pipeline_model_parallel_size > 1")
@@ -376,6 +378,8 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
+    for line in describe_exchange_memory(cfg, device_type):
+        print(line)
     print(mesh_layout(cfg, world_size).table())
     if wants_schedule:
         _print_schedule(cfg, world_size, given, png)

@@ -26,6 +26,10 @@ from moe_overlap.exchange_rules import NEEDS, choose_exchange
 
 log = logging.getLogger(__name__)
 
+# Regions per transport, claimed in turn by successive exchanges (and count gathers), so one can be filled while
+# peers still read the last; every MoE layer of the model shares them.
+REGIONS = 4
+
 
 class TransportSelector:
     """Picks the EP pipeline's planning and transport once (logging which and why) and sizes the symmetric
@@ -93,9 +97,9 @@ class TransportSelector:
         if self.name in ("nccl", "gloo") and self.planning == "host":
             return CollectiveTransport(self.name, self.group, self.device)
         if self.name == "gloo":
-            return PushTransport(TwinRegions(nbytes, 4, self.group, self.device), self.device, twin=True,
+            return PushTransport(TwinRegions(nbytes, REGIONS, self.group, self.device), self.device, twin=True,
                                  twin_group=self.group)
-        regions = (LocalRegions(nbytes, 4, self.max_chunks, self.device) if self.group is None else
-                   SymmRegions(self.group, nbytes, 4, self.max_chunks, self.device, self.timeout_ms))
+        regions = (LocalRegions(nbytes, REGIONS, self.max_chunks, self.device) if self.group is None else
+                   SymmRegions(self.group, nbytes, REGIONS, self.max_chunks, self.device, self.timeout_ms))
         return CopyEngineTransport(regions, self.device) if self.name == "copy_engine" else PushTransport(regions,
                                                                                                           self.device)

@@ -83,6 +83,12 @@ def receive_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], fa
     return min(ranks * rows, sum(chunk_bounds_rows(ranks, rows, chunk_experts, factor))) + 1
 
 
+def region_rows(receive_rows: int, permuted_rows: int) -> int:
+    """Rows each of the transport's symmetric regions holds for a layer call: the compact receive buffer
+    (dispatch) or a permuted buffer (combine: every row back at its source), whichever is larger."""
+    return max(receive_rows, permuted_rows)
+
+
 class DevicePlanner(Planner):
     """Builds a layer call's DevicePlan from the counts its transport gathers on the device; the row order is the
     host planner's (the same slots, the same chunks)."""
@@ -132,8 +138,7 @@ class DevicePlanner(Planner):
         L = self.local
         R = self.permuted_rows(routing)
         chunk_rows, bound_C, W = self.bounds(padded, R)  # W: the compact receive rows, the spare one last
-        # its regions hold the compact receive buffer (dispatch) and a permuted buffer (combine)
-        transport = self.transports.transport(max(W, R) * self.row_bytes)
+        transport = self.transports.transport(region_rows(W, R) * self.row_bytes)
         # every rank's (kept) copies per global expert, [source rank, expert], on the device
         counts_SE = (self.static_counts(routing.capacity) if padded
                      else transport.gather_counts(routing.tokens_per_expert_E))

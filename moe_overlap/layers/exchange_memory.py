@@ -1,0 +1,103 @@
+"""What the MoE exchange holds per rank, as ``moe-overlap info`` prints it: the device-planned exchange's static
+sizes from the functions its planner allocates with (device_plan.py: ``chunk_bounds_rows``, ``receive_rows``,
+``region_rows``; the transport's ``REGIONS``), for a bound (``overlap.moe_expert_rank_capacity_factor``) or the
+worst case (null). Per layer call (one micro-batch): each chunk's receive tensor, the compact receive buffer they
+are copied out of (inside a symmetric region), and the stash the backward keeps (each chunk's tensor and its fc1
+output); per model: the transport's symmetric regions, which every MoE layer shares. A host-planned exchange sizes
+its buffers exactly per call: no bound to print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_overlap.config import Config
+from moe_overlap.distributed.a2a import REGIONS
+from moe_overlap.exchange_rules import choose_exchange
+from moe_overlap.layers.device_plan import chunk_bounds_rows, receive_rows, region_rows
+from moe_overlap.layers.exchange_plan import chunk_bounds
+
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class ExchangeMemory:
+    """One rank's device-planned exchange sizes for one layer call of ``rows`` token copies (T x k) over ``ranks``
+    EP ranks; ``factor`` None: the worst case."""
+
+    factor: float | None
+    chunk_rows: list[int]  # each chunk's receive tensor (and stashed rows)
+    receive_rows: int  # the compact receive buffer, its spare row included
+    region_bytes: int  # each of the REGIONS symmetric regions
+    row_bytes: int  # a row that moves: hidden x element size
+    stash_row_bytes: int  # a stashed row: its input and its fc1 output (hidden + 2 x expert ffn, x element size)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(self.chunk_rows) * self.row_bytes
+
+    @property
+    def stash_bytes(self) -> int:
+        return sum(self.chunk_rows) * self.stash_row_bytes
+
+
+def exchange_memory(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None,
+                    hidden: int, expert_ffn: int, element_bytes: int) -> ExchangeMemory:
+    """The sizes the device planner allocates for a layer call (dropless: ``rows`` = T x k permuted rows)."""
+    row_bytes = hidden * element_bytes
+    received = receive_rows(ranks, rows, chunk_experts, factor)
+    return ExchangeMemory(factor, chunk_bounds_rows(ranks, rows, chunk_experts, factor), received,
+                          region_rows(received, rows) * row_bytes, row_bytes, (hidden + 2 * expert_ffn) * element_bytes)
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
+def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
+    """``info``'s lines on the MoE exchange's memory per rank for ``cfg`` on ``device_type`` (auto planning
+    resolved as there, symmetric memory assumed to run: every EP rank on one host); none for a dense model."""
+    m, o, p = cfg.model, cfg.overlap, cfg.parallel
+    if m.num_moe_experts is None:
+        return []
+    ep, etp = p.expert_model_parallel_size, cfg.expert_tensor_parallel_size
+    if ep * etp == 1:
+        return ["MoE exchange: one expert rank, nothing exchanged"]
+    planning, transport = "host", None
+    if o.moe_pipeline:
+        symm_reason = None if device_type == "cuda" else "the device is the CPU"
+        planning, transport, _ = choose_exchange(o.moe_planning, o.moe_transport, device_type, symm_reason, etp)
+    if planning == "host":
+        regions = ("; copy_engine's symmetric regions: the worst case, EP x T x k rows" if transport == "copy_engine"
+                   else "")
+        return [f"MoE exchange: host-planned, its buffers sized exactly per layer call (no bound){regions}"]
+    if m.moe_pad_expert_input_to_capacity:
+        return ["MoE exchange: device-planned, padded to capacity: every buffer exactly EP x capacity rows per "
+                "local expert, no bound"]
+    # a rank dispatches its own tokens: its CP rank's sequence, its TP block of it under sequence parallelism
+    shards = p.context_parallel_size * (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    rows = cfg.train.micro_batch_size * m.seq_length // shards * m.moe_router_topk
+    chunk_experts = chunk_bounds(m.num_moe_experts // ep, o.moe_pipeline_chunks)
+    factors = [None] + ([o.moe_expert_rank_capacity_factor] if o.moe_expert_rank_capacity_factor else [])
+    sizes = [exchange_memory(ep, rows, chunk_experts, factor, m.hidden_size, m.expert_ffn_hidden_size,
+                             _ELEMENT_BYTES[cfg.train.precision]) for factor in factors]
+    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    chunks = len(chunk_experts)
+    lines = [f"MoE exchange per rank (device-planned, EP {ep}, {chunks} chunk{'s' * (chunks > 1)}): per layer call "
+             f"R = {rows:,} token copies of {_size(sizes[0].row_bytes)}",
+             f"  {'capacity factor':<27}{'chunk tensors':<26}{'receive buffer':<17}{'stash for backward':<21}"
+             "symmetric regions"]
+    for size in sizes:
+        name = "null (worst case, EP x R)" if size.factor is None else f"{size.factor:g}"
+        lines.append(f"  {name:<27}{f'{sum(size.chunk_rows):,} rows {_size(size.chunk_bytes)}':<26}"
+                     f"{f'{size.receive_rows:,} rows':<17}{_size(size.stash_bytes):<21}"
+                     f"{REGIONS} x {_size(size.region_bytes)}")
+    lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs, "
+              f"{_size(sizes[0].stash_row_bytes)} a row;",
+              "  the receive buffer lies in a region); the regions are shared by "
+              + (f"the {layers} MoE layers" if p.pipeline_model_parallel_size == 1 else "the stage's MoE layers")]
+    return lines
