@@ -211,7 +211,7 @@ class Bench:
 
         cfg = ModelConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
                           moe_router_topk=shape.topk, moe_aux_loss_coeff=0.0)
-        layer = MoELayer(cfg, OverlapConfig(), self.mesh.ep, None, self.device, self.dtype)
+        layer = MoELayer(cfg, OverlapConfig(moe_pipeline=False), self.mesh.ep, None, self.device, self.dtype)
         init_parameters(layer, seed=1234, std=0.02, num_layers=1)
         for param in layer.parameters():  # as the optimizer attaches them: weight gradients land as in training
             param_info(param).main_grad = torch.zeros_like(param, dtype=torch.float32)

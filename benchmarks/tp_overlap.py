@@ -227,7 +227,7 @@ def _layer_row(comms: dict, shape: dict, rounds: int, warmup: int, device, dtype
     cfg = ModelConfig(num_layers=1, **shape)
     comm = next(iter(comms.values()))
     # A dense layer: its mesh (used only for a MoE layer's EP group) may be the single one; comm is the TP group.
-    layer = TransformerLayer(cfg, OverlapConfig(), 0, Mesh.single(), None, comm, device, dtype)
+    layer = TransformerLayer(cfg, OverlapConfig(moe_pipeline=False), 0, Mesh.single(), None, comm, device, dtype)
     init_parameters(layer, seed=1, std=0.02, num_layers=1)
     x = torch.randn(1, cfg.seq_length // comm.size, cfg.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)

@@ -1,11 +1,27 @@
 """Measured constants of the overlaps (the MoE exchange's and the data-parallel syncs'), each with where and when
 it was measured (README, "What overlaps on Hopper"; the JSON under benchmarks/results/ holds the commands).
-``overlap.gemm_sm_carveout: auto`` reads them. Pure numbers, no torch.
+``overlap.gemm_sm_carveout: auto`` and ``overlap.moe_pipeline: auto`` (config/defaults.py) read them. Pure
+numbers, no torch.
 """
 
 from __future__ import annotations
 
 import math
+
+# What ``overlap.moe_pipeline: auto`` runs where there is an exchange (EP x expert-TP > 1), by how the micro-batches
+# run. The transport follows the fabric (distributed/a2a.py): on one host with peer access, sm_push for device sizes
+# and copy_engine for host sizes; elsewhere nccl (host sizes).
+#   plain: the pipeline, one chunk, planned where the fabric allows (device: sm_push, graph-replayable; else host).
+#     Per-GPU MFU, pipeline vs serial exchange: 2xH100 EP=2, 2026-11-26 (benchmarks/results/train_step_*_ep2_*):
+#     fine-grained 0.473 vs 0.420 balanced, 0.419 vs 0.374 real text; Mixtral-like 0.625 vs 0.596 balanced, 0.483
+#     vs 0.460 real text. 4xH100 EP=4, 2026-11 (issue 38's table): 0.319-0.357 vs 0.299-0.339 fine-grained,
+#     0.336/0.593 vs 0.326/0.588 Mixtral-like. More chunks lost there (the only 2-chunk EP=4 row: 0.343).
+#     Not measured without peer access: there auto plans on the host over nccl, one all-to-all each way on the
+#     exchange's stream.
+#   paired (overlap_moe_expert_parallel_comm): host planning, whose copy engines take no SMs from the other
+#     micro-batch's GEMMs: 4xH100 EP=4 fine-grained uniform ids, 0.364 over copy_engine vs 0.333 over nccl
+#     uncapped and 0.239 at 4 CTAs (issue 38's table).
+PAIRED_MOE_PLANNING = "host"
 
 # GEMM SMs left free per CTA of the EP NCCL communicator (``overlap.ep_comm_ctas``): NCCL held to 4 CTAs beside a
 # grouped GEMM carved out by 8 SMs hid the whole all-to-all, either launch order (2xH200 NV18, 2026-11-22/23;

@@ -23,6 +23,7 @@ TINY = CONFIGS / "tiny.yaml"  # MoE: 4 layers, 8 heads / 4 groups, 8 experts top
 NOT_YET = "not implemented yet"
 TP_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
 DEVICE_PLANNED = ["overlap.moe_pipeline=true", "overlap.moe_planning=device"]
+SERIAL = "overlap.moe_pipeline=false"
 
 
 def config_error(path, overrides) -> str:
@@ -199,10 +200,12 @@ BAD: list[tuple] = [
     # --- files
     ("does/not/exist.yaml", [], "config", "does/not/exist.yaml", "no such file"),
     # the MoE pipeline's fields need the pipeline; chunks are runs of local experts; planning and transport agree
-    (TINY, ["overlap.moe_pipeline_chunks=2"], "overlap.moe_pipeline_chunks", "2", "needs overlap.moe_pipeline=true"),
-    (TINY, ["overlap.delay_wgrad_compute=true"], "overlap.delay_wgrad_compute", "True", "moe_pipeline=true"),
-    (TINY, ["overlap.moe_transport=nccl"], "overlap.moe_transport", "'nccl'", "moe_pipeline=true"),
-    (TINY, ["overlap.moe_planning=device"], "overlap.moe_planning", "'device'", "moe_pipeline=true"),
+    # (with overlap.moe_pipeline=auto, setting one of them turns the pipeline on: test_moe_pipeline_auto)
+    (TINY, [SERIAL, "overlap.moe_pipeline_chunks=2"], "overlap.moe_pipeline_chunks", "2",
+     "needs overlap.moe_pipeline=true"),
+    (TINY, [SERIAL, "overlap.delay_wgrad_compute=true"], "overlap.delay_wgrad_compute", "True", "moe_pipeline=true"),
+    (TINY, [SERIAL, "overlap.moe_transport=nccl"], "overlap.moe_transport", "'nccl'", "moe_pipeline=true"),
+    (TINY, [SERIAL, "overlap.moe_planning=device"], "overlap.moe_planning", "'device'", "moe_pipeline=true"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_pipeline_chunks=5"], "overlap.moe_pipeline_chunks", "5",
      "local experts", "= 4"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "overlap.moe_transport=nccl"],
@@ -221,8 +224,8 @@ BAD: list[tuple] = [
     (TINY, ["overlap.moe_a2a_chunks=2"], "overlap.moe_a2a_chunks", "2", "use overlap.moe_pipeline_chunks"),
     (TINY, ["overlap.moe_a2a_backend=symm"], "overlap.moe_a2a_backend", "'symm'", "overlap.moe_transport",
      "copy_engine with overlap.moe_planning=host", "sm_push with overlap.moe_planning=device"),
-    (TINY, ["train.moe_cuda_graph=true"], "train.moe_cuda_graph", "True", "overlap.moe_planning=device"),
-    (TINY, ["train.moe_cuda_graph=true", "overlap.moe_pipeline=true"], "train.moe_cuda_graph", "True",
+    (TINY, ["train.moe_cuda_graph=true", SERIAL], "train.moe_cuda_graph", "True", "overlap.moe_planning=device"),
+    (TINY, ["train.moe_cuda_graph=true", "overlap.moe_planning=host"], "train.moe_cuda_graph", "True",
      "overlap.moe_planning=device"),
     (TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, "train.recompute_granularity=full"],
      "train.moe_cuda_graph", "True", "not implemented yet", "recomputation"),
@@ -232,7 +235,7 @@ BAD: list[tuple] = [
      "moe_expert_capacity_factor"),
     (TINY, ["model.moe_shared_expert_overlap=true"], "model.moe_shared_expert_overlap", "True",
      "moe_shared_expert_intermediate_size"),
-    (TINY, ["model.moe_shared_expert_intermediate_size=64", "model.moe_shared_expert_overlap=true"],
+    (TINY, ["model.moe_shared_expert_intermediate_size=64", "model.moe_shared_expert_overlap=true", SERIAL],
      "model.moe_shared_expert_overlap", "True", "moe_pipeline=true"),
     (TINY, ["model.moe_shared_expert_intermediate_size=12"], "model.moe_shared_expert_intermediate_size", "12",
      "multiple of 8"),
@@ -312,7 +315,7 @@ def test_replaced_dispatch_fields_at_their_defaults_still_load(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("overlap:\n  moe_overlap_dispatch: false\n  moe_a2a_backend: auto\n  moe_a2a_chunks: 1\n"
                     "  moe_sync_free_dispatch: false\n")
-    assert load_config(path).overlap == OverlapConfig()
+    assert load_config(path).overlap == OverlapConfig(moe_pipeline=False)
 
 
 def test_tp_comm_backend_symm_needs_cuda():
@@ -437,7 +440,24 @@ def test_small_gpu_shape():
 
 def test_defaults_load():
     cfg = load_config(None)
-    assert cfg == Config()
+    assert cfg == Config(overlap=OverlapConfig(moe_pipeline=False))  # auto: a dense model exchanges nothing
+
+
+@pytest.mark.parametrize("overrides, pipeline, planning, graphed", [
+    ([], True, "auto", False),  # TINY exchanges (EP=2): the fastest measured path
+    (["parallel.expert_model_parallel_size=1"], False, "auto", False),  # one expert rank
+    (["parallel.expert_model_parallel_size=1", "overlap.moe_pipeline_chunks=2"], True, "auto", False),  # asked for
+    (["train.expert_wgrad_pairs=true"], False, "auto", False),  # what the pipeline's chunks replace
+    (["overlap.moe_pipeline=false"], False, "auto", False),  # the serial reference stays explicit
+    (["train.moe_cuda_graph=true"], True, "device", True),  # the plan a graph replays
+    # paired micro-batches turn on what they need: the pipeline, host planning, eager layers
+    (["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"], True, "host", False),
+    (["overlap.overlap_moe_expert_parallel_comm=true", "overlap.moe_planning=device"], True, "device", False),
+])
+def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
+    cfg = load_config(TINY, overrides)
+    assert (cfg.overlap.moe_pipeline, cfg.overlap.moe_planning, cfg.train.moe_cuda_graph) == (pipeline, planning,
+                                                                                                graphed)
 
 
 @pytest.mark.parametrize("override,attr,expected", [

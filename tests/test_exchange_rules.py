@@ -165,7 +165,7 @@ def test_graph_capture_and_the_layer_refuse_with_the_rules_message():
 
     cfg = ModelConfig(hidden_size=16, ffn_hidden_size=24, num_moe_experts=8, moe_router_topk=2)
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
-    serial = MoELayer(cfg, OverlapConfig(), two_ranks)
+    serial = MoELayer(cfg, OverlapConfig(moe_pipeline=False), two_ranks)
     with pytest.raises(ValueError) as err:
         capture_moe_layers((serial,), (1, 4, 16))
     assert str(err.value) == str(graph_refusal(False, "host", True))

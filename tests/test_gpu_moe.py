@@ -46,7 +46,7 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
     from moe_overlap.layers.moe import MoELayer
 
     num_experts = max(8, 4 * mesh.ep.size)  # 4 per rank: room for 4 chunks
-    overlap = OverlapConfig()
+    overlap = OverlapConfig(moe_pipeline=False)
     if variant is not None:
         planning, transport, chunks, capacity, padded, delay, shared, sms = variant
         overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, delay_wgrad_compute=delay,

@@ -339,7 +339,7 @@ def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():
     from moe_overlap.layers.moe import capture_moe_layers
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)  # the serial dropless dispatch syncs at EP=2
     layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2),
-                     OverlapConfig(), two_ranks)
+                     OverlapConfig(moe_pipeline=False), two_ranks)
     assert not layer.local
     with pytest.raises(ValueError, match="moe_planning=device"):
         capture_moe_layers((layer,), (1, TOKENS, H))

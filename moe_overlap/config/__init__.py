@@ -1,5 +1,6 @@
 """Typed run configuration: the schema (``schema``), loading YAML and dotted overrides (``loading``), and the
-rules checked before any process group exists (``rules``, ``overlap_rules``). Everything a caller needs is named
+rules checked before any process group exists (``rules``, ``overlap_rules``), after ``auto`` in the MoE exchange's
+switches is resolved (``defaults``). Everything a caller needs is named
 here."""
 
 from moe_overlap.config.loading import config_yaml, load_config

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from moe_overlap.config.defaults import resolve_defaults
 from moe_overlap.config.overlap_rules import validate_overlaps
 from moe_overlap.config.schema import (Config, ConfigError, DataConfig, ModelConfig, OverlapConfig, ParallelConfig,
                                        TrainConfig, not_implemented, refuse, require, synthetic_source)
 from moe_overlap.exchange_rules import device_refusal, graph_device_refusal
 
 def validate(cfg: Config) -> None:
-    """Ranges, cross-field rules and not-yet-implemented features; independent of the world size."""
+    """Ranges, cross-field rules and not-yet-implemented features; independent of the world size. ``auto`` in the
+    MoE exchange's switches is resolved first (config/defaults.py), so that the rules check what will run."""
+    resolve_defaults(cfg)
     m, p, o, t, d, c = cfg.model, cfg.parallel, cfg.overlap, cfg.train, cfg.data, cfg.checkpoint
 
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",

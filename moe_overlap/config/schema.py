@@ -156,8 +156,10 @@ class OverlapConfig:
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
     # The MoE exchange as a pipeline of chunks (runs of local experts) beside the grouped GEMMs, forward and
-    # backward; false: the serial reference (one all-to-all each way, sizes from the host).
-    moe_pipeline: bool = False
+    # backward; false: the serial reference (one all-to-all each way, sizes from the host). auto: the pipeline
+    # wherever there is an exchange (EP x expert-TP > 1) or a pipeline field is set, as measured fastest
+    # (tuning.py); the serial exchange with one rank, or with train.expert_wgrad_pairs (config/defaults.py).
+    moe_pipeline: Union[bool, Literal["auto"]] = "auto"
     moe_pipeline_chunks: int = 1
     # Where the pipeline's exchange sizes are planned: host (one fetch of every rank's counts per layer, exact
     # buffers), device (no host sync, worst-case buffers, CUDA-graph capturable), auto (device when the

@@ -136,7 +136,10 @@ class MixtralModel(nn.Module):
         self.cfg, self.recompute = cfg, recompute
         self.pre_process, self.post_process = pre_process, post_process
         tied = cfg.share_embeddings_and_output_weights
-        overlap = overlap or OverlapConfig()
+        overlap = overlap or OverlapConfig(moe_pipeline=False)  # none given: the serial exchange
+        if overlap.moe_pipeline == "auto":
+            raise ValueError("overlap.moe_pipeline='auto' is resolved when the config is validated "
+                             "(config.validate); a model takes true or false")
         tp_switches = tp_overlap(overlap)
         ring = None
         if tp_switches.any and mesh.tp.size > 1:

@@ -1,0 +1,70 @@
+"""What ``auto`` means for the MoE exchange's switches, resolved once when a config is validated so that every rule,
+layer and log sees plain values: the measured fastest path (tuning.py says where each choice was measured), or what
+a switch the user set needs to run.
+
+    overlap.moe_pipeline=auto   the pipeline where there is an exchange (EP x expert-TP > 1) or where a field that
+                                only the pipeline reads is set; otherwise (one expert rank, or
+                                train.expert_wgrad_pairs, which the pipeline's chunks replace) the serial exchange
+    overlap_moe_expert_parallel_comm with an exchange
+                                turns the pipeline on (auto), plans on the host (moe_planning auto: the copy engines
+                                take no SMs from the other micro-batch's GEMMs) and runs the MoE layers eager
+                                (train.moe_cuda_graph: a graph cannot hold a layer split into stages)
+    train.moe_cuda_graph with the pipeline
+                                plans on the device (moe_planning auto: the plan a graph can replay)
+
+The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from moe_overlap.config.schema import Config, OverlapConfig
+from moe_overlap.tuning import PAIRED_MOE_PLANNING
+
+log = logging.getLogger(__name__)
+
+# The fields only the pipeline reads: setting one asks for it.
+PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
+                   "moe_expert_rank_capacity_factor")
+
+
+def resolve_defaults(cfg: Config) -> list[str]:
+    """Replace ``auto`` in the MoE exchange's switches by what runs (in place); returns one line per choice made,
+    each naming the field, the value and why (logged at INFO)."""
+    m, o, t = cfg.model, cfg.overlap, cfg.train
+    exchanging = m.num_moe_experts is not None and cfg.parallel.expert_model_parallel_size * \
+        cfg.expert_tensor_parallel_size > 1
+    paired = o.overlap_moe_expert_parallel_comm and exchanging
+    choices = []
+    if o.moe_pipeline == "auto":
+        defaults = OverlapConfig()
+        asked = [f"overlap.{name}" for name in PIPELINE_FIELDS if getattr(o, name) != getattr(defaults, name)]
+        if m.moe_shared_expert_overlap:
+            asked.append("model.moe_shared_expert_overlap")
+        if paired:
+            asked.append("overlap.overlap_moe_expert_parallel_comm")
+        if asked:
+            o.moe_pipeline, why = True, f"{', '.join(asked)} runs on it"
+        elif not exchanging:
+            o.moe_pipeline, why = False, "one expert rank: nothing to exchange"
+        elif t.expert_wgrad_pairs:
+            o.moe_pipeline, why = False, "train.expert_wgrad_pairs=true, which the pipeline's chunks replace"
+        else:
+            o.moe_pipeline, why = True, "the fastest measured with an exchange (tuning.py)"
+        choices.append(f"overlap.moe_pipeline=auto -> {str(o.moe_pipeline).lower()}: {why}")
+    if paired and o.moe_pipeline:
+        if t.moe_cuda_graph:
+            t.moe_cuda_graph = False
+            choices.append("train.moe_cuda_graph=true -> false: overlap_moe_expert_parallel_comm runs each MoE layer "
+                           "as stages beside another micro-batch, which a graph cannot hold")
+        if o.moe_planning == "auto":
+            o.moe_planning = PAIRED_MOE_PLANNING
+            choices.append(f"overlap.moe_planning=auto -> {PAIRED_MOE_PLANNING}: the fastest measured with paired "
+                           "micro-batches (tuning.py)")
+    if exchanging and o.moe_pipeline and t.moe_cuda_graph and o.moe_planning == "auto":
+        o.moe_planning = "device"
+        choices.append("overlap.moe_planning=auto -> device: train.moe_cuda_graph replays the device-planned exchange")
+    for line in choices:
+        log.info("config: %s", line)
+    return choices
