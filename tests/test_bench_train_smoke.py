@@ -67,7 +67,7 @@ def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
         assert rows[name]["global_batch_size"] == 8 and rows[name]["micro_batches_per_rank"] == 2  # weak scaling
         assert rows[name]["resolved"]["moe_transport"] == "gloo"
         assert rows[name]["vs_ep1"] > 0 and rows[name]["vs_compute_only"] > 0
-    assert rows["config"]["resolved"]["moe_path"] == "serial" and rows["config"]["exposed_comm_ms"]["ep"] > 0
+    assert rows["config"]["resolved"]["moe_path"] == "pipeline" and rows["config"]["exposed_comm_ms"]["ep"] > 0
     assert rows["pipeline"]["resolved"]["moe_pipeline_chunks"] == 2
     assert rows["compute_only"]["resolved"]["moe_compute_only"] is True
     check_row(rows["ep1"], 1)

@@ -90,7 +90,7 @@ def test_compute_only_trains_at_learning_rate_0(rank_pool, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,fragment", [
-    (["overlap.moe_compute_only=true"], "needs overlap.moe_pipeline=true"),
+    (["overlap.moe_compute_only=true", "overlap.moe_pipeline=false"], "needs overlap.moe_pipeline=true"),
     (["overlap.moe_pipeline=true", "overlap.moe_compute_only=true", "parallel.expert_model_parallel_size=1"],
      "one EP rank exchanges nothing"),
     (["overlap.moe_pipeline=true", "overlap.moe_compute_only=true", "parallel.tensor_model_parallel_size=2",

@@ -38,9 +38,7 @@ def layout(ep: int, **extra) -> dict:
     (TINY, ["parallel.pipeline_model_parallel_size=2", "train.pipeline_schedule=all_forward_all_backward"],
      "all_forward_all_backward has none to pair"),
     (TINY, ["train.recompute_granularity=full"], "not implemented yet (with train.recompute_granularity='full'"),
-    (TINY, [], "needs overlap.moe_pipeline=true with more than one EP or expert-TP rank"),
-    (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "train.moe_cuda_graph=true"],
-     "not implemented yet (with train.moe_cuda_graph and an exchange"),
+    (TINY, ["overlap.moe_pipeline=false"], "needs overlap.moe_pipeline=true with more than one EP or expert-TP rank"),
 ])
 def test_bad_setting_is_one_line_naming_the_field(config, overrides, fragment):
     with pytest.raises(ConfigError) as err:

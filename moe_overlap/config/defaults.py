@@ -17,12 +17,8 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 
 from __future__ import annotations
 
-import logging
-
 from moe_overlap.config.schema import Config, OverlapConfig
 from moe_overlap.tuning import PAIRED_MOE_PLANNING
-
-log = logging.getLogger(__name__)
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
@@ -31,7 +27,7 @@ PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning",
 
 def resolve_defaults(cfg: Config) -> list[str]:
     """Replace ``auto`` in the MoE exchange's switches by what runs (in place); returns one line per choice made,
-    each naming the field, the value and why (logged at INFO)."""
+    each naming the field, the value and why (config.validate logs them once the config has passed its rules)."""
     m, o, t = cfg.model, cfg.overlap, cfg.train
     exchanging = m.num_moe_experts is not None and cfg.parallel.expert_model_parallel_size * \
         cfg.expert_tensor_parallel_size > 1
@@ -65,6 +61,4 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if exchanging and o.moe_pipeline and t.moe_cuda_graph and o.moe_planning == "auto":
         o.moe_planning = "device"
         choices.append("overlap.moe_planning=auto -> device: train.moe_cuda_graph replays the device-planned exchange")
-    for line in choices:
-        log.info("config: %s", line)
     return choices

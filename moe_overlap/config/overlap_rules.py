@@ -162,11 +162,9 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
         raise not_implemented(name, True, False, "with train.recompute_granularity='full': a layer's stages "
                                                   "would each recompute on their own")
     exchanging = p.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1
+    # (with an exchange, config/defaults.py has turned on what the pairing needs: the pipeline, eager layers)
     require(not exchanging or o.moe_pipeline, name, True, "needs overlap.moe_pipeline=true with more than one "
              "EP or expert-TP rank: the serial exchange blocks, so nothing could run beside it")
-    if exchanging and t.moe_cuda_graph:
-        raise not_implemented(name, True, False, "with train.moe_cuda_graph and an exchange: a graphed layer is one "
-                                                  "stage, its exchange cannot be split (one EP rank: graphs run)")
 
 
 def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig, p: ParallelConfig) -> None:

@@ -5,6 +5,7 @@ not built yet; the overlap switches' rules are in ``overlap_rules``."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from moe_overlap.config.defaults import resolve_defaults
 from moe_overlap.config.overlap_rules import validate_overlaps
@@ -12,10 +13,13 @@ from moe_overlap.config.schema import (Config, ConfigError, DataConfig, ModelCon
                                        TrainConfig, not_implemented, refuse, require, synthetic_source)
 from moe_overlap.exchange_rules import device_refusal, graph_device_refusal
 
+log = logging.getLogger(__name__)
+
+
 def validate(cfg: Config) -> None:
     """Ranges, cross-field rules and not-yet-implemented features; independent of the world size. ``auto`` in the
     MoE exchange's switches is resolved first (config/defaults.py), so that the rules check what will run."""
-    resolve_defaults(cfg)
+    choices = resolve_defaults(cfg)
     m, p, o, t, d, c = cfg.model, cfg.parallel, cfg.overlap, cfg.train, cfg.data, cfg.checkpoint
 
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
@@ -125,6 +129,8 @@ def validate(cfg: Config) -> None:
 
     require(c.save_interval >= 0, "checkpoint.save_interval", c.save_interval, "must be >= 0 (0: final save only)")
     require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
+    for line in choices:  # once the config holds: a refused one says only what is wrong
+        log.info("config: %s", line)
 
 
 def _validate_context_parallel(m: ModelConfig, p: ParallelConfig, o: OverlapConfig, t: TrainConfig) -> None:
