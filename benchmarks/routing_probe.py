@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import run_header, write_json  # noqa: E402
@@ -90,6 +91,47 @@ def run_variant(name: str, overrides: list[str], router_init_scale: float, steps
             "seconds": round(time.time() - start, 1), "steps": rows}
 
 
+def routing_at_init(hidden: int, init_std: float, layers: int = 6, seq: int = 512) -> dict:
+    """One forward of a freshly initialised model of gpu2_fine's family (64 experts top-8, hidden ``hidden``,
+    ``layers`` layers, small experts) on ``seq`` tokens of the corpus: per MoE layer, how alike the router's inputs
+    are (mean cosine to their mean), the spread over experts of the token-independent logit (the logits' mean over
+    tokens) against the spread of the rest, and the load's highest share of the mean and dead experts."""
+    import numpy as np
+
+    from moe_overlap.config import load_config
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.models.mixtral import build_model
+
+    torch.set_num_threads(1)
+    cfg = load_config(BASE_CONFIG, [f"model.num_layers={layers}", f"model.hidden_size={hidden}",
+                                    "model.moe_ffn_hidden_size=128", "model.moe_shared_expert_intermediate_size=128",
+                                    f"model.seq_length={seq}", "parallel.expert_model_parallel_size=1",
+                                    f"model.init_method_std={init_std}"])
+    model = build_model(cfg.model, Mesh.single(), "cpu", torch.float32, seed=1234)
+    tokens = np.memmap(ROOT / "data" / "stdlib" / "stdlib.bin", dtype=np.uint16, mode="r")
+    ids_BS = torch.from_numpy(np.array(tokens[100_000:100_000 + seq], dtype=np.int64)).view(1, -1)
+    rows = {}
+
+    def record(index):
+        def hook(router, args, routing):
+            x_TH = args[0]
+            logits_TE = router.logits(x_TH)
+            common_E = logits_TE.mean(0)
+            counts_E = torch.bincount(routing.experts_TK.flatten(), minlength=router.num_experts).float()
+            cosine = F.cosine_similarity(x_TH, x_TH.mean(0, keepdim=True)).mean()
+            rows[index] = {"cos_to_mean": round(float(cosine), 3),
+                           "common_over_token_logit_std": round(float(common_E.std() / (logits_TE - common_E).std()), 2),
+                           "max_share": round(float(counts_E.max() / counts_E.mean()), 2),
+                           "dead_experts": int((counts_E == 0).sum())}
+        return hook
+
+    for index, router in model.routers().items():
+        router.register_forward_hook(record(index))
+    with torch.no_grad():
+        model(ids_BS, ids_BS)
+    return {"hidden": hidden, "init_method_std": init_std, "layers": [rows[i] for i in sorted(rows)]}
+
+
 def _shares(counts: list[int]) -> tuple[float, float]:
     mean = sum(counts) / len(counts)
     return min(counts) / mean, max(counts) / mean
@@ -123,7 +165,16 @@ def main(argv=None) -> int:
     parser.add_argument("--from-step", type=int, default=50, help="the summary's lowest share covers these steps")
     parser.add_argument("--min-share", type=float, default=0.25)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--at-init", default=None, metavar="HIDDEN:STD,...",
+                        help="instead of training: the routing of fresh models (e.g. 2048:0.02,2048:0.006)")
     args = parser.parse_args(argv)
+    if args.at_init:
+        rows = [routing_at_init(int(hidden), float(std))
+                for hidden, std in (item.split(":") for item in args.at_init.split(","))]
+        for row in rows:
+            print(row["hidden"], row["init_method_std"], *row["layers"], sep="\n  ")
+        write_json(args.json, run_header(1), rows)
+        return 0
     names = args.variants.split(",")
     unknown = [name for name in names if name not in VARIANTS]
     if unknown:
