@@ -58,6 +58,8 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
     "bias1e-2_router_std/10": (["model.moe_router_bias_update_rate=1e-2"], 0.1),
     "bias1e-3_init_std0.006": (["model.init_method_std=0.006"], 1.0),
     "bias1e-3_lr1e-4": (["train.lr=1e-4", "train.min_lr=1e-5"], 1.0),
+    "bias1e-3_init_std0.005": (["model.init_method_std=0.005"], 1.0),
+    "aux1e-2+bias1e-3_init_std0.005": (["model.moe_aux_loss_coeff=1e-2", "model.init_method_std=0.005"], 1.0),
     "aux1e-1+bias1e-3": (["model.moe_aux_loss_coeff=1e-1"], 1.0),
     "aux1e-2+bias3e-3": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=3e-3"], 1.0),
 }
