@@ -4,13 +4,16 @@ train`: the routers' bias update included), recording per step and MoE layer eac
 layer's mean (lowest and highest), for several routing settings side by side.
 
     python benchmarks/routing_probe.py --steps 80 --jobs 2 --json benchmarks/results/routing_probe_cpu.json
-    python benchmarks/routing_probe.py --variants bias1e-3,aux1e-2 --steps 30
+    python benchmarks/routing_probe.py --variants bias1e-3,aux1e-2_softmax --steps 30
+    python benchmarks/routing_probe.py --at-init 2048:0.02,2048:0.002 --json benchmarks/results/routing_at_init_cpu.json
 
 Each variant runs in its own process on one thread (``--jobs`` at a time). A variant is config overrides on top of
 the probe's model, plus optionally a factor on the routers' initial weights (``router_init_scale``). Per variant the
 JSON holds every step's loss and per-layer lowest and highest share, and a summary: the first step from which no
 expert of any layer stays below ``--min-share`` of its layer's mean until the end ("balanced_from"), the lowest share
 over the steps from ``--from-step`` on, the steps with a dead expert (no token) and the last step's loss.
+``--at-init`` trains nothing: it routes one sequence through fresh models of the given hidden size and init std
+(:func:`routing_at_init`).
 """
 
 from __future__ import annotations
