@@ -158,10 +158,33 @@ def test_bounded_device_plan_overflows_runs_again_and_equals_the_reference(rank_
     _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, bounded, {"overlap.moe_pipeline_chunks": 2}), True)
 
 
+def compute_only_case(output_dir: str, planning: str) -> list[float]:
+    """overlap.moe_compute_only lands each rank's own rows, whose copies belong elsewhere: they are dropped, and the
+    step stays finite."""
+    from tests.test_master import small_config, world_and_mesh
+    from moe_overlap.training.trainer import Trainer
+
+    cfg = small_config(output_dir, 2, 8, **{"overlap.moe_pipeline": "true", "overlap.moe_compute_only": "true",
+                                            "overlap.moe_planning": planning, "overlap.moe_pipeline_chunks": 2,
+                                            "overlap.moe_dispatch_once_per_rank": "true"})
+    _, mesh = world_and_mesh(cfg)
+    try:
+        return [Trainer(cfg, mesh, torch.device("cpu")).train_step()["grad_norm"]]
+    finally:
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("planning", ["host", "device"])
+def test_compute_only_reference_runs(rank_pool, tmp_path, planning):
+    for norms in rank_pool(2).run(compute_only_case, str(tmp_path), planning):
+        assert all(torch.isfinite(torch.tensor(norms))) and all(n > 0 for n in norms), norms
+
+
 # ------------------------------------------------------------------------------------------ refused
 @pytest.mark.parametrize("overrides,fragment", [
     ([], "needs overlap.moe_pipeline=true"),
-    (["overlap.moe_pipeline=true", "model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"],
+    (["overlap.moe_pipeline=true", "model.moe_expert_capacity_factor=1.0",
+      "model.moe_pad_expert_input_to_capacity=true"],
      "not implemented yet (with model.moe_pad_expert_input_to_capacity=true)"),
     (["overlap.moe_pipeline=true", "parallel.expert_tensor_parallel_size=2"],
      "not implemented yet (with expert_tensor_parallel_size > 1)"),

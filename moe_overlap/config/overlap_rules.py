@@ -126,7 +126,8 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
             raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False,
                                   "with model.moe_pad_expert_input_to_capacity=true")
         if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
-            raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, "with expert_tensor_parallel_size > 1")
+            raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False,
+                                  "with expert_tensor_parallel_size > 1")
     if m.moe_shared_expert_overlap:
         require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")

@@ -178,7 +178,7 @@ class DevicePlanner(Planner):
         """moe_dispatch_once_per_rank: the copies' layout bounds the grouped tensors and places every copy; the
         routes move wire rows, each chunk's at most its copies' bound (a wire row carries one copy or more) and
         at most every rank's tokens. Wire rows past that only arrive where copies overflowed too (counted)."""
-        E, D, T = self.num_experts, self.ep.size, routing.experts_TK.shape[0]
+        E, T = self.num_experts, routing.experts_TK.shape[0]
         R = self.permuted_rows(routing)
         chunk_rows, bound_C, _ = self.bounds(False, R)
         wire = self.wire_rows(routing)
@@ -224,7 +224,7 @@ class DevicePlanner(Planner):
                        kept_DC, start_DC, start_DC + kept_DC)
 
     def routes(self, lay: _Layout, R: int, W: int, chunk_rows: list[int]) -> DeviceRoutes:
-        E, D, me, L = self.num_experts, self.ep.size, self.ep.rank, self.local
+        E, me, L = self.num_experts, self.ep.rank, self.local
         device = lay.counts_SE.device
         # Dispatch: my block of slot b goes to rank d = its expert's owner, at that rank's block (l, me).
         dst_start_B = lay.recv_start_DLS[:, :, me].reshape(E)[self.expert_of_slot]

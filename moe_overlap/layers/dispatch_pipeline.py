@@ -77,12 +77,18 @@ class PipelineState:
         return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
 
 
+def _grouped_rows_mapped(plan: Plan) -> bool:
+    """Every grouped row within the offsets holds a copy: not past an overflowed bound, nor in a compute-only
+    reference (its rows' copies belong elsewhere); else the grouped tensors are zero filled, to stay finite."""
+    return plan.grouped_rows_mapped and not plan.transport.compute_only
+
+
 def _arrived(rows_WX: torch.Tensor, chunk: int, state: PipelineState, hidden: int) -> ArrivedRows:
     """A chunk's wire rows split into hidden states and their copies (device-planned: rows past the count
     carry none)."""
     plan = state.plan
     count = plan.routes.recv_rows_C[chunk] if isinstance(plan.routes, DeviceRoutes) else None
-    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.grouped_rows[chunk], count)
+    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count)
 
 
 def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, arrived: ArrivedRows | None = None
@@ -92,7 +98,7 @@ def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, a
     regrouped by expert."""
     plan = state.plan
     if arrived is not None:
-        grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk], plan.grouped_rows_mapped)
+        grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk], _grouped_rows_mapped(plan))
         return grouped_RH, plan.offsets[chunk]
     if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]
@@ -218,7 +224,7 @@ class Experts(torch.autograd.Function):
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
                 arrived, y_RH = wire
                 grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, arrived.grouped_row_WJ, arrived.probs_WJ,
-                                                              plan.grouped_rows_mapped, num_rows=grouped_RH.shape[0])
+                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0])
                 offsets = plan.offsets[chunk]
             else:
                 grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)

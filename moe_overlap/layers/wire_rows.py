@@ -15,8 +15,10 @@ their routes are unchanged (they move rows and do not care what a row means), an
                   rows of a wire row's copies are summed before they go back (permute_backward)
 
 The expert side learns each wire row's copies from the sender: beside the hidden state, a dispatched row carries
-J int32 grouped rows (chunk-relative, in the receiver's (local expert, source rank) order; -1: no copy) and J fp32
-probs, as raw bits in extra columns of the row (the transports move bytes unchanged: bit-exact). The probs'
+J int32 grouped rows (chunk-relative, in the receiver's (local expert, source rank) order; stored plus one, 0: no
+copy, so that no byte pattern written is a NaN read as a float: a compute-only reference reads a region's leftovers
+of an exchange of another width) and J fp32 probs, as raw bits in extra columns of the row (the transports move
+bytes unchanged: bit-exact). The probs'
 gradients travel back the same way, J fp32 in extra columns of the dgrad rows, and are scattered into
 grad_probs_TK on the token side (so the probs' gradient comes out of the dispatch's backward, not the combine's).
 A token's k experts are distinct (top-k), so a wire row holds at most J copies.
@@ -98,8 +100,8 @@ def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, gr
     send_RX = x_TH.new_empty((R, H + extra_columns(2 * J, x_TH.dtype)))
     permute(x_TH, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :H])  # rows past the wire rows: never read
     index = (wire.row_of_copy_TK * J + wire.slot_TK).reshape(-1)  # a dropped copy: into the spare row R
-    grouped_RJ = torch.full(((R + 1) * J,), -1, dtype=torch.int32, device=x_TH.device)
-    grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32)
+    grouped_RJ = torch.zeros(((R + 1) * J,), dtype=torch.int32, device=x_TH.device)
+    grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32) + 1  # a copy past a bound (-1): none
     probs_RJ = torch.zeros(((R + 1) * J,), dtype=torch.float32, device=x_TH.device)
     probs_RJ[index] = probs_TK.detach().reshape(-1).float()
     meta_RM = torch.cat((grouped_RJ.view(R + 1, J)[:R], probs_RJ.view(R + 1, J)[:R].view(torch.int32)), 1)
@@ -116,14 +118,14 @@ class ArrivedRows:
     probs_WJ: torch.Tensor  # fp32
 
 
-def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, grouped_rows: int,
+def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch.Tensor,
                  count: torch.Tensor | None) -> ArrivedRows:
     """``count``: the chunk's received rows on the device (rows past it were never written: their copies are
-    dropped), or None when every row is one. A grouped row outside the chunk's tensor is dropped too (a
-    compute-only reference lands a rank's own rows, whose copies belong elsewhere)."""
+    dropped), or None when every row is one. A grouped row past the chunk's last grouped-GEMM offset is dropped too
+    (a compute-only reference lands a rank's own rows, whose copies belong elsewhere)."""
     meta_WM = rows_WX[:, hidden:].contiguous().view(torch.int32)
-    grouped_WJ = meta_WM[:, :copies]
-    valid = (grouped_WJ >= 0) & (grouped_WJ < grouped_rows)
+    grouped_WJ = meta_WM[:, :copies] - 1
+    valid = (grouped_WJ >= 0) & (grouped_WJ < offsets[-1])
     if count is not None:
         valid &= torch.arange(rows_WX.shape[0], device=rows_WX.device).unsqueeze(1) < count
     return ArrivedRows(rows_WX[:, :hidden], torch.where(valid, grouped_WJ, -1),
