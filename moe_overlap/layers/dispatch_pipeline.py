@@ -98,7 +98,8 @@ def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, a
     regrouped by expert."""
     plan = state.plan
     if arrived is not None:
-        grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk], _grouped_rows_mapped(plan))
+        grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk],
+                             _grouped_rows_mapped(plan))
         return grouped_RH, plan.offsets[chunk]
     if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]
@@ -124,26 +125,25 @@ class DispatchStart(torch.autograd.Function):
         plan = state.plan
         if plan.wire is None:
             send_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
-        else:  # host-planned: waits for the counts in the grouped rows, after the permutation was queued
+        else:  # the grouped rows beside: host-planned, they wait for the counts, after the permutation was queued
             send_RH = dispatch_rows(x_TH, probs_TK, plan.wire, lambda: plan.grouped_row_of_copy_TK)
             state.probs_need_grad = ctx.needs_input_grad[1]
         # host-planned: waits for the counts here, after the permutation was queued
         state.dispatch = plan.transport.to_experts(send_RH, plan.routes, state.sms)
         state.dispatch.send(0, alone=not state.paired)  # the pipeline's fill: no expert GEMM beside it
         ctx.state, ctx.x_dtype, ctx.hidden = state, x_TH.dtype, x_TH.shape[1]
-        ctx.save_for_backward(probs_TK if state.probs_need_grad else None)
+        ctx.probs_dtype = probs_TK.dtype if state.probs_need_grad else None
         return x_TH.new_empty(0)  # orders Experts after this; carries no data
 
     @staticmethod
     def backward(ctx, _grad_token: torch.Tensor):
         state = ctx.state
-        (probs_TK,) = ctx.saved_tensors
         exchange, state.grad_combine = state.grad_combine, None
         grad_probs_TK = None
         if state.plan.wire is None:
             grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK)
         else:
-            grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, probs_TK)
+            grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, ctx.probs_dtype)
         exchange.finish()  # after the kernels that read the landed rows
         return grad_TH.to(ctx.x_dtype), grad_probs_TK, None
 

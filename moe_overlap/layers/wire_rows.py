@@ -139,15 +139,16 @@ def with_probs_grad(grad_x_WH: torch.Tensor, grad_probs_WJ: torch.Tensor | None)
     return torch.cat((grad_x_WH, grad_probs_WJ.float().contiguous().view(grad_x_WH.dtype)), 1)
 
 
-def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_TK: torch.Tensor | None
+def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype: torch.dtype | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The dispatch's backward on the token side: each token's wire rows' gradients summed, and (with
-    ``probs_TK``, whose gradient is wanted) each copy's prob gradient taken from its wire row's extra columns."""
+    ``probs_dtype``: the probs' gradient is wanted) each copy's prob gradient taken from its wire row's extra
+    columns."""
     grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC)
-    if probs_TK is None:
+    if probs_dtype is None:
         return grad_TH, None
     grad_probs = torch.cat((grad_RX[:, hidden:].contiguous().view(torch.float32).reshape(-1),
                             grad_RX.new_zeros(1, dtype=torch.float32)))
     index = wire.row_of_copy_TK * wire.copies + wire.slot_TK
     index = torch.where(wire.row_of_copy_TK < grad_RX.shape[0], index, grad_probs.numel() - 1)  # dropped: zero
-    return grad_TH, grad_probs[index].to(probs_TK.dtype)
+    return grad_TH, grad_probs[index].to(probs_dtype)
