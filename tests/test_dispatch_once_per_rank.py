@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig, load_config
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
+from moe_overlap.layers.exchange_memory import wire_region_bytes
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.wire_rows import token_wire_rows
 from tests.test_moe_layer import CAPACITIES, SHARED, OneRankTransports, moe_case, moe_cases
@@ -100,9 +101,9 @@ def wire_rows_case(topk: int, experts: int, chunks: int) -> dict:
         cfg = ModelConfig(hidden_size=hidden, ffn_hidden_size=8, num_moe_experts=experts, moe_router_topk=topk)
         sent = {}
         for planning in ("host", "device"):
-            selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
-                                         chunks, 60)
-            for once in (False, True):
+            for once in (False, True):  # a selector each: its regions grow to the largest exchange they carried
+                selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
+                                             chunks, 60)
                 overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, moe_planning=planning,
                                         moe_dispatch_once_per_rank=once)
                 layer = MoELayer(cfg, overlap, mesh.ep, selector)
@@ -112,10 +113,13 @@ def wire_rows_case(topk: int, experts: int, chunks: int) -> dict:
                 else:
                     rows_C = plan.routes.send_rows_C.tolist()
                 sent[(planning, once)] = rows_C
+            if planning == "device":  # what `info` prints (exchange_memory.py): the regions hold the wire rows
+                predicted = wire_region_bytes(world, tokens, topk, plan.chunk_experts, None, hidden, 4)
+                region_bytes = (selector.transport(0).regions.region_bytes, predicted)
         local = experts // world  # (token, rank) pairs per chunk of local experts
         distinct = [sum(len({e // local for e in row.tolist() if start <= e % local < stop}) for row in experts_TK)
                     for start, stop in plan.chunk_experts]
-        return dict(sent=sent, tokens=tokens, distinct=distinct)
+        return dict(sent=sent, tokens=tokens, distinct=distinct, region_bytes=region_bytes)
     finally:
         mesh.destroy()
 
@@ -123,7 +127,7 @@ def wire_rows_case(topk: int, experts: int, chunks: int) -> dict:
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_the_wire_carries_a_token_once_per_rank_and_chunk(rank_pool, chunks):
     """Fine routing, top-8 of 16 experts at EP=2: 8 copies per token, at most 2 rows per token and chunk (one per
-    rank), the same count from either planner."""
+    rank), the same count from either planner; the symmetric regions are sized for wire rows, as `info` says."""
     for result in rank_pool(2).run(wire_rows_case, 8, 16, chunks):
         sent, tokens = result["sent"], result["tokens"]
         assert sent[("host", False)] == sent[("device", False)] and sum(sent[("host", False)]) == 8 * tokens
@@ -131,6 +135,8 @@ def test_the_wire_carries_a_token_once_per_rank_and_chunk(rank_pool, chunks):
         assert all(rows <= 2 * tokens for rows in sent[("host", True)])
         assert sum(sent[("host", True)]) <= 2 * chunks * tokens < 8 * tokens
         assert sent[("host", True)] == result["distinct"]
+        allocated, predicted = result["region_bytes"]
+        assert predicted <= allocated < predicted + 256  # up to the regions' alignment
 
 
 # ------------------------------------------------------------------------------------------ training steps

@@ -101,6 +101,14 @@ def receive_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], fa
     return min(ranks * rows, sum(chunk_bounds_rows(ranks, rows, chunk_experts, factor))) + 1
 
 
+def wire_chunk_rows(ranks: int, rows: int, tokens: int, chunk_experts: list[tuple[int, int]],
+                    factor: float | None) -> list[int]:
+    """moe_dispatch_once_per_rank: static wire rows each chunk of a rank's local experts may receive per layer
+    call: at most its copies' bound (a wire row carries one copy or more) and every rank's ``tokens`` (a token
+    crosses once per chunk and rank). Wire rows past it only arrive where copies overflowed their bound too."""
+    return [min(bound, ranks * tokens) for bound in chunk_bounds_rows(ranks, rows, chunk_experts, factor)]
+
+
 def region_rows(receive_rows: int, permuted_rows: int) -> int:
     """Rows each of the transport's symmetric regions holds for a layer call: the compact receive buffer
     (dispatch) or a permuted buffer (combine: every row back at its source), whichever is larger."""
@@ -149,11 +157,11 @@ class DevicePlanner(Planner):
         return self._bounds[key]
 
     def wire_bounds(self, rows: int, tokens: int) -> tuple[list[int], torch.Tensor, int]:
-        """moe_dispatch_once_per_rank: each chunk's static wire rows, at most its copies' bound and every rank's
-        tokens (a token crosses once per chunk and rank), and the compact receive buffer's rows, the spare last."""
+        """moe_dispatch_once_per_rank: each chunk's static wire rows (:func:`wire_chunk_rows`), and the compact
+        receive buffer's rows, the spare last."""
         key = (False, rows, tokens)
         if key not in self._bounds:
-            chunk_rows = [min(bound, self.ep.size * tokens) for bound in self.bounds(False, rows)[0]]
+            chunk_rows = wire_chunk_rows(self.ep.size, rows, tokens, self.chunk_experts, self.capacity_factor)
             self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), sum(chunk_rows) + 1)
         return self._bounds[key]
 
@@ -175,9 +183,8 @@ class DevicePlanner(Planner):
                           self.offsets(layout), transport, overflow_rows)
 
     def _wire_plan(self, routing: Routing) -> DevicePlan:
-        """moe_dispatch_once_per_rank: the copies' layout bounds the grouped tensors and places every copy; the
-        routes move wire rows, each chunk's at most its copies' bound (a wire row carries one copy or more) and
-        at most every rank's tokens. Wire rows past that only arrive where copies overflowed too (counted)."""
+        """moe_dispatch_once_per_rank: the copies' layout bounds the grouped tensors, places every copy and counts
+        the overflow; the routes move wire rows within their own bounds (:func:`wire_chunk_rows`)."""
         E, T = self.num_experts, routing.experts_TK.shape[0]
         R = self.permuted_rows(routing)
         chunk_rows, bound_C, _ = self.bounds(False, R)

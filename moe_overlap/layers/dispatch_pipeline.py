@@ -67,7 +67,7 @@ class PipelineState:
     combine: FromExperts | None = None
     grad_dispatch: ToExperts | None = None
     grad_combine: FromExperts | None = None
-    saved: list[tuple] = field(default_factory=list)  # per chunk: grouped rows, fc1 out (wire: arrived rows, out)
+    saved: list[tuple] = field(default_factory=list)  # per chunk: grouped rows, fc1 out (wire: copies, out)
     probs_need_grad: bool = False  # wire: the expert side computes the probs' gradient
 
     def carveout(self):
@@ -187,7 +187,8 @@ class Experts(torch.autograd.Function):
                 state.saved.append((grouped_RH, h_RF2))
                 return _rows_from_experts(y_RH, chunk, state), None
             # the expert outputs weighted by their probs and summed per wire row, on the expert side
-            state.saved.append((grouped_RH, h_RF2, arrived, y_RH if state.probs_need_grad else None))
+            copies = arrived.grouped_row_WJ, arrived.probs_WJ  # not the received rows: they are in grouped_RH
+            state.saved.append((grouped_RH, h_RF2, copies, y_RH if state.probs_need_grad else None))
             return unpermute(y_RH, arrived.grouped_row_WJ, arrived.probs_WJ), None
 
         _run_chunks(state, dispatch, state.combine, compute, last_alone=not state.paired)
@@ -222,8 +223,8 @@ class Experts(torch.autograd.Function):
                 return rows_RH.new_empty((0, width)), None
             grad_probs_WJ = None
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
-                arrived, y_RH = wire
-                grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, arrived.grouped_row_WJ, arrived.probs_WJ,
+                (grouped_row_WJ, probs_WJ), y_RH = wire
+                grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, grouped_row_WJ, probs_WJ,
                                                               _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0])
                 offsets = plan.offsets[chunk]
             else:
@@ -235,7 +236,7 @@ class Experts(torch.autograd.Function):
                            slice(first, last))
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
             back_RH = (_rows_from_experts(grad_x_RH, chunk, state) if not wire else  # a wire row's copies summed
-                       with_probs_grad(permute_backward(grad_x_RH, arrived.grouped_row_WJ), grad_probs_WJ))
+                       with_probs_grad(permute_backward(grad_x_RH, grouped_row_WJ), grad_probs_WJ))
             return back_RH, None if later else (lambda: wgrad(chunk))
 
         # the last transfer back runs beside the delayed weight gradients (or another micro-batch), else alone
