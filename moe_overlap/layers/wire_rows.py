@@ -18,7 +18,7 @@ The expert side learns each wire row's copies from the sender: beside the hidden
 J int32 grouped rows (chunk-relative, in the receiver's (local expert, source rank) order; stored plus one, 0: no
 copy, so that no byte pattern written is a NaN read as a float: a compute-only reference reads a region's leftovers
 of an exchange of another width) and J fp32 probs, as raw bits in extra columns of the row (the transports move
-bytes unchanged: bit-exact). The probs'
+bytes unchanged: bit-exact; padded to 16 bytes). The probs'
 gradients travel back the same way, J fp32 in extra columns of the dgrad rows, and are scattered into
 grad_probs_TK on the token side (so the probs' gradient comes out of the dispatch's backward, not the combine's).
 A token's k experts are distinct (top-k), so a wire row holds at most J copies.
@@ -36,6 +36,7 @@ import torch
 from moe_overlap.kernels.permute import copy_rows, permute, permute_backward
 
 WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
+ALIGN_WORDS = 4  # the extra columns padded to 16 bytes: a row of 16-byte aligned hidden stays so (vector stores)
 
 
 def copies_per_wire_row(topk: int, chunk_experts: list[tuple[int, int]]) -> int:
@@ -43,17 +44,28 @@ def copies_per_wire_row(topk: int, chunk_experts: list[tuple[int, int]]) -> int:
     return min(topk, max(stop - start for start, stop in chunk_experts))
 
 
+def _padded_words(words: int) -> int:
+    return -(-words // ALIGN_WORDS) * ALIGN_WORDS
+
+
 def extra_columns(words: int, dtype: torch.dtype) -> int:
-    """Columns of ``dtype`` that hold ``words`` int32 / fp32 values."""
+    """Columns of ``dtype`` that hold ``words`` int32 / fp32 values, padded to 16 bytes."""
     size = torch.empty((), dtype=dtype).element_size()
     if WORD % size:
         raise ValueError(f"moe_dispatch_once_per_rank: rows of {dtype} cannot carry 4-byte values")
-    return words * WORD // size
+    return _padded_words(words) * WORD // size
 
 
 def wire_row_bytes(hidden_bytes: int, copies: int) -> int:
-    """The widest row that crosses: a dispatched one, its hidden state and 2 x J words."""
-    return hidden_bytes + 2 * copies * WORD
+    """The widest row that crosses: a dispatched one, its hidden state and 2 x J words (padded)."""
+    return hidden_bytes + _padded_words(2 * copies) * WORD
+
+
+def _words(values_RW: torch.Tensor) -> torch.Tensor:
+    """int32 / fp32 columns as raw int32 words, zero padded to 16 bytes (every byte written: no stale NaN)."""
+    words_RW = values_RW.view(torch.int32)
+    pad = _padded_words(words_RW.shape[1]) - words_RW.shape[1]
+    return torch.nn.functional.pad(words_RW, (0, pad)) if pad else words_RW
 
 
 @dataclass
@@ -104,7 +116,7 @@ def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, gr
     grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32) + 1  # a copy past a bound (-1): none
     probs_RJ = torch.zeros(((R + 1) * J,), dtype=torch.float32, device=x_TH.device)
     probs_RJ[index] = probs_TK.detach().reshape(-1).float()
-    meta_RM = torch.cat((grouped_RJ.view(R + 1, J)[:R], probs_RJ.view(R + 1, J)[:R].view(torch.int32)), 1)
+    meta_RM = _words(torch.cat((grouped_RJ.view(R + 1, J)[:R], probs_RJ.view(R + 1, J)[:R].view(torch.int32)), 1))
     send_RX[:, H:] = meta_RM.view(x_TH.dtype)
     return send_RX
 
@@ -129,14 +141,14 @@ def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch
     if count is not None:
         valid &= torch.arange(rows_WX.shape[0], device=rows_WX.device).unsqueeze(1) < count
     return ArrivedRows(rows_WX[:, :hidden], torch.where(valid, grouped_WJ, -1),
-                       meta_WM[:, copies:].contiguous().view(torch.float32))
+                       meta_WM[:, copies:2 * copies].contiguous().view(torch.float32))
 
 
 def with_probs_grad(grad_x_WH: torch.Tensor, grad_probs_WJ: torch.Tensor | None) -> torch.Tensor:
     """The dgrad rows that go back to the tokens, with the probs' gradients in extra columns (if any)."""
     if grad_probs_WJ is None:
         return grad_x_WH
-    return torch.cat((grad_x_WH, grad_probs_WJ.float().contiguous().view(grad_x_WH.dtype)), 1)
+    return torch.cat((grad_x_WH, _words(grad_probs_WJ.float().contiguous()).view(grad_x_WH.dtype)), 1)
 
 
 def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype: torch.dtype | None
@@ -147,8 +159,9 @@ def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype:
     grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC)
     if probs_dtype is None:
         return grad_TH, None
-    grad_probs = torch.cat((grad_RX[:, hidden:].contiguous().view(torch.float32).reshape(-1),
+    J = wire.copies
+    grad_probs = torch.cat((grad_RX[:, hidden:].contiguous().view(torch.float32)[:, :J].reshape(-1),
                             grad_RX.new_zeros(1, dtype=torch.float32)))
-    index = wire.row_of_copy_TK * wire.copies + wire.slot_TK
+    index = wire.row_of_copy_TK * J + wire.slot_TK
     index = torch.where(wire.row_of_copy_TK < grad_RX.shape[0], index, grad_probs.numel() - 1)  # dropped: zero
     return grad_TH, grad_probs[index].to(probs_dtype)
