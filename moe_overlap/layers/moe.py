@@ -11,7 +11,9 @@ each call's exchange, and ``overlap.moe_pipeline`` runs it as a pipeline of chun
                      GEMMs as its rows arrive, the outputs started back
     finish_combine   wait for the outputs, unpermute; add the shared expert (run here when not in the gap)
 
-otherwise the serial reference (dispatcher.py). The math is the same.
+otherwise the serial reference (dispatcher.py). The math is the same. With ``overlap.moe_dispatch_once_per_rank`` the
+pipeline moves each token once per (chunk, destination rank) and weights the expert outputs on the expert side
+(wire_rows.py).
 """
 
 from __future__ import annotations
