@@ -4,7 +4,8 @@ Same math: the layer with the switch on against the naive formula (which the ser
 input, prob and weight gradients within 1e-5 normwise, fp32 on gloo ranks) for host and device planning, 1 and 2
 chunks, dropless and dropping capacity, the shared expert in the dispatch gap with delayed weight gradients, a rank
 that receives nothing and one without tokens; the copy engine and the SM push kernel (interpreted) on one rank;
-training steps with paired micro-batches and with a bounded device-planned exchange that overflows and runs again.
+training steps with paired micro-batches, under a zero-bubble pipeline schedule, and with a bounded device-planned
+exchange that overflows and runs again; the compute-only reference stays finite.
 The wire carries fewer rows: at most one per token, chunk and destination rank. Refused combinations are one line.
 """
 
@@ -152,6 +153,19 @@ def test_paired_micro_batches_match_single_process(rank_pool, tmp_path):
                                                                    "overlap.moe_pipeline_chunks": 2,
                                                                    "overlap.delay_wgrad_compute": "true"})}
     check(rank_pool(2).run(pipeline_case, str(tmp_path), 4, 1, variants))
+
+
+def test_zero_bubble_pipeline_stages_match_single_process(rank_pool, tmp_path):
+    """PP=2 x EP=2 under ZB-H1: the weight gradients deferred to the schedule's W (the expert-side copies and the
+    probs' gradients made in its I), host-planned with delayed wgrad and device-planned with 2 chunks."""
+    from tests.test_pipeline import check, pipeline_case, pp_layout
+
+    once = {"parallel.expert_model_parallel_size": 2, "overlap.moe_pipeline": "true",
+            "overlap.moe_dispatch_once_per_rank": "true", "overlap.moe_pipeline_chunks": 2}
+    variants = {"ep2_zb_host_delay_wgrad": pp_layout(2, "zb_h1", **once, **{"overlap.moe_planning": "host",
+                                                                            "overlap.delay_wgrad_compute": "true"}),
+                "ep2_zb_device": pp_layout(2, "zb_h1", **once, **{"overlap.moe_planning": "device"})}
+    check(rank_pool(4).run(pipeline_case, str(tmp_path), 4, 1, variants))
 
 
 def test_bounded_device_plan_overflows_runs_again_and_equals_the_reference(rank_pool, tmp_path):
