@@ -118,10 +118,7 @@ class Planner:
         self.first_expert = torch.tensor([start for start, _ in bounds], device=device)
         self.chunk_of_expert = torch.tensor([c for c, (a, b) in enumerate(bounds) for _ in range(a, b)], device=device)
         self.targets: Planner | None = None
-        if once_per_rank:
-            if pad_to_capacity:
-                raise ValueError("overlap.moe_dispatch_once_per_rank=True: not implemented yet with "
-                                 "model.moe_pad_expert_input_to_capacity=true")
+        if once_per_rank:  # not with padded capacity nor expert-TP > 1 (MoELayer refuses them)
             self.copies = copies_per_wire_row(topk, bounds)
             self.targets = type(self)(ep.size * chunks, ep, chunks, False, transports, device, row_bytes)
             self.wire_bytes = wire_row_bytes(row_bytes, self.copies)

@@ -166,8 +166,6 @@ class HostPlanner(Planner):
                  transports: TransportSelector | None, device: torch.device, row_bytes: int,
                  etp: GroupHandle | None = None, expert_mp: GroupHandle | None = None, once_per_rank: bool = False,
                  topk: int = 0):
-        if once_per_rank and etp is not None:
-            raise ValueError("overlap.moe_dispatch_once_per_rank=True: not implemented yet with expert-TP > 1")
         super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes, once_per_rank, topk)
         self.etp = etp
         self.counts_group = ep if etp is None else expert_mp
@@ -200,8 +198,8 @@ class HostPlanner(Planner):
             rows_SDL = counts_SE.numpy().reshape(self.ep.size, self.ep.size, self.local)
             routes, _ = self.targets._tables(wire_SV.numpy().reshape(self.ep.size, self.ep.size, -1), offsets=False)
             _, offsets = self._tables(rows_SDL, routes=False)
-            grouped_TK = self.grouped_row_of_copies(counts_SE.to(self.device, non_blocking=True), row_of_copy_TK,
-                                                    routing.experts_TK)
+            on_device_SE = counts_GX.to(self.device, non_blocking=True)[:, :E]  # pinned: one async copy
+            grouped_TK = self.grouped_row_of_copies(on_device_SE, row_of_copy_TK, routing.experts_TK)
             grouped_rows = [int(rows_SDL[:, self.ep.rank, a:b].sum()) for a, b in self.chunk_experts]
             return HostExchange(routes, offsets, None, grouped_TK, grouped_rows)
 
