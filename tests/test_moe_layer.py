@@ -134,12 +134,13 @@ def moe_cases(routing: str, topk: int, settings: list[dict], etp: int = 1,
 
 def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, planning: str = "auto",
                capacity: int | None = None, pad: bool = False, shared: str = "off", delay_wgrad: bool = False,
-               etp: int = 1, force_pipeline: bool = False) -> float:
+               etp: int = 1, force_pipeline: bool = False, once_per_rank: bool = False) -> float:
     """chunks 0 is the serial path; >= 1 the pipeline with that many chunks, its sizes planned by ``planning``
     (host, or device: on CPU the gloo twin of the SM push). shared: off, serial (shared expert outside the
     pipeline), overlap (inside the dispatch gap). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
     group), instead of the local path the layer picks there. ``selectors``: the pipeline's transports per
-    planning mode, made over ``mesh``'s EP group for a mode it lacks."""
+    planning mode, made over ``mesh``'s EP group for a mode it lacks. ``once_per_rank``:
+    overlap.moe_dispatch_once_per_rank (the pipeline's wire rows)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
                       moe_pad_expert_input_to_capacity=pad,
@@ -147,6 +148,7 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
                       moe_shared_expert_overlap=shared == "overlap")
     overlap = OverlapConfig(moe_pipeline=chunks > 0, moe_pipeline_chunks=max(chunks, 1),
                             delay_wgrad_compute=delay_wgrad, moe_planning=planning,
+                            moe_dispatch_once_per_rank=once_per_rank,
                             moe_expert_rank_capacity_factor=None)  # exact here: no trainer runs an overflow again
     transports = None
     if chunks:

@@ -100,7 +100,7 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
     chunks are runs of local experts."""
     defaults = OverlapConfig()
     for name in ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
-                 "moe_expert_rank_capacity_factor"):
+                 "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank"):
         if getattr(o, name) != getattr(defaults, name):
             require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
                      "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
@@ -121,6 +121,13 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
         if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
             raise not_implemented("overlap.moe_compute_only", True, False,
                                    "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
+    if o.moe_dispatch_once_per_rank:
+        if m.moe_pad_expert_input_to_capacity:
+            raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False,
+                                  "with model.moe_pad_expert_input_to_capacity=true")
+        if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+            raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False,
+                                  "with expert_tensor_parallel_size > 1")
     if m.moe_shared_expert_overlap:
         require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")

@@ -177,6 +177,10 @@ class OverlapConfig:
     # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (README). Host planning is exact and
     # needs no bound (with auto planning there, it has no effect).
     moe_expert_rank_capacity_factor: Optional[float] = None
+    # Each token crosses to an EP rank once per chunk (as DeepEP): dispatch sends its hidden state once to each
+    # (chunk, rank) holding any of its k experts, with their grouped rows and probs beside it; the receiver expands it
+    # into its experts' rows, weights their outputs by the probs and sums them into one row that goes back.
+    moe_dispatch_once_per_rank: bool = False
     # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
     # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
     # expert GEMMs on as many rows as each rank would receive without moving them. The learning rate is held at

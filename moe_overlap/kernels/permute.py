@@ -385,6 +385,12 @@ def _new_rows(num_rows: int, like: torch.Tensor, all_rows_mapped: bool) -> torch
     return alloc((num_rows, like.shape[1]), dtype=like.dtype, device=like.device)
 
 
+def _check_out(out: Optional[torch.Tensor], num_rows: int, x_TH: torch.Tensor) -> None:
+    if out is not None and (out.shape != (num_rows, x_TH.shape[1]) or out.dtype != x_TH.dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be a ({num_rows}, {x_TH.shape[1]}) {x_TH.dtype} tensor with contiguous rows, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+
+
 def _copy_index(row_of_copy_TK: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid copies (T*K,), row index (T*K,) int64 with uncounted copies sent to the spare row num_rows)."""
     rows = row_of_copy_TK.reshape(-1).long()
@@ -404,25 +410,31 @@ def _gather_copies(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> tuple[
 
 
 def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-                  all_rows_mapped: bool = False) -> torch.Tensor:
+                  all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Twin of `permute`: index_copy_ of the expanded copies into num_rows + 1 rows (the spare row takes -1)."""
     _check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
+    _check_out(out, num_rows, x_TH)
     T, H = x_TH.shape
     K = row_of_copy_TK.shape[1]
     buf = x_TH.new_zeros((num_rows + 1, H))
     _, index = _copy_index(row_of_copy_TK, num_rows)
     buf.index_copy_(0, index, x_TH.unsqueeze(1).expand(T, K, H).reshape(T * K, H))
-    return buf[:num_rows]
+    return buf[:num_rows] if out is None else out.copy_(buf[:num_rows])
 
 
 def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-                   all_rows_mapped: bool = False, *, block_h: Optional[int] = None) -> torch.Tensor:
+                   all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
+                   block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute`: one program per token; its row read once, written to its K rows BLOCK_H at a time."""
     _require_triton()
     _check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
-    out = _new_rows(num_rows, x_TH, all_rows_mapped)
+    _check_out(out, num_rows, x_TH)
+    if out is None:
+        out = _new_rows(num_rows, x_TH, all_rows_mapped)
+    elif not all_rows_mapped:
+        out.zero_()
     T, H = x_TH.shape
     K = row_of_copy_TK.shape[1]
     if T == 0 or K == 0 or H == 0 or num_rows == 0:
@@ -436,12 +448,13 @@ def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: i
 
 
 def permute(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-            all_rows_mapped: bool = False) -> torch.Tensor:
+            all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x_RH (num_rows, H): row row_of_copy_TK[t, k] = x_TH[t]; rows no copy maps to are zero (unless
-    all_rows_mapped); -1 copies are skipped. num_rows comes from the caller (no host sync here)."""
+    all_rows_mapped); -1 copies are skipped. num_rows comes from the caller (no host sync here). ``out``: written
+    into (and returned) instead of a new tensor, e.g. the first H columns of a wider buffer (rows may be strided)."""
     if use_triton(x_TH, "permute"):
-        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped)
-    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped)
+        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out)
+    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out)
 
 
 def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:

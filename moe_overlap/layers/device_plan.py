@@ -43,8 +43,9 @@ from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.routes import fill_routes
-from moe_overlap.layers.exchange_plan import Planner
+from moe_overlap.layers.exchange_plan import Planner, exclusive_cumsum
 from moe_overlap.layers.router import Routing
+from moe_overlap.layers.wire_rows import WireRows
 
 
 @dataclass
@@ -52,18 +53,35 @@ class DevicePlan:
     """One layer call's plan with every size on the device (see exchange_plan.Plan)."""
 
     row_of_copy_TK: torch.Tensor  # int32 permuted row of each copy, -1 if dropped
-    num_rows: int  # static rows of the permuted buffer
+    num_rows: int  # static rows of the permuted buffer (wire: of the wire send buffer)
     all_rows_mapped: bool  # no zero fill: every row is a copy's or never read (only padding must be zero)
     chunk_experts: list[tuple[int, int]]
     routes: DeviceRoutes
     offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets within its tensor
     transport: Transport
     overflow_rows: torch.Tensor  # int64 scalar: rows this rank would receive past its chunks' bounds (0: exact)
+    wire: WireRows | None = None  # moe_dispatch_once_per_rank: the routes move these
+    grouped_row_of_copy_TK: torch.Tensor | None = None  # wire: each copy's grouped row at its destination
+    grouped_rows: list[int] | None = None  # wire: static rows of each chunk's grouped tensor (its bound)
+    grouped_rows_mapped: bool = True  # wire: no bound that rows may overflow (the worst case)
     expert_tp = None  # device planning with expert-TP > 1 is refused (exchange_rules.expert_tp_refusal)
 
 
-def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return torch.cumsum(x, dim) - x
+@dataclass
+class _Layout:
+    """Every destination's compact receive layout from every rank's counts (DevicePlanner.layout)."""
+
+    counts_SE: torch.Tensor
+    blocks_SB: torch.Tensor  # every source's permuted blocks, in slot order
+    send_start_SB: torch.Tensor
+    rows_DLS: torch.Tensor  # [destination, local expert, source]
+    recv_start_DLS: torch.Tensor  # each block's first row in its destination's compact buffer
+    end_DL: torch.Tensor
+    first_row_DC: torch.Tensor  # each chunk's first row, as if unbounded
+    arrived_DC: torch.Tensor
+    kept_DC: torch.Tensor  # rows that fit the chunk's bound
+    start_DC: torch.Tensor
+    limit_DC: torch.Tensor  # a row at or past it does not fit: the spare row takes it
 
 
 def chunk_bounds_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None) -> list[int]:
@@ -83,6 +101,14 @@ def receive_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], fa
     return min(ranks * rows, sum(chunk_bounds_rows(ranks, rows, chunk_experts, factor))) + 1
 
 
+def wire_chunk_rows(ranks: int, rows: int, tokens: int, chunk_experts: list[tuple[int, int]],
+                    factor: float | None) -> list[int]:
+    """moe_dispatch_once_per_rank: static wire rows each chunk of a rank's local experts may receive per layer
+    call: at most its copies' bound (a wire row carries one copy or more) and every rank's ``tokens`` (a token
+    crosses once per chunk and rank). Wire rows past it only arrive where copies overflowed their bound too."""
+    return [min(bound, ranks * tokens) for bound in chunk_bounds_rows(ranks, rows, chunk_experts, factor)]
+
+
 def region_rows(receive_rows: int, permuted_rows: int) -> int:
     """Rows each of the transport's symmetric regions holds for a layer call: the compact receive buffer
     (dispatch) or a permuted buffer (combine: every row back at its source), whichever is larger."""
@@ -95,20 +121,18 @@ class DevicePlanner(Planner):
 
     def __init__(self, num_experts: int, ep: GroupHandle, chunks: int, pad_to_capacity: bool,
                  transports: TransportSelector, device: torch.device, row_bytes: int,
-                 capacity_factor: float | None = None):
-        super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes)
+                 capacity_factor: float | None = None, once_per_rank: bool = False, topk: int = 0):
+        super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes, once_per_rank, topk)
         self.capacity_factor = capacity_factor  # overlap.moe_expert_rank_capacity_factor; None: the worst case
         ranks, bounds = ep.size, self.chunk_experts
         self.rank_of_slot = (self.expert_of_slot // self.local).to(torch.int32)
         self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(self.local)  # (l, s)
         self.first_slot = torch.tensor([ranks * start for start, _ in bounds], device=device)
         self.last_slot = torch.tensor([ranks * stop - 1 for _, stop in bounds], device=device)
-        self.first_expert = torch.tensor([start for start, _ in bounds], device=device)
         self.last_expert = torch.tensor([stop - 1 for _, stop in bounds], device=device)
-        self.chunk_of_expert = torch.tensor([c for c, (a, b) in enumerate(bounds) for _ in range(a, b)], device=device)
         self.chunk_of_slot = self.chunk_of_expert[self.expert_of_slot % self.local]
         self._static_counts: dict[int, torch.Tensor] = {}
-        self._bounds: dict[tuple[bool, int], tuple[list[int], torch.Tensor, int]] = {}
+        self._bounds: dict[tuple, tuple[list[int], torch.Tensor, int]] = {}
 
     def static_counts(self, capacity: int) -> torch.Tensor:
         """Padded capacity: every rank sends ``capacity`` rows to every expert."""
@@ -132,10 +156,19 @@ class DevicePlanner(Planner):
             self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), buffer_rows)
         return self._bounds[key]
 
+    def wire_bounds(self, rows: int, tokens: int) -> tuple[list[int], torch.Tensor, int]:
+        """moe_dispatch_once_per_rank: each chunk's static wire rows (:func:`wire_chunk_rows`), and the compact
+        receive buffer's rows, the spare last."""
+        key = (False, rows, tokens)
+        if key not in self._bounds:
+            chunk_rows = wire_chunk_rows(self.ep.size, rows, tokens, self.chunk_experts, self.capacity_factor)
+            self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), sum(chunk_rows) + 1)
+        return self._bounds[key]
+
     def plan(self, routing: Routing) -> DevicePlan:
+        if self.targets is not None:
+            return self._wire_plan(routing)
         padded = self.padded(routing)
-        E, D, me = self.num_experts, self.ep.size, self.ep.rank
-        L = self.local
         R = self.permuted_rows(routing)
         chunk_rows, bound_C, W = self.bounds(padded, R)  # W: the compact receive rows, the spare one last
         transport = self.transports.transport(region_rows(W, R) * self.row_bytes)
@@ -143,49 +176,89 @@ class DevicePlanner(Planner):
         counts_SE = (self.static_counts(routing.capacity) if padded
                      else transport.gather_counts(routing.tokens_per_expert_E))
         row_of_copy_TK = self.permute_copies(routing)
+        self._check_rows(counts_SE, R)
+        layout = self.layout(counts_SE, bound_C)
+        overflow_rows = self._count_overflow(layout)
+        return DevicePlan(row_of_copy_TK, R, not padded, self.chunk_experts, self.routes(layout, R, W, chunk_rows),
+                          self.offsets(layout), transport, overflow_rows)
+
+    def _wire_plan(self, routing: Routing) -> DevicePlan:
+        """moe_dispatch_once_per_rank: the copies' layout bounds the grouped tensors, places every copy and counts
+        the overflow; the routes move wire rows within their own bounds (:func:`wire_chunk_rows`)."""
+        E, T = self.num_experts, routing.experts_TK.shape[0]
+        R = self.permuted_rows(routing)
+        chunk_rows, bound_C, _ = self.bounds(False, R)
+        wire = self.wire_rows(routing)
+        wire_chunk_rows, wire_bound_C, W = self.wire_bounds(R, T)
+        transport = self.transports.transport(region_rows(W, wire.num_rows) * self.wire_bytes)
+        counts_SX = transport.gather_counts(torch.cat((routing.tokens_per_expert_E, wire.counts_V)))
+        counts_SE, wire_SV = counts_SX[:, :E].contiguous(), counts_SX[:, E:].contiguous()
+        row_of_copy_TK = self.permute_copies(routing)
+        self._check_rows(counts_SE, R)
+        layout = self.layout(counts_SE, bound_C)
+        kept_E = layout.kept_DC[:, self.chunk_of_expert].reshape(E)
+        grouped_TK = self.grouped_row_of_copies(counts_SE, row_of_copy_TK, routing.experts_TK, kept_E)
+        targets = self.targets
+        wire_layout = targets.layout(wire_SV, wire_bound_C)
+        routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
+        return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
+                          transport, self._count_overflow(layout), wire, grouped_TK, chunk_rows,
+                          self.capacity_factor is None)
+
+    def _check_rows(self, counts_SE: torch.Tensor, R: int) -> None:
         # Static sizes assume one micro-batch shape on every EP rank; checked on the device.
         torch._assert_async(torch.all(counts_SE.sum(1) <= R), f"overlap.moe_planning=device: every EP rank must "
                             f"route at most {R} copies (the same micro-batch shape on every rank)")
-        blocks_SB = counts_SE[:, self.expert_of_slot]  # every source's permuted blocks, in slot order
-        send_start_SB = _exclusive_cumsum(blocks_SB)
-        rows_DLS = counts_SE.view(D, D, L).permute(1, 2, 0)  # [destination, local expert, source]
-        # Every destination's compact layout: its chunks follow each other, each holding its rows up to its bound.
+
+    def _count_overflow(self, layout: _Layout) -> torch.Tensor:
+        me = self.ep.rank
+        overflow_rows = (layout.arrived_DC[me] - layout.kept_DC[me]).sum()
+        self.transports.count_overflow(overflow_rows)
+        return overflow_rows
+
+    def layout(self, counts_SE: torch.Tensor, bound_C: torch.Tensor) -> _Layout:
+        """Every destination's compact layout: its chunks follow each other, each holding its rows up to its
+        bound."""
+        rows_DLS, within_DLS, first_row_DC = self.grouped_blocks(counts_SE)
+        blocks_SB = counts_SE[:, self.expert_of_slot]
         rows_DL = rows_DLS.sum(2)
         end_DL = torch.cumsum(rows_DL, 1)
-        first_row_DC = _exclusive_cumsum(rows_DL)[:, self.first_expert]  # as if unbounded
         arrived_DC = end_DL[:, self.last_expert] - first_row_DC
         kept_DC = torch.minimum(arrived_DC, bound_C)
-        start_DC = _exclusive_cumsum(kept_DC)
-        limit_DC = start_DC + kept_DC  # a row at or past it does not fit: the spare row W - 1 takes it
-        within_DLS = (_exclusive_cumsum(rows_DLS.reshape(D, L * D)).view(D, L, D)
-                      - first_row_DC[:, self.chunk_of_expert, None])
-        recv_start_DLS = start_DC[:, self.chunk_of_expert, None] + within_DLS
+        start_DC = exclusive_cumsum(kept_DC)
+        return _Layout(counts_SE, blocks_SB, exclusive_cumsum(blocks_SB), rows_DLS,
+                       start_DC[:, self.chunk_of_expert, None] + within_DLS, end_DL, first_row_DC, arrived_DC,
+                       kept_DC, start_DC, start_DC + kept_DC)
+
+    def routes(self, lay: _Layout, R: int, W: int, chunk_rows: list[int]) -> DeviceRoutes:
+        E, me, L = self.num_experts, self.ep.rank, self.local
+        device = lay.counts_SE.device
         # Dispatch: my block of slot b goes to rank d = its expert's owner, at that rank's block (l, me).
-        dst_start_B = recv_start_DLS[:, :, me].reshape(E)[self.expert_of_slot]
-        dst_limit_B = limit_DC[self.rank_of_slot.long(), self.chunk_of_slot]
-        dst_rank_R = torch.empty(R, dtype=torch.int32, device=counts_SE.device)
-        dst_row_R = torch.empty(R, dtype=torch.int64, device=counts_SE.device)
-        fill_routes(send_start_SB[me], blocks_SB[me], self.rank_of_slot, dst_start_B, dst_rank_R, dst_row_R,
+        dst_start_B = lay.recv_start_DLS[:, :, me].reshape(E)[self.expert_of_slot]
+        dst_limit_B = lay.limit_DC[self.rank_of_slot.long(), self.chunk_of_slot]
+        dst_rank_R = torch.empty(R, dtype=torch.int32, device=device)
+        dst_row_R = torch.empty(R, dtype=torch.int64, device=device)
+        fill_routes(lay.send_start_SB[me], lay.blocks_SB[me], self.rank_of_slot, dst_start_B, dst_rank_R, dst_row_R,
                     dst_limit_B, W - 1)
         # Combine: my received block (l, s) goes back to source s, where its block of slot (me, l) starts; only
         # the rows that fit came.
-        back_start_LS = send_start_SB[:, self.slot_of_expert[me * L:(me + 1) * L]].T
-        limit_L1 = limit_DC[me, self.chunk_of_expert, None]
-        recv_start_LS = torch.minimum(recv_start_DLS[me], limit_L1)  # blocks past the limit: empty, in order
-        fitting_LS = torch.minimum(recv_start_DLS[me] + rows_DLS[me], limit_L1) - recv_start_LS
-        back_rank_W = torch.empty(W, dtype=torch.int32, device=counts_SE.device)
-        back_row_W = torch.empty(W, dtype=torch.int64, device=counts_SE.device)
+        back_start_LS = lay.send_start_SB[:, self.slot_of_expert[me * L:(me + 1) * L]].T
+        limit_L1 = lay.limit_DC[me, self.chunk_of_expert, None]
+        recv_start_LS = torch.minimum(lay.recv_start_DLS[me], limit_L1)  # blocks past the limit: empty, in order
+        fitting_LS = torch.minimum(lay.recv_start_DLS[me] + lay.rows_DLS[me], limit_L1) - recv_start_LS
+        back_rank_W = torch.empty(W, dtype=torch.int32, device=device)
+        back_row_W = torch.empty(W, dtype=torch.int64, device=device)
         fill_routes(recv_start_LS.reshape(-1), fitting_LS.reshape(-1), self.source_of_block,
                     back_start_LS.reshape(-1), back_rank_W, back_row_W)
         # Chunks: contiguous runs of my slots on the send side, of my local experts on the receive side.
-        send_start_C = send_start_SB[me][self.first_slot]
-        send_rows_C = torch.cumsum(blocks_SB[me], 0)[self.last_slot] - send_start_C
-        offsets_L = torch.minimum(end_DL[me] - first_row_DC[me, self.chunk_of_expert],
-                                  kept_DC[me, self.chunk_of_expert]).to(torch.int32)
-        routes = DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, start_DC[me], kept_DC[me],
-                              back_rank_W, back_row_W, R, W, chunk_rows)
-        offsets = [offsets_L[a:b] for a, b in self.chunk_experts]
-        overflow_rows = (arrived_DC[me] - kept_DC[me]).sum()
-        self.transports.count_overflow(overflow_rows)
-        return DevicePlan(row_of_copy_TK, R, not padded, self.chunk_experts, routes, offsets, transport,
-                          overflow_rows)
+        send_start_C = lay.send_start_SB[me][self.first_slot]
+        send_rows_C = torch.cumsum(lay.blocks_SB[me], 0)[self.last_slot] - send_start_C
+        return DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, lay.start_DC[me], lay.kept_DC[me],
+                            back_rank_W, back_row_W, R, W, chunk_rows)
+
+    def offsets(self, lay: _Layout) -> list[torch.Tensor]:
+        """Each chunk's grouped-GEMM end offsets, stopping at its bound."""
+        me = self.ep.rank
+        offsets_L = torch.minimum(lay.end_DL[me] - lay.first_row_DC[me, self.chunk_of_expert],
+                                  lay.kept_DC[me, self.chunk_of_expert]).to(torch.int32)
+        return [offsets_L[start:stop] for start, stop in self.chunk_experts]

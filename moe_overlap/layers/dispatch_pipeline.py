@@ -23,10 +23,15 @@ caller runs between them fills the gaps: the shared expert, or, with ``overlap_m
 another micro-batch's stages (training/microbatch_overlap.py), the autograd graph cut between them. MoELayer's
 three steps (start_dispatch, run_experts, finish_combine) call them:
 
-    token = DispatchStart.apply(x_TH, state)
+    token = DispatchStart.apply(x_TH, probs_TK, state)
     shared_out = shared_expert(x)
     token = Experts.apply(token, w13, w2, state)
     out_TH = Combine.apply(token, probs_TK, state)
+
+With ``overlap.moe_dispatch_once_per_rank`` (the plan's ``wire``, layers/wire_rows.py) the rows that cross are wire
+rows, one per (token, chunk, destination rank): the routing probs travel with them and weight the expert outputs
+on the expert side, so the probs' gradient is made there and returned by DispatchStart's backward (Combine's
+carries none); without it the probs are Combine's (DispatchStart's gradient for them is None).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_overlap.distributed.a2a_exchange import FromExperts, ToExperts
+from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.streams import Event, gemm_sm_carveout
 from moe_overlap.kernels.permute import permute, permute_backward, unpermute, unpermute_backward
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
@@ -44,6 +50,8 @@ from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_t
 from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
+from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dispatch_rows, extra_columns, token_grads,
+                                          with_probs_grad)
 
 
 @dataclass
@@ -59,7 +67,8 @@ class PipelineState:
     combine: FromExperts | None = None
     grad_dispatch: ToExperts | None = None
     grad_combine: FromExperts | None = None
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per chunk: grouped rows, fc1 out
+    saved: list[tuple] = field(default_factory=list)  # per chunk: grouped rows, fc1 out (wire: copies, out)
+    probs_need_grad: bool = False  # wire: the expert side computes the probs' gradient
 
     def carveout(self):
         """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
@@ -68,9 +77,30 @@ class PipelineState:
         return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
 
 
-def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's rows as its grouped GEMMs take them, with their offsets: under expert-TP, every peer's
-    rows gathered (each rank runs its FFN slice on all of them) and regrouped by expert."""
+def _grouped_rows_mapped(plan: Plan) -> bool:
+    """Every grouped row within the offsets holds a copy: not past an overflowed bound, nor in a compute-only
+    reference (its rows' copies belong elsewhere); else the grouped tensors are zero filled, to stay finite."""
+    return plan.grouped_rows_mapped and not plan.transport.compute_only
+
+
+def _arrived(rows_WX: torch.Tensor, chunk: int, state: PipelineState, hidden: int) -> ArrivedRows:
+    """A chunk's wire rows split into hidden states and their copies (device-planned: rows past the count
+    carry none)."""
+    plan = state.plan
+    count = plan.routes.recv_rows_C[chunk] if isinstance(plan.routes, DeviceRoutes) else None
+    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count)
+
+
+def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, arrived: ArrivedRows | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's rows as its grouped GEMMs take them, with their offsets: wire rows expanded into their copies'
+    grouped rows; under expert-TP, every peer's rows gathered (each rank runs its FFN slice on all of them) and
+    regrouped by expert."""
+    plan = state.plan
+    if arrived is not None:
+        grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk],
+                             _grouped_rows_mapped(plan))
+        return grouped_RH, plan.offsets[chunk]
     if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]
     expert_tp = state.plan.expert_tp[chunk]
@@ -88,25 +118,34 @@ def _rows_from_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState) 
 
 class DispatchStart(torch.autograd.Function):
     """Permute, and start the first chunk to the experts; the backward collects the input gradient's rows
-    and sums each token's copies straight from where they landed."""
+    and sums each token's copies straight from where they landed (wire: and the probs' gradients)."""
 
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, state: PipelineState) -> torch.Tensor:
+    def forward(ctx, x_TH: torch.Tensor, probs_TK: torch.Tensor, state: PipelineState) -> torch.Tensor:
         plan = state.plan
-        permuted_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
+        if plan.wire is None:
+            send_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
+        else:  # the grouped rows beside: host-planned, they wait for the counts, after the permutation was queued
+            send_RH = dispatch_rows(x_TH, probs_TK, plan.wire, lambda: plan.grouped_row_of_copy_TK)
+            state.probs_need_grad = ctx.needs_input_grad[1]
         # host-planned: waits for the counts here, after the permutation was queued
-        state.dispatch = plan.transport.to_experts(permuted_RH, plan.routes, state.sms)
+        state.dispatch = plan.transport.to_experts(send_RH, plan.routes, state.sms)
         state.dispatch.send(0, alone=not state.paired)  # the pipeline's fill: no expert GEMM beside it
-        ctx.state, ctx.x_dtype = state, x_TH.dtype
+        ctx.state, ctx.x_dtype, ctx.hidden = state, x_TH.dtype, x_TH.shape[1]
+        ctx.probs_dtype = probs_TK.dtype if state.probs_need_grad else None
         return x_TH.new_empty(0)  # orders Experts after this; carries no data
 
     @staticmethod
     def backward(ctx, _grad_token: torch.Tensor):
         state = ctx.state
         exchange, state.grad_combine = state.grad_combine, None
-        grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK)
-        exchange.finish()  # after the kernel that read the landed rows
-        return grad_TH.to(ctx.x_dtype), None
+        grad_probs_TK = None
+        if state.plan.wire is None:
+            grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK)
+        else:
+            grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, ctx.probs_dtype)
+        exchange.finish()  # after the kernels that read the landed rows
+        return grad_TH.to(ctx.x_dtype), grad_probs_TK, None
 
 
 def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_alone: bool = True) -> None:
@@ -140,11 +179,17 @@ class Experts(torch.autograd.Function):
 
         def compute(chunk: int, rows_RH: torch.Tensor) -> torch.Tensor:
             first, last = plan.chunk_experts[chunk]
-            grouped_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
+            arrived = None if plan.wire is None else _arrived(rows_RH, chunk, state, w2_EFH.shape[-1])
+            grouped_RH, offsets = _rows_for_experts(rows_RH, chunk, state, arrived)
             with state.carveout():
                 y_RH, h_RF2 = experts_forward(grouped_RH, offsets, w13_EHF2[first:last], w2_EFH[first:last])
-            state.saved.append((grouped_RH, h_RF2))
-            return _rows_from_experts(y_RH, chunk, state), None
+            if arrived is None:
+                state.saved.append((grouped_RH, h_RF2))
+                return _rows_from_experts(y_RH, chunk, state), None
+            # the expert outputs weighted by their probs and summed per wire row, on the expert side
+            copies = arrived.grouped_row_WJ, arrived.probs_WJ  # not the received rows: they are in grouped_RH
+            state.saved.append((grouped_RH, h_RF2, copies, y_RH if state.probs_need_grad else None))
+            return unpermute(y_RH, arrived.grouped_row_WJ, arrived.probs_WJ), None
 
         _run_chunks(state, dispatch, state.combine, compute, last_alone=not state.paired)
         dispatch.finish()
@@ -159,7 +204,10 @@ class Experts(torch.autograd.Function):
         plan = state.plan
         w13_EHF2, w2_EFH = ctx.weights
         grad_dispatch, state.grad_dispatch = state.grad_dispatch, None
-        grad_combine = plan.transport.from_experts(plan.routes, w13_EHF2.shape[1], w13_EHF2, state.sms)
+        hidden = w13_EHF2.shape[1]
+        width = hidden + (extra_columns(plan.wire.copies, w13_EHF2.dtype)  # the probs' gradients beside
+                          if plan.wire is not None and state.probs_need_grad else 0)
+        grad_combine = plan.transport.from_experts(plan.routes, width, w13_EHF2, state.sms)
         deferred = is_deferring()  # a zero-bubble schedule's W computes the weight gradients (deferred_wgrad.py)
         jobs = [None] * len(plan.chunk_experts)  # per chunk: what its weight gradients need (None: no rows)
         wgrads = [None] * len(plan.chunk_experts)  # per chunk: fc1, fc2 weight gradients (None: into main_grad)
@@ -170,17 +218,26 @@ class Experts(torch.autograd.Function):
 
         def compute(chunk: int, rows_RH: torch.Tensor):
             first, last = plan.chunk_experts[chunk]
-            grouped_RH, h_RF2 = state.saved[chunk]
+            grouped_RH, h_RF2, *wire = state.saved[chunk]
             if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients; no rows (on every expert-TP peer)
-                return rows_RH.new_empty((0, w13_EHF2.shape[1])), None
-            grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
+                return rows_RH.new_empty((0, width)), None
+            grad_probs_WJ = None
+            if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
+                (grouped_row_WJ, probs_WJ), y_RH = wire
+                grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, grouped_row_WJ, probs_WJ,
+                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0])
+                offsets = plan.offsets[chunk]
+            else:
+                grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
             with state.carveout():
                 grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, w13_EHF2[first:last],
                                                             w2_EFH[first:last])
             jobs[chunk] = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
                            slice(first, last))
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
-            return _rows_from_experts(grad_x_RH, chunk, state), None if later else (lambda: wgrad(chunk))
+            back_RH = (_rows_from_experts(grad_x_RH, chunk, state) if not wire else  # a wire row's copies summed
+                       with_probs_grad(permute_backward(grad_x_RH, grouped_row_WJ), grad_probs_WJ))
+            return back_RH, None if later else (lambda: wgrad(chunk))
 
         # the last transfer back runs beside the delayed weight gradients (or another micro-batch), else alone
         _run_chunks(state, grad_dispatch, grad_combine, compute,
@@ -208,18 +265,28 @@ class Combine(torch.autograd.Function):
         plan, combine = state.plan, state.combine
         state.combine = None
         combined_RH = combine.result()
+        ctx.state = state
+        if plan.wire is not None:  # the rows came back weighted: a token's rows summed
+            out_TH = permute_backward(combined_RH, plan.wire.row_TC)
+            combine.finish()
+            return out_TH
         keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows
         copy_RH = combined_RH.new_empty(combined_RH.shape) if keep and combine.transient else None
         out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH)
         combine.finish()  # after the unpermute read the landed rows
         ctx.save_for_backward(probs_TK, None if not keep else combined_RH if copy_RH is None else copy_RH)
-        ctx.state, ctx.rows_dtype = state, combined_RH.dtype
+        ctx.rows_dtype = combined_RH.dtype
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_out_TH: torch.Tensor):
         state = ctx.state
         plan = state.plan
+        if plan.wire is not None:  # each wire row takes its token's gradient; the probs' come from the experts
+            grad_rows_RH = permute(grad_out_TH.contiguous(), plan.wire.row_TC, plan.num_rows, all_rows_mapped=True)
+            state.grad_dispatch = plan.transport.to_experts(grad_rows_RH, plan.routes, state.sms)
+            state.grad_dispatch.send(0, alone=not state.paired)
+            return grad_out_TH.new_zeros(0), None, None
         probs_TK, combined_RH = ctx.saved_tensors
         grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
                                                          probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)

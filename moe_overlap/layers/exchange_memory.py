@@ -4,7 +4,8 @@ sizes from the functions its planner allocates with (device_plan.py: ``chunk_bou
 worst case (null). Per layer call (one micro-batch): each chunk's receive tensor, the compact receive buffer they
 are copied out of (inside a symmetric region), and the stash the backward keeps (each chunk's tensor and its fc1
 output); per model: the transport's symmetric regions, which every MoE layer shares. A host-planned exchange sizes
-its buffers exactly per call: no bound to print.
+its buffers exactly per call: no bound to print. With ``overlap.moe_dispatch_once_per_rank`` the regions hold wire
+rows (a token once per chunk and rank, its copies' grouped rows and probs beside it: layers/wire_rows.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from moe_overlap.config import Config
 from moe_overlap.distributed.a2a import REGIONS
 from moe_overlap.exchange_rules import choose_exchange
-from moe_overlap.layers.device_plan import chunk_bounds_rows, receive_rows, region_rows
+from moe_overlap.layers.device_plan import chunk_bounds_rows, receive_rows, region_rows, wire_chunk_rows
 from moe_overlap.layers.exchange_plan import chunk_bounds
+from moe_overlap.layers.wire_rows import copies_per_wire_row, wire_row_bytes
 
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -48,6 +50,16 @@ def exchange_memory(ranks: int, rows: int, chunk_experts: list[tuple[int, int]],
     received = receive_rows(ranks, rows, chunk_experts, factor)
     return ExchangeMemory(factor, chunk_bounds_rows(ranks, rows, chunk_experts, factor), received,
                           region_rows(received, rows) * row_bytes, row_bytes, (hidden + 2 * expert_ffn) * element_bytes)
+
+
+def wire_region_bytes(ranks: int, tokens: int, topk: int, chunk_experts: list[tuple[int, int]],
+                      factor: float | None, hidden: int, element_bytes: int) -> int:
+    """moe_dispatch_once_per_rank: each symmetric region of the device-planned exchange, in bytes: its compact
+    receive buffer of wire rows, or a rank's T x min(k, chunks x EP) wire rows back, of the widest wire row."""
+    received = sum(wire_chunk_rows(ranks, tokens * topk, tokens, chunk_experts, factor)) + 1
+    sent = tokens * min(topk, len(chunk_experts) * ranks)
+    return region_rows(received, sent) * wire_row_bytes(hidden * element_bytes,
+                                                        copies_per_wire_row(topk, chunk_experts))
 
 
 def _size(nbytes: float) -> str:
@@ -96,6 +108,11 @@ def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
         lines.append(f"  {name:<27}{f'{sum(size.chunk_rows):,} rows {_size(size.chunk_bytes)}':<26}"
                      f"{f'{size.receive_rows:,} rows':<17}{_size(size.stash_bytes):<21}"
                      f"{REGIONS} x {_size(size.region_bytes)}")
+    if o.moe_dispatch_once_per_rank:  # the chunk tensors and the stash stay the copies'
+        regions = [_size(wire_region_bytes(ep, rows // m.moe_router_topk, m.moe_router_topk, chunk_experts, factor,
+                                           m.hidden_size, _ELEMENT_BYTES[cfg.train.precision])) for factor in factors]
+        lines.append(f"  overlap.moe_dispatch_once_per_rank: symmetric regions of wire rows {REGIONS} x "
+                     + " / ".join(regions))
     lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs, "
               f"{_size(sizes[0].stash_row_bytes)} a row;",
               "  the receive buffer lies in a region); the regions are shared by "

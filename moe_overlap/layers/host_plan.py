@@ -3,6 +3,10 @@ fetched to the host once per layer call, and the layout, the regrouping and the 
 follow from them exactly (numpy on a few hundred integers), for transports that take host sizes (nccl,
 copy_engine, gloo). Padded capacity has static sizes: its plan is built once (no host sync, CUDA-graph capturable).
 
+With ``overlap.moe_dispatch_once_per_rank`` the fetch carries every rank's wire rows per (rank, chunk) target too:
+the routes move wire rows (the same layout over targets, one "local expert" per chunk: no regrouping), the
+offsets and each copy's grouped row at its destination follow from the copies' counts.
+
 The fetch is the layer's one device-to-host sync: it is started before the permutation is queued and waited for
 only when the sizes are first needed (:class:`HostPlan`). With expert-TP > 1 the counts come from every EP x
 expert-TP rank, and the expert-TP gather of each chunk is planned from them too.
@@ -27,6 +31,7 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.layers.exchange_plan import ExpertTPPlan, Planner
 from moe_overlap.layers.router import Routing
+from moe_overlap.layers.wire_rows import WireRows
 
 
 @dataclass
@@ -37,6 +42,8 @@ class HostExchange:
     routes: HostRoutes
     offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets of its experts
     expert_tp: list[ExpertTPPlan] | None  # per chunk, with expert-TP > 1
+    grouped_row_of_copy_TK: torch.Tensor | None = None  # wire: each copy's grouped row at its destination
+    grouped_rows: list[int] | None = None  # wire: rows of each chunk's grouped tensor
 
     @property
     def layout(self) -> ExchangeLayout:
@@ -51,11 +58,13 @@ class HostPlan:
     """
 
     def __init__(self, row_of_copy_TK: torch.Tensor, all_rows_mapped: bool, chunk_experts: list[tuple[int, int]],
-                 transport: Transport | None, exchange: HostExchange | Callable[[], HostExchange]):
+                 transport: Transport | None, exchange: HostExchange | Callable[[], HostExchange],
+                 wire: WireRows | None = None):
         self.row_of_copy_TK = row_of_copy_TK
         self.all_rows_mapped = all_rows_mapped  # no capacity padding, no drops: known without the counts
         self.chunk_experts, self.transport = chunk_experts, transport
         self._exchange = exchange
+        self.wire = wire
 
     @property
     def exchange(self) -> HostExchange:
@@ -66,6 +75,8 @@ class HostPlan:
     @property
     def num_rows(self) -> int:
         """Rows of the permuted (send) buffer: every copy's when all are mapped (known without the counts)."""
+        if self.wire is not None:
+            return self.wire.num_rows
         return self.row_of_copy_TK.numel() if self.all_rows_mapped else self.exchange.layout.send_total
 
     @property
@@ -79,6 +90,16 @@ class HostPlan:
     @property
     def expert_tp(self) -> list[ExpertTPPlan] | None:
         return self.exchange.expert_tp
+
+    @property
+    def grouped_row_of_copy_TK(self) -> torch.Tensor:
+        return self.exchange.grouped_row_of_copy_TK
+
+    @property
+    def grouped_rows(self) -> list[int]:
+        return self.exchange.grouped_rows
+
+    grouped_rows_mapped = True  # exact sizes
 
 
 def start_counts_fetch(tokens_per_expert_E: torch.Tensor, group: GroupHandle) -> Callable[[], torch.Tensor]:
@@ -143,8 +164,9 @@ class HostPlanner(Planner):
 
     def __init__(self, num_experts: int, ep: GroupHandle, chunks: int, pad_to_capacity: bool,
                  transports: TransportSelector | None, device: torch.device, row_bytes: int,
-                 etp: GroupHandle | None = None, expert_mp: GroupHandle | None = None):
-        super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes)
+                 etp: GroupHandle | None = None, expert_mp: GroupHandle | None = None, once_per_rank: bool = False,
+                 topk: int = 0):
+        super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes, once_per_rank, topk)
         self.etp = etp
         self.counts_group = ep if etp is None else expert_mp
         self._static: dict[int, HostExchange] = {}  # padded capacity's exchange, by capacity
@@ -157,9 +179,32 @@ class HostPlanner(Planner):
                 self._static[capacity] = self._exchange(counts_GE)
             return HostPlan(self.permute_copies(routing), False, self.chunk_experts, self.transport(routing),
                             self._static[capacity])
+        if self.targets is not None:
+            return self._wire_plan(routing)
         fetch = start_counts_fetch(routing.tokens_per_expert_E, self.counts_group)  # before the permutation
         return HostPlan(self.permute_copies(routing), routing.keep_TK is None, self.chunk_experts,
                         self.transport(routing), lambda: self._exchange(fetch()))
+
+    def _wire_plan(self, routing: Routing) -> HostPlan:
+        """moe_dispatch_once_per_rank: one fetch of every rank's copies per expert and wire rows per target."""
+        wire = self.wire_rows(routing)
+        E = self.num_experts
+        fetch = start_counts_fetch(torch.cat((routing.tokens_per_expert_E, wire.counts_V)), self.counts_group)
+        row_of_copy_TK = self.permute_copies(routing)
+
+        def exchange() -> HostExchange:
+            counts_GX = fetch()
+            counts_SE, wire_SV = counts_GX[:, :E], counts_GX[:, E:]
+            rows_SDL = counts_SE.numpy().reshape(self.ep.size, self.ep.size, self.local)
+            routes, _ = self.targets._tables(wire_SV.numpy().reshape(self.ep.size, self.ep.size, -1), offsets=False)
+            _, offsets = self._tables(rows_SDL, routes=False)
+            on_device_SE = counts_GX.to(self.device, non_blocking=True)[:, :E]  # pinned: one async copy
+            grouped_TK = self.grouped_row_of_copies(on_device_SE, row_of_copy_TK, routing.experts_TK)
+            grouped_rows = [int(rows_SDL[:, self.ep.rank, a:b].sum()) for a, b in self.chunk_experts]
+            return HostExchange(routes, offsets, None, grouped_TK, grouped_rows)
+
+        return HostPlan(row_of_copy_TK, routing.keep_TK is None, self.chunk_experts, self.transport(routing),
+                        exchange, wire)
 
     def _exchange(self, counts_GE: torch.Tensor) -> HostExchange:
         """Host work on every dropless call, after the sync: numpy on a few hundred integers."""
@@ -169,15 +214,25 @@ class HostPlanner(Planner):
             counts_SPE = counts_GE.view(ep.size, self.etp.size, -1)
             counts_SE, rows_PL = counts_SPE[:, self.etp.rank], expert_tp_rows(counts_SPE, ep)
         rows_SDL = counts_SE.numpy().reshape(ep.size, ep.size, self.local)  # [source, destination, local expert]
-        rows_SDC = np.stack([rows_SDL[:, :, a:b].sum(-1) for a, b in self.chunk_experts], axis=-1)
+        routes, offsets = self._tables(rows_SDL)
+        expert_tp = None if rows_PL is None else [plan_expert_tp(rows_PL[:, a:b], self.etp, self.device)
+                                                  for a, b in self.chunk_experts]
+        return HostExchange(routes, offsets, expert_tp)
+
+    def _tables(self, rows_SDL: np.ndarray, routes: bool = True, offsets: bool = True
+                ) -> tuple[HostRoutes | None, list[torch.Tensor] | None]:
+        """The routes and each chunk's grouped-GEMM offsets (either may be left out) from every rank's rows
+        [source, destination, local expert], its index arrays sent to the device in one copy."""
+        me, parts = self.ep.rank, routes * 2 + offsets
         host = []  # per chunk: regroup index (its rows arrive in (source, local expert) blocks; the grouped GEMM
         # takes (local expert, source)), its inverse, grouped-GEMM end offsets
         for start, stop in self.chunk_experts:
-            block_rows = rows_SDL[:, ep.rank, start:stop]  # [source, local expert] of this chunk
-            host += [*block_transpose(block_rows), np.cumsum(block_rows.sum(0))]
+            block_rows = rows_SDL[:, me, start:stop]  # [source, local expert] of this chunk
+            host += [*block_transpose(block_rows)] * routes + [np.cumsum(block_rows.sum(0))] * offsets
         device = _to_device(host, self.device)
-        offsets = [o.to(torch.int32) for o in device[2::3]]  # grouped_mm takes int32 offsets
-        expert_tp = None if rows_PL is None else [plan_expert_tp(rows_PL[:, a:b], self.etp, self.device)
-                                                  for a, b in self.chunk_experts]
-        return HostExchange(HostRoutes(exchange_layout(rows_SDC, ep.rank), device[0::3], device[1::3]), offsets,
-                            expert_tp)
+        host_routes = None
+        if routes:
+            rows_SDC = np.stack([rows_SDL[:, :, a:b].sum(-1) for a, b in self.chunk_experts], axis=-1)
+            host_routes = HostRoutes(exchange_layout(rows_SDC, me), device[0::parts], device[1::parts])
+        # grouped_mm takes int32 offsets
+        return host_routes, [o.to(torch.int32) for o in device[parts - 1::parts]] if offsets else None

@@ -11,7 +11,9 @@ each call's exchange, and ``overlap.moe_pipeline`` runs it as a pipeline of chun
                      GEMMs as its rows arrive, the outputs started back
     finish_combine   wait for the outputs, unpermute; add the shared expert (run here when not in the gap)
 
-otherwise the serial reference (dispatcher.py). The math is the same.
+otherwise the serial reference (dispatcher.py). The math is the same. With ``overlap.moe_dispatch_once_per_rank`` the
+pipeline moves each token once per (chunk, destination rank) and weights the expert outputs on the expert side
+(wire_rows.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.pipelined, self.chunks = overlap.moe_pipeline, overlap.moe_pipeline_chunks
         self.capacity_factor = overlap.moe_expert_rank_capacity_factor  # the device-planned receive bound
+        self.once_per_rank = overlap.moe_dispatch_once_per_rank  # wire rows: a token once per (chunk, rank)
         self.host_planned_rerun = False  # host_planned_rerun(): plan on the host whatever the selector planned
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
         self.carveout, self.ep_comm_ctas = overlap.gemm_sm_carveout, overlap.ep_comm_ctas
@@ -75,6 +78,9 @@ class MoELayer(nn.Module):
         refusal = expert_tp_refusal(self.planning, 1 if self.etp is None else self.etp.size)
         if refusal is not None:  # a selector made for another expert-TP size
             raise ValueError(str(refusal))
+        if self.once_per_rank and (self.etp is not None or self.pad_to_capacity):
+            raise ValueError("overlap.moe_dispatch_once_per_rank=True: not implemented yet with "
+                             + ("expert-TP > 1" if self.etp is not None else "model.moe_pad_expert_input_to_capacity"))
         local_experts = self.num_experts // ep.size
         self.router = router if router is not None else Router.from_config(cfg, device, dtype)
         self.experts = GroupedExperts(local_experts, ep.rank * local_experts, cfg.hidden_size,
@@ -144,7 +150,7 @@ class MoELayer(nn.Module):
                                 paired)
         self.last_overlap_sms = sms  # what the last call chose (a benchmark reports it)
         state = PipelineState(plan, sms, self.delay_wgrad, paired)
-        return routing, DispatchStart.apply(x_TH, state), state
+        return routing, DispatchStart.apply(x_TH, routing.probs_TK, state), state
 
     def run_experts(self, x_TH: torch.Tensor, token: torch.Tensor, state: PipelineState
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -186,8 +192,9 @@ class MoELayer(nn.Module):
             planning, chunks, transports = key
             setting = (self.num_experts, self.ep, chunks, self.pad_to_capacity, transports, x_TH.device,
                        x_TH.shape[1] * x_TH.element_size())
-            self._planners[key] = (HostPlanner(*setting, self.etp, self.expert_mp) if planning == "host"
-                                   else DevicePlanner(*setting, self.capacity_factor))
+            wire = dict(once_per_rank=self.once_per_rank and transports is not None, topk=self.topk)
+            self._planners[key] = (HostPlanner(*setting, self.etp, self.expert_mp, **wire) if planning == "host"
+                                   else DevicePlanner(*setting, self.capacity_factor, **wire))
         return self._planners[key]
 
 

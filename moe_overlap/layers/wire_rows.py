@@ -1,0 +1,167 @@
+"""Each token once per destination (``overlap.moe_dispatch_once_per_rank``): the rows that cross the wire.
+
+Without it every kept (token, expert) copy is its own row on the wire, so a token whose k experts share a rank
+crosses to it several times. With it the exchange moves *wire rows*, one per (token, chunk, destination rank) that
+holds any of the token's experts, ordered (chunk, destination rank, token) like the copy rows; the transports and
+their routes are unchanged (they move rows and do not care what a row means), and two local steps bracket them:
+
+  token side      x_TH --permute(row_TC)--> wire rows   (C: a token's distinct targets, at most min(K, chunks x EP))
+                  dispatch backward sums a token's wire rows' gradients (permute_backward); combine sums the
+                  rows that came back (permute_backward); its backward copies the output gradient to them (permute)
+  expert side     wire rows --permute(expert_row_WJ)--> the chunk's grouped rows (J: the row's copies, at most
+                  min(K, a chunk's local experts)); combine weights each expert output by its routing prob and
+                  sums a wire row's copies (unpermute) before the one row goes back; its backward gives the
+                  outputs' gradients and the probs' gradients on the expert side (unpermute_backward); the dgrad
+                  rows of a wire row's copies are summed before they go back (permute_backward)
+
+The expert side learns each wire row's copies from the sender: beside the hidden state, a dispatched row carries
+J int32 grouped rows (chunk-relative, in the receiver's (local expert, source rank) order; stored plus one, 0: no
+copy, so that no byte pattern written is a NaN read as a float: a compute-only reference reads a region's leftovers
+of an exchange of another width) and J fp32 probs, as raw bits in extra columns of the row (the transports move
+bytes unchanged: bit-exact; padded to 16 bytes). The probs'
+gradients travel back the same way, J fp32 in extra columns of the dgrad rows, and are scattered into
+grad_probs_TK on the token side (so the probs' gradient comes out of the dispatch's backward, not the combine's).
+A token's k experts are distinct (top-k), so a wire row holds at most J copies.
+
+Letters: T tokens, K copies per token, C a token's wire rows, V targets (rank x chunks + chunk, the order every
+rank's counts are gathered in), W wire rows, J a wire row's copies, M the extra columns, H hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.kernels.permute import copy_rows, permute, permute_backward
+
+WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
+ALIGN_WORDS = 4  # the extra columns padded to 16 bytes: a row of 16-byte aligned hidden stays so (vector stores)
+
+
+def copies_per_wire_row(topk: int, chunk_experts: list[tuple[int, int]]) -> int:
+    """J: the most copies one wire row can carry (a token's distinct experts within one chunk of one rank)."""
+    return min(topk, max(stop - start for start, stop in chunk_experts))
+
+
+def _padded_words(words: int) -> int:
+    return -(-words // ALIGN_WORDS) * ALIGN_WORDS
+
+
+def extra_columns(words: int, dtype: torch.dtype) -> int:
+    """Columns of ``dtype`` that hold ``words`` int32 / fp32 values, padded to 16 bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if WORD % size:
+        raise ValueError(f"moe_dispatch_once_per_rank: rows of {dtype} cannot carry 4-byte values")
+    return _padded_words(words) * WORD // size
+
+
+def wire_row_bytes(hidden_bytes: int, copies: int) -> int:
+    """The widest row that crosses: a dispatched one, its hidden state and 2 x J words (padded)."""
+    return hidden_bytes + _padded_words(2 * copies) * WORD
+
+
+def _words(values_RW: torch.Tensor) -> torch.Tensor:
+    """int32 / fp32 columns as raw int32 words, zero padded to 16 bytes (every byte written: no stale NaN)."""
+    words_RW = values_RW.view(torch.int32)
+    pad = _padded_words(words_RW.shape[1]) - words_RW.shape[1]
+    return torch.nn.functional.pad(words_RW, (0, pad)) if pad else words_RW
+
+
+@dataclass
+class WireRows:
+    """One layer call's wire rows on the token side (no counts needed: built before any exchange)."""
+
+    row_TC: torch.Tensor  # int32 wire row of each of a token's distinct targets; -1 pads
+    row_of_copy_TK: torch.Tensor  # int64 wire row carrying each copy; num_rows (a spare) if dropped
+    slot_TK: torch.Tensor  # int64 the copy's place among its wire row's J
+    counts_V: torch.Tensor  # int64 this rank's wire rows per target (rank x chunks + chunk)
+    num_rows: int  # static rows of the send buffer, T x C; the wire rows come first, in (chunk, rank) order
+    copies: int  # J
+
+
+def token_wire_rows(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, target_of_expert_E: torch.Tensor,
+                    slot_of_target_V: torch.Tensor, copies: int) -> WireRows:
+    """A token's distinct (chunk, rank) targets and their rows in the (chunk, rank, token) order; static shapes,
+    no host sync. ``slot_of_target_V``: each target's place in the (chunk, rank) order."""
+    T, K = experts_TK.shape
+    E, V = target_of_expert_E.numel(), slot_of_target_V.numel()
+    C = min(K, V)
+    kept_TK = (experts_TK >= 0) & (experts_TK < E)
+    if keep_TK is not None:
+        kept_TK &= keep_TK.bool()
+    target_TK = torch.where(kept_TK, target_of_expert_E[experts_TK.long().clamp(0, E - 1)], V)
+    has_TV = torch.zeros((T, V + 1), dtype=torch.int8, device=experts_TK.device).scatter_(1, target_TK, 1)[:, :V]
+    every_V = torch.arange(V, device=experts_TK.device)
+    target_TC = torch.where(has_TV.bool(), every_V, -1).sort(1, descending=True).values[:, :C]
+    slots_TC = torch.where(target_TC >= 0, slot_of_target_V[target_TC.clamp(min=0)], V)
+    row_TC, counts_slot_V, _ = copy_rows(slots_TC, V)  # tokens packed by slot: the (chunk, rank, token) order
+    num_rows = T * C
+    match_TKC = target_TC.unsqueeze(1) == target_TK.unsqueeze(2)  # a dropped copy's target V matches nothing
+    row_of_copy_TK = torch.where(kept_TK, (match_TKC * row_TC.unsqueeze(1).long()).sum(2), num_rows)
+    earlier_TKK = torch.ones((K, K), dtype=torch.bool, device=experts_TK.device).tril(-1)
+    same_TKK = (target_TK.unsqueeze(2) == target_TK.unsqueeze(1)) & kept_TK.unsqueeze(1) & earlier_TKK
+    return WireRows(row_TC, row_of_copy_TK, same_TKK.sum(2), counts_slot_V[slot_of_target_V], num_rows, copies)
+
+
+def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, grouped_row_of_copy) -> torch.Tensor:
+    """The rows that cross to the experts: each wire row's hidden state, then its J grouped rows and J probs as
+    raw bits. ``grouped_row_of_copy``: returns each copy's grouped row at its destination (a host-planned plan
+    waits for the counts there: the permutation is queued first)."""
+    J, R, H = wire.copies, wire.num_rows, x_TH.shape[1]
+    send_RX = x_TH.new_empty((R, H + extra_columns(2 * J, x_TH.dtype)))
+    permute(x_TH, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :H])  # rows past the wire rows: never read
+    index = (wire.row_of_copy_TK * J + wire.slot_TK).reshape(-1)  # a dropped copy: into the spare row R
+    grouped_RJ = torch.zeros(((R + 1) * J,), dtype=torch.int32, device=x_TH.device)
+    grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32) + 1  # a copy past a bound (-1): none
+    probs_RJ = torch.zeros(((R + 1) * J,), dtype=torch.float32, device=x_TH.device)
+    probs_RJ[index] = probs_TK.detach().reshape(-1).float()
+    meta_RM = _words(torch.cat((grouped_RJ.view(R + 1, J)[:R], probs_RJ.view(R + 1, J)[:R].view(torch.int32)), 1))
+    send_RX[:, H:] = meta_RM.view(x_TH.dtype)
+    return send_RX
+
+
+@dataclass
+class ArrivedRows:
+    """A chunk's received wire rows, split: the hidden states and each row's copies (sanitised)."""
+
+    x_WH: torch.Tensor  # a view of the received rows
+    grouped_row_WJ: torch.Tensor  # int32 row of each copy in the chunk's grouped tensor; -1: none
+    probs_WJ: torch.Tensor  # fp32
+
+
+def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch.Tensor,
+                 count: torch.Tensor | None) -> ArrivedRows:
+    """``count``: the chunk's received rows on the device (rows past it were never written: their copies are
+    dropped), or None when every row is one. A grouped row past the chunk's last grouped-GEMM offset is dropped too
+    (a compute-only reference lands a rank's own rows, whose copies belong elsewhere)."""
+    meta_WM = rows_WX[:, hidden:].contiguous().view(torch.int32)
+    grouped_WJ = meta_WM[:, :copies] - 1
+    valid = (grouped_WJ >= 0) & (grouped_WJ < offsets[-1])
+    if count is not None:
+        valid &= torch.arange(rows_WX.shape[0], device=rows_WX.device).unsqueeze(1) < count
+    return ArrivedRows(rows_WX[:, :hidden], torch.where(valid, grouped_WJ, -1),
+                       meta_WM[:, copies:2 * copies].contiguous().view(torch.float32))
+
+
+def with_probs_grad(grad_x_WH: torch.Tensor, grad_probs_WJ: torch.Tensor | None) -> torch.Tensor:
+    """The dgrad rows that go back to the tokens, with the probs' gradients in extra columns (if any)."""
+    if grad_probs_WJ is None:
+        return grad_x_WH
+    return torch.cat((grad_x_WH, _words(grad_probs_WJ.float().contiguous()).view(grad_x_WH.dtype)), 1)
+
+
+def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype: torch.dtype | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The dispatch's backward on the token side: each token's wire rows' gradients summed, and (with
+    ``probs_dtype``: the probs' gradient is wanted) each copy's prob gradient taken from its wire row's extra
+    columns."""
+    grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC)
+    if probs_dtype is None:
+        return grad_TH, None
+    J = wire.copies
+    grad_probs = torch.cat((grad_RX[:, hidden:].contiguous().view(torch.float32)[:, :J].reshape(-1),
+                            grad_RX.new_zeros(1, dtype=torch.float32)))
+    index = wire.row_of_copy_TK * J + wire.slot_TK
+    index = torch.where(wire.row_of_copy_TK < grad_RX.shape[0], index, grad_probs.numel() - 1)  # dropped: zero
+    return grad_TH, grad_probs[index].to(probs_dtype)

@@ -1,0 +1,113 @@
+"""``overlap.moe_dispatch_once_per_rank`` on GPUs in bf16 (`pytest -m gpu`; EP = every GPU, 2 or 4, skipped on one):
+each layout runs with the switch off and on, and both follow the bf16 rule against an fp32 single-process run (the
+loss curve over STEPS steps, every gradient of the first): SM pushes device-planned and replayed from CUDA graphs
+(one chunk), SM pushes eager (2 chunks, delayed weight gradients), the copy engine and NCCL host-planned (2
+chunks), and paired micro-batches over NCCL. The report also gives each layout's gradients on against off. A
+graphed step with the switch on queues without one host sync (``torch.cuda.set_sync_debug_mode("error")`` around
+``launch_step``). Top-4 of 8 experts, so that a token's copies often share a rank.
+
+The per-rank work is `gpu_case`, launched once under torchrun; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it
+runs on CPU gloo ranks, skipping what only CUDA runs (symmetric memory, graphs, the sync check).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.gpu_launch import (bf16_rule, cpu_skip_reason, dry_run, launch_ranks, ranks_for_every_gpu,
+                              worker_device_type, write_report)
+
+STEPS = 3
+ONCE = "overlap.moe_dispatch_once_per_rank"
+DEVICE = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "overlap.moe_transport": "sm_push"}
+CHUNKS2 = {"overlap.moe_pipeline_chunks": 2}
+LAYOUTS = {
+    "sm_push_graphed": {**DEVICE, "train.moe_cuda_graph": "true"},
+    "sm_push_chunks2_delay_wgrad": {**DEVICE, **CHUNKS2, "overlap.delay_wgrad_compute": "true"},
+    "copy_engine_chunks2": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "copy_engine", **CHUNKS2},
+    "nccl_chunks2": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "nccl", **CHUNKS2},
+    "nccl_paired": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "nccl",
+                    "overlap.overlap_moe_expert_parallel_comm": "true"},
+}
+
+
+def gpu_case(output_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.training.trainer import Trainer, init_distributed
+    from tests.test_master import rel_err, small_config
+    from tests.test_pipeline import LAYERS
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fp32 = {"train.device": worker_device_type(), **LAYERS, "model.moe_router_topk": 4}
+    bf16 = {**fp32, "train.precision": "bf16"}
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    global_batch = 8 * world  # 4 micro-batches of 2 per rank
+    layouts = {f"{name}_{switch}": {**extra, ONCE: str(switch == "on").lower()}
+               for name, extra in LAYOUTS.items() for switch in ("off", "on")}
+    mesh, device = init_distributed(small_config(output_dir, world, global_batch, **bf16))
+    runs, skipped = {}, {}
+    for name, extra in layouts.items():
+        if dry_run():  # gloo on the CPU: the host-planned collective, or the device-planned twin of the push
+            extra = {key: value for key, value in extra.items() if key != "overlap.moe_transport"}
+        cfg = small_config(output_dir, world, global_batch, **bf16, **extra)
+        skipped[name] = cpu_skip_reason(cfg, world)
+        if not skipped[name]:
+            runs[name] = Trainer(cfg, mesh, device)
+    layouts = [name for name in layouts if not skipped[name]]
+    runs["single_bf16"] = Trainer(small_config(output_dir, 1, global_batch, **bf16), Mesh.single(), device)
+    runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **fp32), Mesh.single(), device)
+    losses, grads = {name: [] for name in runs}, {}
+    for step in range(STEPS):
+        for name, trainer in runs.items():
+            captured = {}
+            metrics = trainer.train_step(lambda opt, captured=captured: captured.update(opt.logical_grads()))
+            losses[name].append(metrics["loss"])
+            if step == 0:
+                grads[name] = captured
+    tensors, violations = bf16_rule(layouts, grads, losses)
+    on_vs_off = {name: max(rel_err(grads[f"{name}_on"][k], grads[f"{name}_off"][k]) for k in grads[f"{name}_off"])
+                 for name in LAYOUTS if f"{name}_on" in grads}
+    report = {"rank": mesh.rank, "world": world, "violations": violations, "tensors": tensors,
+              "on_vs_off_worst_grad": on_vs_off, "skipped": {name: why for name, why in skipped.items() if why},
+              "syncs_checked": False}
+    if not dry_run():  # the graphed layer with the switch on: no host sync in a step
+        graphed = runs["sm_push_graphed_on"]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = graphed.launch_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graphed.finish_step(pending)
+        report["syncs_checked"] = True
+    mesh.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.gpu
+def test_once_per_rank_follows_the_bf16_rule_on_every_gpu(tmp_path):
+    world = ranks_for_every_gpu(limit=4)  # 8 experts: 2 chunks of local experts need EP <= 4
+    for report in launch_ranks(__file__, tmp_path, timeout_s=600, world=world):
+        assert report["tensors"] > 0 and not report["violations"], report["violations"]
+        assert not report["skipped"] and report["syncs_checked"], report
+
+
+@pytest.mark.slow  # the dry-run, not in CI
+def test_once_per_rank_dry_run_on_cpu_gloo(tmp_path):
+    """Every layout but the graphed one on 2 gloo ranks, each transport replaced by gloo (host-planned, or the
+    device-planned twin of the push)."""
+    for report in launch_ranks(__file__, tmp_path, timeout_s=900, world=2, dry_run=True):
+        assert report["tensors"] > 0 and not report["violations"], report["violations"]
+        assert set(report["skipped"]) == {"sm_push_graphed_off", "sm_push_graphed_on"}, report["skipped"]
+
+
+if __name__ == "__main__":
+    write_report(sys.argv[1], gpu_case(sys.argv[1]))
