@@ -6,15 +6,16 @@ by int32 end offsets). Both need the right operand column-major and every weight
 What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. The weight gradients stay bf16 GEMMs
 that accumulate in fp32 straight into ``main_grad`` (layers/wgrad.py): torch 2.11's rowwise scaled GEMMs give only
 bf16 outputs (an FP8 wgrad would return a bf16 gradient and add it in a second pass over the fp32 main_grad), and
-its grouped 2D x 2D form needs every expert's rows a multiple of 16, which the exchange does not pad to.
+for its grouped 2D x 2D form torchao pads every expert's rows to a multiple of 16, which the exchange does not do.
 
 Weights are quantized once per optimizer step, not per micro-batch: each weight's FP8 copy (one per orientation,
 the forward's and the dgrad's) is cached on the parameter and refreshed in place when stale: after an optimizer
 step (the optimizers call :func:`weights_updated`; they write through ``param.data`` or flat buffers, which leave
 ``param._version`` alone), after an in-place write through the parameter (its ``_version``) or a move of its
 storage. A view of a parameter (a run of experts) caches its own copy on the parameter. Graphed MoE layers: the
-capture reads the cached copies that the eager warm-up made (no quantize kernel in the graph), and the layer's
-forward pre-hook (:func:`refresh_weights`, installed by the model) refreshes them before each replay.
+capture reads the cached copies that the eager warm-up made (no quantize kernel in the graph: the weights are
+still quantized once per step, not per replay), and the layer's forward pre-hook (:func:`refresh_weights`, which
+the model installs after the capture) refreshes them in place before a replay.
 
 The emulated path (``Fp8(emulate=True)``: the same quantization, then fp32 GEMMs of the dequantized operands)
 is the reference the tests compare with, and the only FP8 path on CPU.

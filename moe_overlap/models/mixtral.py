@@ -199,8 +199,7 @@ class MixtralModel(nn.Module):
     def use_fp8(self, fp8: Fp8, bf16_at_start: int = 0, bf16_at_end: int = 0) -> None:
         """``train.fp8_recipe``: the experts' and the linears' GEMMs of every layer but the first ``bf16_at_start``
         and the last ``bf16_at_end`` (train.num_layers_at_start_in_bf16 / _end_) run in FP8 (layers/fp8.py). The
-        embedding, the output layer, routers, norms and attention itself stay bf16. Each MoE layer refreshes its
-        weights' FP8 copies before it runs (a graphed layer's replay cannot). Call before graph_moe_layers."""
+        embedding, the output layer, routers, norms and attention itself stay bf16. Call before graph_moe_layers."""
         if not fp8.emulate:
             check_fp8_device(next(self.parameters()).device)
         bf16 = set(range(bf16_at_start)) | set(range(self.cfg.num_layers - bf16_at_end, self.cfg.num_layers))
@@ -210,8 +209,6 @@ class MixtralModel(nn.Module):
             for module in layer.modules():
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear, GroupedExperts)):
                     module.fp8 = fp8
-            if layer.is_moe:
-                layer.mlp.register_forward_pre_hook(refresh_weights)
 
     def start_micro_batch(self, first: bool, last: bool) -> None:
         for layer in self.layers.values():
@@ -229,6 +226,11 @@ class MixtralModel(nn.Module):
         if moe_layers:
             capture_moe_layers(moe_layers, (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards,
                                             self.cfg.hidden_size), copies)
+        for layer in moe_layers:  # a replay reads the FP8 weight copies the capture read: refresh them before it
+            if layer.experts.fp8 is not None:  # (after the layer's wait for its parameters; hooks come after capture)
+                for module in (layer, layer.graphed_twin):
+                    if module is not None:
+                        module.register_forward_pre_hook(refresh_weights)
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers)
