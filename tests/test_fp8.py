@@ -21,15 +21,14 @@ from moe_overlap.layers.fp8 import (Fp8, check_fp8_device, fp8_matmul, grouped_m
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 from moe_overlap.training.trainer import Trainer
-from tests.test_master import CPU, rel_err, small_config, world_and_mesh
+from tests.test_master import CPU, small_config, world_and_mesh
 
 EMULATED = Fp8(emulate=True)
 GEMM_TOL = 0.05  # an FP8 GEMM against fp32 (E4M3 keeps 3 mantissa bits: about 0.03 on normal data)
 
 
-def fp8_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many representable E4M3 values apart (same sign assumed): distance of their bit patterns."""
-    return (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
 
 
 # ------------------------------------------------------------------------------------------- quantize twins
@@ -171,6 +170,14 @@ def test_fp8_emulated_grouped_gemm_is_per_group_dense():
     reference = torch.cat([x[sum(rows[:e]):sum(rows[:e + 1])] @ w[e] for e in range(4)])
     assert rel_err(out[:start], reference) < GEMM_TOL
     assert rel_err(grouped_mm(x, w, offsets, None)[:start], reference) < 1e-6  # bf16 path unchanged (fp32 here)
+
+
+def test_fp8_experts_with_no_rows():
+    w13, w2 = torch.nn.Parameter(torch.randn(2, 32, 64)), torch.nn.Parameter(torch.randn(2, 32, 32))
+    x = torch.zeros(0, 32, requires_grad=True)
+    out = GroupedSwiGLU.apply(x, expert_offsets(torch.zeros(2, dtype=torch.long)), w13, w2, None, EMULATED)
+    out.sum().backward()
+    assert out.shape == (0, 32) and w13.grad.abs().max() == 0 and x.grad.shape == (0, 32)
 
 
 def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():

@@ -35,22 +35,26 @@ if HAVE_TRITON:
     _FLOOR = tl.constexpr(AMAX_FLOOR)
 
     # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, K, stride_x, HAS_BOUND: tl.constexpr,
+    # A row at or past the bound is masked off whole (no early return: every program runs the same code).
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, n_rows, K, stride_x, HAS_BOUND: tl.constexpr,
                               BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+        row = tl.program_id(0)
+        limit = n_rows
         if HAS_BOUND:
-            if row >= tl.load(bound_ptr):
-                return
+            limit = tl.minimum(tl.load(bound_ptr), n_rows)
+        live = row < limit
+        row = row.to(tl.int64)
         cols = tl.arange(0, BLOCK)
         amax = tl.full((BLOCK,), 0.0, tl.float32)
         for start in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+            mask = (start + cols < K) & live
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FLOOR)
-        tl.store(scale_ptr + row, tl.math.div_rn(amax, _MAX))
+        tl.store(scale_ptr + row, tl.math.div_rn(amax, _MAX), mask=live)
         inverse = tl.math.div_rn(_MAX, amax)
         for start in range(0, K, BLOCK):
-            mask = start + cols < K
+            mask = (start + cols < K) & live
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
             tl.store(q_ptr + row * K + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -139,8 +143,9 @@ def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out:
     if x_rows.stride(1) != 1:
         x_rows = x_rows.contiguous()
     block = min(_ROW_BLOCK, triton.next_power_of_2(K))
-    _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if rows_bound is None else rows_bound, K,
-                                        x_rows.stride(0), HAS_BOUND=rows_bound is not None, BLOCK=block)
+    _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if rows_bound is None else rows_bound,
+                                        x_rows.shape[0], K, x_rows.stride(0), HAS_BOUND=rows_bound is not None,
+                                        BLOCK=block)
     return q, scale
 
 

@@ -104,8 +104,10 @@ def fp8_matmul(a_MK: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp
     ``offsets_E`` (int32 end offsets of each group's rows; w (E, ., .)): group e's rows times B[e]; rows past the
     last offset are neither quantized nor computed. ``fast_accum``: cuBLAS's faster, less exact FP8 accumulation
     (the forward's, as Transformer Engine and torchao; the gradients accumulate exactly)."""
-    a_q, a_scale = quantize_rows(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
     b_q, b_scale = weight_operand(w, contract_last)
+    if a_MK.shape[0] == 0:  # no rows (an EP rank no token chose): nothing to quantize or multiply
+        return a_MK.new_empty((0, b_q.shape[-2]))
+    a_q, a_scale = quantize_rows(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
     if fp8.emulate:
         return _emulated(a_q, a_scale, b_q, b_scale, offsets_E).to(a_MK.dtype)
     if offsets_E is None:
