@@ -284,6 +284,17 @@ def test_fp8_first_and_last_layers_stay_bf16(tmp_path):
         check_fp8_device(torch.device("cpu"))
 
 
+def test_fp8_recipe_reaches_the_model_through_the_trainer(tmp_path, monkeypatch):
+    """train.fp8_recipe is not accepted and ignored: the trainer hands it to the model (MixtralModel.use_fp8), whose
+    check of the device is what refuses this CPU run once the config's own device rule is set aside."""
+    from moe_overlap.training import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "validate_for_world", lambda *args: None)
+    cfg = small_config(str(tmp_path), 1, 4, **{"train.fp8_recipe": "rowwise", "train.precision": "bf16"})
+    with pytest.raises(ConfigError, match=r"^train\.fp8_recipe='rowwise': FP8 needs a GPU .*the device is 'cpu'"):
+        trainer_module.Trainer(cfg, Mesh.single(), CPU)
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 GPU_FP8 = {"train.device": "cuda", "train.precision": "bf16", "train.fp8_recipe": "rowwise"}

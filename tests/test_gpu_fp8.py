@@ -2,8 +2,8 @@
 kernels equal their torch twins bit for bit; each FP8 GEMM (forward, dgrad; torch._scaled_mm and
 torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same inputs and within 1e-2 of the emulated path;
 the weight gradients (bf16 GEMMs) into the fp32 main_grad; the experts' layer and a linear whole against the
-emulated path; a small model's training steps in FP8 (eager, and with its MoE layers replayed from CUDA graphs)
-with finite losses close to bf16's, the graphed run equal to the eager one (its replays read FP8 weights the
+emulated path; a small model's training steps with train.fp8_recipe=rowwise (eager, and with its MoE layers
+replayed from CUDA graphs) with finite losses close to bf16's, the graphed run equal to the eager one (its replays read FP8 weights the
 pre-hook refreshed after every optimizer step: stale ones would drift from the eager run at once).
 
     CUDA_VISIBLE_DEVICES=0 python -m pytest -m gpu tests/test_gpu_fp8.py
@@ -184,11 +184,10 @@ def test_fp8_linears_against_emulated():
 # ------------------------------------------------------------------------------------------ training steps
 
 
-def train_losses(tmp_path, monkeypatch, fp8: Fp8 | None, graphed: bool, steps: int = 6) -> list[float]:
+def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6) -> list[float]:
     from moe_overlap.config import load_config
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.models.mixtral import build_model
-    from moe_overlap.training import trainer as trainer_module
+    from moe_overlap.training.trainer import Trainer
 
     overrides = {
         "model.num_layers": 4, "model.hidden_size": 256, "model.ffn_hidden_size": 512,
@@ -200,19 +199,13 @@ def train_losses(tmp_path, monkeypatch, fp8: Fp8 | None, graphed: bool, steps: i
         "train.moe_cuda_graph": str(graphed).lower(), "train.output_dir": str(tmp_path / "run"),
         "checkpoint.save_final": "false",
     }
-
-    def build_in_fp8(*args, **kwargs):  # what the trainer does with train.fp8_recipe=rowwise (the first layer bf16)
-        model = build_model(*args, **kwargs)
-        if fp8 is not None:
-            model.use_fp8(fp8, bf16_at_start=1)
-        return model
-
-    monkeypatch.setattr(trainer_module, "build_model", build_in_fp8)
-    trainer = trainer_module.Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), Mesh.single(),
-                                     torch.device("cuda"))
+    if fp8:
+        overrides.update({"train.fp8_recipe": "rowwise", "train.num_layers_at_start_in_bf16": 1})
+    trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), Mesh.single(),
+                      torch.device("cuda"))
     experts = trainer.model.layers["1"].mlp.experts
     replays_checked = []
-    if graphed and fp8 is not None:  # after the refresh hook graph_moe_layers installed: the copies are current
+    if graphed and fp8:  # after the refresh hook graph_moe_layers installed: the copies are current
         def check_fresh(_module, _args):
             for (contract_last, _), entry in experts.w13.fp8_cache.items():
                 fresh = (quantize_rows_torch if contract_last else quantize_columns_torch)(experts.w13.detach())
@@ -221,17 +214,17 @@ def train_losses(tmp_path, monkeypatch, fp8: Fp8 | None, graphed: bool, steps: i
 
         trainer.model.layers["1"].mlp.register_forward_pre_hook(check_fresh)
     losses = [trainer.train_step()["loss"] for _ in range(steps)]
-    assert len(replays_checked) == (4 * steps if graphed and fp8 is not None else 0)  # 4 micro-batches a step
-    assert (experts.fp8 is not None) == (fp8 is not None)
-    assert bool(getattr(experts.w13, "fp8_cache", None)) == (fp8 is not None)  # the FP8 path ran
+    assert (experts.fp8 is not None) == fp8, "train.fp8_recipe did not reach the model (the trainer's wiring)"
+    assert bool(getattr(experts.w13, "fp8_cache", None)) == fp8  # the FP8 path ran
+    assert len(replays_checked) == (4 * steps if graphed and fp8 else 0)  # 4 micro-batches a step
     assert trainer.model.layers["0"].mlp.linear_fc1.fp8 is None  # the first layer stayed bf16
     return losses
 
 
-def test_fp8_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path, monkeypatch):
-    bf16 = train_losses(tmp_path / "bf16", monkeypatch, None, graphed=False)
-    eager = train_losses(tmp_path / "eager", monkeypatch, REAL, graphed=False)
-    graphed = train_losses(tmp_path / "graphed", monkeypatch, REAL, graphed=True)
+def test_fp8_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path):
+    bf16 = train_losses(tmp_path / "bf16", fp8=False, graphed=False)
+    eager = train_losses(tmp_path / "eager", fp8=True, graphed=False)
+    graphed = train_losses(tmp_path / "graphed", fp8=True, graphed=True)
     print("losses bf16", bf16, "fp8", eager, "fp8 graphed", graphed)
     assert all(torch.isfinite(torch.tensor(losses)).all() for losses in (bf16, eager, graphed))
     assert bf16[-1] < bf16[0] and eager[-1] < eager[0]  # both learn
