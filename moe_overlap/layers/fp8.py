@@ -141,11 +141,12 @@ def grouped_mm(a_TK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, fp8
 
 
 def check_fp8_device(device: torch.device) -> None:
-    """FP8 tensor cores: compute capability 8.9 (Ada) or newer (on the GPU itself, so after ranks start)."""
+    """FP8 tensor cores and torch's scaled grouped GEMM: compute capability 9.0 (Hopper) or newer (asked of the GPU
+    itself, so once the ranks run; torch._scaled_mm alone would take 8.9, its grouped twin needs 9.0)."""
     if device.type != "cuda":
         raise ConfigError("train.fp8_recipe", "rowwise", f"{FP8_NEEDS_GPU}; the device is {device.type!r}")
     capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
+    if capability < (9, 0):
         raise ConfigError("train.fp8_recipe", "rowwise",
                           f"{FP8_NEEDS_GPU}; {torch.cuda.get_device_name(device)} has compute capability "
                           f"{capability[0]}.{capability[1]}")
