@@ -3,8 +3,9 @@ kernels equal their torch twins bit for bit; each FP8 GEMM (forward, dgrad; torc
 torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same inputs and within 1e-2 of the emulated path;
 the weight gradients (bf16 GEMMs) into the fp32 main_grad; the experts' layer and a linear whole against the
 emulated path; a small model's training steps with train.fp8_recipe=rowwise (eager, and with its MoE layers
-replayed from CUDA graphs) with finite losses close to bf16's, the graphed run equal to the eager one (its replays read FP8 weights the
-pre-hook refreshed after every optimizer step: stale ones would drift from the eager run at once).
+replayed from CUDA graphs) with finite losses close to bf16's, the graphed run equal to the eager one, and every
+replay reading FP8 weights that the pre-hook refreshed after the last optimizer step. The train-step test needs
+train.fp8_recipe wired into the trainer (MixtralModel.use_fp8).
 
     CUDA_VISIBLE_DEVICES=0 python -m pytest -m gpu tests/test_gpu_fp8.py
 """
