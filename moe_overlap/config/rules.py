@@ -82,6 +82,7 @@ def validate(cfg: Config) -> None:
                  "routes its own sequence block)")
 
     validate_overlaps(cfg)
+    _validate_fp8(cfg)
 
     for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_iters", "log_interval"):
         require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
@@ -155,6 +156,58 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig, o: OverlapConf
     if t.moe_cuda_graph:
         raise not_implemented("train.moe_cuda_graph", True, False,
                                "graphs of MoE layers under context parallelism: the router gathers over the CP group")
+
+
+FP8_NEEDS_GPU = "FP8 needs a GPU with FP8 tensor cores (Hopper or newer)"
+
+
+def _validate_fp8(cfg: Config) -> None:
+    """train.fp8_recipe: what the rowwise FP8 GEMMs need (bf16 activations, every GEMM dimension a multiple of 16
+    on each rank) and what they do not compose with yet."""
+    m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
+    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        require(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")
+        require(t.fp8_recipe is not None or getattr(t, name) == 0, f"train.{name}", getattr(t, name),
+                "has no effect without train.fp8_recipe (every layer is bf16): leave it at 0")
+    bf16_layers = t.num_layers_at_start_in_bf16 + t.num_layers_at_end_in_bf16
+    require(bf16_layers <= m.num_layers, "train.num_layers_at_end_in_bf16", t.num_layers_at_end_in_bf16,
+            f"plus train.num_layers_at_start_in_bf16={t.num_layers_at_start_in_bf16} must be <= "
+            f"model.num_layers={m.num_layers}")
+    if t.fp8_recipe is None:
+        return
+    if t.fp8_recipe == "blockwise":
+        raise ConfigError("train.fp8_recipe", t.fp8_recipe,
+                          "not implemented yet (blockwise FP8 needs a Triton grouped GEMM); use rowwise or null")
+    require(t.device != "cpu", "train.fp8_recipe", t.fp8_recipe, f"{FP8_NEEDS_GPU}; train.device is 'cpu'")
+    require(t.precision == "bf16", "train.fp8_recipe", t.fp8_recipe,
+            f"needs train.precision=bf16 (the FP8 GEMMs take and give bf16), not {t.precision!r}")
+    if p.tensor_model_parallel_size > 1:
+        raise not_implemented("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size, 1,
+                              "FP8 GEMMs inside the tensor-parallel linears' overlapped collectives")
+    if cfg.expert_tensor_parallel_size > 1:
+        raise not_implemented("parallel.expert_tensor_parallel_size", cfg.expert_tensor_parallel_size, 1,
+                              "FP8 expert GEMMs with expert-TP")
+    if o.moe_pipeline and m.num_moe_experts is not None and p.expert_model_parallel_size > 1:
+        raise not_implemented("overlap.moe_pipeline", True, False,
+                              "train.fp8_recipe's expert GEMMs inside the pipelined exchange")
+    # torch's scaled GEMMs need both dimensions of every weight (contraction and output) multiples of 16 (without
+    # TP the whole dimension is on the rank): (field, its value, the GEMM dimension it sets)
+    heads, groups = m.num_attention_heads, m.query_groups
+    head = ("model.kv_channels", m.kv_channels) if m.kv_channels else ("model.num_attention_heads", heads)
+    dims = [("model.hidden_size", m.hidden_size, m.hidden_size),
+            (*head, heads * m.head_dim), (*head, (heads + 2 * groups) * m.head_dim)]  # projection, QKV
+    if any(not m.is_moe_layer(i) for i in range(m.num_layers)):
+        dims.append(("model.ffn_hidden_size", m.ffn_hidden_size, m.ffn_hidden_size))
+    if m.num_moe_experts is not None:
+        expert = ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.moe_ffn_hidden_size else (
+            "model.ffn_hidden_size", m.ffn_hidden_size)
+        dims.append((*expert, m.expert_ffn_hidden_size))
+        if m.moe_shared_expert_intermediate_size:
+            size = m.moe_shared_expert_intermediate_size
+            dims.append(("model.moe_shared_expert_intermediate_size", size, size))
+    for name, value, size in dims:
+        require(size % 16 == 0, name, value,
+                f"train.fp8_recipe={t.fp8_recipe!r} needs every GEMM dimension a multiple of 16: this one is {size}")
 
 
 def _validate_moe(m: ModelConfig) -> None:
@@ -286,6 +339,8 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
                  f"gives {m} micro-batches per data-parallel rank; virtual pipeline stages take them in groups of "
                  f"parallel.pipeline_model_parallel_size={pp}: need a multiple")
     refuse(graph_device_refusal(device_type) if t.moe_cuda_graph else None)
+    require(t.fp8_recipe is None or device_type == "cuda", "train.fp8_recipe", t.fp8_recipe,
+            f"{FP8_NEEDS_GPU}; the device is {device_type!r}")
     for name, default in (("dp_comm_ctas", None), ("ep_comm_ctas", None), ("gemm_sm_carveout", 0)):
         value = getattr(cfg.overlap, name)
         require(value == default or device_type == "cuda", f"overlap.{name}", value,

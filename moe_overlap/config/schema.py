@@ -218,6 +218,13 @@ class TrainConfig:
     # Sum the experts' weight gradients of two consecutive micro-batches in one grouped kernel: main_grad is read
     # and written once per pair (fewer, larger experts gain most), one micro-batch's wgrad inputs kept per layer.
     expert_wgrad_pairs: bool = False
+    # FP8 (E4M3) GEMMs for the experts and the dense linears of the decoder layers (Megatron's names): null: bf16;
+    # rowwise: one float32 scale per row of each operand (torch's scaled GEMMs; forward and input gradient in FP8,
+    # weight gradients in bf16 into the fp32 main_grad); blockwise: not built yet. The first / last that many
+    # layers stay bf16 (as do the embedding, output layer, router, norms and attention itself).
+    fp8_recipe: Optional[Literal["rowwise", "blockwise"]] = None
+    num_layers_at_start_in_bf16: int = 0
+    num_layers_at_end_in_bf16: int = 0
     # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.
     peak_tflops: float = 788.0
     # [first, last] (1-based): profile those steps on profile_ranks into <output_dir>/profile (trace, timeline,

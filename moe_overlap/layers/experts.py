@@ -4,7 +4,8 @@ GEMMs skip them (measured: no cost, and garbage there reaches no valid output or
 does the SwiGLU kernel.
 
 The forward and backward are explicit so the overlapped pipeline can run dgrad and wgrad separately.
-w13 holds [gate | up] along its last dimension.
+w13 holds [gate | up] along its last dimension. Under ``fp8`` (train.fp8_recipe) the forward and dgrad GEMMs run
+in FP8 (layers/fp8.py); the weight gradients stay bf16 into main_grad.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
 from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
+from moe_overlap.layers.fp8 import Fp8, grouped_mm
 from moe_overlap.layers.wgrad import grouped_wgrad, main_grad_of, mark_own_grad, placeholder
 
 
@@ -29,19 +31,19 @@ def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
 
 
 def experts_forward(x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
-                    w2_EFH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    w2_EFH: torch.Tensor, fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1 -> SwiGLU -> fc2; returns the output and fc1's output (kept for the backward)."""
-    h_TF2 = torch._grouped_mm(x_TH, w13_EHF2, offs=offsets_E)
-    return torch._grouped_mm(swiglu_forward(h_TF2, offsets_E[-1:]), w2_EFH, offs=offsets_E), h_TF2
+    h_TF2 = grouped_mm(x_TH, w13_EHF2, offsets_E, fp8, fast_accum=True)
+    return grouped_mm(swiglu_forward(h_TF2, offsets_E[-1:]), w2_EFH, offsets_E, fp8, fast_accum=True), h_TF2
 
 
 def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
-                  w2_EFH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  w2_EFH: torch.Tensor, fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input gradient; also fc1's output gradient and the SwiGLU activation, which the weight gradients need
     (the fused backward rebuilds the activation in the same pass, so the forward need not keep it)."""
-    grad_a_TF = torch._grouped_mm(grad_y_TH, w2_EFH.transpose(-2, -1), offs=offsets_E)
+    grad_a_TF = grouped_mm(grad_y_TH, w2_EFH, offsets_E, fp8, transpose_w=True)
     grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF, offsets_E[-1:])
-    return torch._grouped_mm(grad_h_TF2, w13_EHF2.transpose(-2, -1), offs=offsets_E), grad_h_TF2, a_TF
+    return grouped_mm(grad_h_TF2, w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2, a_TF
 
 
 @dataclass
@@ -113,10 +115,11 @@ class ExpertWgradPairs:
 class GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
-                pairs: ExpertWgradPairs | None = None) -> torch.Tensor:
-        y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH)
+                pairs: ExpertWgradPairs | None = None, fp8: Fp8 | None = None) -> torch.Tensor:
+        y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH, fp8)
         ctx.save_for_backward(x_TH, offsets_E, h_TF2)
         ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad), also under recomputation
+        ctx.fp8 = fp8
         ctx.pairs = pairs if main_grad_of(w13_EHF2) is not None else None
         return y_TH
 
@@ -127,11 +130,11 @@ class GroupedSwiGLU(torch.autograd.Function):
             grad_x_TH, inputs = torch.zeros_like(x_TH), None
         else:
             grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
-            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH)
+            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8)
             inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         ready = ctx.pairs.take(inputs) if ctx.pairs is not None else [i for i in (inputs,) if i is not None]
         grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready), ctx.weights)
-        return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None
+        return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None, None
 
 
 def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13_EHF2: torch.Tensor,
@@ -156,6 +159,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_local_experts, self.first_expert = num_local_experts, first_expert
         self.wgrad_pairs: ExpertWgradPairs | None = None  # train.expert_wgrad_pairs (MixtralModel sets it)
+        self.fp8: Fp8 | None = None  # train.fp8_recipe (MixtralModel.use_fp8 sets it)
         rank, size, ranks = (etp.rank, etp.size, tuple(etp.ranks)) if etp is not None else (0, 1, ())
         local_ffn = ffn_hidden_size // size
         self.w13 = make_param((num_local_experts, hidden_size, 2 * local_ffn), NORMAL, device, dtype,
@@ -165,4 +169,4 @@ class GroupedExperts(nn.Module):
         mark_own_grad(self.w13, self.w2)
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_pairs)
+        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_pairs, self.fp8)

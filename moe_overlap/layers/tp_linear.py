@@ -13,7 +13,8 @@ picks the serial path or its overlapped twin by switch; the math here is the sam
           wgrad  grad_W_HF = gather(grad_y_RH)^T @ x_SF
 The column forward's gather is pipelined with tp_comm_overlap_ag. Under SP only the local rows of x are saved
 for backward (re-gathered there), which is the point of sequence parallelism. Weight gradients go straight
-into the weights' fp32 main_grad (layers/wgrad.py).
+into the weights' fp32 main_grad (layers/wgrad.py). Under ``fp8`` (train.fp8_recipe) the forward and dgrad GEMMs
+run in FP8 (layers/fp8.py) beside the same collectives, not pipelined with them; wgrad stays bf16.
 """
 
 from __future__ import annotations
@@ -26,23 +27,29 @@ from moe_overlap.distributed.ring import Pending, TPComm
 from moe_overlap.layers.init import NORMAL, make_param
 from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
+from moe_overlap.layers.fp8 import Fp8, fp8_matmul
 from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
 
 # -------------------------------------------------------------------------------------- column parallel
 
 
-def column_dgrad_start(grad_y_SF: torch.Tensor, w_FH: torch.Tensor, comm: TPComm) -> Pending:
+def column_dgrad_start(grad_y_SF: torch.Tensor, w_FH: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None
+                       ) -> Pending:
     """grad_x = scatter(grad_y @ W): pipelined, or the GEMM now and its scatter in flight (bulk) or done."""
-    if comm.overlap.rs_dgrad:
+    if comm.overlap.rs_dgrad and fp8 is None:
         return Pending(comm.matmul_scatter(grad_y_SF, w_FH, overlap=True))
-    return comm.start_scatter(torch.mm(grad_y_SF, w_FH), overlap=comm.overlap.bulk_wgrad)
+    grad_x_SH = torch.mm(grad_y_SF, w_FH) if fp8 is None else fp8_matmul(grad_y_SF, w_FH, False, fp8)
+    return comm.start_scatter(grad_x_SH, overlap=comm.overlap.bulk_wgrad)
 
 
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH: torch.Tensor, w_FH: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    def forward(ctx, x_RH: torch.Tensor, w_FH: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None) -> torch.Tensor:
         ctx.save_for_backward(x_RH)
         ctx.comm, ctx.weights = comm, (w_FH,)  # the parameter itself (its main_grad), also under recomputation
+        ctx.fp8 = fp8
+        if fp8 is not None:
+            return fp8_matmul(comm.gather(x_RH), w_FH, True, fp8, fast_accum=True)
         return comm.gather_matmul(x_RH, w_FH.t(), overlap=comm.overlap.ag)[0]
 
     @staticmethod
@@ -51,32 +58,38 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         comm = ctx.comm
         grad_y_SF = grad_y_SF.contiguous()
         x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
-        grad_x = column_dgrad_start(grad_y_SF, w_FH, comm)
+        grad_x = column_dgrad_start(grad_y_SF, w_FH, comm, ctx.fp8)
         grad_w_FH, = weight_grads(linear_wgrad, (w_FH, grad_y_SF, x_gather.wait()), ctx.weights)
-        return grad_x.wait(), grad_w_FH, None
+        return grad_x.wait(), grad_w_FH, None, None
 
 
 # ----------------------------------------------------------------------------------------- row parallel
 
 
-def row_dgrad(grad_y_RH: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> tuple[torch.Tensor, torch.Tensor]:
+def row_dgrad(grad_y_RH: torch.Tensor, w_HF: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gather(grad_y) @ W, gather(grad_y)): the gathered gradient is what wgrad needs."""
+    if fp8 is not None:
+        grad_y_SH = comm.gather(grad_y_RH)
+        return fp8_matmul(grad_y_SH, w_HF, False, fp8), grad_y_SH
     return comm.gather_matmul(grad_y_RH, w_HF, overlap=comm.overlap.ag, keep_gathered=True)
 
 
 class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_SF: torch.Tensor, w_HF: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    def forward(ctx, x_SF: torch.Tensor, w_HF: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None) -> torch.Tensor:
         ctx.save_for_backward(x_SF)
-        ctx.comm, ctx.weights = comm, (w_HF,)
+        ctx.comm, ctx.weights, ctx.fp8 = comm, (w_HF,), fp8
+        if fp8 is not None:
+            return comm.scatter(fp8_matmul(x_SF, w_HF, True, fp8, fast_accum=True))
         return comm.matmul_scatter(x_SF, w_HF.t(), overlap=comm.overlap.rs)
 
     @staticmethod
     def backward(ctx, grad_y_RH: torch.Tensor):
         (x_SF,), (w_HF,) = ctx.saved_tensors, ctx.weights
-        grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm)
+        grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm, ctx.fp8)
         grad_w_HF, = weight_grads(linear_wgrad, (w_HF, grad_y_SH, x_SF), ctx.weights)
-        return grad_x_SF, grad_w_HF, None
+        return grad_x_SF, grad_w_HF, None, None
 
 
 # ------------------------------------------------------------------------------------ region boundaries
@@ -149,9 +162,10 @@ class ColumnParallelLinear(nn.Module):
         shard = TPShard(dim=0, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks), stack=stack)
         self.weight = make_param((out_features // comm.size, in_features), init, device, dtype, tp=shard)
         mark_own_grad(self.weight)
+        self.fp8: Fp8 | None = None  # train.fp8_recipe (MixtralModel.use_fp8 sets it)
 
     def forward(self, x_RH: torch.Tensor) -> torch.Tensor:
-        return ColumnParallelLinearFn.apply(x_RH, self.weight, self.comm)
+        return ColumnParallelLinearFn.apply(x_RH, self.weight, self.comm, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
@@ -164,6 +178,7 @@ class RowParallelLinear(nn.Module):
         shard = TPShard(dim=1, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks))
         self.weight = make_param((out_features, in_features // comm.size), init, device, dtype, tp=shard)
         mark_own_grad(self.weight)
+        self.fp8: Fp8 | None = None  # train.fp8_recipe (MixtralModel.use_fp8 sets it)
 
     def forward(self, x_SF: torch.Tensor) -> torch.Tensor:
-        return RowParallelLinearFn.apply(x_SF, self.weight, self.comm)
+        return RowParallelLinearFn.apply(x_SF, self.weight, self.comm, self.fp8)

@@ -23,7 +23,8 @@ from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 from moe_overlap.layers.attention import SelfAttention
 from moe_overlap.layers.embedding import Embedding, lm_cross_entropy
-from moe_overlap.layers.experts import ExpertWgradPairs
+from moe_overlap.layers.experts import ExpertWgradPairs, GroupedExperts
+from moe_overlap.layers.fp8 import Fp8, check_fp8_device, refresh_weights
 from moe_overlap.layers.init import init_parameters
 from moe_overlap.layers.param_info import is_expert_param, is_tp_split, param_info
 from moe_overlap.layers.mlp import SwiGLUMLP
@@ -31,7 +32,7 @@ from moe_overlap.layers.moe import MoELayer, capture_moe_layers
 from moe_overlap.layers.norm import RMSNorm
 from moe_overlap.layers.router import Router
 from moe_overlap.layers.sp_router import SequenceParallelRouter
-from moe_overlap.layers.tp_linear import ColumnParallelLinear
+from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
 
 class TransformerLayer(nn.Module):
@@ -198,6 +199,20 @@ class MixtralModel(nn.Module):
             if layer.is_moe:
                 layer.mlp.experts.wgrad_pairs = ExpertWgradPairs()
 
+    def use_fp8(self, fp8: Fp8, bf16_at_start: int = 0, bf16_at_end: int = 0) -> None:
+        """``train.fp8_recipe``: the experts' and the linears' GEMMs of every layer but the first ``bf16_at_start``
+        and the last ``bf16_at_end`` (train.num_layers_at_start_in_bf16 / _end_) run in FP8 (layers/fp8.py). The
+        embedding, the output layer, routers, norms and attention itself stay bf16. Call before graph_moe_layers."""
+        if not fp8.emulate:
+            check_fp8_device(next(self.parameters()).device)
+        bf16 = set(range(bf16_at_start)) | set(range(self.cfg.num_layers - bf16_at_end, self.cfg.num_layers))
+        for index, layer in self.layers.items():
+            if int(index) in bf16:
+                continue
+            for module in layer.modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear, GroupedExperts)):
+                    module.fp8 = fp8
+
     def start_micro_batch(self, first: bool, last: bool) -> None:
         for layer in self.layers.values():
             if layer.is_moe and layer.mlp.experts.wgrad_pairs is not None:
@@ -214,6 +229,11 @@ class MixtralModel(nn.Module):
         if moe_layers:
             capture_moe_layers(moe_layers, (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards,
                                             self.cfg.hidden_size), copies)
+        for layer in moe_layers:  # a replay reads the FP8 weight copies the capture read: refresh them before it
+            if layer.experts.fp8 is not None:  # (after the layer's wait for its parameters; hooks come after capture)
+                for module in (layer, layer.graphed_twin):
+                    if module is not None:
+                        module.register_forward_pre_hook(refresh_weights)
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers)

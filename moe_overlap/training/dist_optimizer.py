@@ -39,6 +39,7 @@ from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.kernels.adamw import adamw_update
+from moe_overlap.layers.fp8 import weights_updated
 from moe_overlap.layers.param_info import is_expert_param, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
@@ -293,6 +294,7 @@ class DistributedOptimizer:
         for bucket in self.buckets:  # forward order: the all-gather the next forward needs first starts first
             bucket.update(lr, self.cfg, control)
             bucket.start_param_sync(self.collectives)
+        weights_updated()  # the FP8 copies of the weights (train.fp8_recipe), made after the all-gathers, are stale
         if not self.overlap_param_sync:
             self.finish_param_sync()
         self.zero_grad()
@@ -356,6 +358,7 @@ class DistributedOptimizer:
                 bucket.param_shard.copy_(bucket.master)
                 bucket.start_param_sync(self.collectives)
             self.finish_param_sync()
+        weights_updated()
 
 
 def _grad_hook(optimizer: weakref.ref, bucket_index: int, slot_index: int, param: nn.Parameter) -> None:

@@ -23,6 +23,7 @@ from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.kernels.adamw import AdamWHyper, adamw_update
+from moe_overlap.layers.fp8 import weights_updated
 from moe_overlap.layers.init import expert_key
 from moe_overlap.layers.param_info import is_expert_param, is_tp_split, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
@@ -237,6 +238,7 @@ class MixedPrecisionAdamW:
         for entry in self.entries:
             adamw_update(entry.master, entry.main_grad, entry.exp_avg, entry.exp_avg_sq, entry.model_copy, control,
                          adamw_hyper(self.cfg, lr, decays(entry.param)))
+        weights_updated()  # the FP8 copies of the weights (train.fp8_recipe) are stale
         self.zero_grad()
         return norm, control[2]
 
@@ -270,3 +272,4 @@ class MixedPrecisionAdamW:
         for entry in self.entries:
             if entry.model_copy is not None:
                 entry.model_copy.copy_(entry.master)
+        weights_updated()

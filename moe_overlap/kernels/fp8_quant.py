@@ -1,0 +1,173 @@
+"""FP8 (E4M3) quantization with one float32 scale per row or per column, for torch's rowwise-scaled GEMMs.
+
+A row's scale is amax / 448 (E4M3's largest finite value; amax clamped to >= 1e-12, so a row of zeros gets a
+tiny scale and quantizes to zeros): the row divided by it fits E4M3 exactly at its largest element. The
+division is a multiplication by 448 / amax (one correctly rounded division per row), then a clamp to
+[-448, 448] (saturation) and the cast, which rounds to nearest even. Dequantized: q * scale.
+
+- :func:`quantize_rows`: per row of the last dimension (2D (M, K) -> scales (M,); 3D (E, M, K) -> (E, M)):
+  activations, and a weight whose last dimension is the GEMM's contraction.
+- :func:`quantize_columns`: per column, written transposed (2D (M, K) -> q (K, M), scales (K,); 3D per matrix):
+  the column-major right operand a scaled GEMM wants when the contraction runs down the columns, in one pass
+  (quantize-then-transpose would be a second pass over the FP8 copy).
+Both read any float dtype (the cast to FP8 is the only cast: bf16 or fp32 in, FP8 out) and can write into given
+buffers (a weight's cached FP8 copy refreshed in place: layers/fp8.py). ``rows_bound`` (a device int tensor of
+one element) skips the rows from it on, as the expert GEMMs do (a static worst-case buffer's unused tail).
+
+The torch twins are the reference (CPU, tests); the Triton kernels run on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, max_combine, use_triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-12
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _MAX = tl.constexpr(FP8_MAX)
+    _FLOOR = tl.constexpr(AMAX_FLOOR)
+
+    # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
+    # A row at or past the bound is masked off whole (no early return: every program runs the same code).
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, n_rows, K, stride_x, HAS_BOUND: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        limit = n_rows
+        if HAS_BOUND:
+            limit = tl.minimum(tl.load(bound_ptr), n_rows)
+        live = row < limit
+        row = row.to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        amax = tl.full((BLOCK,), 0.0, tl.float32)
+        for start in range(0, K, BLOCK):
+            mask = (start + cols < K) & live
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FLOOR)
+        tl.store(scale_ptr + row, tl.math.div_rn(amax, _MAX), mask=live)
+        inverse = tl.math.div_rn(_MAX, amax)
+        for start in range(0, K, BLOCK):
+            mask = (start + cols < K) & live
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
+            tl.store(q_ptr + row * K + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+    # One program per (block of columns, matrix): the columns' amax down all M rows, then each (BLOCK_M, BLOCK_K)
+    # tile quantized and stored transposed into q (K, M).
+    def _quantize_columns_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xb, stride_xm, BLOCK_M: tl.constexpr,
+                                 BLOCK_K: tl.constexpr):
+        matrix = tl.program_id(1).to(tl.int64)
+        rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        rm = tl.arange(0, BLOCK_M)
+        x_base = x_ptr + matrix * stride_xb
+        amax = tl.full((BLOCK_K,), 0.0, tl.float32)
+        for start in range(0, M, BLOCK_M):
+            mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
+            x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.reduce(tl.abs(x.to(tl.float32)), 0, max_combine))
+        amax = tl.maximum(amax, _FLOOR)
+        fp8_max = tl.full((BLOCK_K,), _MAX, tl.float32)
+        tl.store(scale_ptr + matrix * K + rk, tl.math.div_rn(amax, fp8_max), mask=rk < K)
+        inverse = tl.math.div_rn(fp8_max, amax)
+        q_base = q_ptr + matrix * M * K
+        for start in range(0, M, BLOCK_M):
+            mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
+            x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask, other=0.0)
+            q = tl.minimum(tl.maximum(x.to(tl.float32) * inverse[None, :], -_MAX), _MAX)
+            tl.store(q_base + rk[None, :].to(tl.int64) * M + (start + rm)[:, None], q.to(q_ptr.dtype.element_ty),
+                     mask=mask)
+
+    _rows = Kernel(_quantize_rows_kernel)
+    _columns = Kernel(_quantize_columns_kernel)
+
+
+def _outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Tensor, q_out: torch.Tensor | None,
+             scale_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    q = q_out if q_out is not None else torch.empty(q_shape, dtype=FP8, device=x.device)
+    scale = scale_out if scale_out is not None else torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    if q.shape != q_shape or not q.is_contiguous() or scale.shape != scale_shape or not scale.is_contiguous():
+        raise ValueError(f"FP8 outputs must be contiguous {q_shape} and {scale_shape}, got {tuple(q.shape)} and "
+                         f"{tuple(scale.shape)}")
+    return q, scale
+
+
+def _quantize_torch(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin: (q like x, scales with ``dim`` reduced away), the kernels' arithmetic step for step."""
+    x = x.float()
+    amax = x.abs().amax(dim, keepdim=True).clamp(min=AMAX_FLOOR)
+    q = (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, (amax / FP8_MAX).squeeze(dim)
+
+
+def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
+                        scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out)
+    q_new, scale_new = _quantize_torch(x, -1)
+    q.copy_(q_new)
+    scale.copy_(scale_new)
+    return q, scale
+
+
+def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
+                           scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _outputs((*x.shape[:-2], x.shape[-1], x.shape[-2]), (*x.shape[:-2], x.shape[-1]), x, q_out,
+                        scale_out)
+    q_new, scale_new = _quantize_torch(x, -2)
+    q.copy_(q_new.transpose(-2, -1))
+    scale.copy_(scale_new)
+    return q, scale
+
+
+_ROW_BLOCK = 1024
+_COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
+
+
+def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                  rows_bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales): x (..., K) quantized per row of its last dimension, q contiguous like x, scales (...) float32.
+    ``rows_bound``: rows from it on (of x viewed as (rows, K)) are left unwritten (the twin writes them)."""
+    if not use_triton(x, "fp8 quantize_rows"):
+        return quantize_rows_torch(x, q_out, scale_out)
+    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out)
+    K = x.shape[-1]
+    if x.numel() == 0:
+        return q, scale
+    x_rows = x.reshape(-1, K)
+    if x_rows.stride(1) != 1:
+        x_rows = x_rows.contiguous()
+    block = min(_ROW_BLOCK, triton.next_power_of_2(K))
+    _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if rows_bound is None else rows_bound,
+                                        x_rows.shape[0], K, x_rows.stride(0), HAS_BOUND=rows_bound is not None,
+                                        BLOCK=block)
+    return q, scale
+
+
+def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
+                     scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales): each column of x (..., M, K) quantized, q (..., K, M) contiguous (x's matrices transposed),
+    scales (..., K) float32."""
+    if not use_triton(x, "fp8 quantize_columns"):
+        return quantize_columns_torch(x, q_out, scale_out)
+    M, K = x.shape[-2:]
+    q, scale = _outputs((*x.shape[:-2], K, M), (*x.shape[:-2], K), x, q_out, scale_out)
+    if x.numel() == 0:
+        return q, scale
+    x_BMK = x.reshape(-1, M, K)
+    if x_BMK.stride(2) != 1:
+        x_BMK = x_BMK.contiguous()
+    block_m, block_k = _COLUMN_BLOCKS
+    _columns[(triton.cdiv(K, block_k), x_BMK.shape[0]), x.device](
+        x_BMK, q, scale, M, K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """fp32 values of ``q`` whose scales run along ``dim`` reduced away (-1: per row, -2: per column)."""
+    return q.float() * scale.unsqueeze(dim)

@@ -1,0 +1,152 @@
+"""FP8 GEMMs of the rowwise recipe (``train.fp8_recipe=rowwise``): E4M3 operands with one float32 scale per row
+of the left operand and per column of the right one (kernels/fp8_quant.py), bf16 out, through torch's scaled
+GEMMs: ``torch._scaled_mm`` for the dense linears, ``torch._scaled_grouped_mm`` for the experts (rows grouped
+by int32 end offsets). Both need the right operand column-major and every weight dimension a multiple of 16.
+
+What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. The weight gradients stay bf16 GEMMs
+that accumulate in fp32 straight into ``main_grad`` (layers/wgrad.py): torch 2.11's rowwise scaled GEMMs give only
+bf16 outputs (an FP8 wgrad would return a bf16 gradient and add it in a second pass over the fp32 main_grad), and
+for its grouped 2D x 2D form torchao pads every expert's rows to a multiple of 16, which the exchange does not do.
+
+Weights are quantized once per optimizer step, not per micro-batch: each weight's FP8 copy (one per orientation,
+the forward's and the dgrad's) is cached on the parameter and refreshed in place when stale: after an optimizer
+step (the optimizers call :func:`weights_updated`; they write through ``param.data`` or flat buffers, which leave
+``param._version`` alone), after an in-place write through the parameter (its ``_version``) or a move of its
+storage. A view of a parameter (a run of experts) caches its own copy on the parameter. Graphed MoE layers: the
+capture reads the cached copies that the eager warm-up made (no quantize kernel in the graph: the weights are
+still quantized once per step, not per replay), and the layer's forward pre-hook (:func:`refresh_weights`, which
+the model installs after the capture) refreshes them in place before a replay.
+
+The emulated path (``Fp8(emulate=True)``: the same quantization, then fp32 GEMMs of the dequantized operands)
+is the reference the tests compare with, and the only FP8 path on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_overlap.config.rules import FP8_NEEDS_GPU
+from moe_overlap.config.schema import ConfigError
+from moe_overlap.kernels.fp8_quant import dequantize, quantize_columns, quantize_rows
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """How a layer's GEMMs run in FP8: on FP8 tensor cores, or emulated (fp32 GEMMs of dequantized operands)."""
+
+    emulate: bool = False
+
+
+_generation = 0  # bumped by every optimizer step: every cached FP8 weight is stale
+
+
+def weights_updated() -> None:
+    """The optimizers' call after they wrote new weights (a step, a checkpoint load)."""
+    global _generation
+    _generation += 1
+
+
+@dataclass
+class _CachedWeight:
+    state: tuple[int, int, int]  # (_generation, the parameter's _version, its data_ptr) it was made at
+    view: tuple[torch.Size, tuple[int, ...], int]  # the quantized view: shape, strides, offset in the parameter
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def _state(param: torch.Tensor) -> tuple[int, int, int]:
+    return _generation, param._version, param.data_ptr()
+
+
+def _quantize_weight(w: torch.Tensor, contract_last: bool, entry: _CachedWeight | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    quantize = quantize_rows if contract_last else quantize_columns
+    return quantize(w.detach(), *((entry.q, entry.scale) if entry is not None else ()))
+
+
+def weight_operand(w: torch.Tensor, contract_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight (or a view of one: a run of experts) as the right operand B (K, N) of ``a @ B``, per matrix:
+    B = w^T when ``contract_last`` (the contraction runs along w's last dimension), else B = w. Returns
+    (q (..., N, K) contiguous, so that ``q.transpose(-2, -1)`` is B column-major; scales (..., N), one per
+    column of B), from the parameter's cache (see the module docstring)."""
+    param = w if w._base is None else w._base
+    cache: dict = param.__dict__.setdefault("fp8_cache", {})
+    view = (w.shape, w.stride(), w.storage_offset() - param.storage_offset())
+    slot = (contract_last, view)
+    entry = cache.get(slot)
+    if entry is not None and entry.state == _state(param):
+        return entry.q, entry.scale
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():  # stale at capture: quantize inside the graph
+        return _quantize_weight(w, contract_last)
+    q, scale = _quantize_weight(w, contract_last, entry)
+    cache[slot] = _CachedWeight(_state(param), view, q, scale)
+    return q, scale
+
+
+@torch.no_grad()
+def refresh_weights(module: nn.Module, *_) -> None:
+    """Refresh, in place, the stale FP8 copies of ``module``'s weights (a forward pre-hook of a graphed layer,
+    whose replays read the copies without running Python)."""
+    for param in module.parameters():
+        for (contract_last, (shape, stride, offset)), entry in param.__dict__.get("fp8_cache", {}).items():
+            if entry.state != _state(param):
+                w = param.as_strided(shape, stride, param.storage_offset() + offset)
+                _quantize_weight(w, contract_last, entry)
+                entry.state = _state(param)
+
+
+def fp8_matmul(a_MK: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8,
+               offsets_E: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """``a @ B`` in FP8 (B = w^T if ``contract_last`` else w: see :func:`weight_operand`), in a's dtype. With
+    ``offsets_E`` (int32 end offsets of each group's rows; w (E, ., .)): group e's rows times B[e]; rows past the
+    last offset are neither quantized nor computed. ``fast_accum``: cuBLAS's faster, less exact FP8 accumulation
+    (the forward's, as Transformer Engine and torchao; the gradients accumulate exactly)."""
+    b_q, b_scale = weight_operand(w, contract_last)
+    if a_MK.shape[0] == 0:  # no rows (an EP rank no token chose): nothing to quantize or multiply
+        return a_MK.new_empty((0, b_q.shape[-2]))
+    a_q, a_scale = quantize_rows(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
+    if fp8.emulate:
+        return _emulated(a_q, a_scale, b_q, b_scale, offsets_E).to(a_MK.dtype)
+    if offsets_E is None:
+        return torch._scaled_mm(a_q, b_q.t(), a_scale[:, None], b_scale[None, :], out_dtype=a_MK.dtype,
+                                use_fast_accum=fast_accum)
+    return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_scale, b_scale, offs=offsets_E,
+                                    out_dtype=a_MK.dtype, use_fast_accum=fast_accum)
+
+
+def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+              offsets_E: torch.Tensor | None) -> torch.Tensor:
+    """The scaled GEMM's math in fp32 (a host loop over the groups: a reference, not a fast path)."""
+    a, b_NK = dequantize(a_q, a_scale), dequantize(b_q, b_scale)
+    if offsets_E is None:
+        return a @ b_NK.t()
+    out = a.new_zeros((a.shape[0], b_NK.shape[-2]))
+    start = 0
+    for group, end in enumerate(offsets_E.tolist()):
+        out[start:end] = a[start:end] @ b_NK[group].t()
+        start = end
+    return out
+
+
+def grouped_mm(a_TK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, fp8: Fp8 | None,
+               transpose_w: bool = False, fast_accum: bool = False) -> torch.Tensor:
+    """Each group's rows times w[e] (or w[e]^T): torch._grouped_mm, or in FP8 under ``fp8``."""
+    if fp8 is None:
+        return torch._grouped_mm(a_TK, w.transpose(-2, -1) if transpose_w else w, offs=offsets_E)
+    # a @ w[e] contracts along w's dim -2; a @ w[e]^T along its last
+    return fp8_matmul(a_TK, w, transpose_w, fp8, offsets_E, fast_accum)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 tensor cores and torch's scaled grouped GEMM: compute capability 9.0 (Hopper) or newer (asked of the GPU
+    itself, so once the ranks run; torch._scaled_mm alone would take 8.9, its grouped twin needs 9.0)."""
+    if device.type != "cuda":
+        raise ConfigError("train.fp8_recipe", "rowwise", f"{FP8_NEEDS_GPU}; the device is {device.type!r}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        raise ConfigError("train.fp8_recipe", "rowwise",
+                          f"{FP8_NEEDS_GPU}; {torch.cuda.get_device_name(device)} has compute capability "
+                          f"{capability[0]}.{capability[1]}")
