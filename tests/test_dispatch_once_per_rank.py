@@ -202,7 +202,7 @@ def test_compute_only_reference_runs(rank_pool, tmp_path, planning):
 
 # ------------------------------------------------------------------------------------------ refused
 @pytest.mark.parametrize("overrides,fragment", [
-    ([], "needs overlap.moe_pipeline=true"),
+    (["overlap.moe_pipeline=false"], "needs overlap.moe_pipeline=true"),
     (["overlap.moe_pipeline=true", "model.moe_expert_capacity_factor=1.0",
       "model.moe_pad_expert_input_to_capacity=true"],
      "not implemented yet (with model.moe_pad_expert_input_to_capacity=true)"),

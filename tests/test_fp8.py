@@ -225,13 +225,13 @@ def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():
 # ------------------------------------------------------------------------------------------ a model in FP8
 
 
-def emulated_fp8_case(ep: int, steps: int, output_dir: str) -> dict:
-    """A layout (2 ranks, EP=ep, the serial exchange) with every layer's GEMMs in emulated FP8 against one process
-    with the same emulation, step by step (the optimizer refreshes the FP8 weights every step); and the single
-    process without FP8, which FP8 must change a little."""
+def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str) -> dict:
+    """A layout (2 ranks, EP=ep, ``pipeline``: the MoE exchange's overlap.moe_pipeline) with every layer's GEMMs in
+    emulated FP8 against one process with the same emulation, step by step (the optimizer refreshes the FP8 weights
+    every step); and the single process without FP8, which FP8 must change a little."""
     world = dist.get_world_size()
     global_batch = 2 * 2 * world  # micro-batch 2, two per data-parallel rank
-    cfg = small_config(output_dir, ep, global_batch)
+    cfg = small_config(output_dir, ep, global_batch, **{"overlap.moe_pipeline": pipeline})
     _, mesh = world_and_mesh(cfg)
     try:
         layout_run = Trainer(cfg, mesh, CPU)
@@ -256,13 +256,14 @@ def emulated_fp8_case(ep: int, steps: int, output_dir: str) -> dict:
         mesh.destroy()
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["dp2", "ep2"])
-def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep):
+@pytest.mark.parametrize("ep, pipeline", [(1, "auto"), (2, "false"), (2, "true")],
+                         ids=["dp2", "ep2-serial", "ep2-pipeline"])
+def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipeline):
     """The first step (the same weights on both sides) within fp32's 1e-5. After it the two runs' weights differ by
     round-off (~1e-7: micro-batch gradients summed in another order, as without FP8), and a value that sits on an
     E4M3 rounding boundary can round the other way: one element moves by an E4M3 step (6%), which shows as ~1e-4
     in that expert's gradient. So later steps are held to 1e-3, and the losses to 1e-5 throughout."""
-    for worst in rank_pool(2).run(emulated_fp8_case, ep, 3, str(tmp_path)):
+    for worst in rank_pool(2).run(emulated_fp8_case, ep, 3, str(tmp_path), pipeline):
         assert worst["loss"] < 1e-5 and worst["first_step_grad"] < 1e-5 and worst["grad"] < 1e-3, worst
         assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst  # FP8 ran, and stays close
 
@@ -332,14 +333,12 @@ def test_fp8_config_accepts_a_gpu_moe_model():
     ({**GPU_FP8, "model.num_attention_heads": "6", "model.kv_channels": "4"}, "model.kv_channels"),  # 24 wide
     ({**GPU_FP8, "parallel.tensor_model_parallel_size": "2"}, "parallel.tensor_model_parallel_size"),
     ({**GPU_FP8, **MOE, "parallel.expert_tensor_parallel_size": "2"}, "parallel.expert_tensor_parallel_size"),
-    ({**GPU_FP8, **MOE, "parallel.expert_model_parallel_size": "2", "overlap.moe_pipeline": "true"},
-     "overlap.moe_pipeline"),
     ({"train.num_layers_at_start_in_bf16": "1"}, "train.num_layers_at_start_in_bf16"),
     ({**GPU_FP8, "train.num_layers_at_end_in_bf16": "-1"}, "train.num_layers_at_end_in_bf16"),
     ({**GPU_FP8, "train.num_layers_at_start_in_bf16": "2", "train.num_layers_at_end_in_bf16": "3"},
      "train.num_layers_at_end_in_bf16"),
 ], ids=["auto-device-ok", "cpu", "blockwise", "fp32", "hidden", "ffn", "expert-ffn", "shared-expert", "heads",
-        "kv-channels", "tp", "expert-tp", "pipeline", "bf16-layers-without-fp8", "negative", "too-many"])
+        "kv-channels", "tp", "expert-tp", "bf16-layers-without-fp8", "negative", "too-many"])
 def test_fp8_refusals_name_the_field(overrides, field):
     if field == "train.fp8_recipe" and overrides.get("train.device") is None:
         cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])  # checked where the device is known

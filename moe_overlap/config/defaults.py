@@ -22,7 +22,7 @@ from moe_overlap.tuning import PAIRED_MOE_PLANNING
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
-                   "moe_expert_rank_capacity_factor")
+                   "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank")
 
 
 def resolve_defaults(cfg: Config) -> list[str]:

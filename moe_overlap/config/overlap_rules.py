@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from moe_overlap.config.defaults import PIPELINE_FIELDS
 from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
                                        not_implemented, refuse, require)
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal
@@ -99,8 +100,7 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
     """The MoE pipeline's fields: each needs the pipeline; planning and transport must agree on where sizes are;
     chunks are runs of local experts."""
     defaults = OverlapConfig()
-    for name in ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
-                 "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank"):
+    for name in PIPELINE_FIELDS:
         if getattr(o, name) != getattr(defaults, name):
             require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
                      "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "

@@ -164,7 +164,7 @@ FP8_NEEDS_GPU = "FP8 needs a GPU with FP8 tensor cores (Hopper or newer)"
 def _validate_fp8(cfg: Config) -> None:
     """train.fp8_recipe: what the rowwise FP8 GEMMs need (bf16 activations, every GEMM dimension a multiple of 16
     on each rank) and what they do not compose with yet."""
-    m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         require(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")
         require(t.fp8_recipe is not None or getattr(t, name) == 0, f"train.{name}", getattr(t, name),
@@ -187,9 +187,6 @@ def _validate_fp8(cfg: Config) -> None:
     if cfg.expert_tensor_parallel_size > 1:
         raise not_implemented("parallel.expert_tensor_parallel_size", cfg.expert_tensor_parallel_size, 1,
                               "FP8 expert GEMMs with expert-TP")
-    if o.moe_pipeline and m.num_moe_experts is not None and p.expert_model_parallel_size > 1:
-        raise not_implemented("overlap.moe_pipeline", True, False,
-                              "train.fp8_recipe's expert GEMMs inside the pipelined exchange")
     # torch's scaled GEMMs need both dimensions of every weight (contraction and output) multiples of 16 (without
     # TP the whole dimension is on the rank): (field, its value, the GEMM dimension it sets)
     heads, groups = m.num_attention_heads, m.query_groups

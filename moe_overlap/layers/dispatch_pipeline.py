@@ -48,6 +48,7 @@ from moe_overlap.kernels.permute import permute, permute_backward, unpermute, un
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
 from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.exchange_plan import Plan
+from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
 from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dispatch_rows, extra_columns, token_grads,
@@ -69,6 +70,7 @@ class PipelineState:
     grad_combine: FromExperts | None = None
     saved: list[tuple] = field(default_factory=list)  # per chunk: grouped rows, fc1 out (wire: copies, out)
     probs_need_grad: bool = False  # wire: the expert side computes the probs' gradient
+    fp8: Fp8 | None = None  # train.fp8_recipe: the expert GEMMs' forward and dgrad in FP8 (layers/fp8.py)
 
     def carveout(self):
         """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
@@ -182,7 +184,8 @@ class Experts(torch.autograd.Function):
             arrived = None if plan.wire is None else _arrived(rows_RH, chunk, state, w2_EFH.shape[-1])
             grouped_RH, offsets = _rows_for_experts(rows_RH, chunk, state, arrived)
             with state.carveout():
-                y_RH, h_RF2 = experts_forward(grouped_RH, offsets, w13_EHF2[first:last], w2_EFH[first:last])
+                y_RH, h_RF2 = experts_forward(grouped_RH, offsets, w13_EHF2[first:last], w2_EFH[first:last],
+                                               state.fp8)
             if arrived is None:
                 state.saved.append((grouped_RH, h_RF2))
                 return _rows_from_experts(y_RH, chunk, state), None
@@ -231,7 +234,7 @@ class Experts(torch.autograd.Function):
                 grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
             with state.carveout():
                 grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, w13_EHF2[first:last],
-                                                            w2_EFH[first:last])
+                                                            w2_EFH[first:last], state.fp8)
             jobs[chunk] = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
                            slice(first, last))
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back

@@ -149,7 +149,7 @@ class MoELayer(nn.Module):
         sms = self._overlap_sms(plan.transport, planner.permuted_rows(routing), x_TH.shape[1], x_TH.element_size(),
                                 paired)
         self.last_overlap_sms = sms  # what the last call chose (a benchmark reports it)
-        state = PipelineState(plan, sms, self.delay_wgrad, paired)
+        state = PipelineState(plan, sms, self.delay_wgrad, paired, fp8=self.experts.fp8)
         return routing, DispatchStart.apply(x_TH, routing.probs_TK, state), state
 
     def run_experts(self, x_TH: torch.Tensor, token: torch.Tensor, state: PipelineState

@@ -24,6 +24,7 @@ from moe_overlap.distributed.monitor import RankMonitor
 from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, carveout_for, check_gemm_sm_carveout,
                                              measuring_exposed_comm, to_device_async)
 from moe_overlap.distributed.symm import symmetric_memory_bytes
+from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.layers.moe import host_planned_rerun
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.models.flops import flops_per_token
@@ -150,6 +151,8 @@ class Trainer:
                         "the model does not learn routing (a benchmark setting)")
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
+        if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
+            self.model.use_fp8(Fp8(), t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
         o = cfg.overlap  # which of the distributed optimizer's syncs overlap the compute (their GEMMs are carved out)
@@ -333,6 +336,7 @@ class Trainer:
             "dp_gemm_sm_carveout": dp_gemm_sms(self.cfg) if any(self._dp_overlaps.__dict__.values()) else None,
             "use_distributed_optimizer": t.use_distributed_optimizer, "overlap_grad_sync": o.overlap_grad_sync,
             "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_pairs": t.expert_wgrad_pairs,
+            "fp8_recipe": t.fp8_recipe,
         }
 
     def _world_stats(self) -> torch.Tensor:
