@@ -12,6 +12,9 @@
 #   bash benchmarks/evidence_gpu.sh bound2   OUT   # the bounded exchange at EP=2: GPU tests, a forced overflow
 #                                                  #   (graphed), 4 chunks' memory unbounded / 2.0 / 1.25 (eager)
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
+#   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
+#   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
+#                                                  #   with no overlap field set (auto) beside once_per_rank
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -141,6 +144,37 @@ case $phase in
       --json $res/$name.json --machine "2x ${gpu^^}" | tail -n 4
     cp "$out/$name/metrics.jsonl" $res/${name}_metrics.jsonl
     ;;
+  fp8)
+    (export CUDA_VISIBLE_DEVICES=0
+     echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_fp8.py" \
+       > "$out/gpu_tests_fp8_1x$gpu.txt"
+     timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_fp8.py 2>&1 \
+       | tail -n 25 | tee -a "$out/gpu_tests_fp8_1x$gpu.txt"
+     cp "$out/gpu_tests_fp8_1x$gpu.txt" $res/
+     timeout -k 10 90 python benchmarks/fp8_gemm.py --check --json $res/fp8_gemm_1x$gpu.json 2>&1 | tail -n 12
+     timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --variant \
+       fp8:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 --json $res/train_step_fp8_fine_8l_1x$gpu.json \
+       2>&1 | tee "$out/fp8_fine.log" | grep -E '^\{"variant"|Error' | cut -c1-300) &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --variant \
+       fp8:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
+       --json $res/train_step_fp8_mixtral_2l_1x$gpu.json 2>&1 | tee "$out/fp8_mixtral.log" \
+       | grep -E '^\{"variant"|Error' | cut -c1-300) &
+    wait
+    ;;
+  once2)
+    echo "# $(date -u '+%F %H:%M UTC'); 2 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_dispatch_once_per_rank.py" \
+      > "$out/gpu_tests_once_2x$gpu.txt"
+    timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_dispatch_once_per_rank.py 2>&1 \
+      | tail -n 25 | tee -a "$out/gpu_tests_once_2x$gpu.txt"
+    cp "$out/gpu_tests_once_2x$gpu.txt" $res/
+    name=train_step_fine_8l_ep2_once_balanced_2x$gpu  # no overlap field: overlap.moe_pipeline=auto's fast path
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $STEPS \
+      --variant once:overlap.moe_dispatch_once_per_rank=true --variant "$SERIAL" --compute-only --ep1 \
+      --ep1-overrides "$BAL" --json $res/$name.json --timeline $res/$name.png 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    ;;
   pp2)
     (sleep 240; pkill -ABRT -f benchmarks/pp_schedule.py) &  # PYTHONFAULTHANDLER: SIGABRT dumps every thread
     watchdog=$!
@@ -150,7 +184,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
