@@ -74,6 +74,17 @@ def test_fp8_zero_rows_and_saturation():
     assert q[0, 0].float() == FP8_MAX
 
 
+def test_fp8_twins_quantize_bf16_in_fp32_as_the_kernels():
+    """A bf16 tensor's amax, inverse scale and products are fp32, as in the Triton kernels: rounding them to bf16
+    moved scales and values off the kernels' on the GPU."""
+    x = (torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    for quantize in (quantize_rows_torch, quantize_columns_torch):
+        q, scale = quantize(x)
+        q32, scale32 = quantize(x.float())
+        assert torch.equal(q.view(torch.uint8), q32.view(torch.uint8)) and torch.equal(scale, scale32)
+        assert scale.dtype == torch.float32
+
+
 def test_fp8_twins_write_into_given_buffers():
     x = torch.randn(8, 32)
     q_out, scale_out = torch.empty(8, 32, dtype=FP8), torch.empty(8)

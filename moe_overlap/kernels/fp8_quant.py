@@ -101,6 +101,7 @@ def _outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Te
 def _quantize_torch(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin: (q like x, scales with ``dim`` reduced away), the kernels' arithmetic step for step."""
     x = x.float()
+    x = x.float()  # as the kernels: a bf16 row's amax, inverse and products in fp32, not rounded to bf16
     amax = x.abs().amax(dim, keepdim=True).clamp(min=AMAX_FLOOR)
     q = (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, (amax / FP8_MAX).squeeze(dim)
