@@ -69,8 +69,20 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
 
 
 def run_variant(name: str, overrides: list[str], router_init_scale: float, steps: int, data: str) -> dict:
+    """One variant, in-process: one thread and the package's warnings off (the dead-expert warnings: the rows count
+    them) while it runs, both restored after (a test calls it inside the suite)."""
+    threads, package_log = torch.get_num_threads(), logging.getLogger("moe_overlap")
+    level = package_log.level
     torch.set_num_threads(1)  # the cores are shared
-    logging.getLogger("moe_overlap").setLevel(logging.ERROR)  # the dead-expert warnings: the rows count them
+    package_log.setLevel(logging.ERROR)
+    try:
+        return _run_variant(name, overrides, router_init_scale, steps, data)
+    finally:
+        torch.set_num_threads(threads)
+        package_log.setLevel(level)
+
+
+def _run_variant(name: str, overrides: list[str], router_init_scale: float, steps: int, data: str) -> dict:
     from moe_overlap.config import load_config
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer
