@@ -104,7 +104,9 @@ def _quantize_torch(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tens
     x = x.float()  # as the kernels: a bf16 row's amax, inverse and products in fp32, not rounded to bf16
     amax = x.abs().amax(dim, keepdim=True).clamp(min=AMAX_FLOOR)
     q = (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, (amax / FP8_MAX).squeeze(dim)
+    # A tensor divisor: CUDA divides a tensor by a Python scalar as a multiplication by the scalar's reciprocal, which
+    # can land one ulp off the kernels' correctly rounded division (the scales then differ on the GPU, not the CPU).
+    return q, (amax / torch.full_like(amax, FP8_MAX)).squeeze(dim)
 
 
 def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
