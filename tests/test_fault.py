@@ -79,3 +79,31 @@ def test_nonfinite_gradient_stops_with_the_state_before_it_saved(rank_pool, tmp_
     code, text = rank_pool(2).run(fault_case, train_argv(run, "train.on_nonfinite_grad=stop"))[0]
     assert code == 0, text
     assert logged_losses(run) == reference
+
+
+def test_the_store_host_waits_for_its_peers_to_read_the_failure(monkeypatch):
+    """Rank 0 hosts the store: after a failure record it waits (a few polls at most) until every live peer has read
+    it, so that a third rank does not find the store gone and blame rank 0 (4 GPUs, tests/test_gpu_fault.py)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from moe_overlap.distributed.monitor import RankMonitor
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = dist.HashStore()
+    host, peer = (RankMonitor(store, rank, 4, timeout_s=20.0, prefix="run/") for rank in (0, 2))
+
+    def late_peers():  # rank 2 reads it 0.3 s late and rank 3 0.6 s late; rank 1 is the one that died
+        time.sleep(0.3)
+        peer._let_peers_read_it()
+        time.sleep(0.3)
+        store.add("run/seen", 1)
+
+    started = time.monotonic()
+    threading.Thread(target=late_peers).start()
+    host._let_peers_read_it()
+    waited = time.monotonic() - started
+    assert 0.5 < waited < 2 * host.interval_s + 1, waited  # until both had read it, not the whole deadline
+    assert store.add("run/seen", 0) == 3

@@ -117,10 +117,26 @@ class RankMonitor:
                            f"{' '.join(str(err).split())[:200]}): {host} is gone")
                 return
 
+    def _let_peers_read_it(self) -> None:
+        """Count this rank as having read the failure record; the rank hosting the store (rank 0 without torchrun)
+        then waits, a few polls at most, until every other live rank has read it too: a host that left at once
+        made a third rank blame the host instead of the rank that failed (4xH100, tests/test_gpu_fault.py)."""
+        try:
+            seen = self.store.add(self._key("seen"), 1)
+            if self.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                return
+            deadline = time.monotonic() + 2 * self.interval_s + 1
+            while seen < self.world_size - 1 and time.monotonic() < deadline:  # the failed rank never reads it
+                time.sleep(self.interval_s / 4)
+                seen = self.store.add(self._key("seen"), 0)
+        except Exception:  # the store itself is gone: nothing to wait for
+            pass
+
     def _read(self, key: str) -> str | None:
         return self.store.get(key).decode() if self.store.check([key]) else None
 
     def _fail(self, text: str) -> None:
+        self._let_peers_read_it()
         with self._lock:
             self._failure = text
             self._failed.set()
