@@ -93,6 +93,18 @@ def cpu_skip_reason(cfg, world: int) -> str | None:
     return None
 
 
+def step_queued_without_host_sync(trainer) -> dict:
+    """One training step whose launch may not sync with the host (``set_sync_debug_mode("error")`` around
+    ``launch_step``: a sync raises); its metrics, read after."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = trainer.launch_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return trainer.finish_step(pending)
+
+
 def bf16_rule(layouts, grads: dict[str, dict], losses: dict[str, list[float]]) -> tuple[int, list[tuple]]:
     """The bf16 rule for each layout run against ``single_fp32``, beside ``single_bf16``: every gradient
     (normwise) and the loss curve within 2x the single-process bf16 run's own error. Returns the tensors

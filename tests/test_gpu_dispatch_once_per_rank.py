@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.gpu_launch import (bf16_rule, cpu_skip_reason, dry_run, launch_ranks, ranks_for_every_gpu,
-                              worker_device_type, write_report)
+                              step_queued_without_host_sync, worker_device_type, write_report)
 
 STEPS = 3
 ONCE = "overlap.moe_dispatch_once_per_rank"
@@ -77,14 +77,7 @@ def gpu_case(output_dir: str) -> dict:
               "on_vs_off_worst_grad": on_vs_off, "skipped": {name: why for name, why in skipped.items() if why},
               "syncs_checked": False}
     if not dry_run():  # the graphed layer with the switch on: no host sync in a step
-        graphed = runs["sm_push_graphed_on"]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            pending = graphed.launch_step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graphed.finish_step(pending)
+        step_queued_without_host_sync(runs["sm_push_graphed_on"])
         report["syncs_checked"] = True
     mesh.destroy()
     if dist.is_initialized():

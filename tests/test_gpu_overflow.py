@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.gpu_launch import (bf16_rule, cpu_skip_reason, dry_run, launch_ranks, ranks_for_every_gpu,
-                              require_gpus, worker_device_type, write_report)
+                              require_gpus, step_queued_without_host_sync, worker_device_type,
+                              write_report)
 
 STEPS = 3
 FACTOR = "overlap.moe_expert_rank_capacity_factor"
@@ -69,13 +70,7 @@ def gpu_case(output_dir: str) -> dict:
         bounded = Trainer(small_config(output_dir, world, global_batch, **bf16, **device_planned,
                                        **{FACTOR: float(world), "train.moe_cuda_graph": "true"}), mesh, device)
         bounded.train_step()  # the first step sizes what later steps reuse
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            pending = bounded.launch_step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        report["syncs_checked"] = bounded.finish_step(pending)["moe_overflow_rows"] == 0
+        report["syncs_checked"] = step_queued_without_host_sync(bounded)["moe_overflow_rows"] == 0
     mesh.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
