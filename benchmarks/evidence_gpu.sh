@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The evidence runs on a 4-GPU host (H100 or H200), one phase per call, each under 10 minutes:
-#   bash benchmarks/evidence_gpu.sh suite    OUT   # pytest -m gpu at 4 GPUs, then 2 (GPUs 0,1) beside 1 (GPU 2)
+#   bash benchmarks/evidence_gpu.sh suite    OUT   # pytest -m gpu at 4 GPUs (the whole call: 2 GPUs is suite2)
 #   bash benchmarks/evidence_gpu.sh ep4      OUT   # train_step.py, EP=4, balanced routing, both bench models
 #   bash benchmarks/evidence_gpu.sh ep4_fine OUT   #   the fine-grained model alone (serial beside the default)
 #   bash benchmarks/evidence_gpu.sh ep4_mixtral OUT #  the Mixtral-like model alone, every variant
@@ -19,7 +19,7 @@
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
 # runs with NVLink multicast off. Rows of one train_step launch compare with each other (the same machine, one
-# after another); the ep1 row runs the config on rank 0's GPU after the others.
+# after another); the ep1 row runs the config on rank 0's GPU first.
 set -uo pipefail
 phase=$1
 out=${2:-${OUT:-/tmp/evidence}}
@@ -65,12 +65,7 @@ suite() {  # name, GPUs, time limit (s)
 
 case $phase in
   suite)
-    suite 4x 0,1,2,3 330
-    rest=$(left)
-    suite 2x 0,1 "$rest" > /dev/null &
-    suite 1x 2 $((rest < 240 ? rest : 240)) > /dev/null &
-    wait
-    tail -qn 1 "$out"/gpu_tests_*.txt
+    suite 4x 0,1,2,3 "$(left)"
     ;;
   ep4)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"

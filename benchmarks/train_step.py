@@ -7,8 +7,8 @@ run without the exchange's transfers (``compute_only``) and the config on one GP
         --variant pipeline2:overlap.moe_pipeline=true,overlap.moe_pipeline_chunks=2 \\
         --compute-only --ep1 --json out.json --timeline out.png
 
-Rows, in the order they run (one launch; each builds its own model, so they run one after another, not
-round-robin: compare rows of one launch, and repeat a launch to see its spread):
+Rows (one launch; ep1 first, the others in this order; each builds its own model, so they run one after
+another, not round-robin: compare rows of one launch, and repeat a launch to see its spread):
   config        the config with the command line's overrides
   NAME          each ``--variant NAME:section.field=value,...``: those overrides on top
   compute_only  (``--compute-only``) the config with ``overlap.moe_compute_only=true`` (and the MoE pipeline on
@@ -17,7 +17,8 @@ round-robin: compare rows of one launch, and repeat a launch to see its spread):
                 rank; each rank's expert GEMMs run on exactly the rows it would have received. The limit of
                 hiding the transfers. Its loss means nothing.
   ep1           (``--ep1``) the config as the file has it (or with ``--ep1-overrides``) on one GPU of the same
-                machine, rank 0's, after the other rows; per-GPU tokens/s over ep1's is the weak-scaling efficiency
+                machine, rank 0's, first (in a process of its own, while the other ranks wait to join); per-GPU
+                tokens/s over ep1's is the weak-scaling efficiency
 Weak scaling: unless ``--no-scale-batch``, train.global_batch_size is multiplied by the data-parallel size, so each
 rank runs the config's micro-batches at any world size (the ep1 row runs the file's own batch).
 
@@ -206,7 +207,9 @@ def copy_timeline(args, name: str, timeline: Path) -> None:
 
 
 def run_ep1(args, tmp: Path) -> dict:
-    """The config on one GPU (rank 0's), in a process of its own after the other rows released the devices."""
+    """The config on one GPU (rank 0's), in a process of its own, before rank 0 touches its GPU: after the other
+    rows, memory this process still held (its CUDA context, symmetric regions) left ep1 short of it. The other
+    ranks wait meanwhile to join the first row's group (collectives.JOIN_TIMEOUT)."""
     import torch
 
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
@@ -265,6 +268,9 @@ def main(argv=None) -> list[dict]:
         write_json(args.json, header, rows)
 
     with tempfile.TemporaryDirectory(prefix="train_step_") as tmp:
+        if args.ep1 and int(os.environ.get("RANK", 0)) == 0:  # first: this process holds nothing on the GPU yet
+            rows.append(run_ep1(args, Path(tmp)))
+            print(json.dumps({k: rows[-1].get(k) for k in ("variant", "tokens_per_s", "mfu", "error")}), flush=True)
         for name, overrides in rows_to_run(args):
             row = run_row(name, overrides, args, Path(tmp))
             if row is not None:
@@ -274,12 +280,7 @@ def main(argv=None) -> list[dict]:
                                                       "peak_memory_gib", "exposed_comm_ms", "moe_overflow_reruns")}),
                       flush=True)
         if dist.is_initialized():
-            dist.barrier()  # every rank is done with its devices before ep1 takes one
             dist.destroy_process_group()
-        if args.ep1 and int(os.environ.get("RANK", 0)) == 0:
-            rows.append(run_ep1(args, Path(tmp)))
-            save()
-            print(json.dumps({k: rows[-1].get(k) for k in ("variant", "tokens_per_s", "mfu", "error")}), flush=True)
     return rows
 
 
