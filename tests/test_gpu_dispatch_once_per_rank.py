@@ -1,12 +1,17 @@
-"""``overlap.moe_dispatch_once_per_rank`` on GPUs in bf16 (`pytest -m gpu`; EP = every GPU, 2 or 4, skipped on one):
-each layout runs with the switch off and on, and both follow the bf16 rule against an fp32 single-process run (the
-loss curve over STEPS steps, every gradient of the first): SM pushes device-planned and replayed from CUDA graphs
-(one chunk), SM pushes eager (2 chunks, delayed weight gradients), the copy engine and NCCL host-planned (2
-chunks), and paired micro-batches over NCCL. The report also gives each layout's gradients on against off. In
-fp32 (no TF32) the NCCL layout, off and on, equals the fp32 single-process run within 1e-4: a bf16 miss is then
-precision, not a wrong row. A
-graphed step with the switch on queues without one host sync (``torch.cuda.set_sync_debug_mode("error")`` around
-``launch_step``). Top-4 of 8 experts, so that a token's copies often share a rank.
+"""``overlap.moe_dispatch_once_per_rank`` on GPUs (`pytest -m gpu`; EP = every GPU, 2 or 4, skipped on one).
+
+bf16: each layout runs with the switch off and on, and both follow the bf16 rule against an fp32 single-process run
+(the loss curve over STEPS steps, every gradient of the first): SM pushes device-planned and replayed from CUDA
+graphs (one chunk), SM pushes eager (2 chunks, delayed weight gradients), the copy engine and NCCL host-planned (2
+chunks), and paired micro-batches over NCCL. Routing is forced there (model.moe_router_force_load_balancing): with
+the switch on, the expert side sums a token's copies before they cross, one bf16 rounding at another place than the
+single run's. With the router choosing, on 2 and 4 H100s one or two experts' weight gradients then missed the
+rule by 2.5-5x while the other tensors passed and fp32 matched: the signature of a near-tied top-4 choice flipped
+by that rounding, one token moving between two experts. The report gives that comparison for one layout, with the
+router choosing, and whether its expert loads differ from the single run's (not ruled). fp32 (no TF32), router
+choosing: the NCCL layout, off and on, equals the fp32 single-process run within 1e-4. The report gives each
+layout's gradients on against off. A graphed step with the switch on queues without one host sync
+(``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``). Top-4 of 8 experts.
 
 The per-rank work is `gpu_case`, launched once under torchrun; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it
 runs on CPU gloo ranks, skipping what only CUDA runs (symmetric memory, graphs, the sync check).
@@ -46,44 +51,58 @@ def gpu_case(output_dir: str) -> dict:
     from tests.test_pipeline import LAYERS
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    fp32 = {"train.device": worker_device_type(), **LAYERS, "model.moe_router_topk": 4}
-    bf16 = {**fp32, "train.precision": "bf16"}
+    routed = {"train.device": worker_device_type(), **LAYERS, "model.moe_router_topk": 4}
+    forced = {**routed, "model.moe_router_force_load_balancing": "true"}
     world = int(os.environ.get("WORLD_SIZE", 1))
     global_batch = 8 * world  # 4 micro-batches of 2 per rank
-    layouts = {f"{name}_{switch}": {**extra, ONCE: str(switch == "on").lower()}
-               for name, extra in LAYOUTS.items() for switch in ("off", "on")}
-    mesh, device = init_distributed(small_config(output_dir, world, global_batch, **bf16))
-    runs, skipped = {}, {}
-    for name, extra in layouts.items():
+
+    def config(ranks: int, base: dict, precision: str, extra: dict):
         if dry_run():  # gloo on the CPU: the host-planned collective, or the device-planned twin of the push
             extra = {key: value for key, value in extra.items() if key != "overlap.moe_transport"}
-        cfg = small_config(output_dir, world, global_batch, **bf16, **extra)
+        return small_config(output_dir, ranks, global_batch, **{**base, "train.precision": precision, **extra})
+
+    # bf16: routing forced (token t's copies to experts 4t..4t+3 mod 8: all on one rank at EP=2, pairs at EP=4),
+    # so that a rounding difference cannot flip a near-tied top-4 choice and move a token between experts
+    layouts = {f"{name}_{switch}": {**extra, ONCE: str(switch == "on").lower()}
+               for name, extra in LAYOUTS.items() for switch in ("off", "on")}
+    mesh, device = init_distributed(config(world, forced, "bf16", {}))
+    runs, skipped = {}, {}
+    for name, extra in layouts.items():
+        cfg = config(world, forced, "bf16", extra)
         skipped[name] = cpu_skip_reason(cfg, world)
         if not skipped[name]:
             runs[name] = Trainer(cfg, mesh, device)
     layouts = [name for name in layouts if not skipped[name]]
-    for switch in ("off", "on"):  # fp32 on the GPU: same math, so a bf16 miss is precision, not a wrong row
-        runs[f"nccl_chunks2_{switch}_fp32"] = Trainer(small_config(
-            output_dir, world, global_batch, **fp32, **{key: value for key, value in LAYOUTS["nccl_chunks2"].items()
-                                                      if not (dry_run() and key == "overlap.moe_transport")},
-            **{ONCE: str(switch == "on").lower()}), mesh, device)
-    runs["single_bf16"] = Trainer(small_config(output_dir, 1, global_batch, **bf16), Mesh.single(), device)
-    runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **fp32), Mesh.single(), device)
-    losses, grads = {name: [] for name in runs}, {}
+    runs["single_bf16"] = Trainer(config(1, forced, "bf16", {}), Mesh.single(), device)
+    runs["single_fp32"] = Trainer(config(1, forced, "fp32", {}), Mesh.single(), device)
+    # fp32 with the router choosing: same math, within the summation order
+    for switch in ("off", "on"):
+        runs[f"nccl_chunks2_{switch}_fp32"] = Trainer(config(world, routed, "fp32", {
+            **LAYOUTS["nccl_chunks2"], ONCE: str(switch == "on").lower()}), mesh, device)
+    runs["single_fp32_routed"] = Trainer(config(1, routed, "fp32", {}), Mesh.single(), device)
+    # bf16 with the router choosing (reported, not ruled): does a layout route a token differently?
+    runs["nccl_paired_on_routed"] = Trainer(config(world, routed, "bf16", {**LAYOUTS["nccl_paired"], ONCE: "true"}),
+                                            mesh, device)
+    runs["single_bf16_routed"] = Trainer(config(1, routed, "bf16", {}), Mesh.single(), device)
+    losses, grads, loads = {name: [] for name in runs}, {}, {}
     for step in range(STEPS):
         for name, trainer in runs.items():
             captured = {}
             metrics = trainer.train_step(lambda opt, captured=captured: captured.update(opt.logical_grads()))
             losses[name].append(metrics["loss"])
             if step == 0:
-                grads[name] = captured
+                grads[name], loads[name] = captured, metrics.get("tokens_per_expert")
     tensors, violations = bf16_rule(layouts, grads, losses)
     on_vs_off = {name: max(rel_err(grads[f"{name}_on"][k], grads[f"{name}_off"][k]) for k in grads[f"{name}_off"])
                  for name in LAYOUTS if f"{name}_on" in grads}
-    fp32_worst = {name: max((rel_err(grads[name][k], grads["single_fp32"][k]), k) for k in grads[name])
-                  for name in grads if name.endswith("_fp32") and name != "single_fp32"}
+    fp32_worst = {name: max((rel_err(grads[name][k], grads["single_fp32_routed"][k]), k) for k in grads[name])
+                  for name in grads if name.endswith("_fp32") and not name.startswith("single")}
+    routed_bf16 = {"loads_differ_from_single": loads["nccl_paired_on_routed"] != loads["single_bf16_routed"],
+                   "worst_grad": max((rel_err(grads["nccl_paired_on_routed"][k], grads["single_fp32_routed"][k]),
+                                      rel_err(grads["single_bf16_routed"][k], grads["single_fp32_routed"][k]), k)
+                                     for k in grads["nccl_paired_on_routed"])}  # (its error, the single run's, which)
     report = {"rank": mesh.rank, "world": world, "violations": violations, "tensors": tensors,
-              "fp32_worst_grad": fp32_worst,
+              "fp32_worst_grad": fp32_worst, "routed_bf16": routed_bf16,
               "on_vs_off_worst_grad": on_vs_off, "skipped": {name: why for name, why in skipped.items() if why},
               "syncs_checked": False}
     if not dry_run():  # the graphed layer with the switch on: no host sync in a step
