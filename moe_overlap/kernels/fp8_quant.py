@@ -100,13 +100,14 @@ def _outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Te
 
 def _quantize_torch(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin: (q like x, scales with ``dim`` reduced away), the kernels' arithmetic step for step."""
-    x = x.float()
     x = x.float()  # as the kernels: a bf16 row's amax, inverse and products in fp32, not rounded to bf16
     amax = x.abs().amax(dim, keepdim=True).clamp(min=AMAX_FLOOR)
-    q = (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    # A tensor divisor: CUDA divides a tensor by a Python scalar as a multiplication by the scalar's reciprocal, which
-    # can land one ulp off the kernels' correctly rounded division (the scales then differ on the GPU, not the CPU).
-    return q, (amax / torch.full_like(amax, FP8_MAX)).squeeze(dim)
+    # Tensor by tensor, both divisions: on CUDA a Python scalar on either side of a division goes through a
+    # reciprocal, one ulp off the kernels' correctly rounded division now and then (the CPU divides exactly). An
+    # inverse one ulp off moves FP8 values on a rounding boundary (H100: 747 of 1M), a scale one ulp off the scales.
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    q = (x * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, (amax / fp8_max).squeeze(dim)
 
 
 def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
