@@ -2,6 +2,7 @@
 # The evidence runs on a 4-GPU host (H100 or H200), one phase per call, each under 10 minutes:
 #   bash benchmarks/evidence_gpu.sh suite    OUT   # pytest -m gpu at 4 GPUs (the whole call: 2 GPUs is suite2)
 #   bash benchmarks/evidence_gpu.sh ep4      OUT   # train_step.py, EP=4, balanced routing, both bench models
+#   bash benchmarks/evidence_gpu.sh ep4_once OUT   # EP=4 balanced: the default beside each token once per rank
 #   bash benchmarks/evidence_gpu.sh ep4_fine OUT   #   the fine-grained model alone (serial beside the default)
 #   bash benchmarks/evidence_gpu.sh ep4_mixtral OUT #  the Mixtral-like model alone, every variant
 #   bash benchmarks/evidence_gpu.sh ep4_text OUT   # the same on real text (needs data/stdlib: see README)
@@ -70,6 +71,11 @@ case $phase in
   ep4)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
     train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
+    ;;
+  ep4_once)
+    ONCE="once:overlap.moe_dispatch_once_per_rank=true"
+    train_step 4 fine_8l balanced "$BAL" --variant "$ONCE" --variant "$SERIAL"
+    train_step 4 mixtral_2l balanced "$BAL" --variant "$ONCE"
     ;;
   ep4_fine)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL"
@@ -179,7 +185,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
