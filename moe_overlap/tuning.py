@@ -23,6 +23,14 @@ import math
 #     uncapped and 0.239 at 4 CTAs (issue 38's table).
 PAIRED_MOE_PLANNING = "host"
 
+# ``overlap.moe_dispatch_once_per_rank: auto`` turns it on (with the pipeline) from this router top-k up: a token's
+# copies then often share a rank, and the wire carries each token once per (chunk, rank) instead of once per copy.
+# Per-GPU MFU, the default path (device-planned sm_push, 1 chunk, graphed) without -> with it, balanced routing:
+# fine-grained (top-8 of 64) 2xH100 EP=2 0.475 -> 0.513 (rows -75%), 4xH100 EP=4 0.420 -> 0.474 (rows -54%);
+# Mixtral-like (top-2 of 8) 4xH100 EP=4 0.620 -> 0.616 (rows -7%: within the launch's noise), 2026-11-26/27
+# (benchmarks/results/train_step_*_ep{2,4}_*balanced_*xh100.json).
+ONCE_PER_RANK_MIN_TOPK = 4
+
 # GEMM SMs left free per CTA of the EP NCCL communicator (``overlap.ep_comm_ctas``): NCCL held to 4 CTAs beside a
 # grouped GEMM carved out by 8 SMs hid the whole all-to-all, either launch order (2xH200 NV18, 2026-11-22/23;
 # README "What overlaps on Hopper").

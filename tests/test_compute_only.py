@@ -38,7 +38,8 @@ def compute_only_case(planning: str, chunks: int) -> dict:
             selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), chunks,
                                          60, compute_only=compute_only)
             cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2)
-            layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, moe_planning=planning),
+            layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False,
+                                                 moe_pipeline_chunks=chunks, moe_planning=planning),
                              mesh.ep, selector)
             w13, w2 = full_expert_weights()
             mine = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)

@@ -315,7 +315,7 @@ def test_replaced_dispatch_fields_at_their_defaults_still_load(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("overlap:\n  moe_overlap_dispatch: false\n  moe_a2a_backend: auto\n  moe_a2a_chunks: 1\n"
                     "  moe_sync_free_dispatch: false\n")
-    assert load_config(path).overlap == OverlapConfig(moe_pipeline=False)
+    assert load_config(path).overlap == OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False)
 
 
 def test_tp_comm_backend_symm_needs_cuda():
@@ -440,7 +440,8 @@ def test_small_gpu_shape():
 
 def test_defaults_load():
     cfg = load_config(None)
-    assert cfg == Config(overlap=OverlapConfig(moe_pipeline=False))  # auto: a dense model exchanges nothing
+    # auto: a dense model exchanges nothing
+    assert cfg == Config(overlap=OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False))
 
 
 @pytest.mark.parametrize("overrides, pipeline, planning, graphed", [
@@ -458,6 +459,25 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
     cfg = load_config(TINY, overrides)
     assert (cfg.overlap.moe_pipeline, cfg.overlap.moe_planning, cfg.train.moe_cuda_graph) == (pipeline, planning,
                                                                                                 graphed)
+
+
+TOP4 = ["model.moe_router_topk=4"]
+
+
+@pytest.mark.parametrize("overrides, once, pipeline", [
+    (TOP4, True, True),  # a token's copies often share a rank: the fastest measured
+    ([], False, True),  # TINY's top-2
+    (TOP4 + ["overlap.moe_pipeline=false"], False, False),  # the serial exchange has no wire rows
+    (TOP4 + ["parallel.expert_model_parallel_size=1"], False, False),  # nothing to exchange
+    (TOP4 + ["model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"], False, True),
+    (TOP4 + ["overlap.moe_dispatch_once_per_rank=false"], False, True),  # off stays off
+    # set off, it asks for nothing: one expert rank stays serial
+    (["parallel.expert_model_parallel_size=1", "overlap.moe_dispatch_once_per_rank=false"], False, False),
+    (["overlap.moe_dispatch_once_per_rank=true"], True, True),  # on asks for the pipeline, whatever the top-k
+])
+def test_once_per_rank_auto(overrides, once, pipeline):
+    cfg = load_config(TINY, overrides)
+    assert (cfg.overlap.moe_dispatch_once_per_rank, cfg.overlap.moe_pipeline) == (once, pipeline)
 
 
 @pytest.mark.parametrize("override,attr,expected", [

@@ -49,7 +49,8 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
     overlap = OverlapConfig(moe_pipeline=False)
     if variant is not None:
         planning, transport, chunks, capacity, padded, delay, shared, sms = variant
-        overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, delay_wgrad_compute=delay,
+        overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False, moe_pipeline_chunks=chunks,
+                                delay_wgrad_compute=delay,
                                 moe_planning=planning, moe_transport=transport, gemm_sm_carveout=sms,
                                 moe_expert_rank_capacity_factor=None)  # exact: no trainer runs an overflow again
         # One selector per transport for the whole run, as a model shares one: freeing a symmetric workspace

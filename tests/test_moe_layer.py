@@ -365,7 +365,8 @@ def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want
     from moe_overlap.tuning import auto_push_sms
 
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
-    overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, gemm_sm_carveout=carveout,
+    overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False, moe_pipeline_chunks=chunks,
+                            gemm_sm_carveout=carveout,
                             ep_comm_ctas=ctas)
     layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2), overlap,
                      two_ranks, SimpleNamespace(planning="host"))

@@ -11,6 +11,10 @@ a switch the user set needs to run.
                                 (train.moe_cuda_graph: a graph cannot hold a layer split into stages)
     train.moe_cuda_graph with the pipeline
                                 plans on the device (moe_planning auto: the plan a graph can replay)
+    overlap.moe_dispatch_once_per_rank=auto
+                                on with the pipelined exchange from router top-4 up (each token once per rank: the
+                                fastest measured there, tuning.py); off below, and where it is not implemented
+                                (padded capacity, expert-TP > 1)
 
 The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
 """
@@ -18,11 +22,19 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, OverlapConfig
-from moe_overlap.tuning import PAIRED_MOE_PLANNING
+from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK, PAIRED_MOE_PLANNING
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
                    "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank")
+
+
+def pipeline_fields_set(o: OverlapConfig) -> list[str]:
+    """The pipeline-only fields this config sets: off its default, and not a switch set off (which asks for
+    nothing)."""
+    defaults = OverlapConfig()
+    return [name for name in PIPELINE_FIELDS if getattr(o, name) != getattr(defaults, name)
+            and getattr(o, name) is not False]
 
 
 def resolve_defaults(cfg: Config) -> list[str]:
@@ -34,8 +46,7 @@ def resolve_defaults(cfg: Config) -> list[str]:
     paired = o.overlap_moe_expert_parallel_comm and exchanging
     choices = []
     if o.moe_pipeline == "auto":
-        defaults = OverlapConfig()
-        asked = [f"overlap.{name}" for name in PIPELINE_FIELDS if getattr(o, name) != getattr(defaults, name)]
+        asked = [f"overlap.{name}" for name in pipeline_fields_set(o)]
         if m.moe_shared_expert_overlap:
             asked.append("model.moe_shared_expert_overlap")
         if paired:
@@ -58,6 +69,21 @@ def resolve_defaults(cfg: Config) -> list[str]:
             o.moe_planning = PAIRED_MOE_PLANNING
             choices.append(f"overlap.moe_planning=auto -> {PAIRED_MOE_PLANNING}: the fastest measured with paired "
                            "micro-batches (tuning.py)")
+    if o.moe_dispatch_once_per_rank == "auto":
+        p = cfg.parallel
+        if not (exchanging and o.moe_pipeline):
+            o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"
+        elif m.moe_pad_expert_input_to_capacity or (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+            o.moe_dispatch_once_per_rank, why = False, "not implemented with padded capacity or expert-TP > 1"
+        elif m.moe_router_topk < ONCE_PER_RANK_MIN_TOPK:
+            o.moe_dispatch_once_per_rank, why = False, (f"top-{m.moe_router_topk}: few copies share a rank (on from "
+                                                        f"top-{ONCE_PER_RANK_MIN_TOPK}, tuning.py)")
+        else:
+            o.moe_dispatch_once_per_rank, why = True, (f"top-{m.moe_router_topk}: the fastest measured, each token "
+                                                       "once per rank (tuning.py)")
+        if exchanging:
+            choices.append(f"overlap.moe_dispatch_once_per_rank=auto -> {str(o.moe_dispatch_once_per_rank).lower()}: "
+                           f"{why}")
     if exchanging and o.moe_pipeline and t.moe_cuda_graph and o.moe_planning == "auto":
         o.moe_planning = "device"
         choices.append("overlap.moe_planning=auto -> device: train.moe_cuda_graph replays the device-planned exchange")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from moe_overlap.config.defaults import PIPELINE_FIELDS
+from moe_overlap.config.defaults import pipeline_fields_set
 from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
                                        not_implemented, refuse, require)
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal
@@ -99,19 +99,16 @@ def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) ->
 def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -> None:
     """The MoE pipeline's fields: each needs the pipeline; planning and transport must agree on where sizes are;
     chunks are runs of local experts."""
-    defaults = OverlapConfig()
-    for name in PIPELINE_FIELDS:
-        if getattr(o, name) != getattr(defaults, name):
-            require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
-                     "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
-                     "sizes and the process group's own all-to-all)")
+    for name in pipeline_fields_set(o):
+        require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
+                "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
+                "sizes and the process group's own all-to-all)")
     refuse(sizes_refusal(o.moe_planning, o.moe_transport)
            or expert_tp_refusal(o.moe_planning, p.expert_tensor_parallel_size or p.tensor_model_parallel_size))
     factor = o.moe_expert_rank_capacity_factor
     if factor is not None:
         require(math.isfinite(factor) and factor >= 1.0, "overlap.moe_expert_rank_capacity_factor", factor,
                 "must be >= 1.0 (a rank receives its balanced share at least) or null (the worst case)")
-    if factor != defaults.moe_expert_rank_capacity_factor:
         require(o.moe_planning != "host", "overlap.moe_expert_rank_capacity_factor", factor,
                 "bounds the device-planned exchange only; with overlap.moe_planning=host every buffer is sized "
                 "exactly (use overlap.moe_planning=device or auto)")

@@ -180,7 +180,9 @@ class OverlapConfig:
     # Each token crosses to an EP rank once per chunk (as DeepEP): dispatch sends its hidden state once to each
     # (chunk, rank) holding any of its k experts, with their grouped rows and probs beside it; the receiver expands it
     # into its experts' rows, weights their outputs by the probs and sums them into one row that goes back.
-    moe_dispatch_once_per_rank: bool = False
+    # auto: on with the pipeline where a token's copies often share a rank (top-k >= 4, as measured fastest:
+    # tuning.py), off where it is not implemented (padded capacity, expert-TP > 1) (config/defaults.py).
+    moe_dispatch_once_per_rank: Union[bool, Literal["auto"]] = "auto"
     # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
     # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
     # expert GEMMs on as many rows as each rank would receive without moving them. The learning rate is held at

@@ -65,6 +65,10 @@ class MoELayer(nn.Module):
         self.pipelined, self.chunks = overlap.moe_pipeline, overlap.moe_pipeline_chunks
         self.capacity_factor = overlap.moe_expert_rank_capacity_factor  # the device-planned receive bound
         self.once_per_rank = overlap.moe_dispatch_once_per_rank  # wire rows: a token once per (chunk, rank)
+        if self.pipelined and self.once_per_rank == "auto":
+            raise ValueError("overlap.moe_dispatch_once_per_rank='auto' is resolved when the config is validated "
+                             "(config.validate); a pipelined layer takes true or false")
+        self.once_per_rank = self.once_per_rank is True  # without the pipeline: unused
         self.host_planned_rerun = False  # host_planned_rerun(): plan on the host whatever the selector planned
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
         self.carveout, self.ep_comm_ctas = overlap.gemm_sm_carveout, overlap.ep_comm_ctas
