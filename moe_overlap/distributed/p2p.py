@@ -37,6 +37,23 @@ class PipelineP2P:
                 if mesh.rank in (sender, receiver):
                     self._channels[(sender, receiver)] = group
                     mesh.own(group)
+        self._connect()
+
+    def _connect(self) -> None:
+        """One tiny transfer over each channel, in the same (sender, receiver) order on every rank. NCCL makes a
+        group's communicator at its first transfer, and making it blocks the host until the peer makes it too: a
+        rank posting a gradient receive ahead (overlap.overlap_p2p_comm) then waited there for a peer that was
+        waiting for its next activation, which that rank's host had not posted yet (ZB-H1 at PP=2 on a 4xH100
+        host: the flight recorder showed the peer's second activation receive scheduled, the first rank's
+        gradient channel never made). In one global order, the first unmade channel always has both ends at it."""
+        for (sender, receiver), group in sorted(self._channels.items()):
+            device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                      else torch.device("cpu"))
+            token = torch.zeros(1, device=device)
+            if self.pp.ranks[self.pp.rank] == sender:
+                dist.send(token, receiver, group)
+            else:
+                dist.recv(token, sender, group)
 
     def post(self, ops: Sequence[tuple[bool, torch.Tensor, int]], batch: bool) -> list[list[dist.Work]]:
         """Start (send?, tensor, peer pipeline rank) transfers; returns what to wait on for each."""
