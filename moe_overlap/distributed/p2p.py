@@ -40,20 +40,22 @@ class PipelineP2P:
         self._connect()
 
     def _connect(self) -> None:
-        """One tiny transfer over each channel, in the same (sender, receiver) order on every rank. NCCL makes a
-        group's communicator at its first transfer, and making it blocks the host until the peer makes it too: a
-        rank posting a gradient receive ahead (overlap.overlap_p2p_comm) then waited there for a peer that was
-        waiting for its next activation, which that rank's host had not posted yet (ZB-H1 at PP=2 on a 4xH100
-        host: the flight recorder showed the peer's second activation receive scheduled, the first rank's
-        gradient channel never made). In one global order, the first unmade channel always has both ends at it."""
+        """One tiny transfer over each channel, in the same (sender, receiver) order on every rank, each finished
+        before the next: NCCL makes a group's communicator at its first transfer, and that creation waits for
+        the peer and, it appears, for the device. On a 4xH100 host ZB-H1 with overlapped P2P at PP=2 hung at its
+        first gradient transfer: the NCCL flight recorder shows both ranks' gradient channels never enqueued a
+        transfer (both ranks in the communicator's creation), while the last stage's receive of the next
+        activation sat scheduled on the device; made here, no channel's creation meets a transfer in flight. In
+        one global order the first unmade channel always has both ends at it."""
         for (sender, receiver), group in sorted(self._channels.items()):
-            device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-                      else torch.device("cpu"))
-            token = torch.zeros(1, device=device)
+            nccl = dist.get_backend(group) == "nccl"
+            token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
             if self.pp.ranks[self.pp.rank] == sender:
                 dist.send(token, receiver, group)
             else:
                 dist.recv(token, sender, group)
+            if nccl:
+                torch.cuda.synchronize()
 
     def post(self, ops: Sequence[tuple[bool, torch.Tensor, int]], batch: bool) -> list[list[dist.Work]]:
         """Start (send?, tensor, peer pipeline rank) transfers; returns what to wait on for each."""
