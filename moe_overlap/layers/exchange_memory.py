@@ -18,8 +18,7 @@ from moe_overlap.exchange_rules import choose_exchange
 from moe_overlap.layers.device_plan import chunk_bounds_rows, receive_rows, region_rows, wire_chunk_rows
 from moe_overlap.layers.exchange_plan import chunk_bounds
 from moe_overlap.layers.wire_rows import copies_per_wire_row, wire_row_bytes
-
-_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+from moe_overlap.precision import DTYPES
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
     chunk_experts = chunk_bounds(m.num_moe_experts // ep, o.moe_pipeline_chunks)
     factors = [None] + ([o.moe_expert_rank_capacity_factor] if o.moe_expert_rank_capacity_factor else [])
     sizes = [exchange_memory(ep, rows, chunk_experts, factor, m.hidden_size, m.expert_ffn_hidden_size,
-                             _ELEMENT_BYTES[cfg.train.precision]) for factor in factors]
+                             DTYPES[cfg.train.precision].itemsize) for factor in factors]
     layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     chunks = len(chunk_experts)
     lines = [f"MoE exchange per rank (device-planned, EP {ep}, {chunks} chunk{'s' * (chunks > 1)}): per layer call "
@@ -110,7 +109,7 @@ def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
                      f"{REGIONS} x {_size(size.region_bytes)}")
     if o.moe_dispatch_once_per_rank:  # the chunk tensors and the stash stay the copies'
         regions = [_size(wire_region_bytes(ep, rows // m.moe_router_topk, m.moe_router_topk, chunk_experts, factor,
-                                           m.hidden_size, _ELEMENT_BYTES[cfg.train.precision])) for factor in factors]
+                                           m.hidden_size, DTYPES[cfg.train.precision].itemsize)) for factor in factors]
         lines.append(f"  overlap.moe_dispatch_once_per_rank: symmetric regions of wire rows {REGIONS} x "
                      + " / ".join(regions))
     lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs, "

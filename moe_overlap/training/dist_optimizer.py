@@ -42,9 +42,10 @@ from moe_overlap.kernels.adamw import adamw_update
 from moe_overlap.layers.fp8 import weights_updated
 from moe_overlap.layers.param_info import is_expert_param, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
+from moe_overlap.precision import DTYPES
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
-from moe_overlap.training.optimizer import (_PAYLOAD_DTYPES, GradNorms, adamw_hyper, clip_control, decays,
-                                            logical_grad_copies, logical_parts)
+from moe_overlap.training.optimizer import (GradNorms, adamw_hyper, clip_control, decays, logical_grad_copies,
+                                            logical_parts)
 from moe_overlap.training.tp_grads import (counts_in_dense_norm, is_shared_embedding, sum_sequence_parallel_grads,
                                            sum_shared_embedding_grads)
 
@@ -167,7 +168,7 @@ class DistributedOptimizer:
         # Plain attributes, so a benchmark can switch them between steps.
         self.overlap_grad_sync, self.overlap_param_sync = overlap.overlap_grad_sync, overlap.overlap_param_sync
         self.collectives = collectives  # anything with start_reduce_scatter / start_all_gather
-        payload_dtype = _PAYLOAD_DTYPES[overlap.grad_sync_dtype]
+        payload_dtype = DTYPES[overlap.grad_sync_dtype]
         units = model.forward_units()
         bucket_bytes = None if overlap.bucket_size_mb is None else overlap.bucket_size_mb * 2**20
         plans = _plan_buckets(model, units, bucket_bytes, payload_dtype.itemsize)

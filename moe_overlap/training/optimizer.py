@@ -27,12 +27,11 @@ from moe_overlap.layers.fp8 import weights_updated
 from moe_overlap.layers.init import expert_key
 from moe_overlap.layers.param_info import is_expert_param, is_tp_split, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
+from moe_overlap.precision import DTYPES
 from moe_overlap.training.checkpoint import tp_logical_tensor
 from moe_overlap.training.tp_grads import counts_in_dense_norm, sum_sequence_parallel_grads, sum_shared_embedding_grads
 
 log = logging.getLogger(__name__)
-
-_PAYLOAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -166,7 +165,7 @@ class ParamEntry:
 class MixedPrecisionAdamW:
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: TrainConfig, grad_sync_dtype: str = "fp32"):
         self.mesh, self.cfg = mesh, cfg
-        self.payload_dtype = _PAYLOAD_DTYPES[grad_sync_dtype]
+        self.payload_dtype = DTYPES[grad_sync_dtype]
         self.entries: list[ParamEntry] = []
         for name, param in model.named_parameters():
             master = param if param.dtype == torch.float32 else param.detach().float().clone()

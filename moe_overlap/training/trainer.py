@@ -30,6 +30,7 @@ from moe_overlap.layers.param_info import param_info
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.models.pipeline_stages import PipelineStages
+from moe_overlap.precision import DTYPES
 from moe_overlap.training.checkpoint import (DAMAGED_SUFFIX, check_checkpoint_matches, complete_steps,
                                              load_checkpoint, newest_good_checkpoint, save_checkpoint, step_dir)
 from moe_overlap.training.data import BatchSampler, eval_batches, load_data
@@ -42,7 +43,6 @@ from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Optimizer = MixedPrecisionAdamW | DistributedOptimizer  # train.use_distributed_optimizer picks one
 
 
@@ -138,7 +138,7 @@ class Trainer:
         train_tokens, val_tokens = load_data(cfg)  # first: a missing corpus fails before a model is built
         torch.manual_seed(t.seed)
         stages = PipelineStages.from_config(cfg)  # with PP, this rank builds only its stages' layers
-        self.model = build_model(cfg.model, mesh, device, _DTYPES[t.precision], t.seed,
+        self.model = build_model(cfg.model, mesh, device, DTYPES[t.precision], t.seed,
                                  recompute=t.recompute_granularity == "full", overlap=cfg.overlap,
                                  timeout_s=t.distributed_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
                                  **stages.model_kwargs(mesh.pp.rank))
@@ -159,7 +159,7 @@ class Trainer:
         self._dp_overlaps = DPOverlaps(t.use_distributed_optimizer and o.overlap_grad_sync,
                                        t.use_distributed_optimizer and o.overlap_param_sync)
         # every micro-batch schedule, PP=1 included (a one-stage pipeline)
-        self.pipeline = PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, _DTYPES[t.precision])
+        self.pipeline = PipelineExecutor(cfg, mesh, self.model, stages, self.optimizer, device, DTYPES[t.precision])
         if cfg.overlap.moe_compute_only and mesh.rank == 0:
             log.warning("overlap.moe_compute_only: every rank's MoE rows stay in its own memory (a benchmark's "
                         "reference without the exchange's transfers); its learning rate is held at 0 and its loss "
