@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_overlap.cli import main as moe_overlap  # noqa: E402
+from moe_overlap.training.data import STDLIB_CORPUS_PREFIX  # noqa: E402
 
 SEED = 0  # the file order's shuffle
-PREFIX = "stdlib"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     if not files:
         raise SystemExit(f"prepare_stdlib_corpus: no file of {root} fits --max-mb {args.max_mb}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = out_dir / PREFIX
+    prefix = out_dir / STDLIB_CORPUS_PREFIX
     code = moe_overlap(["data", "prepare", *map(str, files), "--train-bpe", str(args.vocab), "--out", str(prefix),
                         *(["--workers", str(args.workers)] if args.workers else [])])
     if code:

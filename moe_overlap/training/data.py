@@ -38,13 +38,13 @@ _MAKE_A_TOKEN_FILE = ("make one with `moe-overlap data prepare INPUT... --tokeni
                       "(the bundled corpus), synthetic:uniform or synthetic:zipf:S")
 # The real-text corpus's token file, DIR/stdlib.bin, as benchmarks/prepare_stdlib_corpus.py DIR writes it (the GPU
 # examples in configs/ read data/stdlib/stdlib.bin): its error line names the one command that makes it.
-_STDLIB_CORPUS_FILE = "stdlib.bin"
+STDLIB_CORPUS_PREFIX = "stdlib"  # DIR/stdlib.bin, .json, .tokenizer/
 
 
 def _how_to_make(file_path: Path) -> str:
     """What makes a missing token file: the command that writes the standard-library corpus there, else the ways to
     make one."""
-    if file_path.name != _STDLIB_CORPUS_FILE:
+    if file_path.name != f"{STDLIB_CORPUS_PREFIX}.bin":
         return _MAKE_A_TOKEN_FILE
     return (f"make it with `python benchmarks/prepare_stdlib_corpus.py {file_path.parent}` (the Python standard "
             "library as real text with its 32K BPE vocabulary; about 5 minutes on 2 cores, needs `tokenizers`: "
