@@ -27,7 +27,7 @@ PAIRED_MOE_PLANNING = "host"
 # copies then often share a rank, and the wire carries each token once per (chunk, rank) instead of once per copy.
 # Per-GPU MFU, the default path (device-planned sm_push, 1 chunk, graphed) without -> with it, balanced routing:
 # fine-grained (top-8 of 64) 2xH100 EP=2 0.475 -> 0.513 (rows -75%), 4xH100 EP=4 0.420 -> 0.474 (rows -54%);
-# Mixtral-like (top-2 of 8) 4xH100 EP=4 0.620 -> 0.616 (rows -7%: within the launch's noise), 2026-11-26/27
+# Mixtral-like (top-2 of 8) 4xH100 EP=4 0.620 -> 0.616 (rows -7%: within the launch's noise), 2026-11-26
 # (benchmarks/results/train_step_*_ep{2,4}_*balanced_*xh100.json).
 ONCE_PER_RANK_MIN_TOPK = 4
 
