@@ -3,6 +3,10 @@
 #   bash benchmarks/evidence_gpu.sh suite    OUT   # pytest -m gpu at 4 GPUs (the whole call: 2 GPUs is suite2)
 #   bash benchmarks/evidence_gpu.sh ep4      OUT   # train_step.py, EP=4, balanced routing, both bench models
 #   bash benchmarks/evidence_gpu.sh ep4_once OUT   # EP=4 balanced: the default beside each token once per rank
+#   bash benchmarks/evidence_gpu.sh recheck4 OUT   # the master GPU test at 2 and 4 ranks, then EP=4 real text (fine)
+#   bash benchmarks/evidence_gpu.sh suite8   OUT   # an 8-GPU host: pytest -m gpu at 8 ranks (issue 40)
+#   bash benchmarks/evidence_gpu.sh ep8      OUT   #   EP=8 balanced, both bench models (ep8_text: real text)
+#   bash benchmarks/evidence_gpu.sh moe_layer8 OUT #   one MoE layer at EP=8, NVLink and the slow fabric
 #   bash benchmarks/evidence_gpu.sh ep4_fine OUT   #   the fine-grained model alone (serial beside the default)
 #   bash benchmarks/evidence_gpu.sh ep4_mixtral OUT #  the Mixtral-like model alone, every variant
 #   bash benchmarks/evidence_gpu.sh ep4_text OUT   # the same on real text (needs data/stdlib: see README)
@@ -76,6 +80,32 @@ case $phase in
     ONCE="once:overlap.moe_dispatch_once_per_rank=true"
     train_step 4 fine_8l balanced "$BAL" --variant "$ONCE" --variant "$SERIAL"
     train_step 4 mixtral_2l balanced "$BAL" --variant "$ONCE"
+    ;;
+  recheck4)  # what the last 4-GPU suite failed, after the P2P channel fix; then EP=4 on real text (fine)
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: python -m pytest -m gpu -rA tests/test_gpu_master.py" > "$out/gpu_tests_master_4x$gpu.txt"
+    timeout -k 10 300 python -m pytest -m gpu -p no:cacheprovider -rA tests/test_gpu_master.py 2>&1 \
+      | tail -n 60 | tee -a "$out/gpu_tests_master_4x$gpu.txt" | grep -E '^(PASSED|FAILED|ERROR)|passed|failed'
+    cp "$out/gpu_tests_master_4x$gpu.txt" $res/
+    train_step 4 fine_8l text "$TEXT"
+    ;;
+  suite8)  # issue 40: the GPU suite at 8 ranks (the master layouts at 8: EP=8, TP2xEP4, TP2xEP2xPP2, ...)
+    suite 8x 0,1,2,3,4,5,6,7 "$(left)"
+    ;;
+  ep8)  # issue 40: EP=8, balanced routing, both bench models, with ep1 and compute_only
+    train_step 8 fine_8l balanced "$BAL" --variant "$SERIAL"
+    train_step 8 mixtral_2l balanced "$BAL" --variant "$PAIRED"
+    ;;
+  ep8_text)
+    train_step 8 fine_8l text "$TEXT"
+    train_step 8 mixtral_2l text "$TEXT"
+    ;;
+  moe_layer8)  # issue 40: one MoE layer at EP=8 against its limit, NVLink then the slow fabric
+    for fabric in nvlink slow; do
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 8 benchmarks/moe_layer.py \
+        --shapes mixtral,fine,fine_small --fabric $fabric --rounds 8 --json $res/moe_layer_8x${gpu}_$fabric.json \
+        > "$out/moe_layer8_$fabric.log" 2>&1
+      tail -n 12 "$out/moe_layer8_$fabric.log"
+    done
     ;;
   ep4_fine)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL"
@@ -185,7 +215,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack

@@ -99,6 +99,13 @@ LAYOUTS = {
     "layout_bf16_cp2_ep2_dp2_overlap_distributed_optimizer": Layout(4, 2, {
         "parallel.context_parallel_size": 2, "overlap.cp_comm_overlap": "true", **DIST_OPT}),
     "layout_bf16_ep2_edp2_dp4_distributed_optimizer_overlap": Layout(4, 2, DIST_OPT),
+    # 8 ranks (issue 40's layouts; skipped with fewer GPUs)
+    "layout_bf16_ep8": Layout(8, 8, {}),
+    "layout_bf16_tp2_sp_ep4_all_overlaps": Layout(8, 4, tp_layout(2, *ALL_TP_OVERLAPS)),
+    "layout_bf16_tp2_sp_ep2_pp2": Layout(8, 2, {**tp_layout(2), **pp2(2)}),
+    "layout_bf16_pp2_ep2_edp2_dp4_distributed_optimizer_overlap": Layout(8, 2, {**pp2(2), **DIST_OPT}),
+    "layout_bf16_cp2_ep4_overlap": Layout(8, 4, {"parallel.context_parallel_size": 2,
+                                                 "overlap.cp_comm_overlap": "true"}),
 }
 CARVEOUT_LAYOUT = "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8"
 OUT_OF_STEP = "all ranks"  # the errors' key for what concerns every rank: their process groups out of step
@@ -313,8 +320,8 @@ def test_every_layout_config_is_valid_for_its_gpus(layout):
     assert mesh_layout(cfg, world).world_size == world
 
 
-@pytest.mark.slow  # not in CI: 40-70 s at 2 ranks, 60-95 s at 4 on 2 shared cores (`-m slow -k cpu_gloo`)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow  # not in CI: 40-70 s at 2 ranks, 60-95 s at 4, ~2 min at 8 on 2 shared cores (`-m slow -k cpu_gloo`)
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_layout_builds_and_steps_on_cpu_gloo(tmp_path_factory, world):
     """The dry-run: every layout of ``world`` that can run on the CPU builds and runs its steps on gloo ranks in
     bf16 and meets the rule there too; those only CUDA runs are skipped (the library refuses them on CPU)."""
