@@ -16,7 +16,7 @@ from moe_overlap.distributed.streams import EXPOSED_KINDS
 REPO = Path(__file__).resolve().parents[1]
 RESOLVED = {"moe_path", "moe_pipeline", "moe_planning", "moe_transport", "moe_pipeline_chunks", "moe_cuda_graph",
             "moe_compute_only", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "ep_comm_ctas",
-            "moe_gemm_sm_carveout", "use_distributed_optimizer"}
+            "moe_gemm_sm_carveout", "use_distributed_optimizer", "moe_dispatch_once_per_rank"}
 
 
 def check_row(row: dict, world: int) -> None:
