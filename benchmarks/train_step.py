@@ -270,6 +270,7 @@ def main(argv=None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="train_step_") as tmp:
         if args.ep1 and int(os.environ.get("RANK", 0)) == 0:  # first: this process holds nothing on the GPU yet
             rows.append(run_ep1(args, Path(tmp)))
+            save()
             print(json.dumps({k: rows[-1].get(k) for k in ("variant", "tokens_per_s", "mfu", "error")}), flush=True)
         for name, overrides in rows_to_run(args):
             row = run_row(name, overrides, args, Path(tmp))

@@ -21,7 +21,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 
 from __future__ import annotations
 
-from moe_overlap.config.schema import Config, OverlapConfig
+from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
 from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK, PAIRED_MOE_PLANNING
 
 # The fields only the pipeline reads: setting one asks for it.
@@ -35,6 +35,15 @@ def pipeline_fields_set(o: OverlapConfig) -> list[str]:
     defaults = OverlapConfig()
     return [name for name in PIPELINE_FIELDS if getattr(o, name) != getattr(defaults, name)
             and getattr(o, name) is not False]
+
+
+def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
+    """What overlap.moe_dispatch_once_per_rank is not implemented with in this config, or None."""
+    if m.moe_pad_expert_input_to_capacity:
+        return "model.moe_pad_expert_input_to_capacity=true"
+    if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
+        return "expert_tensor_parallel_size > 1"
+    return None
 
 
 def resolve_defaults(cfg: Config) -> list[str]:
@@ -70,11 +79,10 @@ def resolve_defaults(cfg: Config) -> list[str]:
             choices.append(f"overlap.moe_planning=auto -> {PAIRED_MOE_PLANNING}: the fastest measured with paired "
                            "micro-batches (tuning.py)")
     if o.moe_dispatch_once_per_rank == "auto":
-        p = cfg.parallel
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"
-        elif m.moe_pad_expert_input_to_capacity or (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
-            o.moe_dispatch_once_per_rank, why = False, "not implemented with padded capacity or expert-TP > 1"
+        elif once_per_rank_gap(m, cfg.parallel):
+            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(m, cfg.parallel)}"
         elif m.moe_router_topk < ONCE_PER_RANK_MIN_TOPK:
             o.moe_dispatch_once_per_rank, why = False, (f"top-{m.moe_router_topk}: few copies share a rank (on from "
                                                         f"top-{ONCE_PER_RANK_MIN_TOPK}, tuning.py)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from moe_overlap.config.defaults import pipeline_fields_set
+from moe_overlap.config.defaults import once_per_rank_gap, pipeline_fields_set
 from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
                                        not_implemented, refuse, require)
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal
@@ -118,13 +118,8 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
         if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
             raise not_implemented("overlap.moe_compute_only", True, False,
                                    "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
-    if o.moe_dispatch_once_per_rank:
-        if m.moe_pad_expert_input_to_capacity:
-            raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False,
-                                  "with model.moe_pad_expert_input_to_capacity=true")
-        if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
-            raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False,
-                                  "with expert_tensor_parallel_size > 1")
+    if o.moe_dispatch_once_per_rank and once_per_rank_gap(m, p):
+        raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(m, p)}")
     if m.moe_shared_expert_overlap:
         require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")
