@@ -4,6 +4,8 @@
 #   bash benchmarks/evidence_gpu.sh ep4      OUT   # train_step.py, EP=4, balanced routing, both bench models
 #   bash benchmarks/evidence_gpu.sh ep4_once OUT   # EP=4 balanced: the default beside each token once per rank
 #   bash benchmarks/evidence_gpu.sh recheck4 OUT   # the master GPU test at 2 and 4 ranks, then EP=4 real text (fine)
+#   bash benchmarks/evidence_gpu.sh ep4_rows OUT   # the row kernels' GPU tests, then EP=4 fine balanced (the default
+#                                                  #   beside compute_only and ep1) and both models on real text
 #   bash benchmarks/evidence_gpu.sh suite8   OUT   # an 8-GPU host: pytest -m gpu at 8 ranks (issue 40)
 #   bash benchmarks/evidence_gpu.sh ep8      OUT   #   EP=8 balanced, both bench models (ep8_text: real text)
 #   bash benchmarks/evidence_gpu.sh moe_layer8 OUT #   one MoE layer at EP=8, NVLink and the slow fabric
@@ -87,6 +89,15 @@ case $phase in
       | tail -n 60 | tee -a "$out/gpu_tests_master_4x$gpu.txt" | grep -E '^(PASSED|FAILED|ERROR)|passed|failed'
     cp "$out/gpu_tests_master_4x$gpu.txt" $res/
     train_step 4 fine_8l text "$TEXT"
+    ;;
+  ep4_rows)  # after the gather-sum kernel's row loop (step_kernels_rows_1xh100.json)
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: python -m pytest -m gpu -rs tests/test_kernels.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py" > "$out/gpu_tests_rows_4x$gpu.txt"
+    timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rs tests/test_kernels.py tests/test_push_rows.py \
+      tests/test_gpu_dispatch_once_per_rank.py 2>&1 | tail -n 8 | tee -a "$out/gpu_tests_rows_4x$gpu.txt"
+    cp "$out/gpu_tests_rows_4x$gpu.txt" $res/
+    train_step 4 fine_8l balanced_row_loop "$BAL"
+    train_step 4 fine_8l text "$TEXT"
+    train_step 4 mixtral_2l text "$TEXT"
     ;;
   suite8)  # issue 40: the GPU suite at 8 ranks (the master layouts at 8: EP=8, TP2xEP4, TP2xEP2xPP2, ...)
     suite 8x 0,1,2,3,4,5,6,7 "$(left)"

@@ -5,6 +5,12 @@
              output (host offsets), and the bf16 grouped GEMM alone (the limit: no accumulation at all)
   attention  causal GQA attention forward+backward through SDPA: its default choice and each backend forced
              (flash, cuDNN, memory-efficient), with grouped KV heads and with them expanded
+  rows       the row kernels of the MoE exchange at the fine-grained model's EP=4 shapes (each token once per
+             rank: a wire row carries 2.2 of its J=8 slots; the grouped buffers sized for the worst case, 4x the
+             rows that arrive) and at EP=1: the gather-sum kernel (unpermute, permute_backward) per block and
+             warps, the permute, and SwiGLU over a worst-case buffer beside one of the counted rows, against a
+             device copy of the same bytes (the limit). Its first run (step_kernels_rows_1xh100.json) also timed
+             the tile form the gather-sum kernel had before (tile_*): 1.2-4.2x the limit where the loop is 1.0x
 
     python benchmarks/step_kernels.py --json benchmarks/results/step_kernels_h200.json
 """
@@ -164,17 +170,84 @@ def attention_rows(rounds: int) -> list[dict]:
     return rows
 
 
+# name: (programs T, copies K, valid copies, programs with any, source rows, hidden). The fine model at EP=4 with each token once per
+# rank, balanced routing (train_step_fine_8l_ep4_*balanced_4xh100.json): 8192 tokens per micro-batch and rank,
+# 65536 copies in 30000 wire rows of the 32768 static; the grouped rows' buffer 4 x 65536 (unbounded).
+ROW_SHAPES = {"expert_unpermute": (32768, 8, 65536, 30000, 4 * 65536, 2048),
+              "token_sum": (8192, 4, 30000, 8192, 32768, 2048),
+              "ep1_unpermute": (8192, 8, 65536, 8192, 65536, 2048)}
+
+
+def _row_index(T: int, K: int, valid: int, filled: int, source_rows: int):
+    """Each program's K source rows: ``valid`` distinct rows over the first ``filled`` programs, a program's valid
+    ones first (as wire rows fill their slots), -1 after them; the other programs empty."""
+    import torch
+
+    per = torch.full((T,), 0, dtype=torch.int64)
+    per[:filled] = valid // filled
+    per[:valid % filled] += 1
+    per.clamp_(max=K)
+    slot = torch.arange(K).unsqueeze(0)
+    rows = torch.randperm(source_rows)[:int(per.sum())]
+    index = torch.full((T, K), -1, dtype=torch.int64)
+    index[slot < per.unsqueeze(1)] = rows
+    return index.to(torch.int32).cuda()
+
+
+def row_kernel_rows(rounds: int) -> list[dict]:
+    import torch
+
+    from moe_overlap.kernels import permute as P
+    from moe_overlap.kernels import swiglu as S
+
+    out = []
+    for name, (T, K, valid, filled, source_rows, H) in ROW_SHAPES.items():
+        index = _row_index(T, K, valid, filled, source_rows)
+        src = torch.randn(source_rows, H, device="cuda", dtype=torch.bfloat16)
+        probs = torch.rand(T, K, device="cuda")
+        moved = int((index >= 0).sum()) * H * 2 + T * H * 2  # rows read, rows written
+        copy_in = torch.empty(moved, device="cuda", dtype=torch.uint8)  # half read, half written
+        fns = {"copy_limit_same_bytes": lambda: copy_in[:moved // 2].copy_(copy_in[moved // 2:])}
+        for block_h, warps in ((None, 4), (2048, 4), (2048, 8), (1024, 2), (512, 4)):
+            fns[f"loop_{block_h or 'auto'}x{warps}"] = (
+                lambda block_h=block_h, warps=warps: P._launch_gather_sum(src, index, probs, block_h,
+                                                                           num_warps=warps))
+        fns["torch_twin"] = lambda: P.unpermute_torch(src, index, probs)
+        want = P.unpermute_torch(src, index, probs).float()
+        errors = {k: float((fn().float() - want).abs().max()) for k, fn in fns.items() if k != "copy_limit_same_bytes"}
+        x_TH = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)  # the permute: a program's row to its K rows
+        fns["permute_scatter"] = lambda: P.permute(x_TH, index, source_rows, all_rows_mapped=True)
+        ms = timed(fns, rounds, reps=5)
+        out.append({"section": "rows", "shape": name, "programs": T, "copies": K, "valid_copies": valid,
+                    "source_rows": source_rows, "hidden": H, "bytes": moved, "ms": ms,
+                    "vs_limit": {k: v / ms["copy_limit_same_bytes"] for k, v in ms.items()}, "max_abs_error": errors,
+                    "best_gather": min((k for k in ms if k.startswith("loop")), key=ms.get)})
+        print(name, {k: round(v, 4) for k, v in ms.items()}, flush=True)
+    h = torch.randn(4 * 65536, 2048, device="cuda", dtype=torch.bfloat16)  # SwiGLU over fc1's output, ffn 1024
+    grad_a = torch.randn(4 * 65536, 1024, device="cuda", dtype=torch.bfloat16)
+    counted = torch.tensor([65536], device="cuda")
+    fns = {"fwd_worst_case_buffer": lambda: S.swiglu_forward_triton(h, counted),
+           "fwd_counted_rows_alone": lambda: S.swiglu_forward_triton(h[:65536]),
+           "bwd_worst_case_buffer": lambda: S.swiglu_backward_triton(h, grad_a, counted),
+           "bwd_counted_rows_alone": lambda: S.swiglu_backward_triton(h[:65536], grad_a[:65536])}
+    ms = timed(fns, rounds, reps=5)
+    out.append({"section": "rows", "shape": "swiglu_65536_of_262144_rows", "ms": ms})
+    print("swiglu", {k: round(v, 4) for k, v in ms.items()}, flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--sections", default="wgrad,adamw,attention")
+    parser.add_argument("--sections", default="wgrad,adamw,attention,rows")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad shapes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
     rows = (wgrad_rows(args.rounds, args.shapes.split(",")) if "wgrad" in sections else []) + (
         adamw_rows(args.rounds) if "adamw" in sections else []) + (
-        attention_rows(args.rounds) if "attention" in sections else [])
+        attention_rows(args.rounds) if "attention" in sections else []) + (
+        row_kernel_rows(args.rounds) if "rows" in sections else [])
     write_json(args.json, run_header(1), rows)
 
 

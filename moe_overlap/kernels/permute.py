@@ -171,24 +171,26 @@ if HAVE_TRITON:
                            BLOCK_H: tl.constexpr):
         # One program per token t: out[t] = sum_k (probs[t, k] *) src[row of (t, k)], fp32 accumulation.
         # COPY: every row read is also written to the same row of copy (src is a buffer about to be reused).
+        # The copies one row at a time, unrolled (every load in flight at once, no reduction across warps): at the
+        # copy's speed where a (K_PAD, BLOCK_H) tile reduced over K ran 1.7x (all K valid) to 4.2x (2 of 8 valid,
+        # each token once per rank) slower (1xH100, benchmarks/results/step_kernels_rows_1xh100.json).
         t = tl.program_id(0).to(tl.int64)
-        kk = tl.arange(0, K_PAD)
-        rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
-        valid = (rows >= 0) & (rows < R)
-        if HAS_PROBS:
-            w = tl.load(probs_ptr + t * K + kk, mask=valid, other=0.0).to(tl.float32)
         hh0 = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + hh0
             hm = hh < H
-            m = valid[:, None] & hm[None, :]
-            raw = tl.load(src_ptr + rows[:, None] * stride_src + hh[None, :], mask=m, other=0.0)
-            if COPY:
-                tl.store(copy_ptr + rows[:, None] * stride_copy + hh[None, :], raw, mask=m)
-            v = raw.to(tl.float32)
-            if HAS_PROBS:
-                v = v * w[:, None]
-            acc = tl.reduce(v, 0, _sum_combine)
+            acc = tl.full((BLOCK_H,), 0.0, tl.float32)
+            for k in tl.static_range(K_PAD):
+                row = tl.load(rows_ptr + t * K + k, mask=k < K, other=-1).to(tl.int64)
+                ok = (row >= 0) & (row < R)
+                m = hm & ok
+                raw = tl.load(src_ptr + row * stride_src + hh, mask=m, other=0.0)
+                if COPY:
+                    tl.store(copy_ptr + row * stride_copy + hh, raw, mask=m)
+                v = raw.to(tl.float32)
+                if HAS_PROBS:
+                    v = v * tl.load(probs_ptr + t * K + k, mask=ok, other=0.0).to(tl.float32)
+                acc += v
             tl.store(out_ptr + t * stride_out + hh, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
     _rank_hist = Kernel(_rank_hist_kernel)
@@ -201,13 +203,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _power_of_two(name: str, n: int) -> int:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{name} must be a power of two, got {n}")
+    return n
+
+
 def _row_tile(K: int, H: int, block_h: Optional[int]) -> tuple[int, int, int]:
     """(K_PAD, BLOCK_H, num_warps): a (K_PAD, BLOCK_H) tile of at most 8K elements, rows moved in BLOCK_H chunks."""
     k_pad = max(2, _next_pow2(K))
     if block_h is None:
         block_h = min(_next_pow2(H), 4096, max(256, 8192 // k_pad))
-    elif block_h < 1 or block_h & (block_h - 1):
-        raise ValueError(f"block_h must be a power of two, got {block_h}")
+    else:
+        _power_of_two("block_h", block_h)
     num_warps = 8 if k_pad * block_h >= 4096 else 4
     return k_pad, max(16, block_h), num_warps
 
@@ -466,7 +474,8 @@ def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) 
 
 
 def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
-                       block_h: Optional[int], copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       block_h: Optional[int], copy_out: Optional[torch.Tensor] = None, *,
+                       num_warps: int = 4) -> torch.Tensor:
     """out[t] = sum_k (probs[t, k] *) src[row of (t, k)]: the one kernel behind permute_backward and unpermute."""
     T, K = row_of_copy_TK.shape
     R, H = src_RH.shape
@@ -476,10 +485,10 @@ def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs
     src = _rows_2d(src_RH)
     probs = src if probs_TK is None else probs_TK.contiguous()  # an unused pointer without probs
     copy = src if copy_out is None else copy_out
-    k_pad, bh, warps = _row_tile(K, H, block_h)
+    bh = min(_next_pow2(H), 1024) if block_h is None else _power_of_two("block_h", block_h)
     _gather_sum[(T,), src.device](src, row_of_copy_TK.contiguous(), probs, out, copy, src.stride(0), out.stride(0),
                                   copy.stride(0), H, K, R, HAS_PROBS=probs_TK is not None, COPY=copy_out is not None,
-                                  K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
+                                  K_PAD=max(2, _next_pow2(K)), BLOCK_H=max(16, bh), num_warps=num_warps)
     return out
 
 
