@@ -15,6 +15,8 @@
 #   bash benchmarks/evidence_gpu.sh ep2_ppcp OUT   # EP=2 on GPUs 0,1 beside PP=2 and CP=2 on GPUs 2,3
 #   bash benchmarks/evidence_gpu.sh ep2      OUT   # EP=2 alone (a 2-GPU host)
 #   bash benchmarks/evidence_gpu.sh suite2   OUT   # pytest -m gpu on a 2-GPU host
+#   bash benchmarks/evidence_gpu.sh suite1   OUT   # pytest -m gpu on GPU 0 alone
+#   bash benchmarks/evidence_gpu.sh ep2_fine OUT   # EP=2, the fine model balanced: the default, compute_only, ep1
 #   bash benchmarks/evidence_gpu.sh ep2_text OUT   # EP=2 on real text (needs data/stdlib)
 #   bash benchmarks/evidence_gpu.sh bound2   OUT   # the bounded exchange at EP=2: GPU tests, a forced overflow
 #                                                  #   (graphed), 4 chunks' memory unbounded / 2.0 / 1.25 (eager)
@@ -154,6 +156,12 @@ case $phase in
     ;;
   suite2)
     suite 2x 0,1 300
+    ;;
+  suite1)
+    suite 1x 0 120
+    ;;
+  ep2_fine)
+    train_step 2 fine_8l balanced_row_loop "$BAL"
     ;;
   ep2_text)
     train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"

@@ -19,13 +19,18 @@ from tests.test_master import small_config, world_and_mesh
 from tests.test_moe_layer import E, F, FixedRouter, H, full_expert_weights, rank_inputs
 
 
-def compute_only_case(planning: str, chunks: int) -> dict:
+def compute_only_case(planning: str, chunks: int, once: bool = False) -> dict:
     """The same layer and inputs with the exchange real and compute-only: the grouped GEMMs' row counts per
-    chunk, the outputs and gradients."""
+    chunk, the outputs and gradients. ``once``: each token once per rank, with the receive regions' first bytes
+    NaN (a compute-only reference reads rows no rank wrote: bytes of earlier exchanges, NaN on the GPU)."""
+    from moe_overlap.distributed import symm
+
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60)
     counts, outputs, exposed = {}, {}, {}
-    real_forward = dispatch_pipeline.experts_forward
+    real_forward, real_fill = dispatch_pipeline.experts_forward, symm.fill_finite
+    if once:
+        symm.fill_finite = lambda buffer_B: buffer_B.fill_(255)  # every bf16 and fp32 a NaN, every int32 -1
     try:
         for compute_only in (False, True):
             rows = counts[compute_only] = []
@@ -38,7 +43,7 @@ def compute_only_case(planning: str, chunks: int) -> dict:
             selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), chunks,
                                          60, compute_only=compute_only)
             cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2)
-            layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False,
+            layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once,
                                                  moe_pipeline_chunks=chunks, moe_planning=planning),
                              mesh.ep, selector)
             w13, w2 = full_expert_weights()
@@ -55,15 +60,16 @@ def compute_only_case(planning: str, chunks: int) -> dict:
             exposed[compute_only] = tally.totals_ms()["ep"]
             outputs[compute_only] = (out.detach(), x.grad, layer.experts.w13.grad)
     finally:
-        dispatch_pipeline.experts_forward = real_forward
+        dispatch_pipeline.experts_forward, symm.fill_finite = real_forward, real_fill
         mesh.destroy()
     return {"counts": counts, "finite": all(torch.isfinite(t).all() for t in outputs[True]),
             "same_output": torch.equal(outputs[True][0], outputs[False][0]), "exposed": exposed}
 
 
-@pytest.mark.parametrize("planning,chunks", [("host", 1), ("host", 2), ("device", 2)])
-def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_pool, planning, chunks):
-    for result in rank_pool(2).run(compute_only_case, planning, chunks):
+@pytest.mark.parametrize("planning,chunks,once", [("host", 1, False), ("host", 2, False), ("device", 2, False),
+                                                 ("device", 1, True), ("host", 2, True)])
+def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_pool, planning, chunks, once):
+    for result in rank_pool(2).run(compute_only_case, planning, chunks, once):
         assert result["counts"][True] == result["counts"][False] and sum(result["counts"][True]) > 0
         assert result["finite"]
         assert not result["same_output"]  # rows from peers never arrived

@@ -79,6 +79,13 @@ class PipelineState:
         return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
 
 
+# A compute-only reference (``plan.transport.compute_only``) reads rows of the receive regions that no rank wrote
+# this time: bytes of earlier exchanges of other widths, where a wire row's fp32 words read as bf16 hidden values
+# can be NaN. The kernels that take the landed rows read those as 0 then (free: in registers), so its GEMMs and
+# optimizer run on numbers, as the real exchange's do (on 2 and 4 H100s the loss went NaN without, the optimizer
+# skipped its steps, and the reference ran faster than a step can).
+
+
 def _grouped_rows_mapped(plan: Plan) -> bool:
     """Every grouped row within the offsets holds a copy: not past an overflowed bound, nor in a compute-only
     reference (its rows' copies belong elsewhere); else the grouped tensors are zero filled, to stay finite."""
@@ -101,7 +108,7 @@ def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, a
     plan = state.plan
     if arrived is not None:
         grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk],
-                             _grouped_rows_mapped(plan))
+                             _grouped_rows_mapped(plan), finite=plan.transport.compute_only)
         return grouped_RH, plan.offsets[chunk]
     if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]
@@ -145,7 +152,8 @@ class DispatchStart(torch.autograd.Function):
         if state.plan.wire is None:
             grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK)
         else:
-            grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, ctx.probs_dtype)
+            grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, ctx.probs_dtype,
+                                                 state.plan.transport.compute_only)
         exchange.finish()  # after the kernels that read the landed rows
         return grad_TH.to(ctx.x_dtype), grad_probs_TK, None
 
@@ -228,7 +236,8 @@ class Experts(torch.autograd.Function):
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
                 (grouped_row_WJ, probs_WJ), y_RH = wire
                 grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, grouped_row_WJ, probs_WJ,
-                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0])
+                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0],
+                                                              finite=plan.transport.compute_only)
                 offsets = plan.offsets[chunk]
             else:
                 grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
@@ -270,7 +279,7 @@ class Combine(torch.autograd.Function):
         combined_RH = combine.result()
         ctx.state = state
         if plan.wire is not None:  # the rows came back weighted: a token's rows summed
-            out_TH = permute_backward(combined_RH, plan.wire.row_TC)
+            out_TH = permute_backward(combined_RH, plan.wire.row_TC, plan.transport.compute_only)
             combine.finish()
             return out_TH
         keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows
