@@ -24,7 +24,8 @@ rank runs the config's micro-batches at any world size (the ep1 row runs the fil
 
 Each row: tokens/s of the job, per-GPU TFLOP/s and MFU (medians of the timed steps; MFU against
 train.peak_tflops, beside this GPU's measured bf16 GEMM rate), ``vs_ep1`` (per-GPU tokens/s over ep1's) and
-``vs_compute_only`` (step time over compute_only's), the maximum over ranks of peak memory (torch's allocator peak
+``vs_compute_only`` (step time over compute_only's; none where compute_only's loss is not finite, a row then
+marked ``not_a_limit``), the maximum over ranks of peak memory (torch's allocator peak
 plus symmetric-memory regions, which that allocator does not see), exposed communication per kind (every wait of
 the compute stream or host for another rank, CUDA-graph replays included: median over steps, per rank and its
 maximum), routing imbalance per MoE layer (copies on the most loaded EP rank over the mean, and on the most
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -243,9 +245,16 @@ def release_memory() -> None:
 
 
 def relate(rows: list[dict]) -> None:
-    """Each row against the reference rows of the same launch."""
+    """Each row against the reference rows of the same launch. A compute_only row whose loss is not finite is no
+    limit: the optimizer skipped its steps and its GEMMs ran on NaN (2 and 4 H100s, 2026-11-27: faster than the
+    same work can run); it is marked so and nothing is divided by it."""
     by_name = {row["variant"]: row for row in rows if "error" not in row}
     ep1, compute_only = by_name.get("ep1"), by_name.get("compute_only")
+    if compute_only is not None and not all(math.isfinite(compute_only.get(key, 0.0))
+                                            for key in ("loss_first", "loss_last")):
+        compute_only["not_a_limit"] = "loss not finite: the optimizer skipped its steps, its GEMMs ran on NaN"
+        print(f"train_step: compute_only is not a limit here ({compute_only['not_a_limit']})", file=sys.stderr)
+        compute_only = None
     for row in by_name.values():
         if ep1 is not None:
             row["vs_ep1"] = round(row["tokens_per_s_per_gpu"] / ep1["tokens_per_s_per_gpu"], 4)

@@ -72,3 +72,18 @@ def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
     assert rows["compute_only"]["resolved"]["moe_compute_only"] is True
     check_row(rows["ep1"], 1)
     assert rows["ep1"]["global_batch_size"] == 4 and rows["ep1"]["vs_ep1"] == 1.0
+
+
+def test_a_compute_only_row_with_a_nan_loss_is_no_limit():
+    """Nothing is divided by a compute-only row whose loss went NaN (its optimizer skipped steps), and it says so."""
+    from benchmarks.train_step import relate
+
+    def row(variant, step, loss):
+        return {"variant": variant, "step_time_s": step, "tokens_per_s_per_gpu": 1 / step, "loss_first": 10.0,
+                "loss_last": loss}
+    finite = [row("config", 1.1, 4.0), row("compute_only", 1.0, 10.0)]
+    relate(finite)
+    assert finite[0]["vs_compute_only"] == 1.1 and "not_a_limit" not in finite[1]
+    broken = [row("config", 1.1, 4.0), row("compute_only", 0.9, float("nan"))]
+    relate(broken)
+    assert "vs_compute_only" not in broken[0] and "not finite" in broken[1]["not_a_limit"]
