@@ -158,7 +158,7 @@ case $phase in
     suite 2x 0,1 300
     ;;
   suite1)
-    suite 1x 0 120
+    suite 1x 0 240  # 120 s cut the 2026-11-27 run at 71%
     ;;
   ep2_fine)
     train_step 2 fine_8l balanced_row_loop "$BAL"
