@@ -21,16 +21,16 @@ from tests.test_moe_layer import E, F, FixedRouter, H, full_expert_weights, rank
 
 def compute_only_case(planning: str, chunks: int, once: bool = False) -> dict:
     """The same layer and inputs with the exchange real and compute-only: the grouped GEMMs' row counts per
-    chunk, the outputs and gradients. ``once``: each token once per rank, with the receive regions' first bytes
-    NaN (a compute-only reference reads rows no rank wrote: bytes of earlier exchanges, NaN on the GPU)."""
+    chunk, the outputs and gradients. The receive regions start as NaN bytes: a compute-only reference reads rows
+    that no rank wrote (bytes of earlier exchanges: NaN on the GPU), and must stay finite. ``once``: each token
+    once per rank."""
     from moe_overlap.distributed import symm
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60)
     counts, outputs, exposed = {}, {}, {}
     real_forward, real_fill = dispatch_pipeline.experts_forward, symm.fill_finite
-    if once:
-        symm.fill_finite = lambda buffer_B: buffer_B.fill_(255)  # every bf16 and fp32 a NaN, every int32 -1
+    symm.fill_finite = lambda buffer_B: buffer_B.fill_(255)  # every bf16 and fp32 a NaN, every int32 -1
     try:
         for compute_only in (False, True):
             rows = counts[compute_only] = []

@@ -64,6 +64,22 @@ def test_copy_out_without_triton_reads_its_sizes_on_the_host(monkeypatch):
     assert torch.equal(out[:6], src[3:9]) and (out[6:] == -1.0).all()
 
 
+@pytest.mark.parametrize("interpreted", [True, False])
+def test_copy_out_finite_copies_nan_and_infinities_as_zero(monkeypatch, interpreted):
+    """A compute-only reference's copy-out: rows no rank wrote may hold NaN bytes; with ``finite`` they come out 0."""
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    src = torch.randn(10, 24)
+    src[4, 3], src[5, 0], src[6, 23] = float("nan"), float("inf"), float("-inf")
+    out, raw = torch.full((10, 24), -1.0), torch.full((10, 24), -1.0)
+    copy_rows_out(src, torch.tensor([2]), torch.tensor([6]), out, 2, finite=True)
+    copy_rows_out(src, torch.tensor([2]), torch.tensor([6]), raw, 2)
+    assert torch.equal(out[:6], src[2:8].nan_to_num(0.0, 0.0, 0.0)) and (out[6:] == -1.0).all()
+    assert not raw[:6].isfinite().all()
+
+
 def _route_case(sizes, total, device):
     rows_B = torch.tensor(sizes, device=device)
     start_B = torch.cumsum(rows_B, 0) - rows_B

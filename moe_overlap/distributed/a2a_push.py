@@ -73,7 +73,7 @@ class PushToExperts(_PushExchange, ToExperts):
             self._wait_peers(chunk)
         grouped_RH = self.send_RH.new_empty((r.chunk_rows[chunk], self.send_RH.shape[1]))
         copy_rows_out(self.own_RH, r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1], grouped_RH,
-                      full_width(grouped_RH.device))
+                      full_width(grouped_RH.device), finite=self.transport.compute_only)  # rows no rank wrote
         return grouped_RH
 
     def finish(self) -> None:

@@ -140,7 +140,8 @@ if HAVE_TRITON:
                              K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
         # One program per token t: src row t is read once (BLOCK_H at a time) and written to the rows of its
         # K copies, scaled by probs[t, k] when HAS_PROBS (unpermute backward). DOT: also dot[t, k] =
-        # <y[row of (t, k)], src[t]> in fp32 (the probs gradient). FINITE: src's NaN and infinities read as 0.
+        # <y[row of (t, k)], src[t]> in fp32 (the probs gradient). FINITE: src's and y's NaN and infinities read
+        # as 0.
         t = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
@@ -164,6 +165,8 @@ if HAVE_TRITON:
             tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], tile, mask=m)
             if DOT:
                 yv = tl.load(y_ptr + rows[:, None] * stride_y + hh[None, :], mask=m, other=0.0).to(tl.float32)
+                if FINITE:
+                    yv = tl.where(tl.abs(yv) < float("inf"), yv, 0.0)
                 dot += tl.reduce(yv * v.to(tl.float32)[None, :], 1, _sum_combine)
         if DOT:
             tl.store(dot_ptr + t * K + kk, dot, mask=kk < K)
@@ -539,34 +542,36 @@ def _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out) -> None:
 
 
 def unpermute_torch(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
-                    copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    copy_out: Optional[torch.Tensor] = None, finite: bool = False) -> torch.Tensor:
     """Twin of `unpermute`: gather the copies' rows, fp32 weighted sum over k."""
     _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out)
     if copy_out is not None:
         rows = row_of_copy_TK.reshape(-1).long()
         rows = rows[rows >= 0]
         copy_out[rows] = y_RH[rows]
-    g, valid = _gather_copies(y_RH, row_of_copy_TK)
+    g, valid = _gather_copies(_finite(y_RH, finite), row_of_copy_TK)
     w = torch.where(valid, probs_TK.float(), 0.0)
     return (g * w.unsqueeze(-1)).sum(1).to(y_RH.dtype)
 
 
 def unpermute_triton(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
-                     copy_out: Optional[torch.Tensor] = None, *, block_h: Optional[int] = None) -> torch.Tensor:
+                     copy_out: Optional[torch.Tensor] = None, finite: bool = False, *,
+                     block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `unpermute`: one program per token, its K rows weighted and summed in fp32 BLOCK_H at a time."""
     _require_triton()
     _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out)
-    return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h, copy_out)
+    return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h, copy_out, finite=finite)
 
 
 def unpermute(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
-              copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              copy_out: Optional[torch.Tensor] = None, finite: bool = False) -> torch.Tensor:
     """out_TH[t] = sum_k probs_TK[t, k] * y_RH[row_of_copy_TK[t, k]], fp32 accumulation, y's dtype;
     -1 copies add nothing. ``copy_out``: also copy every row read into the same row of it, in the same pass (the
-    copy-out of a received buffer about to be reused, fused with the unpermute)."""
+    copy-out of a received buffer about to be reused, fused with the unpermute; copied as read). ``finite``: as
+    `permute`'s."""
     if use_triton(y_RH, "permute"):
-        return unpermute_triton(y_RH, row_of_copy_TK, probs_TK, copy_out)
-    return unpermute_torch(y_RH, row_of_copy_TK, probs_TK, copy_out)
+        return unpermute_triton(y_RH, row_of_copy_TK, probs_TK, copy_out, finite)
+    return unpermute_torch(y_RH, row_of_copy_TK, probs_TK, copy_out, finite)
 
 
 def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows):
@@ -602,7 +607,7 @@ def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Ten
     buf.index_copy_(0, index, src)
     grad_probs = None
     if y_RH is not None:
-        ycopies, _ = _gather_copies(y_RH, row_of_copy_TK)
+        ycopies, _ = _gather_copies(_finite(y_RH, finite), row_of_copy_TK)
         grad_probs = (ycopies * g32.unsqueeze(1)).sum(-1)
     return buf[:num_rows], grad_probs
 
@@ -642,7 +647,7 @@ def unpermute_backward(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], 
     grad_y_RH[row_of_copy_TK[t, k]] = probs_TK[t, k] * grad_out_TH[t] (grad_out's dtype); rows no copy maps to
     are zero unless all_rows_mapped. grad_probs_TK[t, k] = <y_RH[row], grad_out_TH[t]> in fp32, 0 for -1
     copies; computed only when y_RH is given (pass y_RH=None and num_rows when probs need no gradient).
-    ``finite``: grad_out's NaN and infinities are read as 0, as `permute`'s.
+    ``finite``: grad_out's and y's NaN and infinities are read as 0, as `permute`'s.
     """
     if use_triton(grad_out_TH, "permute"):
         return unpermute_backward_triton(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,

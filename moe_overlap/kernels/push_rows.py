@@ -30,9 +30,9 @@ if HAVE_TRITON:
 
     def _move_rows_kernel(src_ptr, src_start_ptr, count_ptr, route_start_ptr, dst_rank_ptr, dst_row_ptr, dst_ptr,
                           H, stride_src, stride_dst, ROUTED: tl.constexpr, ALIGNED: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                          FINITE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         # ROUTED: dst_ptr holds every rank's buffer address, and row i goes to (dst_rank, dst_row)[route_start + i];
-        # else dst_ptr is the buffer and row i goes to its row i.
+        # else dst_ptr is the buffer and row i goes to its row i. FINITE: NaN and infinities are copied as 0.
         count = tl.load(count_ptr)
         src_start = tl.load(src_start_ptr)
         rr = tl.arange(0, ROWS)
@@ -56,6 +56,8 @@ if HAVE_TRITON:
             for h0 in range(0, H, BLOCK_H):
                 mask = valid[:, None] & (h0 + cols < H)[None, :]
                 v = tl.load(src + h0 + cols[None, :], mask=mask)
+                if FINITE:
+                    v = tl.where(tl.abs(v.to(tl.float32)) < float("inf"), v, 0.0).to(v.dtype)
                 tl.store(dst + h0 + cols[None, :], v, mask=mask)
 
     # One kernel under two names, so that a profile tells a transfer to peers from a local copy.
@@ -100,29 +102,31 @@ def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, 
                            "TRITON_INTERPRET=1); push_rows_torch is the twin that takes buffers")
     if src_RH.shape[1]:
         _launch(src_RH, _scalar(src_start, src_RH), _scalar(count, src_RH), _scalar(route_start, src_RH),
-                dst_rank_Q, dst_row_Q, dst_bases, src_RH.shape[1], ctas, routed=True)
+                dst_rank_Q, dst_row_Q, dst_bases, src_RH.shape[1], ctas, routed=True, finite=False)
 
 
 def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,
-                  ctas: int | None = None) -> torch.Tensor:
+                  ctas: int | None = None, finite: bool = False) -> torch.Tensor:
     """out_RH[:count] = src_RH[src_start:src_start + count], both on the device (rows past the count stay as
     they were): a chunk of a received buffer copied out at the cost of its counted rows. Triton on CUDA (or
-    interpreted), else torch with the two values read on the host."""
+    interpreted), else torch with the two values read on the host. ``finite``: NaN and infinities are copied as
+    0 (a compute-only reference's rows that no rank wrote; in registers, no extra pass)."""
     if out_RH.dim() != 2 or out_RH.shape[1] != src_RH.shape[1] or not out_RH.is_contiguous():
         raise ValueError(f"out_RH must be a contiguous (rows, {src_RH.shape[1]}) tensor, got {tuple(out_RH.shape)}")
     if not use_triton(src_RH, "push_rows"):
         first, n = (int(_scalar(v, src_RH).reshape(-1)[0]) for v in (src_start, count))
-        out_RH[:n] = src_RH[first:first + n]
+        rows_RH = src_RH[first:first + n]
+        out_RH[:n] = rows_RH.nan_to_num(0.0, 0.0, 0.0) if finite else rows_RH
         return out_RH
     if src_RH.shape[1]:
         start = _scalar(src_start, src_RH)
         _launch(src_RH, start, _scalar(count, src_RH), start, start, start, out_RH, out_RH.stride(0), ctas,
-                routed=False)
+                routed=False, finite=finite)
     return out_RH
 
 
 def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, stride_dst: int, ctas: int | None,
-            routed: bool) -> None:
+            routed: bool, finite: bool) -> None:
     ctas = full_width(src_RH.device) if ctas is None else ctas
     if not ctas >= 1:
         raise ValueError(f"ctas={ctas}: a push needs at least one CTA")
@@ -132,5 +136,5 @@ def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, strid
     aligned = all(n * src_RH.element_size() % 16 == 0 for n in (H, src_RH.stride(0), stride_dst))
     kernel = _push_rows if routed else _copy_rows_out
     kernel[(ctas,), src_RH.device](src_RH, src_start, count, route_start, dst_rank, dst_row, dst, H,
-                                   src_RH.stride(0), stride_dst, ROUTED=routed, ALIGNED=aligned, ROWS=rows,
-                                   BLOCK_H=block_h, num_warps=8)
+                                   src_RH.stride(0), stride_dst, ROUTED=routed, ALIGNED=aligned, FINITE=finite,
+                                   ROWS=rows, BLOCK_H=block_h, num_warps=8)

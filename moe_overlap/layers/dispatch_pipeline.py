@@ -80,10 +80,10 @@ class PipelineState:
 
 
 # A compute-only reference (``plan.transport.compute_only``) reads rows of the receive regions that no rank wrote
-# this time: bytes of earlier exchanges of other widths, where a wire row's fp32 words read as bf16 hidden values
-# can be NaN. The kernels that take the landed rows read those as 0 then (free: in registers), so its GEMMs and
-# optimizer run on numbers, as the real exchange's do (on 2 and 4 H100s the loss went NaN without, the optimizer
-# skipped its steps, and the reference ran faster than a step can).
+# this time: bytes of earlier exchanges (of other widths: a wire row's fp32 words read as bf16 hidden values can
+# be NaN). The kernels that take the landed rows (and the sm_push copy-out) read NaN and infinities as 0 then
+# (free: in registers), so its GEMMs and optimizer run on numbers, as the real exchange's do (on 2 and 4 H100s
+# its loss went NaN, the optimizer skipped its steps, and the reference ran faster than a step can).
 
 
 def _grouped_rows_mapped(plan: Plan) -> bool:
@@ -150,7 +150,8 @@ class DispatchStart(torch.autograd.Function):
         exchange, state.grad_combine = state.grad_combine, None
         grad_probs_TK = None
         if state.plan.wire is None:
-            grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK)
+            grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK,
+                                       state.plan.transport.compute_only)
         else:
             grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, ctx.probs_dtype,
                                                  state.plan.transport.compute_only)
@@ -284,7 +285,7 @@ class Combine(torch.autograd.Function):
             return out_TH
         keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows
         copy_RH = combined_RH.new_empty(combined_RH.shape) if keep and combine.transient else None
-        out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH)
+        out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH, plan.transport.compute_only)
         combine.finish()  # after the unpermute read the landed rows
         ctx.save_for_backward(probs_TK, None if not keep else combined_RH if copy_RH is None else copy_RH)
         ctx.rows_dtype = combined_RH.dtype
@@ -301,7 +302,8 @@ class Combine(torch.autograd.Function):
             return grad_out_TH.new_zeros(0), None, None
         probs_TK, combined_RH = ctx.saved_tensors
         grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
-                                                         probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
+                                                         probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows,
+                                                         finite=plan.transport.compute_only)
         state.grad_dispatch = plan.transport.to_experts(grad_rows_RH.to(ctx.rows_dtype), plan.routes, state.sms)
         state.grad_dispatch.send(0, alone=not state.paired)
         if grad_probs_TK is not None:
