@@ -10,6 +10,9 @@
 #   bash benchmarks/evidence_gpu.sh ep8      OUT   #   EP=8 balanced, both bench models (ep8_text: real text)
 #   bash benchmarks/evidence_gpu.sh moe_layer8 OUT #   one MoE layer at EP=8, NVLink and the slow fabric
 #   bash benchmarks/evidence_gpu.sh ep4_fine OUT   #   the fine-grained model alone (serial beside the default)
+#   bash benchmarks/evidence_gpu.sh moe_layer4 OUT #   one MoE layer at EP=4 against its limit, NVLink then slow
+#   bash benchmarks/evidence_gpu.sh ep4_slow OUT   #   EP=4 on the slow fabric (NCCL through host memory, NCCL
+#                                                  #   only, host-planned), both models beside compute_only
 #   bash benchmarks/evidence_gpu.sh ep4_mixtral OUT #  the Mixtral-like model alone, every variant
 #   bash benchmarks/evidence_gpu.sh ep4_text OUT   # the same on real text (needs data/stdlib: see README)
 #   bash benchmarks/evidence_gpu.sh ep2_ppcp OUT   # EP=2 on GPUs 0,1 beside PP=2 and CP=2 on GPUs 2,3
@@ -122,6 +125,26 @@ case $phase in
     ;;
   ep4_fine)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL"
+    ;;
+  moe_layer4)  # issue 38's layer targets at EP=4: <= 1.15x max(exchange alone, GEMMs alone) NVLink, 1.25x slow
+    for fabric in nvlink slow; do
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py \
+        --shapes mixtral,fine,fine_small --fabric $fabric --rounds 8 --json $res/moe_layer_4x${gpu}_$fabric.json \
+        > "$out/moe_layer4_$fabric.log" 2>&1
+      tail -n 12 "$out/moe_layer4_$fabric.log"
+      pack
+    done
+    ;;
+  ep4_slow)  # issue 38: step <= 1.20x max(compute_only, the exchange alone: moe_layer4's comm rows) on NCCL only
+    for model in fine_8l mixtral_2l; do
+      name=train_step_${model}_ep4_balanced_slow_4x${gpu}
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+        configs/bench_${model}.yaml parallel.expert_model_parallel_size=4 $BAL $DISTOPT overlap.moe_pipeline=true \
+        overlap.moe_planning=host overlap.moe_transport=nccl train.moe_cuda_graph=false train.expert_wgrad_pairs=false \
+        $STEPS --fabric slow --compute-only --json $res/$name.json --timeline $res/$name.png 2>&1 \
+        | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+      pack
+    done
     ;;
   ep4_mixtral)
     train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
