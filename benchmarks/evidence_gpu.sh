@@ -67,6 +67,16 @@ train_step() {  # nproc, model (fine_8l | mixtral_2l), routing name, routing ove
   pack
 }
 
+moe_layer() {  # nproc: one MoE layer at EP=nproc against its limit, NVLink then the slow fabric
+  for fabric in nvlink slow; do
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node "$1" benchmarks/moe_layer.py \
+      --shapes mixtral,fine,fine_small --fabric $fabric --rounds 8 --json $res/moe_layer_$1x${gpu}_$fabric.json \
+      > "$out/moe_layer$1_$fabric.log" 2>&1
+    tail -n 12 "$out/moe_layer$1_$fabric.log"
+    pack
+  done
+}
+
 suite() {  # name, GPUs, time limit (s)
   local log=$out/gpu_tests_$1.txt
   echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=$2: $(nvidia-smi -i "$2" --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs); torch $(python -c 'import torch; print(torch.__version__)'); NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs --durations=40 tests/" > "$log"
@@ -116,24 +126,13 @@ case $phase in
     train_step 8 mixtral_2l text "$TEXT"
     ;;
   moe_layer8)  # issue 40: one MoE layer at EP=8 against its limit, NVLink then the slow fabric
-    for fabric in nvlink slow; do
-      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 8 benchmarks/moe_layer.py \
-        --shapes mixtral,fine,fine_small --fabric $fabric --rounds 8 --json $res/moe_layer_8x${gpu}_$fabric.json \
-        > "$out/moe_layer8_$fabric.log" 2>&1
-      tail -n 12 "$out/moe_layer8_$fabric.log"
-    done
+    moe_layer 8
     ;;
   ep4_fine)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL"
     ;;
   moe_layer4)  # issue 38's layer targets at EP=4: <= 1.15x max(exchange alone, GEMMs alone) NVLink, 1.25x slow
-    for fabric in nvlink slow; do
-      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py \
-        --shapes mixtral,fine,fine_small --fabric $fabric --rounds 8 --json $res/moe_layer_4x${gpu}_$fabric.json \
-        > "$out/moe_layer4_$fabric.log" 2>&1
-      tail -n 12 "$out/moe_layer4_$fabric.log"
-      pack
-    done
+    moe_layer 4
     ;;
   ep4_slow)  # issue 38: step <= 1.20x max(compute_only, the exchange alone: moe_layer4's comm rows) on NCCL only
     for model in fine_8l mixtral_2l; do
