@@ -67,12 +67,14 @@ train_step() {  # nproc, model (fine_8l | mixtral_2l), routing name, routing ove
   pack
 }
 
-moe_layer() {  # nproc: one MoE layer at EP=nproc against its limit, NVLink then the slow fabric
-  for fabric in nvlink slow; do
-    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node "$1" benchmarks/moe_layer.py \
-      --shapes mixtral,fine,fine_small --fabric $fabric --rounds 8 --json $res/moe_layer_$1x${gpu}_$fabric.json \
-      > "$out/moe_layer$1_$fabric.log" 2>&1
-    tail -n 12 "$out/moe_layer$1_$fabric.log"
+moe_layer() {  # nproc, fabrics, then moe_layer.py arguments: one MoE layer at EP=nproc against its limit
+  local n=$1 fabrics=$2
+  shift 2
+  for fabric in $fabrics; do
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node "$n" benchmarks/moe_layer.py \
+      --shapes mixtral,fine,fine_small --fabric $fabric --rounds 8 --json $res/moe_layer_${n}x${gpu}_$fabric.json \
+      "$@" > "$out/moe_layer${n}_$fabric.log" 2>&1
+    tail -n 12 "$out/moe_layer${n}_$fabric.log"
     pack
   done
 }
@@ -126,13 +128,17 @@ case $phase in
     train_step 8 mixtral_2l text "$TEXT"
     ;;
   moe_layer8)  # issue 40: one MoE layer at EP=8 against its limit, NVLink then the slow fabric
-    moe_layer 8
+    moe_layer 8 "nvlink slow" --graph-chunks 1
     ;;
   ep4_fine)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL"
     ;;
   moe_layer4)  # issue 38's layer targets at EP=4: <= 1.15x max(exchange alone, GEMMs alone) NVLink, 1.25x slow
-    moe_layer 4
+    moe_layer 4 "nvlink slow" --graph-chunks 1  # two graphed chunk counts ran the Mixtral shape out of 80 GB
+    ;;
+  ep4_limit)  # compute-only rows made from each rank's own (no NaN), with serial: serial/overlapped/limit at EP=4
+    moe_layer 4 nvlink --graph-chunks 1
+    train_step 4 fine_8l balanced_limit "$BAL" --variant "$SERIAL"
     ;;
   ep4_slow)  # issue 38: step <= 1.20x max(compute_only, the exchange alone: moe_layer4's comm rows) on NCCL only
     for model in fine_8l mixtral_2l; do
@@ -184,6 +190,18 @@ case $phase in
     ;;
   ep2_fine)
     train_step 2 fine_8l balanced_row_loop "$BAL"
+    ;;
+  ep2_limit)  # issue 35's slow-fabric PP and CP; the EP=2 serial/overlapped/limit triple; then the 1-GPU suite
+    for bench in pp_schedule cp_attention; do
+      args="--fabric slow --json $res/${bench}_2x${gpu}_slow.json --timeline $res/${bench}_2x${gpu}_slow.png"
+      [ $bench = pp_schedule ] && args="configs/small_gpu.yaml --rounds 6 --max-minutes 1.25 $args"
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/$bench.py $args \
+        > "$out/${bench}_slow.log" 2>&1
+      tail -n 12 "$out/${bench}_slow.log"
+      pack
+    done
+    train_step 2 fine_8l balanced_limit "$BAL" --variant "$SERIAL"
+    suite 1x 0 "$(( $(left) - 10 ))"
     ;;
   ep2_text)
     train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"
@@ -256,7 +274,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep2 | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_rows | ep2 | ep2_limit | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack

@@ -96,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skew", action="store_true", help="add skewed-routing rows per shape")
     parser.add_argument("--chunks", default="1,2,4", help="chunk counts to try (capped at the local experts)")
     parser.add_argument("--carveouts", default="0,auto", help="GEMM SM carve-outs of the device-planned pipeline")
+    parser.add_argument("--graph-chunks", default=None,
+                        help="chunk counts also replayed from CUDA graphs (default: every one tried); each graph "
+                             "keeps its own worst-case buffers (the Mixtral shape at EP=4 ran out of 80 GB with two)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--transport-probe", action="store_true",
@@ -131,9 +134,10 @@ def main(argv=None) -> None:
             rows.append(bench.transport_probe(name, SHAPES[name]))
         if args.carveout_probe and cuda:
             rows.append(bench.carveout_probe(name, SHAPES[name]))
+        if dist.get_rank() == 0:  # after every shape: a run cut short keeps what it measured
+            write_json(args.json, run_header(world), rows)
     if dist.get_rank() == 0:
         print_table(rows)
-        write_json(args.json, run_header(world), rows)
     if args.timeline and cuda:
         bench.timeline(args.timeline, SHAPES[args.timeline_shape or args.shapes.split(",")[-1]])
     mesh.destroy()
@@ -257,8 +261,10 @@ class Bench:
                "device": [Setting("device", t, c, d, s) for t in self.transports["device"] for c in chunks
                           for d in ((False, True) if c > 1 else (False,)) for s in (carveouts if c > 1 else [0])]}
         if self.device.type == "cuda":  # replayed from graphs, as training runs it
+            graphed = chunks if self.args.graph_chunks is None else sorted(
+                {min(int(c), local) for c in self.args.graph_chunks.split(",")})
             out["device"] += [Setting("device", t, c, False, "auto" if c > 1 and "auto" in carveouts else 0, True)
-                              for t in self.transports["device"] for c in chunks]
+                              for t in self.transports["device"] for c in graphed]
         if self.local:
             out["local"] = [Setting(None, graphed=True)] if self.device.type == "cuda" else []
         return {planning: found for planning, found in out.items() if found or planning == "local"}

@@ -329,34 +329,6 @@ def test_permute_unpermute_triton_twin_and_reference(T, K, E, H, kind, layout, b
 
 
 @needs_triton
-def test_finite_reads_nan_and_infinities_as_zero():
-    """``finite`` (a compute-only reference's rows that no rank wrote): the kernels that read landed rows take NaN
-    and infinities as 0, Triton and twin alike; without it they propagate (the flag is what stops them)."""
-    gen = torch.Generator().manual_seed(5)
-    T, K, E, H = 7, 3, 4, 40
-    rows, R, _ = make_layout(T, K, E, "random", "dropless", gen)
-    x, grad_R = torch.randn((T, H), generator=gen), torch.randn((R, H), generator=gen)
-    probs, y = torch.rand((T, K), generator=gen), torch.randn((R, H), generator=gen)
-    x[1, 3], x[4, 0], grad_R[2, 5], grad_R[0, 1] = float("nan"), float("inf"), float("-inf"), float("nan")
-    clean_x, clean_R = x.nan_to_num(0.0, 0.0, 0.0), grad_R.nan_to_num(0.0, 0.0, 0.0)
-    for triton_side in (True, False):
-        permute = P.permute_triton if triton_side else P.permute_torch
-        permute_backward = P.permute_backward_triton if triton_side else P.permute_backward_torch
-        unpermute_backward = P.unpermute_backward_triton if triton_side else P.unpermute_backward_torch
-        assert torch.equal(permute(x, rows, R, finite=True), P.permute_torch(clean_x, rows, R))
-        assert not permute(x, rows, R).isfinite().all()
-        assert_close_normwise(permute_backward(grad_R, rows, finite=True), P.permute_backward_torch(clean_R, rows), 1e-6)
-        assert not permute_backward(grad_R, rows).isfinite().all()
-        unpermute = P.unpermute_triton if triton_side else P.unpermute_torch
-        assert_close_normwise(unpermute(grad_R, rows, probs, finite=True), P.unpermute_torch(clean_R, rows, probs),
-                              1e-6)
-        gy, gp = unpermute_backward(x, grad_R, rows, probs, finite=True)
-        gy_clean, gp_clean = P.unpermute_backward_torch(clean_x, clean_R, rows, probs)
-        assert torch.equal(gy, gy_clean)
-        assert_close_normwise(gp, gp_clean, 1e-6)
-
-
-@needs_triton
 def test_kernels_read_strided_rows():
     """Row-strided views (e.g. slices of a wider buffer) go in without a copy and give the same result."""
     gen = torch.Generator().manual_seed(3)

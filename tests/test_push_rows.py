@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from moe_overlap.kernels.push_rows import copy_rows_out, push_rows, push_rows_torch
+from moe_overlap.kernels.push_rows import copy_rows_out, push_rows, push_rows_torch, repeat_rows
 from moe_overlap.kernels.routes import fill_routes, fill_routes_torch
 
 
@@ -64,20 +64,27 @@ def test_copy_out_without_triton_reads_its_sizes_on_the_host(monkeypatch):
     assert torch.equal(out[:6], src[3:9]) and (out[6:] == -1.0).all()
 
 
+def _repeat_case(device, dtype, hidden=24):
+    """dst rows [dst_start, + count) = src rows [src_start, + src_count) repeated; zeros with no source rows; the
+    rest of dst untouched; every value on the device."""
+    src = torch.randn(10, hidden, device=device).to(dtype)
+    out = torch.full((12, hidden), float("nan"), device=device, dtype=dtype)
+    at = [torch.tensor([v], device=device) for v in (2, 3, 1, 7, 0, 0, 8, 3)]
+    with no_host_sync(device):
+        repeat_rows(src, at[0], at[1], out, at[2], at[3], 2)
+        repeat_rows(src, at[4], at[5], out, at[6], at[7], 2)
+    assert out[0].isnan().all() and out[11].isnan().all()
+    assert torch.equal(out[1:8], src[[2, 3, 4, 2, 3, 4, 2]]) and (out[8:11] == 0).all()
+
+
 @pytest.mark.parametrize("interpreted", [True, False])
-def test_copy_out_finite_copies_nan_and_infinities_as_zero(monkeypatch, interpreted):
-    """A compute-only reference's copy-out: rows no rank wrote may hold NaN bytes; with ``finite`` they come out 0."""
+def test_repeat_rows_makes_a_compute_only_references_rows_from_its_own(monkeypatch, interpreted):
+    """Triton (interpreted) and the torch path (host reads) alike."""
     if interpreted:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    src = torch.randn(10, 24)
-    src[4, 3], src[5, 0], src[6, 23] = float("nan"), float("inf"), float("-inf")
-    out, raw = torch.full((10, 24), -1.0), torch.full((10, 24), -1.0)
-    copy_rows_out(src, torch.tensor([2]), torch.tensor([6]), out, 2, finite=True)
-    copy_rows_out(src, torch.tensor([2]), torch.tensor([6]), raw, 2)
-    assert torch.equal(out[:6], src[2:8].nan_to_num(0.0, 0.0, 0.0)) and (out[6:] == -1.0).all()
-    assert not raw[:6].isfinite().all()
+    _repeat_case("cpu", torch.float32)
 
 
 def _route_case(sizes, total, device):
@@ -136,3 +143,4 @@ def test_bf16_push_copy_out_and_routes_match_the_twins_on_gpu(rows, hidden, firs
         pytest.fail("needs CUDA")
     _push_case(rows, hidden, first, counted, ctas, "cuda", torch.bfloat16)
     _route_case([3, 0, 5000, 1], 6000, "cuda")
+    _repeat_case("cuda", torch.bfloat16, hidden)

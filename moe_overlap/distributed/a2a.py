@@ -54,8 +54,7 @@ class TransportSelector:
         self.planning, self.name, why = choose_exchange(planning, transport, device.type, reason, expert_tp)
         self.group, self.group_ranks, self.device, self.max_chunks = group, group_ranks, device, max(max_chunks, 1)
         self.timeout_s, self.timeout_ms = timeout_s, int(timeout_s * 1000)
-        # overlap.moe_compute_only (a benchmark may switch it between steps of eager layers: every region holds
-        # finite rows from its start, so a row no peer wrote is still a number)
+        # overlap.moe_compute_only (a benchmark may switch it between steps of eager layers)
         self.compute_only = compute_only
         self._transport: Transport | None = None
         self._retired: list[Transport] = []  # outgrown ones (the first micro-batches only)

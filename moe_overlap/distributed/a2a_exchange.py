@@ -22,8 +22,9 @@ The routes come from the layer's plan (a2a_routes.py). Transports (``overlap.moe
                 sizes, one host                                                                     (a2a_push.py)
   gloo          the CPU process group; host sizes, or with device planning the twin of sm_push (same routes)
 ``overlap.moe_compute_only`` (a benchmark's reference) keeps every exchange's sizes, signals and small messages but
-lands each rank's rows in its own memory instead of the peers': the step without the transfers' cost, each layer
-still waiting for its slowest peer. The loss means nothing then.
+makes the rows each rank would receive from its own rows (repeated as often as needed, every transport alike), in
+its own memory: the step without the transfers' cost, each layer still waiting for its slowest peer, and every
+row it reads written this time (finite). The loss means nothing then.
 Transfers run on the transport's side stream (NCCL's own, the copy stream, or the push stream); a push takes as
 many CTAs as the GEMMs beside it leave SMs free (``sms``), and with none free it runs on the compute stream
 between them at full width, where it cannot stall a GEMM's launch (README, "What overlaps on Hopper"). A chunk's rows
@@ -120,7 +121,7 @@ class Transport:
     name: str
     needs_sms: bool
     stream: torch.cuda.Stream | None  # the side stream its transfers run on (None on CPU)
-    compute_only: bool  # overlap.moe_compute_only: rows land in this rank's own memory
+    compute_only: bool  # overlap.moe_compute_only: the rows that would land are made from this rank's own
     to_class: type[ToExperts]
     from_class: type[FromExperts]
 

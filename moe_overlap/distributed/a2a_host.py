@@ -156,12 +156,15 @@ class _CopyEngineExchange:
 
     def _copy_chunk(self, chunk: int, send_RH: torch.Tensor) -> None:
         layout, regions = self.layout, self.regions
-        for peer in range(regions.size):
+        if self.compute_only:
+            (send_start, send_stop), (recv_start, recv_stop) = layout.send_range(chunk), layout.recv_range(chunk)
+            own_RH = regions.view(regions.rank, self.region, (layout.recv_total, send_RH.shape[1]), send_RH.dtype)
+            _fill_from(own_RH[recv_start:recv_stop], send_RH[send_start:send_stop])
+        for peer in range(regions.size if not self.compute_only else 0):
             rows = layout.send_rows[chunk][peer]
             if rows:
                 start = layout.send_offsets[chunk][peer]
-                dest = regions.view(regions.rank if self.compute_only else peer, self.region,
-                                    (rows, send_RH.shape[1]), send_RH.dtype,
+                dest = regions.view(peer, self.region, (rows, send_RH.shape[1]), send_RH.dtype,
                                     layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
                 dest.copy_(send_RH[start:start + rows], non_blocking=True)
         for peer in regions.peers:

@@ -14,7 +14,7 @@ from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.collectives import ProcessGroup, all_gather_into, all_to_all_equal, all_to_all_rows
 from moe_overlap.distributed.streams import Event, exposed_wait
 from moe_overlap.distributed.symm import LocalRegions
-from moe_overlap.kernels.push_rows import copy_rows_out, full_width, push_rows
+from moe_overlap.kernels.push_rows import copy_rows_out, full_width, push_rows, repeat_rows
 
 
 class _PushExchange:
@@ -37,11 +37,17 @@ class _PushExchange:
         return self.regions.view(self.regions.rank, self.region, (rows, like.shape[1]), like.dtype)
 
     def _push(self, chunk: int, src_RH: torch.Tensor, src_start: torch.Tensor, count: torch.Tensor,
-              dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor, route_start: torch.Tensor, alone: bool) -> None:
-        """``alone``: no GEMM runs beside this one (the pipeline's first transfer, or its last): full width."""
+              dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor, route_start: torch.Tensor,
+              landing: tuple[torch.Tensor, torch.Tensor], alone: bool) -> None:
+        """``alone``: no GEMM runs beside this one (the pipeline's first transfer, or its last): full width.
+        ``landing``: the (start, count) of this rank's own rows that this chunk's peers write, which a compute-only
+        reference makes from the rank's own rows instead."""
+        ctas = full_width(src_RH.device) if alone else self.ctas
         with self._exposed():
-            self.transport.move(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self.region,
-                                full_width(src_RH.device) if alone else self.ctas)
+            if self.transport.compute_only:
+                self.transport.land_own(src_RH, src_start, count, self.own_RH, *landing, ctas)
+            else:
+                self.transport.move(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self.region, ctas)
             for peer in self.regions.peers:  # after the kernel, on its stream: its stores have landed
                 self.regions.signal(peer, self.region, chunk)
 
@@ -62,7 +68,7 @@ class PushToExperts(_PushExchange, ToExperts):
         start = r.send_start_C[chunk:chunk + 1]
         with self.streams.on_side():
             self._push(chunk, self.send_RH, start, r.send_rows_C[chunk:chunk + 1], r.dst_rank_R, r.dst_row_R, start,
-                       alone)
+                       (r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1]), alone)
             self.sent[chunk] = self.streams.mark()  # covers the local rows, which no signal announces
 
     def recv(self, chunk: int) -> torch.Tensor:
@@ -73,7 +79,7 @@ class PushToExperts(_PushExchange, ToExperts):
             self._wait_peers(chunk)
         grouped_RH = self.send_RH.new_empty((r.chunk_rows[chunk], self.send_RH.shape[1]))
         copy_rows_out(self.own_RH, r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1], grouped_RH,
-                      full_width(grouped_RH.device), finite=self.transport.compute_only)  # rows no rank wrote
+                      full_width(grouped_RH.device))
         return grouped_RH
 
     def finish(self) -> None:
@@ -97,7 +103,8 @@ class PushFromExperts(_PushExchange, FromExperts):
         with self.streams.on_side():
             self.streams.side_waits(ready)
             self._push(chunk, grouped_RH, self.zero, r.recv_rows_C[chunk:chunk + 1], r.back_rank_W, r.back_row_W,
-                       r.recv_start_C[chunk:chunk + 1], alone)
+                       r.recv_start_C[chunk:chunk + 1], (r.send_start_C[chunk:chunk + 1], r.send_rows_C[chunk:chunk + 1]),
+                       alone)
             self.last = self.streams.mark()
         self.chunks += 1
 
@@ -135,20 +142,27 @@ class PushTransport(Transport):
                         for region in range(regions.count)]
 
             self._bases = bases(regions.buffer_ptrs)
-            self._own_bases = bases([regions.buffer_ptrs[regions.rank]] * regions.size)  # compute_only's
         else:
             self.name, self.stream = "gloo", None
 
     def move(self, src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, region: int, ctas: int) -> None:
         if self.symmetric:
-            bases = self._own_bases if self.compute_only else self._bases
-            push_rows(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, bases[region], ctas)
+            push_rows(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self._bases[region], ctas)
             return
         first, n, q0 = (int(v.reshape(-1)[0]) for v in (src_start, count, route_start))
         rows_RH, ranks, dst_rows = src_RH[first:first + n], dst_rank_Q[q0:q0 + n], dst_row_Q[q0:q0 + n]
         own_RH = self.regions.view(self.regions.rank, region, (self.regions.region_bytes // (
             src_RH.shape[1] * src_RH.element_size()), src_RH.shape[1]), src_RH.dtype)
-        _exchange_routed(rows_RH, ranks, dst_rows, own_RH, self.twin_group, self.regions.size, self.compute_only)
+        _exchange_routed(rows_RH, ranks, dst_rows, own_RH, self.twin_group, self.regions.size)
+
+    def land_own(self, src_RH, src_start, count, own_RH, land_start, land_count, ctas: int) -> None:
+        """compute_only's move: the ``land_count`` rows that would land here from peers, made from this rank's own
+        ``count`` rows (repeated as often as needed: as many bytes written as would land, every row written this
+        time). The twin still exchanges one element per peer, to wait for the slowest (the signals do on CUDA)."""
+        if not self.symmetric and self.twin_group is not None:
+            with exposed_wait("ep"):
+                all_to_all_equal(torch.zeros((self.regions.size, 1), dtype=torch.int64), self.twin_group)
+        repeat_rows(src_RH, src_start, count, own_RH, land_start, land_count, ctas)
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Every EP rank's copies per global expert, [source rank, expert], on the device: by the process group
@@ -196,16 +210,12 @@ class TwinRegions:
 
 
 def _exchange_routed(rows_RH: torch.Tensor, ranks: torch.Tensor, dst_rows: torch.Tensor, out_RH: torch.Tensor,
-                     group: ProcessGroup, size: int, compute_only: bool = False) -> None:
-    """Rows to the ranks and rows the routes name, by an uneven all-to-all (its sizes read on the host);
-    ``compute_only``: the sizes travel, every row lands here."""
+                     group: ProcessGroup, size: int) -> None:
+    """Rows to the ranks and rows the routes name, by an uneven all-to-all (its sizes read on the host)."""
     order = torch.argsort(ranks, stable=True)
     send_rows = torch.bincount(ranks.long(), minlength=size)
     with exposed_wait("ep"):
         recv_rows = send_rows if group is None else all_to_all_equal(send_rows.view(size, 1), group)
-        if compute_only:
-            out_RH[dst_rows.long()] = rows_RH
-            return
         send, recv = send_rows.tolist(), recv_rows.view(-1).tolist()
         landed_RH = all_to_all_rows(rows_RH[order], recv, send, group)
         index_R = all_to_all_rows(dst_rows[order].long(), recv, send, group)

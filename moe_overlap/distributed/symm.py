@@ -77,8 +77,8 @@ def choose_transport(field: str, requested: str, allowed: tuple[str, ...], colle
 
 def fill_finite(buffer_B: torch.Tensor) -> torch.Tensor:
     """A new byte buffer's contents as small finite numbers (bf16 pairs, so fp32 views are finite too), from a
-    private generator: a row read before any rank wrote it (``overlap.moe_compute_only``, whose rows stay on
-    their own rank) is a number, not whatever the memory held."""
+    private generator: no region starts as whatever the memory held (every exchange, compute-only ones too, writes
+    each row it reads; tests/test_compute_only.py fills NaN bytes here instead to check that)."""
     generator = torch.Generator(buffer_B.device).manual_seed(0)
     buffer_B[:buffer_B.numel() // 2 * 2].view(torch.bfloat16).normal_(generator=generator)
     return buffer_B

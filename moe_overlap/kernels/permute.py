@@ -136,12 +136,11 @@ if HAVE_TRITON:
 
     def _scatter_rows_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, y_ptr, dot_ptr,
                              stride_src, stride_out, stride_y, H, K, R,
-                             HAS_PROBS: tl.constexpr, DOT: tl.constexpr, FINITE: tl.constexpr,
+                             HAS_PROBS: tl.constexpr, DOT: tl.constexpr,
                              K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
         # One program per token t: src row t is read once (BLOCK_H at a time) and written to the rows of its
         # K copies, scaled by probs[t, k] when HAS_PROBS (unpermute backward). DOT: also dot[t, k] =
-        # <y[row of (t, k)], src[t]> in fp32 (the probs gradient). FINITE: src's and y's NaN and infinities read
-        # as 0.
+        # <y[row of (t, k)], src[t]> in fp32 (the probs gradient).
         t = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
@@ -156,8 +155,6 @@ if HAVE_TRITON:
             hm = hh < H
             m = valid[:, None] & hm[None, :]
             v = tl.load(src_ptr + t * stride_src + hh, mask=hm, other=0.0)
-            if FINITE:
-                v = tl.where(tl.abs(v.to(tl.float32)) < float("inf"), v, 0.0).to(v.dtype)
             if HAS_PROBS:
                 tile = (w[:, None] * v.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
             else:
@@ -165,18 +162,15 @@ if HAVE_TRITON:
             tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], tile, mask=m)
             if DOT:
                 yv = tl.load(y_ptr + rows[:, None] * stride_y + hh[None, :], mask=m, other=0.0).to(tl.float32)
-                if FINITE:
-                    yv = tl.where(tl.abs(yv) < float("inf"), yv, 0.0)
                 dot += tl.reduce(yv * v.to(tl.float32)[None, :], 1, _sum_combine)
         if DOT:
             tl.store(dot_ptr + t * K + kk, dot, mask=kk < K)
 
     def _gather_sum_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, copy_ptr, stride_src, stride_out, stride_copy,
-                           H, K, R, HAS_PROBS: tl.constexpr, COPY: tl.constexpr, FINITE: tl.constexpr,
-                           K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                           H, K, R, HAS_PROBS: tl.constexpr, COPY: tl.constexpr, K_PAD: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
         # One program per token t: out[t] = sum_k (probs[t, k] *) src[row of (t, k)], fp32 accumulation.
         # COPY: every row read is also written to the same row of copy (src is a buffer about to be reused).
-        # FINITE: src's NaN and infinities read as 0.
         # The copies one row at a time, unrolled (every load in flight at once, no reduction across warps): at the
         # copy's speed where a (K_PAD, BLOCK_H) tile reduced over K ran 1.7x (all K valid) to 4.2x (2 of 8 valid,
         # each token once per rank) slower (1xH100, benchmarks/results/step_kernels_rows_1xh100.json).
@@ -194,8 +188,6 @@ if HAVE_TRITON:
                 if COPY:
                     tl.store(copy_ptr + row * stride_copy + hh, raw, mask=m)
                 v = raw.to(tl.float32)
-                if FINITE:
-                    v = tl.where(tl.abs(v) < float("inf"), v, 0.0)
                 if HAS_PROBS:
                     v = v * tl.load(probs_ptr + t * K + k, mask=ok, other=0.0).to(tl.float32)
                 acc += v
@@ -425,19 +417,12 @@ def _gather_copies(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> tuple[
     return torch.where(valid.unsqueeze(-1), g, 0.0), valid
 
 
-def _finite(x: torch.Tensor, finite: bool) -> torch.Tensor:
-    """The twins' ``finite``: NaN and infinities as 0."""
-    return x.nan_to_num(0.0, 0.0, 0.0) if finite else x
-
-
 def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-                  all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None,
-                  finite: bool = False) -> torch.Tensor:
+                  all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Twin of `permute`: index_copy_ of the expanded copies into num_rows + 1 rows (the spare row takes -1)."""
     _check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
-    x_TH = _finite(x_TH, finite)
     T, H = x_TH.shape
     K = row_of_copy_TK.shape[1]
     buf = x_TH.new_zeros((num_rows + 1, H))
@@ -447,7 +432,7 @@ def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: in
 
 
 def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-                   all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, finite: bool = False, *,
+                   all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
                    block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute`: one program per token; its row read once, written to its K rows BLOCK_H at a time."""
     _require_triton()
@@ -466,33 +451,31 @@ def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: i
     rows = row_of_copy_TK.contiguous()
     k_pad, bh, warps = _row_tile(K, H, block_h)
     _scatter_rows[(T,), x.device](x, rows, x, out, x, x, x.stride(0), out.stride(0), 0, H, K, num_rows,
-                                  HAS_PROBS=False, DOT=False, FINITE=finite, K_PAD=k_pad, BLOCK_H=bh,
-                                  num_warps=warps)
+                                  HAS_PROBS=False, DOT=False, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
     return out
 
 
 def permute(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-            all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, finite: bool = False) -> torch.Tensor:
+            all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x_RH (num_rows, H): row row_of_copy_TK[t, k] = x_TH[t]; rows no copy maps to are zero (unless
     all_rows_mapped); -1 copies are skipped. num_rows comes from the caller (no host sync here). ``out``: written
-    into (and returned) instead of a new tensor, e.g. the first H columns of a wider buffer (rows may be strided).
-    ``finite``: x's NaN and infinities are read as 0 (rows no rank wrote: a compute-only reference's)."""
+    into (and returned) instead of a new tensor, e.g. the first H columns of a wider buffer (rows may be strided)."""
     if use_triton(x_TH, "permute"):
-        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, finite)
-    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, finite)
+        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out)
+    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out)
 
 
-def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, finite: bool = False) -> torch.Tensor:
+def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
     """Twin of `permute_backward`: gather the copies' rows, fp32 sum over k."""
     _check_2d("grad_RH", grad_RH)
     _check_copies(row_of_copy_TK, row_of_copy_TK.shape[0])
-    g, _ = _gather_copies(_finite(grad_RH, finite), row_of_copy_TK)
+    g, _ = _gather_copies(grad_RH, row_of_copy_TK)
     return g.sum(1).to(grad_RH.dtype)
 
 
 def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
                        block_h: Optional[int], copy_out: Optional[torch.Tensor] = None, *,
-                       num_warps: int = 4, finite: bool = False) -> torch.Tensor:
+                       num_warps: int = 4) -> torch.Tensor:
     """out[t] = sum_k (probs[t, k] *) src[row of (t, k)]: the one kernel behind permute_backward and unpermute."""
     T, K = row_of_copy_TK.shape
     R, H = src_RH.shape
@@ -505,26 +488,24 @@ def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs
     bh = min(_next_pow2(H), 1024) if block_h is None else _power_of_two("block_h", block_h)
     _gather_sum[(T,), src.device](src, row_of_copy_TK.contiguous(), probs, out, copy, src.stride(0), out.stride(0),
                                   copy.stride(0), H, K, R, HAS_PROBS=probs_TK is not None, COPY=copy_out is not None,
-                                  FINITE=finite, K_PAD=max(2, _next_pow2(K)), BLOCK_H=max(16, bh),
-                                  num_warps=num_warps)
+                                  K_PAD=max(2, _next_pow2(K)), BLOCK_H=max(16, bh), num_warps=num_warps)
     return out
 
 
-def permute_backward_triton(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, finite: bool = False, *,
+def permute_backward_triton(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, *,
                             block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute_backward`: one program per token, its K rows summed in fp32 BLOCK_H at a time."""
     _require_triton()
     _check_2d("grad_RH", grad_RH)
     _check_copies(row_of_copy_TK, row_of_copy_TK.shape[0])
-    return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h, finite=finite)
+    return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h)
 
 
-def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, finite: bool = False) -> torch.Tensor:
-    """grad_TH[t] = sum_k grad_RH[row_of_copy_TK[t, k]] (fp32 accumulation, grad's dtype); -1 copies add nothing.
-    ``finite``: as `permute`'s."""
+def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
+    """grad_TH[t] = sum_k grad_RH[row_of_copy_TK[t, k]] (fp32 accumulation, grad's dtype); -1 copies add nothing."""
     if use_triton(grad_RH, "permute"):
-        return permute_backward_triton(grad_RH, row_of_copy_TK, finite)
-    return permute_backward_torch(grad_RH, row_of_copy_TK, finite)
+        return permute_backward_triton(grad_RH, row_of_copy_TK)
+    return permute_backward_torch(grad_RH, row_of_copy_TK)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -542,36 +523,34 @@ def _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out) -> None:
 
 
 def unpermute_torch(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
-                    copy_out: Optional[torch.Tensor] = None, finite: bool = False) -> torch.Tensor:
+                    copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Twin of `unpermute`: gather the copies' rows, fp32 weighted sum over k."""
     _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out)
     if copy_out is not None:
         rows = row_of_copy_TK.reshape(-1).long()
         rows = rows[rows >= 0]
         copy_out[rows] = y_RH[rows]
-    g, valid = _gather_copies(_finite(y_RH, finite), row_of_copy_TK)
+    g, valid = _gather_copies(y_RH, row_of_copy_TK)
     w = torch.where(valid, probs_TK.float(), 0.0)
     return (g * w.unsqueeze(-1)).sum(1).to(y_RH.dtype)
 
 
 def unpermute_triton(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
-                     copy_out: Optional[torch.Tensor] = None, finite: bool = False, *,
-                     block_h: Optional[int] = None) -> torch.Tensor:
+                     copy_out: Optional[torch.Tensor] = None, *, block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `unpermute`: one program per token, its K rows weighted and summed in fp32 BLOCK_H at a time."""
     _require_triton()
     _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out)
-    return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h, copy_out, finite=finite)
+    return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h, copy_out)
 
 
 def unpermute(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
-              copy_out: Optional[torch.Tensor] = None, finite: bool = False) -> torch.Tensor:
+              copy_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out_TH[t] = sum_k probs_TK[t, k] * y_RH[row_of_copy_TK[t, k]], fp32 accumulation, y's dtype;
     -1 copies add nothing. ``copy_out``: also copy every row read into the same row of it, in the same pass (the
-    copy-out of a received buffer about to be reused, fused with the unpermute; copied as read). ``finite``: as
-    `permute`'s."""
+    copy-out of a received buffer about to be reused, fused with the unpermute)."""
     if use_triton(y_RH, "permute"):
-        return unpermute_triton(y_RH, row_of_copy_TK, probs_TK, copy_out, finite)
-    return unpermute_torch(y_RH, row_of_copy_TK, probs_TK, copy_out, finite)
+        return unpermute_triton(y_RH, row_of_copy_TK, probs_TK, copy_out)
+    return unpermute_torch(y_RH, row_of_copy_TK, probs_TK, copy_out)
 
 
 def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows):
@@ -593,11 +572,9 @@ def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_ro
 
 def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                              probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
-                             num_rows: Optional[int] = None,
-                             finite: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                             num_rows: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Twin of `unpermute_backward`."""
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
-    grad_out_TH = _finite(grad_out_TH, finite)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]
     g32 = grad_out_TH.float()
@@ -607,14 +584,14 @@ def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Ten
     buf.index_copy_(0, index, src)
     grad_probs = None
     if y_RH is not None:
-        ycopies, _ = _gather_copies(_finite(y_RH, finite), row_of_copy_TK)
+        ycopies, _ = _gather_copies(y_RH, row_of_copy_TK)
         grad_probs = (ycopies * g32.unsqueeze(1)).sum(-1)
     return buf[:num_rows], grad_probs
 
 
 def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor],
                               row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor, all_rows_mapped: bool = False,
-                              *, num_rows: Optional[int] = None, finite: bool = False,
+                              *, num_rows: Optional[int] = None,
                               block_h: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Triton `unpermute_backward`: one program per token reads grad_out[t] once, writes probs * grad_out to its
     K rows and (with y_RH) accumulates the K dot products in fp32, BLOCK_H at a time."""
@@ -633,27 +610,24 @@ def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Te
     k_pad, bh, warps = _row_tile(K, H, block_h)
     _scatter_rows[(T,), g.device](g, rows, probs, grad_y, y, g if dot is None else dot,
                                   g.stride(0), grad_y.stride(0), y.stride(0), H, K, num_rows,
-                                  HAS_PROBS=True, DOT=dot is not None, FINITE=finite, K_PAD=k_pad, BLOCK_H=bh,
-                                  num_warps=warps)
+                                  HAS_PROBS=True, DOT=dot is not None, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
     return grad_y, dot
 
 
 def unpermute_backward(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                        probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
-                       num_rows: Optional[int] = None,
-                       finite: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       num_rows: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(grad_y_RH, grad_probs_TK) of `unpermute`.
 
     grad_y_RH[row_of_copy_TK[t, k]] = probs_TK[t, k] * grad_out_TH[t] (grad_out's dtype); rows no copy maps to
     are zero unless all_rows_mapped. grad_probs_TK[t, k] = <y_RH[row], grad_out_TH[t]> in fp32, 0 for -1
     copies; computed only when y_RH is given (pass y_RH=None and num_rows when probs need no gradient).
-    ``finite``: grad_out's and y's NaN and infinities are read as 0, as `permute`'s.
     """
     if use_triton(grad_out_TH, "permute"):
         return unpermute_backward_triton(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                         num_rows=num_rows, finite=finite)
+                                         num_rows=num_rows)
     return unpermute_backward_torch(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                    num_rows=num_rows, finite=finite)
+                                    num_rows=num_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,8 +6,10 @@
                                = src_RH[src_start[0] + i]
     copy_rows_out(src_RH, src_start, count, out_RH, ctas)
         out_RH[i] = src_RH[src_start[0] + i] for i < count[0]    (rows past the count stay as they were)
+    repeat_rows(src_RH, src_start, src_count, dst_RH, dst_start, count, ctas)
+        dst_RH[dst_start[0] + i] = src_RH[src_start[0] + i % src_count[0]] for i < count[0]    (0 if no source)
 
-``src_start``, ``count`` and ``route_start`` are one-element device tensors, so no host ever needs them. The
+``src_start``, ``count``, ``route_start`` (and the other starts and counts) are one-element device tensors, so no host ever needs them. The
 kernel is persistent: ``ctas`` programs loop over the rows, so a push takes no more SMs than it is given (the
 grouped GEMM it runs beside leaves that many free: README, "What overlaps on Hopper"; default: full width). Each program moves ``ROWS``
 whole rows per step with 16-byte vector loads and stores (dims are multiples of 8, so bf16 rows start on 16
@@ -30,9 +32,9 @@ if HAVE_TRITON:
 
     def _move_rows_kernel(src_ptr, src_start_ptr, count_ptr, route_start_ptr, dst_rank_ptr, dst_row_ptr, dst_ptr,
                           H, stride_src, stride_dst, ROUTED: tl.constexpr, ALIGNED: tl.constexpr,
-                          FINITE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         # ROUTED: dst_ptr holds every rank's buffer address, and row i goes to (dst_rank, dst_row)[route_start + i];
-        # else dst_ptr is the buffer and row i goes to its row i. FINITE: NaN and infinities are copied as 0.
+        # else dst_ptr is the buffer and row i goes to its row i.
         count = tl.load(count_ptr)
         src_start = tl.load(src_start_ptr)
         rr = tl.arange(0, ROWS)
@@ -56,13 +58,29 @@ if HAVE_TRITON:
             for h0 in range(0, H, BLOCK_H):
                 mask = valid[:, None] & (h0 + cols < H)[None, :]
                 v = tl.load(src + h0 + cols[None, :], mask=mask)
-                if FINITE:
-                    v = tl.where(tl.abs(v.to(tl.float32)) < float("inf"), v, 0.0).to(v.dtype)
+                tl.store(dst + h0 + cols[None, :], v, mask=mask)
+
+    def _repeat_rows_kernel(src_ptr, src_start_ptr, src_count_ptr, dst_ptr, dst_start_ptr, count_ptr, H, stride_src,
+                            stride_dst, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+        # dst row dst_start + i = src row src_start + i % src_count, for i < count; zeros when src_count is 0
+        count, src_count = tl.load(count_ptr), tl.load(src_count_ptr)
+        src_start, dst_start = tl.load(src_start_ptr), tl.load(dst_start_ptr)
+        rr = tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_H)
+        for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
+            i = first + rr
+            valid = i < count
+            src = src_ptr + (src_start + i % tl.maximum(src_count, 1)).to(tl.int64)[:, None] * stride_src
+            dst = dst_ptr + (dst_start + i).to(tl.int64)[:, None] * stride_dst
+            for h0 in range(0, H, BLOCK_H):
+                mask = valid[:, None] & (h0 + cols < H)[None, :]
+                v = tl.load(src + h0 + cols[None, :], mask=mask & (src_count > 0), other=0.0)
                 tl.store(dst + h0 + cols[None, :], v, mask=mask)
 
     # One kernel under two names, so that a profile tells a transfer to peers from a local copy.
     _push_rows = Kernel(_move_rows_kernel, name="_push_rows_kernel")
     _copy_rows_out = Kernel(_move_rows_kernel, name="_copy_rows_out_kernel")
+    _repeat_rows = Kernel(_repeat_rows_kernel)
 
 def full_width(device: torch.device) -> int:
     """CTAs of a push or copy with no carve-out to respect: two per SM, enough to keep HBM busy (32 already reach
@@ -102,39 +120,67 @@ def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, 
                            "TRITON_INTERPRET=1); push_rows_torch is the twin that takes buffers")
     if src_RH.shape[1]:
         _launch(src_RH, _scalar(src_start, src_RH), _scalar(count, src_RH), _scalar(route_start, src_RH),
-                dst_rank_Q, dst_row_Q, dst_bases, src_RH.shape[1], ctas, routed=True, finite=False)
+                dst_rank_Q, dst_row_Q, dst_bases, src_RH.shape[1], ctas, routed=True)
 
 
 def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,
-                  ctas: int | None = None, finite: bool = False) -> torch.Tensor:
+                  ctas: int | None = None) -> torch.Tensor:
     """out_RH[:count] = src_RH[src_start:src_start + count], both on the device (rows past the count stay as
     they were): a chunk of a received buffer copied out at the cost of its counted rows. Triton on CUDA (or
-    interpreted), else torch with the two values read on the host. ``finite``: NaN and infinities are copied as
-    0 (a compute-only reference's rows that no rank wrote; in registers, no extra pass)."""
+    interpreted), else torch with the two values read on the host."""
     if out_RH.dim() != 2 or out_RH.shape[1] != src_RH.shape[1] or not out_RH.is_contiguous():
         raise ValueError(f"out_RH must be a contiguous (rows, {src_RH.shape[1]}) tensor, got {tuple(out_RH.shape)}")
     if not use_triton(src_RH, "push_rows"):
         first, n = (int(_scalar(v, src_RH).reshape(-1)[0]) for v in (src_start, count))
-        rows_RH = src_RH[first:first + n]
-        out_RH[:n] = rows_RH.nan_to_num(0.0, 0.0, 0.0) if finite else rows_RH
+        out_RH[:n] = src_RH[first:first + n]
         return out_RH
     if src_RH.shape[1]:
         start = _scalar(src_start, src_RH)
         _launch(src_RH, start, _scalar(count, src_RH), start, start, start, out_RH, out_RH.stride(0), ctas,
-                routed=False, finite=finite)
+                routed=False)
     return out_RH
 
 
+def repeat_rows(src_RH: torch.Tensor, src_start, src_count, dst_RH: torch.Tensor, dst_start, count,
+                ctas: int | None = None) -> None:
+    """dst_RH[dst_start + i] = src_RH[src_start + i % src_count] for i < count (zeros when src_count is 0), every
+    start and count on the device: a compute-only reference's received rows, made from the rank's own. Triton on
+    CUDA (or interpreted), else torch with the values read on the host."""
+    if dst_RH.dim() != 2 or dst_RH.shape[1] != src_RH.shape[1] or dst_RH.stride(1) != 1 or src_RH.stride(1) != 1:
+        raise ValueError(f"dst_RH {tuple(dst_RH.shape)} and src_RH {tuple(src_RH.shape)} must be 2-D with "
+                         "contiguous rows of one width")
+    if not use_triton(src_RH, "push_rows"):
+        first, n_src, at, n = (int(_scalar(v, src_RH).reshape(-1)[0])
+                               for v in (src_start, src_count, dst_start, count))
+        if n_src == 0:
+            dst_RH[at:at + n].zero_()
+            return
+        index = first + torch.arange(n, device=src_RH.device) % n_src
+        dst_RH[at:at + n] = src_RH.index_select(0, index)
+        return
+    if src_RH.shape[1]:
+        H = src_RH.shape[1]
+        block_h, rows = _row_steps(src_RH)
+        _repeat_rows[(ctas or full_width(src_RH.device),), src_RH.device](
+            src_RH, _scalar(src_start, src_RH), _scalar(src_count, src_RH), dst_RH, _scalar(dst_start, src_RH),
+            _scalar(count, src_RH), H, src_RH.stride(0), dst_RH.stride(0), ROWS=rows, BLOCK_H=block_h, num_warps=8)
+
+
+def _row_steps(src_RH: torch.Tensor) -> tuple[int, int]:
+    """Columns a program moves per step (up to 8 KiB of a row) and rows per step (up to 16 KiB in flight)."""
+    block_h = min(8192 // src_RH.element_size(), triton.next_power_of_2(src_RH.shape[1]))
+    return block_h, max(1, min(4, 16384 // (block_h * src_RH.element_size())))
+
+
 def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, stride_dst: int, ctas: int | None,
-            routed: bool, finite: bool) -> None:
+            routed: bool) -> None:
     ctas = full_width(src_RH.device) if ctas is None else ctas
     if not ctas >= 1:
         raise ValueError(f"ctas={ctas}: a push needs at least one CTA")
     H = src_RH.shape[1]
-    block_h = min(8192 // src_RH.element_size(), triton.next_power_of_2(H))  # up to 8 KiB of a row a step
-    rows = max(1, min(4, 16384 // (block_h * src_RH.element_size())))  # up to 16 KiB in flight per program
+    block_h, rows = _row_steps(src_RH)
     aligned = all(n * src_RH.element_size() % 16 == 0 for n in (H, src_RH.stride(0), stride_dst))
     kernel = _push_rows if routed else _copy_rows_out
     kernel[(ctas,), src_RH.device](src_RH, src_start, count, route_start, dst_rank, dst_row, dst, H,
-                                   src_RH.stride(0), stride_dst, ROUTED=routed, ALIGNED=aligned, FINITE=finite,
+                                   src_RH.stride(0), stride_dst, ROUTED=routed, ALIGNED=aligned,
                                    ROWS=rows, BLOCK_H=block_h, num_warps=8)

@@ -79,13 +79,6 @@ class PipelineState:
         return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
 
 
-# A compute-only reference (``plan.transport.compute_only``) reads rows of the receive regions that no rank wrote
-# this time: bytes of earlier exchanges (of other widths: a wire row's fp32 words read as bf16 hidden values can
-# be NaN). The kernels that take the landed rows (and the sm_push copy-out) read NaN and infinities as 0 then
-# (free: in registers), so its GEMMs and optimizer run on numbers, as the real exchange's do (on 2 and 4 H100s
-# its loss went NaN, the optimizer skipped its steps, and the reference ran faster than a step can).
-
-
 def _grouped_rows_mapped(plan: Plan) -> bool:
     """Every grouped row within the offsets holds a copy: not past an overflowed bound, nor in a compute-only
     reference (its rows' copies belong elsewhere); else the grouped tensors are zero filled, to stay finite."""
@@ -108,7 +101,7 @@ def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, a
     plan = state.plan
     if arrived is not None:
         grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk],
-                             _grouped_rows_mapped(plan), finite=plan.transport.compute_only)
+                             _grouped_rows_mapped(plan))
         return grouped_RH, plan.offsets[chunk]
     if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]
@@ -150,11 +143,9 @@ class DispatchStart(torch.autograd.Function):
         exchange, state.grad_combine = state.grad_combine, None
         grad_probs_TK = None
         if state.plan.wire is None:
-            grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK,
-                                       state.plan.transport.compute_only)
+            grad_TH = permute_backward(exchange.result(), state.plan.row_of_copy_TK)
         else:
-            grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, ctx.probs_dtype,
-                                                 state.plan.transport.compute_only)
+            grad_TH, grad_probs_TK = token_grads(exchange.result(), ctx.hidden, state.plan.wire, ctx.probs_dtype)
         exchange.finish()  # after the kernels that read the landed rows
         return grad_TH.to(ctx.x_dtype), grad_probs_TK, None
 
@@ -237,8 +228,7 @@ class Experts(torch.autograd.Function):
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
                 (grouped_row_WJ, probs_WJ), y_RH = wire
                 grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, grouped_row_WJ, probs_WJ,
-                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0],
-                                                              finite=plan.transport.compute_only)
+                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0])
                 offsets = plan.offsets[chunk]
             else:
                 grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
@@ -280,12 +270,12 @@ class Combine(torch.autograd.Function):
         combined_RH = combine.result()
         ctx.state = state
         if plan.wire is not None:  # the rows came back weighted: a token's rows summed
-            out_TH = permute_backward(combined_RH, plan.wire.row_TC, plan.transport.compute_only)
+            out_TH = permute_backward(combined_RH, plan.wire.row_TC)
             combine.finish()
             return out_TH
         keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows
         copy_RH = combined_RH.new_empty(combined_RH.shape) if keep and combine.transient else None
-        out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH, plan.transport.compute_only)
+        out_TH = unpermute(combined_RH, plan.row_of_copy_TK, probs_TK, copy_RH)
         combine.finish()  # after the unpermute read the landed rows
         ctx.save_for_backward(probs_TK, None if not keep else combined_RH if copy_RH is None else copy_RH)
         ctx.rows_dtype = combined_RH.dtype
@@ -302,8 +292,7 @@ class Combine(torch.autograd.Function):
             return grad_out_TH.new_zeros(0), None, None
         probs_TK, combined_RH = ctx.saved_tensors
         grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
-                                                         probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows,
-                                                         finite=plan.transport.compute_only)
+                                                         probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
         state.grad_dispatch = plan.transport.to_experts(grad_rows_RH.to(ctx.rows_dtype), plan.routes, state.sms)
         state.grad_dispatch.send(0, alone=not state.paired)
         if grad_probs_TK is not None:

@@ -151,13 +151,12 @@ def with_probs_grad(grad_x_WH: torch.Tensor, grad_probs_WJ: torch.Tensor | None)
     return torch.cat((grad_x_WH, _words(grad_probs_WJ.float().contiguous()).view(grad_x_WH.dtype)), 1)
 
 
-def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype: torch.dtype | None,
-                finite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype: torch.dtype | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The dispatch's backward on the token side: each token's wire rows' gradients summed, and (with
     ``probs_dtype``: the probs' gradient is wanted) each copy's prob gradient taken from its wire row's extra
-    columns. ``finite``: the rows' NaN and infinities (and the probs' gradients') read as 0 (a compute-only
-    reference's unwritten rows)."""
-    grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC, finite)
+    columns."""
+    grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC)
     if probs_dtype is None:
         return grad_TH, None
     J = wire.copies
@@ -165,5 +164,4 @@ def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype:
                             grad_RX.new_zeros(1, dtype=torch.float32)))
     index = wire.row_of_copy_TK * J + wire.slot_TK
     index = torch.where(wire.row_of_copy_TK < grad_RX.shape[0], index, grad_probs.numel() - 1)  # dropped: zero
-    grad_probs_TK = grad_probs[index]
-    return grad_TH, (grad_probs_TK.nan_to_num(0.0, 0.0, 0.0) if finite else grad_probs_TK).to(probs_dtype)
+    return grad_TH, grad_probs[index].to(probs_dtype)
