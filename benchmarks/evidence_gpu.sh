@@ -191,7 +191,7 @@ case $phase in
   ep2_fine)
     train_step 2 fine_8l balanced_row_loop "$BAL"
     ;;
-  ep2_limit)  # issue 35's slow-fabric PP and CP; the EP=2 serial/overlapped/limit triple; then the 1-GPU suite
+  ep2_limit)  # issue 35's slow-fabric PP and CP; the EP=2 serial/overlapped/limit triple
     for bench in pp_schedule cp_attention; do
       args="--fabric slow --json $res/${bench}_2x${gpu}_slow.json --timeline $res/${bench}_2x${gpu}_slow.png"
       [ $bench = pp_schedule ] && args="configs/small_gpu.yaml --rounds 6 --max-minutes 1.25 $args"
@@ -201,7 +201,6 @@ case $phase in
       pack
     done
     train_step 2 fine_8l balanced_limit "$BAL" --variant "$SERIAL"
-    suite 1x 0 "$(( $(left) - 10 ))"
     ;;
   ep2_text)
     train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"

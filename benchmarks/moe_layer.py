@@ -196,10 +196,12 @@ class Bench:
 
     # ---------------------------------------------------------------------------------------- setup
     def selector(self, planning: str, transport: str, local_experts: int):
-        """One selector per (planning, transport) for the run, as a model shares one between its layers."""
+        """One selector per (planning, transport, local experts), as a model shares one between its layers: its
+        regions hold one data channel per chunk, and the chunks are capped at the local experts (a shape with
+        fewer must not leave its regions to the next)."""
         from moe_overlap.distributed.a2a import TransportSelector
 
-        key = (planning, transport)
+        key = (planning, transport, local_experts)
         if key not in self._selectors:
             self._selectors[key] = TransportSelector(planning, transport, self.mesh.ep.group, self.mesh.ep.ranks,
                                                      self.device, max(local_experts, 1), 300)
