@@ -79,6 +79,17 @@ moe_layer() {  # nproc, fabrics, then moe_layer.py arguments: one MoE layer at E
   done
 }
 
+slow_step() {  # model, name tag, then train_step arguments: EP=4 through NCCL over host memory beside compute_only
+  local model=$1 name=train_step_${1}_ep4_balanced_${2}_4x${gpu}
+  shift 2
+  timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+    configs/bench_${model}.yaml parallel.expert_model_parallel_size=4 $BAL $DISTOPT overlap.moe_pipeline=true \
+    overlap.moe_planning=host overlap.moe_transport=nccl train.moe_cuda_graph=false train.expert_wgrad_pairs=false \
+    $STEPS --fabric slow --compute-only --json $res/$name.json --timeline $res/$name.png "$@" 2>&1 \
+    | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+  pack
+}
+
 suite() {  # name, GPUs, time limit (s)
   local log=$out/gpu_tests_$1.txt
   echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=$2: $(nvidia-smi -i "$2" --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs); torch $(python -c 'import torch; print(torch.__version__)'); NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs --durations=40 tests/" > "$log"
@@ -141,15 +152,17 @@ case $phase in
     train_step 4 fine_8l balanced_limit "$BAL" --variant "$SERIAL"
     ;;
   ep4_slow)  # issue 38: step <= 1.20x max(compute_only, the exchange alone: moe_layer4's comm rows) on NCCL only
-    for model in fine_8l mixtral_2l; do
-      name=train_step_${model}_ep4_balanced_slow_4x${gpu}
-      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
-        configs/bench_${model}.yaml parallel.expert_model_parallel_size=4 $BAL $DISTOPT overlap.moe_pipeline=true \
-        overlap.moe_planning=host overlap.moe_transport=nccl train.moe_cuda_graph=false train.expert_wgrad_pairs=false \
-        $STEPS --fabric slow --compute-only --json $res/$name.json --timeline $res/$name.png 2>&1 \
-        | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
-      pack
-    done
+    slow_step fine_8l slow
+    slow_step mixtral_2l slow
+    ;;
+  ep4_more)  # issue 38: Mixtral on the slow fabric with its exchange under the other micro-batch or a second chunk;
+    # moe_layer at EP=4 on NVLink for the fine shapes (the Mixtral shape's run: moe_layer_4xh100_nvlink.json)
+    slow_step mixtral_2l slow_variants --variant "paired:overlap.overlap_moe_expert_parallel_comm=true" \
+      --variant "chunks2:overlap.moe_pipeline_chunks=2,overlap.delay_wgrad_compute=true"
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes fine,fine_small \
+      --fabric nvlink --rounds 8 --graph-chunks 1 --json $res/moe_layer_4x${gpu}_nvlink_fine.json \
+      > "$out/moe_layer4_nvlink_fine.log" 2>&1
+    tail -n 12 "$out/moe_layer4_nvlink_fine.log"
     ;;
   ep4_mixtral)
     train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
@@ -273,7 +286,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_rows | ep2 | ep2_limit | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_rows | ep2 | ep2_limit | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
