@@ -156,13 +156,19 @@ case $phase in
     slow_step mixtral_2l slow
     ;;
   ep4_more)  # issue 38: Mixtral on the slow fabric with its exchange under the other micro-batch or a second chunk;
-    # moe_layer at EP=4 on NVLink for the fine shapes (the Mixtral shape's run: moe_layer_4xh100_nvlink.json)
+    # moe_layer at EP=4 on NVLink for the fine shapes (the Mixtral shape's run: moe_layer_4xh100_nvlink.json), and
+    # the Mixtral shape with 2 chunks replayed from a graph (its fill and drain are half the exchange)
+    timeout -k 10 60 python -m pytest -m gpu -p no:cacheprovider -q tests/test_push_rows.py 2>&1 | tail -n 2
     slow_step mixtral_2l slow_variants --variant "paired:overlap.overlap_moe_expert_parallel_comm=true" \
       --variant "chunks2:overlap.moe_pipeline_chunks=2,overlap.delay_wgrad_compute=true"
-    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes fine,fine_small \
-      --fabric nvlink --rounds 8 --graph-chunks 1 --json $res/moe_layer_4x${gpu}_nvlink_fine.json \
-      > "$out/moe_layer4_nvlink_fine.log" 2>&1
-    tail -n 12 "$out/moe_layer4_nvlink_fine.log"
+    for run in "fine fine,fine_small 1,2,4 1" "mixtral_chunks2 mixtral 2 2"; do
+      set -- $run
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes $2 \
+        --chunks $3 --graph-chunks $4 --fabric nvlink --rounds 8 --json $res/moe_layer_4x${gpu}_nvlink_$1.json \
+        > "$out/moe_layer4_nvlink_$1.log" 2>&1
+      tail -n 8 "$out/moe_layer4_nvlink_$1.log"
+      pack
+    done
     ;;
   ep4_mixtral)
     train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
