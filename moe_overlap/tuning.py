@@ -16,8 +16,11 @@ import math
 #     fine-grained 0.473 vs 0.420 balanced, 0.419 vs 0.374 real text; Mixtral-like 0.625 vs 0.596 balanced, 0.483
 #     vs 0.460 real text. 4xH100 EP=4, 2026-11 (issue 38's table): 0.319-0.357 vs 0.299-0.339 fine-grained,
 #     0.336/0.593 vs 0.326/0.588 Mixtral-like. More chunks lost there (the only 2-chunk EP=4 row: 0.343).
-#     Not measured without peer access: there auto plans on the host over nccl, one all-to-all each way on the
-#     exchange's stream.
+#     Without peer access auto plans on the host over nccl, one all-to-all each way on the exchange's stream. 4xH100
+#     EP=4 through host memory (NCCL_P2P_DISABLE=1), balanced, 2026-11-27: fine-grained 0.348 (its compute-only
+#     limit 0.345); Mixtral-like 0.478-0.496, where pairing reached 0.517 and 2 chunks 0.511
+#     (benchmarks/results/train_step_*_ep4_balanced_slow*_4xh100.json). Not a default there yet: auto is resolved
+#     from the config before the fabric is known, and the fine-grained model was measured with one chunk only.
 #   paired (overlap_moe_expert_parallel_comm): host planning, whose copy engines take no SMs from the other
 #     micro-batch's GEMMs: 4xH100 EP=4 fine-grained uniform ids, 0.364 over copy_engine vs 0.333 over nccl
 #     uncapped and 0.239 at 4 CTAs (issue 38's table).
