@@ -102,9 +102,9 @@ class PushFromExperts(_PushExchange, FromExperts):
         self.streams.lend(grouped_RH)
         with self.streams.on_side():
             self.streams.side_waits(ready)
+            landing = (r.send_start_C[chunk:chunk + 1], r.send_rows_C[chunk:chunk + 1])  # this rank's rows back
             self._push(chunk, grouped_RH, self.zero, r.recv_rows_C[chunk:chunk + 1], r.back_rank_W, r.back_row_W,
-                       r.recv_start_C[chunk:chunk + 1], (r.send_start_C[chunk:chunk + 1], r.send_rows_C[chunk:chunk + 1]),
-                       alone)
+                       r.recv_start_C[chunk:chunk + 1], landing, alone)
             self.last = self.streams.mark()
         self.chunks += 1
 

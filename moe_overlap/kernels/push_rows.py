@@ -9,13 +9,13 @@
     repeat_rows(src_RH, src_start, src_count, dst_RH, dst_start, count, ctas)
         dst_RH[dst_start[0] + i] = src_RH[src_start[0] + i % src_count[0]] for i < count[0]    (0 if no source)
 
-``src_start``, ``count``, ``route_start`` (and the other starts and counts) are one-element device tensors, so no host ever needs them. The
-kernel is persistent: ``ctas`` programs loop over the rows, so a push takes no more SMs than it is given (the
-grouped GEMM it runs beside leaves that many free: README, "What overlaps on Hopper"; default: full width). Each program moves ``ROWS``
-whole rows per step with 16-byte vector loads and stores (dims are multiples of 8, so bf16 rows start on 16
-bytes; the address hints below tell the compiler), the most bytes in flight per SM a plain store allows.
-``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric memory is mapped into
-this process; a CPU test passes its own buffers' addresses).
+Every start and count (``src_start``, ``count``, ``route_start``, ...) is a one-element device tensor, so no host
+ever needs them. The kernel is persistent: ``ctas`` programs loop over the rows, so a push takes no more SMs than it
+is given (the grouped GEMM it runs beside leaves that many free: README, "What overlaps on Hopper"; default: full
+width). Each program moves ``ROWS`` whole rows per step with 16-byte vector loads and stores (dims are multiples of
+8, so bf16 rows start on 16 bytes; the address hints below tell the compiler), the most bytes in flight per SM a
+plain store allows. ``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric
+memory is mapped into this process; a CPU test passes its own buffers' addresses).
 
 The torch twins take the destination buffers as tensors (one process, or a CPU test standing in for peers).
 """
