@@ -40,7 +40,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
 res=benchmarks/results
 start=${CALL_START:-$(date +%s)}  # when the device call began (phases chained in one call share its 600 s)
-stamp=$(mktemp)  # results newer than this are the phase's
+before=$(mktemp)  # the results' checksums before the phase (the copy to this machine gives every file a new mtime)
+md5sum $res/* > "$before"
 
 BAL="model.moe_router_force_load_balancing=true"
 TEXT="data.path=data/stdlib/stdlib.bin"
@@ -54,7 +55,7 @@ PAIRED+=",train.moe_cuda_graph=false"
 STEPS="--warmup 3 --steps 8 --profile-steps 1"
 
 left() { echo $((575 - $(date +%s) + start)); }  # seconds left of the call's 600
-pack() { find $res -newer "$stamp" -type f | tar czf "$out/$phase.tgz" -T -; }  # what this phase wrote so far
+pack() { md5sum $res/* | grep -vxFf "$before" | cut -c35- | tar czf "$out/$phase.tgz" -T -; }  # new or changed
 
 train_step() {  # nproc, model (fine_8l | mixtral_2l), routing name, routing overrides, then train_step arguments
   local n=$1 model=$2 routing=$3 routes=$4
