@@ -148,6 +148,15 @@ case $phase in
   moe_layer4)  # issue 38's layer targets at EP=4: <= 1.15x max(exchange alone, GEMMs alone) NVLink, 1.25x slow
     moe_layer 4 "nvlink slow" --graph-chunks 1  # two graphed chunk counts ran the Mixtral shape out of 80 GB
     ;;
+  ep4_next)  # what issue 38's slow-fabric default needs (the fine model paired on NCCL through host memory), and the
+    # Mixtral-shape layer graphed with 2 chunks and no carve-out (with the auto carve-out it ran slower than 1 chunk)
+    slow_step fine_8l slow_paired --variant "paired:overlap.overlap_moe_expert_parallel_comm=true" \
+      --variant "chunks2:overlap.moe_pipeline_chunks=2,overlap.delay_wgrad_compute=true"
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes mixtral \
+      --chunks 2 --graph-chunks 2 --carveouts 0 --fabric nvlink --rounds 8 \
+      --json $res/moe_layer_4x${gpu}_nvlink_mixtral_chunks2_nocarve.json > "$out/moe_layer4_mixtral_nocarve.log" 2>&1
+    tail -n 8 "$out/moe_layer4_mixtral_nocarve.log"
+    ;;
   ep4_limit)  # compute-only rows made from each rank's own (no NaN), with serial: serial/overlapped/limit at EP=4
     moe_layer 4 nvlink --graph-chunks 1
     train_step 4 fine_8l balanced_limit "$BAL" --variant "$SERIAL"
@@ -293,7 +302,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_rows | ep2 | ep2_limit | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
