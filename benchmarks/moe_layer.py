@@ -96,9 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skew", action="store_true", help="add skewed-routing rows per shape")
     parser.add_argument("--chunks", default="1,2,4", help="chunk counts to try (capped at the local experts)")
     parser.add_argument("--carveouts", default="0,auto", help="GEMM SM carve-outs of the device-planned pipeline")
-    parser.add_argument("--graph-chunks", default=None,
-                        help="chunk counts also replayed from CUDA graphs (default: every one tried); each graph "
-                             "keeps its own worst-case buffers (the Mixtral shape at EP=4 ran out of 80 GB with two)")
+    parser.add_argument("--graph-chunks", default="1",
+                        help="chunk counts also replayed from CUDA graphs (default 1, as training graphs it); each "
+                             "graph keeps its own worst-case buffers (the Mixtral shape at EP=4 ran out of 80 GB "
+                             "with two)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--transport-probe", action="store_true",
@@ -263,8 +264,7 @@ class Bench:
                "device": [Setting("device", t, c, d, s) for t in self.transports["device"] for c in chunks
                           for d in ((False, True) if c > 1 else (False,)) for s in (carveouts if c > 1 else [0])]}
         if self.device.type == "cuda":  # replayed from graphs, as training runs it
-            graphed = chunks if self.args.graph_chunks is None else sorted(
-                {min(int(c), local) for c in self.args.graph_chunks.split(",")})
+            graphed = sorted({min(int(c), local) for c in self.args.graph_chunks.split(",")})
             out["device"] += [Setting("device", t, c, False, "auto" if c > 1 and "auto" in carveouts else 0, True)
                               for t in self.transports["device"] for c in graphed]
         if self.local:
