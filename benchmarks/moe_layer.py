@@ -9,7 +9,8 @@ Rows per shape, one per planning mode (key ``planning``), each with the keys bel
   host        the pipeline with host-planned sizes: every (transport, chunks, delay_wgrad) setting timed, the
               best reported as ``overlapped``
   device      the pipeline with device-planned sizes (SM pushes; gloo's twin on CPU), every (chunks, delay_wgrad,
-              carve-out) setting eagerly, and replayed from CUDA graphs as train.moe_cuda_graph does it (CUDA)
+              carve-out) setting eagerly, and replayed from CUDA graphs as train.moe_cuda_graph does it (CUDA;
+              the ``--graph-chunks`` counts, default 1)
   local       (one rank) what the layer runs at EP=1: no exchange at all, eagerly and graphed
 At EP=1 the host and device rows run the pipeline over the one-rank group (its rows pushed into its own
 memory): the pipeline's own cost, which a two-GPU run adds to its communication.
