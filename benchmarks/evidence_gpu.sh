@@ -217,6 +217,11 @@ case $phase in
   suite1)
     suite 1x 0 240  # 120 s cut the 2026-11-27 run at 71%
     ;;
+  one)  # one GPU: the row kernels with SwiGLU's grid-stride candidate (a worst-case buffer cost 2x), then the suite
+    timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
+      --json $res/step_kernels_swiglu_1x${gpu}.json 2>&1 | tail -n 4
+    suite 1x 0 "$(( $(left) - 10 ))"
+    ;;
   ep2_fine)
     train_step 2 fine_8l balanced_row_loop "$BAL"
     ;;
@@ -302,7 +307,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | one | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
