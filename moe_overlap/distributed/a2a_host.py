@@ -19,6 +19,7 @@ from moe_overlap.distributed.a2a_routes import HostRoutes
 from moe_overlap.distributed.collectives import ProcessGroup
 from moe_overlap.distributed.streams import Event, exposed_wait
 from moe_overlap.exchange_rules import graph_refusal
+from moe_overlap.kernels.push_rows import repeat_rows_host
 
 
 class _HostToExperts(ToExperts):
@@ -63,7 +64,7 @@ class _CollectiveExchange:
         if recv_RH.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(str(graph_refusal(pipelined=True, planning="host", exchanging=True)))
         if self.compute_only:  # one element to every peer keeps the wait for the slowest; the rows stay here
-            _fill_from(recv_RH, send_RH)
+            repeat_rows_host(send_RH, recv_RH)
             self.tokens = send_RH.new_zeros((2, self.group.size()))  # kept until the work is waited for
             self.works[chunk] = dist.all_to_all_single(self.tokens[0], self.tokens[1], group=self.group,
                                                        async_op=True)
@@ -132,19 +133,6 @@ class CollectiveTransport(Transport):
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
 
-def _fill_from(recv_RH: torch.Tensor, send_RH: torch.Tensor) -> None:
-    """compute_only: the rows this rank would receive, made from its own rows (repeated as often as needed):
-    as many bytes written as the exchange would land, all finite."""
-    done = 0
-    while done < recv_RH.shape[0]:
-        rows = min(send_RH.shape[0], recv_RH.shape[0] - done)
-        if rows == 0:  # nothing of its own to copy
-            recv_RH[done:].zero_()
-            return
-        recv_RH[done:done + rows].copy_(send_RH[:rows])
-        done += rows
-
-
 class _CopyEngineExchange:
     """Pushes a chunk's (peer) blocks into the peers' claimed region with copy-engine copies on the copy stream,
     then raises one signal per (peer, chunk); the local block lands by a local copy, which the event covers."""
@@ -156,17 +144,18 @@ class _CopyEngineExchange:
 
     def _copy_chunk(self, chunk: int, send_RH: torch.Tensor) -> None:
         layout, regions = self.layout, self.regions
-        if self.compute_only:
+        if self.compute_only:  # the rows that would land here, made from this rank's own
             (send_start, send_stop), (recv_start, recv_stop) = layout.send_range(chunk), layout.recv_range(chunk)
             own_RH = regions.view(regions.rank, self.region, (layout.recv_total, send_RH.shape[1]), send_RH.dtype)
-            _fill_from(own_RH[recv_start:recv_stop], send_RH[send_start:send_stop])
-        for peer in range(regions.size if not self.compute_only else 0):
-            rows = layout.send_rows[chunk][peer]
-            if rows:
-                start = layout.send_offsets[chunk][peer]
-                dest = regions.view(peer, self.region, (rows, send_RH.shape[1]), send_RH.dtype,
-                                    layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
-                dest.copy_(send_RH[start:start + rows], non_blocking=True)
+            repeat_rows_host(send_RH[send_start:send_stop], own_RH[recv_start:recv_stop])
+        else:
+            for peer in range(regions.size):
+                rows = layout.send_rows[chunk][peer]
+                if rows:
+                    start = layout.send_offsets[chunk][peer]
+                    dest = regions.view(peer, self.region, (rows, send_RH.shape[1]), send_RH.dtype,
+                                        layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
+                    dest.copy_(send_RH[start:start + rows], non_blocking=True)
         for peer in regions.peers:
             regions.signal(peer, self.region, chunk)
 

@@ -152,11 +152,7 @@ def repeat_rows(src_RH: torch.Tensor, src_start, src_count, dst_RH: torch.Tensor
     if not use_triton(src_RH, "push_rows"):
         first, n_src, at, n = (int(_scalar(v, src_RH).reshape(-1)[0])
                                for v in (src_start, src_count, dst_start, count))
-        if n_src == 0:
-            dst_RH[at:at + n].zero_()
-            return
-        index = first + torch.arange(n, device=src_RH.device) % n_src
-        dst_RH[at:at + n] = src_RH.index_select(0, index)
+        repeat_rows_host(src_RH[first:first + n_src], dst_RH[at:at + n])
         return
     if src_RH.shape[1]:
         H = src_RH.shape[1]
@@ -164,6 +160,20 @@ def repeat_rows(src_RH: torch.Tensor, src_start, src_count, dst_RH: torch.Tensor
         _repeat_rows[(ctas or full_width(src_RH.device),), src_RH.device](
             src_RH, _scalar(src_start, src_RH), _scalar(src_count, src_RH), dst_RH, _scalar(dst_start, src_RH),
             _scalar(count, src_RH), H, src_RH.stride(0), dst_RH.stride(0), ROWS=rows, BLOCK_H=block_h, num_warps=8)
+
+
+def repeat_rows_host(src_RH: torch.Tensor, dst_RH: torch.Tensor) -> None:
+    """dst_RH = src_RH's rows repeated as often as needed (zeros when it has none), sizes on the host: a
+    compute-only reference's received rows, made from the rank's own (the host-planned transports, and
+    :func:`repeat_rows` without Triton)."""
+    done = 0
+    while done < dst_RH.shape[0]:
+        rows = min(src_RH.shape[0], dst_RH.shape[0] - done)
+        if rows == 0:  # nothing of its own to copy
+            dst_RH[done:].zero_()
+            return
+        dst_RH[done:done + rows].copy_(src_RH[:rows])
+        done += rows
 
 
 def _row_steps(src_RH: torch.Tensor) -> tuple[int, int]:
