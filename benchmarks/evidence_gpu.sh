@@ -23,6 +23,8 @@
 #   bash benchmarks/evidence_gpu.sh ep2_text OUT   # EP=2 on real text (needs data/stdlib)
 #   bash benchmarks/evidence_gpu.sh bound2   OUT   # the bounded exchange at EP=2: GPU tests, a forced overflow
 #                                                  #   (graphed), 4 chunks' memory unbounded / 2.0 / 1.25 (eager)
+#   bash benchmarks/evidence_gpu.sh bound4   OUT   # the bounded exchange at EP=4: 2.0 / 1.5 / null on real text and
+#                                                  #   balanced (1 chunk, graphed); 4 chunks bounded beside serial
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
@@ -217,9 +219,12 @@ case $phase in
   suite1)
     suite 1x 0 240  # 120 s cut the 2026-11-27 run at 71%
     ;;
-  one)  # one GPU: the row kernels with SwiGLU's grid-stride candidate (a worst-case buffer cost 2x), then the suite
-    timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
-      --json $res/step_kernels_swiglu_1x${gpu}.json 2>&1 | tail -n 4
+  swiglu)  # one GPU: the row kernels with SwiGLU's grid-stride candidate (a worst-case buffer cost 2x)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
+      --json $res/step_kernels_swiglu_1x${gpu}.json 2>&1 | tail -n 6
+    ;;
+  one)  # the same, then the suite on GPU 0
+    bash "$0" swiglu "$out"
     suite 1x 0 "$(( $(left) - 10 ))"
     ;;
   ep2_fine)
@@ -257,6 +262,25 @@ case $phase in
       --variant serial:overlap.moe_pipeline=false,overlap.moe_pipeline_chunks=1,overlap.delay_wgrad_compute=false,overlap.moe_planning=auto \
       --warmup 2 --steps 5 --profile-steps 0 --json $res/bound_ep2_chunks4_2x$gpu.json 2>&1 \
       | tee "$out/bound_chunks4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
+    ;;
+  bound4)  # issue 37 at EP=4: the default path (1 chunk, graphed) bounded by 2.0 / 1.5 beside null on real text and
+    # balanced routing (re-runs, time, memory over ranks); 4 chunks with delayed wgrad (eager) bounded, beside serial
+    fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=4 $DISTOPT $GRAPHED"
+    F=overlap.moe_expert_rank_capacity_factor
+    for run in "text $TEXT" "balanced $BAL"; do
+      set -- $run
+      timeout -k 10 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone --nproc-per-node 4 \
+        benchmarks/train_step.py $fine $2 --variant f2.0:$F=2.0 --variant f1.5:$F=1.5 --warmup 2 --steps 6 \
+        --profile-steps 0 --json $res/bound_ep4_$1_4x$gpu.json 2>&1 | tee "$out/bound4_$1.log" \
+        | grep -E '^\{"variant"|Error' | cut -c1-500
+      pack
+    done
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py $fine $BAL \
+      overlap.moe_pipeline_chunks=4 overlap.delay_wgrad_compute=true train.moe_cuda_graph=false $F=1.25 \
+      --variant f2.0:$F=2.0 \
+      --variant serial:overlap.moe_pipeline=false,overlap.moe_pipeline_chunks=1,overlap.delay_wgrad_compute=false,overlap.moe_planning=auto,$F=null \
+      --warmup 2 --steps 5 --profile-steps 0 --json $res/bound_ep4_chunks4_4x$gpu.json 2>&1 \
+      | tee "$out/bound4_chunks4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
     ;;
   example2)
     name=examples_gpu2_fine_${ROUTING_NAME:-default}_2x$gpu
@@ -307,7 +331,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | one | ep2_ppcp | suite2 | ep2_text | bound2 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
