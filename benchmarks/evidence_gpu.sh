@@ -219,9 +219,11 @@ case $phase in
   suite1)
     suite 1x 0 240  # 120 s cut the 2026-11-27 run at 71%
     ;;
-  swiglu)  # one GPU: the row kernels with SwiGLU's grid-stride candidate (a worst-case buffer cost 2x)
+  swiglu)  # one GPU: SwiGLU's grid-stride kernels (GPU tests, then a worst-case buffer against its counted rows)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 90 python -m pytest -m gpu -p no:cacheprovider -q tests/test_swiglu_kernel.py \
+      2>&1 | tail -n 2
     CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
-      --json $res/step_kernels_swiglu_1x${gpu}.json 2>&1 | tail -n 6
+      --json $res/step_kernels_swiglu_grid_stride_1x${gpu}.json 2>&1 | tail -n 6
     ;;
   one)  # the same, then the suite on GPU 0
     bash "$0" swiglu "$out"
@@ -282,6 +284,19 @@ case $phase in
       --warmup 2 --steps 5 --profile-steps 0 --json $res/bound_ep4_chunks4_4x$gpu.json 2>&1 \
       | tee "$out/bound4_chunks4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
     ;;
+  paired4)  # issues 36/38: paired micro-batches planned on the device (sm_push on the side stream beside carved-out
+    # GEMMs, no count fetch to the host) beside host planning: PP=2 x EP=2 (exposed EP, on vs off), then EP=4 (PP=1)
+    pp="configs/bench_fine_8l.yaml parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2"
+    timeout -k 10 $(( $(left) < 240 ? $(left) : 240 )) torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+      $pp overlap.moe_pipeline=true overlap.moe_planning=host train.moe_cuda_graph=false $BAL \
+      --variant paired:overlap.overlap_moe_expert_parallel_comm=true --variant device:overlap.moe_planning=device \
+      --variant paired_device:overlap.moe_planning=device,overlap.overlap_moe_expert_parallel_comm=true \
+      --warmup 3 --steps 8 --profile-steps 0 --json $res/train_step_fine_8l_pp2_ep2_device_4x$gpu.json 2>&1 \
+      | tee "$out/paired4_pp2.log" | grep -E '^\{"variant"|Error' | cut -c1-500
+    pack
+    train_step 4 fine_8l balanced_paired "$BAL" --variant "$PAIRED" \
+      --variant "paired_device:overlap.moe_planning=device,overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=false"
+    ;;
   example2)
     name=examples_gpu2_fine_${ROUTING_NAME:-default}_2x$gpu
     timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu2_fine.yaml --nproc 2 ${ROUTING:-} \
@@ -331,7 +346,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | example2 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack

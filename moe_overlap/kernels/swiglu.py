@@ -15,35 +15,39 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    # One program per (row, block of FF columns): no per-element division (an int64 div/mod per element made
-    # the flat-index version 3-4x slower than memory on an H200). Rows past the count are masked off.
+    # Programs stride over the rows below the device count, each on one block of FF columns: a static worst-case
+    # buffer costs what its counted rows cost (one program per buffer row ran 2x that, 3 in 4 returning at once:
+    # step_kernels_swiglu_1xh100.json); no per-element division (an int64 div/mod per element made the flat-index
+    # version 3-4x slower than memory on an H200).
     def _swiglu_fwd_kernel(h_ptr, a_ptr, rows_ptr, FF, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = (col < FF) & (row < tl.load(rows_ptr))
-        gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
-        silu = gate * (1.0 / (1.0 + tl.exp(-gate)))  # the backward's formula: both passes give the same a
-        tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+        mask = col < FF
+        for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
+            gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
+            silu = gate * (1.0 / (1.0 + tl.exp(-gate)))  # the backward's formula: both passes give the same a
+            tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
     def _swiglu_bwd_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, rows_ptr, FF, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = (col < FF) & (row < tl.load(rows_ptr))
-        gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.load(grad_a_ptr + row * FF + col, mask=mask, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-gate))
-        silu = gate * sig
+        mask = col < FF
         out_ty = grad_h_ptr.dtype.element_ty
-        tl.store(grad_h_ptr + row * 2 * FF + col, (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty), mask=mask)
-        tl.store(grad_h_ptr + row * 2 * FF + FF + col, (grad * silu).to(out_ty), mask=mask)
-        tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+        for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
+            gate = tl.load(h_ptr + row * 2 * FF + col, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + row * 2 * FF + FF + col, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.load(grad_a_ptr + row * FF + col, mask=mask, other=0.0).to(tl.float32)
+            sig = 1.0 / (1.0 + tl.exp(-gate))
+            silu = gate * sig
+            tl.store(grad_h_ptr + row * 2 * FF + col, (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty),
+                     mask=mask)
+            tl.store(grad_h_ptr + row * 2 * FF + FF + col, (grad * silu).to(out_ty), mask=mask)
+            tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
     _fwd = Kernel(_swiglu_fwd_kernel)
     _bwd = Kernel(_swiglu_bwd_kernel)
 
 _BLOCK = 1024
+_PROGRAMS_PER_SM = 64  # row programs per SM: 64 ran at the counted rows' own cost, 4 about 10% slower (H100)
 
 
 def swiglu_forward_torch(h_TF2: torch.Tensor) -> torch.Tensor:
@@ -61,7 +65,11 @@ def swiglu_backward_torch(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple
 
 
 def _grid(a_TF: torch.Tensor) -> tuple[int, int]:
-    return a_TF.numel() // a_TF.shape[-1], triton.cdiv(a_TF.shape[-1], _BLOCK)
+    """Row programs (at most the buffer's rows; a few in the interpreter) x blocks of FF columns."""
+    most = 4
+    if a_TF.is_cuda:
+        most = _PROGRAMS_PER_SM * torch.cuda.get_device_properties(a_TF.device).multi_processor_count
+    return min(a_TF.numel() // a_TF.shape[-1], most), triton.cdiv(a_TF.shape[-1], _BLOCK)
 
 
 def _row_count(valid_rows: torch.Tensor | None, h_TF2: torch.Tensor) -> torch.Tensor:
