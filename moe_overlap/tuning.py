@@ -19,8 +19,10 @@ import math
 #     Without peer access auto plans on the host over nccl, one all-to-all each way on the exchange's stream. 4xH100
 #     EP=4 through host memory (NCCL_P2P_DISABLE=1), balanced, 2026-11-27: fine-grained 0.348 (its compute-only
 #     limit 0.345); Mixtral-like 0.478-0.496, where pairing reached 0.517 and 2 chunks 0.511
-#     (benchmarks/results/train_step_*_ep4_balanced_slow*_4xh100.json). Not a default there yet: auto is resolved
-#     from the config before the fabric is known, and the fine-grained model was measured with one chunk only.
+#     (benchmarks/results/train_step_*_ep4_balanced_slow*_4xh100.json). The fine-grained model the other way round:
+#     one chunk 0.323, paired 0.275, 2 chunks 0.251 (its compute-only row 0.304; 2026-11-27,
+#     ..._slow_paired_4xh100.json). So a slow-fabric default would pair only the top-2 model; not built: auto is
+#     resolved from the config before the fabric is known.
 #   paired (overlap_moe_expert_parallel_comm): host planning, whose copy engines take no SMs from the other
 #     micro-batch's GEMMs: 4xH100 EP=4 fine-grained uniform ids, 0.364 over copy_engine vs 0.333 over nccl
 #     uncapped and 0.239 at 4 CTAs (issue 38's table).
