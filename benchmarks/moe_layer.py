@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="chunk counts also replayed from CUDA graphs (default 1, as training graphs it); each "
                              "graph keeps its own worst-case buffers (the Mixtral shape at EP=4 ran out of 80 GB "
                              "with two)")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="overlap.moe_expert_rank_capacity_factor of the device-planned layers (default null, the "
+                             "worst case); the rows record what overflowed, which this benchmark does not run again")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--transport-probe", action="store_true",
@@ -219,7 +222,8 @@ class Bench:
 
         cfg = ModelConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
                           moe_router_topk=shape.topk, moe_aux_loss_coeff=0.0)
-        layer = MoELayer(cfg, OverlapConfig(moe_pipeline=False), self.mesh.ep, None, self.device, self.dtype)
+        overlap = OverlapConfig(moe_pipeline=False, moe_expert_rank_capacity_factor=self.args.capacity_factor)
+        layer = MoELayer(cfg, overlap, self.mesh.ep, None, self.device, self.dtype)
         init_parameters(layer, seed=1234, std=0.02, num_layers=1)
         for param in layer.parameters():  # as the optimizer attaches them: weight gradients land as in training
             param_info(param).main_grad = torch.zeros_like(param, dtype=torch.float32)
@@ -324,6 +328,8 @@ class Bench:
                     row["best"], row["backend"] = best, setting.transport if setting.planning else best
                     row["chunks"], row["delay_wgrad"], row["carveout"] = setting.chunks, setting.delay, setting.sms
             row.update(probe.tokens_per_rank())
+            row["capacity_factor"] = self.args.capacity_factor
+            row["overflow_rows"] = sum(int(sel.overflow_rows) for sel in self._selectors.values())  # 0: every row
             rows.append(row)
         return rows
 
