@@ -101,6 +101,17 @@ suite() {  # name, GPUs, time limit (s)
   cp "$log" "$res/gpu_tests_$1$gpu.txt"
 }
 
+example() {  # GPUs, then overrides: configs/gpu<N>_fine.yaml with ROUTING=overrides, ROUTING_NAME=name
+  local n=$1 name=examples_gpu${1}_fine_${ROUTING_NAME:-default}_${1}x$gpu
+  shift
+  timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu${n}_fine.yaml --nproc $n ${ROUTING:-} "$@" \
+    train.output_dir="$out/$name" > "$out/$name.log" 2>&1
+  tail -n 2 "$out/$name.log"
+  python benchmarks/plot_loss.py "$out/$name" --labels "${ROUTING_NAME:-default}" --png $res/$name.png \
+    --json $res/$name.json --machine "${n}x ${gpu^^}" | tail -n 4
+  cp "$out/$name/metrics.jsonl" $res/${name}_metrics.jsonl
+}
+
 case $phase in
   suite)
     suite 4x 0,1,2,3 "$(left)"
@@ -309,13 +320,10 @@ case $phase in
     done
     ;;
   example2)
-    name=examples_gpu2_fine_${ROUTING_NAME:-default}_2x$gpu
-    timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu2_fine.yaml --nproc 2 ${ROUTING:-} \
-      train.output_dir="$out/$name" > "$out/$name.log" 2>&1
-    tail -n 2 "$out/$name.log"
-    python benchmarks/plot_loss.py "$out/$name" --labels "${ROUTING_NAME:-default}" --png $res/$name.png \
-      --json $res/$name.json --machine "2x ${gpu^^}" | tail -n 4
-    cp "$out/$name/metrics.jsonl" $res/${name}_metrics.jsonl
+    example 2
+    ;;
+  example4)  # issue 41's 4-GPU example (STEPS=N overrides its 100 steps)
+    example 4 ${STEPS:+train.max_steps=$STEPS}
     ;;
   fp8)
     (export CUDA_VISIBLE_DEVICES=0
@@ -357,7 +365,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | example2 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | example2 | example4 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
