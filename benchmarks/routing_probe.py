@@ -12,8 +12,8 @@ the probe's model, plus optionally a factor on the routers' initial weights (``r
 JSON holds every step's loss and per-layer lowest and highest share, and a summary: the first step from which no
 expert of any layer stays below ``--min-share`` of its layer's mean until the end ("balanced_from"), the lowest share
 over the steps from ``--from-step`` on, the steps with a dead expert (no token) and the last step's loss.
-``--at-init`` trains nothing: it routes one sequence through fresh models of the given hidden size and init std
-(:func:`routing_at_init`).
+``--at-init`` trains nothing: it routes one sequence through fresh models of the given hidden size, init std and
+optionally the embedding's init std (:func:`routing_at_init`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,19 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
     "aux1e-2+bias1e-3_init_std0.005": (["model.moe_aux_loss_coeff=1e-2", "model.init_method_std=0.005"], 1.0),
     "aux1e-1+bias1e-3": (["model.moe_aux_loss_coeff=1e-1"], 1.0),
     "aux1e-2+bias3e-3": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=3e-3"], 1.0),
+    # the token embedding alone initialised larger (model.embedding_init_std; the other weights at 0.02)
+    "bias1e-3_embed_std1.0": (["model.embedding_init_std=1.0"], 1.0),
+    "bias1e-3_embed_std0.2": (["model.embedding_init_std=0.2"], 1.0),
+    "aux1e-2+bias1e-3_embed_std1.0": (["model.moe_aux_loss_coeff=1e-2", "model.embedding_init_std=1.0"], 1.0),
+    "bias1e-2_embed_std1.0": (["model.moe_router_bias_update_rate=1e-2", "model.embedding_init_std=1.0"], 1.0),
+    "bias3e-2_embed_std1.0": (["model.moe_router_bias_update_rate=3e-2", "model.embedding_init_std=1.0"], 1.0),
+    "aux1e-2+bias1e-2_embed_std1.0": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=1e-2",
+                                       "model.embedding_init_std=1.0"], 1.0),
+    "bias1e-2_embed_std1.0_router_std/10": (["model.moe_router_bias_update_rate=1e-2",
+                                             "model.embedding_init_std=1.0"], 0.1),
+    "aux1e-2+bias1e-2": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=1e-2"], 1.0),
+    "aux1e-2+bias1e-2_embed_std0.5": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=1e-2",
+                                       "model.embedding_init_std=0.5"], 1.0),
 }
 
 
@@ -108,11 +121,13 @@ def _run_variant(name: str, overrides: list[str], router_init_scale: float, step
             "seconds": round(time.time() - start, 1), "steps": rows}
 
 
-def routing_at_init(hidden: int, init_std: float, layers: int = 6, seq: int = 512) -> dict:
+def routing_at_init(hidden: int, init_std: float, layers: int = 6, seq: int = 512,
+                    embedding_std: float | None = None) -> dict:
     """One forward of a freshly initialised model of gpu2_fine's family (64 experts top-8, hidden ``hidden``,
-    ``layers`` layers, small experts) on ``seq`` tokens of the corpus: per MoE layer, how alike the router's inputs
-    are (mean cosine to their mean), the spread over experts of the token-independent logit (the logits' mean over
-    tokens) against the spread of the rest, and the load's highest share of the mean and dead experts."""
+    ``layers`` layers, small experts; the embedding's init std ``embedding_std``, None: ``init_std``) on ``seq``
+    tokens of the corpus: per MoE layer, how alike the router's inputs are (mean cosine to their mean), the spread
+    over experts of the token-independent logit (the logits' mean over tokens) against the spread of the rest, and
+    the load's highest share of the mean and dead experts."""
     import numpy as np
 
     from moe_overlap.config import load_config
@@ -123,7 +138,8 @@ def routing_at_init(hidden: int, init_std: float, layers: int = 6, seq: int = 51
     cfg = load_config(BASE_CONFIG, [f"model.num_layers={layers}", f"model.hidden_size={hidden}",
                                     "model.moe_ffn_hidden_size=128", "model.moe_shared_expert_intermediate_size=128",
                                     f"model.seq_length={seq}", "parallel.expert_model_parallel_size=1",
-                                    f"model.init_method_std={init_std}"])
+                                    f"model.init_method_std={init_std}",
+                                    f"model.embedding_init_std={'null' if embedding_std is None else embedding_std}"])
     model = build_model(cfg.model, Mesh.single(), "cpu", torch.float32, seed=1234)
     tokens = np.memmap(ROOT / "data" / "stdlib" / "stdlib.bin", dtype=np.uint16, mode="r")
     ids_BS = torch.from_numpy(np.array(tokens[100_000:100_000 + seq], dtype=np.int64)).view(1, -1)
@@ -146,7 +162,8 @@ def routing_at_init(hidden: int, init_std: float, layers: int = 6, seq: int = 51
         router.register_forward_hook(record(index))
     with torch.no_grad():
         model(ids_BS, ids_BS)
-    return {"hidden": hidden, "init_method_std": init_std, "layers": [rows[i] for i in sorted(rows)]}
+    return {"hidden": hidden, "init_method_std": init_std, "embedding_init_std": embedding_std,
+            "layers": [rows[i] for i in sorted(rows)]}
 
 
 def _shares(counts: list[int]) -> tuple[float, float]:
@@ -182,14 +199,14 @@ def main(argv=None) -> int:
     parser.add_argument("--from-step", type=int, default=50, help="the summary's lowest share covers these steps")
     parser.add_argument("--min-share", type=float, default=0.25)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--at-init", default=None, metavar="HIDDEN:STD,...",
-                        help="instead of training: the routing of fresh models (e.g. 2048:0.02,2048:0.006)")
+    parser.add_argument("--at-init", default=None, metavar="HIDDEN:STD[:EMBED_STD],...",
+                        help="instead of training: the routing of fresh models (e.g. 2048:0.02,2048:0.02:1.0)")
     args = parser.parse_args(argv)
     if args.at_init:
-        rows = [routing_at_init(int(hidden), float(std))
-                for hidden, std in (item.split(":") for item in args.at_init.split(","))]
+        rows = [routing_at_init(int(hidden), float(std), embedding_std=float(embed[0]) if embed else None)
+                for hidden, std, *embed in (item.split(":") for item in args.at_init.split(","))]
         for row in rows:
-            print(row["hidden"], row["init_method_std"], *row["layers"], sep="\n  ")
+            print(row["hidden"], row["init_method_std"], row["embedding_init_std"], *row["layers"], sep="\n  ")
         write_json(args.json, run_header(1), rows)
         return 0
     names = args.variants.split(",")

@@ -45,6 +45,8 @@ def validate(cfg: Config) -> None:
     require(m.rotary_base > 0, "model.rotary_base", m.rotary_base, "must be > 0")
     require(m.norm_epsilon > 0, "model.norm_epsilon", m.norm_epsilon, "must be > 0")
     require(m.init_method_std > 0, "model.init_method_std", m.init_method_std, "must be > 0")
+    require(m.embedding_init_std is None or m.embedding_init_std > 0, "model.embedding_init_std",
+             m.embedding_init_std, "must be > 0, or null (model.init_method_std)")
     _validate_moe(m)
 
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

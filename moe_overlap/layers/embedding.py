@@ -15,7 +15,7 @@ from torch import nn
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.cross_entropy import cross_entropy_grad, cross_entropy_stats
-from moe_overlap.layers.init import NORMAL, make_param
+from moe_overlap.layers.init import EMBEDDING, make_param
 from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.tp_linear import ColumnParallelLinearFn, ScatterToRegion, region_rows
 from moe_overlap.layers.wgrad import main_grad_of, mark_own_grad, placeholder
@@ -49,7 +49,7 @@ class Embedding(nn.Module):
         self.comm = comm
         self.vocab_start = comm.rank * (vocab_size // comm.size)
         shard = TPShard(dim=0, rank=comm.rank, size=comm.size, ranks=tuple(comm.group.ranks))
-        self.weight = make_param((vocab_size // comm.size, hidden_size), NORMAL, device, dtype, tp=shard)
+        self.weight = make_param((vocab_size // comm.size, hidden_size), EMBEDDING, device, dtype, tp=shard)
         mark_own_grad(self.weight)  # also when tied to the output layer, whose GEMM adds its part itself
 
     def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:

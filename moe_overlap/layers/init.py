@@ -22,6 +22,7 @@ ONES = "ones"
 ZEROS = "zeros"  # biases, as Megatron
 NORMAL = "normal"
 SCALED_NORMAL = "scaled_normal"  # output projections: std / sqrt(2 * num_layers), as Megatron
+EMBEDDING = "embedding"  # the token embedding: normal with model.embedding_init_std (None: std)
 
 
 def make_param(shape: tuple[int, ...], init: str, device=None, dtype=None, first_expert: int | None = None,
@@ -45,19 +46,22 @@ def _generator(seed: int, key: str) -> torch.Generator:
 
 
 def _fill(target: torch.Tensor, rule: str, key: str, seed: int, std: float, num_layers: int,
-          shard: TPShard | None = None) -> None:
+          shard: TPShard | None = None, embedding_std: float | None = None) -> None:
     if rule in (ONES, ZEROS):
         target.fill_(1.0 if rule == ONES else 0.0)
         return
-    scale = std / math.sqrt(2.0 * num_layers) if rule == SCALED_NORMAL else std
+    scale = (std / math.sqrt(2.0 * num_layers) if rule == SCALED_NORMAL
+             else embedding_std if rule == EMBEDDING and embedding_std is not None else std)
     shape = target.shape if shard is None else shard.logical_shape(target.shape)
     values = torch.empty(shape, dtype=torch.float32).normal_(0.0, scale, generator=_generator(seed, key))
     target.copy_(values if shard is None else shard.take(values, target.shape))
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
-    """Initialise every tagged parameter of ``model`` from (seed, logical name[, global expert])."""
+def init_parameters(model: nn.Module, seed: int, std: float, num_layers: int,
+                    embedding_std: float | None = None) -> None:
+    """Initialise every tagged parameter of ``model`` from (seed, logical name[, global expert]); the token
+    embedding's std is ``embedding_std`` where given, else ``std``."""
     for name, param in model.named_parameters():
         info = getattr(param, "info", None)
         if info is None:
@@ -68,4 +72,4 @@ def init_parameters(model: nn.Module, seed: int, std: float, num_layers: int) ->
             for local, expert in enumerate(range(info.first_expert, info.first_expert + param.shape[0])):
                 _fill(param[local], info.init_rule, expert_key(name, expert), seed, std, num_layers, info.tp_shard)
         else:
-            _fill(param, info.init_rule, name, seed, std, num_layers, info.tp_shard)
+            _fill(param, info.init_rule, name, seed, std, num_layers, info.tp_shard, embedding_std)

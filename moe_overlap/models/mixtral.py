@@ -236,7 +236,7 @@ class MixtralModel(nn.Module):
                         module.register_forward_pre_hook(refresh_weights)
 
     def init_weights(self, seed: int) -> None:
-        init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers)
+        init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers, self.cfg.embedding_init_std)
 
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> ModelOutput:
         x_BSH, aux_loss, tokens_per_expert = self.run_layers(self.embedding(input_ids_BS), self.layers.keys())
