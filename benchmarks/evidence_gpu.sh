@@ -322,8 +322,8 @@ case $phase in
   example2)
     example 2
     ;;
-  example4)  # issue 41's 4-GPU example (STEPS=N overrides its 100 steps)
-    example 4 ${STEPS:+train.max_steps=$STEPS}
+  example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
+    example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
   fp8)
     (export CUDA_VISIBLE_DEVICES=0
