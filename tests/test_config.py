@@ -454,6 +454,9 @@ def test_defaults_load():
     # paired micro-batches turn on what they need: the pipeline, host planning, eager layers
     (["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"], True, "host", False),
     (["overlap.overlap_moe_expert_parallel_comm=true", "overlap.moe_planning=device"], True, "device", False),
+    # ... under PP the transport's choice (device planning where sm_push runs: faster there)
+    (["train.moe_cuda_graph=false", "overlap.overlap_moe_expert_parallel_comm=true",
+      "parallel.pipeline_model_parallel_size=2"], True, "auto", False),
 ])
 def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
     cfg = load_config(TINY, overrides)
