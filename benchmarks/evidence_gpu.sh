@@ -101,10 +101,11 @@ suite() {  # name, GPUs, time limit (s)
   cp "$log" "$res/gpu_tests_$1$gpu.txt"
 }
 
-example() {  # GPUs, then overrides: configs/gpu<N>_fine.yaml with ROUTING=overrides, ROUTING_NAME=name
-  local n=$1 name=examples_gpu${1}_fine_${ROUTING_NAME:-default}_${1}x$gpu
+example() {  # GPUs, then overrides: configs/gpu<N>_<EXAMPLE_FAMILY: fine>.yaml, ROUTING=overrides, ROUTING_NAME=name
+  local n=$1 family=${EXAMPLE_FAMILY:-fine}
+  local name=examples_gpu${1}_${family}_${ROUTING_NAME:-default}_${1}x$gpu
   shift
-  timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu${n}_fine.yaml --nproc $n ${ROUTING:-} "$@" \
+  timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu${n}_$family.yaml --nproc $n ${ROUTING:-} "$@" \
     train.output_dir="$out/$name" > "$out/$name.log" 2>&1
   tail -n 2 "$out/$name.log"
   python benchmarks/plot_loss.py "$out/$name" --labels "${ROUTING_NAME:-default}" --png $res/$name.png \
@@ -319,6 +320,16 @@ case $phase in
       pack
     done
     ;;
+  diag4)  # the fine layer bounded, 4 chunks graphed with delayed wgrad: a timeline of why its transfers did not run
+    # under its GEMMs (layer_bound4: 21.76 ms = GEMMs 13.86 + push 7.78); then the Mixtral-like 4-GPU example
+    timeout -k 10 150 torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes fine --chunks 4 \
+      --graph-chunks 4 --capacity-factor 1.25 --fabric nvlink --rounds 4 --timeline-variant device_graph \
+      --timeline $res/moe_layer_4x${gpu}_fine_bound_chunks4_timeline.png \
+      --json $res/moe_layer_4x${gpu}_nvlink_fine_bound_chunks4.json > "$out/moe_layer4_diag.log" 2>&1
+    tail -n 4 "$out/moe_layer4_diag.log"
+    pack
+    EXAMPLE_FAMILY=mixtral example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
+    ;;
   example2)
     example 2
     ;;
@@ -365,7 +376,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | example2 | example4 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | example2 | example4 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
