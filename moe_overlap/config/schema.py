@@ -51,9 +51,9 @@ class ModelConfig:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-    # The token embedding's init std (OLMo 2: 1.0, so a token's own vector outweighs the context average that
-    # near-uniform attention adds at init); None: init_method_std, as every other weight. A tied table is also the
-    # output layer's weight: its logits grow with it.
+    # The token embedding's init std (1.0 in the fine GPU examples: a token's own vector then outweighs the context
+    # average that near-uniform attention adds at init, README "Quick start on GPUs"); None: init_method_std, as
+    # every other weight. A tied table is also the output layer's weight: its logits grow with it.
     embedding_init_std: Optional[float] = None
     share_embeddings_and_output_weights: bool = False
     kv_channels: Optional[int] = None  # channels per attention head; None: hidden_size / num_attention_heads
