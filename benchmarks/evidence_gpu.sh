@@ -330,6 +330,13 @@ case $phase in
     pack
     EXAMPLE_FAMILY=mixtral example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
+  layer_sweep4)  # issue 38: the bounded fine layer, 4 graphed chunks, over GEMM carve-outs (the pushes' CTAs): under
+    # auto its pushes took 11.3 ms of kernels against 7.8 at full width (diag4's timeline)
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes fine,fine_small \
+      --chunks 2,4 --graph-chunks 2,4 --carveouts 0,8,16,32,48,auto --capacity-factor 1.25 --fabric nvlink \
+      --rounds 8 --json $res/moe_layer_4x${gpu}_nvlink_fine_carveouts.json > "$out/moe_layer4_sweep.log" 2>&1
+    tail -n 8 "$out/moe_layer4_sweep.log"
+    ;;
   example2)
     example 2
     ;;
@@ -376,7 +383,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | example2 | example4 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack

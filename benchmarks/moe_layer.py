@@ -96,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                "replayed from CUDA graphs, or the graphed local path (EP=1)")
     parser.add_argument("--skew", action="store_true", help="add skewed-routing rows per shape")
     parser.add_argument("--chunks", default="1,2,4", help="chunk counts to try (capped at the local experts)")
-    parser.add_argument("--carveouts", default="0,auto", help="GEMM SM carve-outs of the device-planned pipeline")
+    parser.add_argument("--carveouts", default="0,auto",
+                        help="GEMM SM carve-outs of the device-planned pipeline (eager and graphed, with chunks)")
     parser.add_argument("--graph-chunks", default="1",
                         help="chunk counts also replayed from CUDA graphs (default 1, as training graphs it); each "
                              "graph keeps its own worst-case buffers (the Mixtral shape at EP=4 ran out of 80 GB "
@@ -270,8 +271,8 @@ class Bench:
                           for d in ((False, True) if c > 1 else (False,)) for s in (carveouts if c > 1 else [0])]}
         if self.device.type == "cuda":  # replayed from graphs, as training runs it
             graphed = sorted({min(int(c), local) for c in self.args.graph_chunks.split(",")})
-            out["device"] += [Setting("device", t, c, False, "auto" if c > 1 and "auto" in carveouts else 0, True)
-                              for t in self.transports["device"] for c in graphed]
+            out["device"] += [Setting("device", t, c, False, s, True) for t in self.transports["device"]
+                              for c in graphed for s in (carveouts if c > 1 else [0])]
         if self.local:
             out["local"] = [Setting(None, graphed=True)] if self.device.type == "cuda" else []
         return {planning: found for planning, found in out.items() if found or planning == "local"}
