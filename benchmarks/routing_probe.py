@@ -49,6 +49,12 @@ BIAS_OFF = "model.moe_router_enable_expert_bias=false"
 SOFTMAX = "model.moe_router_score_function=softmax"
 
 # name -> (overrides, factor on the routers' initial weights)
+def _shipped(*extra: str, aux: str = "1e-2") -> tuple[list[str], float]:
+    """The routing configs/gpu*_fine.yaml ship (embedding std 1.0, aux loss ``aux``, bias rate 1e-2), plus ``extra``."""
+    return [f"model.moe_aux_loss_coeff={aux}", "model.moe_router_bias_update_rate=1e-2", "model.embedding_init_std=1.0",
+            *extra], 1.0
+
+
 VARIANTS: dict[str, tuple[list[str], float]] = {
     "bias1e-3": ([], 1.0),
     "bias1e-2": (["model.moe_router_bias_update_rate=1e-2"], 1.0),
@@ -80,20 +86,13 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
                                        "model.embedding_init_std=0.5"], 1.0),
     # issue 41: on top of the shipped combination (embedding std 1.0, aux 1e-2, bias rate 1e-2; the baseline is
     # aux1e-2+bias1e-2_embed_std1.0), what keeps every expert above 25% of the mean from step 50 on
-    "shipped_warmup50": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=1e-2",
-                          "model.embedding_init_std=1.0", "train.lr_warmup_steps=50"], 1.0),
-    "shipped_warmup100": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=1e-2",
-                           "model.embedding_init_std=1.0", "train.lr_warmup_steps=100"], 1.0),
-    "shipped_qk_layernorm": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=1e-2",
-                              "model.embedding_init_std=1.0", "model.qk_layernorm=true"], 1.0),
-    "shipped_aux3e-2": (["model.moe_aux_loss_coeff=3e-2", "model.moe_router_bias_update_rate=1e-2",
-                         "model.embedding_init_std=1.0"], 1.0),
-    "shipped_aux1e-1": (["model.moe_aux_loss_coeff=1e-1", "model.moe_router_bias_update_rate=1e-2",
-                         "model.embedding_init_std=1.0"], 1.0),
-    "shipped_seqaux1e-2": (["model.moe_router_load_balancing_type=seq_aux_loss", "model.moe_aux_loss_coeff=1e-2",
-                            "model.moe_router_bias_update_rate=1e-2", "model.embedding_init_std=1.0"], 1.0),
-    "shipped_lr1e-4": (["model.moe_aux_loss_coeff=1e-2", "model.moe_router_bias_update_rate=1e-2",
-                        "model.embedding_init_std=1.0", "train.lr=1.0e-4"], 1.0),
+    "shipped_warmup50": _shipped("train.lr_warmup_steps=50"),
+    "shipped_warmup100": _shipped("train.lr_warmup_steps=100"),
+    "shipped_qk_layernorm": _shipped("model.qk_layernorm=true"),
+    "shipped_aux3e-2": _shipped(aux="3e-2"),
+    "shipped_aux1e-1": _shipped(aux="1e-1"),
+    "shipped_seqaux1e-2": _shipped("model.moe_router_load_balancing_type=seq_aux_loss"),
+    "shipped_lr1e-4": _shipped("train.lr=1.0e-4"),
 }
 
 
