@@ -29,6 +29,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank
+#   bash benchmarks/evidence_gpu.sh pp_diag4 OUT   # PP=2 x EP=2, paired beside off (device planning), profiled
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -336,6 +337,17 @@ case $phase in
       --chunks 2,4 --graph-chunks 2,4 --carveouts 0,8,16,32,48,auto --capacity-factor 1.25 --fabric nvlink \
       --rounds 8 --json $res/moe_layer_4x${gpu}_nvlink_fine_carveouts.json > "$out/moe_layer4_sweep.log" 2>&1
     tail -n 8 "$out/moe_layer4_sweep.log"
+    pack
+    ;;
+  pp_diag4)  # issue 36: where paired micro-batches under PP=2 x EP=2 lose their step (paired4: 671 ms against 581
+    # off, device planning): one profiled step per row, its breakdown in the JSON and rank 0's timeline
+    timeout -k 10 $(( $(left) < 240 ? $(left) : 240 )) torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2 \
+      overlap.moe_pipeline=true overlap.moe_planning=device train.moe_cuda_graph=false $BAL \
+      --variant paired:overlap.overlap_moe_expert_parallel_comm=true --warmup 3 --steps 6 --profile-steps 1 \
+      --json $res/train_step_fine_8l_pp2_ep2_diag_4x$gpu.json --timeline $res/train_step_fine_8l_pp2_ep2_diag_4x$gpu.png \
+      2>&1 | tee "$out/pp_diag4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
+    pack
     ;;
   example2)
     example 2
