@@ -30,6 +30,7 @@
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank
 #   bash benchmarks/evidence_gpu.sh pp_diag4 OUT   # PP=2 x EP=2, paired beside off (device planning), profiled
+#   bash benchmarks/evidence_gpu.sh pp_paired4 OUT # the same with the pushes on the side stream (carve-out auto)
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -331,12 +332,37 @@ case $phase in
     pack
     EXAMPLE_FAMILY=mixtral example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
-  layer_sweep4)  # issue 38: the bounded fine layer, 4 graphed chunks, over GEMM carve-outs (the pushes' CTAs): under
-    # auto its pushes took 11.3 ms of kernels against 7.8 at full width (diag4's timeline)
-    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes fine,fine_small \
-      --chunks 2,4 --graph-chunks 2,4 --carveouts 0,8,16,32,48,auto --capacity-factor 1.25 --fabric nvlink \
-      --rounds 8 --json $res/moe_layer_4x${gpu}_nvlink_fine_carveouts.json > "$out/moe_layer4_sweep.log" 2>&1
-    tail -n 8 "$out/moe_layer4_sweep.log"
+  layer_sweep4)  # issue 38: the bounded fine layers, graphed chunks, over GEMM carve-outs (the pushes' CTAs): under
+    # auto the fine layer's pushes took 11.3 ms of kernels against 7.8 at full width (diag4's timeline). One launch
+    # per shape: every graphed variant holds its own captured buffers
+    for run in "fine 4 0,16,32,48,auto" "fine_small 2,4 0,8,16,32,auto"; do
+      set -- $run
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/moe_layer.py --shapes $1 \
+        --chunks $2 --graph-chunks $2 --carveouts $3 --capacity-factor 1.25 --fabric nvlink --rounds 8 \
+        --json $res/moe_layer_4x${gpu}_nvlink_$1_carveouts.json > "$out/moe_layer4_sweep_$1.log" 2>&1
+      tail -n 8 "$out/moe_layer4_sweep_$1.log"
+      pack
+    done
+    ;;
+  pp_paired4)  # issue 36: paired micro-batches with their pushes on the side stream (gemm_sm_carveout auto: the
+    # MoE GEMMs leave the pushes' CTAs free) beside carve-out 0 (pushes on the compute stream: pp_diag4's waits
+    # grew 83 -> 300 ms) and host planning; off again last (row order). Then EP=4 (PP=1) the same way
+    pp="configs/bench_fine_8l.yaml parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2"
+    timeout -k 10 $(( $(left) < 270 ? $(left) : 270 )) torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+      $pp overlap.moe_pipeline=true overlap.moe_planning=device train.moe_cuda_graph=false $BAL \
+      --variant paired:overlap.overlap_moe_expert_parallel_comm=true \
+      --variant paired_auto:overlap.overlap_moe_expert_parallel_comm=true,overlap.gemm_sm_carveout=auto \
+      --variant paired_host:overlap.overlap_moe_expert_parallel_comm=true,overlap.moe_planning=host \
+      --variant off_again:overlap.moe_planning=device --warmup 3 --steps 6 --profile-steps 1 \
+      --json $res/train_step_fine_8l_pp2_ep2_paired_auto_4x$gpu.json \
+      --timeline $res/train_step_fine_8l_pp2_ep2_paired_auto_4x$gpu.png 2>&1 \
+      | tee "$out/pp_paired4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
+    pack
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.expert_model_parallel_size=4 $BAL $DISTOPT $GRAPHED --warmup 3 --steps 6 --profile-steps 0 \
+      --variant "paired_device_auto:overlap.moe_planning=device,overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=false,overlap.gemm_sm_carveout=auto" \
+      --variant "$PAIRED" --json $res/train_step_fine_8l_ep4_balanced_paired_auto_4x$gpu.json 2>&1 \
+      | tee "$out/ep4_paired_auto.log" | grep -E '^\{"variant"|Error' | cut -c1-500
     pack
     ;;
   pp_diag4)  # issue 36: where paired micro-batches under PP=2 x EP=2 lose their step (paired4: 671 ms against 581

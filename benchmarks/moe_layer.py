@@ -466,7 +466,7 @@ class Probe:
             for transport in bench.transports["device"]:  # the plan's counts gathered by that transport
                 self.plans["device"] = DevicePlanner(shape.experts, ep, chunks, False,
                                                      bench.selector("device", transport, local), x.device,
-                                                     row_bytes).plan(routing)
+                                                     row_bytes, bench.args.capacity_factor).plan(routing)
         layout = self.plans["host"].exchange.layout
         self.send_RH = torch.randn(shape.tokens * shape.topk, shape.hidden, device=x.device, dtype=x.dtype)
         self.grouped_RH = torch.randn(layout.recv_total, shape.hidden, device=x.device, dtype=x.dtype)
@@ -482,12 +482,14 @@ class Probe:
         return {"tokens_per_rank_max": int(every.max()), "tokens_per_rank_mean": float(every.mean())}
 
     def _exchanges(self):
-        """(name, transport, plan) of every transport the bench runs."""
+        """(name, transport, plan) of every transport the bench runs, its regions sized as the plan sized them (the
+        layers' bound, ``--capacity-factor``)."""
         bench, local = self.bench, self.shape.experts // self.bench.mesh.ep.size
         for planning, transports in bench.transports.items():
             for transport in transports:
-                yield (f"{planning}:{transport}", bench.selector(planning, transport, local).transport(
-                    self.worst_bytes), self.plans[planning])
+                chosen = (self.plans["device"].transport if planning == "device" else
+                          bench.selector(planning, transport, local).transport(self.worst_bytes))
+                yield f"{planning}:{transport}", chosen, self.plans[planning]
 
     def _move(self, transport, plan, chunks: int, gemm=None) -> None:
         """One dispatch (all chunks sent), optionally with the GEMMs between, then received (an SM push with no
