@@ -31,6 +31,7 @@
 #                                                  #   with no overlap field set (auto) beside once_per_rank
 #   bash benchmarks/evidence_gpu.sh pp_diag4 OUT   # PP=2 x EP=2, paired beside off (device planning), profiled
 #   bash benchmarks/evidence_gpu.sh pp_paired4 OUT # the same with the pushes on the side stream (carve-out auto)
+#   bash benchmarks/evidence_gpu.sh pp_repeat4 OUT # PP=2 x EP=2: off, paired, paired at carve-out 0, three times each
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -373,6 +374,19 @@ case $phase in
       --variant paired:overlap.overlap_moe_expert_parallel_comm=true --warmup 3 --steps 6 --profile-steps 1 \
       --json $res/train_step_fine_8l_pp2_ep2_diag_4x$gpu.json --timeline $res/train_step_fine_8l_pp2_ep2_diag_4x$gpu.png \
       2>&1 | tee "$out/pp_diag4.log" | grep -E '^\{"variant"|Error' | cut -c1-500
+    pack
+    ;;
+  pp_repeat4)  # issue 36: PP=2 x EP=2 rows swing by a third between launches (host-bound eager MoE layers), so off
+    # and paired (the default carve-out auto: pushes on the side stream; and carve-out 0) alternate, three times each
+    P="overlap.overlap_moe_expert_parallel_comm=true"
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2 overlap.moe_pipeline=true \
+      overlap.moe_planning=device train.moe_cuda_graph=false $BAL --warmup 3 --steps 6 --profile-steps 0 \
+      --variant paired:$P --variant paired_co0:$P,overlap.gemm_sm_carveout=0 --variant off2:overlap.moe_planning=device \
+      --variant paired2:$P --variant paired_co0_2:$P,overlap.gemm_sm_carveout=0 \
+      --variant off3:overlap.moe_planning=device --variant paired3:$P --variant paired_co0_3:$P,overlap.gemm_sm_carveout=0 \
+      --json $res/train_step_fine_8l_pp2_ep2_repeat_4x$gpu.json 2>&1 \
+      | tee "$out/pp_repeat4.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
   example2)

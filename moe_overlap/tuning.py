@@ -23,15 +23,15 @@ import math
 #     one chunk 0.323, paired 0.275, 2 chunks 0.251 (its compute-only row 0.304; 2026-11-27,
 #     ..._slow_paired_4xh100.json). So a slow-fabric default would pair only the top-2 model; not built: auto is
 #     resolved from the config before the fabric is known.
-#   paired (overlap_moe_expert_parallel_comm), PP = 1: host planning, whose copy engines take no SMs from the other
-#     micro-batch's GEMMs: 4xH100 EP=4 fine-grained uniform ids, 0.364 over copy_engine vs 0.333 over nccl uncapped
-#     and 0.239 at 4 CTAs (issue 38's table); balanced, 2026-11-27, 0.241 over copy_engine vs 0.219 device-planned
-#     (sm_push), whose pushes wait beside the other micro-batch's attention
-#     (benchmarks/results/train_step_fine_8l_ep4_balanced_paired_4xh100.json).
-#     PP > 1: left to the transport's auto (device planning where sm_push runs): 4xH100 PP=2 x EP=2 fine-grained
-#     balanced, 0.274 device vs 0.244 host-planned, 2026-11-27 (unpaired 0.317 vs 0.292;
-#     benchmarks/results/train_step_fine_8l_pp2_ep2_device_4xh100.json).
-PAIRED_MOE_PLANNING = "host"
+#   paired (overlap_moe_expert_parallel_comm): planning left to the transport's auto (device planning where sm_push
+#     runs), the pushes on the side stream with the CTAs gemm_sm_carveout auto leaves them beside the MoE GEMMs.
+#     With carve-out 0 the pushes ran on the compute stream, so nothing of one micro-batch's exchange ran under the
+#     other's compute: 4xH100 EP=4 fine-grained balanced, 0.219 device-planned at carve-out 0 vs 0.241 host-planned
+#     over copy_engine (2026-11-27, ..._ep4_balanced_paired_4xh100.json); then in one launch 0.434 device-planned at
+#     carve-out auto vs 0.323 over copy_engine (the unpaired default 0.519; ..._ep4_balanced_paired_auto_4xh100.json).
+#     Earlier, uniform ids: 0.364 over copy_engine vs 0.333 over nccl uncapped and 0.239 at 4 CTAs (issue 38's
+#     table). PP=2 x EP=2 rows swing by a third between launches of the same config (eager MoE layers, host-bound:
+#     unpaired 0.317 / 0.427 / 0.379 / 0.321 on 4xH100, 2026-11-27, ..._pp2_ep2_{device,diag,paired_auto}_4xh100.json).
 
 # ``overlap.moe_dispatch_once_per_rank: auto`` turns it on (with the pipeline) from this router top-k up: a token's
 # copies then often share a rank, and the wire carries each token once per (chunk, rank) instead of once per copy.

@@ -451,10 +451,10 @@ def test_defaults_load():
     (["train.expert_wgrad_pairs=true"], False, "auto", False),  # what the pipeline's chunks replace
     (["overlap.moe_pipeline=false"], False, "auto", False),  # the serial reference stays explicit
     (["train.moe_cuda_graph=true"], True, "device", True),  # the plan a graph replays
-    # paired micro-batches turn on what they need: the pipeline, host planning, eager layers
-    (["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"], True, "host", False),
-    (["overlap.overlap_moe_expert_parallel_comm=true", "overlap.moe_planning=device"], True, "device", False),
-    # ... under PP the transport's choice (device planning where sm_push runs: faster there)
+    # paired micro-batches turn on what they need: the pipeline and eager layers; planning is the transport's choice
+    # (device planning where sm_push runs, its pushes beside the other micro-batch: faster there), at any PP
+    (["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"], True, "auto", False),
+    (["overlap.overlap_moe_expert_parallel_comm=true", "overlap.moe_planning=host"], True, "host", False),
     (["train.moe_cuda_graph=false", "overlap.overlap_moe_expert_parallel_comm=true",
       "parallel.pipeline_model_parallel_size=2"], True, "auto", False),
 ])
@@ -537,6 +537,15 @@ def test_comm_resource_fields_need_cuda(override, field, value):
     cfg = load_config(TINY, [override])
     check(_world_error(cfg, 2, "cpu"), field, value, "needs train.device=cuda")
     validate_for_world(cfg, 2, "cuda")
+
+
+def test_gemm_sm_carveout_auto_by_default():
+    """auto, the default, leaves SMs free only where a push or a capped communicator runs beside a GEMM (none on the
+    CPU): it loads and validates there as 0 does."""
+    cfg = load_config(TINY)
+    assert cfg.overlap.gemm_sm_carveout == "auto"
+    validate_for_world(cfg, 2, "cpu")
+    validate_for_world(load_config(TINY, ["overlap.gemm_sm_carveout=0"]), 2, "cpu")
 
 
 def test_moe_cuda_graph_needs_cuda():

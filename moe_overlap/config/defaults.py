@@ -6,10 +6,10 @@ a switch the user set needs to run.
                                 only the pipeline reads is set; otherwise (one expert rank, or
                                 train.expert_wgrad_pairs, which the pipeline's chunks replace) the serial exchange
     overlap_moe_expert_parallel_comm with an exchange
-                                turns the pipeline on (auto), plans where it measured fastest (moe_planning auto: at
-                                PP=1 on the host, whose copy engines take no SMs from the other micro-batch's GEMMs;
-                                under PP the transport's choice, device planning where sm_push runs) and runs the
-                                MoE layers eager
+                                turns the pipeline on (auto), leaves moe_planning auto to the transport (device
+                                planning where sm_push runs, its pushes on the side stream beside the other
+                                micro-batch under gemm_sm_carveout auto: the fastest measured, tuning.py) and runs
+                                the MoE layers eager
                                 (train.moe_cuda_graph: a graph cannot hold a layer split into stages)
     train.moe_cuda_graph with the pipeline
                                 plans on the device (moe_planning auto: the plan a graph can replay)
@@ -24,7 +24,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
-from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK, PAIRED_MOE_PLANNING
+from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
@@ -76,10 +76,6 @@ def resolve_defaults(cfg: Config) -> list[str]:
             t.moe_cuda_graph = False
             choices.append("train.moe_cuda_graph=true -> false: overlap_moe_expert_parallel_comm runs each MoE layer "
                            "as stages beside another micro-batch, which a graph cannot hold")
-        if o.moe_planning == "auto" and cfg.parallel.pipeline_model_parallel_size == 1:
-            o.moe_planning = PAIRED_MOE_PLANNING
-            choices.append(f"overlap.moe_planning=auto -> {PAIRED_MOE_PLANNING}: the fastest measured with paired "
-                           "micro-batches at PP=1 (tuning.py)")
     if o.moe_dispatch_once_per_rank == "auto":
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"

@@ -340,9 +340,9 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     refuse(graph_device_refusal(device_type) if t.moe_cuda_graph else None)
     require(t.fp8_recipe is None or device_type == "cuda", "train.fp8_recipe", t.fp8_recipe,
             f"{FP8_NEEDS_GPU}; the device is {device_type!r}")
-    for name, default in (("dp_comm_ctas", None), ("ep_comm_ctas", None), ("gemm_sm_carveout", 0)):
-        value = getattr(cfg.overlap, name)
-        require(value == default or device_type == "cuda", f"overlap.{name}", value,
+    for name, anywhere in (("dp_comm_ctas", (None,)), ("ep_comm_ctas", (None,)), ("gemm_sm_carveout", (0, "auto"))):
+        value = getattr(cfg.overlap, name)  # what needs no communicator or GEMM setting passes anywhere
+        require(value in anywhere or device_type == "cuda", f"overlap.{name}", value,
                  f"sets NCCL communicators and cuBLAS GEMMs: needs train.device=cuda; the device is {device_type!r}")
     refuse(device_refusal(cfg.overlap.moe_transport, device_type))
     backend, wanted = cfg.overlap.tp_comm_backend, {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")}[device_type]

@@ -141,10 +141,11 @@ class OverlapConfig:
     # SMs a GEMM with communication beside it leaves free (torch's SM carve-out), so that a communication kernel
     # starts at once instead of queueing behind the GEMM's full-chip grid: the MoE pipeline's grouped GEMMs while
     # rows move beside them (an SM push takes that many CTAs), and with the distributed optimizer's overlaps the
-    # GEMMs its syncs run beside (the first micro-batch's forward, the last one's backward). 0: none; auto: the
-    # measured pairings (2 x ep_comm_ctas, 4 x dp_comm_ctas; 0 without a cap) and, for SM pushes, the CTAs that
-    # move a chunk's rows in its GEMM's time.
-    gemm_sm_carveout: Union[int, Literal["auto"]] = 0
+    # GEMMs its syncs run beside (the first micro-batch's forward, the last one's backward). 0: none (an SM push
+    # then runs on the compute stream, between the GEMMs); auto, the default: the measured pairings
+    # (2 x ep_comm_ctas, 4 x dp_comm_ctas; 0 without a cap) and, for SM pushes (more than one chunk, or paired
+    # micro-batches), the CTAs that move a chunk's rows in its GEMM's time (tuning.py says where each was measured).
+    gemm_sm_carveout: Union[int, Literal["auto"]] = "auto"
     tp_comm_overlap: bool = False
     tp_comm_overlap_ag: bool = False
     tp_comm_overlap_rs: bool = False
