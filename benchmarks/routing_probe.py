@@ -93,6 +93,9 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
     "shipped_aux1e-1": _shipped(aux="1e-1"),
     "shipped_seqaux1e-2": _shipped("model.moe_router_load_balancing_type=seq_aux_loss"),
     "shipped_lr1e-4": _shipped("train.lr=1.0e-4"),
+    # the router z-loss (ST-MoE) shrinks every logit, the part common to all tokens with it
+    "shipped_z1e-3": _shipped("model.moe_z_loss_coeff=1e-3"),
+    "shipped_z1e-2": _shipped("model.moe_z_loss_coeff=1e-2"),
 }
 
 
