@@ -32,6 +32,7 @@
 #   bash benchmarks/evidence_gpu.sh pp_diag4 OUT   # PP=2 x EP=2, paired beside off (device planning), profiled
 #   bash benchmarks/evidence_gpu.sh pp_paired4 OUT # the same with the pushes on the side stream (carve-out auto)
 #   bash benchmarks/evidence_gpu.sh pp_repeat4 OUT # PP=2 x EP=2: off, paired, paired at carve-out 0, three times each
+#   bash benchmarks/evidence_gpu.sh pp_graph4 OUT  # PP=2 x EP=2 with graphed MoE layers (GPU test, then eager/graphed)
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -387,6 +388,20 @@ case $phase in
       --variant off3:overlap.moe_planning=device --variant paired3:$P --variant paired_co0_3:$P,overlap.gemm_sm_carveout=0 \
       --json $res/train_step_fine_8l_pp2_ep2_repeat_4x$gpu.json 2>&1 \
       | tee "$out/pp_repeat4.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
+  pp_graph4)  # issue 36: graphed MoE layers under PP (1F1B, a copy of the graphs per micro-batch in flight): the GPU
+    # test of the layout, then PP=2 x EP=2 eager against graphed, twice each, and paired (eager)
+    CUDA_VISIBLE_DEVICES=0,1,2,3 timeout -k 10 220 python -m pytest -m gpu -p no:cacheprovider -q \
+      tests/test_gpu_master.py -k "pp2_ep2" 2>&1 | tee "$out/pp_graph4_test.log" | tail -n 4
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2 overlap.moe_pipeline=true \
+      overlap.moe_planning=device train.moe_cuda_graph=false $BAL --warmup 3 --steps 6 --profile-steps 0 \
+      --variant graphed:train.moe_cuda_graph=true --variant eager2:train.moe_cuda_graph=false \
+      --variant graphed2:train.moe_cuda_graph=true \
+      --variant paired:overlap.overlap_moe_expert_parallel_comm=true \
+      --json $res/train_step_fine_8l_pp2_ep2_graphed_4x$gpu.json 2>&1 \
+      | tee "$out/pp_graph4.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
   example2)

@@ -17,7 +17,8 @@ and those graphed layers, its communicators at 2 CTAs (and the EP one at 4) and 
 short (overlap.dp_comm_ctas, overlap.ep_comm_ctas, overlap.gemm_sm_carveout); PP=2 (one layer, then two): 1F1B
 with batched P2P, ZB-H1 with overlapped P2P over the per-direction groups.
 4 ranks: EP=4 (serial; the graphed device-planned pipeline), TP=2 x EP=2 (x DP=2, every TP overlap), PP=2 x
-EP=2 (ZB-H1, the host-planned MoE pipeline), CP=2 x EP=2 (x DP=2, the overlapped ring, the distributed
+EP=2 (ZB-H1, the host-planned MoE pipeline; 1F1B with the MoE layers replayed from graphs, a copy per
+micro-batch in flight), CP=2 x EP=2 (x DP=2, the overlapped ring, the distributed
 optimizer), EP=2 x expert-DP=2 (DP=4) with the distributed optimizer and both its overlaps.
 
 The per-rank work is ``gpu_equivalence``; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it runs on CPU gloo
@@ -96,6 +97,9 @@ LAYOUTS = {
     # two layers, then one: a MoE layer on each stage, so both stages' EP groups exchange
     "layout_bf16_pp2_ep2_zb_h1_overlapped_dispatch": Layout(4, 2, {
         **pp2(2), "train.pipeline_schedule": "zb_h1", "overlap.overlap_p2p_comm": "true", **HOST_PIPELINE}),
+    # graphed MoE layers under PP (1F1B): the first stage keeps two micro-batches in flight, each replaying its own
+    # copy of the graphs
+    "layout_bf16_pp2_ep2_1f1b_cuda_graph": Layout(4, 2, {**pp2(2), **GRAPHED_DEVICE_PIPELINE}),
     "layout_bf16_cp2_ep2_dp2_overlap_distributed_optimizer": Layout(4, 2, {
         "parallel.context_parallel_size": 2, "overlap.cp_comm_overlap": "true", **DIST_OPT}),
     "layout_bf16_ep2_edp2_dp4_distributed_optimizer_overlap": Layout(4, 2, DIST_OPT),

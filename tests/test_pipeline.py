@@ -15,7 +15,8 @@ import torch.distributed as dist
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.training.schedules import (SCHEDULES, Compute, Post, Schedule, ScheduleError, Wait, build_schedule,
-                                            in_flight, in_flight_bound, predicted_bubble, render, simulate, validate)
+                                            graph_copies, in_flight, in_flight_bound, predicted_bubble, render,
+                                            simulate, validate)
 from moe_overlap.training.trainer import Trainer
 from tests.test_master import CPU, TOL, rel_err, run_and_save, small_config, world_and_mesh
 
@@ -430,3 +431,25 @@ def test_info_schedule_prints_every_ranks_timeline(capsys):
     assert "interleaved_1f1b: PP=2 VPP=2 micro-batches=4" in out and "rank 1 |" in out and "bubble (mean" in out
     assert main(["info", "configs/tiny.yaml", "--schedule"]) == 2
     assert "--schedule=True: needs parallel.pipeline_model_parallel_size > 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pp, micro_batches, paired", [(1, 4, False), (1, 4, True), (2, 8, False), (2, 8, True),
+                                                        (4, 8, False), (4, 16, True)])
+def test_graph_copies_one_per_micro_batch_in_flight_under_1f1b(pp, micro_batches, paired):
+    """train.moe_cuda_graph under 1F1B: a rank's graphed copies are its micro-batches in flight (pp - rank
+    unpaired), and micro-batch i's forward replays copy i mod n only after micro-batch i - n's backward."""
+    schedule = build_schedule("1f1b", pp, 1, micro_batches, paired=paired)
+    copies = [graph_copies(actions) for actions in schedule.ranks]
+    assert copies == [in_flight(actions) for actions in schedule.ranks]
+    if not paired:
+        assert copies == [pp - rank for rank in range(pp)]
+
+
+def test_graph_copies_refuse_a_split_backward_and_a_copy_still_held():
+    with pytest.raises(ValueError, match="splits it"):
+        graph_copies(build_schedule("zb_h1", 2, 1, 4).ranks[0])
+    # two in flight, the backwards out of order: micro-batch 2 would replay copy 0 while micro-batch 0 holds it
+    order = [Compute(kind, micro_batch, 0) for kind, micro_batch in (("F", 0), ("F", 1), ("B", 1), ("F", 2),
+                                                                      ("B", 0), ("B", 2))]
+    with pytest.raises(ValueError, match="micro-batch 2's forward comes before micro-batch 0's backward"):
+        graph_copies(order)

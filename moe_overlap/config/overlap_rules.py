@@ -60,10 +60,12 @@ def _validate_pipeline(cfg: Config) -> None:
         require(t.recompute_granularity == "none", "train.pipeline_schedule", schedule,
                  "not implemented yet with train.recompute_granularity='full' (a deferred weight gradient would "
                  "need the recomputed activations); use 1f1b")
-    if pp > 1 and t.moe_cuda_graph:
+    if pp > 1 and t.moe_cuda_graph and (schedule or ("interleaved_1f1b" if vpp > 1 else "1f1b")) != "1f1b":
         raise not_implemented("train.moe_cuda_graph", True, False,
-                               "graphed MoE layers under pipeline parallelism (a graph keeps one micro-batch's "
-                               "activations; a pipeline holds several)")
+                               f"graphed MoE layers under train.pipeline_schedule={schedule or 'interleaved_1f1b'} "
+                               "(under PP each micro-batch in flight replays its own copy of the graphs: built for "
+                               "1f1b, where a backward comes before the next forward of its copy; zb_h1 splits the "
+                               "backward a graph holds whole); use 1f1b")
 
 
 def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:

@@ -340,8 +340,9 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     refuse(graph_device_refusal(device_type) if t.moe_cuda_graph else None)
     require(t.fp8_recipe is None or device_type == "cuda", "train.fp8_recipe", t.fp8_recipe,
             f"{FP8_NEEDS_GPU}; the device is {device_type!r}")
-    for name, anywhere in (("dp_comm_ctas", (None,)), ("ep_comm_ctas", (None,)), ("gemm_sm_carveout", (0, "auto"))):
-        value = getattr(cfg.overlap, name)  # what needs no communicator or GEMM setting passes anywhere
+    cpu_values = (("dp_comm_ctas", (None,)), ("ep_comm_ctas", (None,)), ("gemm_sm_carveout", (0, "auto")))
+    for name, anywhere in cpu_values:  # what sets no communicator or GEMM passes anywhere
+        value = getattr(cfg.overlap, name)
         require(value in anywhere or device_type == "cuda", f"overlap.{name}", value,
                  f"sets NCCL communicators and cuBLAS GEMMs: needs train.device=cuda; the device is {device_type!r}")
     refuse(device_refusal(cfg.overlap.moe_transport, device_type))

@@ -93,8 +93,16 @@ class MoELayer(nn.Module):
         self.shared_expert = (shared_expert(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, device, dtype)
                               if cfg.moe_shared_expert_intermediate_size else None)
         self._planners: dict[tuple, HostPlanner | DevicePlanner] = {}  # by the exchange settings they plan for
-        self.graphed_twin: nn.Module | None = None  # capture_moe_layers(copies=2): the second graphed copy
+        self.graph_copies: tuple[nn.Module, ...] = ()  # capture_moe_layers(copies=n): the graphed copies 2..n
         self.last_overlap_sms: int | None = None  # the pipeline's GEMM carve-out in its last call
+
+    def for_micro_batch(self, micro_batch: int) -> nn.Module:
+        """What runs ``micro_batch``: with graphed copies (capture_moe_layers), the copy its index picks in turn (the
+        layer itself is the first), so that a copy's next forward comes after its last one's backward; else the
+        layer."""
+        if not self.graph_copies:
+            return self
+        return (self, *self.graph_copies)[micro_batch % (1 + len(self.graph_copies))]
 
     @property
     def stepped(self) -> bool:
@@ -205,13 +213,13 @@ class MoELayer(nn.Module):
 @contextlib.contextmanager
 def host_planned_rerun(moe_layers: list[MoELayer]) -> Iterator[None]:
     """Inside: every pipelined layer plans its exchange on the host over the process group's all-to-all, eagerly
-    (a graphed layer's and its twin's captured forwards are set aside, so nothing replays): how the trainer runs
+    (a graphed layer's and its copies' captured forwards are set aside, so nothing replays): how the trainer runs
     again a step whose device-planned exchange overflowed its bound (layers/device_plan.py). The same math."""
     set_aside = []
     for layer in moe_layers:
         layer.host_planned_rerun = True
-        for module in (layer, layer.graphed_twin):
-            if module is not None and "forward" in module.__dict__:  # make_graphed_callables' replaying forward
+        for module in (layer, *layer.graph_copies):
+            if "forward" in module.__dict__:  # make_graphed_callables' replaying forward
                 set_aside.append((module, module.__dict__.pop("forward")))
     try:
         yield
@@ -222,9 +230,9 @@ def host_planned_rerun(moe_layers: list[MoELayer]) -> Iterator[None]:
             module.forward = forward
 
 
-class _GraphedTwin(nn.Module):
-    """A second graphed copy of a MoE layer (its own static buffers, the same parameters), for a second
-    micro-batch in flight: capture_moe_layers(copies=2)."""
+class _GraphCopy(nn.Module):
+    """A further graphed copy of a MoE layer (its own static buffers, the same parameters), for a further
+    micro-batch in flight: capture_moe_layers(copies=n)."""
 
     def __init__(self, layer: MoELayer):
         super().__init__()
@@ -241,9 +249,10 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
     pipeline, or one EP rank) and inputs of ``input_shape``. A collective: every EP rank captures the same layers
     together (the warm-up calls exchange rows).
 
-    A graph holds one call's activations until its backward replays, so with two micro-batches in flight
-    (overlap_moe_expert_parallel_comm) ``copies=2`` captures a second set in its own pool: ``layer.graphed_twin``
-    replays it (odd micro-batches); each set still runs its forwards in order and backwards in reverse."""
+    A graph holds one call's activations until its backward replays, so with n micro-batches in flight (paired
+    micro-batches, or a pipeline stage's 1F1B) ``copies=n`` captures n - 1 further sets, each in its own pool:
+    ``layer.for_micro_batch(i)`` picks set i mod n. Each set still runs its forwards in order and backwards in
+    reverse, as long as micro-batch i's backward comes before micro-batch i + n's forward."""
     for layer in moe_layers:
         refusal = graph_refusal(layer.pipelined, layer.planning, exchanging=not layer.local)
         if refusal is not None:
@@ -257,11 +266,11 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
     graph = torch.cuda.graph
     torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")
     try:
-        twins = [_GraphedTwin(layer) for layer in moe_layers] if copies == 2 else []
+        sets = [tuple(_GraphCopy(layer) for layer in moe_layers) for _ in range(copies - 1)]
         torch.cuda.make_graphed_callables(moe_layers, samples)
-        if twins:
-            torch.cuda.make_graphed_callables(tuple(twins), samples)  # its own call: its own memory pool
+        for graph_set in sets:
+            torch.cuda.make_graphed_callables(graph_set, samples)  # its own call: its own memory pool
     finally:
         torch.cuda.graph = graph
-    for layer, twin in zip(moe_layers, twins):
-        object.__setattr__(layer, "graphed_twin", twin)  # not a submodule: the parameters stay the layer's
+    for index, layer in enumerate(moe_layers):  # not submodules: the parameters stay the layer's
+        object.__setattr__(layer, "graph_copies", tuple(graph_set[index] for graph_set in sets))

@@ -53,17 +53,18 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, device, dtype, comm)
 
-    def forward(self, x_BSH: torch.Tensor, attention_only: bool = False
+    def forward(self, x_BSH: torch.Tensor, attention_only: bool = False, micro_batch: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns the output and, for a MoE layer, its auxiliary loss and tokens per expert; ``attention_only``:
         the residual stream after attention and the MLP's input (the first of :meth:`stages`, called through the
-        module so that its forward pre-hooks, the distributed optimizer's parameter wait, fire)."""
+        module so that its forward pre-hooks, the distributed optimizer's parameter wait, fire). ``micro_batch``
+        picks the graphed copy of the MoE layer that runs it (MoELayer.for_micro_batch)."""
         x_BSH = x_BSH + self.self_attention(self.input_layernorm(x_BSH))
         mlp_in = self.pre_mlp_layernorm(x_BSH)
         if attention_only:
             return x_BSH, mlp_in
         if self.is_moe:
-            mlp_out, aux_loss, tokens_per_expert = self.mlp(mlp_in)
+            mlp_out, aux_loss, tokens_per_expert = self.mlp.for_micro_batch(micro_batch)(mlp_in)
             return x_BSH + mlp_out, aux_loss, tokens_per_expert
         return x_BSH + self.mlp(mlp_in), None, None
 
@@ -85,9 +86,8 @@ class TransformerLayer(nn.Module):
         def whole_mlp(carry: dict) -> dict:
             if not self.is_moe:
                 return {"x": carry["h"] + mlp(carry["m"])}
-            # graphed layers: odd micro-batches replay the second copy (the first holds the other micro-batch)
-            run = mlp.graphed_twin if carry["micro_batch"] % 2 and mlp.graphed_twin is not None else mlp
-            out_BSH, aux_loss, carry["tokens"][index] = run(carry["m"])
+            # graphed layers: each micro-batch in flight replays its own copy
+            out_BSH, aux_loss, carry["tokens"][index] = mlp.for_micro_batch(carry["micro_batch"])(carry["m"])
             return {"x": carry["h"] + out_BSH, "aux": carry["aux"] + aux_loss}
 
         if not (self.is_moe and mlp.stepped):
@@ -224,16 +224,15 @@ class MixtralModel(nn.Module):
         of a few hundred small ones. Needs the device-planned pipeline (no host sync, no collective in the layer),
         a fixed micro-batch shape, and the parameters' final storage (call after the optimizer is built). All
         ranks capture together: the warm-up calls exchange rows. Eval-mode calls run the layers eagerly.
-        ``copies=2``: a second set for a second micro-batch in flight (overlap_moe_expert_parallel_comm)."""
+        ``copies=n``: a set per micro-batch in flight (paired micro-batches, a pipeline stage's 1F1B)."""
         moe_layers = tuple(layer.mlp for layer in self.layers.values() if layer.is_moe)
         if moe_layers:
             capture_moe_layers(moe_layers, (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards,
                                             self.cfg.hidden_size), copies)
         for layer in moe_layers:  # a replay reads the FP8 weight copies the capture read: refresh them before it
             if layer.experts.fp8 is not None:  # (after the layer's wait for its parameters; hooks come after capture)
-                for module in (layer, layer.graphed_twin):
-                    if module is not None:
-                        module.register_forward_pre_hook(refresh_weights)
+                for module in (layer, *layer.graph_copies):
+                    module.register_forward_pre_hook(refresh_weights)
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.cfg.init_method_std, self.cfg.num_layers, self.cfg.embedding_init_std)
@@ -252,17 +251,18 @@ class MixtralModel(nn.Module):
             logged = all_reduce_(lm_loss.detach().clone(), self.cp_comm.group.group)
         return ModelOutput(lm_loss + aux_loss, logged, aux_loss.detach(), tokens_per_expert)
 
-    def run_layers(self, x_BSH: torch.Tensor, indices: Iterable[int | str]
+    def run_layers(self, x_BSH: torch.Tensor, indices: Iterable[int | str], micro_batch: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """The given layers in order: their output, summed auxiliary loss and tokens per expert by layer."""
+        """The given layers in order: their output, summed auxiliary loss and tokens per expert by layer
+        (``micro_batch``: its index, which picks the graphed MoE layers' copy)."""
         aux_loss = x_BSH.new_zeros((), dtype=torch.float32)
         tokens_per_expert = {}
         for index in indices:
             layer = self.layers[str(index)]
             if self.recompute and torch.is_grad_enabled():
-                x_BSH, layer_aux, layer_tokens = checkpoint(layer, x_BSH, use_reentrant=False)
+                x_BSH, layer_aux, layer_tokens = checkpoint(layer, x_BSH, use_reentrant=False)  # never graphed
             else:
-                x_BSH, layer_aux, layer_tokens = layer(x_BSH)
+                x_BSH, layer_aux, layer_tokens = layer(x_BSH, micro_batch=micro_batch)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
                 tokens_per_expert[int(index)] = layer_tokens

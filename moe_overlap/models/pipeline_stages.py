@@ -127,7 +127,7 @@ class ModelChunk:
                 out = self.model(carry["input_ids"], carry["labels"])
                 return {"output": _scaled(out, carry["loss_scale"])}
             x_BSH = self.model.embedding(carry["input_ids"]) if self.first else carry["x"]
-            return {"output": self._tail(*self.model.run_layers(x_BSH, self.layers), carry)}
+            return {"output": self._tail(*self.model.run_layers(x_BSH, self.layers, carry["micro_batch"]), carry)}
 
         return [(f"stage{self.stage}", forward)]
 

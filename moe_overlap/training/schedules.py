@@ -348,6 +348,25 @@ def in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
+def graph_copies(actions: Sequence[Action]) -> int:
+    """Graphed copies of each MoE layer that one rank's list needs (train.moe_cuda_graph): its units in flight, n,
+    so that micro-batch i replays copy i mod n (MoELayer.for_micro_batch) and each copy's next forward comes after
+    its last backward (checked: ValueError otherwise). A weight-gradient split (I, W) is not replayable: a graph
+    holds one whole backward."""
+    units = [part for a in actions if isinstance(a, (Compute, Pair)) for part in a.parts]
+    if any(part.kind == WEIGHT_GRAD for part in units):
+        raise ValueError("graphed MoE layers replay a whole backward; this schedule splits it (I, W)")
+    n, done = in_flight(actions), set()
+    for part in units:
+        key = (part.micro_batch, part.chunk)
+        if part.kind == FORWARD and part.micro_batch >= n and (part.micro_batch - n, part.chunk) not in done:
+            raise ValueError(f"micro-batch {part.micro_batch}'s forward comes before micro-batch "
+                             f"{part.micro_batch - n}'s backward, which replays the same graphed copy")
+        if part.kind == BACKWARD:
+            done.add(key)
+    return n
+
+
 def validate(schedule: Schedule, forward_only: bool = False) -> None:
     """Raise ScheduleError unless the lists can run: compute complete and ordered, transfers matched and
     ordered alike on both ends, activations in flight within the bound, and no deadlock (simulated)."""

@@ -38,6 +38,7 @@ from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
 from moe_overlap.training.pipeline import Carveouts, PipelineExecutor
+from moe_overlap.training.schedules import graph_copies
 from moe_overlap.training.preemption import StopRequests
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 
@@ -165,9 +166,9 @@ class Trainer:
                         "reference without the exchange's transfers); its learning rate is held at 0 and its loss "
                         "means nothing")
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
-            # the MoE layers' GEMMs capture their own carve-out; two micro-batches in flight (paired) need two
-            # sets, which odd and even micro-batches replay (TransformerLayer.stages)
-            self.model.graph_moe_layers(t.micro_batch_size, 2 if cfg.overlap.overlap_moe_expert_parallel_comm else 1)
+            # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired,
+            # or a pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
+            self.model.graph_moe_layers(t.micro_batch_size, graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank]))
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
