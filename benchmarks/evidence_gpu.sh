@@ -33,6 +33,7 @@
 #   bash benchmarks/evidence_gpu.sh pp_paired4 OUT # the same with the pushes on the side stream (carve-out auto)
 #   bash benchmarks/evidence_gpu.sh pp_repeat4 OUT # PP=2 x EP=2: off, paired, paired at carve-out 0, three times each
 #   bash benchmarks/evidence_gpu.sh pp_graph4 OUT  # PP=2 x EP=2 with graphed MoE layers (GPU test, then eager/graphed)
+#   bash benchmarks/evidence_gpu.sh pp_graph_more4 OUT # the same with the distributed optimizer, and Mixtral-like
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
@@ -403,6 +404,20 @@ case $phase in
       --json $res/train_step_fine_8l_pp2_ep2_graphed_4x$gpu.json 2>&1 \
       | tee "$out/pp_graph4.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  pp_graph_more4)  # issue 36: graphed MoE layers under PP=2 x EP=2 with the distributed optimizer's overlaps (fine),
+    # and the Mixtral-like model (4 layers, no expert wgrad pairs): eager against graphed, each twice
+    for model in "fine_8l" "mixtral_2l model.num_layers=4 train.expert_wgrad_pairs=false"; do
+      set -- $model
+      timeout -k 10 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone --nproc-per-node 4 \
+        benchmarks/train_step.py configs/bench_$1.yaml ${@:2} parallel.pipeline_model_parallel_size=2 \
+        parallel.expert_model_parallel_size=2 overlap.moe_pipeline=true overlap.moe_planning=device $BAL $DISTOPT \
+        train.moe_cuda_graph=false --warmup 3 --steps 6 --profile-steps 0 --variant graphed:train.moe_cuda_graph=true \
+        --variant eager2:train.moe_cuda_graph=false --variant graphed2:train.moe_cuda_graph=true \
+        --json $res/train_step_$1_pp2_ep2_distopt_graphed_4x$gpu.json 2>&1 \
+        | tee "$out/pp_graph_more4_$1.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+      pack
+    done
     ;;
   example2)
     example 2
