@@ -288,7 +288,7 @@ case $phase in
     F=overlap.moe_expert_rank_capacity_factor
     for run in "text $TEXT" "balanced $BAL"; do
       set -- $run
-      timeout -k 10 $(( $(left) < 170 ? $(left) : 170 )) torchrun --standalone --nproc-per-node 4 \
+      timeout -k 10 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone --nproc-per-node 4 \
         benchmarks/train_step.py $fine $2 --variant f2.0:$F=2.0 --variant f1.5:$F=1.5 --warmup 2 --steps 6 \
         --profile-steps 0 --json $res/bound_ep4_$1_4x$gpu.json 2>&1 | tee "$out/bound4_$1.log" \
         | grep -E '^\{"variant"|Error' | cut -c1-500
