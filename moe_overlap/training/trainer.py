@@ -38,9 +38,9 @@ from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.hf_checkpoint import load_model_weights
 from moe_overlap.training.optimizer import MixedPrecisionAdamW, check_nonfinite, lr_at
 from moe_overlap.training.pipeline import Carveouts, PipelineExecutor
-from moe_overlap.training.schedules import graph_copies
 from moe_overlap.training.preemption import StopRequests
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
+from moe_overlap.training.schedules import graph_copies
 
 log = logging.getLogger(__name__)
 
