@@ -215,6 +215,18 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
     return max(errors, default=0.0)
 
 
+def test_for_micro_batch_picks_the_graphed_copies_in_turn():
+    """Without graphed copies every micro-batch runs the layer; with n - 1 copies (capture_moe_layers(copies=n),
+    CUDA) micro-batch i runs copy i mod n, the layer itself being copy 0."""
+    one_rank = GroupHandle(ranks=[0], group=None, rank=0, size=1)
+    layer = MoELayer(ModelConfig(hidden_size=16, ffn_hidden_size=16, num_moe_experts=4, moe_router_topk=2),
+                     OverlapConfig(moe_pipeline=False), one_rank)
+    assert all(layer.for_micro_batch(i) is layer for i in range(4))
+    copies = (torch.nn.Identity(), torch.nn.Identity())
+    object.__setattr__(layer, "graph_copies", copies)
+    assert [layer.for_micro_batch(i) for i in range(7)] == [layer, *copies, layer, *copies, layer]
+
+
 @pytest.mark.parametrize("routing", ["random", "first_rank_only", "last_rank_only", "sparse"])
 @pytest.mark.parametrize("topk", [1, 2])
 def test_moe_layer_single_process(routing, topk):
