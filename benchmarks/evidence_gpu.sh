@@ -231,7 +231,7 @@ case $phase in
     wait
     ;;
   suite2)
-    suite 2x 0,1 300
+    suite 2x 0,1 "$(left)"
     ;;
   suite1)
     suite 1x 0 240  # 120 s cut the 2026-11-27 run at 71%
