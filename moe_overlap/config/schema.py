@@ -22,6 +22,9 @@ class ConfigError(ValueError):
         self.field_name, self.value, self.allowed = field_name, value, allowed
         super().__init__(f"{field_name}={value!r}: {allowed}")
 
+    def __reduce__(self):  # raised inside a process pool, it crosses back to the parent pickled
+        return type(self), (self.field_name, self.value, self.allowed)
+
 
 def not_implemented(field_name: str, value: Any, default: Any, waits_for: str) -> ConfigError:
     return ConfigError(field_name, value, f"not implemented yet ({waits_for}); only {default!r} is supported")
