@@ -396,7 +396,7 @@ def _print_schedule(cfg: Config, world_size: int, given: dict[str, float] | None
     name = t.pipeline_schedule or default_schedule(stages.vpp)
     o = cfg.overlap
     plan = build_schedule(name, stages.pp, stages.vpp, cfg.num_micro_batches(world_size), o.overlap_p2p_comm,
-                          o.batch_p2p_comm, paired=o.overlap_moe_expert_parallel_comm)
+                          o.batch_p2p_comm, paired=o.overlap_moe_expert_parallel_comm is True)
     if given is None:
         tokens = t.micro_batch_size * cfg.model.seq_length
         forward = {stage: stage_forward_flops(cfg.model, layers, stage == stages.num_stages - 1, tokens) / 1e9

@@ -21,8 +21,7 @@ import math
 #     limit 0.345); Mixtral-like 0.478-0.496, where pairing reached 0.517 and 2 chunks 0.511
 #     (benchmarks/results/train_step_*_ep4_balanced_slow*_4xh100.json). The fine-grained model the other way round:
 #     one chunk 0.323, paired 0.275, 2 chunks 0.251 (its compute-only row 0.304; 2026-11-27,
-#     ..._slow_paired_4xh100.json). So a slow-fabric default would pair only the top-2 model; not built: auto is
-#     resolved from the config before the fabric is known.
+#     ..._slow_paired_4xh100.json). So over NCCL only the top-2 model pairs (PAIR_OVER_NCCL_MAX_TOPK).
 #   paired (overlap_moe_expert_parallel_comm): planning left to the transport's auto (device planning where sm_push
 #     runs), the pushes on the side stream with the CTAs gemm_sm_carveout auto leaves them beside the MoE GEMMs.
 #     With carve-out 0 the pushes ran on the compute stream, so nothing of one micro-batch's exchange ran under the
@@ -32,6 +31,14 @@ import math
 #     Earlier, uniform ids: 0.364 over copy_engine vs 0.333 over nccl uncapped and 0.239 at 4 CTAs (issue 38's
 #     table). PP=2 x EP=2 rows swing by a third between launches of the same config (eager MoE layers, host-bound:
 #     unpaired 0.317 / 0.427 / 0.379 / 0.321 on 4xH100, 2026-11-27, ..._pp2_ep2_{device,diag,paired_auto}_4xh100.json).
+
+# ``overlap.overlap_moe_expert_parallel_comm: auto`` pairs micro-batches where the exchange runs over NCCL (no peer
+# copies: EP across hosts, or moe_transport=nccl) and the router picks at most this many experts per token: there
+# the other micro-batch's few large expert GEMMs hide the exchange. 4xH100 EP=4 through host memory
+# (NCCL_P2P_DISABLE=1), balanced, 2026-11-27 (the rows above): Mixtral-like (top-2) paired 0.517 against 0.478
+# unpaired, 1.14x against 1.23x its compute-only step; fine-grained (top-8) paired 0.275 against 0.323. On one
+# NVLink host the unpaired pipeline (device-planned, graphed) measured fastest for both, so auto leaves it off there.
+PAIR_OVER_NCCL_MAX_TOPK = 2
 
 # ``overlap.moe_dispatch_once_per_rank: auto`` turns it on (with the pipeline) from this router top-k up: a token's
 # copies then often share a rank, and the wire carries each token once per (chunk, rank) instead of once per copy.

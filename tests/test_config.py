@@ -17,6 +17,7 @@ from moe_overlap.config import (
     load_config,
     validate_for_world,
 )
+from moe_overlap.config.defaults import pairing_by_transport
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny.yaml"  # MoE: 4 layers, 8 heads / 4 groups, 8 experts top-2, EP=2, micro 8 / global 32
@@ -322,7 +323,8 @@ def test_replaced_dispatch_fields_at_their_defaults_still_load(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("overlap:\n  moe_overlap_dispatch: false\n  moe_a2a_backend: auto\n  moe_a2a_chunks: 1\n"
                     "  moe_sync_free_dispatch: false\n")
-    assert load_config(path).overlap == OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False)
+    assert load_config(path).overlap == OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False,
+                                                      overlap_moe_expert_parallel_comm=False)
 
 
 def test_tp_comm_backend_symm_needs_cuda():
@@ -448,7 +450,8 @@ def test_small_gpu_shape():
 def test_defaults_load():
     cfg = load_config(None)
     # auto: a dense model exchanges nothing
-    assert cfg == Config(overlap=OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False))
+    assert cfg == Config(overlap=OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False,
+                                               overlap_moe_expert_parallel_comm=False))
 
 
 @pytest.mark.parametrize("overrides, pipeline, planning, graphed", [
@@ -469,6 +472,41 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
     cfg = load_config(TINY, overrides)
     assert (cfg.overlap.moe_pipeline, cfg.overlap.moe_planning, cfg.train.moe_cuda_graph) == (pipeline, planning,
                                                                                                 graphed)
+
+
+CUDA = ["train.device=cuda"]
+
+
+@pytest.mark.parametrize("overrides, paired", [
+    (CUDA, "auto"),  # top-2 on CUDA with an exchange: the fabric decides when the ranks start
+    ([], False),  # measured on CUDA over NCCL only
+    (CUDA + ["model.moe_router_topk=4"], False),  # many small copies: paired measured slower (tuning.py)
+    (CUDA + ["parallel.expert_model_parallel_size=1"], False),  # nothing to exchange
+    (CUDA + ["overlap.moe_pipeline=false"], False),  # the serial reference
+    (CUDA + ["train.moe_cuda_graph=true"], False),  # one host's graphed pipeline measured fastest
+    (CUDA + ["overlap.moe_planning=device"], False),
+    (CUDA + ["overlap.moe_transport=sm_push"], False),
+    (CUDA + ["overlap.moe_transport=nccl"], "auto"),  # the micro-batches are counted once the world is known
+    (CUDA + ["parallel.pipeline_model_parallel_size=2"], False),  # measured slower eager under PP
+    (CUDA + ["overlap.moe_pipeline_chunks=2"], False),  # not measured paired
+    (CUDA + ["train.recompute_granularity=full"], False),  # not implemented paired
+    (CUDA + ["overlap.overlap_moe_expert_parallel_comm=false"], False),  # explicit values stay
+    (CUDA + ["overlap.overlap_moe_expert_parallel_comm=true", "model.moe_router_topk=4"], True),
+])
+def test_pairing_auto(overrides, paired):
+    cfg = load_config(TINY, overrides)
+    assert cfg.overlap.overlap_moe_expert_parallel_comm == paired
+    assert cfg.overlap.overlap_moe_expert_parallel_comm is not True or cfg.overlap.moe_pipeline is True
+    # auto passes the pairing rules, its micro-batches counted or not
+    validate_for_world(cfg, 2 * cfg.parallel.pipeline_model_parallel_size, "cuda")
+
+
+@pytest.mark.parametrize("transport, micro_batches, paired", [
+    ("nccl", 8, True), ("nccl", 2, True), ("nccl", 1, False), ("sm_push", 8, False), ("copy_engine", 8, False),
+    ("gloo", 8, False),
+])
+def test_pairing_by_transport(transport, micro_batches, paired):
+    assert pairing_by_transport(transport, micro_batches)[0] is paired
 
 
 TOP4 = ["model.moe_router_topk=4"]

@@ -48,6 +48,24 @@ def test_bad_setting_is_one_line_naming_the_field(config, overrides, fragment):
     assert fragment in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("transport, global_batch, paired", [("nccl", 32, True), ("nccl", 8, False),
+                                                              ("sm_push", 32, False), ("copy_engine", 32, False)])
+def test_auto_pairs_where_the_exchange_runs_over_nccl(monkeypatch, transport, global_batch, paired):
+    """``auto`` on a CUDA config of few large experts is left to the fabric: the trainer pairs where the exchange it
+    would run goes over NCCL (no peer copies) with micro-batches to pair (4 or 1 here, at micro-batch 8)."""
+    import torch
+
+    from moe_overlap.training import trainer
+
+    cfg = load_config(TINY, ["train.device=cuda", f"train.global_batch_size={global_batch}"])
+    assert cfg.overlap.overlap_moe_expert_parallel_comm == "auto"
+    asked = []
+    monkeypatch.setattr(trainer, "exchange_choice", lambda *args: asked.append(args[:2]) or ("host", transport, ""))
+    trainer.resolve_pairing(cfg, Mesh.single(), torch.device("cpu"))
+    assert cfg.overlap.overlap_moe_expert_parallel_comm is paired
+    assert asked == [("auto", "auto")]  # the config's own planning and transport, resolved by the fabric
+
+
 def test_one_micro_batch_per_step_is_refused_with_the_world_size():
     on = ["overlap.overlap_moe_expert_parallel_comm=true", "overlap.moe_pipeline=true"]
     validate_for_world(load_config(TINY, on), 2, "cpu")  # 32 = 2 micro-batches of 8 x DP=2

@@ -5,6 +5,12 @@ a switch the user set needs to run.
     overlap.moe_pipeline=auto   the pipeline where there is an exchange (EP x expert-TP > 1) or where a field that
                                 only the pipeline reads is set; otherwise (one expert rank, or
                                 train.expert_wgrad_pairs, which the pipeline's chunks replace) the serial exchange
+    overlap_moe_expert_parallel_comm=auto
+                                off where the config alone rules pairing out or measured it slower (one expert
+                                rank, top-k above tuning.PAIR_OVER_NCCL_MAX_TOPK, one host's peer copies asked
+                                for, PP > 1, ...); otherwise the fabric decides when the ranks start
+                                (training/trainer.py, :func:`pairing_by_transport`): paired where the exchange
+                                runs over NCCL, with at least 2 micro-batches
     overlap_moe_expert_parallel_comm with an exchange
                                 turns the pipeline on (auto), leaves moe_planning auto to the transport (device
                                 planning where sm_push runs, its pushes on the side stream beside the other
@@ -24,7 +30,9 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
-from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
+from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK, PAIR_OVER_NCCL_MAX_TOPK
+
+PAIRED = "overlap.overlap_moe_expert_parallel_comm"
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
@@ -48,20 +56,66 @@ def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
     return None
 
 
+def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
+    """Why ``overlap_moe_expert_parallel_comm: auto`` stays off whatever the fabric, or None (it pairs where the
+    exchange runs over NCCL: measured faster there for models of few large experts, tuning.py)."""
+    m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
+    if not exchanging:
+        return "one expert rank: nothing to exchange"
+    if m.moe_router_topk > PAIR_OVER_NCCL_MAX_TOPK:
+        return (f"top-{m.moe_router_topk}: paired measured slower than one micro-batch at a time (pairs from "
+                f"top-{PAIR_OVER_NCCL_MAX_TOPK} down, over NCCL; tuning.py)")
+    if t.device != "cuda":
+        return f"measured on CUDA over NCCL only; the device is {t.device!r}"
+    if o.moe_pipeline is False:
+        return "overlap.moe_pipeline=false: the serial exchange"
+    if t.moe_cuda_graph or o.moe_planning == "device" or o.moe_transport in ("sm_push", "copy_engine"):
+        return ("the exchange through one host's peer memory (device planning, CUDA graphs or the transport asked "
+                "for), where one micro-batch at a time measured fastest (tuning.py)")
+    if p.pipeline_model_parallel_size > 1:
+        return "pipeline parallelism: paired measured there only eager and slower (tuning.py)"
+    if o.moe_pipeline_chunks > 1 or o.delay_wgrad_compute:
+        return "chunks or delayed wgrad: not measured paired"
+    for needs, what in ((not t.expert_wgrad_pairs, "train.expert_wgrad_pairs"),
+                        (t.recompute_granularity == "none", "train.recompute_granularity"),
+                        (t.pipeline_schedule != "all_forward_all_backward", "train.pipeline_schedule")):
+        if not needs:
+            return f"{what}={getattr(t, what.split('.')[1])!r}, which pairing does not run with"
+    return None
+
+
+def pairing_by_transport(transport: str, micro_batches: int) -> tuple[bool, str]:
+    """``overlap_moe_expert_parallel_comm: auto`` once the exchange's transport is known (the fabric: NCCL without
+    peer copies): paired over NCCL with micro-batches to pair; and why."""
+    if transport != "nccl":
+        return False, f"the exchange runs over {transport}, where one micro-batch at a time measured fastest (tuning.py)"
+    if micro_batches < 2:
+        return False, f"{micro_batches} micro-batch per step: nothing to pair"
+    return True, "the exchange runs over NCCL, where another micro-batch's compute hid it best (tuning.py)"
+
+
 def resolve_defaults(cfg: Config) -> list[str]:
     """Replace ``auto`` in the MoE exchange's switches by what runs (in place); returns one line per choice made,
     each naming the field, the value and why (config.validate logs them once the config has passed its rules)."""
     m, o, t = cfg.model, cfg.overlap, cfg.train
     exchanging = m.num_moe_experts is not None and cfg.parallel.expert_model_parallel_size * \
         cfg.expert_tensor_parallel_size > 1
-    paired = o.overlap_moe_expert_parallel_comm and exchanging
     choices = []
+    if o.overlap_moe_expert_parallel_comm == "auto":
+        off = pairing_off_reason(cfg, exchanging)
+        if off is not None:
+            o.overlap_moe_expert_parallel_comm = False
+            if exchanging:
+                choices.append(f"{PAIRED}=auto -> false: {off}")
+        else:  # the trainer decides once the ranks see the fabric and the micro-batches (pairing_by_transport)
+            choices.append(f"{PAIRED}=auto: paired if the exchange runs over NCCL (decided when the ranks start)")
+    paired = o.overlap_moe_expert_parallel_comm is True and exchanging
     if o.moe_pipeline == "auto":
         asked = [f"overlap.{name}" for name in pipeline_fields_set(o)]
         if m.moe_shared_expert_overlap:
             asked.append("model.moe_shared_expert_overlap")
         if paired:
-            asked.append("overlap.overlap_moe_expert_parallel_comm")
+            asked.append(PAIRED)
         if asked:
             o.moe_pipeline, why = True, f"{', '.join(asked)} runs on it"
         elif not exchanging:

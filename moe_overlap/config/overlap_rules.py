@@ -152,7 +152,7 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
     """``overlap.overlap_moe_expert_parallel_comm``: a schedule with forwards beside backwards, an exchange that can
     be split into segments."""
     m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
-    if not o.overlap_moe_expert_parallel_comm:
+    if o.overlap_moe_expert_parallel_comm is False:  # auto, left to the fabric, may pair: its rules hold too
         return
     name = "overlap.overlap_moe_expert_parallel_comm"
     require(m.num_moe_experts is not None, name, True, "needs MoE layers (model.num_moe_experts)")

@@ -327,7 +327,7 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size", t.global_batch_size,
              f"must be divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    if cfg.overlap.overlap_moe_expert_parallel_comm:
+    if cfg.overlap.overlap_moe_expert_parallel_comm is True:  # auto pairs only with micro-batches to pair
         m = cfg.num_micro_batches(world_size)
         require(m >= 2, "overlap.overlap_moe_expert_parallel_comm", True,
                  f"pairs micro-batches: train.global_batch_size={t.global_batch_size} gives {m} per data-parallel "

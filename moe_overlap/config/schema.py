@@ -161,7 +161,10 @@ class OverlapConfig:
     cp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     batch_p2p_comm: bool = False
-    overlap_moe_expert_parallel_comm: bool = False
+    # One micro-batch's MoE exchange beside another's compute (forwards paired with backwards). auto: paired where the
+    # exchange runs over NCCL (no peer copies) for models of few large experts, as measured fastest there; off on one
+    # NVLink host, where one micro-batch at a time measured fastest (config/defaults.py, tuning.py).
+    overlap_moe_expert_parallel_comm: Union[bool, Literal["auto"]] = "auto"
     delay_wgrad_compute: bool = False
     # The MoE exchange as a pipeline of chunks (runs of local experts) beside the grouped GEMMs, forward and
     # backward; false: the serial reference (one all-to-all each way, sizes from the host). auto: the pipeline

@@ -31,6 +31,23 @@ log = logging.getLogger(__name__)
 REGIONS = 4
 
 
+def exchange_choice(planning: str, transport: str, group: ProcessGroup | None, group_ranks: list[int],
+                    device: torch.device, expert_tp: int = 1) -> tuple[str, str, str]:
+    """The planning and transport an exchange over ``group`` runs (``auto`` resolved by the fabric this rank sees:
+    symmetric memory on one host with peer access, else NCCL), and why."""
+    reason = None
+    symmetric = transport in NEEDS and NEEDS[transport].one_host
+    if device.type == "cuda" and group is None and not symmetric:  # asked for: a one-GPU measure
+        reason = "the group has one rank: nothing to exchange"
+    elif device.type == "cuda" and group is not None:
+        reason = symm_unavailable_reason(group, device)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", len(group_ranks)))
+        hosts = {r // max(local, 1) for r in group_ranks}
+        if reason is None and len(hosts) > 1:
+            reason = f"the ranks {group_ranks} span {len(hosts)} hosts (LOCAL_WORLD_SIZE={local})"
+    return choose_exchange(planning, transport, device.type, reason, expert_tp)
+
+
 class TransportSelector:
     """Picks the EP pipeline's planning and transport once (logging which and why) and sizes the symmetric
     regions lazily: for the largest exchange of the first call (host-planned: every rank's copies landing on one
@@ -41,17 +58,7 @@ class TransportSelector:
     def __init__(self, planning: str, transport: str, group: ProcessGroup, group_ranks: list[int],
                  device: torch.device, max_chunks: int, timeout_s: float, compute_only: bool = False,
                  expert_tp: int = 1):
-        reason = None
-        symmetric = transport in NEEDS and NEEDS[transport].one_host
-        if device.type == "cuda" and group is None and not symmetric:  # asked for: a one-GPU measure
-            reason = "the group has one rank: nothing to exchange"
-        elif device.type == "cuda" and group is not None:
-            reason = symm_unavailable_reason(group, device)
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", len(group_ranks)))
-            hosts = {r // max(local, 1) for r in group_ranks}
-            if reason is None and len(hosts) > 1:
-                reason = f"the ranks {group_ranks} span {len(hosts)} hosts (LOCAL_WORLD_SIZE={local})"
-        self.planning, self.name, why = choose_exchange(planning, transport, device.type, reason, expert_tp)
+        self.planning, self.name, why = exchange_choice(planning, transport, group, group_ranks, device, expert_tp)
         self.group, self.group_ranks, self.device, self.max_chunks = group, group_ranks, device, max(max_chunks, 1)
         self.timeout_s, self.timeout_ms = timeout_s, int(timeout_s * 1000)
         # overlap.moe_compute_only (a benchmark may switch it between steps of eager layers)

@@ -18,6 +18,8 @@ from tqdm import tqdm
 
 from moe_overlap import tuning
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
+from moe_overlap.config.defaults import pairing_by_transport
+from moe_overlap.distributed.a2a import exchange_choice
 from moe_overlap.distributed.collectives import all_gather_into, all_reduce_, nccl_cta_options, rendezvous_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.monitor import RankMonitor
@@ -130,9 +132,30 @@ def check_inputs(cfg: Config) -> None:
     check_resume_setting(cfg)
 
 
+def resolve_pairing(cfg: Config, mesh: Mesh, device: torch.device) -> None:
+    """``overlap.overlap_moe_expert_parallel_comm: auto``, which config/defaults.py left to the fabric: paired where
+    this rank's exchange runs over NCCL (no peer copies) with micro-batches to pair, the same on every rank (the
+    schedule is); logged once."""
+    o = cfg.overlap
+    if o.overlap_moe_expert_parallel_comm != "auto":
+        return
+    _, transport, _ = exchange_choice(o.moe_planning, o.moe_transport, mesh.ep.group, mesh.ep.ranks, device,
+                                      mesh.etp.size)
+    paired, why = pairing_by_transport(transport, cfg.num_micro_batches(mesh.world_size))
+    if dist.is_initialized() and mesh.world_size > 1:
+        agreed = torch.tensor([int(paired)], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if paired and not agreed.item():
+            paired, why = False, "another rank's exchange does not run over NCCL"
+    o.overlap_moe_expert_parallel_comm = paired
+    if mesh.rank == 0:
+        log.info("overlap.overlap_moe_expert_parallel_comm=auto -> %s: %s", str(paired).lower(), why)
+
+
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
         validate_for_world(cfg, mesh.world_size, device.type)
+        resolve_pairing(cfg, mesh, device)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t = cfg.train
         check_gemm_sm_carveout(cfg.overlap.gemm_sm_carveout, device)
