@@ -1,5 +1,5 @@
 """Routing balance on CPU: a scaled-down configs/gpu2_fine.yaml (the same family: sigmoid or softmax router, 64
-experts top-8, a shared expert, real text) trained for N steps through the Trainer (the same step as `moe-overlap
+experts top-8, a shared expert, real text; or configs/gpu2_mixtral.yaml's, 8 experts top-2, for variants mixtral_*) trained for N steps through the Trainer (the same step as `moe-overlap
 train`: the routers' bias update included), recording per step and MoE layer each expert's load as a share of the
 layer's mean (lowest and highest), for several routing settings side by side.
 
@@ -96,7 +96,28 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
     # the router z-loss (ST-MoE) shrinks every logit, the part common to all tokens with it
     "shipped_z1e-3": _shipped("model.moe_z_loss_coeff=1e-3"),
     "shipped_z1e-2": _shipped("model.moe_z_loss_coeff=1e-2"),
+    "shipped_bias2e-2": ([*_shipped()[0], "model.moe_router_bias_update_rate=2e-2"], 1.0),
+    # softmax scores do not saturate the way a sigmoid does when one direction dominates every token's input.
+    # OLMoE's recipe (64 experts top-8 too: softmax, aux 1e-2, z 1e-3, no bias), then stronger aux losses; on the
+    # embedding at std 1.0
+    **{f"softmax_aux{coeff}_embed1.0": ([SOFTMAX, BIAS_OFF, f"model.moe_aux_loss_coeff={coeff}",
+                                         "model.embedding_init_std=1.0"], 1.0) for coeff in ("1e-2", "5e-2", "1e-1")},
+    # the Mixtral-like family (configs/gpu2_mixtral.yaml at CPU size: 8 experts top-2, no shared expert): as shipped
+    # (sigmoid, bias 1e-3, the shared init std), then the fine family's best
+    "mixtral_shipped": ([], 1.0),
+    "mixtral_softmax_aux1e-1_embed1.0": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-1",
+                                          "model.embedding_init_std=1.0"], 1.0),
+    "mixtral_softmax_aux1e-2_embed1.0": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-2",
+                                          "model.embedding_init_std=1.0"], 1.0),
 }
+# A variant named mixtral_* starts from configs/gpu2_mixtral.yaml with these on top of PROBE_MODEL.
+MIXTRAL_CONFIG = ROOT / "configs" / "gpu2_mixtral.yaml"
+MIXTRAL_MODEL = ["model.moe_ffn_hidden_size=512", "model.moe_shared_expert_intermediate_size=null"]
+
+
+def base_of(name: str) -> tuple[Path, list[str]]:
+    """The config a variant starts from and the probe model's overrides for it."""
+    return (MIXTRAL_CONFIG, PROBE_MODEL + MIXTRAL_MODEL) if name.startswith("mixtral_") else (BASE_CONFIG, PROBE_MODEL)
 
 
 def run_variant(name: str, overrides: list[str], router_init_scale: float, steps: int, data: str) -> dict:
@@ -119,8 +140,9 @@ def _run_variant(name: str, overrides: list[str], router_init_scale: float, step
     from moe_overlap.training.trainer import Trainer
 
     out_dir = f"/tmp/routing_probe/{name.replace('/', '_')}"
-    cfg = load_config(BASE_CONFIG, PROBE_MODEL + [f"data.path={data}", f"train.max_steps={steps}",
-                                                  f"train.output_dir={out_dir}"] + overrides)
+    base, model = base_of(name)
+    cfg = load_config(base, model + [f"data.path={data}", f"train.max_steps={steps}", f"train.output_dir={out_dir}"]
+                      + overrides)
     trainer = Trainer(cfg, Mesh.single(), torch.device("cpu"))
     with torch.no_grad():  # fp32 on CPU: the parameter is the optimizer's master weight
         for router in trainer.model.routers().values():
@@ -244,6 +266,7 @@ def main(argv=None) -> int:
     for summary in summaries:
         print(" | ".join(str(summary[column]) for column in columns))
     header = dict(run_header(1), probe_model=PROBE_MODEL, base_config=str(BASE_CONFIG.relative_to(ROOT)),
+                  mixtral_base=[str(MIXTRAL_CONFIG.relative_to(ROOT)), *MIXTRAL_MODEL],
                   from_step=args.from_step, min_share=args.min_share, summary=summaries)
     write_json(args.json, header, runs)
     return 0

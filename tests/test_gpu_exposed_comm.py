@@ -18,7 +18,9 @@ from tests.gpu_launch import REPO, launch_ranks, require_gpus, write_report
 DELAY_MS = 20.0
 CASES = {
     "serial_nccl": {},
-    "pipeline_nccl": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host", "overlap.moe_transport": "nccl"},
+    # one micro-batch at a time (over NCCL, auto would pair: its MoE layers would run as stages, past the hook)
+    "pipeline_nccl": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host", "overlap.moe_transport": "nccl",
+                      "overlap.overlap_moe_expert_parallel_comm": "false"},
     "pipeline_copy_engine": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host",
                              "overlap.moe_transport": "copy_engine"},
     "pipeline_sm_push": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
