@@ -422,6 +422,18 @@ case $phase in
   example2)
     example 2
     ;;
+  auto_slow4)  # issue 38: the slow-fabric default chooses by itself (overlap_moe_expert_parallel_comm auto: the
+    # Mixtral-like model paired over NCCL, the fine one not) beside one micro-batch at a time and compute_only; then
+    # issue 41's 2-GPU examples side by side (GPUs 0-1 and 2-3) with softmax scores and the aux loss, no bias
+    slow_step mixtral_2l slow_auto --variant "unpaired:overlap.overlap_moe_expert_parallel_comm=false"
+    slow_step fine_8l slow_auto
+    SOFTMAX_AUX="model.moe_router_score_function=softmax model.moe_router_enable_expert_bias=false"
+    CUDA_VISIBLE_DEVICES=0,1 ROUTING="$SOFTMAX_AUX model.moe_aux_loss_coeff=0.1" ROUTING_NAME=softmax_aux1e-1 \
+      example 2 &
+    CUDA_VISIBLE_DEVICES=2,3 EXAMPLE_FAMILY=${SECOND_FAMILY:-mixtral} ROUTING="$SOFTMAX_AUX ${SECOND_ROUTING:-}" \
+      ROUTING_NAME=${SECOND_NAME:-softmax_aux1e-1} example 2 ${SECOND_STEPS:+train.max_steps=$SECOND_STEPS} &
+    wait
+    ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
@@ -465,7 +477,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | auto_slow4 | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack

@@ -109,6 +109,9 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
                                           "model.embedding_init_std=1.0"], 1.0),
     "mixtral_softmax_aux1e-2_embed1.0": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-2",
                                           "model.embedding_init_std=1.0"], 1.0),
+    # the same routing on the shared init std (the embedding at 1.0 slows the first steps' loss)
+    "softmax_aux1e-1": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-1", "model.embedding_init_std=null"], 1.0),
+    "mixtral_softmax_aux1e-1": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-1"], 1.0),
 }
 # A variant named mixtral_* starts from configs/gpu2_mixtral.yaml with these on top of PROBE_MODEL.
 MIXTRAL_CONFIG = ROOT / "configs" / "gpu2_mixtral.yaml"
