@@ -422,6 +422,22 @@ case $phase in
   example2)
     example 2
     ;;
+  examples4b)  # issue 41: the Mixtral-like 2-GPU example with the sigmoid expert bias beside aux 0.1 (GPUs 0-1) while
+    # the GPU tests the pairing default touched run on GPUs 2-3; then the shipped 4-GPU examples (fine 100 steps,
+    # Mixtral-like EXAMPLE_STEPS, 50 by default)
+    BIAS="model.moe_router_score_function=sigmoid model.moe_router_enable_expert_bias=true"
+    CUDA_VISIBLE_DEVICES=0,1 EXAMPLE_FAMILY=mixtral ROUTING="$BIAS model.moe_router_bias_update_rate=1e-2" \
+      ROUTING_NAME=embed1.0_sigmoid_bias1e-2_aux1e-1 example 2 train.max_steps=${BIAS_STEPS:-100} &
+    log=$out/gpu_tests_pairing_2x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=2,3; python -m pytest -m gpu -rs tests/test_gpu_exposed_comm.py tests/test_gpu_microbatch_overlap.py tests/test_gpu_dispatch_once_per_rank.py" > "$log"
+    CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rs \
+      tests/test_gpu_exposed_comm.py tests/test_gpu_microbatch_overlap.py tests/test_gpu_dispatch_once_per_rank.py \
+      2>&1 | tail -n 8 | tee -a "$log"
+    cp "$log" "$res/gpu_tests_pairing_2x$gpu.txt"
+    wait
+    example 4
+    EXAMPLE_FAMILY=mixtral example 4 train.max_steps=${EXAMPLE_STEPS:-50}
+    ;;
   auto_slow4)  # issue 38: the slow-fabric default chooses by itself (overlap_moe_expert_parallel_comm auto: the
     # Mixtral-like model paired over NCCL, the fine one not) beside one micro-batch at a time and compute_only; then
     # issue 41's 2-GPU examples side by side (GPUs 0-1 and 2-3) with softmax scores and the aux loss, no bias
@@ -477,7 +493,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | auto_slow4 | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | auto_slow4 | examples4b | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
