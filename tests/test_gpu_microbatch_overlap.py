@@ -33,6 +33,7 @@ def gpu_case(output_dir: str) -> dict:
     fp32 = {"train.device": worker_device_type(), **LAYERS}
     bf16 = {**fp32, "train.precision": "bf16"}
     on = {**bf16, "overlap.overlap_moe_expert_parallel_comm": "true"}
+    off = {**bf16, "overlap.overlap_moe_expert_parallel_comm": "false"}  # auto would pair over NCCL
     world = int(os.environ.get("WORLD_SIZE", 1))
     global_batch = 8 * world  # 4 micro-batches of 2 per rank
     first = small_config(output_dir, world, global_batch, **bf16)
@@ -50,7 +51,7 @@ def gpu_case(output_dir: str) -> dict:
     runs, skipped = {}, {}
     meshes = {(None, None): mesh}  # by the CTA caps (dp_comm_ctas, ep_comm_ctas) its communicators are made with
     for name, extra in layouts.items():
-        cfg = small_config(output_dir, world, global_batch, **(on if name.startswith("on") else bf16), **extra)
+        cfg = small_config(output_dir, world, global_batch, **(on if name.startswith("on") else off), **extra)
         skipped[name] = cpu_skip_reason(cfg, world)  # the dry-run's: what only CUDA runs
         if not skipped[name]:
             caps = (cfg.overlap.dp_comm_ctas, cfg.overlap.ep_comm_ctas)
