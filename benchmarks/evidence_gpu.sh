@@ -438,6 +438,20 @@ case $phase in
     example 4
     EXAMPLE_FAMILY=mixtral example 4 train.max_steps=${EXAMPLE_STEPS:-50}
     ;;
+  examples4c)  # issue 41: the fine 2-GPU example with the expert bias at 1e-2 beside aux 0.1 (the Mixtral-like
+    # examples' routing; GPUs 0-1) while test_gpu_microbatch_overlap runs on GPUs 2-3; then the shipped Mixtral-like
+    # 4-GPU example (EXAMPLE_STEPS, 60 by default)
+    BIAS="model.moe_router_score_function=sigmoid model.moe_router_enable_expert_bias=true"
+    CUDA_VISIBLE_DEVICES=0,1 ROUTING="$BIAS model.moe_router_bias_update_rate=1e-2" \
+      ROUTING_NAME=sigmoid_bias1e-2_aux1e-1 example 2 &
+    log=$out/gpu_tests_microbatch_overlap_2x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=2,3; python -m pytest -m gpu -rs tests/test_gpu_microbatch_overlap.py" > "$log"
+    CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rs \
+      tests/test_gpu_microbatch_overlap.py 2>&1 | tail -n 30 | tee -a "$log" | tail -n 3
+    cp "$log" "$res/gpu_tests_microbatch_overlap_2x$gpu.txt"
+    wait
+    EXAMPLE_FAMILY=mixtral example 4 train.max_steps=${EXAMPLE_STEPS:-60}
+    ;;
   auto_slow4)  # issue 38: the slow-fabric default chooses by itself (overlap_moe_expert_parallel_comm auto: the
     # Mixtral-like model paired over NCCL, the fine one not) beside one micro-batch at a time and compute_only; then
     # issue 41's 2-GPU examples side by side (GPUs 0-1 and 2-3) with softmax scores and the aux loss, no bias
@@ -493,7 +507,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | auto_slow4 | examples4b | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
