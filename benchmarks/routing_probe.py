@@ -1,7 +1,9 @@
 """Routing balance on CPU: a scaled-down configs/gpu2_fine.yaml (the same family: sigmoid or softmax router, 64
-experts top-8, a shared expert, real text; or configs/gpu2_mixtral.yaml's, 8 experts top-2, for variants mixtral_*) trained for N steps through the Trainer (the same step as `moe-overlap
-train`: the routers' bias update included), recording per step and MoE layer each expert's load as a share of the
-layer's mean (lowest and highest), for several routing settings side by side.
+experts top-8, a shared expert, real text; or configs/gpu2_mixtral.yaml's, 8 experts top-2, for variants mixtral_*)
+trained for N steps through the Trainer (the same step as `moe-overlap train`: the routers' bias update included),
+recording per step and MoE layer each expert's load as a share of the layer's mean (lowest and highest), for several
+routing settings side by side. Every variant starts from PROBE_ROUTING (what both families shipped on 2026-11-26), so
+a name keeps its meaning when the shipped configs change.
 
     python benchmarks/routing_probe.py --steps 80 --jobs 2 --json benchmarks/results/routing_probe_cpu.json
     python benchmarks/routing_probe.py --variants bias1e-3,aux1e-2_softmax --steps 30
@@ -45,12 +47,18 @@ PROBE_MODEL = [
     "train.global_batch_size=4", "train.eval_interval=0", "checkpoint.save_final=false",
 ]
 
+# The routing every variant starts from: both families' configs on 2026-11-26 (sigmoid scores, the expert bias at
+# rate 1e-3, no aux loss, z-loss 1e-3, the shared init std).
+PROBE_ROUTING = ["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+                 "model.moe_router_bias_update_rate=1e-3", "model.moe_aux_loss_coeff=0.0", "model.moe_z_loss_coeff=1e-3",
+                 "model.embedding_init_std=null"]
 BIAS_OFF = "model.moe_router_enable_expert_bias=false"
 SOFTMAX = "model.moe_router_score_function=softmax"
 
 # name -> (overrides, factor on the routers' initial weights)
 def _shipped(*extra: str, aux: str = "1e-2") -> tuple[list[str], float]:
-    """The routing configs/gpu*_fine.yaml ship (embedding std 1.0, aux loss ``aux``, bias rate 1e-2), plus ``extra``."""
+    """The routing configs/gpu*_fine.yaml shipped on 2026-11-27 before softmax (embedding std 1.0, aux loss ``aux``,
+    bias rate 1e-2), plus ``extra``."""
     return [f"model.moe_aux_loss_coeff={aux}", "model.moe_router_bias_update_rate=1e-2", "model.embedding_init_std=1.0",
             *extra], 1.0
 
@@ -103,7 +111,7 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
     **{f"softmax_aux{coeff}_embed1.0": ([SOFTMAX, BIAS_OFF, f"model.moe_aux_loss_coeff={coeff}",
                                          "model.embedding_init_std=1.0"], 1.0) for coeff in ("1e-2", "5e-2", "1e-1")},
     # the Mixtral-like family (configs/gpu2_mixtral.yaml at CPU size: 8 experts top-2, no shared expert): as shipped
-    # (sigmoid, bias 1e-3, the shared init std), then the fine family's best
+    # on 2026-11-26 (PROBE_ROUTING), then the fine family's best
     "mixtral_shipped": ([], 1.0),
     "mixtral_softmax_aux1e-1_embed1.0": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-1",
                                           "model.embedding_init_std=1.0"], 1.0),
@@ -120,7 +128,9 @@ MIXTRAL_MODEL = ["model.moe_ffn_hidden_size=512", "model.moe_shared_expert_inter
 
 def base_of(name: str) -> tuple[Path, list[str]]:
     """The config a variant starts from and the probe model's overrides for it."""
-    return (MIXTRAL_CONFIG, PROBE_MODEL + MIXTRAL_MODEL) if name.startswith("mixtral_") else (BASE_CONFIG, PROBE_MODEL)
+    if name.startswith("mixtral_"):
+        return MIXTRAL_CONFIG, PROBE_MODEL + MIXTRAL_MODEL + PROBE_ROUTING
+    return BASE_CONFIG, PROBE_MODEL + PROBE_ROUTING
 
 
 def run_variant(name: str, overrides: list[str], router_init_scale: float, steps: int, data: str) -> dict:

@@ -36,8 +36,10 @@ import math
 # copies: EP across hosts, or moe_transport=nccl) and the router picks at most this many experts per token: there
 # the other micro-batch's few large expert GEMMs hide the exchange. 4xH100 EP=4 through host memory
 # (NCCL_P2P_DISABLE=1), balanced, 2026-11-27 (the rows above): Mixtral-like (top-2) paired 0.517 against 0.478
-# unpaired, 1.14x against 1.23x its compute-only step; fine-grained (top-8) paired 0.275 against 0.323. On one
-# NVLink host the unpaired pipeline (device-planned, graphed) measured fastest for both, so auto leaves it off there.
+# unpaired, 1.14x against 1.23x its compute-only step; fine-grained (top-8) paired 0.275 against 0.323. With auto
+# in one launch (..._slow_auto_4xh100.json): Mixtral-like paired by itself 0.520 against 0.478 unpaired (1.096x
+# against 1.194x compute-only), fine-grained left unpaired 0.284 (0.945x). On one NVLink host the unpaired pipeline
+# (device-planned, graphed) measured fastest for both, so auto leaves it off there.
 PAIR_OVER_NCCL_MAX_TOPK = 2
 
 # ``overlap.moe_dispatch_once_per_rank: auto`` turns it on (with the pipeline) from this router top-k up: a token's

@@ -76,11 +76,10 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
         return "pipeline parallelism: paired measured there only eager and slower (tuning.py)"
     if o.moe_pipeline_chunks > 1 or o.delay_wgrad_compute:
         return "chunks or delayed wgrad: not measured paired"
-    for needs, what in ((not t.expert_wgrad_pairs, "train.expert_wgrad_pairs"),
-                        (t.recompute_granularity == "none", "train.recompute_granularity"),
-                        (t.pipeline_schedule != "all_forward_all_backward", "train.pipeline_schedule")):
-        if not needs:
-            return f"{what}={getattr(t, what.split('.')[1])!r}, which pairing does not run with"
+    if t.expert_wgrad_pairs:
+        return "train.expert_wgrad_pairs=true: the serial exchange"
+    if t.recompute_granularity != "none":
+        return f"train.recompute_granularity={t.recompute_granularity!r}: not implemented paired"
     return None
 
 
@@ -88,7 +87,8 @@ def pairing_by_transport(transport: str, micro_batches: int) -> tuple[bool, str]
     """``overlap_moe_expert_parallel_comm: auto`` once the exchange's transport is known (the fabric: NCCL without
     peer copies): paired over NCCL with micro-batches to pair; and why."""
     if transport != "nccl":
-        return False, f"the exchange runs over {transport}, where one micro-batch at a time measured fastest (tuning.py)"
+        return False, (f"the exchange runs over {transport}, where one micro-batch at a time measured fastest "
+                       "(tuning.py)")
     if micro_batches < 2:
         return False, f"{micro_batches} micro-batch per step: nothing to pair"
     return True, "the exchange runs over NCCL, where another micro-batch's compute hid it best (tuning.py)"
