@@ -419,8 +419,8 @@ case $phase in
       pack
     done
     ;;
-  example2)
-    example 2
+  example2)  # issue 41's 2-GPU example (EXAMPLE_STEPS=N overrides its 200 steps)
+    example 2 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
   examples4b)  # issue 41: the Mixtral-like 2-GPU example with the sigmoid expert bias beside aux 0.1 (GPUs 0-1) while
     # the GPU tests the pairing default touched run on GPUs 2-3; then the shipped 4-GPU examples (fine 100 steps,

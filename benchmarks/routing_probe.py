@@ -109,7 +109,8 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
     # OLMoE's recipe (64 experts top-8 too: softmax, aux 1e-2, z 1e-3, no bias), then stronger aux losses; on the
     # embedding at std 1.0
     **{f"softmax_aux{coeff}_embed1.0": ([SOFTMAX, BIAS_OFF, f"model.moe_aux_loss_coeff={coeff}",
-                                         "model.embedding_init_std=1.0"], 1.0) for coeff in ("1e-2", "5e-2", "1e-1")},
+                                         "model.embedding_init_std=1.0"], 1.0)
+       for coeff in ("1e-2", "5e-2", "1e-1", "2e-1", "3e-1")},
     # the Mixtral-like family (configs/gpu2_mixtral.yaml at CPU size: 8 experts top-2, no shared expert): as shipped
     # on 2026-11-26 (PROBE_ROUTING), then the fine family's best
     "mixtral_shipped": ([], 1.0),
