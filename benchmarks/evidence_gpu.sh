@@ -100,8 +100,8 @@ slow_step() {  # model, name tag, then train_step arguments: EP=4 through NCCL o
 
 suite() {  # name, GPUs, time limit (s)
   local log=$out/gpu_tests_$1.txt
-  echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=$2: $(nvidia-smi -i "$2" --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs); torch $(python -c 'import torch; print(torch.__version__)'); NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs --durations=40 tests/" > "$log"
-  CUDA_VISIBLE_DEVICES=$2 timeout -k 20 "$3" python -m pytest -m gpu -p no:cacheprovider -rs --durations=40 \
+  echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=$2: $(nvidia-smi -i "$2" --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs); torch $(python -c 'import torch; print(torch.__version__)'); NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=40 tests/" > "$log"
+  CUDA_VISIBLE_DEVICES=$2 timeout -k 20 "$3" python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=40 \
     --basetemp=/tmp/gpu_tests_$1 tests/ 2>&1 | tee -a "$log" | tail -n 40
   cp "$log" "$res/gpu_tests_$1$gpu.txt"
 }
@@ -139,8 +139,8 @@ case $phase in
     train_step 4 fine_8l text "$TEXT"
     ;;
   ep4_rows)  # after the gather-sum kernel's row loop (step_kernels_rows_1xh100.json)
-    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: python -m pytest -m gpu -rs tests/test_kernels.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py" > "$out/gpu_tests_rows_4x$gpu.txt"
-    timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rs tests/test_kernels.py tests/test_push_rows.py \
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: python -m pytest -m gpu -rfEs tests/test_kernels.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py" > "$out/gpu_tests_rows_4x$gpu.txt"
+    timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_kernels.py tests/test_push_rows.py \
       tests/test_gpu_dispatch_once_per_rank.py 2>&1 | tail -n 8 | tee -a "$out/gpu_tests_rows_4x$gpu.txt"
     cp "$out/gpu_tests_rows_4x$gpu.txt" $res/
     train_step 4 fine_8l balanced_row_loop "$BAL"
@@ -429,8 +429,8 @@ case $phase in
     CUDA_VISIBLE_DEVICES=0,1 EXAMPLE_FAMILY=mixtral ROUTING="$BIAS model.moe_router_bias_update_rate=1e-2" \
       ROUTING_NAME=embed1.0_sigmoid_bias1e-2_aux1e-1 example 2 train.max_steps=${BIAS_STEPS:-100} &
     log=$out/gpu_tests_pairing_2x.txt
-    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=2,3; python -m pytest -m gpu -rs tests/test_gpu_exposed_comm.py tests/test_gpu_microbatch_overlap.py tests/test_gpu_dispatch_once_per_rank.py" > "$log"
-    CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rs \
+    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=2,3; python -m pytest -m gpu -rfEs tests/test_gpu_exposed_comm.py tests/test_gpu_microbatch_overlap.py tests/test_gpu_dispatch_once_per_rank.py" > "$log"
+    CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs \
       tests/test_gpu_exposed_comm.py tests/test_gpu_microbatch_overlap.py tests/test_gpu_dispatch_once_per_rank.py \
       2>&1 | tail -n 8 | tee -a "$log"
     cp "$log" "$res/gpu_tests_pairing_2x$gpu.txt"
@@ -445,8 +445,8 @@ case $phase in
     CUDA_VISIBLE_DEVICES=0,1 ROUTING="$BIAS model.moe_router_bias_update_rate=1e-2" \
       ROUTING_NAME=sigmoid_bias1e-2_aux1e-1 example 2 &
     log=$out/gpu_tests_microbatch_overlap_2x.txt
-    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=2,3; python -m pytest -m gpu -rs tests/test_gpu_microbatch_overlap.py" > "$log"
-    CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rs \
+    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=2,3; python -m pytest -m gpu -rfEs tests/test_gpu_microbatch_overlap.py" > "$log"
+    CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs \
       tests/test_gpu_microbatch_overlap.py 2>&1 | tail -n 30 | tee -a "$log" | tail -n 3
     cp "$log" "$res/gpu_tests_microbatch_overlap_2x$gpu.txt"
     wait
@@ -469,9 +469,9 @@ case $phase in
     ;;
   fp8)
     (export CUDA_VISIBLE_DEVICES=0
-     echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_fp8.py" \
+     echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8.py" \
        > "$out/gpu_tests_fp8_1x$gpu.txt"
-     timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_fp8.py 2>&1 \
+     timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8.py 2>&1 \
        | tail -n 25 | tee -a "$out/gpu_tests_fp8_1x$gpu.txt"
      cp "$out/gpu_tests_fp8_1x$gpu.txt" $res/
      timeout -k 10 90 python benchmarks/fp8_gemm.py --check --json $res/fp8_gemm_1x$gpu.json 2>&1 | tail -n 12
@@ -486,9 +486,9 @@ case $phase in
     wait
     ;;
   once2)
-    echo "# $(date -u '+%F %H:%M UTC'); 2 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_dispatch_once_per_rank.py" \
+    echo "# $(date -u '+%F %H:%M UTC'); 2 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_dispatch_once_per_rank.py" \
       > "$out/gpu_tests_once_2x$gpu.txt"
-    timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rs tests/test_gpu_dispatch_once_per_rank.py 2>&1 \
+    timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_dispatch_once_per_rank.py 2>&1 \
       | tail -n 25 | tee -a "$out/gpu_tests_once_2x$gpu.txt"
     cp "$out/gpu_tests_once_2x$gpu.txt" $res/
     name=train_step_fine_8l_ep2_once_balanced_2x$gpu  # no overlap field: overlap.moe_pipeline=auto's fast path
