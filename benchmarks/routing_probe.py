@@ -53,6 +53,8 @@ PROBE_ROUTING = ["model.moe_router_score_function=sigmoid", "model.moe_router_en
                  "model.moe_router_bias_update_rate=1e-3", "model.moe_aux_loss_coeff=0.0", "model.moe_z_loss_coeff=1e-3",
                  "model.embedding_init_std=null"]
 BIAS_OFF = "model.moe_router_enable_expert_bias=false"
+# Variants with this suffix route on centered inputs (CenteredInputs): a probe-only experiment, not a model feature.
+CENTERED = "+centered"
 SOFTMAX = "model.moe_router_score_function=softmax"
 
 # name -> (overrides, factor on the routers' initial weights)
@@ -122,6 +124,12 @@ VARIANTS: dict[str, tuple[list[str], float]] = {
     "softmax_aux1e-1": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-1", "model.embedding_init_std=null"], 1.0),
     "mixtral_softmax_aux1e-1": ([SOFTMAX, BIAS_OFF, "model.moe_aux_loss_coeff=1e-1"], 1.0),
 }
+# the shipped routing of each family, and the expert bias alone on the shared std, on centered router inputs
+for _name in ("softmax_aux1e-1_embed1.0", "mixtral_shipped", "bias1e-3"):
+    VARIANTS[_name + CENTERED] = VARIANTS[_name]
+VARIANTS["mixtral_bias1e-2_aux1e-1_embed1.0"] = (  # configs/gpu*_mixtral.yaml's routing since 2026-11-27
+    ["model.moe_router_bias_update_rate=1e-2", "model.moe_aux_loss_coeff=1e-1", "model.embedding_init_std=1.0"], 1.0)
+VARIANTS["mixtral_bias1e-2_aux1e-1_embed1.0" + CENTERED] = VARIANTS["mixtral_bias1e-2_aux1e-1_embed1.0"]
 # A variant named mixtral_* starts from configs/gpu2_mixtral.yaml with these on top of PROBE_MODEL.
 MIXTRAL_CONFIG = ROOT / "configs" / "gpu2_mixtral.yaml"
 MIXTRAL_MODEL = ["model.moe_ffn_hidden_size=512", "model.moe_shared_expert_intermediate_size=null"]
@@ -132,6 +140,33 @@ def base_of(name: str) -> tuple[Path, list[str]]:
     if name.startswith("mixtral_"):
         return MIXTRAL_CONFIG, PROBE_MODEL + MIXTRAL_MODEL + PROBE_ROUTING
     return BASE_CONFIG, PROBE_MODEL + PROBE_ROUTING
+
+
+class CenteredInputs:
+    """Each router sees its input less the mean of its inputs over the previous step (so no token sees a later
+    token's statistics), which takes the direction common to every token out of its logits: a probe-only experiment
+    of what would keep the routing token-dependent while that direction grows. One process, no data parallelism."""
+
+    def __init__(self, routers):
+        self.state = []
+        for router in routers:
+            state = {"mean": torch.zeros(router.weight.shape[1]), "sum": torch.zeros(router.weight.shape[1]),
+                     "count": 0}
+            original = router.logits
+
+            def logits(x_TH, state=state, original=original):
+                state["sum"] += x_TH.detach().float().sum(0)
+                state["count"] += x_TH.shape[0]
+                return original(x_TH - state["mean"].to(x_TH.dtype))
+
+            router.logits = logits
+            self.state.append(state)
+
+    def step(self) -> None:
+        for state in self.state:
+            state["mean"] = state["sum"] / max(state["count"], 1)
+            state["sum"].zero_()
+            state["count"] = 0
 
 
 def run_variant(name: str, overrides: list[str], router_init_scale: float, steps: int, data: str) -> dict:
@@ -161,9 +196,12 @@ def _run_variant(name: str, overrides: list[str], router_init_scale: float, step
     with torch.no_grad():  # fp32 on CPU: the parameter is the optimizer's master weight
         for router in trainer.model.routers().values():
             router.weight.mul_(router_init_scale)
+    centered = CenteredInputs(trainer.model.routers().values()) if name.endswith(CENTERED) else None
     rows, start = [], time.time()
     for _ in range(steps):
         metrics = trainer.train_step()
+        if centered is not None:
+            centered.step()
         layers = sorted(metrics["tokens_per_expert"], key=int)
         shares = {layer: _shares(metrics["tokens_per_expert"][layer]) for layer in layers}
         rows.append({"step": metrics["step"], "loss": round(metrics["loss"], 4),
