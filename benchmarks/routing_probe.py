@@ -50,8 +50,8 @@ PROBE_MODEL = [
 # The routing every variant starts from: both families' configs on 2026-11-26 (sigmoid scores, the expert bias at
 # rate 1e-3, no aux loss, z-loss 1e-3, the shared init std).
 PROBE_ROUTING = ["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
-                 "model.moe_router_bias_update_rate=1e-3", "model.moe_aux_loss_coeff=0.0", "model.moe_z_loss_coeff=1e-3",
-                 "model.embedding_init_std=null"]
+                 "model.moe_router_bias_update_rate=1e-3", "model.moe_aux_loss_coeff=0.0",
+                 "model.moe_z_loss_coeff=1e-3", "model.embedding_init_std=null"]
 BIAS_OFF = "model.moe_router_enable_expert_bias=false"
 # Variants with this suffix route on centered inputs (CenteredInputs): a probe-only experiment, not a model feature.
 CENTERED = "+centered"
