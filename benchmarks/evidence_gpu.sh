@@ -26,6 +26,8 @@
 #   bash benchmarks/evidence_gpu.sh bound4   OUT   # the bounded exchange at EP=4: 2.0 / 1.5 / null on real text and
 #                                                  #   balanced (1 chunk, graphed); 4 chunks bounded beside serial
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
+#   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
+#   bash benchmarks/evidence_gpu.sh examples4x OUT # both 4-GPU examples as shipped, one after the other
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank
@@ -464,6 +466,17 @@ case $phase in
       ROUTING_NAME=${SECOND_NAME:-softmax_aux1e-1} example 2 ${SECOND_STEPS:+train.max_steps=$SECOND_STEPS} &
     wait
     ;;
+  examples2x)  # issue 41: both 2-GPU examples as shipped (16 micro-batches per GPU, 200 steps), side by side on
+    # GPUs 0-1 (fine) and 2-3 (Mixtral-like); EXAMPLE_STEPS=N overrides the steps
+    CUDA_VISIBLE_DEVICES=0,1 ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 2 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS} &
+    CUDA_VISIBLE_DEVICES=2,3 EXAMPLE_FAMILY=mixtral ROUTING_NAME=${EXAMPLES_NAME:-shipped} \
+      example 2 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS} &
+    wait
+    ;;
+  examples4x)  # issue 41: both 4-GPU examples as shipped (16 micro-batches per GPU, 100 steps), one after the other
+    ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
+    EXAMPLE_FAMILY=mixtral ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
+    ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
@@ -507,7 +520,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | examples2x | examples4x | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
