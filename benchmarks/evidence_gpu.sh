@@ -28,6 +28,7 @@
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
 #   bash benchmarks/evidence_gpu.sh examples4x OUT # both 4-GPU examples as shipped, one after the other
+#   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine 2-GPU example
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank
@@ -473,6 +474,16 @@ case $phase in
       example 2 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS} &
     wait
     ;;
+  exposed_fine2)  # the exposed-communication GPU test (serial and default cases) on GPUs 2-3, while the fine 2-GPU
+    # example runs on GPUs 0-1 with ROUTING overrides named ROUTING_NAME
+    ( log=$out/gpu_tests_exposed_2x.txt
+      echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=2,3 python -m pytest -m gpu -rfEs tests/test_gpu_exposed_comm.py" > "$log"
+      CUDA_VISIBLE_DEVICES=2,3 timeout -k 20 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs \
+        --basetemp=/tmp/gpu_tests_exposed tests/test_gpu_exposed_comm.py 2>&1 | tee -a "$log" | tail -n 12
+      cp "$log" "$res/gpu_tests_exposed_2x$gpu.txt" ) &
+    CUDA_VISIBLE_DEVICES=0,1 example 2 &
+    wait
+    ;;
   examples4x)  # issue 41: both 4-GPU examples as shipped (16 micro-batches per GPU, 100 steps), one after the other
     ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     EXAMPLE_FAMILY=mixtral ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
@@ -520,7 +531,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | examples2x | examples4x | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
