@@ -28,7 +28,8 @@
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
 #   bash benchmarks/evidence_gpu.sh examples4x OUT # both 4-GPU examples as shipped, one after the other
-#   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine 2-GPU example
+#   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
+#                                                  #   2-GPU example (GPUs 0-1)
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank

@@ -1,8 +1,8 @@
 """Exposed communication that is true (`pytest -m gpu`, 2 GPUs): rank 1's GPU is held back by a known time before
 every MoE layer's forward; rank 0 waits for it at that layer's exchange and must report at least that much
-exposed EP time, for the serial path, every pipeline transport (nccl, copy_engine, sm_push) and MoE layers
-replayed from CUDA graphs (whose waits only the device clock can see). Launched once under torchrun; the per-rank
-work is `exposed_cases` below, each case reported on its own."""
+exposed EP time, for the serial path, the default path, every pipeline transport (nccl, copy_engine, sm_push) and
+MoE layers replayed from CUDA graphs (whose waits only the device clock can see). Launched once under torchrun;
+the per-rank work is `exposed_cases` below, each case reported on its own."""
 
 from __future__ import annotations
 
