@@ -96,9 +96,9 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
     }
     if checked:
         step, (share, layer, expert) = min(checked, key=lambda item: item[1][0])
-        below = sum(lowest[0] < min_share for _, lowest in checked)
+        below = [at for at, lowest in checked if lowest[0] < min_share]
         summary.update(lowest_share=share, lowest_share_at={"step": step, "layer": layer, "expert": expert},
-                       steps_below=below, balanced=below == 0)
+                       steps_below=len(below), last_step_below=max(below, default=None), balanced=not below)
     else:
         summary["balanced"] = None
     return summary
@@ -115,7 +115,7 @@ def balance_line(summary: dict) -> str:
     if summary["balanced"]:
         return f"{rule}: PASS ({summary['balance_steps_checked']} steps; {lowest})"
     return (f"{rule}: FAIL ({summary['steps_below']} of {summary['balance_steps_checked']} steps had an expert "
-            f"below; {lowest})")
+            f"below, the last at step {summary['last_step_below']}; {lowest})")
 
 
 def report(label: str, summary: dict) -> str:

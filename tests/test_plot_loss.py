@@ -42,7 +42,7 @@ def test_an_expert_below_the_share_after_step_50_fails_naming_where(tmp_path, ca
     write_run(tmp_path / "run", {55: 0.1, 57: 0.2, 58: 0.3})
     assert main([str(tmp_path / "run" / "metrics.jsonl"), "--labels", "bias"]) == 1
     text = capsys.readouterr().out
-    assert ("bias: 60 steps logged" in text and "FAIL (2 of 11 steps had an expert below; lowest 10% of the mean: "
+    assert ("bias: 60 steps logged" in text and "FAIL (2 of 11 steps had an expert below, the last at step 57; lowest 10% of the mean: "
             "layer 2 expert 3 at step 55)" in text)
     assert main([str(tmp_path / "run"), "--min-share", "0.05"]) == 0  # the share is a parameter
 
