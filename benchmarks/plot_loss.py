@@ -76,9 +76,12 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
     last = records[-1]
     timed = [record for record in records if record["step"] > skip] or records
 
-    def median(key: str) -> float | None:
-        values = [record[key] for record in timed if key in record]
+    def median(key: str, of=lambda value: value) -> float | None:
+        values = [of(record[key]) for record in timed if key in record]
         return statistics.median(values) if values else None
+
+    def layer_mean(per_layer: dict, of=lambda value: value) -> float:
+        return statistics.fmean(of(value) for value in per_layer.values()) if per_layer else 1.0
 
     evaluated = [record for record in records if "val_loss" in record]
     checked = [(record["step"], lowest_share(record)) for record in records if record["step"] >= from_step]
@@ -89,6 +92,13 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
         "val_loss_step": evaluated[-1]["step"] if evaluated else None,
         "median_tokens_per_s": median("tokens_per_s"), "median_tflops_per_gpu": median("tflops_per_gpu"),
         "median_mfu": median("mfu"), "medians_after_step": skip,
+        "median_step_time_s": median("step_time_s"),
+        "median_exposed_ep_ms": median("exposed_comm_ms", lambda kinds: kinds.get("ep", 0.0)),
+        # the exchanges wait for the most loaded EP rank: pooled over a step's micro-batches, and per micro-batch
+        # (what each exchange sees); the mean over the MoE layers, the median over the steps
+        "median_ep_imbalance": median("ep_imbalance", layer_mean),
+        "median_ep_imbalance_micro_batch": median("ep_imbalance_micro_batch",
+                                                  lambda layers: layer_mean(layers, lambda v: v["mean"])),
         "peak_memory_gib": max((record["peak_memory_gib"] for record in records if "peak_memory_gib" in record),
                                default=None),
         "max_dead_experts": max((record.get("moe_dead_experts", 0) for record in records), default=0),
@@ -131,6 +141,9 @@ def report(label: str, summary: dict) -> str:
         f"({number(summary['median_tflops_per_gpu'], '.0f')} TFLOP/s per GPU; medians after step "
         f"{summary['medians_after_step']}), peak memory {number(summary['peak_memory_gib'], '.1f')} GiB, at most "
         f"{summary['max_dead_experts']} dead experts in a step",
+        f"  step {number(summary['median_step_time_s'], '.3f')} s, exposed EP {number(summary['median_exposed_ep_ms'], '.0f')}"
+        f" ms; EP imbalance {number(summary['median_ep_imbalance'], '.2f')} pooled over a step, "
+        f"{number(summary['median_ep_imbalance_micro_batch'], '.2f')} per micro-batch (mean over layers, median over steps)",
         f"  {balance_line(summary)}",
     ])
 

@@ -29,7 +29,7 @@ marked ``not_a_limit``), the maximum over ranks of peak memory (torch's allocato
 plus symmetric-memory regions, which that allocator does not see), exposed communication per kind (every wait of
 the compute stream or host for another rank, CUDA-graph replays included: median over steps, per rank and its
 maximum), routing imbalance per MoE layer (copies on the most loaded EP rank over the mean, and on the most
-loaded expert over the mean; median over steps), the profiled steps' compute-stream time by kind of work per
+loaded expert over the mean; median over steps; and per micro-batch, which is what each exchange waits for), the profiled steps' compute-stream time by kind of work per
 rank, and ``resolved``: the settings the run used once ``auto`` was resolved. A timeline PNG per row (rank 0).
 """
 
@@ -173,6 +173,12 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "exposed_comm_ms_per_rank": [p["exposed_comm_ms"] for p in parts],
         "ep_imbalance": per_layer_median(timed, "ep_imbalance") if "ep_imbalance" in timed[0] else {},
         "expert_imbalance": per_layer_median(timed, "expert_imbalance") if "expert_imbalance" in timed[0] else {},
+        # each micro-batch's exchange waits for its own most loaded rank: per layer, the median over the timed steps
+        # of a step's mean over its micro-batches, and the worst micro-batch of any timed step (absent at EP=1)
+        "ep_imbalance_micro_batch": {
+            layer: {"mean": round(statistics.median(m["ep_imbalance_micro_batch"][layer]["mean"] for m in timed), 4),
+                    "max": round(max(m["ep_imbalance_micro_batch"][layer]["max"] for m in timed), 4)}
+            for layer in timed[0].get("ep_imbalance_micro_batch", {})},
         "resolved": resolved,
         "routing": {"data_path": cfg.data.path or "bundled byte-level corpus",
                     "force_load_balancing": cfg.model.moe_router_force_load_balancing},

@@ -43,6 +43,7 @@ def test_train_step_benchmark_one_process(tmp_path):
         check_row(row, 1)
         assert row["tokens_per_step"] == 4 * 128 and row["resolved"]["moe_path"] == "local"
         assert set(row["ep_imbalance"].values()) == {1.0}  # one EP rank holds every expert
+        assert row["ep_imbalance_micro_batch"] == {}  # nothing waits for a peer
 
 
 def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
@@ -67,6 +68,9 @@ def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
         assert rows[name]["global_batch_size"] == 8 and rows[name]["micro_batches_per_rank"] == 2  # weak scaling
         assert rows[name]["resolved"]["moe_transport"] == "gloo"
         assert rows[name]["vs_ep1"] > 0 and rows[name]["vs_compute_only"] > 0
+        per_micro_batch = rows[name]["ep_imbalance_micro_batch"]
+        assert set(per_micro_batch) == set(rows[name]["ep_imbalance"])
+        assert all(1.0 <= v["mean"] <= v["max"] for v in per_micro_batch.values())
     assert rows["config"]["resolved"]["moe_path"] == "pipeline" and rows["config"]["exposed_comm_ms"]["ep"] > 0
     assert rows["pipeline"]["resolved"]["moe_pipeline_chunks"] == 2
     assert rows["compute_only"]["resolved"]["moe_compute_only"] is True

@@ -18,7 +18,10 @@ def write_run(directory, low_expert_at: dict[int, float]) -> None:
             low = round(100 * low_expert_at.get(step, 1.0))
             record = {"step": step, "loss": 10.0 - step / 10, "tokens_per_s": 1000.0 * (step > 5) + 10,
                       "tflops_per_gpu": 300.0, "mfu": 0.4 if step > 5 else 0.01, "peak_memory_gib": 50.0 + step / 60,
-                      "moe_dead_experts": int(low == 0),
+                      "moe_dead_experts": int(low == 0), "step_time_s": 1.5 - (step > 5),
+                      "exposed_comm_ms": {"ep": 100.0 + step, "dp": 1.0},
+                      "ep_imbalance": {"1": 1.0, "2": 1.1},
+                      "ep_imbalance_micro_batch": {"1": {"mean": 1.2, "max": 2.0}, "2": {"mean": 1.4, "max": 3.0}},
                       "tokens_per_expert": {"1": [100, 100, 100, 100], "2": [100 + 100 - low, 100, 100, low]}}
             if step % 25 == 0:
                 record["val_loss"] = 9.0
@@ -33,6 +36,7 @@ def test_a_balanced_run_passes_and_reports_the_table_numbers(tmp_path, capsys):
     assert "60 steps logged, loss 4.000 after step 60 (val 9.000 at step 50)" in text
     assert "tokens/s 1,010, MFU 0.400 (300 TFLOP/s per GPU; medians after step 5), peak memory 51.0 GiB" in text
     assert "at most 1 dead experts in a step" in text
+    assert ("step 0.500 s, exposed EP 133 ms; EP imbalance 1.05 pooled over a step, 1.30 per micro-batch" in text)
     assert "no expert below 25% of mean load from step 50 on: PASS (11 steps;" in text
     summary = json.loads(out.read_text())
     assert summary["machine"] == "test" and summary["runs"][str(tmp_path / "run")]["balanced"] is True

@@ -69,7 +69,8 @@ class Carveouts:
 class PipelineResult:
     losses: torch.Tensor  # (2,) fp64, the same on every rank: the mean over micro-batches of the last stage's
     # cross-entropy, and of the auxiliary losses of every stage
-    tokens_per_expert: dict[int, torch.Tensor]  # every MoE layer's copies per expert, whichever rank holds it
+    # every MoE layer's copies per expert, whichever rank holds it: (micro-batches, experts), this rank's routing
+    tokens_per_micro_batch: dict[int, torch.Tensor]
     peak_bytes: int | None = None  # with measure
     trace: list[tuple[Action, float, float]] | None = None  # with measure: every action's (start, end) in s
     order: list[tuple[str, int, str]] = field(default_factory=list)  # paired: (F | B, micro-batch, segment) as run
@@ -77,6 +78,11 @@ class PipelineResult:
     @property
     def lm_loss(self) -> torch.Tensor:
         return self.losses[0]
+
+    @property
+    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
+        """Every MoE layer's copies per expert over the step's micro-batches."""
+        return {layer: counts_ME.sum(0) for layer, counts_ME in self.tokens_per_micro_batch.items()}
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -99,7 +105,7 @@ class _Run:
     in_flight: dict[P2POp, tuple[list, torch.Tensor]] = field(default_factory=dict)
     deferred: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
     held: dict[object, list] = field(default_factory=dict)  # measure: ledger holds by owner
-    tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> micro-batch -> counts
     trace: list[tuple[Action, float, float]] | None = None
     order: list[tuple[str, int, str]] = field(default_factory=list)
 
@@ -168,7 +174,7 @@ class PipelineExecutor:
                 run.trace.append((action, start, clock.mark()))
         losses = torch.stack([run.lm_sum, run.aux_sum]) / schedule.micro_batches
         all_reduce_(losses, self.mesh.pp.group)  # the loss from the last stage, auxiliary losses from all
-        return PipelineResult(losses, self._share_tokens(run.tokens), ledger.peak if ledger else None,
+        return PipelineResult(losses, self._share_tokens(run.tokens, schedule.micro_batches), ledger.peak if ledger else None,
                               clock.resolve(run.trace) if clock else None, run.order)
 
     # ----------------------------------------------------------------------------------------- compute
@@ -220,8 +226,8 @@ class PipelineExecutor:
         if out.lm_loss is not None:
             run.lm_sum = run.lm_sum + out.lm_loss
         run.aux_sum = run.aux_sum + out.aux_loss
-        for layer, counts in out.tokens_per_expert.items():
-            run.tokens[layer] = run.tokens.get(layer, 0) + counts
+        for layer, counts_E in out.tokens_per_expert.items():
+            run.tokens.setdefault(layer, {})[action.micro_batch] = counts_E
 
     def _arm_backward(self, action: Compute, schedule: Schedule) -> None:
         """Before a backward action: the distributed optimizer may start a bucket's reduce-scatter only on its
@@ -273,17 +279,20 @@ class PipelineExecutor:
                 run.received[op.message] = tensor  # held until the compute that consumes it
 
     # --------------------------------------------------------------------------------------------- totals
-    def _share_tokens(self, tokens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Every MoE layer's counts on every rank of the pipeline (for the metrics; routers use their own)."""
+    def _share_tokens(self, tokens: dict[int, dict[int, torch.Tensor]], micro_batches: int) -> dict[int, torch.Tensor]:
+        """Every MoE layer's counts per micro-batch, (micro-batches, experts), on every rank of the pipeline (for
+        the metrics; routers use their own)."""
+        stacked = {layer: torch.stack([by_micro_batch[mb] for mb in range(micro_batches)])
+                   for layer, by_micro_batch in tokens.items()}
         if self.mesh.pp.size == 1:
-            return tokens
+            return stacked
         m = self.cfg.model
         moe_layers = [index for index in range(m.num_layers) if m.is_moe_layer(index)]
         if not moe_layers:
             return {}
-        table = torch.zeros((m.num_layers, m.num_moe_experts), dtype=torch.int64, device=self.device)
-        for layer, counts in tokens.items():
-            table[layer] = counts
+        table = torch.zeros((m.num_layers, micro_batches, m.num_moe_experts), dtype=torch.int64, device=self.device)
+        for layer, counts_ME in stacked.items():
+            table[layer] = counts_ME
         all_reduce_(table, self.mesh.pp.group)
         return {layer: table[layer] for layer in moe_layers}
 

@@ -203,7 +203,7 @@ class Trainer:
         self.step = 0
         self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
         self.stopped_by: str | None = None  # why fit stopped before train.max_steps (a signal, the time limit)
-        self.tokens_per_expert: dict[int, torch.Tensor] = {}
+        self.tokens_per_micro_batch: dict[int, torch.Tensor] = {}  # layer -> (micro-batches, experts), this rank's
         # The device-planned exchange's receive bound (overlap.moe_expert_rank_capacity_factor): a step in which any
         # rank's rows overflowed it is skipped on the device and run again planned on the host (_run_again); the
         # step queued behind it (fit queues one ahead) ran on the same weights and is skipped too, by this flag
@@ -228,7 +228,7 @@ class Trainer:
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
         result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale, carveouts=self._carveouts())
-        self.tokens_per_expert, self.stage_order = result.tokens_per_expert, result.order
+        self.tokens_per_micro_batch, self.stage_order = result.tokens_per_micro_batch, result.order
         return result.losses
 
     def _carveouts(self) -> Carveouts:
@@ -295,7 +295,8 @@ class Trainer:
         # One copy to the host of everything the metrics read, queued now: finish_step waits for this step only.
         values = HostCopy(torch.cat([self._dp_mean(losses), grad_norm.view(1).double(), applied.view(1).double(),
                                      self.optimizer.nonfinite_flags(),
-                                     *(counts.double() for counts in loads.values()), world]))
+                                     *(counts.double() for counts in loads.values()),
+                                     self._micro_batch_ep_imbalance(), world]))
         self._last_step_end = Event(self.device, timing=True).record()
         self.step += 1
         return StepInFlight(self.step, lr, values, list(loads), exposed, start, self._last_step_end)
@@ -307,9 +308,10 @@ class Trainer:
             self._last_step_end = None
         loss, aux_loss, grad_norm, applied = values[:4]
         nonfinite = values[4:4 + len(self.optimizer.norm_names)]
-        loads = values[4 + len(nonfinite):-2]
+        experts, layers = self.cfg.model.num_moe_experts, len(pending.moe_layers)
+        loads = values[4 + len(nonfinite):4 + len(nonfinite) + layers * experts]
+        micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-2]  # (mean, max) per layer, or none
         overflow_rows, peak_bytes = values[-2:]
-        experts = len(loads) // max(1, len(pending.moe_layers))
         if not applied and not overflow_rows:  # an overflowed step runs again (train_step, fit)
             check_nonfinite(grad_norm, pending.step - 1, self.cfg.train,
                             [name for name, bad in zip(self.optimizer.norm_names, nonfinite) if bad])
@@ -334,6 +336,10 @@ class Trainer:
                                        for layer, counts in metrics["tokens_per_expert"].items()}
             metrics["expert_imbalance"] = {layer: imbalance(counts, len(counts))
                                            for layer, counts in metrics["tokens_per_expert"].items()}
+            if micro_batch_imbalance:
+                metrics["ep_imbalance_micro_batch"] = {
+                    str(layer): {"mean": micro_batch_imbalance[2 * i], "max": micro_batch_imbalance[2 * i + 1]}
+                    for i, layer in enumerate(pending.moe_layers)}
             if not overflow_rows:  # an overflowed step counts once, when it runs again
                 metrics["moe_dead_experts"] = self.dead_experts.update(pending.step, metrics["tokens_per_expert"])
         return metrics
@@ -388,8 +394,16 @@ class Trainer:
         """Copies sent to each expert this step per MoE layer, summed over the micro-batches, the
         data-parallel ranks and the TP and CP ranks (under sequence and context parallelism each routes its
         own tokens): the same on every rank, as the routers' bias update needs."""
-        return {layer: all_reduce_(all_reduce_(counts, self.mesh.tp.group), self.mesh.dp_cp.group)
-                for layer, counts in self.tokens_per_expert.items()}
+        return {layer: all_reduce_(all_reduce_(counts_ME.sum(0), self.mesh.tp.group), self.mesh.dp_cp.group)
+                for layer, counts_ME in self.tokens_per_micro_batch.items()}
+
+    def _micro_batch_ep_imbalance(self) -> torch.Tensor:
+        """``micro_batch_imbalance`` of this step's copies summed over the EP group (empty at EP=1)."""
+        ep = self.mesh.ep
+        if ep.size == 1 or not self.tokens_per_micro_batch:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        return micro_batch_imbalance(all_reduce_(torch.stack(list(self.tokens_per_micro_batch.values())), ep.group),
+                                     ep.size)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -574,6 +588,17 @@ def imbalance(counts_E: list[int], groups: int) -> float:
     per_group = [sum(counts_E[g * len(counts_E) // groups:(g + 1) * len(counts_E) // groups]) for g in range(groups)]
     mean = sum(per_group) / groups
     return max(per_group) / mean if mean else 1.0
+
+
+def micro_batch_imbalance(counts_LME: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Per MoE layer, (mean, max) over micro-batches of the copies on the most loaded of ``ranks`` equal runs of
+    experts over the mean, flattened, fp64. Each micro-batch's exchange waits for its own most loaded rank, so this
+    is the wait a step sees; ``imbalance`` of the step's pooled counts hides it (two micro-batches skewed opposite
+    ways pool to 1.0). A micro-batch with no copies counts as 1.0."""
+    loads_LMR = counts_LME.unflatten(-1, (ranks, -1)).sum(-1).double()
+    mean_LM = loads_LMR.mean(-1)
+    ratio_LM = torch.where(mean_LM > 0, loads_LMR.amax(-1) / mean_LM.clamp_min(1e-9), torch.ones_like(mean_LM))
+    return torch.stack([ratio_LM.mean(-1), ratio_LM.amax(-1)], dim=-1).flatten()
 
 
 # Consecutive steps without a token after which an expert is reported dead: long enough that a few unlucky
