@@ -44,3 +44,37 @@ def test_every_rank_reports_its_ep_groups_wait_per_micro_batch(rank_pool, tmp_pa
         mean, worst = micro_batch_imbalance(both_ME.unsqueeze(0), 2).tolist()
         assert math.isclose(got["mean"], mean) and math.isclose(got["max"], worst)
         assert got["mean"] >= ranks[0]["metrics"]["ep_imbalance"][layer] - 1e-12
+
+
+def test_counts_survive_a_layer_that_reuses_its_output_buffer(tmp_path, monkeypatch):
+    """A graphed MoE layer returns its counts in the graph's output buffer, which its next replay overwrites: the
+    step's counts per micro-batch, and their sum (the routers' load), are those of the layer run plainly (this
+    bug shipped once: every micro-batch read as the last one)."""
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.layers.moe import MoELayer
+
+    def run() -> tuple[dict, dict]:
+        cfg = small_config(str(tmp_path), 1, 8, **{"train.device": "cpu", "train.precision": "fp32"})
+        torch.manual_seed(0)
+        trainer = Trainer(cfg, Mesh.single(), CPU)
+        metrics = trainer.train_step()
+        return metrics["tokens_per_expert"], {layer: counts_ME.tolist()
+                                              for layer, counts_ME in trainer.tokens_per_micro_batch.items()}
+
+    plain_sum, plain_ME = run()
+    assert all(len(counts_ME) == 4 and counts_ME[0] != counts_ME[-1] for counts_ME in plain_ME.values())
+    original = MoELayer.for_micro_batch
+    buffers: dict[int, torch.Tensor] = {}
+
+    def static_output(self, micro_batch):
+        layer = original(self, micro_batch)
+
+        def run_layer(x_BSH):
+            out, aux, counts_E = layer(x_BSH)
+            buffer = buffers.setdefault(id(self), torch.zeros_like(counts_E))
+            buffer.copy_(counts_E)  # as a replay writes its graph's output
+            return out, aux, buffer
+        return run_layer
+
+    monkeypatch.setattr(MoELayer, "for_micro_batch", static_output)
+    assert run() == (plain_sum, plain_ME)

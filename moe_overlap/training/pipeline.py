@@ -105,7 +105,7 @@ class _Run:
     in_flight: dict[P2POp, tuple[list, torch.Tensor]] = field(default_factory=dict)
     deferred: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
     held: dict[object, list] = field(default_factory=dict)  # measure: ledger holds by owner
-    tokens: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> micro-batch -> counts
+    tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> copies, (micro-batches, experts)
     trace: list[tuple[Action, float, float]] | None = None
     order: list[tuple[str, int, str]] = field(default_factory=list)
 
@@ -227,7 +227,10 @@ class PipelineExecutor:
             run.lm_sum = run.lm_sum + out.lm_loss
         run.aux_sum = run.aux_sum + out.aux_loss
         for layer, counts_E in out.tokens_per_expert.items():
-            run.tokens.setdefault(layer, {})[action.micro_batch] = counts_E
+            if layer not in run.tokens:
+                run.tokens[layer] = counts_E.new_zeros((len(run.batches), counts_E.numel()))
+            # copied now: a graphed layer's counts are its graph's output buffer, which its next replay overwrites
+            run.tokens[layer][action.micro_batch].copy_(counts_E)
 
     def _arm_backward(self, action: Compute, schedule: Schedule) -> None:
         """Before a backward action: the distributed optimizer may start a bucket's reduce-scatter only on its
@@ -279,19 +282,17 @@ class PipelineExecutor:
                 run.received[op.message] = tensor  # held until the compute that consumes it
 
     # --------------------------------------------------------------------------------------------- totals
-    def _share_tokens(self, tokens: dict[int, dict[int, torch.Tensor]], micro_batches: int) -> dict[int, torch.Tensor]:
+    def _share_tokens(self, tokens: dict[int, torch.Tensor], micro_batches: int) -> dict[int, torch.Tensor]:
         """Every MoE layer's counts per micro-batch, (micro-batches, experts), on every rank of the pipeline (for
         the metrics; routers use their own)."""
-        stacked = {layer: torch.stack([by_micro_batch[mb] for mb in range(micro_batches)])
-                   for layer, by_micro_batch in tokens.items()}
         if self.mesh.pp.size == 1:
-            return stacked
+            return tokens
         m = self.cfg.model
         moe_layers = [index for index in range(m.num_layers) if m.is_moe_layer(index)]
         if not moe_layers:
             return {}
         table = torch.zeros((m.num_layers, micro_batches, m.num_moe_experts), dtype=torch.int64, device=self.device)
-        for layer, counts_ME in stacked.items():
+        for layer, counts_ME in tokens.items():
             table[layer] = counts_ME
         all_reduce_(table, self.mesh.pp.group)
         return {layer: table[layer] for layer in moe_layers}
