@@ -28,10 +28,10 @@
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
 #   bash benchmarks/evidence_gpu.sh examples4x OUT # both 4-GPU examples as shipped, one after the other
-#   bash benchmarks/evidence_gpu.sh mb4      OUT   # the fine ep1 row on text, then the fine 4-GPU example at 2
-#                                                  #   sequences per micro-batch and as shipped
-#   bash benchmarks/evidence_gpu.sh mb2x     OUT   # the fine 2-GPU example at 2 sequences per micro-batch, twice
-#                                                  #   side by side (SECOND_ROUTING on GPUs 2-3)
+#   bash benchmarks/evidence_gpu.sh mb4      OUT   # the fine ep1 row on text, then the fine 4-GPU example as
+#                                                  #   shipped (2 sequences per micro-batch) and at 1
+#   bash benchmarks/evidence_gpu.sh example4_split OUT # train_step.py on configs/gpu4_fine.yaml: learned routing,
+#                                                  #   forced balancing, compute_only (the exposed exchange's split)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
 #                                                  #   2-GPU example (GPUs 0-1)
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
@@ -493,20 +493,20 @@ case $phase in
     ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     EXAMPLE_FAMILY=mixtral ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
-  mb4)  # issue 41: the fine model's ep1 row on real text (GPU 0 alone), then the fine 4-GPU example at 2 sequences per
-    # micro-batch (8 micro-batches per GPU, the same tokens a step) and as shipped (16 of 1), 100 steps each
+  mb4)  # issue 41: the fine model's ep1 row on real text (GPU 0 alone), then the fine 4-GPU example as shipped (8
+    # micro-batches of 2 sequences per GPU) and as 16 micro-batches of 1 (the same tokens a step), 100 steps each
     name=train_step_fine_8l_ep1_text_1x$gpu
     CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT $STEPS \
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
-    ROUTING="train.micro_batch_size=2" ROUTING_NAME=mb2 example 4
-    ROUTING_NAME=${BASE_NAME:-mb1} example 4
+    ROUTING_NAME=mb2 example 4
+    ROUTING="train.micro_batch_size=1" ROUTING_NAME=mb1 example 4
     ;;
-  mb2x)  # issue 41: the fine 2-GPU example at 2 sequences per micro-batch, side by side: as shipped otherwise (GPUs
-    # 0-1) and with SECOND_ROUTING overrides named SECOND_NAME (GPUs 2-3)
-    CUDA_VISIBLE_DEVICES=0,1 ROUTING="train.micro_batch_size=2" ROUTING_NAME=mb2 example 2 &
-    CUDA_VISIBLE_DEVICES=2,3 ROUTING="train.micro_batch_size=2 ${SECOND_ROUTING:-}" ROUTING_NAME=mb2_${SECOND_NAME:-again} \
-      example 2 &
-    wait
+  example4_split)  # issues 41 and 38: where the fine 4-GPU example's exposed exchange goes: train_step.py on its
+    # file (from initialisation, real text) with its learned routing, forced balancing and compute_only, profiled
+    name=train_step_gpu4_fine_split_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
+      $STEPS --variant "forced:$BAL" --compute-only --json $res/$name.json --timeline $res/$name.png 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
@@ -551,7 +551,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | mb2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
