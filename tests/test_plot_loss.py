@@ -36,7 +36,8 @@ def test_a_balanced_run_passes_and_reports_the_table_numbers(tmp_path, capsys):
     assert "60 steps logged, loss 4.000 after step 60 (val 9.000 at step 50)" in text
     assert "tokens/s 1,010, MFU 0.400 (300 TFLOP/s per GPU; medians after step 5), peak memory 51.0 GiB" in text
     assert "at most 1 dead experts in a step" in text
-    assert ("step 0.500 s, exposed EP 133 ms; EP imbalance 1.05 pooled over a step, 1.30 per micro-batch" in text)
+    assert ("step 0.500 s, exposed EP 133 ms; EP imbalance 1.05 pooled over a step, 1.30 per micro-batch (mean over "
+            "layers, median over steps; the worst micro-batch of the run 3.00)" in text)
     assert "no expert below 25% of mean load from step 50 on: PASS (11 steps;" in text
     summary = json.loads(out.read_text())
     assert summary["machine"] == "test" and summary["runs"][str(tmp_path / "run")]["balanced"] is True
