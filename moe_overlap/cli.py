@@ -359,6 +359,7 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     from moe_overlap.layers.exchange_memory import describe_exchange_memory
     from moe_overlap.models.mixtral import count_parameters
     from moe_overlap.training.data import describe_source
+    from moe_overlap.training.state_memory import describe_state_memory
     from moe_overlap.training.trainer import mesh_layout
 
     p = cfg.parallel
@@ -378,7 +379,7 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
-    for line in describe_exchange_memory(cfg, device_type):
+    for line in describe_state_memory(cfg, world_size) + describe_exchange_memory(cfg, device_type):
         print(line)
     print(mesh_layout(cfg, world_size).table())
     if wants_schedule:

@@ -343,6 +343,16 @@ class Mesh:
         handles = {kind: GroupHandle(ranks=[0], group=None, rank=0, size=1) for kind in GROUP_KINDS}
         return cls(MeshLayout(world_size=1), 0, handles, [])
 
+    @classmethod
+    def planned(cls, layout: MeshLayout, rank: int) -> Mesh:
+        """``rank``'s groups as sizes and ranks only, no process group: for building its part of a model on the meta
+        device (planning, ``moe-overlap info``). A collective through it would be a no-op: never run one."""
+        handles = {}
+        for kind in GROUP_KINDS:
+            mine = next((ranks for ranks in layout.group_ranks(kind) if rank in ranks), [])
+            handles[kind] = GroupHandle(ranks=mine, group=None, rank=mine.index(rank) if mine else -1, size=len(mine))
+        return cls(layout, rank, handles, [])
+
     def own(self, group: ProcessGroup) -> None:
         """Destroy ``group`` with the mesh's own (a group made beside the mesh, e.g. a pipeline channel)."""
         self._owned_groups.append(group)

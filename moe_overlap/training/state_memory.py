@@ -1,0 +1,76 @@
+"""The model's own memory on each rank, before activations: the weights in the compute dtype, their fp32 gradients
+(``main_grad``) and the optimizer's fp32 master weights and AdamW moments, which the distributed optimizer shards
+over the data-parallel ranks (dense parameters over DP x CP, experts over expert-DP). Counted from the rank's part
+of the model built on the meta device, so the layout rules (TP splits, PP stages, local experts, tied embeddings)
+are the model code's own. The distributed optimizer pads each bucket to equal shards: a few KiB, not counted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.config import Config
+from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.layers.param_info import is_expert_param
+from moe_overlap.models.mixtral import MixtralModel
+from moe_overlap.models.pipeline_stages import PipelineStages
+from moe_overlap.precision import DTYPES
+from moe_overlap.training.trainer import mesh_layout
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights: int  # in the compute dtype (train.precision)
+    gradients: int  # fp32 main_grad, every local parameter
+    optimizer: int  # fp32 master weights (unless the weights are fp32) and the two AdamW moments, this rank's shard
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
+    """This rank's model state in bytes (``mesh`` may be ``Mesh.planned``: nothing is allocated)."""
+    t = cfg.train
+    dtype = DTYPES[t.precision]
+    model = MixtralModel(cfg.model, mesh, "meta", dtype, **PipelineStages.from_config(cfg).model_kwargs(mesh.pp.rank))
+    # per element: a separate fp32 master unless the weights are fp32, and the two moments
+    optimizer_per_element = (0 if dtype == torch.float32 else FP32_BYTES) + 2 * FP32_BYTES
+    weights = gradients = optimizer = 0
+    for param in model.parameters():
+        weights += param.numel() * param.element_size()
+        gradients += param.numel() * FP32_BYTES
+        shards = (mesh.edp if is_expert_param(param) else mesh.dp_cp).size if t.use_distributed_optimizer else 1
+        optimizer += param.numel() * optimizer_per_element // shards
+    return StateBytes(weights, gradients, optimizer)
+
+
+def largest_state(cfg: Config, world_size: int) -> tuple[int, StateBytes]:
+    """(rank, its state) of the rank that holds the most; ranks that differ only by their data-parallel and
+    context-parallel coordinates hold the same parts and are counted once."""
+    layout = mesh_layout(cfg, world_size)
+    seen: dict[tuple, tuple[int, StateBytes]] = {}
+    for rank in range(world_size):
+        coords = layout.coords(rank)
+        key = tuple(coords[axis] for axis in ("tp", "pp", "etp", "ep"))
+        if key not in seen:
+            seen[key] = (rank, state_bytes(cfg, Mesh.planned(layout, rank)))
+    return max(seen.values(), key=lambda item: item[1].total)
+
+
+def describe_state_memory(cfg: Config, world_size: int) -> list[str]:
+    """``moe-overlap info``'s lines: the largest rank's model state, then what comes on top."""
+    rank, state = largest_state(cfg, world_size)
+    gib = 2**30
+    sharding = ("sharded over data-parallel ranks by the distributed optimizer" if cfg.train.use_distributed_optimizer
+                else "not sharded: train.use_distributed_optimizer=false")
+    lines = [f"model state per rank, before activations (the most on any rank: rank {rank}): "
+             f"{state.total / gib:.1f} GiB = weights {state.weights / gib:.1f} ({cfg.train.precision}) + gradients "
+             f"{state.gradients / gib:.1f} (fp32) + optimizer {state.optimizer / gib:.1f} (fp32 master and AdamW "
+             f"moments, {sharding})"]
+    if cfg.train.fp8_recipe:
+        lines.append(f"  not counted: the FP8 copies of the weights (train.fp8_recipe={cfg.train.fp8_recipe})")
+    return lines

@@ -1,0 +1,88 @@
+"""`moe-overlap info`'s model state per rank (weights, fp32 gradients, optimizer state) against what a trainer
+actually allocates, for the plain optimizer in one process and the distributed optimizer at 2 gloo ranks (EP=2,
+PP=2, TP=2); and the shipped GPU configs' headers quote it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_overlap.config import load_config
+from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.training.state_memory import StateBytes, describe_state_memory, state_bytes
+from moe_overlap.training.trainer import Trainer, mesh_layout
+from tests.test_master import CPU, small_config, world_and_mesh
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def allocated(trainer: Trainer) -> tuple[StateBytes, int]:
+    """(what the trainer holds, counting only the parameters' own elements of each optimizer shard, and the
+    optimizer's bytes per element); the distributed optimizer's bucket padding is left out."""
+    params = list(trainer.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    optimizer = trainer.optimizer
+    if hasattr(optimizer, "buckets"):
+        gradients = sum(b.grad_data.numel() - (b.numel - b.slots[-1].end) for b in optimizer.buckets) * 4
+        per_element = 4 * (2 + any(b.has_separate_master for b in optimizer.buckets))
+        elements = sum(part.stop - part.start for b in optimizer.buckets for _, part, _ in b.shard_parts)
+    else:
+        gradients = sum(e.main_grad.numel() * 4 for e in optimizer.entries)
+        per_element = 4 * (2 + any(e.master is not e.param for e in optimizer.entries))
+        elements = sum(e.exp_avg.numel() for e in optimizer.entries)
+    return StateBytes(weights, gradients, elements * per_element), per_element
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_process_counts_what_the_plain_optimizer_allocates(tmp_path, precision):
+    cfg = small_config(str(tmp_path), 1, 4, **{"train.device": "cpu", "train.precision": precision})
+    trainer = Trainer(cfg, Mesh.single(), CPU)
+    held, per_element = allocated(trainer)
+    assert per_element == (8 if precision == "fp32" else 12)  # fp32 weights are their own master
+    assert state_bytes(cfg, Mesh.single()) == held
+
+
+LAYOUTS = {
+    "ep2": {"parallel.expert_model_parallel_size": 2},
+    "pp2": {"parallel.pipeline_model_parallel_size": 2, "parallel.expert_model_parallel_size": 1,
+            "model.num_layers": 4, "model.moe_layer_freq": "[1,0,1,1]"},
+    "tp2": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
+            "parallel.expert_model_parallel_size": 1},
+}
+
+
+def layout_case(output_dir: str, layout: str) -> dict:
+    cfg = small_config(output_dir, 1, 8, **{"train.device": "cpu", "train.precision": "bf16",
+                                            "train.use_distributed_optimizer": "true", **LAYOUTS[layout]})
+    world, mesh = world_and_mesh(cfg)
+    try:
+        held, _ = allocated(Trainer(cfg, mesh, CPU))
+        planned = state_bytes(cfg, Mesh.planned(mesh_layout(cfg, world), mesh.rank))
+        return {"held": held, "planned": planned}
+    finally:
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_ranks_count_what_the_distributed_optimizer_allocates(rank_pool, tmp_path, layout):
+    """Weights and gradients exactly on each rank; the optimizer's shards over the two ranks together (a bucket's
+    contiguous shards split a parameter unevenly; each rank counts its even share)."""
+    ranks = rank_pool(2).run(layout_case, str(tmp_path), layout)
+    for rank in ranks:
+        assert (rank["planned"].weights, rank["planned"].gradients) == (rank["held"].weights, rank["held"].gradients)
+    planned, held = (sum(r[side].optimizer for r in ranks) for side in ("planned", "held"))
+    assert abs(planned - held) <= 12 * 64, (planned, held)  # integer halves: at most a few bytes per parameter
+    if layout == "pp2":  # each stage holds its own layers
+        assert ranks[0]["planned"].weights != ranks[1]["planned"].weights
+
+
+def test_the_gpu_configs_quote_their_model_state():
+    for path in sorted(CONFIGS.glob("gpu[248]_*.yaml")):
+        quoted = re.search(r"Memory per GPU: ([\d.]+) GiB", path.read_text())
+        assert quoted, path.name
+        world = int(path.name[3])
+        line = describe_state_memory(load_config(path, []), world)[0]
+        assert f"{float(quoted.group(1)):.1f} GiB = weights" in line, (path.name, line)
