@@ -308,7 +308,7 @@ class Trainer:
             self._last_step_end = None
         loss, aux_loss, grad_norm, applied = values[:4]
         nonfinite = values[4:4 + len(self.optimizer.norm_names)]
-        experts, layers = self.cfg.model.num_moe_experts, len(pending.moe_layers)
+        experts, layers = self.cfg.model.num_moe_experts or 0, len(pending.moe_layers)  # none: a dense model
         loads = values[4 + len(nonfinite):4 + len(nonfinite) + layers * experts]
         micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-2]  # (mean, max) per layer, or none
         overflow_rows, peak_bytes = values[-2:]
