@@ -102,7 +102,8 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
         # the most any micro-batch put on one EP rank (over the mean), from the first step on: the least
         # overlap.moe_expert_rank_capacity_factor that this run would never have overflowed with one chunk
         "max_ep_imbalance_micro_batch": max((v["max"] for record in records
-                                             for v in record.get("ep_imbalance_micro_batch", {}).values()), default=None),
+                                             for v in record.get("ep_imbalance_micro_batch", {}).values()),
+                                            default=None),
         "peak_memory_gib": max((record["peak_memory_gib"] for record in records if "peak_memory_gib" in record),
                                default=None),
         "max_dead_experts": max((record.get("moe_dead_experts", 0) for record in records), default=0),
@@ -145,10 +146,11 @@ def report(label: str, summary: dict) -> str:
         f"({number(summary['median_tflops_per_gpu'], '.0f')} TFLOP/s per GPU; medians after step "
         f"{summary['medians_after_step']}), peak memory {number(summary['peak_memory_gib'], '.1f')} GiB, at most "
         f"{summary['max_dead_experts']} dead experts in a step",
-        f"  step {number(summary['median_step_time_s'], '.3f')} s, exposed EP {number(summary['median_exposed_ep_ms'], '.0f')}"
-        f" ms; EP imbalance {number(summary['median_ep_imbalance'], '.2f')} pooled over a step, "
-        f"{number(summary['median_ep_imbalance_micro_batch'], '.2f')} per micro-batch (mean over layers, median over steps; "
-        f"the worst micro-batch of the run {number(summary['max_ep_imbalance_micro_batch'], '.2f')})",
+        f"  step {number(summary['median_step_time_s'], '.3f')} s, exposed EP "
+        f"{number(summary['median_exposed_ep_ms'], '.0f')} ms; EP imbalance "
+        f"{number(summary['median_ep_imbalance'], '.2f')} pooled over a step, "
+        f"{number(summary['median_ep_imbalance_micro_batch'], '.2f')} per micro-batch (mean over layers, median over "
+        f"steps; the worst micro-batch of the run {number(summary['max_ep_imbalance_micro_batch'], '.2f')})",
         f"  {balance_line(summary)}",
     ])
 

@@ -174,8 +174,8 @@ class PipelineExecutor:
                 run.trace.append((action, start, clock.mark()))
         losses = torch.stack([run.lm_sum, run.aux_sum]) / schedule.micro_batches
         all_reduce_(losses, self.mesh.pp.group)  # the loss from the last stage, auxiliary losses from all
-        return PipelineResult(losses, self._share_tokens(run.tokens, schedule.micro_batches), ledger.peak if ledger else None,
-                              clock.resolve(run.trace) if clock else None, run.order)
+        return PipelineResult(losses, self._share_tokens(run.tokens, schedule.micro_batches),
+                              ledger.peak if ledger else None, clock.resolve(run.trace) if clock else None, run.order)
 
     # ----------------------------------------------------------------------------------------- compute
     def _compute(self, action: Compute | Pair, run: _Run, schedule: Schedule, ledger) -> None:
