@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
