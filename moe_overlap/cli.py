@@ -208,7 +208,12 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    check_before_launch(cfg, args.nproc, launch_device_type(cfg, args.nproc))
+    device_type = launch_device_type(cfg, args.nproc)
+    check_before_launch(cfg, args.nproc, device_type)
+    gpu_bytes = local_gpu_bytes() if device_type == "cuda" else None
+    if gpu_bytes is not None:
+        from moe_overlap.training.state_memory import check_state_fits
+        check_state_fits(cfg, args.nproc, gpu_bytes)
     started = time.time()
     try:
         torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "moe_overlap", "train", args.config,
@@ -234,6 +239,17 @@ def launch_device_type(cfg: Config, nproc: int) -> str:
     if visible < nproc:
         raise ConfigError("--nproc", nproc, f"needs a GPU per rank (train.device={wanted}): {visible} visible")
     return "cuda"
+
+
+def local_gpu_bytes() -> int | None:
+    """The smallest local GPU's memory in bytes, from nvidia-smi (the launcher creates no CUDA context: it stays
+    alive beside the ranks); None where nvidia-smi cannot say."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20, check=True)
+        return min(int(line) for line in done.stdout.split()) * 2**20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def check_before_launch(cfg: Config, world_size: int, device_type: str) -> None:

@@ -85,3 +85,27 @@ def test_the_gpu_configs_quote_their_model_state():
         world = int(path.name[3])
         line = describe_state_memory(load_config(path, []), world)[0]
         assert f"{float(quoted.group(1)):.1f} GiB = weights" in line, (path.name, line)
+
+
+def test_a_launch_whose_model_state_cannot_fit_a_gpu_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    """`moe-overlap train --nproc N` on GPUs refuses, before any rank starts, a layout whose model state alone exceeds
+    the smallest local GPU (nvidia-smi's memory.total); one that fits goes on to torchrun."""
+    from moe_overlap import cli
+    from moe_overlap.training.state_memory import check_state_fits, largest_state
+
+    cfg = small_config(str(tmp_path), 2, 8)
+    _, state = largest_state(cfg, 2)
+    check_state_fits(cfg, 2, state.total)  # exactly the state: no error
+    monkeypatch.setattr(cli, "launch_device_type", lambda cfg, nproc: "cuda")
+    monkeypatch.setattr(cli, "check_before_launch", lambda cfg, world, device: None)
+    monkeypatch.setattr(cli, "local_gpu_bytes", lambda: state.total - 1)
+    launched = []
+    monkeypatch.setattr("torch.distributed.run.main", lambda argv: launched.append(argv))
+    argv = ["train", str(tmp_path / "cfg.yaml"), "--nproc", "2"]
+    (tmp_path / "cfg.yaml").write_text(cli.config_yaml(cfg))
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT and not launched
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("moe-overlap: config error: --nproc=2: the model state alone needs ")
+    assert "more than a GPU here holds" in err and "train.use_distributed_optimizer" in err
+    monkeypatch.setattr(cli, "local_gpu_bytes", lambda: state.total)
+    assert cli.main(argv) == 0 and len(launched) == 1

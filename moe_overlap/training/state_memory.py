@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.config import Config
+from moe_overlap.config import Config, ConfigError
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.layers.param_info import is_expert_param
 from moe_overlap.models.mixtral import MixtralModel
@@ -74,3 +74,16 @@ def describe_state_memory(cfg: Config, world_size: int) -> list[str]:
     if cfg.train.fp8_recipe:
         lines.append(f"  not counted: the FP8 copies of the weights (train.fp8_recipe={cfg.train.fp8_recipe})")
     return lines
+
+
+def check_state_fits(cfg: Config, world_size: int, gpu_bytes: int) -> None:
+    """Refuse a layout whose model state alone exceeds a GPU's memory (``gpu_bytes``): it could only run out of memory
+    once every rank has built its part; activations need room on top, which this does not check."""
+    rank, state = largest_state(cfg, world_size)
+    if state.total > gpu_bytes:
+        gib = 2**30
+        raise ConfigError("--nproc", world_size, (
+            f"the model state alone needs {state.total / gib:.1f} GiB on rank {rank} (weights {state.weights / gib:.1f}, "
+            f"gradients {state.gradients / gib:.1f}, optimizer {state.optimizer / gib:.1f}; moe-overlap info), more "
+            f"than a GPU here holds ({gpu_bytes / gib:.1f} GiB): shard it further (train.use_distributed_optimizer, "
+            f"more ranks for expert data parallelism, parallel.pipeline_model_parallel_size) or train a smaller model"))
