@@ -264,6 +264,12 @@ class GroupHandle:
     size: int
 
 
+def _handle(layout: MeshLayout, kind: str, rank: int, group: ProcessGroup | None) -> GroupHandle:
+    """``rank``'s handle on its group of ``kind`` (none: a rank outside every group of the kind)."""
+    mine = next((ranks for ranks in layout.group_ranks(kind) if rank in ranks), [])
+    return GroupHandle(ranks=mine, group=group, rank=mine.index(rank) if mine else -1, size=len(mine))
+
+
 class Mesh:
     """Every group this rank belongs to, one GroupHandle per kind (see GROUP_KINDS)."""
 
@@ -321,20 +327,16 @@ class Mesh:
         handles: dict[str, GroupHandle] = {}
         owned_groups: list[ProcessGroup] = []
         for kind in GROUP_KINDS:
-            all_groups = layout.group_ranks(kind)
-            mine = next((ranks for ranks in all_groups if rank in ranks), [])
             my_group = None
             if layout.group_size(kind) > 1:
-                for ranks in all_groups:
+                for ranks in layout.group_ranks(kind):
                     group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"mesh_{kind}",
                                            pg_options=(pg_options or {}).get(kind))
                     if rank in ranks:
                         my_group = group
                         owned_groups.append(group)
                         set_exposed_kind(group, layout.exposed_kind(kind))
-            handles[kind] = GroupHandle(
-                ranks=mine, group=my_group, rank=mine.index(rank) if mine else -1, size=len(mine)
-            )
+            handles[kind] = _handle(layout, kind, rank, my_group)
         return cls(layout, rank, handles, owned_groups)
 
     @classmethod
@@ -347,11 +349,7 @@ class Mesh:
     def planned(cls, layout: MeshLayout, rank: int) -> Mesh:
         """``rank``'s groups as sizes and ranks only, no process group: for building its part of a model on the meta
         device (planning, ``moe-overlap info``). A collective through it would be a no-op: never run one."""
-        handles = {}
-        for kind in GROUP_KINDS:
-            mine = next((ranks for ranks in layout.group_ranks(kind) if rank in ranks), [])
-            handles[kind] = GroupHandle(ranks=mine, group=None, rank=mine.index(rank) if mine else -1, size=len(mine))
-        return cls(layout, rank, handles, [])
+        return cls(layout, rank, {kind: _handle(layout, kind, rank, None) for kind in GROUP_KINDS}, [])
 
     def own(self, group: ProcessGroup) -> None:
         """Destroy ``group`` with the mesh's own (a group made beside the mesh, e.g. a pipeline channel)."""
