@@ -211,9 +211,10 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
     device_type = launch_device_type(cfg, args.nproc)
     check_before_launch(cfg, args.nproc, device_type)
     gpu_bytes = local_gpu_bytes() if device_type == "cuda" else None
-    if gpu_bytes is not None:
-        from moe_overlap.training.state_memory import check_state_fits
-        check_state_fits(cfg, args.nproc, gpu_bytes)
+    if gpu_bytes is not None:  # each rank checks its own part again (under a user's torchrun too)
+        from moe_overlap.training.state_memory import check_state_fits, largest_state
+        from moe_overlap.training.trainer import mesh_layout
+        check_state_fits(*largest_state(cfg, mesh_layout(cfg, args.nproc)), gpu_bytes)
     started = time.time()
     try:
         torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "moe_overlap", "train", args.config,
@@ -395,7 +396,7 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
-    for line in describe_state_memory(cfg, world_size) + describe_exchange_memory(cfg, device_type):
+    for line in describe_state_memory(cfg, mesh_layout(cfg, world_size)) + describe_exchange_memory(cfg, device_type):
         print(line)
     print(mesh_layout(cfg, world_size).table())
     if wants_schedule:

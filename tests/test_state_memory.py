@@ -83,7 +83,7 @@ def test_the_gpu_configs_quote_their_model_state():
         quoted = re.search(r"Memory per GPU: ([\d.]+) GiB", path.read_text())
         assert quoted, path.name
         world = int(path.name[3])
-        line = describe_state_memory(load_config(path, []), world)[0]
+        line = describe_state_memory(load_config(path, []), mesh_layout(load_config(path, []), world))[0]
         assert f"{float(quoted.group(1)):.1f} GiB = weights" in line, (path.name, line)
 
 
@@ -94,8 +94,8 @@ def test_a_launch_whose_model_state_cannot_fit_a_gpu_fails_in_one_line(tmp_path,
     from moe_overlap.training.state_memory import check_state_fits, largest_state
 
     cfg = small_config(str(tmp_path), 2, 8)
-    _, state = largest_state(cfg, 2)
-    check_state_fits(cfg, 2, state.total)  # exactly the state: no error
+    rank, state = largest_state(cfg, mesh_layout(cfg, 2))
+    check_state_fits(rank, state, state.total)  # exactly the state: no error
     monkeypatch.setattr(cli, "launch_device_type", lambda cfg, nproc: "cuda")
     monkeypatch.setattr(cli, "check_before_launch", lambda cfg, world, device: None)
     monkeypatch.setattr(cli, "local_gpu_bytes", lambda: state.total - 1)
@@ -105,7 +105,8 @@ def test_a_launch_whose_model_state_cannot_fit_a_gpu_fails_in_one_line(tmp_path,
     (tmp_path / "cfg.yaml").write_text(cli.config_yaml(cfg))
     assert cli.main(argv) == cli.EXIT_BAD_INPUT and not launched
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("moe-overlap: config error: --nproc=2: the model state alone needs ")
-    assert "more than a GPU here holds" in err and "train.use_distributed_optimizer" in err
+    assert "\n" not in err and err.startswith(f"moe-overlap: config error: model state (GiB, rank {rank})="
+                                               f"{float(f'{state.total / 2**30:.2g}')}: weights ")  # tiny: 2 digits
+    assert "need more than a GPU here holds" in err and "train.use_distributed_optimizer" in err
     monkeypatch.setattr(cli, "local_gpu_bytes", lambda: state.total)
     assert cli.main(argv) == 0 and len(launched) == 1

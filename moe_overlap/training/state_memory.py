@@ -11,12 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.config import Config, ConfigError
-from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.layers.param_info import is_expert_param
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages
 from moe_overlap.precision import DTYPES
-from moe_overlap.training.trainer import mesh_layout
 
 FP32_BYTES = 4
 
@@ -48,12 +47,11 @@ def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
     return StateBytes(weights, gradients, optimizer)
 
 
-def largest_state(cfg: Config, world_size: int) -> tuple[int, StateBytes]:
+def largest_state(cfg: Config, layout: MeshLayout) -> tuple[int, StateBytes]:
     """(rank, its state) of the rank that holds the most; ranks that differ only by their data-parallel and
     context-parallel coordinates hold the same parts and are counted once."""
-    layout = mesh_layout(cfg, world_size)
     seen: dict[tuple, tuple[int, StateBytes]] = {}
-    for rank in range(world_size):
+    for rank in range(layout.world_size):
         coords = layout.coords(rank)
         key = tuple(coords[axis] for axis in ("tp", "pp", "etp", "ep"))
         if key not in seen:
@@ -61,9 +59,9 @@ def largest_state(cfg: Config, world_size: int) -> tuple[int, StateBytes]:
     return max(seen.values(), key=lambda item: item[1].total)
 
 
-def describe_state_memory(cfg: Config, world_size: int) -> list[str]:
+def describe_state_memory(cfg: Config, layout: MeshLayout) -> list[str]:
     """``moe-overlap info``'s lines: the largest rank's model state, then what comes on top."""
-    rank, state = largest_state(cfg, world_size)
+    rank, state = largest_state(cfg, layout)
     gib = 2**30
     sharding = ("sharded over data-parallel ranks by the distributed optimizer" if cfg.train.use_distributed_optimizer
                 else "not sharded: train.use_distributed_optimizer=false")
@@ -76,14 +74,15 @@ def describe_state_memory(cfg: Config, world_size: int) -> list[str]:
     return lines
 
 
-def check_state_fits(cfg: Config, world_size: int, gpu_bytes: int) -> None:
-    """Refuse a layout whose model state alone exceeds a GPU's memory (``gpu_bytes``): it could only run out of memory
-    once every rank has built its part; activations need room on top, which this does not check."""
-    rank, state = largest_state(cfg, world_size)
+def check_state_fits(rank: int, state: StateBytes, gpu_bytes: int) -> None:
+    """Refuse a model state (``rank``'s) that alone exceeds a GPU's memory: it could only run out of memory once the
+    ranks have built their parts. Activations need room on top, which this does not check."""
     if state.total > gpu_bytes:
         gib = 2**30
-        raise ConfigError("--nproc", world_size, (
-            f"the model state alone needs {state.total / gib:.1f} GiB on rank {rank} (weights {state.weights / gib:.1f}, "
-            f"gradients {state.gradients / gib:.1f}, optimizer {state.optimizer / gib:.1f}; moe-overlap info), more "
-            f"than a GPU here holds ({gpu_bytes / gib:.1f} GiB): shard it further (train.use_distributed_optimizer, "
-            f"more ranks for expert data parallelism, parallel.pipeline_model_parallel_size) or train a smaller model"))
+        total = state.total / gib
+        shown = round(total, 1) if total >= 0.1 else float(f"{total:.2g}")  # a tiny model keeps 2 digits
+        raise ConfigError(f"model state (GiB, rank {rank})", shown, (
+            f"weights {state.weights / gib:.1f}, gradients {state.gradients / gib:.1f} and optimizer "
+            f"{state.optimizer / gib:.1f} GiB (moe-overlap info) need more than a GPU here holds "
+            f"({gpu_bytes / gib:.1f} GiB): shard them further (train.use_distributed_optimizer, more ranks for expert "
+            f"data parallelism, parallel.pipeline_model_parallel_size) or train a smaller model"))

@@ -43,6 +43,7 @@ from moe_overlap.training.pipeline import Carveouts, PipelineExecutor
 from moe_overlap.training.preemption import StopRequests
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 from moe_overlap.training.schedules import graph_copies
+from moe_overlap.training.state_memory import check_state_fits, state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,9 @@ class Trainer:
         t = cfg.train
         check_gemm_sm_carveout(cfg.overlap.gemm_sm_carveout, device)
         train_tokens, val_tokens = load_data(cfg)  # first: a missing corpus fails before a model is built
+        if device.type == "cuda":  # a state that cannot fit fails here, not in an allocation once built
+            check_state_fits(mesh.rank, state_bytes(cfg, Mesh.planned(mesh.layout, mesh.rank)),
+                             torch.cuda.get_device_properties(device).total_memory)
         torch.manual_seed(t.seed)
         stages = PipelineStages.from_config(cfg)  # with PP, this rank builds only its stages' layers
         self.model = build_model(cfg.model, mesh, device, DTYPES[t.precision], t.seed,
