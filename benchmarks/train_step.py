@@ -30,7 +30,8 @@ plus symmetric-memory regions, which that allocator does not see), exposed commu
 the compute stream or host for another rank, CUDA-graph replays included: median over steps, per rank and its
 maximum), routing imbalance per MoE layer (copies on the most loaded EP rank over the mean, and on the most
 loaded expert over the mean; median over steps; and per micro-batch, which is what each exchange waits for), the
-profiled steps' compute-stream time by kind of work per rank, and ``resolved``: the settings the run used once ``auto`` was resolved. A timeline PNG per row (rank 0).
+profiled steps' compute-stream time by kind of work per rank, and ``resolved``: the settings the run used once
+``auto`` was resolved. A timeline PNG per row (rank 0).
 """
 
 from __future__ import annotations

@@ -80,11 +80,6 @@ class PipelineResult:
         return self.losses[0]
 
     @property
-    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
-        """Every MoE layer's copies per expert over the step's micro-batches."""
-        return {layer: counts_ME.sum(0) for layer, counts_ME in self.tokens_per_micro_batch.items()}
-
-    @property
     def aux_loss(self) -> torch.Tensor:
         return self.losses[1]
 
