@@ -32,7 +32,12 @@
 #   bash benchmarks/evidence_gpu.sh mb4      OUT   # the fine ep1 row on text, then the fine 4-GPU example as
 #                                                  #   shipped (2 sequences per micro-batch) and at 1
 #   bash benchmarks/evidence_gpu.sh example4_split OUT # train_step.py on configs/gpu4_fine.yaml: learned routing,
-#                                                  #   forced balancing, compute_only (the exposed exchange's split)
+#                                                  #   forced balancing, compute_only (the exposed exchange's split);
+#                                                  #   then the once-per-rank GPU test at 4 ranks
+#   bash benchmarks/evidence_gpu.sh spread4  OUT   # forced balancing spread over ranks: the router's GPU test, then
+#                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
+#   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
+#                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
 #                                                  #   2-GPU example (GPUs 0-1)
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
@@ -512,12 +517,33 @@ case $phase in
     ROUTING_NAME=mb2 example 4
     ROUTING="train.micro_batch_size=1" ROUTING_NAME=mb1 example 4
     ;;
+  spread4)  # forced balancing now spreads a token's copies over the ranks as a random top-k does (its round-robin
+    # kept a fine-model token on one rank): the router kernel's GPU test, then serial / default / limit at EP=4 again
+    log=$out/gpu_tests_router_1x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=0 python -m pytest -m gpu -rfEs tests/test_gpu_router.py" > "$log"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_router.py \
+      2>&1 | tail -n 6 | tee -a "$log"
+    cp "$log" "$res/gpu_tests_router_1x$gpu.txt"
+    train_step 4 fine_8l balanced_spread "$BAL" --variant "$SERIAL"
+    ;;
+  spread2)  # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at 2 sequences a micro-batch (GPUs 2-3)
+    CUDA_VISIBLE_DEVICES=0,1 train_step 2 fine_8l balanced_spread "$BAL" --variant "$SERIAL" &
+    sleep 2
+    CUDA_VISIBLE_DEVICES=2,3 ROUTING="train.micro_batch_size=2" ROUTING_NAME=mb2 example 2 &
+    wait
+    ;;
   example4_split)  # issues 41 and 38: where the fine 4-GPU example's exposed exchange goes: train_step.py on its
-    # file (from initialisation, real text) with its learned routing, forced balancing and compute_only, profiled
+    # file (from initialisation, real text) with its learned routing, forced balancing and compute_only, profiled;
+    # then the once-per-rank GPU test at 4 ranks (its bf16 rule runs with forced routing, which now spreads)
     name=train_step_gpu4_fine_split_4x$gpu
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
       $STEPS --variant "forced:$BAL" --compute-only --json $res/$name.json --timeline $res/$name.png 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    log=$out/gpu_tests_once_spread_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_gpu_dispatch_once_per_rank.py" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_dispatch_once_per_rank.py \
+      2>&1 | tail -n 12 | tee -a "$log"
+    cp "$log" "$res/gpu_tests_once_spread_4x$gpu.txt"
     ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
@@ -562,7 +588,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack

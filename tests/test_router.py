@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.kernels.router import FORCED_ORDERS, forced_expert_orders, forced_experts
 from moe_overlap.layers.router import Router
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.trainer import Trainer
@@ -303,10 +304,11 @@ FORCED = {
 
 
 @pytest.mark.parametrize("variant", FORCED)
-def test_forced_balancing_assigns_round_robin_weighted_by_the_scores(variant):
-    """Copy j of token t goes to expert (t*k + j) mod E whatever the scores, groups or bias: every expert gets
-    exactly T*k/E copies. The weights are the scores there, normalised as the score function does; the aux loss
-    counts the assigned load (balanced: E * sum_e mean score_e / E = 1 x the coefficient)."""
+def test_forced_balancing_assigns_windows_of_shuffled_orders_weighted_by_the_scores(variant):
+    """Copy j of token t goes to expert order_m[(t + j) mod E] (m = t // E mod 16) whatever the scores, groups or
+    bias: every expert gets exactly T*k/E copies. The weights are the scores there, normalised as the score
+    function does; the aux loss counts the assigned load (balanced: E * sum_e mean score_e / E = 1 x the
+    coefficient)."""
     options = FORCED[variant]
     k = options["topk"]
     router = make_router(**options, force_load_balancing=True)
@@ -314,7 +316,9 @@ def test_forced_balancing_assigns_round_robin_weighted_by_the_scores(variant):
         router.expert_bias.copy_(torch.linspace(0.0, 5.0, E))  # would pull every token to the last experts
     x = tokens()
     routing = router(x)
-    want_experts = torch.tensor([[(t * k + j) % E for j in range(k)] for t in range(TOKENS)])
+    orders = forced_expert_orders(E).tolist()
+    want_experts = torch.tensor([[orders[t // E % FORCED_ORDERS][(t + j) % E] for j in range(k)]
+                                 for t in range(TOKENS)])
     assert torch.equal(routing.experts_TK, want_experts)
     assert torch.equal(routing.tokens_per_expert_E, torch.full((E,), TOKENS * k // E))
     logits = logits_of(router, x)
@@ -331,6 +335,23 @@ def test_forced_balancing_assigns_round_robin_weighted_by_the_scores(variant):
     aux_loss, z_loss, unforced_z_loss = (float(loss.detach()) for loss in (routing.aux_loss, routing.z_loss,
                                                                               unforced.z_loss))
     assert abs(aux_loss - 0.1) < 1e-6 and abs(z_loss - unforced_z_loss) < 1e-6 * unforced_z_loss
+
+
+def test_forced_balancing_spreads_a_token_over_ranks_as_a_random_top_k_does():
+    """The fine-grained bench model's routing (8 of 64 experts) over a micro-batch of 8,192 tokens: every expert
+    gets exactly its share, every token k different experts, and the EP ranks a token reaches average what a
+    uniformly random top-k reaches (EP=4: 3.66; torchtitan's round-robin reaches 1, the exchange's best case)."""
+    experts, k, tokens_ = 64, 8, 8192
+    experts_TK = forced_experts(tokens_, k, forced_expert_orders(experts))
+    assert torch.equal(torch.bincount(experts_TK.flatten(), minlength=experts),
+                       torch.full((experts,), tokens_ * k // experts))
+    assert all(len(set(row)) == k for row in experts_TK.tolist())
+    for ep in (2, 4, 8):
+        per_rank = experts // ep
+        random_top_k = ep * (1 - math.comb(experts - per_rank, k) / math.comb(experts, k))
+        ranks_T = torch.tensor([len(set(row)) for row in (experts_TK // per_rank).tolist()], dtype=torch.float64)
+        assert abs(float(ranks_T.mean()) - random_top_k) < 0.1, (ep, float(ranks_T.mean()), random_top_k)
+    assert forced_expert_orders(experts).tolist() == forced_expert_orders(experts).tolist()  # the same each time
 
 
 def test_forced_balancing_keeps_capacity_and_its_drops():
@@ -350,8 +371,8 @@ def test_forced_balancing_in_training_warns_and_balances_every_layer(tmp_path, c
     caplog.set_level(logging.WARNING, logger="moe_overlap.training.trainer")
     trainer = Trainer(small_config(str(tmp_path), 1, 4, **FORCED_CONFIG), Mesh.single(), CPU)
     warnings = [r.getMessage() for r in caplog.records if "moe_router_force_load_balancing" in r.getMessage()]
-    assert warnings == ["model.moe_router_force_load_balancing=true: every token's experts are assigned round-robin; "
-                        "the model does not learn routing (a benchmark setting)"]
+    assert warnings == ["model.moe_router_force_load_balancing=true: every token's experts are assigned (each expert "
+                        "the same load); the model does not learn routing (a benchmark setting)"]
     loads = trainer.train_step()["tokens_per_expert"]
     per_expert = 4 * 16 * 2 // 8  # global batch x seq_length x top-k / experts
     assert loads == {"1": [per_expert] * 8, "2": [per_expert] * 8}

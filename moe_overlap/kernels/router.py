@@ -1,10 +1,10 @@
 """The softmax router's small kernels merged into one: its top-k, the k weights and the copies per expert.
 
-    topk_route(logits_TE, k, pre_softmax, force_balance) -> (probs_TK fp32, experts_TK int64, copies_E int64)
+    topk_route(logits_TE, k, pre_softmax, forced_orders_ME) -> (probs_TK fp32, experts_TK int64, copies_E int64)
         pre_softmax=False (Mixtral): the k largest logits, weighted by a softmax over those k
         pre_softmax=True: a softmax over every expert, its k largest scores as the weights
-        force_balance (benchmarks): the experts are not chosen but assigned round-robin, copy j of token t to
-        expert (t*k + j) mod E (:func:`round_robin_experts`), weighted as above from the scores at those experts
+        forced_orders_ME (benchmarks, :func:`forced_expert_orders`): the experts are not chosen but assigned
+        (:func:`forced_experts`), weighted as above from the scores at those experts
 
 A program holds a block of tokens' E logits: k rounds of (largest, its lowest index, masked out), the softmax,
 and the k experts added to the counts (integer atomics: the sums do not depend on the order). The separate torch ops
@@ -27,7 +27,7 @@ if HAVE_TRITON:
 
     def _topk_route_kernel(logits_ptr, probs_ptr, experts_ptr, copies_ptr, T, E, K: tl.constexpr,
                            K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                           PRE_SOFTMAX: tl.constexpr, FORCE_BALANCE: tl.constexpr):
+                           orders_ptr, M, PRE_SOFTMAX: tl.constexpr, FORCE_BALANCE: tl.constexpr):
         # BLOCK_T tokens per program, a token's E logits along the second axis.
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         cols = tl.arange(0, E_PAD)
@@ -45,8 +45,8 @@ if HAVE_TRITON:
         values = tl.full((BLOCK_T, K_PAD), float("-inf"), tl.float32)
         chosen = tl.full((BLOCK_T, K_PAD), 0, tl.int64)
         for k in tl.static_range(K):
-            if FORCE_BALANCE:  # assigned, not chosen: copy k of token t goes to expert (t*K + k) mod E
-                index = ((t * K + k) % E).to(tl.int32)
+            if FORCE_BALANCE:  # assigned, not chosen: forced_experts' window of a shuffled order
+                index = tl.load(orders_ptr + ((t // E) % M) * E + (t + k) % E)
                 best = tl.reduce(tl.where(cols[None, :] == index[:, None], scores, float("-inf")), 1, max_combine)
             else:
                 best = tl.reduce(scores, 1, max_combine)
@@ -67,17 +67,43 @@ if HAVE_TRITON:
     _topk_route = Kernel(_topk_route_kernel)
 
 
-def round_robin_experts(num_tokens: int, k: int, num_experts: int, device) -> torch.Tensor:
-    """Forced load balancing: copy j of token t goes to expert (t*k + j) mod E, so each expert receives exactly
-    T*k/E copies when E divides T*k (and a token's k copies go to k different experts, as k <= E)."""
-    return (torch.arange(num_tokens * k, device=device) % num_experts).view(num_tokens, k)
+FORCED_ORDERS = 16  # shuffled expert orders that forced balancing cycles through, one per block of E tokens
 
 
-def topk_route_torch(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
+def forced_expert_orders(num_experts: int, device=None) -> torch.Tensor:
+    """(FORCED_ORDERS, E) int32: shuffles of the experts (Fisher-Yates over a fixed 64-bit LCG, not torch's
+    generator, so every rank, device and torch version holds the same table)."""
+    state, orders = 0x9E3779B97F4A7C15, []
+    for _ in range(FORCED_ORDERS):
+        order = list(range(num_experts))
+        for i in range(num_experts - 1, 0, -1):
+            state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+            j = (state >> 33) % (i + 1)
+            order[i], order[j] = order[j], order[i]
+        orders.append(order)
+    return torch.tensor(orders, dtype=torch.int32, device=device)
+
+
+def forced_experts(num_tokens: int, k: int, orders_ME: torch.Tensor) -> torch.Tensor:
+    """Forced load balancing: copy j of token t goes to expert order_m[(t + j) mod E], m = (t // E) mod
+    FORCED_ORDERS. Each block of E tokens sends every column j to every expert once, so each expert receives
+    exactly T*k/E copies when E divides T, and a token's k copies go to k different experts (k <= E). A token's
+    experts are a window of a shuffled order, so they spread over the EP ranks as a random top-k's would (the
+    fine-grained bench model, 8 of 64 experts: 3.7 of 4 ranks on average at EP=4, as learned routing; a
+    round-robin (t*k + j) mod E would keep every token on one rank and make the exchange look cheaper than
+    any router makes it)."""
+    M, E = orders_ME.shape
+    t_T = torch.arange(num_tokens, device=orders_ME.device)
+    column_TK = (t_T[:, None] + torch.arange(k, device=orders_ME.device)) % E
+    return orders_ME[((t_T // E) % M)[:, None], column_TK].long()
+
+
+def topk_route_torch(logits_TE: torch.Tensor, k: int, pre_softmax: bool,
+                     forced_orders_ME: torch.Tensor | None = None):
     """Twin of :func:`topk_route` (differentiable through torch's own ops)."""
     T, E = logits_TE.shape
     scores_TE = torch.softmax(logits_TE, dim=-1) if pre_softmax else logits_TE  # what the experts are chosen by
-    experts_TK = (round_robin_experts(T, k, E, logits_TE.device) if force_balance
+    experts_TK = (forced_experts(T, k, forced_orders_ME) if forced_orders_ME is not None
                   else scores_TE.detach().topk(k, dim=-1).indices)
     probs_TK = scores_TE.gather(1, experts_TK)
     if not pre_softmax:  # Mixtral: a softmax over the k chosen logits
@@ -87,7 +113,8 @@ def topk_route_torch(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_b
     return probs_TK, experts_TK, copies_E
 
 
-def topk_route_triton(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
+def topk_route_triton(logits_TE: torch.Tensor, k: int, pre_softmax: bool,
+                      forced_orders_ME: torch.Tensor | None = None):
     """The kernel's forward (no autograd)."""
     T, E = logits_TE.shape
     logits = logits_TE.contiguous()
@@ -99,7 +126,9 @@ def topk_route_triton(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_
         block_t = max(1, min(64, 2048 // e_pad))  # up to 2048 logits a program
         _topk_route[(triton.cdiv(T, block_t),), logits.device](
             logits, probs_TK, experts_TK, copies_E, T, E, K=k, K_PAD=max(2, triton.next_power_of_2(k)), E_PAD=e_pad,
-            BLOCK_T=block_t, PRE_SOFTMAX=pre_softmax, FORCE_BALANCE=force_balance, num_warps=4)
+            BLOCK_T=block_t, orders_ptr=copies_E if forced_orders_ME is None else forced_orders_ME,
+            M=1 if forced_orders_ME is None else forced_orders_ME.shape[0], PRE_SOFTMAX=pre_softmax,
+            FORCE_BALANCE=forced_orders_ME is not None, num_warps=4)
     return probs_TK, experts_TK, copies_E
 
 
@@ -107,8 +136,8 @@ class TopKRoute(torch.autograd.Function):
     """(probs_TK, experts_TK, copies_E) of the logits; the weights' gradient flows back to the logits."""
 
     @staticmethod
-    def forward(ctx, logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
-        probs_TK, experts_TK, copies_E = topk_route_triton(logits_TE, k, pre_softmax, force_balance)
+    def forward(ctx, logits_TE: torch.Tensor, k: int, pre_softmax: bool, forced_orders_ME: torch.Tensor | None = None):
+        probs_TK, experts_TK, copies_E = topk_route_triton(logits_TE, k, pre_softmax, forced_orders_ME)
         ctx.save_for_backward(logits_TE if pre_softmax else None, probs_TK, experts_TK)
         ctx.pre_softmax, ctx.experts = pre_softmax, logits_TE.shape[1]
         ctx.mark_non_differentiable(experts_TK, copies_E)
@@ -128,12 +157,12 @@ class TopKRoute(torch.autograd.Function):
         return grad_TE, None, None, None
 
 
-def topk_route(logits_TE: torch.Tensor, k: int, pre_softmax: bool, force_balance: bool = False):
+def topk_route(logits_TE: torch.Tensor, k: int, pre_softmax: bool, forced_orders_ME: torch.Tensor | None = None):
     """The kernel (CUDA, or interpreted) through :class:`TopKRoute` on fp32 logits, else the twin (which keeps a
     wider dtype: float64 gradient checks)."""
     if logits_TE.dim() != 2 or not 1 <= k <= logits_TE.shape[1]:
         raise ValueError(f"logits_TE must be (tokens, experts) with 1 <= k <= experts, got {tuple(logits_TE.shape)} "
                          f"and k={k}")
     if logits_TE.dtype == torch.float32 and use_triton(logits_TE, "router"):
-        return TopKRoute.apply(logits_TE, k, pre_softmax, force_balance)
-    return topk_route_torch(logits_TE, k, pre_softmax, force_balance)
+        return TopKRoute.apply(logits_TE, k, pre_softmax, forced_orders_ME)
+    return topk_route_torch(logits_TE, k, pre_softmax, forced_orders_ME)

@@ -8,11 +8,15 @@ sigmoid only): added to the scores for selection only, never to the weights; :me
 it after each optimizer step.
 
 Forced load balancing (``force_load_balancing``, for benchmarks, as torchtitan's debug switch): the experts are
-assigned, not chosen: copy j of token t (its row in this micro-batch) goes to expert (t*k + j) mod E, so every
-expert receives exactly T*k/E copies when E divides T*k; the weights are the scores at those experts, normalised
-as the score function normalises chosen ones; group limits and the expert bias then select nothing. Every layout
-routes a micro-batch whole, in the single-process token order (under sequence and context parallelism the
-gathered micro-batch: layers/sp_router.py), so the assignment is the same on every layout.
+assigned, not chosen: copy j of token t (its row in this micro-batch) goes to expert order[(t + j) mod E] of a
+fixed shuffled order of the experts (one of 16, changing every E tokens: kernels/router.forced_experts), so every
+expert receives exactly T*k/E copies when E divides T, and a token's copies spread over the EP ranks as a random
+top-k's do. (torchtitan's round-robin, (t*k + j) mod E, keeps a fine-grained model's token on one rank, so an
+exchange that sends a token once per rank would move about a quarter of what learned routing makes it move at
+EP=4.) The weights are the scores at those experts, normalised as the score function normalises chosen ones;
+group limits and the expert bias then select nothing. Every layout routes a micro-batch whole, in the
+single-process token order (under sequence and context parallelism the gathered micro-batch:
+layers/sp_router.py), so the assignment is the same on every layout.
 
 Auxiliary losses follow Megatron: they use the normalised scores of every expert and the load of a plain
 top-k over them (no bias, no group limit, no capacity), so they measure what the router prefers; under forced
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_overlap.config import ModelConfig
-from moe_overlap.kernels.router import round_robin_experts, topk_route
+from moe_overlap.kernels.router import forced_expert_orders, forced_experts, topk_route
 from moe_overlap.layers.init import NORMAL, make_param
 
 
@@ -77,6 +81,9 @@ class Router(nn.Module):
                              if enable_expert_bias else None)
         self.register_buffer("previous_step_load", torch.zeros(num_experts, dtype=torch.float32, device=device)
                              if load_balancing_type == "global_aux_loss" and self.aux_loss_coeff > 0 else None)
+        # Not persistent: the same table every run (no checkpoint needs it), on the device before any graph capture.
+        self.register_buffer("forced_orders_ME", forced_expert_orders(num_experts, device)
+                             if force_load_balancing else None, persistent=False)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, device=None, dtype=None) -> "Router":
@@ -135,14 +142,14 @@ class Router(nn.Module):
         """Routing weights and global expert indices of each token's k experts, and the copies per expert (None:
         counted later). The softmax router without groups runs as one kernel (kernels/router.py)."""
         if self.score_function == "softmax" and self.num_groups is None:
-            return topk_route(logits_TE, self.topk, self.pre_softmax, self.force_load_balancing)
+            return topk_route(logits_TE, self.topk, self.pre_softmax, self.forced_orders_ME)
         # What the experts are chosen by; Mixtral's: the logits, the k largest renormalised by a softmax over them.
         if self.score_function == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
         else:
             scores_TE = torch.softmax(logits_TE, dim=-1) if self.pre_softmax else logits_TE
         if self.force_load_balancing:
-            experts_TK = round_robin_experts(logits_TE.shape[0], self.topk, self.num_experts, logits_TE.device)
+            experts_TK = forced_experts(logits_TE.shape[0], self.topk, self.forced_orders_ME)
         else:
             experts_TK = self._top_k(scores_TE if self.expert_bias is None else scores_TE + self.expert_bias)
         probs_TK = scores_TE.gather(1, experts_TK)

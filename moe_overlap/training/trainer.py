@@ -175,8 +175,8 @@ class Trainer:
             if mesh.rank == 0:
                 log.info("model weights from %s (train.init_from=%s)", loaded, t.init_from)
         if cfg.model.moe_router_force_load_balancing and mesh.rank == 0:
-            log.warning("model.moe_router_force_load_balancing=true: every token's experts are assigned round-robin; "
-                        "the model does not learn routing (a benchmark setting)")
+            log.warning("model.moe_router_force_load_balancing=true: every token's experts are assigned (each expert "
+                        "the same load); the model does not learn routing (a benchmark setting)")
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
         if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
