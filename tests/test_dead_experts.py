@@ -10,10 +10,11 @@ import torch
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.training.trainer import DEAD_EXPERT_STEPS, DeadExperts, Trainer
+from moe_overlap.training.expert_load import DEAD_EXPERT_STEPS, DeadExperts
+from moe_overlap.training.trainer import Trainer
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
-LOGGER = "moe_overlap.training.trainer"
+LOGGER = "moe_overlap.training.expert_load"
 
 
 def warnings_of(caplog) -> list[str]:

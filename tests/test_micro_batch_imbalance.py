@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from moe_overlap.training.trainer import Trainer, imbalance, micro_batch_imbalance
+from moe_overlap.training.expert_load import imbalance, micro_batch_imbalance
+from moe_overlap.training.trainer import Trainer
 from tests.test_master import CPU, small_config, world_and_mesh
 
 
