@@ -34,6 +34,7 @@
 #   bash benchmarks/evidence_gpu.sh example4_split OUT # the once-per-rank GPU test at 4 ranks, then train_step.py
 #                                                  #   on configs/gpu4_fine.yaml: learned routing, forced balancing,
 #                                                  #   compute_only (the exposed exchange's split)
+#   bash benchmarks/evidence_gpu.sh example4_profile OUT # the fine 4-GPU example's step, profiled at 4 ranks
 #   bash benchmarks/evidence_gpu.sh spread4  OUT   # forced balancing spread over ranks: the router's GPU test, then
 #                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
@@ -546,6 +547,13 @@ case $phase in
       --warmup 3 --steps 6 --profile-steps 0 --variant "forced:$BAL" --compute-only --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     ;;
+  example4_profile)  # the fine 4-GPU example's step profiled at 4 ranks, as shipped (8 micro-batches of 2 per GPU):
+    # where its compute stream's time goes; after the profile summary's gap search became a bisection
+    name=train_step_gpu4_fine_profile_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
+      --no-scale-batch --warmup 2 --steps 3 --profile-steps 1 --json $res/$name.json --timeline $res/$name.png 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
     ;;
@@ -589,7 +597,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | example4_profile | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack

@@ -25,6 +25,17 @@ def test_stream_summary_splits_busy_idle_and_beside():
     assert summary["longest_compute_gaps"] == [{"at_ms": 10.0, "ms": 2.0, "next": "_rms_norm_fwd_kernel"}]
 
 
+def test_stream_summary_names_the_kernel_after_each_gap_in_a_long_step():
+    """A step of 100,000 compute-stream kernels (a fine-grained model at 4 GPUs with 32 micro-batches records
+    about that many): every gap's following kernel is found, so the longest gaps name theirs. (Finding each by a
+    scan from the step's start took about 20 s at 20,000 kernels and hours at this size: a profiled step that
+    never finished.)"""
+    spans = [(COMPUTE, f"kernel_{i}", i * 10.0, i * 10.0 + (6.0 if i % 1000 else 1.0)) for i in range(100_000)]
+    gaps = stream_summary(spans, steps=1)["longest_compute_gaps"]
+    assert [g["next"] for g in gaps[:3]] == ["kernel_99001", "kernel_98001", "kernel_97001"]  # after the 1-us ones
+    assert all(g["ms"] == 0.009 for g in gaps[:3])
+
+
 def test_step_breakdown_by_kind_of_work():
     report = step_breakdown(SPANS, steps=2)
     assert report["step_ms"] == 10.0
