@@ -37,6 +37,8 @@
 #   bash benchmarks/evidence_gpu.sh example4_profile OUT # the fine 4-GPU example's step, profiled at 4 ranks
 #   bash benchmarks/evidence_gpu.sh spread4  OUT   # forced balancing spread over ranks: the router's GPU test, then
 #                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
+#   bash benchmarks/evidence_gpu.sh chunks4  OUT   # EP=4 fine, spread forcing: 1 chunk beside its shared expert
+#                                                  #   overlapped, and 2 and 4 graphed chunks bounded (not run yet)
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
 #                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
@@ -527,6 +529,19 @@ case $phase in
     cp "$log" "$res/gpu_tests_router_1x$gpu.txt"
     train_step 4 fine_8l balanced_spread "$BAL" --variant "$SERIAL"
     ;;
+  chunks4)  # issue 38 (not run yet): the fine model at EP=4, forced routing that spreads, the default (1 chunk) beside
+    # its shared expert between the dispatch's push and its wait (model.moe_shared_expert_overlap; the backward's
+    # likewise), and chunks replayed from graphs under the bound (factor 1.25: exact balance never overflows it)
+    name=train_step_fine_8l_ep4_balanced_spread_chunks_4x$gpu
+    BOUND="overlap.moe_expert_rank_capacity_factor=1.25"
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=4 $BAL $DISTOPT $GRAPHED $STEPS \
+      --variant "shared_overlap:model.moe_shared_expert_overlap=true" \
+      --variant "chunks2:overlap.moe_pipeline_chunks=2,$BOUND" --variant "chunks4:overlap.moe_pipeline_chunks=4,$BOUND" \
+      --variant "chunks4_delayed:overlap.moe_pipeline_chunks=4,overlap.delay_wgrad_compute=true,$BOUND" \
+      --json $res/$name.json --timeline $res/$name.png 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    ;;
   spread2)  # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at 2 sequences a micro-batch (GPUs 2-3)
     CUDA_VISIBLE_DEVICES=0,1 train_step 2 fine_8l balanced_spread "$BAL" --variant "$SERIAL" &
     sleep 2
@@ -597,7 +612,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | example4_profile | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
