@@ -28,6 +28,7 @@
 #                                                  #   balanced (1 chunk, graphed); 4 chunks bounded beside serial
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
+#   bash benchmarks/evidence_gpu.sh routing2x OUT  # the fine 2-GPU example with aux 0.2 beside a 100-step decay
 #   bash benchmarks/evidence_gpu.sh examples4x OUT # both 4-GPU examples as shipped, one after the other
 #   bash benchmarks/evidence_gpu.sh mb4      OUT   # the fine ep1 row on text, then the fine 4-GPU example as
 #                                                  #   shipped (2 sequences per micro-batch) and at 1
@@ -491,6 +492,15 @@ case $phase in
       ROUTING_NAME=${SECOND_NAME:-softmax_aux1e-1} example 2 ${SECOND_STEPS:+train.max_steps=$SECOND_STEPS} &
     wait
     ;;
+  routing2x)  # issue 41 (not run yet): the fine 2-GPU example as shipped (2 sequences a micro-batch) with aux 0.2 (GPUs
+    # 0-1) and with the learning rate decayed over 100 steps after a 10-step warm-up (GPUs 2-3; 3 steps under with 1
+    # sequence a micro-batch, the fewest measured), side by side: its routing target (no expert under 25% from step 50)
+    CUDA_VISIBLE_DEVICES=0,1 ROUTING="model.moe_aux_loss_coeff=0.2" ROUTING_NAME=mb2_aux2e-1 example 2 &
+    sleep 2
+    CUDA_VISIBLE_DEVICES=2,3 ROUTING="train.lr_decay_steps=100 train.lr_warmup_steps=10" ROUTING_NAME=mb2_decay100 \
+      example 2 &
+    wait
+    ;;
   examples2x)  # issue 41: both 2-GPU examples as shipped (16 micro-batches per GPU, 200 steps), side by side on
     # GPUs 0-1 (fine) and 2-3 (Mixtral-like); EXAMPLE_STEPS=N overrides the steps
     CUDA_VISIBLE_DEVICES=0,1 ROUTING_NAME=${EXAMPLES_NAME:-shipped} example 2 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS} &
@@ -612,7 +622,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2" >&2
      exit 2 ;;
 esac
 pack
