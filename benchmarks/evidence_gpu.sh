@@ -560,8 +560,8 @@ case $phase in
     ;;
   example4_split)  # issues 41 and 38: the once-per-rank GPU test at 4 ranks (its bf16 rule runs with forced routing,
     # which now spreads), then where the fine 4-GPU example's exposed exchange goes: train_step.py on its file (from
-    # initialisation, real text) with its learned routing, forced balancing and compute_only; not profiled (a
-    # profiled step of this model at 4 ranks ran past the call's 575 s on 2026-11-27 and was killed)
+    # initialisation, real text) with its learned routing, forced balancing and compute_only, at the file's own
+    # batch (8 micro-batches per GPU; the 2026-11-27 run, train_step_gpu4_fine_split_4xh100.json, scaled it to 32)
     log=$out/gpu_tests_once_spread_4x.txt
     echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_gpu_dispatch_once_per_rank.py" > "$log"
     timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_dispatch_once_per_rank.py \
@@ -569,7 +569,8 @@ case $phase in
     cp "$log" "$res/gpu_tests_once_spread_4x$gpu.txt"
     name=train_step_gpu4_fine_split_4x$gpu
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
-      --warmup 3 --steps 6 --profile-steps 0 --variant "forced:$BAL" --compute-only --json $res/$name.json 2>&1 \
+      --no-scale-batch --warmup 3 --steps 6 --profile-steps 0 --variant "forced:$BAL" --compute-only \
+      --json $res/${name}_mb8.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     ;;
   example4_profile)  # the fine 4-GPU example's step profiled at 4 ranks, as shipped (8 micro-batches of 2 per GPU):
