@@ -13,10 +13,8 @@ log = logging.getLogger(__name__)
 def imbalance(counts_E: list[int], groups: int) -> float:
     """How uneven a step's routing was: the copies on the most loaded of ``groups`` equal runs of experts over
     the mean (EP ranks: each holds one run; ``groups`` = experts: per expert). 1.0 is perfect balance; an
-    exchange waits for the most loaded rank."""
-    per_group = [sum(counts_E[g * len(counts_E) // groups:(g + 1) * len(counts_E) // groups]) for g in range(groups)]
-    mean = sum(per_group) / groups
-    return max(per_group) / mean if mean else 1.0
+    exchange waits for the most loaded rank. ``micro_batch_imbalance`` of one micro-batch holding them all."""
+    return float(micro_batch_imbalance(torch.tensor(counts_E, dtype=torch.float64).view(1, 1, -1), groups)[0])
 
 
 def micro_batch_imbalance(counts_LME: torch.Tensor, ranks: int) -> torch.Tensor:
