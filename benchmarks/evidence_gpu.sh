@@ -492,6 +492,33 @@ case $phase in
       ROUTING_NAME=${SECOND_NAME:-softmax_aux1e-1} example 2 ${SECOND_STEPS:+train.max_steps=$SECOND_STEPS} &
     wait
     ;;
+  wgrad1)  # issue 38: one chunk with the weight gradients delayed, so that the backward's transfer back runs on the
+    # side stream beside them (at gemm_sm_carveout auto, 16 and 64 push CTAs) against the default; then the GPU tests
+    # it touches: the merged router kernel (fixed test), the MoE layer's variants, once per rank at 4 ranks
+    DELAYED="overlap.delay_wgrad_compute=true"
+    train_step 4 fine_8l balanced_spread_wgrad1 "$BAL" --variant "delayed1:$DELAYED" \
+      --variant "delayed1_c16:$DELAYED,overlap.gemm_sm_carveout=16" --variant "delayed1_c64:$DELAYED,overlap.gemm_sm_carveout=64"
+    log=$out/gpu_tests_wgrad1_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_router.py tests/test_gpu_moe.py tests/test_gpu_dispatch_once_per_rank.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_router.py tests/test_gpu_moe.py \
+      tests/test_gpu_dispatch_once_per_rank.py 2>&1 | tail -n 15 | tee -a "$log"
+    cp "$log" "$res/gpu_tests_wgrad1_4x$gpu.txt"
+    pack
+    ;;
+  wgrad1b)  # issue 38, after wgrad1: one chunk with delayed weight gradients (its best, carve-out auto) beside the same
+    # with the shared expert between the dispatch's push and its wait, and with 32 push CTAs
+    name=train_step_fine_8l_ep4_balanced_spread_wgrad1b_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=4 $BAL $DISTOPT $GRAPHED \
+      overlap.delay_wgrad_compute=true --warmup 3 --steps 8 \
+      --variant "shared_overlap:model.moe_shared_expert_overlap=true" --variant "c32:overlap.gemm_sm_carveout=32" \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    pack
+    ;;
+  wgrad2)  # issue 38, after wgrad1 made one chunk's delayed weight gradients the default where it measured faster
+    # (EP=4): the same default at EP=2 (2 GPUs) against it switched off, beside compute_only and ep1
+    train_step 2 fine_8l balanced_spread_wgrad2 "$BAL" --variant "undelayed:overlap.delay_wgrad_compute=false"
+    ;;
   routing2x)  # issue 41 (not run yet): the fine 2-GPU example as shipped (2 sequences a micro-batch) with aux 0.2 (GPUs
     # 0-1) and with the learning rate decayed over 100 steps after a 10-step warm-up (GPUs 2-3; 3 steps under with 1
     # sequence a micro-batch, the fewest measured), side by side: its routing target (no expert under 25% from step 50)
@@ -539,9 +566,10 @@ case $phase in
     cp "$log" "$res/gpu_tests_router_1x$gpu.txt"
     train_step 4 fine_8l balanced_spread "$BAL" --variant "$SERIAL"
     ;;
-  chunks4)  # issue 38 (not run yet): the fine model at EP=4, forced routing that spreads, the default (1 chunk) beside
-    # its shared expert between the dispatch's push and its wait (model.moe_shared_expert_overlap; the backward's
-    # likewise), and chunks replayed from graphs under the bound (factor 1.25: exact balance never overflows it)
+  chunks4)  # issue 38: the fine model at EP=4, forced routing that spreads, the default (1 chunk) beside its shared
+    # expert between the dispatch's push and its wait (model.moe_shared_expert_overlap; the backward's likewise),
+    # chunks replayed from graphs under the bound (factor 1.25: exact balance never overflows it), and paired
+    # micro-batches (eager, pushes on the side stream beside the other micro-batch)
     name=train_step_fine_8l_ep4_balanced_spread_chunks_4x$gpu
     BOUND="overlap.moe_expert_rank_capacity_factor=1.25"
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
@@ -549,6 +577,7 @@ case $phase in
       --variant "shared_overlap:model.moe_shared_expert_overlap=true" \
       --variant "chunks2:overlap.moe_pipeline_chunks=2,$BOUND" --variant "chunks4:overlap.moe_pipeline_chunks=4,$BOUND" \
       --variant "chunks4_delayed:overlap.moe_pipeline_chunks=4,overlap.delay_wgrad_compute=true,$BOUND" \
+      --variant "paired:overlap.overlap_moe_expert_parallel_comm=true" \
       --json $res/$name.json --timeline $res/$name.png 2>&1 | tee "$out/$name.log" \
       | grep -E '^\{"variant"|Error|error' | cut -c1-400
     ;;

@@ -50,6 +50,16 @@ PAIR_OVER_NCCL_MAX_TOPK = 2
 # (benchmarks/results/train_step_*_ep{2,4}_*balanced_*xh100.json).
 ONCE_PER_RANK_MIN_TOPK = 4
 
+# ``overlap.delay_wgrad_compute: auto`` turns it on with one device-planned chunk (each token once per rank,
+# unpaired): the backward's transfer back then leaves on the side stream, with the CTAs gemm_sm_carveout auto gives
+# the pushes, beside the experts' weight gradients, instead of after them on the compute stream. 4xH100 EP=4,
+# fine-grained, forced balancing that spreads, graphed, 2026-11-27: per-GPU MFU 0.479 against 0.467 (exposed EP
+# 110 against 144 ms a step; auto gave the pushes 32 CTAs; 0.479 and 0.477 in a second launch), 0.476 at 64 push
+# CTAs, 0.458 at 16; the shared expert between the dispatch's push and its wait added nothing (0.478)
+# (benchmarks/results/train_step_fine_8l_ep4_balanced_spread_wgrad1{,b}_4xh100.json). At EP=2 (2xH100, the same
+# day) neutral: 0.516 against 0.515, exposed EP 40 against 55 ms (..._ep2_balanced_spread_wgrad2_2xh100.json).
+# Not measured with top-k below ONCE_PER_RANK_MIN_TOPK, host planning or chunks, so auto leaves it off there.
+
 # GEMM SMs left free per CTA of the EP NCCL communicator (``overlap.ep_comm_ctas``): NCCL held to 4 CTAs beside a
 # grouped GEMM carved out by 8 SMs hid the whole all-to-all, either launch order (2xH200 NV18, 2026-11-22/23;
 # README "What overlaps on Hopper").

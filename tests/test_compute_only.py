@@ -45,7 +45,8 @@ def compute_only_case(planning: str, chunks: int, once: bool = False) -> dict:
                                          60, compute_only=compute_only)
             cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2)
             layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once,
-                                                 moe_pipeline_chunks=chunks, moe_planning=planning),
+                                                 moe_pipeline_chunks=chunks, moe_planning=planning,
+                                                 delay_wgrad_compute=False),
                              mesh.ep, selector)
             w13, w2 = full_expert_weights()
             mine = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)

@@ -324,7 +324,8 @@ def test_replaced_dispatch_fields_at_their_defaults_still_load(tmp_path):
     path.write_text("overlap:\n  moe_overlap_dispatch: false\n  moe_a2a_backend: auto\n  moe_a2a_chunks: 1\n"
                     "  moe_sync_free_dispatch: false\n")
     assert load_config(path).overlap == OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False,
-                                                      overlap_moe_expert_parallel_comm=False)
+                                                      overlap_moe_expert_parallel_comm=False,
+                                                      delay_wgrad_compute=False)
 
 
 def test_tp_comm_backend_symm_needs_cuda():
@@ -451,7 +452,7 @@ def test_defaults_load():
     cfg = load_config(None)
     # auto: a dense model exchanges nothing
     assert cfg == Config(overlap=OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False,
-                                               overlap_moe_expert_parallel_comm=False))
+                                               overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False))
 
 
 @pytest.mark.parametrize("overrides, pipeline, planning, graphed", [
@@ -475,6 +476,22 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
 
 
 CUDA = ["train.device=cuda"]
+
+
+@pytest.mark.parametrize("overrides, delayed", [
+    (CUDA + ["train.moe_cuda_graph=true", "model.moe_router_topk=4"], True),  # where it measured faster (tuning.py)
+    (CUDA + ["overlap.moe_planning=device", "model.moe_router_topk=4"], True),
+    (CUDA + ["train.moe_cuda_graph=true"], False),  # top-2: each copy its own row, not measured
+    (CUDA + ["model.moe_router_topk=4"], False),  # planning left to the transport: not measured
+    (CUDA + ["train.moe_cuda_graph=true", "model.moe_router_topk=4", "overlap.moe_pipeline_chunks=2",
+             "overlap.moe_expert_rank_capacity_factor=1.25"], False),  # chunks: the wgrad runs beside the next one
+    (CUDA + ["train.moe_cuda_graph=true", "model.moe_router_topk=4", "overlap.delay_wgrad_compute=false"], False),
+    (CUDA + ["model.moe_router_topk=4", "overlap.moe_pipeline=false"], False),  # the serial reference
+    (CUDA + ["train.moe_cuda_graph=true", "model.moe_router_topk=4", "parallel.expert_model_parallel_size=1"], False),
+])
+def test_delay_wgrad_auto(overrides, delayed):
+    cfg = load_config(TINY, overrides)
+    assert cfg.overlap.delay_wgrad_compute is delayed
 
 
 @pytest.mark.parametrize("overrides, paired", [

@@ -106,7 +106,7 @@ def wire_rows_case(topk: int, experts: int, chunks: int) -> dict:
                 selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
                                              chunks, 60)
                 overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, moe_planning=planning,
-                                        moe_dispatch_once_per_rank=once)
+                                        moe_dispatch_once_per_rank=once, delay_wgrad_compute=False)
                 layer = MoELayer(cfg, overlap, mesh.ep, selector)
                 plan = layer._planner(torch.zeros(tokens, hidden)).plan(routing)
                 if planning == "host":
@@ -222,5 +222,5 @@ def test_the_layer_refuses_padded_capacity():
     cfg = ModelConfig(hidden_size=8, ffn_hidden_size=8, num_moe_experts=4, moe_router_topk=2,
                       moe_pad_expert_input_to_capacity=True)
     with pytest.raises(ValueError, match="not implemented yet with model.moe_pad_expert_input_to_capacity"):
-        MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=True), two_ranks,
-                 SimpleNamespace(planning="host"))
+        MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=True, delay_wgrad_compute=False),
+                 two_ranks, SimpleNamespace(planning="host"))

@@ -36,7 +36,7 @@ def allocated_sizes(settings: list[tuple[float | None, int]]) -> list[dict]:
             selector = TransportSelector("device", "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), chunks,
                                          60)
             overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False, moe_pipeline_chunks=chunks,
-                                    moe_planning="device",
+                                    moe_planning="device", delay_wgrad_compute=False,
                                     moe_expert_rank_capacity_factor=factor)
             layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K),
                              overlap, mesh.ep, selector, etp=mesh.etp, expert_mp=mesh.expert_mp)

@@ -171,7 +171,8 @@ def test_graph_capture_and_the_layer_refuse_with_the_rules_message():
     assert str(err.value) == str(graph_refusal(False, "host", True))
     device_planned = SimpleNamespace(planning="device")  # a selector made for expert-TP = 1
     with pytest.raises(ValueError) as err:
-        MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False), two_ranks, device_planned,
+        MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False,
+                                   delay_wgrad_compute=False), two_ranks, device_planned,
                  etp=two_ranks, expert_mp=two_ranks)
     assert str(err.value) == str(expert_tp_refusal("device", 2))
 

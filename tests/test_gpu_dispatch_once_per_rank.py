@@ -33,7 +33,9 @@ ONCE = "overlap.moe_dispatch_once_per_rank"
 DEVICE = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "overlap.moe_transport": "sm_push"}
 CHUNKS2 = {"overlap.moe_pipeline_chunks": 2}
 LAYOUTS = {
-    "sm_push_graphed": {**DEVICE, "train.moe_cuda_graph": "true"},
+    "sm_push_graphed": {**DEVICE, "train.moe_cuda_graph": "true", "overlap.delay_wgrad_compute": "false"},
+    # one chunk: the backward's transfer back on the side stream beside the delayed weight gradients (auto's choice)
+    "sm_push_graphed_delay_wgrad": {**DEVICE, "train.moe_cuda_graph": "true", "overlap.delay_wgrad_compute": "true"},
     "sm_push_chunks2_delay_wgrad": {**DEVICE, **CHUNKS2, "overlap.delay_wgrad_compute": "true"},
     "copy_engine_chunks2": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "copy_engine", **CHUNKS2},
     "nccl_chunks2": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "nccl", **CHUNKS2},

@@ -32,6 +32,7 @@ VARIANTS = [
     ("device", "sm_push", 1, None, False, False, False, 0), ("device", "sm_push", 4, None, False, True, True, 8),
     ("device", "sm_push", 2, 1.5, True, False, False, 16), ("device", "sm_push", 2, 1.5, False, True, False, 8),
     ("device", "sm_push", 4, None, False, False, False, "auto"),
+    ("device", "sm_push", 1, None, False, True, False, "auto"),  # one chunk: the transfer back beside the wgrad
 ]
 
 _SELECTORS: dict = {}

@@ -368,18 +368,19 @@ def test_one_ep_rank_runs_the_local_path_for_every_dispatch_setting(setting):
     assert moe_case("sparse", 2, **setting) < 1e-5
 
 
-@pytest.mark.parametrize("carveout,transport,chunks,ctas,want,paired", [
-    (8, "nccl", 4, None, 8, False), (8, "sm_push", 1, None, 0, False),  # one chunk: nothing moves beside a GEMM
-    (8, "sm_push", 1, None, 8, True),  # ... but another micro-batch's GEMMs (overlap_moe_expert_parallel_comm)
-    ("auto", "nccl", 4, 4, 8, False), ("auto", "nccl", 4, None, 0, False), ("auto", "copy_engine", 4, None, 0, False),
-    ("auto", "sm_push", 4, None, "pushes", False)])
-def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want, paired):
+@pytest.mark.parametrize("carveout,transport,chunks,ctas,want,paired,delayed", [
+    (8, "nccl", 4, None, 8, False, False), (8, "sm_push", 1, None, 0, False, False),  # one chunk: nothing beside
+    (8, "sm_push", 1, None, 8, True, False),  # ... but another micro-batch's GEMMs (overlap_moe_expert_parallel_comm)
+    (8, "sm_push", 1, None, 8, False, True),  # ... or the delayed weight gradients (the backward's transfer back)
+    ("auto", "sm_push", 1, None, "pushes", False, True),
+    ("auto", "nccl", 4, 4, 8, False, False), ("auto", "nccl", 4, None, 0, False, False),
+    ("auto", "copy_engine", 4, None, 0, False, False), ("auto", "sm_push", 4, None, "pushes", False, False)])
+def test_pipeline_carveout_per_transport(carveout, transport, chunks, ctas, want, paired, delayed):
     from moe_overlap.tuning import auto_push_sms
 
     two_ranks = GroupHandle(ranks=[0, 1], group=None, rank=0, size=2)
     overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False, moe_pipeline_chunks=chunks,
-                            gemm_sm_carveout=carveout,
-                            ep_comm_ctas=ctas)
+                            gemm_sm_carveout=carveout, ep_comm_ctas=ctas, delay_wgrad_compute=delayed)
     layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2), overlap,
                      two_ranks, SimpleNamespace(planning="host"))
     transport_like = SimpleNamespace(name=transport, needs_sms=transport != "copy_engine")

@@ -189,13 +189,14 @@ def test_merged_router_kernel_matches_twin_on_gpu(T, E, K, pre_softmax, force):
     logits = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1).float() * (8.0 / E) - 4.0
     grad = torch.randn(T, K, device="cuda")
     fused_in, twin_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    orders_ME = forced_expert_orders(E, "cuda") if force else None
     torch.cuda.set_sync_debug_mode("error")
     try:
-        probs, experts, copies = TopKRoute.apply(fused_in, K, pre_softmax, force)
+        probs, experts, copies = TopKRoute.apply(fused_in, K, pre_softmax, orders_ME)
         probs.backward(grad)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    want_probs, want_experts, want_copies = topk_route_torch(twin_in, K, pre_softmax, force)
+    want_probs, want_experts, want_copies = topk_route_torch(twin_in, K, pre_softmax, orders_ME)
     if force:
         assert torch.equal(copies, torch.full_like(copies, T * K // E))
     want_probs.backward(grad)

@@ -23,6 +23,10 @@ a switch the user set needs to run.
                                 on with the pipelined exchange from router top-4 up (each token once per rank: the
                                 fastest measured there, tuning.py); off below, and where it is not implemented
                                 (padded capacity, expert-TP > 1)
+    overlap.delay_wgrad_compute=auto
+                                on with one device-planned chunk, unpaired, each token once per rank: the
+                                backward's transfer back then runs on the side stream beside the experts' weight
+                                gradients (the fastest measured there, tuning.py); off elsewhere
 
 The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
 """
@@ -74,7 +78,7 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
                 "for), where one micro-batch at a time measured fastest (tuning.py)")
     if p.pipeline_model_parallel_size > 1:
         return "pipeline parallelism: paired measured there only eager and slower (tuning.py)"
-    if o.moe_pipeline_chunks > 1 or o.delay_wgrad_compute:
+    if o.moe_pipeline_chunks > 1 or o.delay_wgrad_compute is True:
         return "chunks or delayed wgrad: not measured paired"
     if t.expert_wgrad_pairs:
         return "train.expert_wgrad_pairs=true: the serial exchange"
@@ -147,4 +151,12 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if exchanging and o.moe_pipeline and t.moe_cuda_graph and o.moe_planning == "auto":
         o.moe_planning = "device"
         choices.append("overlap.moe_planning=auto -> device: train.moe_cuda_graph replays the device-planned exchange")
+    if o.delay_wgrad_compute == "auto":
+        o.delay_wgrad_compute = bool(exchanging and o.moe_pipeline and not paired and o.moe_pipeline_chunks == 1
+                                     and o.moe_planning == "device" and o.moe_dispatch_once_per_rank is True)
+        if exchanging and o.moe_pipeline:
+            why = ("one device-planned chunk, each token once per rank: the backward's transfer back beside the "
+                   "weight gradients measured fastest (tuning.py)" if o.delay_wgrad_compute else
+                   "measured faster only with one device-planned chunk and each token once per rank (tuning.py)")
+            choices.append(f"overlap.delay_wgrad_compute=auto -> {str(o.delay_wgrad_compute).lower()}: {why}")
     return choices

@@ -165,7 +165,9 @@ class OverlapConfig:
     # exchange runs over NCCL (no peer copies) for models of few large experts, as measured fastest there; off on one
     # NVLink host, where one micro-batch at a time measured fastest (config/defaults.py, tuning.py).
     overlap_moe_expert_parallel_comm: Union[bool, Literal["auto"]] = "auto"
-    delay_wgrad_compute: bool = False
+    # The MoE experts' weight gradients after their dgrad rows have started back, beside that transfer. auto: on
+    # where measured faster, one device-planned chunk with each token once per rank (config/defaults.py, tuning.py).
+    delay_wgrad_compute: Union[bool, Literal["auto"]] = "auto"
     # The MoE exchange as a pipeline of chunks (runs of local experts) beside the grouped GEMMs, forward and
     # backward; false: the serial reference (one all-to-all each way, sizes from the host). auto: the pipeline
     # wherever there is an exchange (EP x expert-TP > 1) or a pipeline field is set, as measured fastest

@@ -71,6 +71,10 @@ class MoELayer(nn.Module):
         self.once_per_rank = self.once_per_rank is True  # without the pipeline: unused
         self.host_planned_rerun = False  # host_planned_rerun(): plan on the host whatever the selector planned
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
+        if self.pipelined and self.delay_wgrad == "auto":
+            raise ValueError("overlap.delay_wgrad_compute='auto' is resolved when the config is validated "
+                             "(config.validate); a pipelined layer takes true or false")
+        self.delay_wgrad = self.delay_wgrad is True  # without the pipeline: unused
         self.carveout, self.ep_comm_ctas = overlap.gemm_sm_carveout, overlap.ep_comm_ctas
         self.local = ep.size == 1 and self.etp is None  # nothing to exchange: no transport, no host sync
         if self.pipelined and self.local:
@@ -178,10 +182,12 @@ class MoELayer(nn.Module):
         return self._with_shared(x_TH, Combine.apply(token, probs_TK, state), shared_TH)
 
     def _overlap_sms(self, transport: Transport, rows: int, hidden: int, element_size: int, paired: bool) -> int:
-        """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk and no other micro-batch
-        beside: nothing moves beside them); auto: the measured pairing for NCCL (tuning.EP_NCCL_SMS_PER_CTA per
-        CTA, none without a cap), for SM pushes from the bytes a chunk moves and the GEMM's time."""
-        if self.chunks == 1 and not paired:
+        """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk, no delayed weight gradients
+        and no other micro-batch beside: nothing moves beside them); auto: the measured pairing for NCCL
+        (tuning.EP_NCCL_SMS_PER_CTA per CTA, none without a cap), for SM pushes from the bytes a chunk moves and
+        the GEMM's time. With one chunk and ``delay_wgrad`` the backward's transfer back runs beside the weight
+        gradients."""
+        if self.chunks == 1 and not paired and not self.delay_wgrad:
             return 0
         if self.carveout != "auto":
             return self.carveout
