@@ -347,6 +347,30 @@ def test_pipeline_over_one_rank_for_every_transport(monkeypatch, transport):
         for setting in settings:
             selectors = None if transport.startswith("gloo") else {planning: OneRankTransports(transport)}
             assert moe_case(routing, 2, planning=planning, force_pipeline=True, selectors=selectors, **setting) < 1e-5
+    if transport == "sm_push":  # wire rows: the first chunk's expanded straight from the region the kernel wrote
+        selectors = {planning: OneRankTransports(transport)}
+        assert moe_case("random", 4, planning=planning, force_pipeline=True, selectors=selectors, chunks=1,
+                        once_per_rank=True) < 1e-5
+
+
+@pytest.mark.parametrize("once_per_rank,chunks,copies", [(True, 1, 0), (True, 4, 3), (False, 1, 1)])
+def test_wire_rows_of_the_first_chunk_are_read_from_the_region(monkeypatch, once_per_rank, chunks, copies):
+    """Wire rows (each token once per rank) are read once, to expand them: the first chunk's come straight from the
+    receive region, later chunks' (their start is on the device) and grouped rows (the GEMMs keep them) are copied
+    out, once per chunk each way (copies counted per direction); the layer still equals the formula."""
+    import moe_overlap.distributed.a2a_push as a2a_push
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return copy_rows_out(*args, **kwargs)
+
+    copy_rows_out = a2a_push.copy_rows_out
+    monkeypatch.setattr(a2a_push, "copy_rows_out", counted)
+    error = moe_case("random", 4, planning="device", force_pipeline=True, chunks=chunks, once_per_rank=once_per_rank)
+    assert error < 1e-5
+    assert len(calls) == 2 * copies  # the dispatch's forward and the combine's backward (both to the experts)
 
 
 def test_cuda_graph_capture_refuses_layers_that_sync_with_the_host():

@@ -29,7 +29,9 @@ Transfers run on the transport's side stream (NCCL's own, the copy stream, or th
 many CTAs as the GEMMs beside it leave SMs free (``sms``), and with none free it runs on the compute stream
 between them at full width, where it cannot stall a GEMM's launch (README, "What overlaps on Hopper"). A chunk's rows
 are taken out of the receive buffer on the compute stream, at full width, just before its GEMMs: a local copy of
-a few tens of microseconds, which beside the GEMMs would need as many SMs as the transfer itself.
+a few tens of microseconds, which beside the GEMMs would need as many SMs as the transfer itself. Wire rows (each
+token once per rank), which the receiver expands into grouped rows anyway, skip that copy where they land at row 0
+(the first chunk): the expansion reads the receive buffer itself (``recv(chunk, read_once=True)``).
 """
 
 from __future__ import annotations
@@ -88,8 +90,10 @@ class ToExperts(ABC):
         """Chunk ``chunk`` starts moving; ``alone``: no GEMM beside it, so at full width."""
 
     @abstractmethod
-    def recv(self, chunk: int) -> torch.Tensor:
-        """The compute stream waits for the chunk (an exposed EP wait); its rows in grouped order, from row 0."""
+    def recv(self, chunk: int, read_once: bool = False) -> torch.Tensor:
+        """The compute stream waits for the chunk (an exposed EP wait); its rows in grouped order, from row 0.
+        ``read_once``: the caller reads the rows before ``finish()`` and keeps none of them (wire rows, which it
+        expands), so a transport may hand over its receive buffer itself instead of a copy."""
 
     @abstractmethod
     def finish(self) -> None:

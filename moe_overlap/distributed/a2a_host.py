@@ -29,7 +29,7 @@ class _HostToExperts(ToExperts):
     def __init__(self, streams: ExchangeStreams, routes: HostRoutes, width: int):
         self.streams, self.routes, self.layout, self.width = streams, routes, routes.layout, width
 
-    def recv(self, chunk: int) -> torch.Tensor:
+    def recv(self, chunk: int, read_once: bool = False) -> torch.Tensor:
         return self._arrived(chunk).index_select(0, self.routes.regroup[chunk])
 
 

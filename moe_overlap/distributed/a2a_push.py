@@ -71,12 +71,16 @@ class PushToExperts(_PushExchange, ToExperts):
                        (r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1]), alone)
             self.sent[chunk] = self.streams.mark()  # covers the local rows, which no signal announces
 
-    def recv(self, chunk: int) -> torch.Tensor:
-        """The chunk's rows copied out of the region to row 0 of a tensor of its static rows, at full width."""
+    def recv(self, chunk: int, read_once: bool = False) -> torch.Tensor:
+        """The chunk's rows copied out of the region to row 0 of a tensor of its static rows, at full width; the
+        first chunk's rows read once are the region's own first rows instead (a view: the first chunk lands at row
+        0, and no copy-out costs the compute stream its time)."""
         r = self.routes
         self.streams.compute_waits(self.sent.pop(chunk))
         with exposed_wait("ep"):
             self._wait_peers(chunk)
+        if read_once and chunk == 0:
+            return self.own_RH[:r.chunk_rows[0]]
         grouped_RH = self.send_RH.new_empty((r.chunk_rows[chunk], self.send_RH.shape[1]))
         copy_rows_out(self.own_RH, r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1], grouped_RH,
                       full_width(grouped_RH.device))

@@ -157,7 +157,7 @@ def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_al
     chunks = len(state.plan.chunk_experts)
     waiting = None  # the previous chunk's rows to send back, and the event after the GEMM that made them
     for chunk in range(chunks):
-        back_RH, then = compute(chunk, to_experts.recv(chunk))
+        back_RH, then = compute(chunk, to_experts.recv(chunk, read_once=state.plan.wire is not None))
         made = Event(back_RH.device).record()
         if then is not None:
             then()
