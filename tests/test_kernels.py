@@ -329,6 +329,29 @@ def test_permute_unpermute_triton_twin_and_reference(T, K, E, H, kind, layout, b
 
 
 @needs_triton
+@needs_triton
+@pytest.mark.parametrize("bound", [0, 5, 13, 24])
+def test_zero_fill_bounded_by_a_device_count(bound):
+    """zero_below: rows below the count that no copy maps to are zero, rows at or past it untouched (a worst-case
+    buffer is zeroed only as far as it is read), mapped rows as the twin's; the same in the backward's rows."""
+    g = torch.Generator().manual_seed(bound)
+    T, K, R, H = 6, 2, 24, 40
+    rows_TK = torch.randperm(R, generator=g)[:T * K].view(T, K)
+    rows_TK[1, 0] = -1  # a dropped copy
+    mapped_R = torch.zeros(R, dtype=torch.bool)
+    mapped_R[rows_TK[rows_TK >= 0]] = True
+    x_TH = torch.randn(T, H, generator=g)
+    want = P.permute_torch(x_TH, rows_TK, R)
+    count = torch.tensor([bound], dtype=torch.int32)
+    got = P.permute_triton(x_TH, rows_TK, R, out=torch.full((R, H), 7.0), zero_below=count)
+    untouched = (torch.arange(R) >= bound) & ~mapped_R
+    assert torch.equal(got[~untouched], want[~untouched]) and bool((got[untouched] == 7.0).all())
+    probs_TK = torch.rand(T, K, generator=g)
+    grad_want, _ = P.unpermute_backward_torch(x_TH, None, rows_TK, probs_TK, num_rows=R)
+    grad_got, _ = P.unpermute_backward_triton(x_TH, None, rows_TK, probs_TK, num_rows=R, zero_below=count)
+    assert torch.equal(grad_got[~untouched], grad_want[~untouched])
+
+
 def test_kernels_read_strided_rows():
     """Row-strided views (e.g. slices of a wider buffer) go in without a copy and give the same result."""
     gen = torch.Generator().manual_seed(3)

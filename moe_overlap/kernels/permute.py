@@ -19,7 +19,9 @@ Vocabulary (suffixes name dimensions: T tokens, K copies per token, E experts, R
 
 Rows that no copy maps to are zero in every output (capacity padding), unless the caller passes
 `all_rows_mapped=True`, promising that every row in [0, num_rows) is the target of exactly one copy
-(dropless without drops); then the zero fill (a full extra pass over the output) is skipped.
+(dropless without drops); then the zero fill (a full extra pass over the output) is skipped. `zero_below` (a
+one-element device count) bounds the fill instead: only rows below it are read (a static buffer sized for the
+worst case, used up to its grouped offsets), so only they are zeroed and the fill costs the rows in use.
 
 Every public function dispatches: the Triton kernel when the tensors live on CUDA, or when TRITON_INTERPRET=1
 is set (CPU tests; read at call time), the torch twin otherwise. `*_triton` and `*_torch` name each side
@@ -193,7 +195,19 @@ if HAVE_TRITON:
                 acc += v
             tl.store(out_ptr + t * stride_out + hh, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
+    def _zero_rows_kernel(out_ptr, count_ptr, stride_out, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        # Rows [0, count) of out set to zero, count read on the device; programs past it store nothing.
+        count = tl.load(count_ptr).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        hh0 = tl.arange(0, BLOCK_H)
+        zeros = tl.full((BLOCK_R, BLOCK_H), 0.0, out_ptr.dtype.element_ty)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + hh0
+            tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], zeros,
+                     mask=(rows[:, None] < count) & (hh[None, :] < H))
+
     _rank_hist = Kernel(_rank_hist_kernel)
+    _zero_rows = Kernel(_zero_rows_kernel, do_not_specialize=["H"])
     _position = Kernel(_position_kernel)
     _scatter_rows = Kernel(_scatter_rows_kernel, do_not_specialize=["R"])  # dropless R changes every step
     _gather_sum = Kernel(_gather_sum_kernel, do_not_specialize=["R"])
@@ -388,9 +402,23 @@ def copy_rows(experts_TK: torch.Tensor, num_experts: int, capacity: Optional[int
 # Permute
 # ----------------------------------------------------------------------------------------------------------
 
-def _new_rows(num_rows: int, like: torch.Tensor, all_rows_mapped: bool) -> torch.Tensor:
-    alloc = torch.empty if all_rows_mapped else torch.zeros
-    return alloc((num_rows, like.shape[1]), dtype=like.dtype, device=like.device)
+def _new_rows(num_rows: int, like: torch.Tensor, all_rows_mapped: bool,
+              zero_below: Optional[torch.Tensor] = None) -> torch.Tensor:
+    alloc = torch.zeros if not all_rows_mapped and zero_below is None else torch.empty
+    out = alloc((num_rows, like.shape[1]), dtype=like.dtype, device=like.device)
+    if not all_rows_mapped and zero_below is not None:
+        _zero_rows_below(out, zero_below)
+    return out
+
+
+def _zero_rows_below(out_RH: torch.Tensor, zero_below: torch.Tensor) -> None:
+    """out_RH[:zero_below] = 0 with the count on the device (Triton; the twins fill every row instead)."""
+    R, H = out_RH.shape
+    if R == 0 or H == 0:
+        return
+    block_r, block_h = 16, min(_next_pow2(H), 256)
+    _zero_rows[(triton.cdiv(R, block_r),), out_RH.device](out_RH, zero_below.reshape(-1)[:1], out_RH.stride(0), H,
+                                                          BLOCK_R=block_r, BLOCK_H=block_h)
 
 
 def _check_out(out: Optional[torch.Tensor], num_rows: int, x_TH: torch.Tensor) -> None:
@@ -418,8 +446,10 @@ def _gather_copies(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> tuple[
 
 
 def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-                  all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Twin of `permute`: index_copy_ of the expanded copies into num_rows + 1 rows (the spare row takes -1)."""
+                  all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
+                  zero_below: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Twin of `permute`: index_copy_ of the expanded copies into num_rows + 1 rows (the spare row takes -1);
+    every unmapped row zero, also past ``zero_below``."""
     _check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
@@ -433,14 +463,16 @@ def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: in
 
 def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
                    all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
-                   block_h: Optional[int] = None) -> torch.Tensor:
+                   zero_below: Optional[torch.Tensor] = None, block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute`: one program per token; its row read once, written to its K rows BLOCK_H at a time."""
     _require_triton()
     _check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
     if out is None:
-        out = _new_rows(num_rows, x_TH, all_rows_mapped)
+        out = _new_rows(num_rows, x_TH, all_rows_mapped, zero_below)
+    elif not all_rows_mapped and zero_below is not None:
+        _zero_rows_below(out, zero_below)
     elif not all_rows_mapped:
         out.zero_()
     T, H = x_TH.shape
@@ -456,13 +488,15 @@ def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: i
 
 
 def permute(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-            all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
+            zero_below: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x_RH (num_rows, H): row row_of_copy_TK[t, k] = x_TH[t]; rows no copy maps to are zero (unless
-    all_rows_mapped); -1 copies are skipped. num_rows comes from the caller (no host sync here). ``out``: written
-    into (and returned) instead of a new tensor, e.g. the first H columns of a wider buffer (rows may be strided)."""
+    all_rows_mapped; only those below ``zero_below``, when given); -1 copies are skipped. num_rows comes from the
+    caller (no host sync here). ``out``: written into (and returned) instead of a new tensor, e.g. the first H
+    columns of a wider buffer (rows may be strided)."""
     if use_triton(x_TH, "permute"):
-        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out)
-    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out)
+        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below)
+    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below)
 
 
 def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
@@ -572,8 +606,9 @@ def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_ro
 
 def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                              probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
-                             num_rows: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Twin of `unpermute_backward`."""
+                             num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None
+                             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Twin of `unpermute_backward` (every unmapped row zero, also past ``zero_below``)."""
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]
@@ -591,7 +626,7 @@ def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Ten
 
 def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor],
                               row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor, all_rows_mapped: bool = False,
-                              *, num_rows: Optional[int] = None,
+                              *, num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None,
                               block_h: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Triton `unpermute_backward`: one program per token reads grad_out[t] once, writes probs * grad_out to its
     K rows and (with y_RH) accumulates the K dot products in fp32, BLOCK_H at a time."""
@@ -599,7 +634,7 @@ def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Te
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]
-    grad_y = _new_rows(num_rows, grad_out_TH, all_rows_mapped)
+    grad_y = _new_rows(num_rows, grad_out_TH, all_rows_mapped, zero_below)
     dot = None if y_RH is None else torch.zeros((T, K), dtype=torch.float32, device=grad_out_TH.device)
     if T == 0 or H == 0 or K == 0 or num_rows == 0:
         return grad_y, dot
@@ -616,18 +651,20 @@ def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Te
 
 def unpermute_backward(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                        probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
-                       num_rows: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(grad_y_RH, grad_probs_TK) of `unpermute`.
 
     grad_y_RH[row_of_copy_TK[t, k]] = probs_TK[t, k] * grad_out_TH[t] (grad_out's dtype); rows no copy maps to
-    are zero unless all_rows_mapped. grad_probs_TK[t, k] = <y_RH[row], grad_out_TH[t]> in fp32, 0 for -1
-    copies; computed only when y_RH is given (pass y_RH=None and num_rows when probs need no gradient).
+    are zero unless all_rows_mapped (only those below ``zero_below``, when given). grad_probs_TK[t, k] =
+    <y_RH[row], grad_out_TH[t]> in fp32, 0 for -1 copies; computed only when y_RH is given (pass y_RH=None and
+    num_rows when probs need no gradient).
     """
     if use_triton(grad_out_TH, "permute"):
         return unpermute_backward_triton(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                         num_rows=num_rows)
+                                         num_rows=num_rows, zero_below=zero_below)
     return unpermute_backward_torch(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                    num_rows=num_rows)
+                                    num_rows=num_rows, zero_below=zero_below)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ class PipelineState:
 
 def _grouped_rows_mapped(plan: Plan) -> bool:
     """Every grouped row within the offsets holds a copy: not past an overflowed bound, nor in a compute-only
-    reference (its rows' copies belong elsewhere); else the grouped tensors are zero filled, to stay finite."""
+    reference (its rows' copies belong elsewhere); else the grouped tensors' rows within the offsets are zero
+    filled, to stay finite (the grouped GEMMs read no row past them)."""
     return plan.grouped_rows_mapped and not plan.transport.compute_only
 
 
@@ -101,7 +102,7 @@ def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, a
     plan = state.plan
     if arrived is not None:
         grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk],
-                             _grouped_rows_mapped(plan))
+                             _grouped_rows_mapped(plan), zero_below=plan.offsets[chunk][-1:])
         return grouped_RH, plan.offsets[chunk]
     if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]
@@ -228,7 +229,8 @@ class Experts(torch.autograd.Function):
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
                 (grouped_row_WJ, probs_WJ), y_RH = wire
                 grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, grouped_row_WJ, probs_WJ,
-                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0])
+                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0],
+                                                              zero_below=plan.offsets[chunk][-1:])
                 offsets = plan.offsets[chunk]
             else:
                 grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
