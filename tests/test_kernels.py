@@ -329,27 +329,37 @@ def test_permute_unpermute_triton_twin_and_reference(T, K, E, H, kind, layout, b
 
 
 @needs_triton
-@needs_triton
-@pytest.mark.parametrize("bound", [0, 5, 13, 24])
-def test_zero_fill_bounded_by_a_device_count(bound):
+def check_zero_fill_bounded(T: int, K: int, R: int, H: int, bound: int, device: str, dtype: torch.dtype) -> None:
     """zero_below: rows below the count that no copy maps to are zero, rows at or past it untouched (a worst-case
     buffer is zeroed only as far as it is read), mapped rows as the twin's; the same in the backward's rows."""
     g = torch.Generator().manual_seed(bound)
-    T, K, R, H = 6, 2, 24, 40
     rows_TK = torch.randperm(R, generator=g)[:T * K].view(T, K)
-    rows_TK[1, 0] = -1  # a dropped copy
+    rows_TK[T // 2, 0] = -1  # a dropped copy
     mapped_R = torch.zeros(R, dtype=torch.bool)
     mapped_R[rows_TK[rows_TK >= 0]] = True
-    x_TH = torch.randn(T, H, generator=g)
+    untouched = ((torch.arange(R) >= bound) & ~mapped_R).to(device)
+    x_TH = torch.randn(T, H, generator=g).to(device, dtype)
+    probs_TK = torch.rand(T, K, generator=g).to(device)
+    rows_TK, count = rows_TK.to(device), torch.tensor([bound], dtype=torch.int32, device=device)
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")  # the count stays on the device
+    try:
+        got = P.permute_triton(x_TH, rows_TK, R, out=torch.full((R, H), 7.0, dtype=dtype, device=device),
+                               zero_below=count)
+        grad_got, _ = P.unpermute_backward_triton(x_TH, None, rows_TK, probs_TK, num_rows=R, zero_below=count)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
     want = P.permute_torch(x_TH, rows_TK, R)
-    count = torch.tensor([bound], dtype=torch.int32)
-    got = P.permute_triton(x_TH, rows_TK, R, out=torch.full((R, H), 7.0), zero_below=count)
-    untouched = (torch.arange(R) >= bound) & ~mapped_R
     assert torch.equal(got[~untouched], want[~untouched]) and bool((got[untouched] == 7.0).all())
-    probs_TK = torch.rand(T, K, generator=g)
     grad_want, _ = P.unpermute_backward_torch(x_TH, None, rows_TK, probs_TK, num_rows=R)
-    grad_got, _ = P.unpermute_backward_triton(x_TH, None, rows_TK, probs_TK, num_rows=R, zero_below=count)
     assert torch.equal(grad_got[~untouched], grad_want[~untouched])
+
+
+@needs_triton
+@pytest.mark.parametrize("bound", [0, 5, 13, 24])
+def test_zero_fill_bounded_by_a_device_count(bound):
+    check_zero_fill_bounded(6, 2, 24, 40, bound, "cpu", torch.float32)
 
 
 def test_kernels_read_strided_rows():
@@ -532,6 +542,13 @@ def test_gpu_bf16_kernels_match_twins(T, H, K, E, layout):
     assert_close_normwise(gxr, P.permute_backward_torch(gy_twin, rows), 2e-3)
     assert gpr.dtype == probs.dtype
     assert_close_normwise(gpr, gp_twin, 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_zero_fill_bounded_by_a_device_count():
+    """A worst-case grouped buffer at EP=4 (4 x T x K rows) zeroed only below the rows in use, without a sync."""
+    cuda_and_triton_or_fail()
+    check_zero_fill_bounded(4096, 8, 4 * 4096 * 8, 2048, 4096 * 8, "cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu
