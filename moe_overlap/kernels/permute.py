@@ -196,15 +196,18 @@ if HAVE_TRITON:
             tl.store(out_ptr + t * stride_out + hh, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
     def _zero_rows_kernel(out_ptr, count_ptr, stride_out, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-        # Rows [0, count) of out set to zero, count read on the device; programs past it store nothing.
+        # Rows [0, count) of out set to zero, count read on the device; programs past it return at once (the grid
+        # covers the worst case).
         count = tl.load(count_ptr).to(tl.int64)
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        hh0 = tl.arange(0, BLOCK_H)
-        zeros = tl.full((BLOCK_R, BLOCK_H), 0.0, out_ptr.dtype.element_ty)
-        for h0 in range(0, H, BLOCK_H):
-            hh = h0 + hh0
-            tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], zeros,
-                     mask=(rows[:, None] < count) & (hh[None, :] < H))
+        first = tl.program_id(0).to(tl.int64) * BLOCK_R
+        if first < count:
+            rows = first + tl.arange(0, BLOCK_R)
+            hh0 = tl.arange(0, BLOCK_H)
+            zeros = tl.full((BLOCK_R, BLOCK_H), 0.0, out_ptr.dtype.element_ty)
+            for h0 in range(0, H, BLOCK_H):
+                hh = h0 + hh0
+                tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], zeros,
+                         mask=(rows[:, None] < count) & (hh[None, :] < H))
 
     _rank_hist = Kernel(_rank_hist_kernel)
     _zero_rows = Kernel(_zero_rows_kernel, do_not_specialize=["H"])
