@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_overlap.kernels import copy_rows as CR
 from moe_overlap.kernels import permute as P
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -177,25 +178,25 @@ def test_copy_positions_triton_twin_and_reference(T, K, E, kind, with_keep):
     experts = make_experts(T, K, E, kind, gen)
     keep = (torch.rand((T, K), generator=gen) > 0.3) if with_keep else None
     ref_pos, ref_counts = ref_positions(experts, E, keep)
-    pos_twin, counts_twin = P.copy_positions_torch(experts, E, keep)
+    pos_twin, counts_twin = CR.copy_positions_torch(experts, E, keep)
     assert pos_twin.dtype == torch.int32 and counts_twin.dtype == torch.int64
     assert torch.equal(pos_twin, ref_pos) and torch.equal(counts_twin, ref_counts)
     for block_n in (16, 64):  # several blocks per expert, and one block
-        pos, counts = P.copy_positions_triton(experts, E, keep, block_n=block_n)
+        pos, counts = CR.copy_positions_triton(experts, E, keep, block_n=block_n)
         assert pos.dtype == torch.int32 and counts.dtype == torch.int64
         assert torch.equal(pos, ref_pos), block_n
         assert torch.equal(counts, ref_counts), block_n
-    pos, counts = P.copy_positions(experts, E, keep)  # dispatches to Triton under TRITON_INTERPRET=1
+    pos, counts = CR.copy_positions(experts, E, keep)  # dispatches to Triton under TRITON_INTERPRET=1
     assert torch.equal(pos, ref_pos) and torch.equal(counts, ref_counts)
 
 
 @needs_triton
 def test_copy_positions_ignore_out_of_range_experts():
     experts = torch.tensor([[0, -1], [3, 1], [1, 9]])  # -1 and 9 are not experts of E=4: not counted
-    pos, counts = P.copy_positions_triton(experts, 4, block_n=16)
+    pos, counts = CR.copy_positions_triton(experts, 4, block_n=16)
     assert pos.tolist() == [[0, -1], [0, 0], [1, -1]]
     assert counts.tolist() == [1, 2, 0, 1]
-    pos_twin, counts_twin = P.copy_positions_torch(experts, 4)
+    pos_twin, counts_twin = CR.copy_positions_torch(experts, 4)
     assert torch.equal(pos, pos_twin) and torch.equal(counts, counts_twin)
 
 
@@ -210,21 +211,21 @@ def test_rows_dropless_and_capacity(T, K, E, kind, capacity):
     experts = make_experts(T, K, E, kind, gen)
     for keep in (None, torch.rand((T, K), generator=gen) > 0.4):
         expected = ref_rows_argsort(experts, E, capacity, keep)
-        pos, counts = P.copy_positions_torch(experts, E, keep)
-        rows, rows_per_expert = P.rows_from_positions(experts, pos, counts, capacity, keep)
+        pos, counts = CR.copy_positions_torch(experts, E, keep)
+        rows, rows_per_expert = CR.rows_from_positions(experts, pos, counts, capacity, keep)
         assert rows.dtype == torch.int32 and torch.equal(rows, expected)
         if capacity is None:
             assert torch.equal(rows_per_expert, counts)
         else:
             assert rows_per_expert.tolist() == [capacity] * E
-        twin = P.copy_rows_torch(experts, E, capacity, keep)
+        twin = CR.copy_rows_torch(experts, E, capacity, keep)
         assert torch.equal(twin[0], expected) and torch.equal(twin[1], counts) and torch.equal(twin[2], rows_per_expert)
         for block_n in ((16, 64) if T * K <= 512 else (64,)):
-            fused = P.copy_rows_triton(experts, E, capacity, keep, block_n=block_n)
+            fused = CR.copy_rows_triton(experts, E, capacity, keep, block_n=block_n)
             assert fused[0].dtype == torch.int32
             for a, b in zip(fused, twin):
                 assert torch.equal(a, b), block_n
-        assert all(torch.equal(a, b) for a, b in zip(P.copy_rows(experts, E, capacity, keep), twin))
+        assert all(torch.equal(a, b) for a, b in zip(CR.copy_rows(experts, E, capacity, keep), twin))
         # every kept row appears once; dropless rows are exactly 0..sum(counts)-1
         valid_rows = rows[rows >= 0]
         assert valid_rows.unique().numel() == valid_rows.numel()
@@ -268,7 +269,7 @@ def make_layout(T, K, E, kind, layout, gen):
         keep = torch.rand((T, K), generator=gen) > 0.2
     elif layout == "all_dropped":
         keep = torch.zeros((T, K), dtype=torch.bool)
-    rows, counts, _ = P.copy_rows_torch(experts, E, capacity, keep)
+    rows, counts, _ = CR.copy_rows_torch(experts, E, capacity, keep)
     num_rows = int(counts.sum()) if capacity is None else E * capacity
     return rows, num_rows, layout == "dropless"
 
@@ -455,7 +456,7 @@ def test_bad_inputs_fail_early():
     with pytest.raises(ValueError, match="probs_TK shape"):
         P.unpermute_torch(x, torch.zeros((4, 2), dtype=torch.int32), torch.rand(4, 3))
     with pytest.raises(ValueError, match="experts_TK"):
-        P.copy_positions_torch(torch.zeros(4, dtype=torch.int64), 4)
+        CR.copy_positions_torch(torch.zeros(4, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="num_rows"):
         P.unpermute_backward_torch(x, None, torch.zeros((4, 2), dtype=torch.int32), torch.rand(4, 2))
 
@@ -465,14 +466,14 @@ def test_interpreter_set_before_triton_import():
     """The classic way in: TRITON_INTERPRET=1 before triton is imported (every tl function interpreted)."""
     code = (
         "import torch\n"
-        "from moe_overlap.kernels import permute as P\n"
+        "from moe_overlap.kernels import copy_rows as CR, permute as P\n"
         "from triton.runtime.interpreter import InterpretedFunction\n"
         "import triton.language as tl\n"
         "assert isinstance(tl.standard._sum_combine, InterpretedFunction)\n"
         "g = torch.Generator().manual_seed(0)\n"
         "e = torch.randint(0, 5, (13, 3), generator=g)\n"
-        "rows, counts, _ = P.copy_rows(e, 5, 4)\n"
-        "twin = P.copy_rows_torch(e, 5, 4)\n"
+        "rows, counts, _ = CR.copy_rows(e, 5, 4)\n"
+        "twin = CR.copy_rows_torch(e, 5, 4)\n"
         "assert torch.equal(rows, twin[0]) and torch.equal(counts, twin[1])\n"
         "x = torch.randn(13, 24, generator=g); p = torch.rand(13, 3, generator=g)\n"
         "assert torch.equal(P.permute(x, rows, 20), P.permute_torch(x, rows, 20))\n"
@@ -496,8 +497,8 @@ def _gpu_layout(T, K, E, layout, gen):
     dev = "cuda"
     experts = make_experts(T, K, E, "skewed", gen, device=dev)
     capacity = None if layout == "dropless" else (T * K) // E  # capacity factor 1: skew drops and pads
-    rows, counts, rows_per_expert = P.copy_rows_triton(experts, E, capacity)
-    twin = P.copy_rows_torch(experts, E, capacity)
+    rows, counts, rows_per_expert = CR.copy_rows_triton(experts, E, capacity)
+    twin = CR.copy_rows_torch(experts, E, capacity)
     for a, b in zip((rows, counts, rows_per_expert), twin):
         assert torch.equal(a, b)
     num_rows = T * K if capacity is None else E * capacity
@@ -561,9 +562,9 @@ def test_gpu_copy_positions_match_twin(T, K, E):
     for kp in (None, keep):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            pos, counts = P.copy_positions_triton(experts, E, kp)
+            pos, counts = CR.copy_positions_triton(experts, E, kp)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        pos_twin, counts_twin = P.copy_positions_torch(experts, E, kp)
+        pos_twin, counts_twin = CR.copy_positions_torch(experts, E, kp)
         assert torch.equal(pos, pos_twin) and torch.equal(counts, counts_twin)
 

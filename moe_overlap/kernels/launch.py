@@ -45,6 +45,18 @@ def use_triton(t: torch.Tensor, what: str) -> bool:
     return t.is_cuda or interpreter_requested()
 
 
+def require_triton(what: str) -> None:
+    """A clear error where a ``*_triton`` function is called without triton."""
+    if not HAVE_TRITON:
+        raise RuntimeError(f"triton is not importable: {what} cannot run (install triton==3.6.0, or call the "
+                           "*_torch twins)")
+
+
+def check_2d(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+
+
 class Kernel:
     """One kernel function, compiled for CUDA or interpreted for CPU / TRITON_INTERPRET=1, chosen per launch."""
 

@@ -3,13 +3,8 @@
 Vocabulary (suffixes name dimensions: T tokens, K copies per token, E experts, R permuted rows, H hidden):
 
   copy (t, k)        the k-th routed copy of token t, going to expert experts_TK[t, k]
-  position_TK        stable rank of a copy among the copies of its expert, in flat order t*K + k
-                     (a counting-sort rank; -1 for a copy that is not counted: not kept, or an expert id
-                     outside [0, E))
-  row_of_copy_TK     the permuted row a copy lives in; -1: no row (the copy was dropped)
-                       dropless  rows packed by expert: expert_start[e] + position (start = exclusive cumsum)
-                       capacity  static layout: expert e owns rows [e*C, (e+1)*C); row e*C + position,
-                                 and a copy whose position is >= C is dropped
+  row_of_copy_TK     the permuted row a copy lives in; -1: no row (the copy was dropped): kernels/copy_rows.py
+                     computes it from the routing
 
   permute            x_TH -> x_RH: each token row read once and written to its k rows
   permute_backward   grad_RH -> grad_TH: sum over k of the copies' gradient rows (fp32 accumulation)
@@ -39,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, check_2d, require_triton, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -49,8 +44,6 @@ if HAVE_TRITON:
 
 __all__ = [
     "HAVE_TRITON",
-    "copy_positions", "copy_positions_torch", "copy_positions_triton",
-    "rows_from_positions", "copy_rows", "copy_rows_torch", "copy_rows_triton",
     "permute", "permute_torch", "permute_triton",
     "permute_backward", "permute_backward_torch", "permute_backward_triton",
     "unpermute", "unpermute_torch", "unpermute_triton",
@@ -58,19 +51,8 @@ __all__ = [
     "Permute", "Unpermute",
 ]
 
-def _require_triton() -> None:
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not importable: the *_triton permute kernels cannot run "
-                           "(install triton==3.6.0, or call the *_torch twins)")
-
-
-def _check_2d(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-
-
 def _check_copies(row_of_copy_TK: torch.Tensor, num_tokens: int, name: str = "row_of_copy_TK") -> None:
-    _check_2d(name, row_of_copy_TK)
+    check_2d(name, row_of_copy_TK)
     if row_of_copy_TK.shape[0] != num_tokens:
         raise ValueError(f"{name} has {row_of_copy_TK.shape[0]} tokens, expected {num_tokens}")
     if row_of_copy_TK.dtype not in (torch.int32, torch.int64):
@@ -90,51 +72,6 @@ def _check_probs(probs_TK: torch.Tensor, row_of_copy_TK: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 if HAVE_TRITON:
-
-    def _rank_hist_kernel(experts_ptr, keep_ptr, rank_ptr, hist_ptr, N, E, NB,
-                          HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr):
-        # Block b of BLOCK_N copies: each copy's rank among the earlier copies of its expert inside the block
-        # (a BLOCK_N x BLOCK_N comparison), and the block's per-expert count, written to the zeroed row b of
-        # hist (expert-major: hist[e, b], so the prefix over blocks is an inner-dim scan) by the block's last copy of
-        # each expert (rank + 1). Deterministic: no atomics, independent of E.
-        b = tl.program_id(0)
-        i = tl.arange(0, BLOCK_N)
-        offs = b * BLOCK_N + i
-        inb = offs < N
-        e = tl.load(experts_ptr + offs, mask=inb, other=-1).to(tl.int32)
-        valid = inb & (e >= 0) & (e < E)
-        if HAS_KEEP:
-            kept = tl.load(keep_ptr + offs, mask=inb, other=0)
-            valid = valid & (kept != 0)
-        e = tl.where(valid, e, -1)
-        same = (e[:, None] == e[None, :]) & valid[None, :]
-        rank = tl.reduce((same & (i[None, :] < i[:, None])).to(tl.int32), 1, _sum_combine)
-        later = tl.reduce((same & (i[None, :] > i[:, None])).to(tl.int32), 1, _sum_combine)
-        tl.store(rank_ptr + offs, rank, mask=inb)
-        tl.store(hist_ptr + e * NB + b, rank + 1, mask=valid & (later == 0))
-
-    def _position_kernel(experts_ptr, keep_ptr, base_ptr, start_ptr, pos_ptr, row_ptr, N, E, C, NB,
-                         HAS_KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-        # position = block base of the copy's expert + rank inside the block (already in pos_ptr);
-        # ROWS: 0 positions only, 1 dropless rows (start_ptr: exclusive cumsum of counts), 2 capacity rows (C).
-        b = tl.program_id(0)
-        offs = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        inb = offs < N
-        e = tl.load(experts_ptr + offs, mask=inb, other=-1).to(tl.int32)
-        valid = inb & (e >= 0) & (e < E)
-        if HAS_KEEP:
-            kept = tl.load(keep_ptr + offs, mask=inb, other=0)
-            valid = valid & (kept != 0)
-        rank = tl.load(pos_ptr + offs, mask=inb, other=0)
-        base = tl.load(base_ptr + e * NB + b, mask=valid, other=0).to(tl.int32)
-        pos = tl.where(valid, rank + base, -1)
-        tl.store(pos_ptr + offs, pos, mask=inb)
-        if ROWS == 1:
-            start = tl.load(start_ptr + e, mask=valid, other=0).to(tl.int32)
-            tl.store(row_ptr + offs, tl.where(valid, start + pos, -1), mask=inb)
-        if ROWS == 2:
-            keep_row = valid & (pos < C)
-            tl.store(row_ptr + offs, tl.where(keep_row, e * C + pos, -1), mask=inb)
 
     def _scatter_rows_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, y_ptr, dot_ptr,
                              stride_src, stride_out, stride_y, H, K, R,
@@ -209,9 +146,7 @@ if HAVE_TRITON:
                 tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], zeros,
                          mask=(rows[:, None] < count) & (hh[None, :] < H))
 
-    _rank_hist = Kernel(_rank_hist_kernel)
     _zero_rows = Kernel(_zero_rows_kernel, do_not_specialize=["H"])
-    _position = Kernel(_position_kernel)
     _scatter_rows = Kernel(_scatter_rows_kernel, do_not_specialize=["R"])  # dropless R changes every step
     _gather_sum = Kernel(_gather_sum_kernel, do_not_specialize=["R"])
 
@@ -240,165 +175,6 @@ def _row_tile(K: int, H: int, block_h: Optional[int]) -> tuple[int, int, int]:
 def _rows_2d(t: torch.Tensor) -> torch.Tensor:
     """A (rows, H) tensor with unit stride along H (row stride free)."""
     return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Index computation
-# ----------------------------------------------------------------------------------------------------------
-
-def _valid_copies(experts_flat: torch.Tensor, num_experts: int, keep_flat: Optional[torch.Tensor]) -> torch.Tensor:
-    valid = (experts_flat >= 0) & (experts_flat < num_experts)
-    if keep_flat is not None:
-        valid &= keep_flat.bool()
-    return valid
-
-
-def _check_routing(experts_TK: torch.Tensor, num_experts: int, keep_TK: Optional[torch.Tensor]) -> None:
-    _check_2d("experts_TK", experts_TK)
-    if experts_TK.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"experts_TK must be int32 or int64, got {experts_TK.dtype}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if keep_TK is not None and keep_TK.shape != experts_TK.shape:
-        raise ValueError(f"keep_TK shape {tuple(keep_TK.shape)} != experts_TK shape {tuple(experts_TK.shape)}")
-
-
-def copy_positions_torch(experts_TK: torch.Tensor, num_experts: int,
-                         keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of `copy_positions`: stable argsort by expert, rank = sorted index - expert start."""
-    _check_routing(experts_TK, num_experts, keep_TK)
-    flat = experts_TK.reshape(-1).long()
-    n = flat.numel()
-    valid = _valid_copies(flat, num_experts, None if keep_TK is None else keep_TK.reshape(-1))
-    key = torch.where(valid, flat, num_experts)  # uncounted copies sort last, into a spare bucket
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    # first sorted index of every expert (and of the spare bucket): no atomics, no host sync
-    bounds = torch.searchsorted(sorted_key, torch.arange(num_experts + 1, device=flat.device))
-    rank_sorted = torch.arange(n, device=flat.device) - bounds[sorted_key]
-    position = torch.empty(n, dtype=torch.int32, device=flat.device)
-    position[order] = rank_sorted.to(torch.int32)
-    position = torch.where(valid, position, -1)
-    return position.view(experts_TK.shape), bounds.diff()
-
-
-def _copy_positions_triton(experts_TK, num_experts, keep_TK, capacity, rows: int, block_n: int):
-    """Shared body of copy_positions_triton / copy_rows_triton. rows: 0 none, 1 dropless, 2 capacity."""
-    _require_triton()
-    _check_routing(experts_TK, num_experts, keep_TK)
-    dev = experts_TK.device
-    experts = experts_TK.reshape(-1).contiguous()
-    n = experts.numel()
-    position = torch.empty(experts_TK.shape, dtype=torch.int32, device=dev)
-    row = torch.empty(experts_TK.shape, dtype=torch.int32, device=dev) if rows else position
-    if n == 0:
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-        return position, row, counts
-    keep = experts if keep_TK is None else keep_TK.reshape(-1).contiguous()
-    if keep.dtype == torch.bool:
-        keep = keep.view(torch.uint8)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    num_blocks = triton.cdiv(n, block_n)
-    hist = torch.zeros((num_experts, num_blocks), dtype=torch.int32, device=dev)
-    _rank_hist[(num_blocks,), dev](experts, keep, position, hist, n, num_experts, num_blocks,
-                                   HAS_KEEP=keep_TK is not None, BLOCK_N=block_n, num_warps=8)
-    incl = torch.cumsum(hist, 1)  # int64; experts x blocks: a scan along the inner dim (the outer one is slow)
-    counts = incl[:, -1]
-    base = incl - hist  # exclusive prefix over blocks
-    start = torch.cumsum(counts, 0) - counts if rows == 1 else counts
-    _position[(num_blocks,), dev](experts, keep, base, start, position, row, n, num_experts,
-                                  0 if capacity is None else int(capacity), num_blocks,
-                                  HAS_KEEP=keep_TK is not None, ROWS=rows, BLOCK_N=block_n, num_warps=4)
-    return position, row, counts
-
-
-def copy_positions_triton(experts_TK: torch.Tensor, num_experts: int, keep_TK: Optional[torch.Tensor] = None,
-                          *, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `copy_positions`: per block of `block_n` copies a rank-in-block and a per-expert count (one
-    kernel), an exclusive prefix sum of the counts over blocks (torch cumsum of a (blocks, E) table), then
-    position = base + rank (one kernel). No atomics: the result does not depend on scheduling."""
-    position, _, counts = _copy_positions_triton(experts_TK, num_experts, keep_TK, None, 0, block_n)
-    return position, counts
-
-
-def copy_positions(experts_TK: torch.Tensor, num_experts: int,
-                   keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position_TK int32, tokens_per_expert_E int64) of the copies experts_TK (T, K).
-
-    position_TK[t, k] counts the copies of the same expert that come before (t, k) in flat order t*K + k: a
-    stable counting-sort rank, deterministic. Only counted copies take part: with keep_TK (bool (T, K)) only
-    kept ones, and never a copy whose expert id lies outside [0, num_experts); an uncounted copy gets
-    position -1 and is not in tokens_per_expert_E. Capacity mode ranks kept copies only: pass keep_TK.
-    """
-    if use_triton(experts_TK, "permute"):
-        return copy_positions_triton(experts_TK, num_experts, keep_TK)
-    return copy_positions_torch(experts_TK, num_experts, keep_TK)
-
-
-def rows_from_positions(experts_TK: torch.Tensor, position_TK: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                        capacity: Optional[int] = None,
-                        keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_of_copy_TK int32, rows_per_expert_E int64) from positions (torch on every device; a few
-    elementwise ops, no host sync).
-
-    capacity None (dropless): rows packed by expert, row = exclusive_cumsum(tokens_per_expert)[e] + position;
-      rows_per_expert_E = tokens_per_expert_E; num_rows = tokens_per_expert_E.sum() (the caller's host sync).
-    capacity C: static layout, expert e owns rows [e*C, (e+1)*C); row = e*C + position for a counted copy with
-      position < C, else -1 (a later copy is dropped); rows_per_expert_E = C for every expert, num_rows = E*C.
-    A copy with position -1, or not in keep_TK, gets row -1. Positions must come from `copy_positions` with
-    the same keep_TK (capacity mode ranks kept copies only).
-    """
-    num_experts = tokens_per_expert_E.numel()
-    valid = position_TK >= 0
-    if keep_TK is not None:
-        valid &= keep_TK.bool()
-    e = experts_TK.long().clamp(0, max(num_experts - 1, 0))
-    pos = position_TK.long()
-    if capacity is None:
-        counts = tokens_per_expert_E.long()
-        start = torch.cumsum(counts, 0) - counts
-        row = torch.where(valid, start[e] + pos, -1)
-        rows_per_expert = counts
-    else:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        valid &= pos < capacity
-        row = torch.where(valid, e * capacity + pos, -1)
-        rows_per_expert = torch.full((num_experts,), int(capacity), dtype=torch.int64, device=experts_TK.device)
-    return row.to(torch.int32), rows_per_expert
-
-
-def copy_rows_torch(experts_TK: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
-                    keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Twin of `copy_rows`: copy_positions_torch, then rows_from_positions."""
-    position, counts = copy_positions_torch(experts_TK, num_experts, keep_TK)
-    row, rows_per_expert = rows_from_positions(experts_TK, position, counts, capacity, keep_TK)
-    return row, counts, rows_per_expert
-
-
-def copy_rows_triton(experts_TK: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
-                     keep_TK: Optional[torch.Tensor] = None, *,
-                     block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton `copy_rows`: the rows are written by the second kernel of copy_positions_triton."""
-    if capacity is not None and capacity < 0:
-        raise ValueError(f"capacity must be >= 0, got {capacity}")
-    _, row, counts = _copy_positions_triton(experts_TK, num_experts, keep_TK, capacity,
-                                            1 if capacity is None else 2, block_n)
-    if capacity is None:
-        rows_per_expert = counts
-    else:
-        rows_per_expert = torch.full((num_experts,), int(capacity), dtype=torch.int64, device=experts_TK.device)
-    return row, counts, rows_per_expert
-
-
-def copy_rows(experts_TK: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
-              keep_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_of_copy_TK int32, tokens_per_expert_E int64, rows_per_expert_E int64) in one call:
-    `copy_positions` + `rows_from_positions`, fused into the index kernels on the Triton side."""
-    if use_triton(experts_TK, "permute"):
-        return copy_rows_triton(experts_TK, num_experts, capacity, keep_TK)
-    return copy_rows_torch(experts_TK, num_experts, capacity, keep_TK)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -453,7 +229,7 @@ def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: in
                   zero_below: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Twin of `permute`: index_copy_ of the expanded copies into num_rows + 1 rows (the spare row takes -1);
     every unmapped row zero, also past ``zero_below``."""
-    _check_2d("x_TH", x_TH)
+    check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
     T, H = x_TH.shape
@@ -468,8 +244,8 @@ def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: i
                    all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
                    zero_below: Optional[torch.Tensor] = None, block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute`: one program per token; its row read once, written to its K rows BLOCK_H at a time."""
-    _require_triton()
-    _check_2d("x_TH", x_TH)
+    require_triton("the *_triton permute kernels")
+    check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
     if out is None:
@@ -504,7 +280,7 @@ def permute(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
 
 def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
     """Twin of `permute_backward`: gather the copies' rows, fp32 sum over k."""
-    _check_2d("grad_RH", grad_RH)
+    check_2d("grad_RH", grad_RH)
     _check_copies(row_of_copy_TK, row_of_copy_TK.shape[0])
     g, _ = _gather_copies(grad_RH, row_of_copy_TK)
     return g.sum(1).to(grad_RH.dtype)
@@ -532,8 +308,8 @@ def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs
 def permute_backward_triton(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, *,
                             block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute_backward`: one program per token, its K rows summed in fp32 BLOCK_H at a time."""
-    _require_triton()
-    _check_2d("grad_RH", grad_RH)
+    require_triton("the *_triton permute kernels")
+    check_2d("grad_RH", grad_RH)
     _check_copies(row_of_copy_TK, row_of_copy_TK.shape[0])
     return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h)
 
@@ -550,7 +326,7 @@ def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> tor
 # ----------------------------------------------------------------------------------------------------------
 
 def _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out) -> None:
-    _check_2d("y_RH", y_RH)
+    check_2d("y_RH", y_RH)
     _check_copies(row_of_copy_TK, probs_TK.shape[0] if probs_TK.dim() == 2 else -1)
     _check_probs(probs_TK, row_of_copy_TK)
     if copy_out is not None and (copy_out.shape != y_RH.shape or copy_out.dtype != y_RH.dtype
@@ -575,7 +351,7 @@ def unpermute_torch(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: 
 def unpermute_triton(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
                      copy_out: Optional[torch.Tensor] = None, *, block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `unpermute`: one program per token, its K rows weighted and summed in fp32 BLOCK_H at a time."""
-    _require_triton()
+    require_triton("the *_triton permute kernels")
     _check_unpermute(y_RH, row_of_copy_TK, probs_TK, copy_out)
     return _launch_gather_sum(y_RH, row_of_copy_TK, probs_TK, block_h, copy_out)
 
@@ -591,11 +367,11 @@ def unpermute(y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.
 
 
 def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows):
-    _check_2d("grad_out_TH", grad_out_TH)
+    check_2d("grad_out_TH", grad_out_TH)
     _check_copies(row_of_copy_TK, grad_out_TH.shape[0])
     _check_probs(probs_TK, row_of_copy_TK)
     if y_RH is not None:
-        _check_2d("y_RH", y_RH)
+        check_2d("y_RH", y_RH)
         if y_RH.shape[1] != grad_out_TH.shape[1]:
             raise ValueError(f"y_RH hidden {y_RH.shape[1]} != grad_out_TH hidden {grad_out_TH.shape[1]}")
         if num_rows is None:
@@ -633,7 +409,7 @@ def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Te
                               block_h: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Triton `unpermute_backward`: one program per token reads grad_out[t] once, writes probs * grad_out to its
     K rows and (with y_RH) accumulates the K dot products in fp32, BLOCK_H at a time."""
-    _require_triton()
+    require_triton("the *_triton permute kernels")
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]

@@ -29,7 +29,7 @@ from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes, HostRoutes
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.kernels.permute import copy_rows
+from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.layers.router import Routing
 from moe_overlap.layers.wire_rows import WireRows, copies_per_wire_row, token_wire_rows, wire_row_bytes
 

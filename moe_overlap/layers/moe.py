@@ -32,7 +32,8 @@ from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.streams import carveout_for, prepare_device_clock
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal
-from moe_overlap.kernels.permute import Permute, Unpermute, copy_rows
+from moe_overlap.kernels.copy_rows import copy_rows
+from moe_overlap.kernels.permute import Permute, Unpermute
 from moe_overlap.layers.device_plan import DevicePlanner
 from moe_overlap.layers.dispatch_pipeline import Combine, DispatchStart, Experts, PipelineState
 from moe_overlap.layers.dispatcher import serial_dispatch_combine

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.kernels.permute import copy_rows, permute, permute_backward
+from moe_overlap.kernels.copy_rows import copy_rows
+from moe_overlap.kernels.permute import permute, permute_backward
 
 WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
 ALIGN_WORDS = 4  # the extra columns padded to 16 bytes: a row of 16-byte aligned hidden stays so (vector stores)
