@@ -44,8 +44,9 @@
 #                                                  #   CTAs (ep1, compute_only), then the GPU tests it touches
 #   bash benchmarks/evidence_gpu.sh wgrad1b  OUT   # the same delayed beside its shared expert overlapped, 32 CTAs
 #   bash benchmarks/evidence_gpu.sh wgrad2   OUT   # EP=2 (2 GPUs): the delayed default against it switched off
-#   bash benchmarks/evidence_gpu.sh recheck_wire OUT # (not run yet) GPU tests of the copy-out skip and the bounded
-#                                                  #   zero fill, then EP=4 fine: default, compute_only, ep1, delay off
+#   bash benchmarks/evidence_gpu.sh recheck_wire OUT # (not run yet) GPU tests of the copy-out skip, the bounded
+#                                                  #   zero fill and FP8 dispatch, then EP=4 fine: default,
+#                                                  #   compute_only, ep1, delay off, FP8 dispatch
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
 #                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
@@ -525,15 +526,17 @@ case $phase in
     # (EP=4): the same default at EP=2 (2 GPUs) against it switched off, beside compute_only and ep1
     train_step 2 fine_8l balanced_spread_wgrad2 "$BAL" --variant "undelayed:overlap.delay_wgrad_compute=false"
     ;;
-  recheck_wire)  # issue 38 (not run yet): what changed after the last GPU run of 2026-11-27 (the first chunk's wire
-    # rows expanded straight from the receive region; zero fills bounded by the offsets): its GPU tests at 4 GPUs, then
-    # the default at EP=4 (delayed wgrad, no copy-out) beside compute_only (its fill now bounded), ep1 and the delay off
+  recheck_wire)  # issues 38, 39 (not run yet): what changed after the last GPU run of 2026-11-27 (the first chunk's
+    # wire rows expanded straight from the receive region; zero fills bounded by the offsets; FP8 dispatch): its GPU
+    # tests at 4 GPUs, then the default at EP=4 (delayed wgrad, no copy-out) beside compute_only (its fill now
+    # bounded), ep1, the delay off, and overlap.moe_dispatch_dtype=fp8 (predicted: a quarter fewer exchange bytes)
     log=$out/gpu_tests_recheck_wire_4x.txt
     echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_kernels.py tests/test_gpu_moe.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_overflow.py (4 GPUs)" > "$log"
     timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_kernels.py tests/test_gpu_moe.py \
       tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_overflow.py 2>&1 | tail -n 15 | tee -a "$log"
     cp "$log" "$res/gpu_tests_recheck_wire_4x$gpu.txt"
-    train_step 4 fine_8l balanced_spread_recheck "$BAL" --variant "undelayed:overlap.delay_wgrad_compute=false"
+    train_step 4 fine_8l balanced_spread_recheck "$BAL" --variant "undelayed:overlap.delay_wgrad_compute=false" \
+      --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
     ;;
   routing2x)  # issue 41 (not run yet): the fine 2-GPU example as shipped (2 sequences a micro-batch) with aux 0.2 (GPUs
     # 0-1) and with the learning rate decayed over 100 steps after a 10-step warm-up (GPUs 2-3; 3 steps under with 1

@@ -38,9 +38,10 @@ VARIANTS = [
 _SELECTORS: dict = {}
 
 
-def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=False):
+def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=False, once=False,
+               dispatch_dtype="bf16"):
     """The serial reference (the local path at EP=1) without a variant, routing like ``capacity``, ``padded`` and
-    ``shared``; else the pipeline, forced at EP=1."""
+    ``shared``; else the pipeline, forced at EP=1 (``once``, ``dispatch_dtype``: its wire rows, and their dtype)."""
     from moe_overlap.config import ModelConfig, OverlapConfig
     from moe_overlap.distributed.a2a import TransportSelector
     from moe_overlap.layers.init import init_parameters
@@ -50,8 +51,8 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
     overlap = OverlapConfig(moe_pipeline=False)
     if variant is not None:
         planning, transport, chunks, capacity, padded, delay, shared, sms = variant
-        overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False, moe_pipeline_chunks=chunks,
-                                delay_wgrad_compute=delay,
+        overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once, moe_pipeline_chunks=chunks,
+                                delay_wgrad_compute=delay, moe_dispatch_dtype=dispatch_dtype,
                                 moe_planning=planning, moe_transport=transport, gemm_sm_carveout=sms,
                                 moe_expert_rank_capacity_factor=None)  # exact: no trainer runs an overflow again
         # One selector per transport for the whole run, as a model shares one: freeing a symmetric workspace
@@ -102,7 +103,7 @@ def gpu_cases(out_dir: str) -> dict:
     write_report(out_dir, report)  # progress, in case a later case takes the process down
     x, grad = x32.bfloat16(), grad32.bfloat16()
     cases = [(sync_case, ("host", "nccl")), (sync_case, ("device", "sm_push")), (graph_case, (0,)),
-             (graph_case, (8,)), (local_case, ())]
+             (graph_case, (8,)), (local_case, ()), (fp8_wire_case, ())]
     if world > 1:  # nccl last: its refused capture is the one case that may leave the process in a poor state
         cases += [(multicast_case, ()), (nccl_capture_case, ())]
     for case, args in cases:
@@ -127,6 +128,47 @@ def equivalence_case(mesh, variant, x32, grad32, report) -> None:
     errs = [(rel(p, r), rel(s, r)) for p, s, r in zip(piped, serial, ref)]
     report["equivalence"][name] = max(p for p, _ in errs)
     report["violations"] += [(name, i, p, s) for i, (p, s) in enumerate(errs) if p > 2 * s + 1e-6]
+
+
+class _HeldRouting(torch.nn.Module):
+    """Stands in for a router: the same routing whatever the input (probs detached)."""
+
+    def __init__(self, routing):
+        super().__init__()
+        self.routing = routing
+
+    def forward(self, _x_TH):
+        return self.routing
+
+
+def fp8_wire_case(mesh, x, grad, report) -> None:
+    """overlap.moe_dispatch_dtype=fp8 equals the bf16 dispatch of the dequantized rows, bit for bit: the layer fed
+    x and grad against the same layer fed what crossed (each row quantized by the same kernel, then dequantized),
+    the routing held and the shared expert zeroed (it sees the rows as they are)."""
+    import dataclasses
+
+    from moe_overlap.kernels.fp8_quant import dequantize, quantize_rows
+
+    def crossed(t):
+        return dequantize(*quantize_rows(t.reshape(-1, H))).to(t.dtype).view_as(t)
+
+    variant = ("device", "sm_push", 1, None, False, False, False, "auto")
+    fp8, bf16 = (make_layer(mesh, torch.bfloat16, variant, once=True, dispatch_dtype=d) for d in ("fp8", "bf16"))
+    routing = fp8.router(x.reshape(-1, H))
+    routing = dataclasses.replace(routing, probs_TK=routing.probs_TK.detach())
+    results = []
+    for layer, x_in, grad_in in ((fp8, x, grad), (bf16, crossed(x), crossed(grad))):
+        layer.router = _HeldRouting(routing)
+        with torch.no_grad():
+            for param in layer.shared_expert.parameters():
+                param.zero_()
+        x_in = x_in.clone().requires_grad_(True)
+        out = layer(x_in)[0]
+        out.backward(grad_in)
+        results.append([out, x_in.grad, layer.experts.w13.grad, layer.experts.w2.grad])
+    report["fp8_wire_equal"] = [bool(torch.equal(a, b)) for a, b in zip(*results)]
+    report["fp8_wire_rel"] = [rel(a.float(), b.float()) for a, b in zip(*results)]
+    report["fp8_wire_vs_rows_as_they_are"] = rel(crossed(x).float(), x.float())
 
 
 def sync_case(mesh, x, grad, report, planning: str, transport: str) -> None:
@@ -247,6 +289,14 @@ def test_chunked_device_planned_pipeline_replays_from_a_cuda_graph(reports, sms)
     for report in reports:
         assert not _errors(report, f"graph_case(({sms},)"), _errors(report, "graph_case")
         assert report[f"graph_sms{sms}_err"] < 1e-2
+
+
+@pytest.mark.gpu
+def test_fp8_dispatch_equals_bf16_dispatch_of_the_dequantized_rows(reports):
+    for report in reports:
+        assert not _errors(report, "fp8_wire_case"), _errors(report, "fp8_wire_case")
+        assert all(report["fp8_wire_equal"]), report["fp8_wire_rel"]  # out, x grad, w13 grad, w2 grad
+        assert 0 < report["fp8_wire_vs_rows_as_they_are"] < 0.05  # the rows did cross as FP8
 
 
 @pytest.mark.gpu

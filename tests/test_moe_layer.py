@@ -112,6 +112,14 @@ def rank_inputs(rank: int, routing: str, topk: int):
 SHARED_F = 16
 
 
+def fp8_values(t: torch.Tensor) -> torch.Tensor:
+    """What an FP8 wire row carries of ``t``'s rows: each quantized to E4M3 with its scale (by the kernel the
+    layer runs: interpreted Triton rounds some values another way than the twin), then dequantized."""
+    from moe_overlap.kernels.fp8_quant import dequantize, quantize_rows
+
+    return dequantize(*quantize_rows(t.detach())).to(t.dtype)
+
+
 def moe_case(routing: str, topk: int, etp: int = 1, selectors: dict | None = None, **setting) -> float:
     """Runs on every rank of the pool: the EP layer's output and gradients against the naive formula (see
     :func:`layer_case` for ``selectors`` and ``setting``)."""
@@ -134,13 +142,16 @@ def moe_cases(routing: str, topk: int, settings: list[dict], etp: int = 1,
 
 def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, planning: str = "auto",
                capacity: int | None = None, pad: bool = False, shared: str = "off", delay_wgrad: bool = False,
-               etp: int = 1, force_pipeline: bool = False, once_per_rank: bool = False) -> float:
+               etp: int = 1, force_pipeline: bool = False, once_per_rank: bool = False,
+               dispatch_dtype: str = "bf16") -> float:
     """chunks 0 is the serial path; >= 1 the pipeline with that many chunks, its sizes planned by ``planning``
     (host, or device: on CPU the gloo twin of the SM push). shared: off, serial (shared expert outside the
     pipeline), overlap (inside the dispatch gap). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
     group), instead of the local path the layer picks there. ``selectors``: the pipeline's transports per
     planning mode, made over ``mesh``'s EP group for a mode it lacks. ``once_per_rank``:
-    overlap.moe_dispatch_once_per_rank (the pipeline's wire rows)."""
+    overlap.moe_dispatch_once_per_rank (the pipeline's wire rows). ``dispatch_dtype``: overlap.moe_dispatch_dtype;
+    with fp8 the formula takes what crossed, each token's hidden state and output gradient dequantized from FP8
+    (no shared expert: it sees the rows as they are)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
                       moe_pad_expert_input_to_capacity=pad,
@@ -148,7 +159,7 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
                       moe_shared_expert_overlap=shared == "overlap")
     overlap = OverlapConfig(moe_pipeline=chunks > 0, moe_pipeline_chunks=max(chunks, 1),
                             delay_wgrad_compute=delay_wgrad, moe_planning=planning,
-                            moe_dispatch_once_per_rank=once_per_rank,
+                            moe_dispatch_once_per_rank=once_per_rank, moe_dispatch_dtype=dispatch_dtype,
                             moe_expert_rank_capacity_factor=None)  # exact here: no trainer runs an overflow again
     transports = None
     if chunks:
@@ -192,6 +203,9 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
     world = mesh.world_size
     for r in range(world):
         rx, rup, rprobs, rexperts = rank_inputs(r, routing, topk)
+        if dispatch_dtype == "fp8":
+            assert shared == "off"
+            rx, rup = fp8_values(rx), fp8_values(rup)
         rx.requires_grad_(True)
         rprobs.requires_grad_(True)
         rkept = FixedRouter(rprobs, rexperts, capacity)(rx)

@@ -40,7 +40,7 @@ PAIRED = "overlap.overlap_moe_expert_parallel_comm"
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
-                   "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank")
+                   "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank", "moe_dispatch_dtype")
 
 
 def pipeline_fields_set(o: OverlapConfig) -> list[str]:

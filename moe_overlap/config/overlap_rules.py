@@ -122,6 +122,13 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                                    "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
     if o.moe_dispatch_once_per_rank and once_per_rank_gap(m, p):
         raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(m, p)}")
+    if o.moe_dispatch_dtype == "fp8":
+        if o.moe_dispatch_once_per_rank is not True:
+            raise not_implemented("overlap.moe_dispatch_dtype", "fp8", "bf16", "without each token once per rank: "
+                                  "set overlap.moe_dispatch_once_per_rank=true")
+        require(m.hidden_size % 4 == 0, "overlap.moe_dispatch_dtype", "fp8",
+                f"needs model.hidden_size divisible by 4 (FP8 rows packed into the activations' columns), got "
+                f"{m.hidden_size}")
     if m.moe_shared_expert_overlap:
         require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")

@@ -196,6 +196,11 @@ class OverlapConfig:
     # auto: on with the pipeline where a token's copies often share a rank (top-k >= 4, as measured fastest:
     # tuning.py), off where it is not implemented (padded capacity, expert-TP > 1) (config/defaults.py).
     moe_dispatch_once_per_rank: Union[bool, Literal["auto"]] = "auto"
+    # The rows that feed the experts' up- and down-projections (the forward dispatch, and the output gradient's rows
+    # in the combine's backward): bf16, the rows as they are; fp8, E4M3 with one float32 scale per row (DeepSeek-V3's
+    # dispatch): about half the bytes on those two of the layer's four exchanges, dequantized on arrival. The
+    # combine and the dispatch's backward stay as they are. Needs each token once per rank (layers/wire_rows.py).
+    moe_dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
     # A benchmark's reference, not training: every EP exchange keeps its sizes, signals and small messages (each
     # layer still waits for its slowest rank) but each rank's rows land in its own memory, so the step runs the
     # expert GEMMs on as many rows as each rank would receive without moving them. The learning rate is held at

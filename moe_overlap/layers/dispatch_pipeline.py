@@ -51,8 +51,8 @@ from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
-from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dispatch_rows, extra_columns, token_grads,
-                                          with_probs_grad)
+from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dispatch_rows, extra_columns, hidden_states,
+                                          packed_hidden, token_grads, with_probs_grad)
 
 
 @dataclass
@@ -71,6 +71,7 @@ class PipelineState:
     saved: list[tuple] = field(default_factory=list)  # per chunk: grouped rows, fc1 out (wire: copies, out)
     probs_need_grad: bool = False  # wire: the expert side computes the probs' gradient
     fp8: Fp8 | None = None  # train.fp8_recipe: the expert GEMMs' forward and dgrad in FP8 (layers/fp8.py)
+    fp8_wire: bool = False  # overlap.moe_dispatch_dtype=fp8: the rows into the experts cross as FP8 (wire_rows.py)
 
     def carveout(self):
         """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
@@ -91,7 +92,7 @@ def _arrived(rows_WX: torch.Tensor, chunk: int, state: PipelineState, hidden: in
     carry none)."""
     plan = state.plan
     count = plan.routes.recv_rows_C[chunk] if isinstance(plan.routes, DeviceRoutes) else None
-    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count)
+    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count, state.fp8_wire)
 
 
 def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, arrived: ArrivedRows | None = None
@@ -129,7 +130,7 @@ class DispatchStart(torch.autograd.Function):
         if plan.wire is None:
             send_RH = permute(x_TH, plan.row_of_copy_TK, plan.num_rows, plan.all_rows_mapped)
         else:  # the grouped rows beside: host-planned, they wait for the counts, after the permutation was queued
-            send_RH = dispatch_rows(x_TH, probs_TK, plan.wire, lambda: plan.grouped_row_of_copy_TK)
+            send_RH = dispatch_rows(x_TH, probs_TK, plan.wire, lambda: plan.grouped_row_of_copy_TK, state.fp8_wire)
             state.probs_need_grad = ctx.needs_input_grad[1]
         # host-planned: waits for the counts here, after the permutation was queued
         state.dispatch = plan.transport.to_experts(send_RH, plan.routes, state.sms)
@@ -228,7 +229,8 @@ class Experts(torch.autograd.Function):
             grad_probs_WJ = None
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
                 (grouped_row_WJ, probs_WJ), y_RH = wire
-                grad_y_RH, grad_probs_WJ = unpermute_backward(rows_RH, y_RH, grouped_row_WJ, probs_WJ,
+                grad_WH = hidden_states(rows_RH, hidden, state.fp8_wire)
+                grad_y_RH, grad_probs_WJ = unpermute_backward(grad_WH, y_RH, grouped_row_WJ, probs_WJ,
                                                               _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0],
                                                               zero_below=plan.offsets[chunk][-1:])
                 offsets = plan.offsets[chunk]
@@ -288,7 +290,8 @@ class Combine(torch.autograd.Function):
         state = ctx.state
         plan = state.plan
         if plan.wire is not None:  # each wire row takes its token's gradient; the probs' come from the experts
-            grad_rows_RH = permute(grad_out_TH.contiguous(), plan.wire.row_TC, plan.num_rows, all_rows_mapped=True)
+            grad_rows_RH = permute(packed_hidden(grad_out_TH.contiguous(), state.fp8_wire), plan.wire.row_TC,
+                                   plan.num_rows, all_rows_mapped=True)
             state.grad_dispatch = plan.transport.to_experts(grad_rows_RH, plan.routes, state.sms)
             state.grad_dispatch.send(0, alone=not state.paired)
             return grad_out_TH.new_zeros(0), None, None

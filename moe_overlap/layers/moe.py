@@ -70,6 +70,10 @@ class MoELayer(nn.Module):
             raise ValueError("overlap.moe_dispatch_once_per_rank='auto' is resolved when the config is validated "
                              "(config.validate); a pipelined layer takes true or false")
         self.once_per_rank = self.once_per_rank is True  # without the pipeline: unused
+        self.fp8_wire = overlap.moe_dispatch_dtype == "fp8"  # the rows into the experts cross as FP8 (wire rows)
+        if self.fp8_wire and not (self.pipelined and self.once_per_rank):
+            raise ValueError("overlap.moe_dispatch_dtype='fp8': not implemented yet without the pipeline and each "
+                             "token once per rank (overlap.moe_dispatch_once_per_rank=true)")
         self.host_planned_rerun = False  # host_planned_rerun(): plan on the host whatever the selector planned
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
         if self.pipelined and self.delay_wgrad == "auto":
@@ -166,7 +170,7 @@ class MoELayer(nn.Module):
         sms = self._overlap_sms(plan.transport, planner.permuted_rows(routing), x_TH.shape[1], x_TH.element_size(),
                                 paired)
         self.last_overlap_sms = sms  # what the last call chose (a benchmark reports it)
-        state = PipelineState(plan, sms, self.delay_wgrad, paired, fp8=self.experts.fp8)
+        state = PipelineState(plan, sms, self.delay_wgrad, paired, fp8=self.experts.fp8, fp8_wire=self.fp8_wire)
         return routing, DispatchStart.apply(x_TH, routing.probs_TK, state), state
 
     def run_experts(self, x_TH: torch.Tensor, token: torch.Tensor, state: PipelineState

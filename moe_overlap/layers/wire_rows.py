@@ -23,6 +23,12 @@ gradients travel back the same way, J fp32 in extra columns of the dgrad rows, a
 grad_probs_TK on the token side (so the probs' gradient comes out of the dispatch's backward, not the combine's).
 A token's k experts are distinct (top-k), so a wire row holds at most J copies.
 
+With ``overlap.moe_dispatch_dtype=fp8`` (DeepSeek-V3's dispatch) the hidden part of a dispatched row, and of an
+output-gradient row in the combine's backward, crosses as E4M3 bytes with one float32 scale (kernels/fp8_quant.py,
+quantized per token once, whatever its wire rows), as raw bits in the row's columns: about half the bytes. The
+receiver dequantizes them on arrival (:func:`hidden_states`), so the experts compute on exactly the dequantized
+rows, whichever GEMMs they run. The combine and the dispatch's backward stay in the activations' dtype.
+
 Letters: T tokens, K copies per token, C a token's wire rows, V targets (rank x chunks + chunk, the order every
 rank's counts are gathered in), W wire rows, J a wire row's copies, M the extra columns, H hidden.
 """
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.kernels.copy_rows import copy_rows
+from moe_overlap.kernels.fp8_quant import FP8, quantize_rows
 from moe_overlap.kernels.permute import permute, permute_backward
 
 WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
@@ -60,6 +67,32 @@ def extra_columns(words: int, dtype: torch.dtype) -> int:
 def wire_row_bytes(hidden_bytes: int, copies: int) -> int:
     """The widest row that crosses: a dispatched one, its hidden state and 2 x J words (padded)."""
     return hidden_bytes + _padded_words(2 * copies) * WORD
+
+
+def hidden_columns(hidden: int, dtype: torch.dtype, fp8: bool) -> int:
+    """Columns of ``dtype`` the hidden part of a row takes: ``hidden``, or with ``fp8`` its bytes and one
+    float32 scale."""
+    return (hidden + WORD) // torch.empty((), dtype=dtype).element_size() if fp8 else hidden
+
+
+def packed_hidden(x_TH: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """The hidden part of the rows that cross: x as it is, or with ``fp8`` each row's E4M3 bytes and float32
+    scale as raw bits in x's dtype (no gradient flows through it: the backward sends its own rows)."""
+    if not fp8:
+        return x_TH
+    q_TH, scale_T = quantize_rows(x_TH.detach())
+    return torch.cat((q_TH.view(x_TH.dtype), scale_T.unsqueeze(1).view(x_TH.dtype)), 1)
+
+
+def hidden_states(rows_WX: torch.Tensor, hidden: int, fp8: bool) -> torch.Tensor:
+    """The hidden states of received rows (a view), or with ``fp8`` dequantized from their bytes and scale into
+    the rows' dtype (rows never written dequantize to anything: no copy of theirs is read)."""
+    if not fp8:
+        return rows_WX[:, :hidden]
+    size = rows_WX.element_size()
+    q_WH = rows_WX[:, :hidden // size].contiguous().view(FP8)
+    scale_W1 = rows_WX[:, hidden // size:(hidden + WORD) // size].contiguous().view(torch.float32)
+    return (q_WH.float() * scale_W1).to(rows_WX.dtype)
 
 
 def _words(values_RW: torch.Tensor) -> torch.Tensor:
@@ -105,13 +138,16 @@ def token_wire_rows(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, targ
     return WireRows(row_TC, row_of_copy_TK, same_TKK.sum(2), counts_slot_V[slot_of_target_V], num_rows, copies)
 
 
-def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, grouped_row_of_copy) -> torch.Tensor:
-    """The rows that cross to the experts: each wire row's hidden state, then its J grouped rows and J probs as
-    raw bits. ``grouped_row_of_copy``: returns each copy's grouped row at its destination (a host-planned plan
-    waits for the counts there: the permutation is queued first)."""
-    J, R, H = wire.copies, wire.num_rows, x_TH.shape[1]
+def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, grouped_row_of_copy,
+                  fp8: bool = False) -> torch.Tensor:
+    """The rows that cross to the experts: each wire row's hidden state (``fp8``: packed, :func:`packed_hidden`),
+    then its J grouped rows and J probs as raw bits. ``grouped_row_of_copy``: returns each copy's grouped row at its
+    destination (a host-planned plan waits for the counts there: the permutation is queued first)."""
+    J, R = wire.copies, wire.num_rows
+    hidden_TX = packed_hidden(x_TH, fp8)
+    H = hidden_TX.shape[1]
     send_RX = x_TH.new_empty((R, H + extra_columns(2 * J, x_TH.dtype)))
-    permute(x_TH, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :H])  # rows past the wire rows: never read
+    permute(hidden_TX, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :H])  # rows past the wire rows: unread
     index = (wire.row_of_copy_TK * J + wire.slot_TK).reshape(-1)  # a dropped copy: into the spare row R
     grouped_RJ = torch.zeros(((R + 1) * J,), dtype=torch.int32, device=x_TH.device)
     grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32) + 1  # a copy past a bound (-1): none
@@ -126,22 +162,23 @@ def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, gr
 class ArrivedRows:
     """A chunk's received wire rows, split: the hidden states and each row's copies (sanitised)."""
 
-    x_WH: torch.Tensor  # a view of the received rows
+    x_WH: torch.Tensor  # a view of the received rows (fp8: dequantized from them)
     grouped_row_WJ: torch.Tensor  # int32 row of each copy in the chunk's grouped tensor; -1: none
     probs_WJ: torch.Tensor  # fp32
 
 
 def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch.Tensor,
-                 count: torch.Tensor | None) -> ArrivedRows:
+                 count: torch.Tensor | None, fp8: bool = False) -> ArrivedRows:
     """``count``: the chunk's received rows on the device (rows past it were never written: their copies are
     dropped), or None when every row is one. A grouped row past the chunk's last grouped-GEMM offset is dropped too
-    (a compute-only reference lands a rank's own rows, whose copies belong elsewhere)."""
-    meta_WM = rows_WX[:, hidden:].contiguous().view(torch.int32)
+    (a compute-only reference lands a rank's own rows, whose copies belong elsewhere). ``fp8``: the hidden states
+    crossed packed (:func:`hidden_states`)."""
+    meta_WM = rows_WX[:, hidden_columns(hidden, rows_WX.dtype, fp8):].contiguous().view(torch.int32)
     grouped_WJ = meta_WM[:, :copies] - 1
     valid = (grouped_WJ >= 0) & (grouped_WJ < offsets[-1])
     if count is not None:
         valid &= torch.arange(rows_WX.shape[0], device=rows_WX.device).unsqueeze(1) < count
-    return ArrivedRows(rows_WX[:, :hidden], torch.where(valid, grouped_WJ, -1),
+    return ArrivedRows(hidden_states(rows_WX, hidden, fp8), torch.where(valid, grouped_WJ, -1),
                        meta_WM[:, copies:2 * copies].contiguous().view(torch.float32))
 
 
