@@ -145,16 +145,16 @@ def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, gr
     destination (a host-planned plan waits for the counts there: the permutation is queued first)."""
     J, R = wire.copies, wire.num_rows
     hidden_TX = packed_hidden(x_TH, fp8)
-    H = hidden_TX.shape[1]
-    send_RX = x_TH.new_empty((R, H + extra_columns(2 * J, x_TH.dtype)))
-    permute(hidden_TX, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :H])  # rows past the wire rows: unread
+    X = hidden_TX.shape[1]
+    send_RX = x_TH.new_empty((R, X + extra_columns(2 * J, x_TH.dtype)))
+    permute(hidden_TX, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :X])  # rows past the wire rows: unread
     index = (wire.row_of_copy_TK * J + wire.slot_TK).reshape(-1)  # a dropped copy: into the spare row R
     grouped_RJ = torch.zeros(((R + 1) * J,), dtype=torch.int32, device=x_TH.device)
     grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32) + 1  # a copy past a bound (-1): none
     probs_RJ = torch.zeros(((R + 1) * J,), dtype=torch.float32, device=x_TH.device)
     probs_RJ[index] = probs_TK.detach().reshape(-1).float()
     meta_RM = _words(torch.cat((grouped_RJ.view(R + 1, J)[:R], probs_RJ.view(R + 1, J)[:R].view(torch.int32)), 1))
-    send_RX[:, H:] = meta_RM.view(x_TH.dtype)
+    send_RX[:, X:] = meta_RM.view(x_TH.dtype)
     return send_RX
 
 
