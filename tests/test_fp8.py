@@ -13,7 +13,7 @@ from moe_overlap.config import ConfigError, load_config, validate_for_world
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.swiglu import swiglu_backward
-from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, dequantize, quantize_columns,
+from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, dequantize, dequantize_rows, quantize_columns,
                                            quantize_columns_torch, quantize_rows, quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, experts_wgrad, WgradInputs
 from moe_overlap.layers.fp8 import (Fp8, check_fp8_device, fp8_matmul, grouped_mm, refresh_weights, weight_operand,
@@ -118,6 +118,32 @@ def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
     quantize_rows(x[1], q_out, scale_out, rows_bound=bound)
     assert (scale_out[20:] == -1).all() and (q_out[20:].float() == 0).all()
     assert torch.equal(scale_out[:20], quantize_rows_torch(x[1, :20])[1])
+
+
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_fp8_packed_rows_quantize_and_dequantize_in_place(monkeypatch, interpreted):
+    """The FP8 dispatch's packing: a row's E4M3 bytes, then its float32 scale, written by quantize_rows through
+    strided views and read back by dequantize_rows (one pass each, Triton when interpreted): the scales bit for
+    bit, the values those of q * scale (rounded once to bf16 by the twin), and the bytes around them untouched."""
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(5)
+    x = (torch.randn(9, 48) * 2).to(torch.bfloat16)
+    rows = torch.full((9, 40), 7.0, dtype=torch.bfloat16)  # 80 bytes: 48 of q, 4 of scale, 28 left alone
+    bytes_ = rows.view(torch.uint8)
+    q, scale = bytes_[:, :48].view(FP8), bytes_[:, 48:52].view(torch.float32)[:, 0]
+    quantize_rows(x, q, scale)
+    q_twin, scale_twin = quantize_rows_torch(x)
+    assert torch.equal(scale, scale_twin)
+    assert (rows[:, 26:] == 7.0).all()
+    dtype = torch.float32 if interpreted else torch.bfloat16  # the interpreter's fp32 -> bf16 cast truncates
+    back = dequantize_rows(q, scale, dtype)
+    assert back.dtype == dtype and back.shape == (9, 48)
+    assert torch.equal(back, dequantize(q, scale).to(dtype))
+    if not interpreted:  # the interpreter's own E4M3 cast may be off (test above); the twin's q is exact
+        assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8))
+    with pytest.raises(ValueError, match="one scale per row"):
+        dequantize_rows(q, scale[:4], torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------- weight cache

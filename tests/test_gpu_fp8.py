@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_overlap.kernels.fp8_quant import quantize_columns, quantize_columns_torch, quantize_rows, quantize_rows_torch
+from moe_overlap.kernels.fp8_quant import (dequantize, dequantize_rows, quantize_columns, quantize_columns_torch,
+                                           quantize_rows, quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, WgradInputs, expert_offsets, experts_wgrad
 from moe_overlap.layers.fp8 import Fp8, fp8_matmul, grouped_mm
 from moe_overlap.layers.param_info import param_info
@@ -67,6 +68,22 @@ def test_fp8_triton_quantize_equals_twin(dtype):
     want_q, want_scale = quantize_rows_torch(x[0, :100])
     assert same_fp8(q[:100], want_q) and torch.equal(scale[:100], want_scale)
     assert (scale[100:] == -1).all() and (q[100:].float() == 0).all()
+
+
+def test_fp8_packed_wire_rows_equal_twins():
+    """The FP8 dispatch's wire rows: quantized straight into strided views of packed rows (bytes, then the float32
+    scale), dequantized by one Triton pass into bf16: the same bytes and values as the torch twins."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(517, 2048, device="cuda", generator=g) * 3).bfloat16()
+    rows = torch.zeros(517, 1040, dtype=torch.bfloat16, device="cuda")  # 2,080 bytes: 2,048 + scale + 28 spare
+    bytes_ = rows.view(torch.uint8)
+    q, scale = bytes_[:, :2048].view(torch.float8_e4m3fn), bytes_[:, 2048:2052].view(torch.float32)[:, 0]
+    quantize_rows(x, q, scale)
+    want_q, want_scale = quantize_rows_torch(x)
+    assert same_fp8(q, want_q) and torch.equal(scale, want_scale)
+    assert (bytes_[:, 2052:] == 0).all()
+    got = dequantize_rows(q, scale, torch.bfloat16)
+    assert torch.equal(got, dequantize(want_q, want_scale).bfloat16())
 
 
 # ----------------------------------------------------------------------------------------------- FP8 GEMMs

@@ -377,6 +377,24 @@ def test_kernels_read_strided_rows():
     assert_close_normwise(P.permute_backward_triton(y, rows), P.permute_backward_torch(y.contiguous(), rows), 1e-6)
 
 
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_permute_backward_into_the_first_columns_of_wider_rows(monkeypatch, interpreted):
+    """out=: the sums land in the first H columns of wider rows (the dgrad rows with their probs' gradients
+    beside), the other columns untouched; a wrong shape is refused."""
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(4)
+    T, K, E, H = 5, 3, 4, 24
+    rows, R, _ = make_layout(T, K, E, "random", "dropless", gen)
+    y = torch.randn((R, H), generator=gen)
+    wide = torch.full((T, H + 4), 9.0)
+    got = P.permute_backward(y, rows, out=wide[:, :H])
+    assert got.data_ptr() == wide.data_ptr() and bool((wide[:, H:] == 9.0).all())
+    assert_close_normwise(wide[:, :H], P.permute_backward_torch(y, rows), 1e-6)
+    with pytest.raises(ValueError, match="out must be"):
+        P.permute_backward(y, rows, out=wide[:, :H - 1])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Autograd Functions
 # ----------------------------------------------------------------------------------------------------------

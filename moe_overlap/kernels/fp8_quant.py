@@ -7,6 +7,7 @@ division is a multiplication by 448 / amax (one correctly rounded division per r
 
 - :func:`quantize_rows`: per row of the last dimension (2D (M, K) -> scales (M,); 3D (E, M, K) -> (E, M)):
   activations, and a weight whose last dimension is the GEMM's contraction.
+- :func:`dequantize_rows`: back, per row, into bf16 / fp32 in one pass (the FP8 dispatch's receiver).
 - :func:`quantize_columns`: per column, written transposed (2D (M, K) -> q (K, M), scales (K,); 3D per matrix):
   the column-major right operand a scaled GEMM wants when the contraction runs down the columns, in one pass
   (quantize-then-transpose would be a second pass over the FP8 copy).
@@ -36,8 +37,8 @@ if HAVE_TRITON:
 
     # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
     # A row at or past the bound is masked off whole (no early return: every program runs the same code).
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, n_rows, K, stride_x, HAS_BOUND: tl.constexpr,
-                              BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, n_rows, K, stride_x, stride_q, stride_scale,
+                              HAS_BOUND: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         limit = n_rows
         if HAS_BOUND:
@@ -51,13 +52,28 @@ if HAVE_TRITON:
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FLOOR)
-        tl.store(scale_ptr + row, tl.math.div_rn(amax, _MAX), mask=live)
+        tl.store(scale_ptr + row * stride_scale, tl.math.div_rn(amax, _MAX), mask=live)
         inverse = tl.math.div_rn(_MAX, amax)
         for start in range(0, K, BLOCK):
             mask = (start + cols < K) & live
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
-            tl.store(q_ptr + row * K + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+    # One program per block of rows: q * scale in fp32, rounded once to the output's dtype.
+    def _dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, n_rows, K, stride_q, stride_scale, stride_out,
+                                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < n_rows
+        rows = rows.to(tl.int64)
+        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        scale = tl.load(scale_ptr + rows * stride_scale, mask=live, other=0.0)
+        for start in range(0, K, BLOCK_K):
+            mask = live[:, None] & (start + cols < K)[None, :]
+            q = tl.load(q_ptr + rows[:, None] * stride_q + start + cols[None, :], mask=mask, other=0.0)
+            v = q.to(tl.float32) * scale[:, None]
+            tl.store(out_ptr + rows[:, None] * stride_out + start + cols[None, :], v.to(out_ptr.dtype.element_ty),
+                     mask=mask)
 
     # One program per (block of columns, matrix): the columns' amax down all M rows, then each (BLOCK_M, BLOCK_K)
     # tile quantized and stored transposed into q (K, M).
@@ -85,16 +101,22 @@ if HAVE_TRITON:
                      mask=mask)
 
     _rows = Kernel(_quantize_rows_kernel)
+    _dequantize_rows = Kernel(_dequantize_rows_kernel, do_not_specialize=["n_rows"])
     _columns = Kernel(_quantize_columns_kernel)
 
 
 def _outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Tensor, q_out: torch.Tensor | None,
-             scale_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+             scale_out: torch.Tensor | None, strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs, given or new; ``strided`` (2-D rows only): q's rows and the scales may sit apart in memory (the
+    packed wire rows of layers/wire_rows.py: a row's bytes, then its scale)."""
     q = q_out if q_out is not None else torch.empty(q_shape, dtype=FP8, device=x.device)
     scale = scale_out if scale_out is not None else torch.empty(scale_shape, dtype=torch.float32, device=x.device)
-    if q.shape != q_shape or not q.is_contiguous() or scale.shape != scale_shape or not scale.is_contiguous():
-        raise ValueError(f"FP8 outputs must be contiguous {q_shape} and {scale_shape}, got {tuple(q.shape)} and "
-                         f"{tuple(scale.shape)}")
+    laid_out = (q.dim() == 2 and q.stride(1) == 1 and scale.dim() == 1 if strided
+                else q.is_contiguous() and scale.is_contiguous())
+    if q.shape != q_shape or scale.shape != scale_shape or not laid_out:
+        what = "2-D rows with unit column stride and 1-D" if strided else "contiguous"
+        raise ValueError(f"FP8 outputs must be {what} {q_shape} and {scale_shape}, got {tuple(q.shape)} strides "
+                         f"{q.stride()} and {tuple(scale.shape)} strides {scale.stride()}")
     return q, scale
 
 
@@ -112,7 +134,7 @@ def _quantize_torch(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tens
 
 def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
                         scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out)
+    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
     q_new, scale_new = _quantize_torch(x, -1)
     q.copy_(q_new)
     scale.copy_(scale_new)
@@ -135,21 +157,23 @@ _COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
 
 def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
                   rows_bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scales): x (..., K) quantized per row of its last dimension, q contiguous like x, scales (...) float32.
-    ``rows_bound``: rows from it on (of x viewed as (rows, K)) are left unwritten (the twin writes them)."""
+    """(q, scales): x (..., K) quantized per row of its last dimension, q contiguous like x, scales (...) float32;
+    for a 2-D x, given outputs may be strided (q's rows apart, scales at a stride). ``rows_bound``: rows from it on
+    (of x viewed as (rows, K)) are left unwritten (the twin writes them)."""
     if not use_triton(x, "fp8 quantize_rows"):
         return quantize_rows_torch(x, q_out, scale_out)
-    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out)
+    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
     K = x.shape[-1]
     if x.numel() == 0:
         return q, scale
     x_rows = x.reshape(-1, K)
     if x_rows.stride(1) != 1:
         x_rows = x_rows.contiguous()
+    stride_q, stride_scale = (q.stride(0), scale.stride(0)) if x.dim() == 2 else (K, 1)
     block = min(_ROW_BLOCK, triton.next_power_of_2(K))
     _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if rows_bound is None else rows_bound,
-                                        x_rows.shape[0], K, x_rows.stride(0), HAS_BOUND=rows_bound is not None,
-                                        BLOCK=block)
+                                        x_rows.shape[0], K, x_rows.stride(0), stride_q, stride_scale,
+                                        HAS_BOUND=rows_bound is not None, BLOCK=block)
     return q, scale
 
 
@@ -175,3 +199,22 @@ def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """fp32 values of ``q`` whose scales run along ``dim`` reduced away (-1: per row, -2: per column)."""
     return q.float() * scale.unsqueeze(dim)
+
+
+def dequantize_rows(q_RK: torch.Tensor, scale_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(R, K) of ``dtype``: q_RK's rows times their scales in fp32, rounded once (as :func:`dequantize` then a
+    cast); q's rows and the scales may be strided (read straight from packed wire rows). One pass in Triton."""
+    if q_RK.dim() != 2 or q_RK.stride(1) != 1 or scale_R.shape != q_RK.shape[:1]:
+        raise ValueError(f"q_RK must be 2-D with unit column stride and scale_R one scale per row, got "
+                         f"{tuple(q_RK.shape)} strides {q_RK.stride()} and {tuple(scale_R.shape)}")
+    if not use_triton(q_RK, "fp8 dequantize_rows"):
+        return dequantize(q_RK, scale_R).to(dtype)
+    R, K = q_RK.shape
+    out_RK = torch.empty((R, K), dtype=dtype, device=q_RK.device)
+    if out_RK.numel():
+        block_k = min(1024, triton.next_power_of_2(K))
+        block_r = max(1, 8192 // block_k)
+        _dequantize_rows[(triton.cdiv(R, block_r),), q_RK.device](
+            q_RK, scale_R, out_RK, R, K, q_RK.stride(0), scale_R.stride(0), out_RK.stride(0), BLOCK_R=block_r,
+            BLOCK_K=block_k, num_warps=8)
+    return out_RK

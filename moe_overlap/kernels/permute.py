@@ -134,19 +134,21 @@ if HAVE_TRITON:
 
     def _zero_rows_kernel(out_ptr, count_ptr, stride_out, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         # Rows [0, count) of out set to zero, count read on the device; programs past it return at once (the grid
-        # covers the worst case).
+        # covers the worst case). H and the stride are specialized (fixed per model): their divisibility by 16 is
+        # what lets the masked stores be 16-byte vectors (unspecialized, they were scalar: 0.7 ms for 256 MB on
+        # H100, twice torch's fill of the whole worst-case buffer).
         count = tl.load(count_ptr).to(tl.int64)
         first = tl.program_id(0).to(tl.int64) * BLOCK_R
         if first < count:
             rows = first + tl.arange(0, BLOCK_R)
-            hh0 = tl.arange(0, BLOCK_H)
+            hh0 = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
             zeros = tl.full((BLOCK_R, BLOCK_H), 0.0, out_ptr.dtype.element_ty)
             for h0 in range(0, H, BLOCK_H):
                 hh = h0 + hh0
                 tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], zeros,
                          mask=(rows[:, None] < count) & (hh[None, :] < H))
 
-    _zero_rows = Kernel(_zero_rows_kernel, do_not_specialize=["H"])
+    _zero_rows = Kernel(_zero_rows_kernel)
     _scatter_rows = Kernel(_scatter_rows_kernel, do_not_specialize=["R"])  # dropless R changes every step
     _gather_sum = Kernel(_gather_sum_kernel, do_not_specialize=["R"])
 
@@ -195,9 +197,10 @@ def _zero_rows_below(out_RH: torch.Tensor, zero_below: torch.Tensor) -> None:
     R, H = out_RH.shape
     if R == 0 or H == 0:
         return
-    block_r, block_h = 16, min(_next_pow2(H), 256)
+    block_h = min(_next_pow2(H), 1024)
+    block_r = max(1, 16384 // block_h)  # 16 rows of 2048: 4 x 16-byte stores per lane per step at 8 warps
     _zero_rows[(triton.cdiv(R, block_r),), out_RH.device](out_RH, zero_below.reshape(-1)[:1], out_RH.stride(0), H,
-                                                          BLOCK_R=block_r, BLOCK_H=block_h)
+                                                          BLOCK_R=block_r, BLOCK_H=block_h, num_warps=8)
 
 
 def _check_out(out: Optional[torch.Tensor], num_rows: int, x_TH: torch.Tensor) -> None:
@@ -288,13 +291,13 @@ def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) 
 
 def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
                        block_h: Optional[int], copy_out: Optional[torch.Tensor] = None, *,
-                       num_warps: int = 4) -> torch.Tensor:
+                       num_warps: int = 4, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out[t] = sum_k (probs[t, k] *) src[row of (t, k)]: the one kernel behind permute_backward and unpermute."""
     T, K = row_of_copy_TK.shape
     R, H = src_RH.shape
     if T == 0 or H == 0 or K == 0 or R == 0:
-        return src_RH.new_zeros((T, H))
-    out = src_RH.new_empty((T, H))
+        return src_RH.new_zeros((T, H)) if out is None else out.zero_()
+    out = src_RH.new_empty((T, H)) if out is None else out
     src = _rows_2d(src_RH)
     probs = src if probs_TK is None else probs_TK.contiguous()  # an unused pointer without probs
     copy = src if copy_out is None else copy_out
@@ -306,19 +309,26 @@ def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs
 
 
 def permute_backward_triton(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, *,
-                            block_h: Optional[int] = None) -> torch.Tensor:
+                            block_h: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton `permute_backward`: one program per token, its K rows summed in fp32 BLOCK_H at a time."""
     require_triton("the *_triton permute kernels")
     check_2d("grad_RH", grad_RH)
     _check_copies(row_of_copy_TK, row_of_copy_TK.shape[0])
-    return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h)
+    return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h, out=out)
 
 
-def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
-    """grad_TH[t] = sum_k grad_RH[row_of_copy_TK[t, k]] (fp32 accumulation, grad's dtype); -1 copies add nothing."""
+def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """grad_TH[t] = sum_k grad_RH[row_of_copy_TK[t, k]] (fp32 accumulation, grad's dtype); -1 copies add nothing.
+    ``out``: a (T, H) tensor with contiguous rows to write into (the first columns of wider rows: no copy after)."""
+    T, H = row_of_copy_TK.shape[0], grad_RH.shape[1]
+    if out is not None and (out.shape != (T, H) or out.dtype != grad_RH.dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be a ({T}, {H}) {grad_RH.dtype} tensor with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if use_triton(grad_RH, "permute"):
-        return permute_backward_triton(grad_RH, row_of_copy_TK)
-    return permute_backward_torch(grad_RH, row_of_copy_TK)
+        return permute_backward_triton(grad_RH, row_of_copy_TK, out=out)
+    grad_TH = permute_backward_torch(grad_RH, row_of_copy_TK)
+    return grad_TH if out is None else out.copy_(grad_TH)
 
 
 # ----------------------------------------------------------------------------------------------------------

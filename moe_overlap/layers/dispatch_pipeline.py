@@ -51,8 +51,8 @@ from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
-from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dispatch_rows, extra_columns, hidden_states,
-                                          packed_hidden, token_grads, with_probs_grad)
+from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dgrad_rows, dispatch_rows, extra_columns,
+                                          hidden_states, packed_hidden, token_grads)
 
 
 @dataclass
@@ -243,7 +243,7 @@ class Experts(torch.autograd.Function):
                            slice(first, last))
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
             back_RH = (_rows_from_experts(grad_x_RH, chunk, state) if not wire else  # a wire row's copies summed
-                       with_probs_grad(permute_backward(grad_x_RH, grouped_row_WJ), grad_probs_WJ))
+                       dgrad_rows(grad_x_RH, grouped_row_WJ, grad_probs_WJ))
             return back_RH, None if later else (lambda: wgrad(chunk))
 
         # the last transfer back runs beside the delayed weight gradients (or another micro-batch), else alone

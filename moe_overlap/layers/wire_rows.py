@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.kernels.copy_rows import copy_rows
-from moe_overlap.kernels.fp8_quant import FP8, quantize_rows
+from moe_overlap.kernels.fp8_quant import FP8, dequantize_rows, quantize_rows
 from moe_overlap.kernels.permute import permute, permute_backward
 
 WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
@@ -80,8 +80,17 @@ def packed_hidden(x_TH: torch.Tensor, fp8: bool) -> torch.Tensor:
     scale as raw bits in x's dtype (no gradient flows through it: the backward sends its own rows)."""
     if not fp8:
         return x_TH
-    q_TH, scale_T = quantize_rows(x_TH.detach())
-    return torch.cat((q_TH.view(x_TH.dtype), scale_T.unsqueeze(1).view(x_TH.dtype)), 1)
+    T, H = x_TH.shape
+    packed_TX = x_TH.new_empty((T, hidden_columns(H, x_TH.dtype, True)))
+    q_TH, scale_T = _packed_parts(packed_TX, H)
+    quantize_rows(x_TH.detach(), q_TH, scale_T)  # one pass, straight into the packed rows
+    return packed_TX
+
+
+def _packed_parts(rows_RX: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of packed rows' E4M3 bytes (R, hidden) and float32 scales (R,) (rows may be strided)."""
+    bytes_RB = rows_RX.view(torch.uint8)
+    return bytes_RB[:, :hidden].view(FP8), bytes_RB[:, hidden:hidden + WORD].view(torch.float32)[:, 0]
 
 
 def hidden_states(rows_WX: torch.Tensor, hidden: int, fp8: bool) -> torch.Tensor:
@@ -89,10 +98,8 @@ def hidden_states(rows_WX: torch.Tensor, hidden: int, fp8: bool) -> torch.Tensor
     the rows' dtype (rows never written dequantize to anything: no copy of theirs is read)."""
     if not fp8:
         return rows_WX[:, :hidden]
-    size = rows_WX.element_size()
-    q_WH = rows_WX[:, :hidden // size].contiguous().view(FP8)
-    scale_W1 = rows_WX[:, hidden // size:(hidden + WORD) // size].contiguous().view(torch.float32)
-    return (q_WH.float() * scale_W1).to(rows_WX.dtype)
+    q_WH, scale_W = _packed_parts(rows_WX[:, :hidden_columns(hidden, rows_WX.dtype, True)], hidden)
+    return dequantize_rows(q_WH, scale_W, rows_WX.dtype)
 
 
 def _words(values_RW: torch.Tensor) -> torch.Tensor:
@@ -182,11 +189,18 @@ def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch
                        meta_WM[:, copies:2 * copies].contiguous().view(torch.float32))
 
 
-def with_probs_grad(grad_x_WH: torch.Tensor, grad_probs_WJ: torch.Tensor | None) -> torch.Tensor:
-    """The dgrad rows that go back to the tokens, with the probs' gradients in extra columns (if any)."""
+def dgrad_rows(grad_x_RH: torch.Tensor, grouped_row_WJ: torch.Tensor, grad_probs_WJ: torch.Tensor | None
+               ) -> torch.Tensor:
+    """The dgrad rows that go back to the tokens: a wire row's copies' input gradients summed, with the probs'
+    gradients in extra columns (if any), the sum written straight into the wider rows."""
     if grad_probs_WJ is None:
-        return grad_x_WH
-    return torch.cat((grad_x_WH, _words(grad_probs_WJ.float().contiguous()).view(grad_x_WH.dtype)), 1)
+        return permute_backward(grad_x_RH, grouped_row_WJ)
+    W, H = grouped_row_WJ.shape[0], grad_x_RH.shape[1]
+    words_WM = _words(grad_probs_WJ.float().contiguous()).view(grad_x_RH.dtype)
+    rows_WX = grad_x_RH.new_empty((W, H + words_WM.shape[1]))
+    permute_backward(grad_x_RH, grouped_row_WJ, out=rows_WX[:, :H])
+    rows_WX[:, H:] = words_WM
+    return rows_WX
 
 
 def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype: torch.dtype | None
