@@ -24,7 +24,7 @@ def test_fp8_rows_carry_exactly_the_dequantized_values(dtype):
     x_TH = (torch.randn(5, 64, generator=g) * torch.logspace(-3, 3, 5).unsqueeze(1)).to(dtype)
     packed_TX = packed_hidden(x_TH, fp8=True)
     assert packed_TX.dtype == dtype and packed_TX.shape == (5, hidden_columns(64, dtype, fp8=True))
-    assert packed_TX.element_size() * packed_TX.shape[1] == 64 + 4
+    assert packed_TX.element_size() * packed_TX.shape[1] == 80  # 64 bytes, the scale, padded to 16 bytes
     assert torch.equal(hidden_states(packed_TX, 64, fp8=True), fp8_values(x_TH))
     assert not torch.equal(fp8_values(x_TH), x_TH)  # the quantization is real: 3 mantissa bits
     assert float((fp8_values(x_TH) - x_TH).norm() / x_TH.norm()) < 0.05

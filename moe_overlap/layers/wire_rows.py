@@ -71,8 +71,10 @@ def wire_row_bytes(hidden_bytes: int, copies: int) -> int:
 
 def hidden_columns(hidden: int, dtype: torch.dtype, fp8: bool) -> int:
     """Columns of ``dtype`` the hidden part of a row takes: ``hidden``, or with ``fp8`` its bytes and one
-    float32 scale."""
-    return (hidden + WORD) // torch.empty((), dtype=dtype).element_size() if fp8 else hidden
+    float32 scale, padded to 16 bytes (so that whole rows stay 16-byte aligned: the pushes' vector stores)."""
+    if not fp8:
+        return hidden
+    return _padded_words(hidden // WORD + 1) * WORD // torch.empty((), dtype=dtype).element_size()
 
 
 def packed_hidden(x_TH: torch.Tensor, fp8: bool) -> torch.Tensor:
