@@ -47,6 +47,9 @@
 #   bash benchmarks/evidence_gpu.sh recheck_wire OUT # (not run yet) GPU tests of the copy-out skip, the bounded
 #                                                  #   zero fill and FP8 dispatch, then EP=4 fine: default,
 #                                                  #   compute_only, ep1, delay off, FP8 dispatch
+#   bash benchmarks/evidence_gpu.sh fused4   OUT   # (not run yet) the same after the fused FP8 packing, the vector
+#                                                  #   zero fill; two chunks at three push widths
+#   bash benchmarks/evidence_gpu.sh fused2   OUT   # (not run yet) EP=2: default, compute_only, ep1, FP8 dispatch
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
 #                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
@@ -537,6 +540,25 @@ case $phase in
     cp "$log" "$res/gpu_tests_recheck_wire_4x$gpu.txt"
     train_step 4 fine_8l balanced_spread_recheck "$BAL" --variant "undelayed:overlap.delay_wgrad_compute=false" \
       --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
+    ;;
+  fused4)  # issues 38, 39 (not run yet): after recheck_wire (2026-11-28): the zero fill vectorized, FP8 wire rows
+    # quantized into the packed rows and dequantized in one pass (16-byte aligned), the dgrad rows summed into their
+    # wider rows; GPU tests, then EP=4 fine: default, compute_only, ep1, FP8 dispatch, and two chunks at three
+    # push widths (gemm_sm_carveout auto / 16 / 64) in the same launch
+    log=$out/gpu_tests_fused_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_kernels.py tests/test_gpu_fp8.py -k 'zero or packed or twin' ; python -m pytest -m gpu -rfEs tests/test_gpu_moe.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_kernels.py tests/test_gpu_fp8.py \
+      -k "zero or packed or twin" 2>&1 | tail -n 6 | tee -a "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 6 \
+      | tee -a "$log"
+    cp "$log" "$res/gpu_tests_fused_4x$gpu.txt"
+    C2="overlap.moe_pipeline_chunks=2,overlap.moe_expert_rank_capacity_factor=1.25"
+    train_step 4 fine_8l balanced_spread_fused "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8" \
+      --variant "chunks2:$C2" --variant "chunks2_c16:$C2,overlap.gemm_sm_carveout=16" \
+      --variant "chunks2_c64:$C2,overlap.gemm_sm_carveout=64"
+    ;;
+  fused2)  # the same at EP=2 (2 GPUs): default, compute_only, ep1, FP8 dispatch
+    train_step 2 fine_8l balanced_spread_fused "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
     ;;
   routing2x)  # issue 41 (not run yet): the fine 2-GPU example as shipped (2 sequences a micro-batch) with aux 0.2 (GPUs
     # 0-1) and with the learning rate decayed over 100 steps after a 10-step warm-up (GPUs 2-3; 3 steps under with 1
