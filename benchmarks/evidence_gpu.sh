@@ -44,12 +44,13 @@
 #                                                  #   CTAs (ep1, compute_only), then the GPU tests it touches
 #   bash benchmarks/evidence_gpu.sh wgrad1b  OUT   # the same delayed beside its shared expert overlapped, 32 CTAs
 #   bash benchmarks/evidence_gpu.sh wgrad2   OUT   # EP=2 (2 GPUs): the delayed default against it switched off
-#   bash benchmarks/evidence_gpu.sh recheck_wire OUT # (not run yet) GPU tests of the copy-out skip, the bounded
+#   bash benchmarks/evidence_gpu.sh recheck_wire OUT # GPU tests of the copy-out skip, the bounded
 #                                                  #   zero fill and FP8 dispatch, then EP=4 fine: default,
 #                                                  #   compute_only, ep1, delay off, FP8 dispatch
-#   bash benchmarks/evidence_gpu.sh fused4   OUT   # (not run yet) the same after the fused FP8 packing, the vector
+#   bash benchmarks/evidence_gpu.sh fused4   OUT   # the same after the fused FP8 packing, the vector
 #                                                  #   zero fill; two chunks at three push widths
-#   bash benchmarks/evidence_gpu.sh fused2   OUT   # (not run yet) EP=2: default, compute_only, ep1, FP8 dispatch
+#   bash benchmarks/evidence_gpu.sh fused2   OUT   # EP=2: default, compute_only, ep1, FP8 dispatch
+#   bash benchmarks/evidence_gpu.sh gather4  OUT   # (not run yet) wire rows pushed straight from their tokens' rows
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
 #                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
@@ -529,7 +530,7 @@ case $phase in
     # (EP=4): the same default at EP=2 (2 GPUs) against it switched off, beside compute_only and ep1
     train_step 2 fine_8l balanced_spread_wgrad2 "$BAL" --variant "undelayed:overlap.delay_wgrad_compute=false"
     ;;
-  recheck_wire)  # issues 38, 39 (not run yet): what changed after the last GPU run of 2026-11-27 (the first chunk's
+  recheck_wire)  # issues 38, 39: what changed after the last GPU run of 2026-11-27 (the first chunk's
     # wire rows expanded straight from the receive region; zero fills bounded by the offsets; FP8 dispatch): its GPU
     # tests at 4 GPUs, then the default at EP=4 (delayed wgrad, no copy-out) beside compute_only (its fill now
     # bounded), ep1, the delay off, and overlap.moe_dispatch_dtype=fp8 (predicted: a quarter fewer exchange bytes)
@@ -541,7 +542,7 @@ case $phase in
     train_step 4 fine_8l balanced_spread_recheck "$BAL" --variant "undelayed:overlap.delay_wgrad_compute=false" \
       --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
     ;;
-  fused4)  # issues 38, 39 (not run yet): after recheck_wire (2026-11-28): the zero fill vectorized, FP8 wire rows
+  fused4)  # issues 38, 39: after recheck_wire (2026-11-28): the zero fill vectorized, FP8 wire rows
     # quantized into the packed rows and dequantized in one pass (16-byte aligned), the dgrad rows summed into their
     # wider rows; GPU tests, then EP=4 fine: default, compute_only, ep1, FP8 dispatch, and two chunks at three
     # push widths (gemm_sm_carveout auto / 16 / 64) in the same launch
@@ -560,7 +561,18 @@ case $phase in
   fused2)  # the same at EP=2 (2 GPUs): default, compute_only, ep1, FP8 dispatch
     train_step 2 fine_8l balanced_spread_fused "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
     ;;
-  routing2x)  # issue 41 (not run yet): the fine 2-GPU example as shipped (2 sequences a micro-batch) with aux 0.2 (GPUs
+  gather4)  # issue 38 (not run yet): wire rows pushed straight from their tokens' rows (the push kernel gathers
+    # the hidden columns; no token-side send buffer written first, forward and backward): the kernels' and the
+    # once-per-rank layer's GPU tests, then EP=4 fine: default, compute_only, ep1 (predicted: about 12 ms a step
+    # less, the token-side scatters' share of _scatter_rows_kernel by bytes)
+    log=$out/gpu_tests_gather_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_push_rows.py \
+      tests/test_gpu_dispatch_once_per_rank.py 2>&1 | tail -n 4 | tee -a "$log"
+    cp "$log" "$res/gpu_tests_gather_4x$gpu.txt"
+    train_step 4 fine_8l balanced_spread_gather "$BAL"
+    ;;
+  routing2x)  # issue 41: the fine 2-GPU example as shipped (2 sequences a micro-batch) with aux 0.2 (GPUs
     # 0-1) and with the learning rate decayed over 100 steps after a 10-step warm-up (GPUs 2-3; 3 steps under with 1
     # sequence a micro-batch, the fewest measured), side by side: its routing target (no expert under 25% from step 50)
     CUDA_VISIBLE_DEVICES=0,1 ROUTING="model.moe_aux_loss_coeff=0.2" ROUTING_NAME=mb2_aux2e-1 example 2 &

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from moe_overlap.kernels.push_rows import copy_rows_out, push_rows, push_rows_torch, repeat_rows
+from moe_overlap.kernels.push_rows import copy_rows_out, push_rows, push_rows_torch, repeat_rows, whole_rows
 from moe_overlap.kernels.routes import fill_routes, fill_routes_torch
 
 
@@ -24,9 +24,16 @@ def no_host_sync(device):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _push_case(rows, hidden, first, counted, ctas, device, dtype):
+def _push_case(rows, hidden, first, counted, ctas, device, dtype, gathered=0):
+    """``gathered``: a row's first columns come from a source row of their own (a wire row's token), the rest
+    from src (the row's extra columns; none when gathered is the whole width)."""
     g = torch.Generator(device=device).manual_seed(rows + hidden)
-    src = torch.randn(rows, hidden, device=device, generator=g).to(dtype)
+    src = torch.randn(rows, hidden - gathered, device=device, generator=g).to(dtype)
+    gather = None
+    if gathered:
+        sources = rows // 2 + 1
+        gather = (torch.randn(sources, gathered, device=device, generator=g).to(dtype),
+                  torch.randint(0, sources, (rows,), device=device, dtype=torch.int32, generator=g))
     dst_rank = torch.randint(0, 3, (rows + 5,), device=device, dtype=torch.int32, generator=g)
     dst_row = torch.randperm(rows + 5, device=device, generator=g)  # distinct rows: every row lands once
     got = [torch.full((rows + 5, hidden), -7.0, device=device, dtype=dtype) for _ in range(3)]
@@ -35,20 +42,28 @@ def _push_case(rows, hidden, first, counted, ctas, device, dtype):
     bases = torch.tensor([b.data_ptr() for b in got], dtype=torch.int64, device=device)
     out = torch.full((rows, hidden), 5.0, device=device, dtype=dtype)
     with no_host_sync(device):
-        push_rows(src, start, count, dst_rank, dst_row, route_start, bases, ctas)
-        copy_rows_out(src, start, count, out, ctas)
-    push_rows_torch(src, start, count, dst_rank, dst_row, route_start, want)
+        push_rows(src, start, count, dst_rank, dst_row, route_start, bases, ctas, gather=gather)
+        if gather is None:
+            copy_rows_out(src, start, count, out, ctas)
+    push_rows_torch(whole_rows(src, gather), start, count, dst_rank, dst_row, route_start, want)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert sum(int((b != -7.0).any(1).sum()) for b in got) == counted  # rows past the count stay put
-    assert torch.equal(out[:counted], src[first:first + counted]) and (out[counted:] == 5.0).all()
+    if gather is None:
+        assert torch.equal(out[:counted], src[first:first + counted]) and (out[counted:] == 5.0).all()
+    else:  # the twin gathers the same way
+        twin = [torch.full_like(b, -7.0) for b in got]
+        push_rows_torch(src, start, count, dst_rank, dst_row, route_start, twin, gather=gather)
+        assert all(torch.equal(a, b) for a, b in zip(got, twin))
 
 
-@pytest.mark.parametrize("rows,hidden,first,counted,ctas", [(50, 37, 4, 41, 3), (64, 8, 0, 64, 1), (9, 5000, 2, 0, 2),
-                                                             (40, 16, 7, 33, 64)])
-def test_push_and_copy_out_match_the_twin(monkeypatch, rows, hidden, first, counted, ctas):
-    """Any number of CTAs (more than rows too), rows not 16-byte multiples, an empty count, a device start."""
+@pytest.mark.parametrize("rows,hidden,first,counted,ctas,gathered", [
+    (50, 37, 4, 41, 3, 0), (64, 8, 0, 64, 1, 0), (9, 5000, 2, 0, 2, 0), (40, 16, 7, 33, 64, 0),
+    (50, 37, 4, 41, 3, 29), (40, 16, 7, 33, 64, 16), (9, 600, 2, 7, 2, 512)])
+def test_push_and_copy_out_match_the_twin(monkeypatch, rows, hidden, first, counted, ctas, gathered):
+    """Any number of CTAs (more than rows too), rows not 16-byte multiples, an empty count, a device start; the
+    first columns gathered from source rows (with extra columns or none)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _push_case(rows, hidden, first, counted, ctas, "cpu", torch.float32)
+    _push_case(rows, hidden, first, counted, ctas, "cpu", torch.float32, gathered)
 
 
 def test_push_rows_checks_its_routes():
@@ -64,27 +79,31 @@ def test_copy_out_without_triton_reads_its_sizes_on_the_host(monkeypatch):
     assert torch.equal(out[:6], src[3:9]) and (out[6:] == -1.0).all()
 
 
-def _repeat_case(device, dtype, hidden=24):
+def _repeat_case(device, dtype, hidden=24, gathered=0):
     """dst rows [dst_start, + count) = src rows [src_start, + src_count) repeated; zeros with no source rows; the
-    rest of dst untouched; every value on the device."""
-    src = torch.randn(10, hidden, device=device).to(dtype)
+    rest of dst untouched; every value on the device; ``gathered`` as for _push_case."""
+    src = torch.randn(10, hidden - gathered, device=device).to(dtype)
+    gather = None if not gathered else (torch.randn(4, gathered, device=device).to(dtype),
+                                        torch.randint(0, 4, (10,), device=device, dtype=torch.int32))
     out = torch.full((12, hidden), float("nan"), device=device, dtype=dtype)
     at = [torch.tensor([v], device=device) for v in (2, 3, 1, 7, 0, 0, 8, 3)]
     with no_host_sync(device):
-        repeat_rows(src, at[0], at[1], out, at[2], at[3], 2)
-        repeat_rows(src, at[4], at[5], out, at[6], at[7], 2)
+        repeat_rows(src, at[0], at[1], out, at[2], at[3], 2, gather=gather)
+        repeat_rows(src, at[4], at[5], out, at[6], at[7], 2, gather=gather)
     assert out[0].isnan().all() and out[11].isnan().all()
-    assert torch.equal(out[1:8], src[[2, 3, 4, 2, 3, 4, 2]]) and (out[8:11] == 0).all()
+    whole = whole_rows(src, gather)
+    assert torch.equal(out[1:8], whole[[2, 3, 4, 2, 3, 4, 2]]) and (out[8:11] == 0).all()
 
 
 @pytest.mark.parametrize("interpreted", [True, False])
-def test_repeat_rows_makes_a_compute_only_references_rows_from_its_own(monkeypatch, interpreted):
-    """Triton (interpreted) and the torch path (host reads) alike."""
+@pytest.mark.parametrize("gathered", [0, 16, 24])
+def test_repeat_rows_makes_a_compute_only_references_rows_from_its_own(monkeypatch, interpreted, gathered):
+    """Triton (interpreted) and the torch path (host reads) alike, the first columns gathered or not."""
     if interpreted:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _repeat_case("cpu", torch.float32)
+    _repeat_case("cpu", torch.float32, gathered=gathered)
 
 
 def _route_case(sizes, total, device):
@@ -142,5 +161,7 @@ def test_bf16_push_copy_out_and_routes_match_the_twins_on_gpu(rows, hidden, firs
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA")
     _push_case(rows, hidden, first, counted, ctas, "cuda", torch.bfloat16)
+    _push_case(rows, hidden + 32, first, counted, ctas, "cuda", torch.bfloat16, gathered=hidden)  # wire rows
     _route_case([3, 0, 5000, 1], 6000, "cuda")
     _repeat_case("cuda", torch.bfloat16, hidden)
+    _repeat_case("cuda", torch.bfloat16, hidden + 32, gathered=hidden)

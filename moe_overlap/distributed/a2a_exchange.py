@@ -9,6 +9,7 @@ An exchange moves rows in chunks of local experts, in one of two directions:
 The backward uses the same two: a gradient travels the other way.
 
     to = transport.to_experts(send_RH, routes, sms)       from_ = transport.from_experts(routes, width, like, sms)
+                              # send_RH: a tensor, or GatheredRows (wire rows read from their tokens' rows)
     to.send(i, alone)         # chunk i starts moving (alone: no GEMM beside it, so at full width)
     rows = to.recv(i)         # the compute stream waits for chunk i (an exposed EP wait) and takes its rows
     from_.send(i, rows, ready)   # after the ``ready`` event (the GEMM that made the rows)
@@ -37,6 +38,8 @@ token once per rank), which the receiver expands into grouped rows anyway, skip 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -82,6 +85,26 @@ class ExchangeStreams:
                 t.record_stream(self.side)
 
 
+@dataclass
+class GatheredRows:
+    """Rows to send whose first columns are other rows' (``source_TX[source_row_R[r]]``: a wire row's token's) and
+    whose other columns are ``rest_RM``'s: a transport that ``gathers`` reads them from there as it moves them (no
+    send buffer written first); any other sends ``write()``, the rows written out."""
+
+    rest_RM: torch.Tensor
+    source_TX: torch.Tensor
+    source_row_R: torch.Tensor  # int32, one per row
+    write: Callable[[], torch.Tensor]
+
+    @property
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source_TX, self.source_row_R
+
+    @property
+    def width(self) -> int:
+        return self.source_TX.shape[1] + self.rest_RM.shape[1]
+
+
 class ToExperts(ABC):
     """One layer call's rows on their way to the experts."""
 
@@ -124,12 +147,15 @@ class Transport:
 
     name: str
     needs_sms: bool
+    gathers = False  # its transfers read GatheredRows where they are
     stream: torch.cuda.Stream | None  # the side stream its transfers run on (None on CPU)
     compute_only: bool  # overlap.moe_compute_only: the rows that would land are made from this rank's own
     to_class: type[ToExperts]
     from_class: type[FromExperts]
 
-    def to_experts(self, send_RH: torch.Tensor, routes, sms: int) -> ToExperts:
+    def to_experts(self, send_RH: torch.Tensor | GatheredRows, routes, sms: int) -> ToExperts:
+        if isinstance(send_RH, GatheredRows) and not self.gathers:
+            send_RH = send_RH.write()
         return self.to_class(self, send_RH, routes, sms)
 
     def from_experts(self, routes, width: int, like: torch.Tensor, sms: int) -> FromExperts:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_overlap.distributed.a2a_exchange import ExchangeStreams, FromExperts, ToExperts, Transport
+from moe_overlap.distributed.a2a_exchange import ExchangeStreams, FromExperts, GatheredRows, ToExperts, Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.collectives import ProcessGroup, all_gather_into, all_to_all_equal, all_to_all_rows
 from moe_overlap.distributed.streams import Event, exposed_wait
 from moe_overlap.distributed.symm import LocalRegions
-from moe_overlap.kernels.push_rows import copy_rows_out, full_width, push_rows, repeat_rows
+from moe_overlap.kernels.push_rows import Gather, copy_rows_out, full_width, push_rows, repeat_rows, whole_rows
 
 
 class _PushExchange:
@@ -33,21 +33,23 @@ class _PushExchange:
         """Pushes, claims and signals on the compute stream hold it: exposed; on the side stream they are not."""
         return exposed_wait("ep" if self.streams.side is None else None)
 
-    def _own(self, rows: int, like: torch.Tensor) -> torch.Tensor:
-        return self.regions.view(self.regions.rank, self.region, (rows, like.shape[1]), like.dtype)
+    def _own(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.regions.view(self.regions.rank, self.region, (rows, width), dtype)
 
     def _push(self, chunk: int, src_RH: torch.Tensor, src_start: torch.Tensor, count: torch.Tensor,
               dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor, route_start: torch.Tensor,
-              landing: tuple[torch.Tensor, torch.Tensor], alone: bool) -> None:
+              landing: tuple[torch.Tensor, torch.Tensor], alone: bool, gather: Gather | None = None) -> None:
         """``alone``: no GEMM runs beside this one (the pipeline's first transfer, or its last): full width.
         ``landing``: the (start, count) of this rank's own rows that this chunk's peers write, which a compute-only
-        reference makes from the rank's own rows instead."""
+        reference makes from the rank's own rows instead. ``gather``: the rows' first columns are read from their
+        source rows (GatheredRows)."""
         ctas = full_width(src_RH.device) if alone else self.ctas
         with self._exposed():
             if self.transport.compute_only:
-                self.transport.land_own(src_RH, src_start, count, self.own_RH, *landing, ctas)
+                self.transport.land_own(src_RH, src_start, count, self.own_RH, *landing, ctas, gather)
             else:
-                self.transport.move(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self.region, ctas)
+                self.transport.move(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self.region, ctas,
+                                    gather)
             for peer in self.regions.peers:  # after the kernel, on its stream: its stores have landed
                 self.regions.signal(peer, self.region, chunk)
 
@@ -57,18 +59,21 @@ class _PushExchange:
 
 
 class PushToExperts(_PushExchange, ToExperts):
-    def __init__(self, transport: PushTransport, send_RH: torch.Tensor, routes: DeviceRoutes, sms: int):
-        self._open(transport, send_RH.device, sms)
-        self.send_RH, self.routes, self.sent = send_RH, routes, {}
-        self.streams.lend(send_RH)
-        self.own_RH = self._own(routes.recv_rows, send_RH)
+    def __init__(self, transport: PushTransport, send: torch.Tensor | GatheredRows, routes: DeviceRoutes, sms: int):
+        gathered = isinstance(send, GatheredRows)
+        self.send_RH, self.gather = (send.rest_RM, send.gather) if gathered else (send, None)
+        self.width = send.width if gathered else send.shape[1]
+        self._open(transport, self.send_RH.device, sms)
+        self.routes, self.sent = routes, {}
+        self.streams.lend(self.send_RH, *(self.gather or ()))
+        self.own_RH = self._own(routes.recv_rows, self.width, self.send_RH.dtype)
 
     def send(self, chunk: int, alone: bool = False) -> None:
         r = self.routes
         start = r.send_start_C[chunk:chunk + 1]
         with self.streams.on_side():
             self._push(chunk, self.send_RH, start, r.send_rows_C[chunk:chunk + 1], r.dst_rank_R, r.dst_row_R, start,
-                       (r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1]), alone)
+                       (r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1]), alone, self.gather)
             self.sent[chunk] = self.streams.mark()  # covers the local rows, which no signal announces
 
     def recv(self, chunk: int, read_once: bool = False) -> torch.Tensor:
@@ -81,7 +86,7 @@ class PushToExperts(_PushExchange, ToExperts):
             self._wait_peers(chunk)
         if read_once and chunk == 0:
             return self.own_RH[:r.chunk_rows[0]]
-        grouped_RH = self.send_RH.new_empty((r.chunk_rows[chunk], self.send_RH.shape[1]))
+        grouped_RH = self.send_RH.new_empty((r.chunk_rows[chunk], self.width))
         copy_rows_out(self.own_RH, r.recv_start_C[chunk:chunk + 1], r.recv_rows_C[chunk:chunk + 1], grouped_RH,
                       full_width(grouped_RH.device))
         return grouped_RH
@@ -98,7 +103,7 @@ class PushFromExperts(_PushExchange, FromExperts):
     def __init__(self, transport: PushTransport, routes: DeviceRoutes, width: int, like: torch.Tensor, sms: int):
         self._open(transport, like.device, sms)
         self.routes, self.chunks, self.last = routes, 0, None
-        self.own_RH = self._own(routes.send_rows, like.new_empty((0, width)))
+        self.own_RH = self._own(routes.send_rows, width, like.dtype)
         self.zero = torch.zeros(1, dtype=torch.int64, device=like.device)
 
     def send(self, chunk: int, grouped_RH: torch.Tensor, ready: Event, alone: bool = False) -> None:
@@ -135,7 +140,7 @@ class PushTransport(Transport):
     def __init__(self, regions, device: torch.device, twin: bool = False, twin_group: ProcessGroup = None):
         self.regions, self.device, self.twin_group = regions, device, twin_group
         self.symmetric, self.compute_only = not twin, False
-        self.needs_sms = self.symmetric
+        self.needs_sms = self.gathers = self.symmetric
         if self.symmetric:
             self.name = "sm_push"
             self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -149,24 +154,26 @@ class PushTransport(Transport):
         else:
             self.name, self.stream = "gloo", None
 
-    def move(self, src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, region: int, ctas: int) -> None:
+    def move(self, src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, region: int, ctas: int,
+             gather: Gather | None = None) -> None:
         if self.symmetric:
-            push_rows(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self._bases[region], ctas)
+            push_rows(src_RH, src_start, count, dst_rank_Q, dst_row_Q, route_start, self._bases[region], ctas, gather)
             return
         first, n, q0 = (int(v.reshape(-1)[0]) for v in (src_start, count, route_start))
-        rows_RH, ranks, dst_rows = src_RH[first:first + n], dst_rank_Q[q0:q0 + n], dst_row_Q[q0:q0 + n]
+        rows_RH, ranks, dst_rows = whole_rows(src_RH, gather, first, n), dst_rank_Q[q0:q0 + n], dst_row_Q[q0:q0 + n]
         own_RH = self.regions.view(self.regions.rank, region, (self.regions.region_bytes // (
-            src_RH.shape[1] * src_RH.element_size()), src_RH.shape[1]), src_RH.dtype)
+            rows_RH.shape[1] * src_RH.element_size()), rows_RH.shape[1]), src_RH.dtype)
         _exchange_routed(rows_RH, ranks, dst_rows, own_RH, self.twin_group, self.regions.size)
 
-    def land_own(self, src_RH, src_start, count, own_RH, land_start, land_count, ctas: int) -> None:
+    def land_own(self, src_RH, src_start, count, own_RH, land_start, land_count, ctas: int,
+                 gather: Gather | None = None) -> None:
         """compute_only's move: the ``land_count`` rows that would land here from peers, made from this rank's own
         ``count`` rows (repeated as often as needed: as many bytes written as would land, every row written this
         time). The twin still exchanges one element per peer, to wait for the slowest (the signals do on CUDA)."""
         if not self.symmetric and self.twin_group is not None:
             with exposed_wait("ep"):
                 all_to_all_equal(torch.zeros((self.regions.size, 1), dtype=torch.int64), self.twin_group)
-        repeat_rows(src_RH, src_start, count, own_RH, land_start, land_count, ctas)
+        repeat_rows(src_RH, src_start, count, own_RH, land_start, land_count, ctas, gather)
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Every EP rank's copies per global expert, [source rank, expert], on the device: by the process group

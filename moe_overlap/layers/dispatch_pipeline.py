@@ -52,7 +52,7 @@ from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
 from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dgrad_rows, dispatch_rows, extra_columns,
-                                          hidden_states, packed_hidden, token_grads)
+                                          hidden_states, packed_hidden, token_grads, token_rows)
 
 
 @dataclass
@@ -290,9 +290,8 @@ class Combine(torch.autograd.Function):
         state = ctx.state
         plan = state.plan
         if plan.wire is not None:  # each wire row takes its token's gradient; the probs' come from the experts
-            grad_rows_RH = permute(packed_hidden(grad_out_TH.contiguous(), state.fp8_wire), plan.wire.row_TC,
-                                   plan.num_rows, all_rows_mapped=True)
-            state.grad_dispatch = plan.transport.to_experts(grad_rows_RH, plan.routes, state.sms)
+            grad_rows = token_rows(packed_hidden(grad_out_TH.contiguous(), state.fp8_wire), plan.wire)
+            state.grad_dispatch = plan.transport.to_experts(grad_rows, plan.routes, state.sms)
             state.grad_dispatch.send(0, alone=not state.paired)
             return grad_out_TH.new_zeros(0), None, None
         probs_TK, combined_RH = ctx.saved_tensors

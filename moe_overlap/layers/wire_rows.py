@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.distributed.a2a_exchange import GatheredRows
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.fp8_quant import FP8, dequantize_rows, quantize_rows
 from moe_overlap.kernels.permute import permute, permute_backward
@@ -116,6 +117,7 @@ class WireRows:
     """One layer call's wire rows on the token side (no counts needed: built before any exchange)."""
 
     row_TC: torch.Tensor  # int32 wire row of each of a token's distinct targets; -1 pads
+    token_of_row_R: torch.Tensor  # int32 the token of each wire row (0 past them: never sent)
     row_of_copy_TK: torch.Tensor  # int64 wire row carrying each copy; num_rows (a spare) if dropped
     slot_TK: torch.Tensor  # int64 the copy's place among its wire row's J
     counts_V: torch.Tensor  # int64 this rank's wire rows per target (rank x chunks + chunk)
@@ -140,31 +142,48 @@ def token_wire_rows(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, targ
     slots_TC = torch.where(target_TC >= 0, slot_of_target_V[target_TC.clamp(min=0)], V)
     row_TC, counts_slot_V, _ = copy_rows(slots_TC, V)  # tokens packed by slot: the (chunk, rank, token) order
     num_rows = T * C
+    token_of_row_R = torch.zeros(num_rows + 1, dtype=torch.int32, device=experts_TK.device)  # pads: the spare
+    token_TC = torch.arange(T, dtype=torch.int32, device=experts_TK.device).unsqueeze(1).expand(T, C)
+    token_of_row_R.scatter_(0, torch.where(row_TC >= 0, row_TC, num_rows).reshape(-1).long(), token_TC.reshape(-1))
     match_TKC = target_TC.unsqueeze(1) == target_TK.unsqueeze(2)  # a dropped copy's target V matches nothing
     row_of_copy_TK = torch.where(kept_TK, (match_TKC * row_TC.unsqueeze(1).long()).sum(2), num_rows)
     earlier_TKK = torch.ones((K, K), dtype=torch.bool, device=experts_TK.device).tril(-1)
     same_TKK = (target_TK.unsqueeze(2) == target_TK.unsqueeze(1)) & kept_TK.unsqueeze(1) & earlier_TKK
-    return WireRows(row_TC, row_of_copy_TK, same_TKK.sum(2), counts_slot_V[slot_of_target_V], num_rows, copies)
+    return WireRows(row_TC, token_of_row_R[:num_rows], row_of_copy_TK, same_TKK.sum(2), counts_slot_V[slot_of_target_V],
+                    num_rows, copies)
+
+
+def token_rows(hidden_TX: torch.Tensor, wire: WireRows, rest_RM: torch.Tensor | None = None) -> GatheredRows:
+    """The wire rows a token side sends: each its token's row of ``hidden_TX``, then its row of ``rest_RM`` (extra
+    columns, if any), read from there by a transport that gathers (no send buffer written first), else written
+    out (``write``: the tokens' rows permuted into place)."""
+    R = wire.num_rows
+    rest_RM = hidden_TX.new_empty((R, 0)) if rest_RM is None else rest_RM
+    X = hidden_TX.shape[1]
+
+    def write() -> torch.Tensor:
+        send_RX = hidden_TX.new_empty((R, X + rest_RM.shape[1]))
+        permute(hidden_TX, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :X])  # past the wire rows: unread
+        send_RX[:, X:] = rest_RM
+        return send_RX
+
+    return GatheredRows(rest_RM, hidden_TX, wire.token_of_row_R, write)
 
 
 def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, grouped_row_of_copy,
-                  fp8: bool = False) -> torch.Tensor:
+                  fp8: bool = False) -> GatheredRows:
     """The rows that cross to the experts: each wire row's hidden state (``fp8``: packed, :func:`packed_hidden`),
     then its J grouped rows and J probs as raw bits. ``grouped_row_of_copy``: returns each copy's grouped row at its
     destination (a host-planned plan waits for the counts there: the permutation is queued first)."""
     J, R = wire.copies, wire.num_rows
     hidden_TX = packed_hidden(x_TH, fp8)
-    X = hidden_TX.shape[1]
-    send_RX = x_TH.new_empty((R, X + extra_columns(2 * J, x_TH.dtype)))
-    permute(hidden_TX, wire.row_TC, R, all_rows_mapped=True, out=send_RX[:, :X])  # rows past the wire rows: unread
     index = (wire.row_of_copy_TK * J + wire.slot_TK).reshape(-1)  # a dropped copy: into the spare row R
     grouped_RJ = torch.zeros(((R + 1) * J,), dtype=torch.int32, device=x_TH.device)
     grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32) + 1  # a copy past a bound (-1): none
     probs_RJ = torch.zeros(((R + 1) * J,), dtype=torch.float32, device=x_TH.device)
     probs_RJ[index] = probs_TK.detach().reshape(-1).float()
     meta_RM = _words(torch.cat((grouped_RJ.view(R + 1, J)[:R], probs_RJ.view(R + 1, J)[:R].view(torch.int32)), 1))
-    send_RX[:, X:] = meta_RM.view(x_TH.dtype)
-    return send_RX
+    return token_rows(hidden_TX, wire, meta_RM.view(x_TH.dtype))
 
 
 @dataclass
