@@ -16,7 +16,7 @@ from moe_overlap.layers import dispatch_pipeline
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.training.trainer import Trainer
 from tests.test_master import small_config, world_and_mesh
-from tests.test_moe_layer import E, F, FixedRouter, H, full_expert_weights, rank_inputs
+from tests.test_moe_layer import E, F, FixedRouter, H, OneRankTransports, full_expert_weights, moe_case, rank_inputs
 
 
 def compute_only_case(planning: str, chunks: int, once: bool = False) -> dict:
@@ -79,6 +79,27 @@ def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_po
         assert result["finite"] and result["whatever_the_regions_held"]
         assert not result["same_output"]  # rows from peers never arrived
         assert result["exposed"][True] > 0  # the sizes and the per-chunk messages still wait for the peer
+
+
+class _ComputeOnlyOneRank(OneRankTransports):
+    """A one-rank group's SM push transport, compute-only: the rows that would land are this rank's own (there, the
+    same rows), made by the repeat kernel, which gathers wire rows' hidden columns from their tokens' rows."""
+
+    def transport(self, nbytes: int):
+        made = super().transport(nbytes)
+        made.compute_only = True
+        return made
+
+
+def test_compute_only_over_one_rank_lands_exactly_the_rows_a_push_would(monkeypatch):
+    """On one rank every row that would land is the rank's own: compute-only's repeat kernel (interpreted; wire
+    rows gathered from their tokens' rows, each token once per rank) must give the formula's output and
+    gradients, as the real push does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for once in (False, True):
+        assert moe_case("sparse", 2, planning="device", force_pipeline=True,
+                        selectors={"device": _ComputeOnlyOneRank("sm_push")}, chunks=1,
+                        once_per_rank=once) < 1e-5
 
 
 def trainer_case(output_dir: str) -> dict:
