@@ -15,7 +15,10 @@ import math
 #     Per-GPU MFU, pipeline vs serial exchange: 2xH100 EP=2, 2026-11-26 (benchmarks/results/train_step_*_ep2_*):
 #     fine-grained 0.473 vs 0.420 balanced, 0.419 vs 0.374 real text; Mixtral-like 0.625 vs 0.596 balanced, 0.483
 #     vs 0.460 real text. 4xH100 EP=4, 2026-11 (issue 38's table): 0.319-0.357 vs 0.299-0.339 fine-grained,
-#     0.336/0.593 vs 0.326/0.588 Mixtral-like. More chunks lost there (the only 2-chunk EP=4 row: 0.343).
+#     0.336/0.593 vs 0.326/0.588 Mixtral-like. More chunks lost there (the only 2-chunk EP=4 row: 0.343); again
+#     with forced routing that spreads, device-planned and graphed (bound 1.25), 4xH100 EP=4 fine-grained,
+#     2026-11-27, one launch: 1 chunk 0.486, 2 chunks 0.420 / 0.413 / 0.397 at carve-out auto / 16 / 64 push CTAs
+#     (..._ep4_balanced_spread_fused_4xh100.json).
 #     Without peer access auto plans on the host over nccl, one all-to-all each way on the exchange's stream. 4xH100
 #     EP=4 through host memory (NCCL_P2P_DISABLE=1), balanced, 2026-11-27: fine-grained 0.348 (its compute-only
 #     limit 0.345); Mixtral-like 0.478-0.496, where pairing reached 0.517 and 2 chunks 0.511
