@@ -5,9 +5,11 @@ crosses to it several times. With it the exchange moves *wire rows*, one per (to
 holds any of the token's experts, ordered (chunk, destination rank, token) like the copy rows; the transports and
 their routes are unchanged (they move rows and do not care what a row means), and two local steps bracket them:
 
-  token side      x_TH --permute(row_TC)--> wire rows   (C: a token's distinct targets, at most min(K, chunks x EP))
-                  dispatch backward sums a token's wire rows' gradients (permute_backward); combine sums the
-                  rows that came back (permute_backward); its backward copies the output gradient to them (permute)
+  token side      x_TH --row_TC--> wire rows   (C: a token's distinct targets, at most min(K, chunks x EP)); the
+                  SM push reads each wire row from its token's row as it moves it (:func:`token_rows`,
+                  GatheredRows), other transports take them permuted into a send buffer; dispatch backward sums
+                  a token's wire rows' gradients (permute_backward); combine sums the rows that came back
+                  (permute_backward); its backward sends the output gradient's rows the same way as the dispatch
   expert side     wire rows --permute(expert_row_WJ)--> the chunk's grouped rows (J: the row's copies, at most
                   min(K, a chunk's local experts)); combine weights each expert output by its routing prob and
                   sums a wire row's copies (unpermute) before the one row goes back; its backward gives the
