@@ -2,6 +2,7 @@
 nor an allocation (one kernel each on CUDA, one node of a replayed graph) and every Triton kernel launch
 (interpreted here), by the function that issued it. A replayed graph still pays each node its launch gap and its
 own minimum time (a few microseconds on H100), so a plan made of many small ops costs the step even graphed.
+Each layer is called once before the counted call (its planner's one-time setup is not a step's cost).
 
     TRITON_INTERPRET=1 python benchmarks/layer_ops.py --json benchmarks/results/layer_ops_cpu.json
 
@@ -132,7 +133,9 @@ def main(argv=None) -> None:
     rows = []
     for name, pipeline, once in (("local", False, False), ("device_sm_push_once", True, True),
                                  ("device_sm_push", True, False)):
-        counts = counted(build(args, pipeline, once), x.clone().requires_grad_(True), upstream)
+        layer = build(args, pipeline, once)
+        layer(x.clone().requires_grad_(True).unsqueeze(0))[0].squeeze(0).backward(upstream)  # one-time setup first
+        counts = counted(layer, x.clone().requires_grad_(True), upstream)
         rows.append({"variant": name, **counts})
         print(f"{name:22s} forward {counts['forward']['launches']:4d} ({counts['forward']['triton']} Triton)  "
               f"backward {counts['backward']['launches']:4d} ({counts['backward']['triton']} Triton)")

@@ -45,6 +45,7 @@ from moe_overlap.distributed.a2a_exchange import GatheredRows
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.fp8_quant import FP8, dequantize_rows, quantize_rows
 from moe_overlap.kernels.permute import permute, permute_backward
+from moe_overlap.kernels.wire_targets import distinct_targets, wire_copies
 
 WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
 ALIGN_WORDS = 4  # the extra columns padded to 16 bytes: a row of 16-byte aligned hidden stays so (vector stores)
@@ -132,27 +133,12 @@ def token_wire_rows(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, targ
     """A token's distinct (chunk, rank) targets and their rows in the (chunk, rank, token) order; static shapes,
     no host sync. ``slot_of_target_V``: each target's place in the (chunk, rank) order."""
     T, K = experts_TK.shape
-    E, V = target_of_expert_E.numel(), slot_of_target_V.numel()
+    V = slot_of_target_V.numel()
     C = min(K, V)
-    kept_TK = (experts_TK >= 0) & (experts_TK < E)
-    if keep_TK is not None:
-        kept_TK &= keep_TK.bool()
-    target_TK = torch.where(kept_TK, target_of_expert_E[experts_TK.long().clamp(0, E - 1)], V)
-    has_TV = torch.zeros((T, V + 1), dtype=torch.int8, device=experts_TK.device).scatter_(1, target_TK, 1)[:, :V]
-    every_V = torch.arange(V, device=experts_TK.device)
-    target_TC = torch.where(has_TV.bool(), every_V, -1).sort(1, descending=True).values[:, :C]
-    slots_TC = torch.where(target_TC >= 0, slot_of_target_V[target_TC.clamp(min=0)], V)
+    target_TK, slots_TC = distinct_targets(experts_TK, keep_TK, target_of_expert_E, slot_of_target_V, C)
     row_TC, counts_slot_V, _ = copy_rows(slots_TC, V)  # tokens packed by slot: the (chunk, rank, token) order
-    num_rows = T * C
-    token_of_row_R = torch.zeros(num_rows + 1, dtype=torch.int32, device=experts_TK.device)  # pads: the spare
-    token_TC = torch.arange(T, dtype=torch.int32, device=experts_TK.device).unsqueeze(1).expand(T, C)
-    token_of_row_R.scatter_(0, torch.where(row_TC >= 0, row_TC, num_rows).reshape(-1).long(), token_TC.reshape(-1))
-    match_TKC = target_TC.unsqueeze(1) == target_TK.unsqueeze(2)  # a dropped copy's target V matches nothing
-    row_of_copy_TK = torch.where(kept_TK, (match_TKC * row_TC.unsqueeze(1).long()).sum(2), num_rows)
-    earlier_TKK = torch.ones((K, K), dtype=torch.bool, device=experts_TK.device).tril(-1)
-    same_TKK = (target_TK.unsqueeze(2) == target_TK.unsqueeze(1)) & kept_TK.unsqueeze(1) & earlier_TKK
-    return WireRows(row_TC, token_of_row_R[:num_rows], row_of_copy_TK, same_TKK.sum(2), counts_slot_V[slot_of_target_V],
-                    num_rows, copies)
+    row_of_copy_TK, slot_TK, token_of_row_R = wire_copies(target_TK, row_TC, V, T * C)
+    return WireRows(row_TC, token_of_row_R, row_of_copy_TK, slot_TK, counts_slot_V[slot_of_target_V], T * C, copies)
 
 
 def token_rows(hidden_TX: torch.Tensor, wire: WireRows, rest_RM: torch.Tensor | None = None) -> GatheredRows:
