@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -69,19 +70,35 @@ class DevicePlan:
 
 @dataclass
 class _Layout:
-    """Every destination's compact receive layout from every rank's counts (DevicePlanner.layout)."""
+    """Every destination's compact receive layout from every rank's counts (DevicePlanner.layout). What only the
+    routes read is made when first read (each op a kernel: a copies' layout under wire rows needs none of it)."""
 
     counts_SE: torch.Tensor
-    blocks_SB: torch.Tensor  # every source's permuted blocks, in slot order
-    send_start_SB: torch.Tensor
     rows_DLS: torch.Tensor  # [destination, local expert, source]
-    recv_start_DLS: torch.Tensor  # each block's first row in its destination's compact buffer
+    within_DLS: torch.Tensor  # each block's first row within its chunk, unbounded
     end_DL: torch.Tensor
     first_row_DC: torch.Tensor  # each chunk's first row, as if unbounded
     arrived_DC: torch.Tensor
     kept_DC: torch.Tensor  # rows that fit the chunk's bound
     start_DC: torch.Tensor
-    limit_DC: torch.Tensor  # a row at or past it does not fit: the spare row takes it
+    expert_of_slot: torch.Tensor  # the planner's tables that the routes' fields read
+    chunk_of_expert: torch.Tensor
+
+    @cached_property
+    def blocks_SB(self) -> torch.Tensor:  # every source's permuted blocks, in slot order
+        return self.counts_SE[:, self.expert_of_slot]
+
+    @cached_property
+    def send_start_SB(self) -> torch.Tensor:
+        return exclusive_cumsum(self.blocks_SB)
+
+    @cached_property
+    def recv_start_DLS(self) -> torch.Tensor:  # each block's first row in its destination's compact buffer
+        return self.start_DC[:, self.chunk_of_expert, None] + self.within_DLS
+
+    @cached_property
+    def limit_DC(self) -> torch.Tensor:  # a row at or past it does not fit: the spare row takes it
+        return self.start_DC + self.kept_DC
 
 
 def chunk_bounds_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None) -> list[int]:
@@ -197,7 +214,8 @@ class DevicePlanner(Planner):
         self._check_rows(counts_SE, R)
         layout = self.layout(counts_SE, bound_C)
         kept_E = layout.kept_DC[:, self.chunk_of_expert].reshape(E)
-        grouped_TK = self.grouped_row_of_copies(counts_SE, row_of_copy_TK, routing.experts_TK, kept_E)
+        grouped_TK = self.grouped_row_of_copies(counts_SE, row_of_copy_TK, routing.experts_TK, kept_E,
+                                                layout.within_DLS)
         targets = self.targets
         wire_layout = targets.layout(wire_SV, wire_bound_C)
         routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
@@ -220,15 +238,11 @@ class DevicePlanner(Planner):
         """Every destination's compact layout: its chunks follow each other, each holding its rows up to its
         bound."""
         rows_DLS, within_DLS, first_row_DC = self.grouped_blocks(counts_SE)
-        blocks_SB = counts_SE[:, self.expert_of_slot]
-        rows_DL = rows_DLS.sum(2)
-        end_DL = torch.cumsum(rows_DL, 1)
+        end_DL = torch.cumsum(rows_DLS.sum(2), 1)
         arrived_DC = end_DL[:, self.last_expert] - first_row_DC
         kept_DC = torch.minimum(arrived_DC, bound_C)
-        start_DC = exclusive_cumsum(kept_DC)
-        return _Layout(counts_SE, blocks_SB, exclusive_cumsum(blocks_SB), rows_DLS,
-                       start_DC[:, self.chunk_of_expert, None] + within_DLS, end_DL, first_row_DC, arrived_DC,
-                       kept_DC, start_DC, start_DC + kept_DC)
+        return _Layout(counts_SE, rows_DLS, within_DLS, end_DL, first_row_DC, arrived_DC, kept_DC,
+                       exclusive_cumsum(kept_DC), self.expert_of_slot, self.chunk_of_expert)
 
     def routes(self, lay: _Layout, R: int, W: int, chunk_rows: list[int]) -> DeviceRoutes:
         E, me, L = self.num_experts, self.ep.rank, self.local

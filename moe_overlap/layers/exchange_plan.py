@@ -158,12 +158,15 @@ class Planner:
         return rows_DLS, start_DLS - first_row_DC[:, self.chunk_of_expert, None], first_row_DC
 
     def grouped_row_of_copies(self, counts_SE: torch.Tensor, row_of_copy_TK: torch.Tensor, experts_TK: torch.Tensor,
-                              kept_E: torch.Tensor | None = None) -> torch.Tensor:
+                              kept_E: torch.Tensor | None = None, within_DLS: torch.Tensor | None = None
+                              ) -> torch.Tensor:
         """Each of this rank's copies' row in its destination's grouped tensor of the copy's chunk (int32; -1
         dropped): its block's first row there plus its place in this rank's block of that expert. ``kept_E``: per
-        global expert, the rows its chunk keeps at its owner (a copy past them: -1)."""
+        global expert, the rows its chunk keeps at its owner (a copy past them: -1). ``within_DLS``: the blocks'
+        first rows within their chunks (:meth:`grouped_blocks`), if the caller has them."""
         E, me = self.num_experts, self.ep.rank
-        _, within_DLS, _ = self.grouped_blocks(counts_SE)
+        if within_DLS is None:
+            _, within_DLS, _ = self.grouped_blocks(counts_SE)
         send_start_E = exclusive_cumsum(counts_SE[me][self.expert_of_slot])[self.slot_of_expert]
         shift_E = within_DLS[:, :, me].reshape(E) - send_start_E
         expert_TK = experts_TK.long().clamp(0, E - 1)
