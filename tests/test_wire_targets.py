@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from moe_overlap.kernels.copy_rows import copy_rows
-from moe_overlap.kernels.wire_targets import (distinct_targets, distinct_targets_torch, wire_copies,
-                                              wire_copies_torch)
+from moe_overlap.kernels.wire_targets import copy_grads, distinct_targets, pack_copies, unpack_copies, wire_copies
 
 
 def _routing(T, K, E, V, seed, drops):
@@ -55,3 +54,41 @@ def test_wire_targets_kernels_equal_their_twins_and_the_definition(monkeypatch, 
             row = int(row_TC[t, targets.index(v)])
             assert row_of_copy_TK[t, k] == row and token_of_row_R[row] == t
             assert slot_TK[t, k] == sum(1 for j in kept if j < k and int(target_of_expert_E[experts_TK[t, j]]) == v)
+
+
+@pytest.mark.parametrize("drops,count", [(False, None), (True, 11)])
+def test_copies_packed_unpacked_and_their_gradients_equal_the_twins(monkeypatch, drops, count):
+    """pack_copies / unpack_copies / copy_grads, interpreted against their twins: the same int32 columns (the
+    probs' raw bits), the grouped rows past the limit or the count -1, each kept copy's gradient read back from
+    its slot, 0 for a dropped one; the columns read through a strided view of wider rows."""
+    T, K, E, V = 13, 8, 64, 4
+    routing = _routing(T, K, E, V, 5, drops)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, _, _, row_of_copy_TK, slot_TK, _ = _plan(*routing)
+    R, J, M = T * min(K, V), 8, 16
+    g = torch.Generator().manual_seed(3)
+    grouped_TK = torch.randint(-1, 40, (T, K), generator=g, dtype=torch.int32)
+    probs_TK = torch.rand(T, K, generator=g)
+    limit = torch.tensor([30], dtype=torch.int32)
+    count_t = None if count is None else torch.tensor([count])
+    results = []
+    for interpreted in (False, True):
+        if interpreted:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        meta_RM = pack_copies(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M, J)
+        wide = torch.full((R, M + 6), 7, dtype=torch.int32)
+        wide[:, 6:] = meta_RM
+        grouped_WJ, probs_WJ = unpack_copies(wide[:, 6:], J, limit, count_t)
+        grads = copy_grads(wide[:, 6:].view(torch.float32)[:, J:], row_of_copy_TK, slot_TK)
+        results.append((meta_RM, grouped_WJ, probs_WJ, grads))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    meta_RM, grouped_WJ, probs_WJ, grads = results[0]
+    kept = row_of_copy_TK < R
+    assert torch.equal(grads[kept], probs_TK[kept]) and (grads[~kept] == 0).all()  # the probs read back
+    rows, slots = row_of_copy_TK[kept], slot_TK[kept]
+    want = torch.where((grouped_TK[kept] >= 0) & (grouped_TK[kept] < 30), grouped_TK[kept], -1)
+    if count is not None:
+        want = torch.where(rows < count, want, -1)
+    assert torch.equal(grouped_WJ[rows, slots], want)
+    assert int((meta_RM != 0).sum()) <= 2 * int(kept.sum())  # nothing but the kept copies' columns written

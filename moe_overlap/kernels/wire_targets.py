@@ -10,9 +10,17 @@ rides, one Triton program per token, with their torch twins.
         slot_TK           the copy's place among its wire row's copies (earlier kept copies with its target)
         token_of_row_R    each wire row's token (0 for rows no token has)
 
-Between the two, kernels/copy_rows.copy_rows packs the tokens by slot (row_TC). Two kernels instead of about forty
-small torch ops: a replayed graph pays each node its launch gap (benchmarks/layer_ops.py counts them).
-Letters: T tokens, K copies per token, C a token's distinct targets (at most min(K, V)), V targets, R wire rows.
+Between the two, kernels/copy_rows.copy_rows packs the tokens by slot (row_TC). Then a wire row carries its
+copies in M extra int32 columns (J grouped rows stored plus one, 0: none; then J fp32 probs as raw bits; zero
+padded):
+
+    pack_copies(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M) -> meta_RM
+    unpack_copies(meta_WM, J, limit, count) -> (grouped_row_WJ int32, -1: none or past the limit / count; probs_WJ)
+    copy_grads(grads_RM, row_of_copy_TK, slot_TK) -> grad_probs_TK (fp32; 0 for a copy not kept)
+
+One kernel each instead of six to eleven small torch ops: a replayed graph pays each node its launch gap
+(benchmarks/layer_ops.py counts them). Letters: T tokens, K copies per token, C a token's distinct targets (at most
+min(K, V)), V targets, R wire rows (W: received ones), J a wire row's copies, M its extra columns.
 """
 
 from __future__ import annotations
@@ -67,8 +75,50 @@ if HAVE_TRITON:
         tl.store(slot_ptr + t * K + k, slot.to(tl.int64), mask=in_k)
         tl.store(token_of_row_ptr + tl.where(first, row, 0), t.to(tl.int32), mask=first)
 
+    def _pack_copies_kernel(row_of_copy_ptr, slot_ptr, grouped_ptr, probs_ptr, meta_ptr, meta_f32_ptr, K, J, R, M,
+                            K_PAD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, K_PAD)
+        in_k = k < K
+        row = tl.load(row_of_copy_ptr + t * K + k, mask=in_k, other=R)
+        kept = in_k & (row < R)
+        slot = tl.load(slot_ptr + t * K + k, mask=kept, other=0)
+        grouped = tl.load(grouped_ptr + t * K + k, mask=kept, other=-1)
+        at = tl.where(kept, row, 0) * M + slot
+        tl.store(meta_ptr + at, tl.maximum(grouped + 1, 0).to(tl.int32), mask=kept)
+        tl.store(meta_f32_ptr + at + J, tl.load(probs_ptr + t * K + k, mask=kept, other=0.0).to(tl.float32),
+                 mask=kept)
+
+    def _unpack_copies_kernel(meta_ptr, meta_f32_ptr, limit_ptr, count_ptr, grouped_ptr, probs_ptr, W, J, stride,
+                              HAS_COUNT: tl.constexpr, BLOCK_W: tl.constexpr, J_PAD: tl.constexpr):
+        w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+        j = tl.arange(0, J_PAD)
+        live = w < W
+        if HAS_COUNT:
+            live = live & (w < tl.load(count_ptr))
+        inside = (w < W)[:, None] & (j < J)[None, :]
+        at = w.to(tl.int64)[:, None] * stride + j[None, :]
+        grouped = tl.load(meta_ptr + at, mask=inside, other=0) - 1
+        valid = live[:, None] & (grouped >= 0) & (grouped < tl.load(limit_ptr))
+        out = w.to(tl.int64)[:, None] * J + j[None, :]
+        tl.store(grouped_ptr + out, tl.where(valid, grouped, -1), mask=inside)
+        tl.store(probs_ptr + out, tl.load(meta_f32_ptr + at + J, mask=inside, other=0.0), mask=inside)
+
+    def _copy_grads_kernel(grads_f32_ptr, row_of_copy_ptr, slot_ptr, out_ptr, K, R, stride, K_PAD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, K_PAD)
+        in_k = k < K
+        row = tl.load(row_of_copy_ptr + t * K + k, mask=in_k, other=R)
+        kept = in_k & (row < R)
+        slot = tl.load(slot_ptr + t * K + k, mask=kept, other=0)
+        grad = tl.load(grads_f32_ptr + tl.where(kept, row, 0) * stride + slot, mask=kept, other=0.0)
+        tl.store(out_ptr + t * K + k, grad, mask=in_k)
+
     _distinct_targets = Kernel(_distinct_targets_kernel)
     _wire_copies = Kernel(_wire_copies_kernel)
+    _pack_copies = Kernel(_pack_copies_kernel)
+    _unpack_copies = Kernel(_unpack_copies_kernel, do_not_specialize=["W"])
+    _copy_grads = Kernel(_copy_grads_kernel)
 
 
 def distinct_targets_torch(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, target_of_expert_E: torch.Tensor,
@@ -144,3 +194,86 @@ def wire_copies(target_TK: torch.Tensor, row_TC: torch.Tensor, V: int, num_rows:
                                             token_of_row_R, K, row_TC.shape[1], V, num_rows,
                                             K_PAD=max(2, triton.next_power_of_2(K)))
     return row_of_copy_TK, slot_TK, token_of_row_R
+
+
+
+def pack_copies_torch(row_of_copy_TK: torch.Tensor, slot_TK: torch.Tensor, grouped_TK: torch.Tensor,
+                      probs_TK: torch.Tensor, R: int, M: int, J: int) -> torch.Tensor:
+    """Twin of :func:`pack_copies`."""
+    meta_RM = torch.zeros((R + 1, M), dtype=torch.int32, device=row_of_copy_TK.device)  # the spare row: dropped
+    rows, slots = row_of_copy_TK.reshape(-1).long(), slot_TK.reshape(-1).long()
+    meta_RM[rows, slots] = (grouped_TK.reshape(-1).to(torch.int32) + 1).clamp(min=0)
+    meta_RM.view(torch.float32)[rows, slots + J] = probs_TK.reshape(-1).float()
+    return meta_RM[:R]
+
+
+def pack_copies(row_of_copy_TK: torch.Tensor, slot_TK: torch.Tensor, grouped_TK: torch.Tensor,
+                probs_TK: torch.Tensor, R: int, M: int, J: int) -> torch.Tensor:
+    """meta_RM (int32, R x M): each kept copy's grouped row plus one (0 for -1: past a bound) at column slot of its
+    wire row, its prob's bits at column J + slot; every other column zero."""
+    if not use_triton(row_of_copy_TK, "wire_targets"):
+        return pack_copies_torch(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M, J)
+    T, K = row_of_copy_TK.shape
+    meta_RM = torch.zeros((R, M), dtype=torch.int32, device=row_of_copy_TK.device)
+    if T:
+        _pack_copies[(T,), row_of_copy_TK.device](
+            row_of_copy_TK.contiguous(), slot_TK.contiguous(), grouped_TK.contiguous(), probs_TK.contiguous(),
+            meta_RM, meta_RM.view(torch.float32), K, J, R, M, K_PAD=max(2, triton.next_power_of_2(K)))
+    return meta_RM
+
+
+def unpack_copies_torch(meta_WM: torch.Tensor, J: int, limit: torch.Tensor, count: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`unpack_copies`."""
+    grouped_WJ = meta_WM[:, :J] - 1
+    valid = (grouped_WJ >= 0) & (grouped_WJ < limit)
+    if count is not None:
+        valid &= torch.arange(meta_WM.shape[0], device=meta_WM.device).unsqueeze(1) < count
+    return torch.where(valid, grouped_WJ, -1), meta_WM[:, J:2 * J].contiguous().view(torch.float32)
+
+
+def unpack_copies(meta_WM: torch.Tensor, J: int, limit: torch.Tensor, count: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grouped_row_WJ int32, probs_WJ fp32) of received wire rows' copies, read from their int32 columns
+    ``meta_WM`` (rows may be strided: the received rows themselves): a grouped row at or past ``limit`` (a device
+    scalar: the chunk's last grouped-GEMM offset), or of a row at or past ``count`` (a device scalar: the rows
+    received; None: every row), is -1."""
+    if meta_WM.dim() != 2 or meta_WM.stride(1) != 1:
+        raise ValueError(f"meta_WM must be 2-D with unit column stride, got strides {meta_WM.stride()}")
+    if not use_triton(meta_WM, "wire_targets"):
+        return unpack_copies_torch(meta_WM, J, limit, count)
+    W = meta_WM.shape[0]
+    grouped_WJ = torch.empty((W, J), dtype=torch.int32, device=meta_WM.device)
+    probs_WJ = torch.empty((W, J), dtype=torch.float32, device=meta_WM.device)
+    if W:
+        block_w = 128
+        _unpack_copies[(triton.cdiv(W, block_w),), meta_WM.device](
+            meta_WM, meta_WM.view(torch.float32), limit.reshape(-1)[:1], limit if count is None else count.reshape(-1),
+            grouped_WJ, probs_WJ, W, J, meta_WM.stride(0), HAS_COUNT=count is not None, BLOCK_W=block_w,
+            J_PAD=max(2, triton.next_power_of_2(J)))
+    return grouped_WJ, probs_WJ
+
+
+def copy_grads_torch(grads_RM: torch.Tensor, row_of_copy_TK: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`copy_grads`."""
+    R, M = grads_RM.shape
+    flat = torch.cat((grads_RM.reshape(-1), grads_RM.new_zeros(1)))
+    index = torch.where(row_of_copy_TK < R, row_of_copy_TK * M + slot_TK, flat.numel() - 1)  # dropped: zero
+    return flat[index]
+
+
+def copy_grads(grads_RM: torch.Tensor, row_of_copy_TK: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """grad_probs_TK (fp32): each kept copy's value at column slot of its wire row's fp32 columns ``grads_RM``
+    (rows may be strided), 0 for a copy not kept."""
+    if grads_RM.dim() != 2 or grads_RM.stride(1) != 1 or grads_RM.dtype != torch.float32:
+        raise ValueError(f"grads_RM must be 2-D float32 with unit column stride, got {grads_RM.dtype} strides "
+                         f"{grads_RM.stride()}")
+    if not use_triton(row_of_copy_TK, "wire_targets"):
+        return copy_grads_torch(grads_RM, row_of_copy_TK, slot_TK)
+    T, K = row_of_copy_TK.shape
+    out_TK = torch.empty((T, K), dtype=torch.float32, device=row_of_copy_TK.device)
+    if T:
+        _copy_grads[(T,), row_of_copy_TK.device](grads_RM, row_of_copy_TK.contiguous(), slot_TK.contiguous(), out_TK,
+                                                K, grads_RM.shape[0], grads_RM.stride(0),
+                                                K_PAD=max(2, triton.next_power_of_2(K)))
+    return out_TK

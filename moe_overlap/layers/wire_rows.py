@@ -45,7 +45,7 @@ from moe_overlap.distributed.a2a_exchange import GatheredRows
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.fp8_quant import FP8, dequantize_rows, quantize_rows
 from moe_overlap.kernels.permute import permute, permute_backward
-from moe_overlap.kernels.wire_targets import distinct_targets, wire_copies
+from moe_overlap.kernels.wire_targets import copy_grads, distinct_targets, pack_copies, unpack_copies, wire_copies
 
 WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
 ALIGN_WORDS = 4  # the extra columns padded to 16 bytes: a row of 16-byte aligned hidden stays so (vector stores)
@@ -163,14 +163,10 @@ def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, gr
     """The rows that cross to the experts: each wire row's hidden state (``fp8``: packed, :func:`packed_hidden`),
     then its J grouped rows and J probs as raw bits. ``grouped_row_of_copy``: returns each copy's grouped row at its
     destination (a host-planned plan waits for the counts there: the permutation is queued first)."""
-    J, R = wire.copies, wire.num_rows
+    J = wire.copies
     hidden_TX = packed_hidden(x_TH, fp8)
-    index = (wire.row_of_copy_TK * J + wire.slot_TK).reshape(-1)  # a dropped copy: into the spare row R
-    grouped_RJ = torch.zeros(((R + 1) * J,), dtype=torch.int32, device=x_TH.device)
-    grouped_RJ[index] = grouped_row_of_copy().reshape(-1).to(torch.int32) + 1  # a copy past a bound (-1): none
-    probs_RJ = torch.zeros(((R + 1) * J,), dtype=torch.float32, device=x_TH.device)
-    probs_RJ[index] = probs_TK.detach().reshape(-1).float()
-    meta_RM = _words(torch.cat((grouped_RJ.view(R + 1, J)[:R], probs_RJ.view(R + 1, J)[:R].view(torch.int32)), 1))
+    meta_RM = pack_copies(wire.row_of_copy_TK, wire.slot_TK, grouped_row_of_copy(), probs_TK.detach(), wire.num_rows,
+                          _padded_words(2 * J), J)  # a copy past a bound (grouped row -1): none
     return token_rows(hidden_TX, wire, meta_RM.view(x_TH.dtype))
 
 
@@ -189,13 +185,9 @@ def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch
     dropped), or None when every row is one. A grouped row past the chunk's last grouped-GEMM offset is dropped too
     (a compute-only reference lands a rank's own rows, whose copies belong elsewhere). ``fp8``: the hidden states
     crossed packed (:func:`hidden_states`)."""
-    meta_WM = rows_WX[:, hidden_columns(hidden, rows_WX.dtype, fp8):].contiguous().view(torch.int32)
-    grouped_WJ = meta_WM[:, :copies] - 1
-    valid = (grouped_WJ >= 0) & (grouped_WJ < offsets[-1])
-    if count is not None:
-        valid &= torch.arange(rows_WX.shape[0], device=rows_WX.device).unsqueeze(1) < count
-    return ArrivedRows(hidden_states(rows_WX, hidden, fp8), torch.where(valid, grouped_WJ, -1),
-                       meta_WM[:, copies:2 * copies].contiguous().view(torch.float32))
+    meta_WM = rows_WX[:, hidden_columns(hidden, rows_WX.dtype, fp8):].view(torch.int32)
+    grouped_WJ, probs_WJ = unpack_copies(meta_WM, copies, offsets[-1:], count)
+    return ArrivedRows(hidden_states(rows_WX, hidden, fp8), grouped_WJ, probs_WJ)
 
 
 def dgrad_rows(grad_x_RH: torch.Tensor, grouped_row_WJ: torch.Tensor, grad_probs_WJ: torch.Tensor | None
@@ -220,9 +212,5 @@ def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype:
     grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC)
     if probs_dtype is None:
         return grad_TH, None
-    J = wire.copies
-    grad_probs = torch.cat((grad_RX[:, hidden:].contiguous().view(torch.float32)[:, :J].reshape(-1),
-                            grad_RX.new_zeros(1, dtype=torch.float32)))
-    index = wire.row_of_copy_TK * J + wire.slot_TK
-    index = torch.where(wire.row_of_copy_TK < grad_RX.shape[0], index, grad_probs.numel() - 1)  # dropped: zero
-    return grad_TH, grad_probs[index].to(probs_dtype)
+    grads_RM = grad_RX[:, hidden:].view(torch.float32)
+    return grad_TH, copy_grads(grads_RM, wire.row_of_copy_TK, wire.slot_TK).to(probs_dtype)
