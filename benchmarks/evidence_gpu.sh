@@ -50,7 +50,9 @@
 #   bash benchmarks/evidence_gpu.sh fused4   OUT   # the same after the fused FP8 packing, the vector
 #                                                  #   zero fill; two chunks at three push widths
 #   bash benchmarks/evidence_gpu.sh fused2   OUT   # EP=2: default, compute_only, ep1, FP8 dispatch
-#   bash benchmarks/evidence_gpu.sh gather4  OUT   # (not run yet) wire rows pushed straight from their tokens' rows
+#   bash benchmarks/evidence_gpu.sh gather4  OUT   # wire rows pushed straight from their tokens' rows
+#   bash benchmarks/evidence_gpu.sh plan4    OUT   # (not run yet) the wire rows' plan in fewer kernels; EP=4
+#   bash benchmarks/evidence_gpu.sh plan2    OUT   # (not run yet) the same at EP=2
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
 #                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
@@ -561,7 +563,7 @@ case $phase in
   fused2)  # the same at EP=2 (2 GPUs): default, compute_only, ep1, FP8 dispatch
     train_step 2 fine_8l balanced_spread_fused "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
     ;;
-  gather4)  # issue 38 (not run yet): wire rows pushed straight from their tokens' rows (the push kernel gathers
+  gather4)  # issue 38: wire rows pushed straight from their tokens' rows (the push kernel gathers
     # the hidden columns; no token-side send buffer written first, forward and backward): the kernels' and the
     # once-per-rank layer's GPU tests, then EP=4 fine: default, compute_only, ep1 (predicted: about 12 ms a step
     # less, the token-side scatters' share of _scatter_rows_kernel by bytes)
@@ -571,6 +573,21 @@ case $phase in
       tests/test_gpu_dispatch_once_per_rank.py 2>&1 | tail -n 4 | tee -a "$log"
     cp "$log" "$res/gpu_tests_gather_4x$gpu.txt"
     train_step 4 fine_8l balanced_spread_gather "$BAL"
+    ;;
+  plan4)  # issue 38 (not run yet): the wire rows' plan in fewer kernels (kernels/wire_targets.py; the layout's
+    # route-only fields lazy): benchmarks/layer_ops.py counts 149 launches per layer call against 219 before (CPU);
+    # predicted about 70 x 64 x 2 us = 9 ms a step less for the default and compute_only alike. GPU tests of the new
+    # kernels and the layer, then EP=4 fine: default, compute_only, ep1, FP8 dispatch
+    log=$out/gpu_tests_plan_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_wire_targets.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_moe.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_wire_targets.py \
+      tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_moe.py 2>&1 | tail -n 6 \
+      | tee -a "$log"
+    cp "$log" "$res/gpu_tests_plan_4x$gpu.txt"
+    train_step 4 fine_8l balanced_spread_plan "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
+    ;;
+  plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
+    train_step 2 fine_8l balanced_spread_plan "$BAL"
     ;;
   routing2x)  # issue 41: the fine 2-GPU example as shipped (2 sequences a micro-batch) with aux 0.2 (GPUs
     # 0-1) and with the learning rate decayed over 100 steps after a 10-step warm-up (GPUs 2-3; 3 steps under with 1

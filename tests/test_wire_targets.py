@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from moe_overlap.kernels.copy_rows import copy_rows
-from moe_overlap.kernels.wire_targets import copy_grads, distinct_targets, pack_copies, unpack_copies, wire_copies
+from moe_overlap.kernels.wire_targets import (copy_grads, copy_grads_torch, distinct_targets, distinct_targets_torch,
+                                              pack_copies, pack_copies_torch, unpack_copies, unpack_copies_torch,
+                                              wire_copies, wire_copies_torch)
 
 
 def _routing(T, K, E, V, seed, drops):
@@ -92,3 +94,37 @@ def test_copies_packed_unpacked_and_their_gradients_equal_the_twins(monkeypatch,
         want = torch.where(rows < count, want, -1)
     assert torch.equal(grouped_WJ[rows, slots], want)
     assert int((meta_RM != 0).sum()) <= 2 * int(kept.sum())  # nothing but the kept copies' columns written
+
+
+@pytest.mark.gpu
+def test_gpu_wire_targets_and_copies_equal_the_twins():
+    """On CUDA (compiled), the fine-grained bench shape at EP=4 (8 of 64 experts, 4 targets) and with 2 chunks
+    (8 targets): every output equal to the twins' (run on the same device), no host sync in the kernels."""
+    if not torch.cuda.is_available():
+        pytest.fail("needs CUDA")
+    for V, drops in ((4, False), (8, True)):
+        routing = [t.cuda() if t is not None else None for t in _routing(8192, 8, 64, V, V, drops)]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = _plan(*routing)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        experts_TK, keep_TK, target_of_expert_E, slot_of_target_V = routing
+        C = min(8, V)
+        target_TK, slots_TC = distinct_targets_torch(experts_TK, keep_TK, target_of_expert_E, slot_of_target_V, C)
+        row_TC, _, _ = copy_rows(slots_TC, V)
+        twin = (target_TK, slots_TC, row_TC) + wire_copies_torch(target_TK, row_TC, V, 8192 * C)
+        for name, a, b in zip(("target", "slots", "row_TC", "row_of_copy", "slot", "token_of_row"), got, twin):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        row_of_copy_TK, slot_TK = got[3], got[4]
+        R, J, M = 8192 * C, 8, 16
+        grouped_TK = torch.randint(-1, 9000, (8192, 8), dtype=torch.int32, device="cuda")
+        probs_TK = torch.rand(8192, 8, device="cuda")
+        meta_RM = pack_copies(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M, J)
+        assert torch.equal(meta_RM, pack_copies_torch(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M, J))
+        limit, count = torch.tensor([8000], device="cuda"), torch.tensor([R - 100], device="cuda")
+        for a, b in zip(unpack_copies(meta_RM, J, limit, count), unpack_copies_torch(meta_RM, J, limit, count)):
+            assert torch.equal(a, b)
+        grads_RM = meta_RM.view(torch.float32)[:, J:]
+        assert torch.equal(copy_grads(grads_RM, row_of_copy_TK, slot_TK),
+                           copy_grads_torch(grads_RM, row_of_copy_TK, slot_TK))
