@@ -6,8 +6,9 @@ import torch
 
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.wire_targets import (copy_grads, copy_grads_torch, distinct_targets, distinct_targets_torch,
-                                              pack_copies, pack_copies_torch, unpack_copies, unpack_copies_torch,
-                                              wire_copies, wire_copies_torch)
+                                              grouped_rows_of_copies, grouped_rows_of_copies_torch, pack_copies,
+                                              pack_copies_torch, unpack_copies, unpack_copies_torch, wire_copies,
+                                              wire_copies_torch)
 
 
 def _routing(T, K, E, V, seed, drops):
@@ -96,6 +97,23 @@ def test_copies_packed_unpacked_and_their_gradients_equal_the_twins(monkeypatch,
     assert int((meta_RM != 0).sum()) <= 2 * int(kept.sum())  # nothing but the kept copies' columns written
 
 
+@pytest.mark.parametrize("with_kept", [False, True])
+def test_grouped_rows_of_copies_kernel_equals_its_twin(monkeypatch, with_kept):
+    """Each copy's grouped row at its destination: its row plus its expert's shift; -1 if dropped (row -1) or,
+    with kept rows per expert, at or past them; an expert id outside [0, E) clamped as the twin does."""
+    g = torch.Generator().manual_seed(9)
+    T, K, E = 37, 4, 16
+    row_of_copy_TK = torch.randint(-1, 200, (T, K), generator=g, dtype=torch.int32)
+    experts_TK = torch.randint(-1, E + 1, (T, K), generator=g)
+    shift_E = torch.randint(-50, 300, (E,), generator=g)
+    kept_E = torch.randint(0, 400, (E,), generator=g) if with_kept else None
+    want = grouped_rows_of_copies_torch(row_of_copy_TK, experts_TK, shift_E, kept_E)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = grouped_rows_of_copies(row_of_copy_TK, experts_TK, shift_E, kept_E)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert (want[row_of_copy_TK < 0] == -1).all() and (want >= 0).any()
+
+
 @pytest.mark.gpu
 def test_gpu_wire_targets_and_copies_equal_the_twins():
     """On CUDA (compiled), the fine-grained bench shape at EP=4 (8 of 64 experts, 4 targets) and with 2 chunks
@@ -125,6 +143,9 @@ def test_gpu_wire_targets_and_copies_equal_the_twins():
         limit, count = torch.tensor([8000], device="cuda"), torch.tensor([R - 100], device="cuda")
         for a, b in zip(unpack_copies(meta_RM, J, limit, count), unpack_copies_torch(meta_RM, J, limit, count)):
             assert torch.equal(a, b)
+        shift_E, kept_E = torch.randint(0, 5000, (64,), device="cuda"), torch.randint(0, 9000, (64,), device="cuda")
+        assert torch.equal(grouped_rows_of_copies(row_of_copy_TK, experts_TK, shift_E, kept_E),
+                           grouped_rows_of_copies_torch(row_of_copy_TK, experts_TK, shift_E, kept_E))
         grads_RM = meta_RM.view(torch.float32)[:, J:]
         assert torch.equal(copy_grads(grads_RM, row_of_copy_TK, slot_TK),
                            copy_grads_torch(grads_RM, row_of_copy_TK, slot_TK))

@@ -151,6 +151,11 @@ class PushTransport(Transport):
                         for region in range(regions.count)]
 
             self._bases = bases(regions.buffer_ptrs)
+            # gather_counts' routes, made once: row r of a (ranks, E) table to rank r, at this rank's row there
+            ranks = regions.size
+            self._every_rank = torch.arange(ranks, dtype=torch.int32, device=device)
+            self._at_my_row = torch.full((ranks,), regions.rank, dtype=torch.int64, device=device)
+            self._zero, self._ranks = (torch.tensor([v], dtype=torch.int64, device=device) for v in (0, ranks))
         else:
             self.name, self.stream = "gloo", None
 
@@ -185,11 +190,9 @@ class PushTransport(Transport):
                                    self.twin_group).view(ranks, -1)
         regions = self.regions
         region = regions.claim(torch.cuda.current_stream() if counts_E.is_cuda else None)
-        every = torch.arange(ranks, dtype=torch.int32, device=counts_E.device)
         counts_SE = counts_E.view(1, -1).expand(ranks, -1).contiguous()
-        zero = torch.zeros(1, dtype=torch.int64, device=counts_E.device)
-        push_rows(counts_SE, zero, zero + ranks, every, torch.full_like(every, regions.rank, dtype=torch.int64),
-                  zero, self._bases[region], ctas=1)
+        push_rows(counts_SE, self._zero, self._ranks, self._every_rank, self._at_my_row, self._zero,
+                  self._bases[region], ctas=1)
         for peer in regions.peers:
             regions.signal(peer, region, 0)
         with exposed_wait("ep"):

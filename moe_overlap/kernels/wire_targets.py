@@ -14,6 +14,9 @@ Between the two, kernels/copy_rows.copy_rows packs the tokens by slot (row_TC). 
 copies in M extra int32 columns (J grouped rows stored plus one, 0: none; then J fp32 probs as raw bits; zero
 padded):
 
+    grouped_rows_of_copies(row_of_copy_TK, experts_TK, shift_E, kept_E) -> grouped_TK
+        each copy's grouped row at its destination: its row plus its expert's shift (-1 if dropped, or at or past
+        its expert's kept rows)
     pack_copies(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M) -> meta_RM
     unpack_copies(meta_WM, J, limit, count) -> (grouped_row_WJ int32, -1: none or past the limit / count; probs_WJ)
     copy_grads(grads_RM, row_of_copy_TK, slot_TK) -> grad_probs_TK (fp32; 0 for a copy not kept)
@@ -114,7 +117,20 @@ if HAVE_TRITON:
         grad = tl.load(grads_f32_ptr + tl.where(kept, row, 0) * stride + slot, mask=kept, other=0.0)
         tl.store(out_ptr + t * K + k, grad, mask=in_k)
 
+    def _grouped_rows_kernel(row_of_copy_ptr, experts_ptr, shift_ptr, kept_ptr, out_ptr, N, E,
+                             HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < N
+        row = tl.load(row_of_copy_ptr + i, mask=inside, other=-1).to(tl.int64)
+        e = tl.minimum(tl.maximum(tl.load(experts_ptr + i, mask=inside, other=0).to(tl.int64), 0), E - 1)
+        valid = inside & (row >= 0)
+        grouped = row + tl.load(shift_ptr + e, mask=valid, other=0)
+        if HAS_KEPT:
+            valid = valid & (grouped < tl.load(kept_ptr + e, mask=valid, other=0))
+        tl.store(out_ptr + i, tl.where(valid, grouped, -1).to(tl.int32), mask=inside)
+
     _distinct_targets = Kernel(_distinct_targets_kernel)
+    _grouped_rows = Kernel(_grouped_rows_kernel, do_not_specialize=["N"])
     _wire_copies = Kernel(_wire_copies_kernel)
     _pack_copies = Kernel(_pack_copies_kernel)
     _unpack_copies = Kernel(_unpack_copies_kernel, do_not_specialize=["W"])
@@ -195,6 +211,34 @@ def wire_copies(target_TK: torch.Tensor, row_TC: torch.Tensor, V: int, num_rows:
                                             K_PAD=max(2, triton.next_power_of_2(K)))
     return row_of_copy_TK, slot_TK, token_of_row_R
 
+
+
+def grouped_rows_of_copies_torch(row_of_copy_TK: torch.Tensor, experts_TK: torch.Tensor, shift_E: torch.Tensor,
+                                 kept_E: torch.Tensor | None) -> torch.Tensor:
+    """Twin of :func:`grouped_rows_of_copies`."""
+    expert_TK = experts_TK.long().clamp(0, shift_E.numel() - 1)
+    grouped_TK = row_of_copy_TK.long() + shift_E[expert_TK]
+    valid = row_of_copy_TK >= 0
+    if kept_E is not None:
+        valid &= grouped_TK < kept_E[expert_TK]
+    return torch.where(valid, grouped_TK, -1).to(torch.int32)
+
+
+def grouped_rows_of_copies(row_of_copy_TK: torch.Tensor, experts_TK: torch.Tensor, shift_E: torch.Tensor,
+                           kept_E: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 (T, K): each copy's row in its destination's grouped tensor, ``row_of_copy_TK`` (-1: dropped) plus its
+    expert's ``shift_E``; -1 where dropped or (``kept_E``: per expert, the rows its owner keeps) past them."""
+    if not use_triton(row_of_copy_TK, "wire_targets"):
+        return grouped_rows_of_copies_torch(row_of_copy_TK, experts_TK, shift_E, kept_E)
+    out_TK = torch.empty(row_of_copy_TK.shape, dtype=torch.int32, device=row_of_copy_TK.device)
+    N = out_TK.numel()
+    if N:
+        block = 1024
+        _grouped_rows[(triton.cdiv(N, block),), out_TK.device](
+            row_of_copy_TK.contiguous(), experts_TK.contiguous(), shift_E.contiguous(),
+            shift_E if kept_E is None else kept_E.contiguous(), out_TK, N, shift_E.numel(),
+            HAS_KEPT=kept_E is not None, BLOCK=block)
+    return out_TK
 
 
 def pack_copies_torch(row_of_copy_TK: torch.Tensor, slot_TK: torch.Tensor, grouped_TK: torch.Tensor,

@@ -30,6 +30,7 @@ from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes, HostRoutes
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.copy_rows import copy_rows
+from moe_overlap.kernels.wire_targets import grouped_rows_of_copies
 from moe_overlap.layers.router import Routing
 from moe_overlap.layers.wire_rows import WireRows, copies_per_wire_row, token_wire_rows, wire_row_bytes
 
@@ -169,12 +170,7 @@ class Planner:
             _, within_DLS, _ = self.grouped_blocks(counts_SE)
         send_start_E = exclusive_cumsum(counts_SE[me][self.expert_of_slot])[self.slot_of_expert]
         shift_E = within_DLS[:, :, me].reshape(E) - send_start_E
-        expert_TK = experts_TK.long().clamp(0, E - 1)
-        grouped_TK = row_of_copy_TK.long() + shift_E[expert_TK]
-        valid = row_of_copy_TK >= 0
-        if kept_E is not None:
-            valid &= grouped_TK < kept_E[expert_TK]
-        return torch.where(valid, grouped_TK, -1).to(torch.int32)
+        return grouped_rows_of_copies(row_of_copy_TK, experts_TK, shift_E, kept_E)
 
     def transport(self, routing: Routing) -> Transport | None:
         """The transport, its regions holding the worst case of this call: every rank's copies landing on this
