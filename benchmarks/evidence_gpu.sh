@@ -575,8 +575,8 @@ case $phase in
     train_step 4 fine_8l balanced_spread_gather "$BAL"
     ;;
   plan4)  # issue 38 (not run yet): the wire rows' plan in fewer kernels (kernels/wire_targets.py; the layout's
-    # route-only fields lazy): benchmarks/layer_ops.py counts 135 launches per layer call against 219 before (CPU);
-    # predicted about 84 x 64 x 2 us = 11 ms a step less for the default and compute_only alike. GPU tests of the new
+    # route-only fields lazy): benchmarks/layer_ops.py counts 131 launches per layer call against 219 before (CPU);
+    # predicted about 88 x 64 x 2 us = 11 ms a step less for the default and compute_only alike. GPU tests of the new
     # kernels and the layer, then EP=4 fine: default, compute_only, ep1, FP8 dispatch
     log=$out/gpu_tests_plan_4x.txt
     echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_wire_targets.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_moe.py (4 GPUs)" > "$log"

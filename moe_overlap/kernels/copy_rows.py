@@ -57,10 +57,11 @@ if HAVE_TRITON:
         tl.store(rank_ptr + offs, rank, mask=inb)
         tl.store(hist_ptr + e * NB + b, rank + 1, mask=valid & (later == 0))
 
-    def _position_kernel(experts_ptr, keep_ptr, base_ptr, start_ptr, pos_ptr, row_ptr, N, E, C, NB,
+    def _position_kernel(experts_ptr, keep_ptr, incl_ptr, hist_ptr, cum_ptr, pos_ptr, row_ptr, N, E, C, NB,
                          HAS_KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-        # position = block base of the copy's expert + rank inside the block (already in pos_ptr);
-        # ROWS: 0 positions only, 1 dropless rows (start_ptr: exclusive cumsum of counts), 2 capacity rows (C).
+        # position = block base of the copy's expert (incl - hist: the exclusive prefix over blocks) + rank inside
+        # the block (already in pos_ptr); ROWS: 0 positions only, 1 dropless rows (the expert's start: cum, the
+        # inclusive cumsum of the counts, less its count incl[e, NB - 1]), 2 capacity rows (C).
         b = tl.program_id(0)
         offs = b * BLOCK_N + tl.arange(0, BLOCK_N)
         inb = offs < N
@@ -70,11 +71,13 @@ if HAVE_TRITON:
             kept = tl.load(keep_ptr + offs, mask=inb, other=0)
             valid = valid & (kept != 0)
         rank = tl.load(pos_ptr + offs, mask=inb, other=0)
-        base = tl.load(base_ptr + e * NB + b, mask=valid, other=0).to(tl.int32)
+        base = (tl.load(incl_ptr + e * NB + b, mask=valid, other=0)
+                - tl.load(hist_ptr + e * NB + b, mask=valid, other=0)).to(tl.int32)
         pos = tl.where(valid, rank + base, -1)
         tl.store(pos_ptr + offs, pos, mask=inb)
         if ROWS == 1:
-            start = tl.load(start_ptr + e, mask=valid, other=0).to(tl.int32)
+            start = (tl.load(cum_ptr + e, mask=valid, other=0)
+                     - tl.load(incl_ptr + e * NB + NB - 1, mask=valid, other=0)).to(tl.int32)
             tl.store(row_ptr + offs, tl.where(valid, start + pos, -1), mask=inb)
         if ROWS == 2:
             keep_row = valid & (pos < C)
@@ -143,9 +146,8 @@ def _copy_positions_triton(experts_TK, num_experts, keep_TK, capacity, rows: int
                                    HAS_KEEP=keep_TK is not None, BLOCK_N=block_n, num_warps=8)
     incl = torch.cumsum(hist, 1)  # int64; experts x blocks: a scan along the inner dim (the outer one is slow)
     counts = incl[:, -1]
-    base = incl - hist  # exclusive prefix over blocks
-    start = torch.cumsum(counts, 0) - counts if rows == 1 else counts
-    _position[(num_blocks,), dev](experts, keep, base, start, position, row, n, num_experts,
+    cum = torch.cumsum(counts, 0) if rows == 1 else counts  # the subtractions happen in the kernel: no launches
+    _position[(num_blocks,), dev](experts, keep, incl, hist, cum, position, row, n, num_experts,
                                   0 if capacity is None else int(capacity), num_blocks,
                                   HAS_KEEP=keep_TK is not None, ROWS=rows, BLOCK_N=block_n, num_warps=4)
     return position, row, counts
