@@ -5,7 +5,7 @@ rides, one Triton program per token, with their torch twins.
         target_TK[t, k]   the copy's target (its expert's (rank, chunk) target; V if the copy is not kept)
         slots_TC[t, :]    the token's distinct targets in descending order, each as its slot in the (chunk, rank)
                           order, V past them
-    wire_copies(target_TK, row_TC, num_rows) -> (row_of_copy_TK, slot_TK, token_of_row_R)
+    wire_copies(target_TK, row_TC, V, num_rows) -> (row_of_copy_TK, slot_TK, token_of_row_R)
         row_of_copy_TK    the wire row carrying each copy (row_TC of its target's place; num_rows if not kept)
         slot_TK           the copy's place among its wire row's copies (earlier kept copies with its target)
         token_of_row_R    each wire row's token (0 for rows no token has)
@@ -17,7 +17,7 @@ padded):
     grouped_rows_of_copies(row_of_copy_TK, experts_TK, shift_E, kept_E) -> grouped_TK
         each copy's grouped row at its destination: its row plus its expert's shift (-1 if dropped, or at or past
         its expert's kept rows)
-    pack_copies(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M) -> meta_RM
+    pack_copies(row_of_copy_TK, slot_TK, grouped_TK, probs_TK, R, M, J) -> meta_RM
     unpack_copies(meta_WM, J, limit, count) -> (grouped_row_WJ int32, -1: none or past the limit / count; probs_WJ)
     copy_grads(grads_RM, row_of_copy_TK, slot_TK) -> grad_probs_TK (fp32; 0 for a copy not kept)
 
@@ -165,8 +165,9 @@ def distinct_targets(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, tar
     slots_TC = torch.empty((T, C), dtype=torch.int32, device=experts_TK.device)
     if T:
         experts = experts_TK.contiguous()
-        keep = experts if keep_TK is None else keep_TK.contiguous().view(torch.uint8) if keep_TK.dtype == torch.bool \
-            else keep_TK.contiguous()
+        keep = experts if keep_TK is None else keep_TK.contiguous()  # an unused pointer without keep_TK
+        if keep.dtype == torch.bool:
+            keep = keep.view(torch.uint8)
         _distinct_targets[(T,), experts_TK.device](
             experts, keep, target_of_expert_E.contiguous(), slot_of_target_V.contiguous(), target_TK, slots_TC, K,
             target_of_expert_E.numel(), slot_of_target_V.numel(), C, HAS_KEEP=keep_TK is not None,
