@@ -51,8 +51,8 @@
 #                                                  #   zero fill; two chunks at three push widths
 #   bash benchmarks/evidence_gpu.sh fused2   OUT   # EP=2: default, compute_only, ep1, FP8 dispatch
 #   bash benchmarks/evidence_gpu.sh gather4  OUT   # wire rows pushed straight from their tokens' rows
-#   bash benchmarks/evidence_gpu.sh plan4    OUT   # (not run yet) the wire rows' plan in fewer kernels; EP=4
-#   bash benchmarks/evidence_gpu.sh plan2    OUT   # (not run yet) the same at EP=2
+#   bash benchmarks/evidence_gpu.sh plan4    OUT   # the wire rows' plan in fewer kernels; EP=4, with the serial row
+#   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
 #                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
@@ -579,12 +579,13 @@ case $phase in
     # predicted about 88 x 64 x 2 us = 11 ms a step less for the default and compute_only alike. GPU tests of the new
     # kernels and the layer, then EP=4 fine: default, compute_only, ep1, FP8 dispatch
     log=$out/gpu_tests_plan_4x.txt
-    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_wire_targets.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_moe.py (4 GPUs)" > "$log"
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_wire_targets.py tests/test_kernels.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_moe.py (4 GPUs)" > "$log"
     timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_wire_targets.py \
-      tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_moe.py 2>&1 | tail -n 6 \
-      | tee -a "$log"
+      tests/test_kernels.py tests/test_push_rows.py tests/test_gpu_dispatch_once_per_rank.py tests/test_gpu_moe.py \
+      2>&1 | tail -n 6 | tee -a "$log"
     cp "$log" "$res/gpu_tests_plan_4x$gpu.txt"
-    train_step 4 fine_8l balanced_spread_plan "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8"
+    train_step 4 fine_8l balanced_spread_plan "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8" \
+      --variant "$SERIAL"
     ;;
   plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
     train_step 2 fine_8l balanced_spread_plan "$BAL"
