@@ -53,6 +53,8 @@
 #   bash benchmarks/evidence_gpu.sh gather4  OUT   # wire rows pushed straight from their tokens' rows
 #   bash benchmarks/evidence_gpu.sh plan4    OUT   # the wire rows' plan in fewer kernels; EP=4, with the serial row
 #   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
+#   bash benchmarks/evidence_gpu.sh now4     OUT   # the fine ep1 row on text, the fine 4-GPU example, the slow fabric
+#                                                  #   fine row with forced routing that spreads
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
 #                                                  #   2 sequences a micro-batch (GPUs 2-3)
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
@@ -586,6 +588,15 @@ case $phase in
     cp "$log" "$res/gpu_tests_plan_4x$gpu.txt"
     train_step 4 fine_8l balanced_spread_plan "$BAL" --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8" \
       --variant "$SERIAL"
+    ;;
+  now4)  # issues 41 and 38, today's code: the fine ep1 row on real text (GPU 0 alone), the fine 4-GPU example as
+    # shipped (100 steps; its target: within 10% of that ep1 row), then the fine bench model on the slow fabric with
+    # forced routing that spreads (its earlier rows had the round-robin that kept a token on one rank)
+    name=train_step_fine_8l_ep1_text_now_1x$gpu
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT $STEPS \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ROUTING_NAME=now example 4
+    slow_step fine_8l slow_spread
     ;;
   plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
     train_step 2 fine_8l balanced_spread_plan "$BAL"
