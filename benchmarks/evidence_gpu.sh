@@ -53,6 +53,7 @@
 #   bash benchmarks/evidence_gpu.sh gather4  OUT   # wire rows pushed straight from their tokens' rows
 #   bash benchmarks/evidence_gpu.sh plan4    OUT   # the wire rows' plan in fewer kernels; EP=4, with the serial row
 #   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
+#   bash benchmarks/evidence_gpu.sh slowpair4 OUT  # slow fabric, spread routing: paired and 2 chunks; NVLink: eager, paired
 #   bash benchmarks/evidence_gpu.sh now4     OUT   # the fine ep1 row on text, the fine 4-GPU example, the slow fabric
 #                                                  #   fine row with forced routing that spreads
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
@@ -597,6 +598,15 @@ case $phase in
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ROUTING_NAME=now example 4
     slow_step fine_8l slow_spread
+    ;;
+  slowpair4)  # issue 38: the fine model on the slow fabric with forced routing that spreads (now4: one chunk unpaired
+    # 1.545x compute_only, its exchange outgrowing compute): paired and 2 chunks beside it, to revisit auto's rule
+    # (tuning.PAIR_OVER_NCCL_MAX_TOPK, set with round-robin routing); then at EP=4 on NVLink the eager unpaired and
+    # the paired step beside the graphed default: how much of pairing's loss there is eager layers'
+    slow_step fine_8l slow_spread_variants --variant "paired:overlap.overlap_moe_expert_parallel_comm=true" \
+      --variant "chunks2:overlap.moe_pipeline_chunks=2,overlap.delay_wgrad_compute=true"
+    train_step 4 fine_8l balanced_spread_eager "$BAL" --variant "eager:train.moe_cuda_graph=false" \
+      --variant "paired:overlap.overlap_moe_expert_parallel_comm=true"
     ;;
   plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
     train_step 2 fine_8l balanced_spread_plan "$BAL"
