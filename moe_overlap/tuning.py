@@ -24,7 +24,9 @@ import math
 #     limit 0.345); Mixtral-like 0.478-0.496, where pairing reached 0.517 and 2 chunks 0.511
 #     (benchmarks/results/train_step_*_ep4_balanced_slow*_4xh100.json). The fine-grained model the other way round:
 #     one chunk 0.323, paired 0.275, 2 chunks 0.251 (its compute-only row 0.304; 2026-11-27,
-#     ..._slow_paired_4xh100.json). So over NCCL only the top-2 model pairs (PAIR_OVER_NCCL_MAX_TOPK).
+#     ..._slow_paired_4xh100.json), but with the round-robin forced routing that kept a token's copies on one rank.
+#     With forced routing that spreads them as a router does (3.7x the remote rows), one launch, 2026-11-27 evening
+#     (..._slow_spread_variants_4xh100.json): one chunk 0.214, paired 0.238, 2 chunks 0.187 (compute-only 0.299).
 #   paired (overlap_moe_expert_parallel_comm): planning left to the transport's auto (device planning where sm_push
 #     runs), the pushes on the side stream with the CTAs gemm_sm_carveout auto leaves them beside the MoE GEMMs.
 #     With carve-out 0 the pushes ran on the compute stream, so nothing of one micro-batch's exchange ran under the
@@ -36,14 +38,15 @@ import math
 #     unpaired 0.317 / 0.427 / 0.379 / 0.321 on 4xH100, 2026-11-27, ..._pp2_ep2_{device,diag,paired_auto}_4xh100.json).
 
 # ``overlap.overlap_moe_expert_parallel_comm: auto`` pairs micro-batches where the exchange runs over NCCL (no peer
-# copies: EP across hosts, or moe_transport=nccl) and the router picks at most this many experts per token: there
-# the other micro-batch's few large expert GEMMs hide the exchange. 4xH100 EP=4 through host memory
-# (NCCL_P2P_DISABLE=1), balanced, 2026-11-27 (the rows above): Mixtral-like (top-2) paired 0.517 against 0.478
-# unpaired, 1.14x against 1.23x its compute-only step; fine-grained (top-8) paired 0.275 against 0.323. With auto
-# in one launch (..._slow_auto_4xh100.json): Mixtral-like paired by itself 0.520 against 0.478 unpaired (1.096x
-# against 1.194x compute-only), fine-grained left unpaired 0.284 (0.945x). On one NVLink host the unpaired pipeline
-# (device-planned, graphed) measured fastest for both, so auto leaves it off there.
-PAIR_OVER_NCCL_MAX_TOPK = 2
+# copies: EP across hosts, or moe_transport=nccl), whatever the router's top-k: there the other micro-batch's compute
+# hides the exchange. 4xH100 EP=4 through host memory (NCCL_P2P_DISABLE=1), balanced, 2026-11-27 (the rows above):
+# Mixtral-like (top-2) paired 0.517 against 0.478 unpaired, 1.14x against 1.23x its compute-only step; with auto in
+# one launch (..._slow_auto_4xh100.json) paired by itself 0.520 against 0.478 unpaired (1.096x against 1.194x
+# compute-only). Fine-grained (top-8) with routing that spreads: paired 0.238 against 0.214 (1.26x against 1.40x
+# compute-only); it lost (0.275 against 0.323) only with the round-robin routing that sent few rows, and auto left
+# it unpaired until then. On one NVLink host the unpaired pipeline (device-planned, graphed) measured fastest for
+# both (fine-grained EP=4: graphed 0.504, eager 0.305, paired eager 0.269, ..._ep4_balanced_spread_eager_4xh100.json),
+# so auto leaves it off there.
 
 # ``overlap.moe_dispatch_once_per_rank: auto`` turns it on (with the pipeline) from this router top-k up: a token's
 # copies then often share a rank, and the wire carries each token once per (chunk, rank) instead of once per copy.

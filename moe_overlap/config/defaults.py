@@ -7,8 +7,7 @@ a switch the user set needs to run.
                                 train.expert_wgrad_pairs, which the pipeline's chunks replace) the serial exchange
     overlap_moe_expert_parallel_comm=auto
                                 off where the config alone rules pairing out or measured it slower (one expert
-                                rank, top-k above tuning.PAIR_OVER_NCCL_MAX_TOPK, one host's peer copies asked
-                                for, PP > 1, ...); otherwise the fabric decides when the ranks start
+                                rank, one host's peer copies asked for, PP > 1, ...); otherwise the fabric decides when the ranks start
                                 (training/trainer.py, :func:`pairing_by_transport`): paired where the exchange
                                 runs over NCCL, with at least 2 micro-batches
     overlap_moe_expert_parallel_comm with an exchange
@@ -34,7 +33,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
-from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK, PAIR_OVER_NCCL_MAX_TOPK
+from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
 
 PAIRED = "overlap.overlap_moe_expert_parallel_comm"
 
@@ -62,13 +61,10 @@ def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
 
 def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
     """Why ``overlap_moe_expert_parallel_comm: auto`` stays off whatever the fabric, or None (it pairs where the
-    exchange runs over NCCL: measured faster there for models of few large experts, tuning.py)."""
+    exchange runs over NCCL: measured faster there, tuning.py)."""
     m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
     if not exchanging:
         return "one expert rank: nothing to exchange"
-    if m.moe_router_topk > PAIR_OVER_NCCL_MAX_TOPK:
-        return (f"top-{m.moe_router_topk}: paired measured slower than one micro-batch at a time (pairs from "
-                f"top-{PAIR_OVER_NCCL_MAX_TOPK} down, over NCCL; tuning.py)")
     if t.device != "cuda":
         return f"measured on CUDA over NCCL only; the device is {t.device!r}"
     if o.moe_pipeline is False:
