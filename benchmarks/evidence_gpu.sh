@@ -54,6 +54,7 @@
 #   bash benchmarks/evidence_gpu.sh plan4    OUT   # the wire rows' plan in fewer kernels; EP=4, with the serial row
 #   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
 #   bash benchmarks/evidence_gpu.sh slowpair4 OUT  # slow fabric, spread routing: paired and 2 chunks; NVLink: eager, paired
+#   bash benchmarks/evidence_gpu.sh graph4   OUT   # train.moe_cuda_graph=auto: GPU tests, the fine EP=4 step beside explicit
 #   bash benchmarks/evidence_gpu.sh now4     OUT   # the fine ep1 row on text, the fine 4-GPU example, the slow fabric
 #                                                  #   fine row with forced routing that spreads
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
@@ -607,6 +608,22 @@ case $phase in
       --variant "chunks2:overlap.moe_pipeline_chunks=2,overlap.delay_wgrad_compute=true"
     train_step 4 fine_8l balanced_spread_eager "$BAL" --variant "eager:train.moe_cuda_graph=false" \
       --variant "paired:overlap.overlap_moe_expert_parallel_comm=true"
+    ;;
+  graph4)  # train.moe_cuda_graph=auto (the default since 2026-11-27 evening): GPU tests that run the trainer with it
+    # (the exposed-comm default case, the fault cases over tiny.yaml, FP8 graphed against eager), then the fine model at
+    # EP=4 with nothing set but the distributed optimizer (auto: device-planned, graphed, delayed wgrad) beside the
+    # explicit graphed settings of every EP=4 row before, and ep1
+    log=$out/gpu_tests_graph_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs tests/test_gpu_exposed_comm.py tests/test_gpu_fault.py tests/test_gpu_fp8.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_exposed_comm.py \
+      tests/test_gpu_fault.py tests/test_gpu_fp8.py 2>&1 | tail -n 8 | tee -a "$log"
+    cp "$log" "$res/gpu_tests_graph_4x$gpu.txt"
+    name=train_step_fine_8l_ep4_balanced_spread_auto_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=4 "$BAL" $DISTOPT train.moe_cuda_graph=auto $STEPS \
+      --ep1 --ep1-overrides "$BAL" --json $res/$name.json --timeline $res/$name.png \
+      --variant "explicit:overlap.moe_pipeline=true,overlap.moe_planning=device,train.moe_cuda_graph=true" 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error|auto ->' | cut -c1-400
     ;;
   plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
     train_step 2 fine_8l balanced_spread_plan "$BAL"

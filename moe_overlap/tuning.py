@@ -48,6 +48,12 @@ import math
 # both (fine-grained EP=4: graphed 0.504, eager 0.305, paired eager 0.269, ..._ep4_balanced_spread_eager_4xh100.json),
 # so auto leaves it off there.
 
+# ``train.moe_cuda_graph: auto`` replays the MoE layers from CUDA graphs where the exchange is planned on the device
+# (sm_push: one host with peer access), unpaired: fine-grained EP=4, forced routing that spreads, 4xH100, 2026-11-27,
+# one launch: graphed 0.504, eager 0.305 (..._ep4_balanced_spread_eager_4xh100.json; eager, the compute stream waited
+# 498 ms at the signals and idled 395 ms of a 1.48 s profiled step, graphed idle 41 ms). Not measured against eager
+# with one expert rank, where auto leaves it off.
+
 # ``overlap.moe_dispatch_once_per_rank: auto`` turns it on (with the pipeline) from this router top-k up: a token's
 # copies then often share a rank, and the wire carries each token once per (chunk, rank) instead of once per copy.
 # Per-GPU MFU, the default path (device-planned sm_push, 1 chunk, graphed) without -> with it, balanced routing:

@@ -452,11 +452,13 @@ def test_defaults_load():
     cfg = load_config(None)
     # auto: a dense model exchanges nothing
     assert cfg == Config(overlap=OverlapConfig(moe_pipeline=False, moe_dispatch_once_per_rank=False,
-                                               overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False))
+                                               overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False),
+                         train=TrainConfig(moe_cuda_graph=False))
 
 
 @pytest.mark.parametrize("overrides, pipeline, planning, graphed", [
-    ([], True, "auto", False),  # TINY exchanges (EP=2): the fastest measured path
+    ([], True, "auto", "auto"),  # TINY exchanges (EP=2): the fastest measured path; graphs where planned on the device
+    (["train.device=cpu"], True, "auto", False),  # CUDA graphs need CUDA
     (["parallel.expert_model_parallel_size=1"], False, "auto", False),  # one expert rank
     (["parallel.expert_model_parallel_size=1", "overlap.moe_pipeline_chunks=2"], True, "auto", False),  # asked for
     (["train.expert_wgrad_pairs=true"], False, "auto", False),  # what the pipeline's chunks replace
@@ -482,7 +484,8 @@ CUDA = ["train.device=cuda"]
     (CUDA + ["train.moe_cuda_graph=true", "model.moe_router_topk=4"], True),  # where it measured faster (tuning.py)
     (CUDA + ["overlap.moe_planning=device", "model.moe_router_topk=4"], True),
     (CUDA + ["train.moe_cuda_graph=true"], False),  # top-2: each copy its own row, not measured
-    (CUDA + ["model.moe_router_topk=4"], False),  # planning left to the transport: not measured
+    (CUDA + ["model.moe_router_topk=4"], "auto"),  # planning left to the transport: decided when the ranks start
+    (["train.device=cpu", "model.moe_router_topk=4"], False),  # the CPU plans on the host
     (CUDA + ["train.moe_cuda_graph=true", "model.moe_router_topk=4", "overlap.moe_pipeline_chunks=2",
              "overlap.moe_expert_rank_capacity_factor=1.25"], False),  # chunks: the wgrad runs beside the next one
     (CUDA + ["train.moe_cuda_graph=true", "model.moe_router_topk=4", "overlap.delay_wgrad_compute=false"], False),
@@ -524,6 +527,46 @@ def test_pairing_auto(overrides, paired):
 ])
 def test_pairing_by_transport(transport, micro_batches, paired):
     assert pairing_by_transport(transport, micro_batches)[0] is paired
+
+
+@pytest.mark.parametrize("overrides, graphed", [
+    (CUDA, "auto"),  # an exchange on CUDA: graphed if the fabric plans it on the device
+    (["train.device=cpu"], False),
+    (CUDA + ["parallel.expert_model_parallel_size=1"], False),  # measured faster only with an exchange
+    (CUDA + ["overlap.overlap_moe_expert_parallel_comm=true"], False),  # stages: a graph cannot hold them
+    (CUDA + ["overlap.moe_pipeline=false"], False),  # the serial exchange's host sync
+    (CUDA + ["overlap.moe_planning=host"], False),
+    (CUDA + ["overlap.moe_transport=nccl"], False),
+    (CUDA + ["train.expert_wgrad_pairs=true", "overlap.moe_pipeline=false"], False),
+    (CUDA + ["train.recompute_granularity=full"], False),  # not implemented graphed
+    (CUDA + ["parallel.pipeline_model_parallel_size=2", "train.pipeline_schedule=zb_h1"], False),
+    (CUDA + ["parallel.pipeline_model_parallel_size=2"], "auto"),  # 1f1b: graphed copies per micro-batch in flight
+])
+def test_moe_cuda_graph_auto(overrides, graphed):
+    cfg = load_config(TINY, overrides)
+    assert cfg.train.moe_cuda_graph == graphed
+    validate_for_world(cfg, 2 * cfg.parallel.pipeline_model_parallel_size, cfg.train.device)  # auto passes the rules
+
+
+@pytest.mark.parametrize("planning, transport, graphed, delayed, paired", [
+    ("device", "sm_push", True, True, False),  # one host with peer access: what measured fastest there
+    ("host", "copy_engine", False, False, False),
+    ("host", "nccl", False, False, True),  # NCCL pairs; a paired layer is stages, eager
+])
+def test_graphs_and_delay_auto_follow_the_fabric(monkeypatch, planning, transport, graphed, delayed, paired):
+    import torch
+
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.training import trainer
+
+    cfg = load_config(TINY, CUDA + ["model.moe_router_topk=4"])  # top-4: each token once per rank, one chunk
+    assert (cfg.train.moe_cuda_graph, cfg.overlap.delay_wgrad_compute) == ("auto", "auto")
+    monkeypatch.setattr(trainer, "exchange_choice", lambda *args: (planning, transport, ""))
+    trainer.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))  # no tensor made: one rank, no agreement
+    assert (cfg.train.moe_cuda_graph, cfg.overlap.delay_wgrad_compute) == (graphed, delayed)
+    assert cfg.overlap.overlap_moe_expert_parallel_comm is paired
+    assert cfg.overlap.moe_planning == ("device" if graphed else "auto")
+    validate_for_world(cfg, 2, "cuda")
 
 
 TOP4 = ["model.moe_router_topk=4"]

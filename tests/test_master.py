@@ -30,6 +30,9 @@ def small_config(output_dir: str, ep: int, global_batch_size: int, **extra: str)
         "train.micro_batch_size": 2, "train.global_batch_size": global_batch_size, "train.lr": 0.003,
         "train.lr_warmup_steps": 1, "train.lr_decay_steps": 8, "train.max_steps": 8, "train.eval_interval": 0,
         "train.output_dir": output_dir, "checkpoint.save_final": "false",
+        # eager unless a test asks: on GPUs auto would replay device-planned layers from graphs, and the layouts
+        # compare what they name (tests/test_gpu_exposed_comm.py's default case leaves it to auto)
+        "train.moe_cuda_graph": "false",
     }
     overrides.update(extra)
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])

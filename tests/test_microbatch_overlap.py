@@ -61,7 +61,7 @@ def test_auto_pairs_where_the_exchange_runs_over_nccl(monkeypatch, transport, gl
     assert cfg.overlap.overlap_moe_expert_parallel_comm == "auto"
     asked = []
     monkeypatch.setattr(trainer, "exchange_choice", lambda *args: asked.append(args[:2]) or ("host", transport, ""))
-    trainer.resolve_pairing(cfg, Mesh.single(), torch.device("cpu"))
+    trainer.resolve_by_fabric(cfg, Mesh.single(), torch.device("cpu"))
     assert cfg.overlap.overlap_moe_expert_parallel_comm is paired
     assert asked == [("auto", "auto")]  # the config's own planning and transport, resolved by the fabric
 

@@ -16,7 +16,11 @@ a switch the user set needs to run.
                                 micro-batch under gemm_sm_carveout auto: the fastest measured, tuning.py) and runs
                                 the MoE layers eager
                                 (train.moe_cuda_graph: a graph cannot hold a layer split into stages)
-    train.moe_cuda_graph with the pipeline
+    train.moe_cuda_graph=auto   off where the config alone rules graphs out (one expert rank, the CPU, pairing,
+                                host-planned sizes, what graphs are not implemented with); otherwise the fabric
+                                decides when the ranks start (:func:`graphs_by_planning`): graphed where the
+                                exchange is planned on the device (sm_push: one host with peer access), unpaired
+    train.moe_cuda_graph=true with the pipeline
                                 plans on the device (moe_planning auto: the plan a graph can replay)
     overlap.moe_dispatch_once_per_rank=auto
                                 on with the pipelined exchange from router top-4 up (each token once per rank: the
@@ -25,7 +29,8 @@ a switch the user set needs to run.
     overlap.delay_wgrad_compute=auto
                                 on with one device-planned chunk, unpaired, each token once per rank: the
                                 backward's transfer back then runs on the side stream beside the experts' weight
-                                gradients (the fastest measured there, tuning.py); off elsewhere
+                                gradients (the fastest measured there, tuning.py); off elsewhere; with planning
+                                left to the transport, decided when the ranks start (:func:`delay_by_planning`)
 
 The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
 """
@@ -35,7 +40,7 @@ from __future__ import annotations
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
 from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
 
-PAIRED = "overlap.overlap_moe_expert_parallel_comm"
+PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
@@ -62,14 +67,14 @@ def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
 def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
     """Why ``overlap_moe_expert_parallel_comm: auto`` stays off whatever the fabric, or None (it pairs where the
     exchange runs over NCCL: measured faster there, tuning.py)."""
-    m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
+    p, o, t = cfg.parallel, cfg.overlap, cfg.train
     if not exchanging:
         return "one expert rank: nothing to exchange"
     if t.device != "cuda":
         return f"measured on CUDA over NCCL only; the device is {t.device!r}"
     if o.moe_pipeline is False:
         return "overlap.moe_pipeline=false: the serial exchange"
-    if t.moe_cuda_graph or o.moe_planning == "device" or o.moe_transport in ("sm_push", "copy_engine"):
+    if t.moe_cuda_graph is True or o.moe_planning == "device" or o.moe_transport in ("sm_push", "copy_engine"):
         return ("the exchange through one host's peer memory (device planning, CUDA graphs or the transport asked "
                 "for), where one micro-batch at a time measured fastest (tuning.py)")
     if p.pipeline_model_parallel_size > 1:
@@ -92,6 +97,67 @@ def pairing_by_transport(transport: str, micro_batches: int) -> tuple[bool, str]
     if micro_batches < 2:
         return False, f"{micro_batches} micro-batch per step: nothing to pair"
     return True, "the exchange runs over NCCL, where another micro-batch's compute hid it best (tuning.py)"
+
+
+def graph_gap(cfg: Config) -> str | None:
+    """What graphed MoE layers are not implemented with in this config, or None: train.moe_cuda_graph=true is
+    refused with it (config/overlap_rules.py), auto stays off."""
+    p, t = cfg.parallel, cfg.train
+    if p.tensor_model_parallel_size != 1:
+        return "graphs of MoE layers under tensor parallelism"
+    if t.recompute_granularity != "none":
+        return "graphs of MoE layers with recomputation"
+    if p.context_parallel_size > 1:
+        return "graphs of MoE layers under context parallelism: the router gathers over the CP group"
+    schedule = t.pipeline_schedule or ("interleaved_1f1b" if (p.virtual_pipeline_model_parallel_size or 1) > 1
+                                       else "1f1b")
+    if p.pipeline_model_parallel_size > 1 and schedule != "1f1b":
+        return (f"graphed MoE layers under train.pipeline_schedule={schedule} (under PP each micro-batch in flight "
+                "replays its own copy of the graphs: built for 1f1b, where a backward comes before the next forward "
+                "of its copy; zb_h1 splits the backward a graph holds whole); use 1f1b")
+    return None
+
+
+def graphs_off_reason(cfg: Config, exchanging: bool, paired: bool) -> str | None:
+    """Why ``train.moe_cuda_graph: auto`` stays off whatever the fabric, or None (graphed where the exchange is
+    planned on the device: measured fastest there, tuning.py)."""
+    o, t = cfg.overlap, cfg.train
+    if not exchanging:
+        return "one expert rank: graphs measured faster only with an exchange (tuning.py); true replays them"
+    if t.device == "cpu":
+        return "CUDA graphs need CUDA"
+    if paired:
+        return "overlap_moe_expert_parallel_comm runs each MoE layer as stages, which a graph cannot hold"
+    if not o.moe_pipeline:
+        return "overlap.moe_pipeline=false: the serial exchange's host sync, which a graph cannot hold"
+    if o.moe_planning == "host" or o.moe_transport in ("nccl", "copy_engine", "gloo"):
+        return "host-planned sizes, whose host sync a graph cannot hold"
+    if t.expert_wgrad_pairs:
+        return "train.expert_wgrad_pairs=true: a graph replays one backward, not alternating ones"
+    gap = graph_gap(cfg)
+    return None if gap is None else f"not implemented: {gap}"
+
+
+def graphs_by_planning(planning: str, device_type: str, paired: bool) -> tuple[bool, str]:
+    """``train.moe_cuda_graph: auto`` once the exchange's planning is known (the fabric): graphed where it is
+    planned on the device (sm_push), unpaired; and why."""
+    if device_type != "cuda":
+        return False, f"CUDA graphs need CUDA; the device is {device_type!r}"
+    if paired:
+        return False, "paired micro-batches run each MoE layer as stages, which a graph cannot hold"
+    if planning != "device":
+        return False, f"the exchange is planned on the {planning}, whose host sync a graph cannot hold"
+    return True, ("the exchange is planned on the device: its layers replayed from graphs measured fastest "
+                  "(tuning.py)")
+
+
+def delay_by_planning(planning: str, paired: bool) -> tuple[bool, str]:
+    """``overlap.delay_wgrad_compute: auto`` left to the fabric (the config's planning auto, one chunk, each token
+    once per rank): on where the exchange is planned on the device, unpaired; and why."""
+    if paired or planning != "device":
+        return False, "measured faster only with one device-planned chunk, unpaired (tuning.py)"
+    return True, ("one device-planned chunk, each token once per rank: the backward's transfer back beside the "
+                  "weight gradients measured fastest (tuning.py)")
 
 
 def resolve_defaults(cfg: Config) -> list[str]:
@@ -125,11 +191,10 @@ def resolve_defaults(cfg: Config) -> list[str]:
         else:
             o.moe_pipeline, why = True, "the fastest measured with an exchange (tuning.py)"
         choices.append(f"overlap.moe_pipeline=auto -> {str(o.moe_pipeline).lower()}: {why}")
-    if paired and o.moe_pipeline:
-        if t.moe_cuda_graph:
-            t.moe_cuda_graph = False
-            choices.append("train.moe_cuda_graph=true -> false: overlap_moe_expert_parallel_comm runs each MoE layer "
-                           "as stages beside another micro-batch, which a graph cannot hold")
+    if paired and o.moe_pipeline and t.moe_cuda_graph is True:
+        t.moe_cuda_graph = False
+        choices.append(f"{GRAPH}=true -> false: overlap_moe_expert_parallel_comm runs each MoE layer as stages beside "
+                       "another micro-batch, which a graph cannot hold")
     if o.moe_dispatch_once_per_rank == "auto":
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"
@@ -144,15 +209,28 @@ def resolve_defaults(cfg: Config) -> list[str]:
         if exchanging:
             choices.append(f"overlap.moe_dispatch_once_per_rank=auto -> {str(o.moe_dispatch_once_per_rank).lower()}: "
                            f"{why}")
-    if exchanging and o.moe_pipeline and t.moe_cuda_graph and o.moe_planning == "auto":
+    if t.moe_cuda_graph == "auto":
+        off = graphs_off_reason(cfg, exchanging, paired)
+        if off is not None:
+            t.moe_cuda_graph = False
+            if exchanging:
+                choices.append(f"{GRAPH}=auto -> false: {off}")
+        else:  # the trainer decides once the ranks see the fabric (graphs_by_planning)
+            choices.append(f"{GRAPH}=auto: graphed if the exchange is planned on the device (decided when the ranks "
+                           "start)")
+    if exchanging and o.moe_pipeline and t.moe_cuda_graph is True and o.moe_planning == "auto":
         o.moe_planning = "device"
         choices.append("overlap.moe_planning=auto -> device: train.moe_cuda_graph replays the device-planned exchange")
     if o.delay_wgrad_compute == "auto":
-        o.delay_wgrad_compute = bool(exchanging and o.moe_pipeline and not paired and o.moe_pipeline_chunks == 1
-                                     and o.moe_planning == "device" and o.moe_dispatch_once_per_rank is True)
-        if exchanging and o.moe_pipeline:
-            why = ("one device-planned chunk, each token once per rank: the backward's transfer back beside the "
-                   "weight gradients measured fastest (tuning.py)" if o.delay_wgrad_compute else
-                   "measured faster only with one device-planned chunk and each token once per rank (tuning.py)")
-            choices.append(f"overlap.delay_wgrad_compute=auto -> {str(o.delay_wgrad_compute).lower()}: {why}")
+        candidate = (exchanging and o.moe_pipeline and not paired and o.moe_pipeline_chunks == 1
+                     and o.moe_dispatch_once_per_rank is True)
+        if candidate and o.moe_planning == "auto" and t.device != "cpu":  # the fabric decides (delay_by_planning)
+            choices.append(f"{DELAY}=auto: on if the exchange is planned on the device (decided when the ranks start)")
+        else:
+            o.delay_wgrad_compute = bool(candidate and o.moe_planning == "device")
+            if exchanging and o.moe_pipeline:
+                why = ("one device-planned chunk, each token once per rank: the backward's transfer back beside the "
+                       "weight gradients measured fastest (tuning.py)" if o.delay_wgrad_compute else
+                       "measured faster only with one device-planned chunk and each token once per rank (tuning.py)")
+                choices.append(f"{DELAY}=auto -> {str(o.delay_wgrad_compute).lower()}: {why}")
     return choices

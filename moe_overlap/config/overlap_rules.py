@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from moe_overlap.config.defaults import once_per_rank_gap, pipeline_fields_set
+from moe_overlap.config.defaults import graph_gap, once_per_rank_gap, pipeline_fields_set
 from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
                                        not_implemented, refuse, require)
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal
@@ -20,7 +20,7 @@ def validate_overlaps(cfg: Config) -> None:
     _validate_overlap(o, p, m)
     _validate_pipeline(cfg)
     _validate_moe_overlap(m, o, p)
-    _validate_moe_cuda_graph(t, o, p)
+    _validate_moe_cuda_graph(cfg)
     _validate_expert_wgrad_pairs(t, o, m, p)
     _validate_microbatch_overlap(cfg)
     _validate_distributed_optimizer(o, t)
@@ -60,12 +60,6 @@ def _validate_pipeline(cfg: Config) -> None:
         require(t.recompute_granularity == "none", "train.pipeline_schedule", schedule,
                  "not implemented yet with train.recompute_granularity='full' (a deferred weight gradient would "
                  "need the recomputed activations); use 1f1b")
-    if pp > 1 and t.moe_cuda_graph and (schedule or ("interleaved_1f1b" if vpp > 1 else "1f1b")) != "1f1b":
-        raise not_implemented("train.moe_cuda_graph", True, False,
-                               f"graphed MoE layers under train.pipeline_schedule={schedule or 'interleaved_1f1b'} "
-                               "(under PP each micro-batch in flight replays its own copy of the graphs: built for "
-                               "1f1b, where a backward comes before the next forward of its copy; zb_h1 splits the "
-                               "backward a graph holds whole); use 1f1b")
 
 
 def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
@@ -144,15 +138,15 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                  f"= {local} (a chunk is a run of local experts)")
 
 
-def _validate_moe_cuda_graph(t: TrainConfig, o: OverlapConfig, p: ParallelConfig) -> None:
-    if not t.moe_cuda_graph:
+def _validate_moe_cuda_graph(cfg: Config) -> None:
+    o, p = cfg.overlap, cfg.parallel
+    if cfg.train.moe_cuda_graph is not True:  # auto is resolved by the same rules (config/defaults.py)
         return
     expert_ranks = p.expert_model_parallel_size * (p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
     refuse(graph_refusal(o.moe_pipeline, o.moe_planning, exchanging=expert_ranks > 1))
-    if p.tensor_model_parallel_size != 1:
-        raise not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers under tensor parallelism")
-    if t.recompute_granularity != "none":
-        raise not_implemented("train.moe_cuda_graph", True, False, "graphs of MoE layers with recomputation")
+    gap = graph_gap(cfg)
+    if gap is not None:
+        raise not_implemented("train.moe_cuda_graph", True, False, gap)
 
 
 def _validate_microbatch_overlap(cfg: Config) -> None:
@@ -179,7 +173,7 @@ def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfi
     if not t.expert_wgrad_pairs:
         return
     require(m.num_moe_experts is not None, "train.expert_wgrad_pairs", True, "needs MoE layers (model.num_moe_experts)")
-    if t.moe_cuda_graph:
+    if t.moe_cuda_graph is True:
         raise not_implemented("train.expert_wgrad_pairs", True, False,
                                "with train.moe_cuda_graph: a graph replays one backward, not alternating ones")
     if o.moe_pipeline:

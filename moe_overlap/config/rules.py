@@ -10,7 +10,7 @@ import logging
 from moe_overlap.config.defaults import resolve_defaults
 from moe_overlap.config.overlap_rules import validate_overlaps
 from moe_overlap.config.schema import (Config, ConfigError, DataConfig, ModelConfig, OverlapConfig, ParallelConfig,
-                                       TrainConfig, not_implemented, refuse, require, synthetic_source)
+                                       not_implemented, refuse, require, synthetic_source)
 from moe_overlap.exchange_rules import device_refusal, graph_device_refusal
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel:
         require(m.seq_length % tp == 0, "model.seq_length", m.seq_length,
                  f"must be divisible by parallel.tensor_model_parallel_size={tp} under sequence_parallel")
-    _validate_context_parallel(m, p, o, t)
+    _validate_context_parallel(m, p, o)
     if tp > 1 and m.num_moe_experts is not None:
         require(p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
                  "must be true for a MoE model with tensor_model_parallel_size > 1 (as Megatron-Core: each TP rank "
@@ -136,7 +136,7 @@ def validate(cfg: Config) -> None:
         log.info("config: %s", line)
 
 
-def _validate_context_parallel(m: ModelConfig, p: ParallelConfig, o: OverlapConfig, t: TrainConfig) -> None:
+def _validate_context_parallel(m: ModelConfig, p: ParallelConfig, o: OverlapConfig) -> None:
     """The load-balanced split cuts each sequence into 2 x CP chunks; what CP does not compose with yet."""
     cp = p.context_parallel_size
     if p.cp_comm_type != "p2p":
@@ -155,9 +155,6 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig, o: OverlapConf
                  "sequence_parallel (each TP rank holds a block of the CP rank's local sequence)")
     if p.pipeline_model_parallel_size != 1:
         raise not_implemented("parallel.context_parallel_size", cp, 1, "context parallelism with pipeline stages")
-    if t.moe_cuda_graph:
-        raise not_implemented("train.moe_cuda_graph", True, False,
-                               "graphs of MoE layers under context parallelism: the router gathers over the CP group")
 
 
 FP8_NEEDS_GPU = "FP8 needs a GPU with FP8 tensor cores (Hopper or newer)"
@@ -337,7 +334,7 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
         require(m % pp == 0, "train.global_batch_size", t.global_batch_size,
                  f"gives {m} micro-batches per data-parallel rank; virtual pipeline stages take them in groups of "
                  f"parallel.pipeline_model_parallel_size={pp}: need a multiple")
-    refuse(graph_device_refusal(device_type) if t.moe_cuda_graph else None)
+    refuse(graph_device_refusal(device_type) if t.moe_cuda_graph is True else None)
     require(t.fp8_recipe is None or device_type == "cuda", "train.fp8_recipe", t.fp8_recipe,
             f"{FP8_NEEDS_GPU}; the device is {device_type!r}")
     cpu_values = (("dp_comm_ctas", (None,)), ("ep_comm_ctas", (None,)), ("gemm_sm_carveout", (0, "auto")))

@@ -233,8 +233,9 @@ class TrainConfig:
     recompute_granularity: Literal["none", "full"] = "none"
     # Pipeline schedule (PP > 1); null: 1f1b, or interleaved_1f1b with virtual stages.
     pipeline_schedule: Optional[Literal["all_forward_all_backward", "1f1b", "interleaved_1f1b", "zb_h1"]] = None
-    # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_planning=device).
-    moe_cuda_graph: bool = False
+    # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_planning=device). auto: where
+    # the exchange is planned on the device (one host with peer access), unpaired: the fastest measured there.
+    moe_cuda_graph: Union[bool, Literal["auto"]] = "auto"
     # Sum the experts' weight gradients of two consecutive micro-batches in one grouped kernel: main_grad is read
     # and written once per pair (fewer, larger experts gain most), one micro-batch's wgrad inputs kept per layer.
     expert_wgrad_pairs: bool = False

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from moe_overlap import tuning
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
-from moe_overlap.config.defaults import pairing_by_transport
+from moe_overlap.config.defaults import (DELAY, GRAPH, PAIRED, delay_by_planning, graphs_by_planning,
+                                          pairing_by_transport)
 from moe_overlap.distributed.a2a import exchange_choice
 from moe_overlap.distributed.collectives import all_gather_into, all_reduce_, nccl_cta_options, rendezvous_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
@@ -134,30 +135,50 @@ def check_inputs(cfg: Config) -> None:
     check_resume_setting(cfg)
 
 
-def resolve_pairing(cfg: Config, mesh: Mesh, device: torch.device) -> None:
-    """``overlap.overlap_moe_expert_parallel_comm: auto``, which config/defaults.py left to the fabric: paired where
-    this rank's exchange runs over NCCL (no peer copies) with micro-batches to pair, the same on every rank (the
-    schedule is); logged once."""
-    o = cfg.overlap
-    if o.overlap_moe_expert_parallel_comm != "auto":
+def resolve_by_fabric(cfg: Config, mesh: Mesh, device: torch.device) -> None:
+    """The ``auto`` switches config/defaults.py left to the fabric, the same on every rank, each logged once:
+    pairing (``overlap.overlap_moe_expert_parallel_comm``: paired where this rank's exchange runs over NCCL with
+    micro-batches to pair), then graphed MoE layers (``train.moe_cuda_graph``) and delayed weight gradients
+    (``overlap.delay_wgrad_compute``), each on where the exchange is planned on the device, unpaired."""
+    o, t = cfg.overlap, cfg.train
+    if "auto" not in (o.overlap_moe_expert_parallel_comm, t.moe_cuda_graph, o.delay_wgrad_compute):
         return
-    _, transport, _ = exchange_choice(o.moe_planning, o.moe_transport, mesh.ep.group, mesh.ep.ranks, device,
-                                      mesh.etp.size)
-    paired, why = pairing_by_transport(transport, cfg.num_micro_batches(mesh.world_size))
-    if dist.is_initialized() and mesh.world_size > 1:
-        agreed = torch.tensor([int(paired)], device=device)
+    planning, transport, _ = exchange_choice(o.moe_planning, o.moe_transport, mesh.ep.group, mesh.ep.ranks, device,
+                                             mesh.etp.size)
+    if o.overlap_moe_expert_parallel_comm == "auto":
+        pairing = pairing_by_transport(transport, cfg.num_micro_batches(mesh.world_size))
+        o.overlap_moe_expert_parallel_comm = _agreed(mesh, device, {PAIRED: pairing})[PAIRED][0]
+    paired = o.overlap_moe_expert_parallel_comm is True
+    choices = {}
+    if t.moe_cuda_graph == "auto":
+        choices[GRAPH] = graphs_by_planning(planning, device.type, paired)
+    if o.delay_wgrad_compute == "auto":
+        choices[DELAY] = delay_by_planning(planning, paired)
+    agreed = _agreed(mesh, device, choices)
+    t.moe_cuda_graph = agreed.get(GRAPH, (t.moe_cuda_graph,))[0]
+    o.delay_wgrad_compute = agreed.get(DELAY, (o.delay_wgrad_compute,))[0]
+    if t.moe_cuda_graph is True and o.moe_planning == "auto":
+        o.moe_planning = "device"  # what the transport plans anyway; the rules and the trainer's record read it
+
+
+def _agreed(mesh: Mesh, device: torch.device, choices: dict[str, tuple[bool, str]]) -> dict[str, tuple[bool, str]]:
+    """Each field's (value, why), on only where every rank chose it (the schedule and graph captures are
+    collective); logged on rank 0."""
+    if choices and dist.is_initialized() and mesh.world_size > 1:
+        agreed = torch.tensor([int(on) for on, _ in choices.values()], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if paired and not agreed.item():
-            paired, why = False, "another rank's exchange does not run over NCCL"
-    o.overlap_moe_expert_parallel_comm = paired
+        choices = {name: (False, "another rank chose otherwise") if on and not all_on else (on, why)
+                   for (name, (on, why)), all_on in zip(choices.items(), agreed.tolist())}
     if mesh.rank == 0:
-        log.info("overlap.overlap_moe_expert_parallel_comm=auto -> %s: %s", str(paired).lower(), why)
+        for name, (on, why) in choices.items():
+            log.info("%s=auto -> %s: %s", name, str(on).lower(), why)
+    return choices
 
 
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
         validate_for_world(cfg, mesh.world_size, device.type)
-        resolve_pairing(cfg, mesh, device)
+        resolve_by_fabric(cfg, mesh, device)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t = cfg.train
         check_gemm_sm_carveout(cfg.overlap.gemm_sm_carveout, device)
