@@ -55,6 +55,7 @@
 #   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
 #   bash benchmarks/evidence_gpu.sh slowpair4 OUT  # slow fabric, spread routing: paired and 2 chunks; NVLink: eager, paired
 #   bash benchmarks/evidence_gpu.sh graph4   OUT   # train.moe_cuda_graph=auto: GPU tests, the fine EP=4 step beside explicit
+#   bash benchmarks/evidence_gpu.sh fault4   OUT   # the GPU fault tests, eager and graphed, the whole output kept
 #   bash benchmarks/evidence_gpu.sh now4     OUT   # the fine ep1 row on text, the fine 4-GPU example, the slow fabric
 #                                                  #   fine row with forced routing that spreads
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
@@ -624,6 +625,15 @@ case $phase in
       --ep1 --ep1-overrides "$BAL" --json $res/$name.json --timeline $res/$name.png \
       --variant "explicit:overlap.moe_pipeline=true,overlap.moe_planning=device,train.moe_cuda_graph=true" 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error|auto ->' | cut -c1-400
+    ;;
+  fault4)  # the GPU fault tests with graphed MoE layers by default (graph4: both failed, output not kept): every
+    # line of the output kept
+    log=$out/gpu_tests_fault_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs --tb=long tests/test_gpu_fault.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --tb=long tests/test_gpu_fault.py \
+      >> "$log" 2>&1
+    tail -n 5 "$log"
+    cp "$log" "$res/gpu_tests_fault_4x$gpu.txt"
     ;;
   plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
     train_step 2 fine_8l balanced_spread_plan "$BAL"

@@ -1,6 +1,7 @@
 """A rank killed while its peers wait for it on the GPU (`pytest -m gpu`, one rank per GPU: 2, 4 or 8; skipped on
 one GPU, where a dead rank has no peer): in a symmetric-memory signal wait of the device-planned MoE pipeline,
-which runs on the device and which no collective timeout reaches, and inside an NCCL all-reduce. The others exit
+which runs on the device and which no collective timeout reaches (eager, and inside a MoE layer replayed from its
+CUDA graph, the default), and inside an NCCL all-reduce. The others exit
 within train.distributed_timeout_s with one line naming the dead rank and its phase: the heartbeat monitor ends
 them while their host threads are blocked behind the device. (On CPU, test_fault.py blocks a rank in a wait that
 never fails to the same end.)
@@ -20,13 +21,17 @@ TIMEOUT_S = 20
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fault", ["symm", "collective"])
-def test_rank_killed_while_peers_wait_on_the_gpu(tmp_path, fault):
+@pytest.mark.parametrize("fault, graphs", [
+    ("symm", "false"),  # eager: the push it strikes in runs in Python
+    ("forward", "auto"),  # the default, graphed: the peers wait on the device inside a replayed MoE layer
+    ("collective", "auto"),
+])
+def test_rank_killed_while_peers_wait_on_the_gpu(tmp_path, fault, graphs):
     require_gpus(2)
     world = ranks_for_every_gpu()  # 2, 4 or 8: divides the 8 experts
     argv = train_argv(tmp_path / "run", "train.device=cuda", f"parallel.expert_model_parallel_size={world}",
                       f"train.global_batch_size={4 * world}", "overlap.moe_pipeline=true",
-                      "overlap.moe_planning=device",
+                      "overlap.moe_planning=device", f"train.moe_cuda_graph={graphs}",
                       f"train.distributed_timeout_s={TIMEOUT_S}")
     codes, outputs, ended = finish(launch_ranks(argv, tmp_path, f"{fault}:1:3", world_size=world, env=MULTICAST_OFF),
                                    tmp_path, timeout_s=300)
