@@ -52,7 +52,7 @@ import math
 # (sm_push: one host with peer access), unpaired: fine-grained EP=4, forced routing that spreads, 4xH100, 2026-11-27,
 # one launch: graphed 0.504, eager 0.305 (..._ep4_balanced_spread_eager_4xh100.json; eager, the compute stream waited
 # 498 ms at the signals and idled 395 ms of a 1.48 s profiled step, graphed idle 41 ms). Not measured against eager
-# with one expert rank, where auto leaves it off.
+# with one expert rank, where auto leaves it off; bf16 only (config/defaults.py).
 
 # ``overlap.moe_dispatch_once_per_rank: auto`` turns it on (with the pipeline) from this router top-k up: a token's
 # copies then often share a rank, and the wire carries each token once per (chunk, rank) instead of once per copy.

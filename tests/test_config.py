@@ -457,7 +457,8 @@ def test_defaults_load():
 
 
 @pytest.mark.parametrize("overrides, pipeline, planning, graphed", [
-    ([], True, "auto", "auto"),  # TINY exchanges (EP=2): the fastest measured path; graphs where planned on the device
+    ([], True, "auto", False),  # TINY exchanges (EP=2): the fastest measured path (fp32: eager, below)
+    (["train.precision=bf16"], True, "auto", "auto"),  # graphs where the fabric plans on the device
     (["train.device=cpu"], True, "auto", False),  # CUDA graphs need CUDA
     (["parallel.expert_model_parallel_size=1"], False, "auto", False),  # one expert rank
     (["parallel.expert_model_parallel_size=1", "overlap.moe_pipeline_chunks=2"], True, "auto", False),  # asked for
@@ -478,6 +479,7 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
 
 
 CUDA = ["train.device=cuda"]
+BF16 = ["train.precision=bf16"]
 
 
 @pytest.mark.parametrize("overrides, delayed", [
@@ -530,7 +532,8 @@ def test_pairing_by_transport(transport, micro_batches, paired):
 
 
 @pytest.mark.parametrize("overrides, graphed", [
-    (CUDA, "auto"),  # an exchange on CUDA: graphed if the fabric plans it on the device
+    (CUDA + BF16, "auto"),  # an exchange on CUDA: graphed if the fabric plans it on the device
+    (CUDA, False),  # TINY's fp32: graphed layers measured and GPU-tested in bf16 only
     (["train.device=cpu"], False),
     (CUDA + ["parallel.expert_model_parallel_size=1"], False),  # measured faster only with an exchange
     (CUDA + ["overlap.overlap_moe_expert_parallel_comm=true"], False),  # stages: a graph cannot hold them
@@ -540,7 +543,7 @@ def test_pairing_by_transport(transport, micro_batches, paired):
     (CUDA + ["train.expert_wgrad_pairs=true", "overlap.moe_pipeline=false"], False),
     (CUDA + ["train.recompute_granularity=full"], False),  # not implemented graphed
     (CUDA + ["parallel.pipeline_model_parallel_size=2", "train.pipeline_schedule=zb_h1"], False),
-    (CUDA + ["parallel.pipeline_model_parallel_size=2"], "auto"),  # 1f1b: graphed copies per micro-batch in flight
+    (CUDA + BF16 + ["parallel.pipeline_model_parallel_size=2"], "auto"),  # 1f1b: a graph set per micro-batch in flight
 ])
 def test_moe_cuda_graph_auto(overrides, graphed):
     cfg = load_config(TINY, overrides)
@@ -559,7 +562,7 @@ def test_graphs_and_delay_auto_follow_the_fabric(monkeypatch, planning, transpor
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training import trainer
 
-    cfg = load_config(TINY, CUDA + ["model.moe_router_topk=4"])  # top-4: each token once per rank, one chunk
+    cfg = load_config(TINY, CUDA + BF16 + ["model.moe_router_topk=4"])  # top-4: each token once per rank, one chunk
     assert (cfg.train.moe_cuda_graph, cfg.overlap.delay_wgrad_compute) == ("auto", "auto")
     monkeypatch.setattr(trainer, "exchange_choice", lambda *args: (planning, transport, ""))
     trainer.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))  # no tensor made: one rank, no agreement
