@@ -71,10 +71,16 @@ def test_shipped_config_passes_the_checks_before_launch_for_its_gpu_count(path, 
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_gpu_example_is_what_the_quick_start_promises(path):
+def test_gpu_example_is_what_the_quick_start_promises(path, monkeypatch):
     """gpuN_FAMILY.yaml: N GPUs in its command, Hopper-sized GEMMs, the real-text corpus and its vocabulary, the
-    fast path (device-planned exchange, graphed MoE layers, the distributed optimizer with both syncs overlapped)
-    and learned balancing (expert bias or the auxiliary loss), and a header that says what it measured."""
+    fast path (auto's: on one host with peer access a device-planned exchange and graphed MoE layers; the
+    distributed optimizer with both syncs overlapped) and learned balancing (expert bias or the auxiliary loss), and
+    a header that says what it measured."""
+    import torch
+
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.training import trainer
+
     cfg = load_config(path)
     m, o, t = cfg.model, cfg.overlap, cfg.train
     assert world_size(path) == int(re.match(r"gpu(\d+)_", path.name).group(1))
@@ -82,7 +88,10 @@ def test_gpu_example_is_what_the_quick_start_promises(path):
     assert "Measured:" in header(path)
     assert m.hidden_size >= 2048 and t.precision == "bf16" and t.device == "cuda"
     assert (cfg.data.path, cfg.data.dtype, m.vocab_size) == (CORPUS, "uint16", 32000)
-    assert o.moe_pipeline and o.moe_planning == "device" and t.moe_cuda_graph
+    assert o.moe_pipeline and (o.moe_planning, t.moe_cuda_graph) == ("auto", "auto")  # the fabric decides
+    monkeypatch.setattr(trainer, "exchange_choice", lambda *args: ("device", "sm_push", ""))  # one NVLink host
+    trainer.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))
+    assert (o.moe_planning, t.moe_cuda_graph, o.overlap_moe_expert_parallel_comm) == ("device", True, False)
     assert t.use_distributed_optimizer and o.overlap_grad_sync and o.overlap_param_sync
     assert not m.moe_router_force_load_balancing
     assert m.moe_router_enable_expert_bias or m.moe_aux_loss_coeff > 0
