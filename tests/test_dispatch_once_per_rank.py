@@ -2,7 +2,7 @@
 
 Same math: the layer with the switch on against the naive formula (which the serial reference passes too; outputs,
 input, prob and weight gradients within 1e-5 normwise, fp32 on gloo ranks) for host and device planning, 1 and 2
-chunks, dropless and dropping capacity, the shared expert in the dispatch gap with delayed weight gradients, a rank
+chunks, dropless and dropping capacity, the shared expert beside the combine with delayed weight gradients, a rank
 that receives nothing and one without tokens; the copy engine and the SM push kernel (interpreted) on one rank;
 training steps with paired micro-batches, under a zero-bubble pipeline schedule, and with a bounded device-planned
 exchange that overflows and runs again; the compute-only reference stays finite.

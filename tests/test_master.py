@@ -211,7 +211,7 @@ def test_metrics_and_checkpoint_of_a_short_fit(tmp_path):
 
 
 # The EP pipeline inside the full model (forward and backward, every micro-batch) against the
-# serial single-process run: chunks, deferred wgrad, the shared expert in the dispatch gap, the full router,
+# serial single-process run: chunks, deferred wgrad, the shared expert beside the combine, the full router,
 # padded capacity (static exchange sizes), and the device-planned pipeline (sizes on the device), with drops too.
 OVERLAP = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "host", "overlap.moe_pipeline_chunks": 2,
            "overlap.delay_wgrad_compute": "true"}

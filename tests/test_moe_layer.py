@@ -146,7 +146,7 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
                dispatch_dtype: str = "bf16") -> float:
     """chunks 0 is the serial path; >= 1 the pipeline with that many chunks, its sizes planned by ``planning``
     (host, or device: on CPU the gloo twin of the SM push). shared: off, serial (shared expert outside the
-    pipeline), overlap (inside the dispatch gap). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
+    pipeline), overlap (beside the combine's transfers). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
     group), instead of the local path the layer picks there. ``selectors``: the pipeline's transports per
     planning mode, made over ``mesh``'s EP group for a mode it lacks. ``once_per_rank``:
     overlap.moe_dispatch_once_per_rank (the pipeline's wire rows). ``dispatch_dtype``: overlap.moe_dispatch_dtype;
@@ -265,7 +265,7 @@ def test_expert_tensor_parallel_serial_dispatch(rank_pool, world, routing, capac
 
 # The pipeline against the same formula (the serial path passes it too), every setting on one mesh per call:
 # planning (host; device, the gloo twin of the SM push) x chunks x dropless / capacity with drops / padded
-# capacity x shared expert (outside, or in the dispatch gap with deferred weight gradients).
+# capacity x shared expert (outside, or beside the combine with deferred weight gradients).
 CAPACITIES = [dict(), dict(capacity=3), dict(capacity=3, pad=True)]
 SHARED = [dict(), dict(shared="overlap", delay_wgrad=True), dict(shared="serial")]
 
@@ -454,3 +454,48 @@ def test_dropless_plan_sizes_the_permutation_before_the_counts_arrive(monkeypatc
     assert plan.exchange.layout.send_total == 6 and plan.exchange.layout.recv_total == 5 and fetches == [1]
     plan.exchange
     assert fetches == [1]
+
+
+def test_shared_expert_overlap_sits_beside_the_combine_forward_and_backward(monkeypatch):
+    """model.moe_shared_expert_overlap: the shared expert runs after the expert GEMMs started their outputs back
+    (beside that transfer), and autograd, which runs the latest-made ready node first, runs its backward right after
+    the combine's backward started the output gradient's rows to the experts, before the experts' backward waits for
+    them; the layer still equals the formula."""
+    import moe_overlap.layers.dispatch_pipeline as dispatch_pipeline
+    from moe_overlap.layers import mlp
+
+    order = []
+
+    class Mark(torch.autograd.Function):  # made first in the shared expert: its backward ends the shared expert's
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            order.append("shared backward")
+            return grad
+
+    for name in ("Experts", "Combine"):
+        cls = getattr(dispatch_pipeline, name)
+
+        def forward(ctx, *args, _original=cls.forward, _name=name):
+            order.append(f"{_name} forward")
+            return _original(ctx, *args)
+
+        def backward(ctx, *grads, _original=cls.backward, _name=name):
+            order.append(f"{_name} backward")
+            return _original(ctx, *grads)
+
+        monkeypatch.setattr(cls, "forward", staticmethod(forward))
+        monkeypatch.setattr(cls, "backward", staticmethod(backward))
+    shared_forward = mlp.SwiGLUMLP.forward
+
+    def marked(self, x):
+        order.append("shared forward")
+        return shared_forward(self, Mark.apply(x))
+
+    monkeypatch.setattr(mlp.SwiGLUMLP, "forward", marked)
+    assert moe_case("random", 4, planning="device", force_pipeline=True, chunks=1, shared="overlap") < 1e-5
+    assert order == ["Experts forward", "shared forward", "Combine forward", "Combine backward", "shared backward",
+                     "Experts backward"]

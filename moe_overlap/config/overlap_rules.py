@@ -125,7 +125,7 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                 f"{m.hidden_size}")
     if m.moe_shared_expert_overlap:
         require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
-                 "needs overlap.moe_pipeline=true (the shared expert fills the dispatch gap)")
+                 "needs overlap.moe_pipeline=true (the shared expert runs beside the combine's transfers)")
     if o.ep_comm_ctas is not None:
         require(1 <= o.ep_comm_ctas <= MAX_NCCL_CTAS, "overlap.ep_comm_ctas", o.ep_comm_ctas,
                  f"must be between 1 and {MAX_NCCL_CTAS} (or null: NCCL's choice)")

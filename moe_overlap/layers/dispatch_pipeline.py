@@ -6,11 +6,11 @@ Forward, in the order the host issues the work (so that each GEMM is launched be
 beside it: a push launched first would hold SMs that the GEMM's launch waits for):
 
     permute; chunk 0 on its way                                   DispatchStart
-    (the layer's shared expert, with moe_shared_expert_overlap: runs while chunk 0 travels)
     for chunk i:  wait for chunk i, take its rows out of the receive buffer; its grouped GEMMs (carve-out on)
                   chunk i-1's outputs start back to their tokens' ranks     } beside GEMM i
                   chunk i+1 starts to the experts                           }
     the last chunk's outputs back                                 Experts
+    (the layer's shared expert, with moe_shared_expert_overlap: runs while they travel)
     unpermute reads them where they landed                        Combine
 
 Backward mirrors it: the output gradient's rows travel to the experts chunk by chunk under the dgrad GEMMs and
@@ -19,13 +19,14 @@ the last transfer. Received rows are read where they landed when a kernel can ta
 the rows it needs for the backward in the same pass, the permutation's backward reads its gradient rows
 in place (the copy-out of a symmetric region fused with them). Three autograd Functions bracket the work, each
 starting an exchange that the next one waits for (the backward likewise, in reverse), so that whatever the
-caller runs between them fills the gaps: the shared expert, or, with ``overlap_moe_expert_parallel_comm``,
-another micro-batch's stages (training/microbatch_overlap.py), the autograd graph cut between them. MoELayer's
+caller runs between them fills the gaps: the shared expert (between Experts and Combine), or, with
+``overlap_moe_expert_parallel_comm``, another micro-batch's stages (training/microbatch_overlap.py), the autograd
+graph cut between them. MoELayer's
 three steps (start_dispatch, run_experts, finish_combine) call them:
 
     token = DispatchStart.apply(x_TH, probs_TK, state)
-    shared_out = shared_expert(x)
     token = Experts.apply(token, w13, w2, state)
+    shared_out = shared_expert(x)   # its backward: between Combine's and Experts' (made between them)
     out_TH = Combine.apply(token, probs_TK, state)
 
 With ``overlap.moe_dispatch_once_per_rank`` (the plan's ``wire``, layers/wire_rows.py) the rows that cross are wire

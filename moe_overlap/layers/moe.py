@@ -7,8 +7,9 @@ each call's exchange, and ``overlap.moe_pipeline`` runs it as a pipeline of chun
 
     start_dispatch   route, plan (the counts: fetched to the host, or gathered on the device), permute, and start
                      the first chunk to the experts
-    run_experts      the shared expert in the dispatch gap (model.moe_shared_expert_overlap), every chunk's grouped
-                     GEMMs as its rows arrive, the outputs started back
+    run_experts      every chunk's grouped GEMMs as its rows arrive, the outputs started back; then the shared
+                     expert (model.moe_shared_expert_overlap) beside that transfer, and so (autograd runs the
+                     latest-made ready node first) its backward beside the output gradient's transfer to the experts
     finish_combine   wait for the outputs, unpermute; add the shared expert (run here when not in the gap)
 
 otherwise the serial reference (dispatcher.py). The math is the same. With ``overlap.moe_dispatch_once_per_rank`` the
@@ -175,11 +176,15 @@ class MoELayer(nn.Module):
 
     def run_experts(self, x_TH: torch.Tensor, token: torch.Tensor, state: PipelineState
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The shared expert while the first chunk travels (model.moe_shared_expert_overlap; else None), then every
-        chunk's grouped GEMMs as its rows arrive; the outputs start back. Returns the next token and the shared
-        expert's output."""
+        """Every chunk's grouped GEMMs as its rows arrive; the outputs start back. Then the shared expert
+        (model.moe_shared_expert_overlap; else None) while they travel: queued before the combine's wait for them,
+        and made after the experts' autograd node, so that the backward runs it after the combine's backward has
+        started the output gradient's rows to the experts and before the experts' backward waits for them (the
+        pipeline's first transfer each way, which one chunk leaves with nothing else beside it). Returns the next
+        token and the shared expert's output."""
+        token = Experts.apply(token, self.experts.w13, self.experts.w2, state)
         shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None and self.shared_overlap else None
-        return Experts.apply(token, self.experts.w13, self.experts.w2, state), shared_TH
+        return token, shared_TH
 
     def finish_combine(self, x_TH: torch.Tensor, token: torch.Tensor, probs_TK: torch.Tensor, state: PipelineState,
                        shared_TH: torch.Tensor | None) -> torch.Tensor:

@@ -75,7 +75,7 @@ class TransformerLayer(nn.Module):
         graph is cut between them (training/microbatch_overlap.py). A MoE layer whose exchange runs (the pipeline
         over more than one rank) is cut at its exchanges, each started at the end of one stage and waited for at
         the start of the next, by the layer's own three steps: attention, then router, permute, dispatch started |
-        (shared expert,) expert GEMMs, combine started | combine waited, unpermute (, shared expert). Otherwise:
+        expert GEMMs, combine started (, shared expert) | combine waited, unpermute (, shared expert). Otherwise:
         attention | MLP (a one-rank MoE layer whole, so that train.moe_cuda_graph replays it)."""
         mlp = self.mlp
 

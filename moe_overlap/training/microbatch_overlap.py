@@ -4,7 +4,7 @@ computes (Megatron-Core's batch-level overlap and combined 1F1B, DeepSeek-V3's D
 
 A chunk's forward is a list of segments (models/pipeline_stages.ModelChunk): one, the plain forward, or, paired,
 the embedding | per layer the pieces of TransformerLayer.stages (a MoE layer whose exchange runs: attention +
-router + permute with the dispatch started | shared expert + expert GEMMs with the combine started | combine
+router + permute with the dispatch started | expert GEMMs with the combine started + shared expert | combine
 waited + unpermute; a dense or one-rank layer: attention | MLP) | the head or the PP stage's output. A
 :class:`ChunkRun` hands each segment's outputs that need gradients on as detached leaves (the autograd graph cut
 between segments), so that one segment's backward runs on its own. :func:`run_pair` runs a pair of the schedule (one micro-batch's
