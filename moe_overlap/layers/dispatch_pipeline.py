@@ -21,8 +21,7 @@ in place (the copy-out of a symmetric region fused with them). Three autograd Fu
 starting an exchange that the next one waits for (the backward likewise, in reverse), so that whatever the
 caller runs between them fills the gaps: the shared expert (between Experts and Combine), or, with
 ``overlap_moe_expert_parallel_comm``, another micro-batch's stages (training/microbatch_overlap.py), the autograd
-graph cut between them. MoELayer's
-three steps (start_dispatch, run_experts, finish_combine) call them:
+graph cut between them. MoELayer's three steps (start_dispatch, run_experts, finish_combine) call them:
 
     token = DispatchStart.apply(x_TH, probs_TK, state)
     token = Experts.apply(token, w13, w2, state)
