@@ -56,6 +56,7 @@
 #   bash benchmarks/evidence_gpu.sh slowpair4 OUT  # slow fabric, spread routing: paired and 2 chunks; NVLink: eager, paired
 #   bash benchmarks/evidence_gpu.sh graph4   OUT   # train.moe_cuda_graph=auto: GPU tests, the fine EP=4 step beside explicit
 #   bash benchmarks/evidence_gpu.sh fault4   OUT   # the GPU fault tests, eager and graphed, the whole output kept
+#   bash benchmarks/evidence_gpu.sh next4    OUT   # (not run yet) the GPU tests the evening's changes touch, then shared4
 #   bash benchmarks/evidence_gpu.sh shared4  OUT   # (not run yet) the shared expert beside the combine, EP=4
 #   bash benchmarks/evidence_gpu.sh now4     OUT   # the fine ep1 row on text, the fine 4-GPU example, the slow fabric
 #                                                  #   fine row with forced routing that spreads
@@ -639,6 +640,17 @@ case $phase in
   shared4)  # (not run yet) model.moe_shared_expert_overlap beside the combine (its backward beside the output
     # gradient's transfer to the experts): predicted at most 64 x (0.15 + 0.3) ms = 29 ms a step hidden at EP=4, less
     # where the waits are shorter; the dispatch-gap placement before measured nothing (wgrad1b)
+    train_step 4 fine_8l balanced_spread_shared "$BAL" --variant "shared:model.moe_shared_expert_overlap=true"
+    ;;
+  next4)  # (not run yet) what the evening of 2026-11-27 left unmeasured, in one call: the GPU tests its changes touch
+    # (the fault cases, one graphed; the MoE layer with the shared expert beside the combine; paired micro-batches,
+    # whose expert segment now ends with the shared expert), then shared4's rows
+    log=$out/gpu_tests_next_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs --tb=short tests/test_gpu_fault.py tests/test_gpu_moe.py tests/test_gpu_microbatch_overlap.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --tb=short tests/test_gpu_fault.py \
+      tests/test_gpu_moe.py tests/test_gpu_microbatch_overlap.py >> "$log" 2>&1
+    tail -n 6 "$log"
+    cp "$log" "$res/gpu_tests_next_4x$gpu.txt"
     train_step 4 fine_8l balanced_spread_shared "$BAL" --variant "shared:model.moe_shared_expert_overlap=true"
     ;;
   plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
