@@ -581,7 +581,7 @@ case $phase in
     cp "$log" "$res/gpu_tests_gather_4x$gpu.txt"
     train_step 4 fine_8l balanced_spread_gather "$BAL"
     ;;
-  plan4)  # issue 38 (not run yet): the wire rows' plan in fewer kernels (kernels/wire_targets.py; the layout's
+  plan4)  # issue 38 (run 2026-11-27 evening): the wire rows' plan in fewer kernels (kernels/wire_targets.py; the layout's
     # route-only fields lazy): benchmarks/layer_ops.py counts 131 launches per layer call against 219 before (CPU);
     # predicted about 88 x 64 x 2 us = 11 ms a step less for the default and compute_only alike. GPU tests of the new
     # kernels and the layer, then EP=4 fine: default, compute_only, ep1, FP8 dispatch
