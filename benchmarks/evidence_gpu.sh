@@ -642,7 +642,23 @@ case $phase in
     # where the waits are shorter; the dispatch-gap placement before measured nothing (wgrad1b)
     train_step 4 fine_8l balanced_spread_shared "$BAL" --variant "shared:model.moe_shared_expert_overlap=true"
     ;;
-  next4)  # (not run yet) what the evening of 2026-11-27 left unmeasured, in one call: the GPU tests its changes touch
+  slices4)  # overlap.moe_token_slices=2 (each MoE layer's tokens in two slices whose transfers run beside each
+    # other's GEMMs: with one chunk, 1.5 of the 3 transfers a layer leaves alone stay alone), with and without the
+    # shared expert beside the combine; predicted: about half of the 78 ms a step the default spends over
+    # compute_only at EP=4. Then the GPU tests these touch (the MoE layer with the slices graphed, the fault cases,
+    # paired micro-batches)
+    train_step 4 fine_8l balanced_spread_slices "$BAL" --variant "slices2:overlap.moe_token_slices=2" \
+      --variant "shared:model.moe_shared_expert_overlap=true" \
+      --variant "slices2_shared:overlap.moe_token_slices=2,model.moe_shared_expert_overlap=true"
+    log=$out/gpu_tests_slices_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs --tb=short tests/test_gpu_moe.py tests/test_gpu_fault.py tests/test_gpu_microbatch_overlap.py (4 GPUs)" > "$log"
+    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --tb=short tests/test_gpu_moe.py \
+      tests/test_gpu_fault.py tests/test_gpu_microbatch_overlap.py >> "$log" 2>&1
+    tail -n 8 "$log"
+    cp "$log" "$res/gpu_tests_slices_4x$gpu.txt"
+    pack
+    ;;
+  next4)  # (not run yet; superseded by slices4) what the evening of 2026-11-27 left unmeasured, in one call: the GPU tests its changes touch
     # (the fault cases, one graphed; the MoE layer with the shared expert beside the combine; paired micro-batches,
     # whose expert segment now ends with the shared expert), then shared4's rows
     log=$out/gpu_tests_next_4x.txt

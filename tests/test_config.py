@@ -209,6 +209,17 @@ BAD: list[tuple] = [
     (TINY, [SERIAL, "overlap.moe_planning=device"], "overlap.moe_planning", "'device'", "moe_pipeline=true"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_pipeline_chunks=5"], "overlap.moe_pipeline_chunks", "5",
      "local experts", "= 4"),
+    # token slices: one or two, with the pipeline, unpaired, not padded, no expert-TP
+    (TINY, [SERIAL, "overlap.moe_token_slices=2"], "overlap.moe_token_slices", "2", "needs overlap.moe_pipeline=true"),
+    (TINY, ["overlap.moe_token_slices=0"], "overlap.moe_token_slices", "0", "must be >= 1"),
+    (TINY, ["overlap.moe_token_slices=3"], "overlap.moe_token_slices", "3", "must be 1 or 2", NOT_YET,
+     "symmetric regions"),
+    (TINY, ["overlap.moe_token_slices=2", "overlap.overlap_moe_expert_parallel_comm=true"],
+     "overlap.moe_token_slices", "2", NOT_YET, "run a layer's steps apart"),
+    (TINY, ["overlap.moe_token_slices=2", "model.moe_expert_capacity_factor=1.5",
+            "model.moe_pad_expert_input_to_capacity=true"], "overlap.moe_token_slices", "2", NOT_YET, "pad"),
+    (TINY, ["overlap.moe_token_slices=2", "parallel.expert_tensor_parallel_size=2"], "overlap.moe_token_slices", "2",
+     NOT_YET, "expert_tensor_parallel_size > 1"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "overlap.moe_transport=nccl"],
      "overlap.moe_transport", "'nccl'", "takes host sizes", "moe_planning=device"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "overlap.moe_transport=copy_engine"],
@@ -513,6 +524,7 @@ def test_delay_wgrad_auto(overrides, delayed):
     (CUDA + ["overlap.moe_transport=nccl"], "auto"),  # the micro-batches are counted once the world is known
     (CUDA + ["parallel.pipeline_model_parallel_size=2"], False),  # measured slower eager under PP
     (CUDA + ["overlap.moe_pipeline_chunks=2"], False),  # not measured paired
+    (CUDA + ["overlap.moe_token_slices=2"], False),  # slices run in one layer call
     (CUDA + ["train.recompute_granularity=full"], False),  # not implemented paired
     (CUDA + ["overlap.overlap_moe_expert_parallel_comm=false"], False),  # explicit values stay
     (CUDA + ["overlap.overlap_moe_expert_parallel_comm=true", "model.moe_router_topk=4"], True),

@@ -39,9 +39,10 @@ _SELECTORS: dict = {}
 
 
 def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=False, once=False,
-               dispatch_dtype="bf16"):
+               dispatch_dtype="bf16", slices=1):
     """The serial reference (the local path at EP=1) without a variant, routing like ``capacity``, ``padded`` and
-    ``shared``; else the pipeline, forced at EP=1 (``once``, ``dispatch_dtype``: its wire rows, and their dtype)."""
+    ``shared``; else the pipeline, forced at EP=1 (``once``, ``dispatch_dtype``: its wire rows, and their dtype;
+    ``slices``: overlap.moe_token_slices)."""
     from moe_overlap.config import ModelConfig, OverlapConfig
     from moe_overlap.distributed.a2a import TransportSelector
     from moe_overlap.layers.init import init_parameters
@@ -54,6 +55,7 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
         overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once, moe_pipeline_chunks=chunks,
                                 delay_wgrad_compute=delay, moe_dispatch_dtype=dispatch_dtype,
                                 moe_planning=planning, moe_transport=transport, gemm_sm_carveout=sms,
+                                moe_token_slices=slices,
                                 moe_expert_rank_capacity_factor=None)  # exact: no trainer runs an overflow again
         # One selector per transport for the whole run, as a model shares one: freeing a symmetric workspace
         # while a CUDA graph is being captured is illegal.
@@ -103,7 +105,7 @@ def gpu_cases(out_dir: str) -> dict:
     write_report(out_dir, report)  # progress, in case a later case takes the process down
     x, grad = x32.bfloat16(), grad32.bfloat16()
     cases = [(sync_case, ("host", "nccl")), (sync_case, ("device", "sm_push")), (graph_case, (0,)),
-             (graph_case, (8,)), (local_case, ()), (fp8_wire_case, ())]
+             (graph_case, (8,)), (local_case, ()), (fp8_wire_case, ()), (slices_case, ())]
     if world > 1:  # nccl last: its refused capture is the one case that may leave the process in a poor state
         cases += [(multicast_case, ()), (nccl_capture_case, ())]
     for case, args in cases:
@@ -227,6 +229,31 @@ def graph_case(mesh, x, grad, report, sms: int) -> None:
     report[f"graph_sms{sms}_err"] = max(rel(r, e) for r, e in zip(replayed, eager))
 
 
+def slices_case(mesh, x, grad, report) -> None:
+    """overlap.moe_token_slices=2 on the default path (one device-planned chunk, each token once per rank, delayed
+    weight gradients, the shared expert beside the combine, carve-out auto): eager against the serial path under the
+    bf16 rule, and replayed from a CUDA graph against eager."""
+    from moe_overlap.layers.moe import capture_moe_layers
+
+    variant = ("device", "sm_push", 1, None, False, True, True, "auto")
+    ref = run_layer(make_layer(mesh, torch.float32, shared=True), x.float(), grad.float())
+    serial = run_layer(make_layer(mesh, torch.bfloat16, shared=True), x, grad)
+    eager_layer = make_layer(mesh, torch.bfloat16, variant, once=True, slices=2)
+    graph_layer = make_layer(mesh, torch.bfloat16, variant, once=True, slices=2)
+    graph_layer.load_state_dict(eager_layer.state_dict())
+    eager = run_layer(eager_layer, x, grad)
+    errs = [(rel(e, r), rel(s, r)) for e, s, r in zip(eager, serial, ref)]
+    report["slices_err"] = max(e for e, _ in errs)
+    report["slices_violations"] = [(i, e, s) for i, (e, s) in enumerate(errs) if e > 2 * s + 1e-6]
+    gc.collect()
+    capture_moe_layers((graph_layer,), tuple(x.shape))
+    for _ in range(2):  # replays, each from zeroed gradients
+        graph_layer.zero_grad(set_to_none=True)
+        replayed = run_layer(graph_layer, x, grad)
+    torch.cuda.synchronize()
+    report["slices_graph_err"] = max(rel(r, e) for r, e in zip(replayed, eager))
+
+
 def multicast_case(mesh, x, grad, report) -> None:
     """Symmetric memory made without an NVLink multicast object (SymmWorkspace refuses one; this reads it)."""
     report["multicast_ptrs"] = [int(getattr(t.regions.workspace.handle, "multicast_ptr", 0) or 0)
@@ -297,6 +324,14 @@ def test_fp8_dispatch_equals_bf16_dispatch_of_the_dequantized_rows(reports):
         assert not _errors(report, "fp8_wire_case"), _errors(report, "fp8_wire_case")
         assert all(report["fp8_wire_equal"]), report["fp8_wire_rel"]  # out, x grad, w13 grad, w2 grad
         assert 0 < report["fp8_wire_vs_rows_as_they_are"] < 0.05  # the rows did cross as FP8
+
+
+@pytest.mark.gpu
+def test_token_slices_equal_serial_in_bf16_and_replay_from_a_cuda_graph(reports):
+    for report in reports:
+        assert not _errors(report, "slices_case"), _errors(report, "slices_case")
+        assert not report["slices_violations"], report["slices_violations"]
+        assert report["slices_graph_err"] < 1e-2
 
 
 @pytest.mark.gpu

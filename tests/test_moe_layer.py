@@ -14,6 +14,7 @@ from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, grouped_swiglu_reference
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.mlp import swiglu
+from moe_overlap.layers.router import Routing
 from tests.rankpool import RankPoolError
 
 H, F, E, TOKENS = 16, 24, 8, 12
@@ -83,9 +84,8 @@ class FixedRouter(torch.nn.Module):
         kept = self.experts_TK if keep_TK is None else self.experts_TK[keep_TK]
         zero = torch.zeros(())
         probs = self.probs_TK if keep_TK is None else self.probs_TK * keep_TK
-        return SimpleNamespace(probs_TK=probs, experts_TK=self.experts_TK, keep_TK=keep_TK, capacity=self.capacity,
-                               tokens_per_expert_E=torch.bincount(kept.flatten(), minlength=E),
-                               aux_loss=zero, z_loss=zero)
+        return Routing(probs, self.experts_TK, torch.bincount(kept.flatten(), minlength=E), zero, zero, keep_TK,
+                       self.capacity)
 
 
 def rank_inputs(rank: int, routing: str, topk: int):
@@ -143,7 +143,7 @@ def moe_cases(routing: str, topk: int, settings: list[dict], etp: int = 1,
 def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, planning: str = "auto",
                capacity: int | None = None, pad: bool = False, shared: str = "off", delay_wgrad: bool = False,
                etp: int = 1, force_pipeline: bool = False, once_per_rank: bool = False,
-               dispatch_dtype: str = "bf16") -> float:
+               dispatch_dtype: str = "bf16", slices: int = 1) -> float:
     """chunks 0 is the serial path; >= 1 the pipeline with that many chunks, its sizes planned by ``planning``
     (host, or device: on CPU the gloo twin of the SM push). shared: off, serial (shared expert outside the
     pipeline), overlap (beside the combine's transfers). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
@@ -151,7 +151,7 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
     planning mode, made over ``mesh``'s EP group for a mode it lacks. ``once_per_rank``:
     overlap.moe_dispatch_once_per_rank (the pipeline's wire rows). ``dispatch_dtype``: overlap.moe_dispatch_dtype;
     with fp8 the formula takes what crossed, each token's hidden state and output gradient dequantized from FP8
-    (no shared expert: it sees the rows as they are)."""
+    (no shared expert: it sees the rows as they are). ``slices``: overlap.moe_token_slices."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
                       moe_pad_expert_input_to_capacity=pad,
@@ -160,6 +160,7 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
     overlap = OverlapConfig(moe_pipeline=chunks > 0, moe_pipeline_chunks=max(chunks, 1),
                             delay_wgrad_compute=delay_wgrad, moe_planning=planning,
                             moe_dispatch_once_per_rank=once_per_rank, moe_dispatch_dtype=dispatch_dtype,
+                            moe_token_slices=slices,
                             moe_expert_rank_capacity_factor=None)  # exact here: no trainer runs an overflow again
     transports = None
     if chunks:
@@ -499,3 +500,56 @@ def test_shared_expert_overlap_sits_beside_the_combine_forward_and_backward(monk
     assert moe_case("random", 4, planning="device", force_pipeline=True, chunks=1, shared="overlap") < 1e-5
     assert order == ["Experts forward", "shared forward", "Combine forward", "Combine backward", "shared backward",
                      "Experts backward"]
+
+
+# Token slices (overlap.moe_token_slices=2) against the same formula: both plannings, 1 and 2 chunks, each token once
+# per rank or per copy, drops, the shared expert beside the combine with delayed weight gradients, FP8 on the wire.
+SLICED = ([dict(planning=p, chunks=c, once_per_rank=o, slices=2) for p in ("host", "device") for c in (1, 2)
+           for o in (False, True)]
+          + [dict(planning="device", chunks=1, slices=2, capacity=3), dict(planning="host", chunks=2, slices=2,
+                                                                          capacity=3, once_per_rank=True),
+             dict(planning="device", chunks=1, slices=2, once_per_rank=True, shared="overlap", delay_wgrad=True),
+             dict(planning="device", chunks=1, slices=2, once_per_rank=True, dispatch_dtype="fp8")])
+
+
+@pytest.mark.parametrize("world,routing", [(2, "sparse"), (2, "first_rank_only"), (4, "last_rank_only"),
+                                           (4, "sparse")])
+def test_token_slices_equal_the_formula(rank_pool, world, routing):
+    """Skewed routing too: a slice of a rank may route nothing to a rank, or everything."""
+    errors = rank_pool(world).run(moe_cases, routing, 2, SLICED)
+    assert max(max(e) for e in errors) < 1e-5
+
+
+def test_token_slices_hand_each_transfer_to_the_other_slices_gemm(monkeypatch):
+    """overlap.moe_token_slices=2: forward, slice 0's dispatch crosses alone, slice 1's right after slice 0's GEMM is
+    launched, slice 0's combine right after slice 1's GEMM, slice 1's alone; backward (the latest-made ready node
+    first), slice 1's output-gradient rows cross alone, slice 0's right after slice 1's first dgrad, and each
+    slice's rows back beside its delayed weight gradients. The layer still equals the formula."""
+    import moe_overlap.layers.dispatch_pipeline as dispatch_pipeline
+    from moe_overlap.distributed.a2a_exchange import ToExperts
+
+    order = []
+    for name in ("experts_forward", "experts_dgrad"):
+        def logged(*args, _original=getattr(dispatch_pipeline, name), _name=name, **kwargs):
+            order.append("GEMM" if _name == "experts_forward" else "dgrad")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(dispatch_pipeline, name, logged)
+    send_through = dispatch_pipeline._send
+
+    def send_logged(handoff, send, *args, alone):
+        kind = "to experts" if isinstance(send.__self__, ToExperts) else "back"
+
+        def logged(*args, alone):
+            order.append((kind, "alone" if alone else "beside"))
+            return send(*args, alone=alone)
+
+        return send_through(handoff, logged, *args, alone=alone)
+
+    monkeypatch.setattr(dispatch_pipeline, "_send", send_logged)
+    assert moe_case("random", 4, planning="device", force_pipeline=True, chunks=1, slices=2, delay_wgrad=True,
+                    once_per_rank=True) < 1e-5
+    assert order == [("to experts", "alone"), "GEMM", ("to experts", "beside"), "GEMM", ("back", "beside"),
+                     ("back", "alone"),
+                     ("to experts", "alone"), "dgrad", ("to experts", "beside"), ("back", "beside"), "dgrad",
+                     ("back", "beside")]

@@ -43,7 +43,7 @@ from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
 
 # The fields only the pipeline reads: setting one asks for it.
-PIPELINE_FIELDS = ("moe_pipeline_chunks", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
+PIPELINE_FIELDS = ("moe_pipeline_chunks", "moe_token_slices", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
                    "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank", "moe_dispatch_dtype")
 
 
@@ -81,6 +81,8 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
         return "pipeline parallelism: paired measured there only eager and slower (tuning.py)"
     if o.moe_pipeline_chunks > 1 or o.delay_wgrad_compute is True:
         return "chunks or delayed wgrad: not measured paired"
+    if o.moe_token_slices > 1:
+        return "overlap.moe_token_slices > 1: token slices run in one layer call, not beside another micro-batch"
     if t.expert_wgrad_pairs:
         return "train.expert_wgrad_pairs=true: the serial exchange"
     if t.recompute_granularity != "none":

@@ -30,6 +30,10 @@ def validate_overlaps(cfg: Config) -> None:
 def _validate_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) -> None:
     require(o.tp_comm_num_splits >= 1, "overlap.tp_comm_num_splits", o.tp_comm_num_splits, "must be >= 1")
     require(o.moe_pipeline_chunks >= 1, "overlap.moe_pipeline_chunks", o.moe_pipeline_chunks, "must be >= 1")
+    require(o.moe_token_slices >= 1, "overlap.moe_token_slices", o.moe_token_slices, "must be >= 1")
+    require(o.moe_token_slices <= 2, "overlap.moe_token_slices", o.moe_token_slices,
+            "must be 1 or 2: more slices are not implemented yet (more exchanges in flight than the transport's "
+            "symmetric regions)")
     _validate_tp_overlap(o, p, m)
 
 
@@ -123,6 +127,13 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
         require(m.hidden_size % 4 == 0, "overlap.moe_dispatch_dtype", "fp8",
                 f"needs model.hidden_size divisible by 4 (FP8 rows packed into the activations' columns), got "
                 f"{m.hidden_size}")
+    if o.moe_token_slices > 1:
+        gap = ("with model.moe_pad_expert_input_to_capacity=true (each slice would pad to the micro-batch's capacity)"
+               if m.moe_pad_expert_input_to_capacity else
+               "with expert_tensor_parallel_size > 1" if (p.expert_tensor_parallel_size or
+                                                          p.tensor_model_parallel_size) != 1 else None)
+        if gap is not None:
+            raise not_implemented("overlap.moe_token_slices", o.moe_token_slices, 1, gap)
     if m.moe_shared_expert_overlap:
         require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_pipeline=true (the shared expert runs beside the combine's transfers)")
@@ -167,6 +178,9 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
     # (with an exchange, config/defaults.py has turned on what the pairing needs: the pipeline, eager layers)
     require(not exchanging or o.moe_pipeline, name, True, "needs overlap.moe_pipeline=true with more than one "
              "EP or expert-TP rank: the serial exchange blocks, so nothing could run beside it")
+    if o.overlap_moe_expert_parallel_comm is True and o.moe_token_slices > 1:
+        raise not_implemented("overlap.moe_token_slices", o.moe_token_slices, 1,
+                              "with overlap_moe_expert_parallel_comm, whose stages run a layer's steps apart")
 
 
 def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig, p: ParallelConfig) -> None:

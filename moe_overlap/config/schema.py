@@ -174,6 +174,12 @@ class OverlapConfig:
     # (tuning.py); the serial exchange with one rank, or with train.expert_wgrad_pairs (config/defaults.py).
     moe_pipeline: Union[bool, Literal["auto"]] = "auto"
     moe_pipeline_chunks: int = 1
+    # The micro-batch's tokens cut into this many slices inside each pipelined MoE layer, their steps interleaved:
+    # a slice's dispatch crosses beside the previous slice's expert GEMMs, its combine beside the next one's, and
+    # the backward likewise, so that only one slice's rows cross with no GEMM beside them at the start and the end
+    # of each direction (with one chunk: all of them). The same math. 1: off; at most 2 (more slices in flight than
+    # the transport's regions: not implemented yet).
+    moe_token_slices: int = 1
     # Where the pipeline's exchange sizes are planned: host (one fetch of every rank's counts per layer, exact
     # buffers), device (no host sync, worst-case buffers, CUDA-graph capturable), auto (device when the
     # transport takes device sizes).

@@ -28,6 +28,15 @@ graph cut between them. MoELayer's three steps (start_dispatch, run_experts, fin
     shared_out = shared_expert(x)   # its backward: between Combine's and Experts' (made between them)
     out_TH = Combine.apply(token, probs_TK, state)
 
+With ``overlap.moe_token_slices`` MoELayer cuts the micro-batch's tokens into slices and runs each slice's three
+Functions interleaved, so that one slice's transfers run beside another's GEMMs (the slices' transfers handed over
+through a :class:`Handoff`: sent right after the other slice's first GEMM is launched):
+
+    forward    dispatch 0 | dispatch 1 beside GEMM 0 | combine 0 beside GEMM 1 | combine 1
+    backward   (autograd runs the latest-made ready node first) the output gradient's rows of slice 1 | of slice 0
+               beside the dgrad of slice 1 | slice 1's rows back beside the dgrad of slice 0 (and slice 1's delayed
+               weight gradients) | slice 0's beside its delayed weight gradients
+
 With ``overlap.moe_dispatch_once_per_rank`` (the plan's ``wire``, layers/wire_rows.py) the rows that cross are wire
 rows, one per (token, chunk, destination rank): the routing probs travel with them and weight the expert outputs
 on the expert side, so the probs' gradient is made there and returned by DispatchStart's backward (Combine's
@@ -55,6 +64,37 @@ from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dgrad_rows,
                                           hidden_states, packed_hidden, token_grads, token_rows)
 
 
+class Handoff:
+    """Transfers another token slice hands to a layer call, to send right after the call's first grouped GEMM (of
+    the forward, or the backward's first dgrad) is launched: a push launched before the GEMM it should run beside
+    holds SMs that the GEMM's launch waits for, and nothing overlaps. Once that GEMM is launched, a transfer handed
+    over later is sent at once."""
+
+    def __init__(self) -> None:
+        self.sends: list = []
+        self.launched = False
+
+    def add(self, send) -> None:
+        if self.launched:
+            send()
+        else:
+            self.sends.append(send)
+
+    def launch(self) -> None:
+        self.launched = True
+        sends, self.sends = self.sends, []
+        for send in sends:
+            send()
+
+
+def _send(handoff: Handoff | None, send, *args, alone: bool) -> None:
+    """``send(*args, alone=alone)`` now, or handed to another slice's call, beside its GEMM (not alone)."""
+    if handoff is None:
+        send(*args, alone=alone)
+    else:
+        handoff.add(lambda: send(*args, alone=False))
+
+
 @dataclass
 class PipelineState:
     """What the three Functions of one layer call share: its plan (and the plan's transport) and the exchanges in
@@ -72,11 +112,19 @@ class PipelineState:
     probs_need_grad: bool = False  # wire: the expert side computes the probs' gradient
     fp8: Fp8 | None = None  # train.fp8_recipe: the expert GEMMs' forward and dgrad in FP8 (layers/fp8.py)
     fp8_wire: bool = False  # overlap.moe_dispatch_dtype=fp8: the rows into the experts cross as FP8 (wire_rows.py)
+    # overlap.moe_token_slices (None: one slice): what other slices hand this call to send beside its first GEMM
+    # (forward) and first dgrad (backward); where this slice's dispatch, combine and output-gradient rows go (None:
+    # sent when made)
+    after_gemm: Handoff | None = None
+    after_dgrad: Handoff | None = None
+    dispatch_to: Handoff | None = None
+    combine_to: Handoff | None = None
+    grad_dispatch_to: Handoff | None = None
 
     def carveout(self):
         """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
-        one chunk."""
-        moving = len(self.plan.chunk_experts) > 1
+        one chunk or token slice."""
+        moving = len(self.plan.chunk_experts) > 1 or self.after_gemm is not None
         return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
 
 
@@ -134,7 +182,8 @@ class DispatchStart(torch.autograd.Function):
             state.probs_need_grad = ctx.needs_input_grad[1]
         # host-planned: waits for the counts here, after the permutation was queued
         state.dispatch = plan.transport.to_experts(send_RH, plan.routes, state.sms)
-        state.dispatch.send(0, alone=not state.paired)  # the pipeline's fill: no expert GEMM beside it
+        # the pipeline's fill: no expert GEMM beside it (but another slice's, handed over)
+        _send(state.dispatch_to, state.dispatch.send, 0, alone=not state.paired)
         ctx.state, ctx.x_dtype, ctx.hidden = state, x_TH.dtype, x_TH.shape[1]
         ctx.probs_dtype = probs_TK.dtype if state.probs_need_grad else None
         return x_TH.new_empty(0)  # orders Experts after this; carries no data
@@ -152,15 +201,19 @@ class DispatchStart(torch.autograd.Function):
         return grad_TH.to(ctx.x_dtype), grad_probs_TK, None
 
 
-def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_alone: bool = True) -> None:
+def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_alone: bool = True,
+                after_first: Handoff | None = None, back_to: Handoff | None = None) -> None:
     """The schedule both directions share: ``compute(chunk, rows)`` runs a chunk's GEMMs on its rows and returns
     the rows to send back, and work for after them (or None); transfers beside GEMM i are issued after it (see
-    the module docstring). ``last_alone``: no GEMM runs beside the last transfer back (the pipeline's drain)."""
+    the module docstring). ``last_alone``: no GEMM runs beside the last transfer back (the pipeline's drain).
+    Token slices: ``after_first`` is launched after the first GEMM; the last transfer back goes to ``back_to``."""
     chunks = len(state.plan.chunk_experts)
     waiting = None  # the previous chunk's rows to send back, and the event after the GEMM that made them
     for chunk in range(chunks):
         back_RH, then = compute(chunk, to_experts.recv(chunk, read_once=state.plan.wire is not None))
         made = Event(back_RH.device).record()
+        if chunk == 0 and after_first is not None:
+            after_first.launch()
         if then is not None:
             then()
         if waiting is not None:
@@ -168,7 +221,7 @@ def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_al
         waiting = back_RH, made
         if chunk + 1 < chunks:
             to_experts.send(chunk + 1)
-    from_experts.send(chunks - 1, *waiting, alone=last_alone)
+    _send(back_to, from_experts.send, chunks - 1, *waiting, alone=last_alone)
 
 
 class Experts(torch.autograd.Function):
@@ -196,7 +249,8 @@ class Experts(torch.autograd.Function):
             state.saved.append((grouped_RH, h_RF2, copies, y_RH if state.probs_need_grad else None))
             return unpermute(y_RH, arrived.grouped_row_WJ, arrived.probs_WJ), None
 
-        _run_chunks(state, dispatch, state.combine, compute, last_alone=not state.paired)
+        _run_chunks(state, dispatch, state.combine, compute, last_alone=not state.paired, after_first=state.after_gemm,
+                    back_to=state.combine_to)
         dispatch.finish()
         state.dispatch = None
         ctx.state = state
@@ -248,7 +302,7 @@ class Experts(torch.autograd.Function):
 
         # the last transfer back runs beside the delayed weight gradients (or another micro-batch), else alone
         _run_chunks(state, grad_dispatch, grad_combine, compute,
-                    last_alone=not (deferred or state.delay_wgrad or state.paired))
+                    last_alone=not (deferred or state.delay_wgrad or state.paired), after_first=state.after_dgrad)
         if deferred:
             grad_w13, grad_w2 = weight_grads(_deferred_weight_grads, (w13_EHF2, w2_EFH, jobs, plan.chunk_experts),
                                              ctx.weights)
@@ -292,13 +346,13 @@ class Combine(torch.autograd.Function):
         if plan.wire is not None:  # each wire row takes its token's gradient; the probs' come from the experts
             grad_rows = token_rows(packed_hidden(grad_out_TH.contiguous(), state.fp8_wire), plan.wire)
             state.grad_dispatch = plan.transport.to_experts(grad_rows, plan.routes, state.sms)
-            state.grad_dispatch.send(0, alone=not state.paired)
+            _send(state.grad_dispatch_to, state.grad_dispatch.send, 0, alone=not state.paired)
             return grad_out_TH.new_zeros(0), None, None
         probs_TK, combined_RH = ctx.saved_tensors
         grad_rows_RH, grad_probs_TK = unpermute_backward(grad_out_TH.contiguous(), combined_RH, plan.row_of_copy_TK,
                                                          probs_TK, plan.all_rows_mapped, num_rows=plan.num_rows)
         state.grad_dispatch = plan.transport.to_experts(grad_rows_RH.to(ctx.rows_dtype), plan.routes, state.sms)
-        state.grad_dispatch.send(0, alone=not state.paired)
+        _send(state.grad_dispatch_to, state.grad_dispatch.send, 0, alone=not state.paired)
         if grad_probs_TK is not None:
             grad_probs_TK = grad_probs_TK.to(probs_TK.dtype)
         return grad_out_TH.new_zeros(0), grad_probs_TK, None

@@ -36,7 +36,7 @@ from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.permute import Permute, Unpermute
 from moe_overlap.layers.device_plan import DevicePlanner
-from moe_overlap.layers.dispatch_pipeline import Combine, DispatchStart, Experts, PipelineState
+from moe_overlap.layers.dispatch_pipeline import Combine, DispatchStart, Experts, Handoff, PipelineState
 from moe_overlap.layers.dispatcher import serial_dispatch_combine
 from moe_overlap.layers.experts import GroupedExperts, expert_offsets
 from moe_overlap.layers.host_plan import HostPlanner
@@ -65,6 +65,7 @@ class MoELayer(nn.Module):
         self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.pipelined, self.chunks = overlap.moe_pipeline, overlap.moe_pipeline_chunks
+        self.token_slices = overlap.moe_token_slices  # the micro-batch's tokens in slices, interleaved (_sliced)
         self.capacity_factor = overlap.moe_expert_rank_capacity_factor  # the device-planned receive bound
         self.once_per_rank = overlap.moe_dispatch_once_per_rank  # wire rows: a token once per (chunk, rank)
         if self.pipelined and self.once_per_rank == "auto":
@@ -124,7 +125,9 @@ class MoELayer(nn.Module):
         """Returns the output, the auxiliary losses (load balancing + z, already scaled) and the copies
         routed to each global expert (for metrics; an output, so recomputation does not count twice)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        if self.stepped:
+        if self.stepped and self.token_slices > 1:
+            out_TH, routing = self._sliced(x_TH)
+        elif self.stepped:
             routing, token, state = self.start_dispatch(x_TH)
             token, shared_TH = self.run_experts(x_TH, token, state)
             out_TH = self.finish_combine(x_TH, token, routing.probs_TK, state, shared_TH)
@@ -166,13 +169,47 @@ class MoELayer(nn.Module):
         to :meth:`finish_combine`), the token that orders the next step, the state the steps share. ``paired``:
         another micro-batch's compute runs beside the first and last transfers."""
         routing = self.router(x_TH)
+        return (routing, *self._dispatch(x_TH, routing, paired=paired))
+
+    def _dispatch(self, x_TH: torch.Tensor, routing: Routing, paired: bool = False,
+                  handoffs: dict[str, Handoff | None] | None = None) -> tuple[torch.Tensor, PipelineState]:
+        """Plan the exchange of ``routing``'s copies, permute, and start the first chunk (or hand it to another
+        token slice: ``handoffs``, PipelineState's fields)."""
         planner = self._planner(x_TH)
         plan = planner.plan(routing)
         sms = self._overlap_sms(plan.transport, planner.permuted_rows(routing), x_TH.shape[1], x_TH.element_size(),
-                                paired)
+                                paired or handoffs is not None)
         self.last_overlap_sms = sms  # what the last call chose (a benchmark reports it)
-        state = PipelineState(plan, sms, self.delay_wgrad, paired, fp8=self.experts.fp8, fp8_wire=self.fp8_wire)
-        return routing, DispatchStart.apply(x_TH, routing.probs_TK, state), state
+        state = PipelineState(plan, sms, self.delay_wgrad, paired, fp8=self.experts.fp8, fp8_wire=self.fp8_wire,
+                              **(handoffs or {}))
+        return DispatchStart.apply(x_TH, routing.probs_TK, state), state
+
+    def _sliced(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """``overlap.moe_token_slices``: the tokens routed together (the auxiliary losses are the micro-batch's), then
+        cut into slices whose three steps interleave, each slice's transfers handed to another's GEMMs
+        (dispatch_pipeline.Handoff): slice i's dispatch runs beside the GEMMs of slice i - 1, its combine beside those
+        of slice i + 1; in the backward, its output gradient's rows beside the dgrad of slice i + 1. So only the first
+        slice's dispatch and the last slice's combine and output-gradient rows cross with no GEMM beside. The same
+        math: each token meets the same experts. Returns the output rows and the routing."""
+        routing = self.router(x_TH)
+        n = self.token_slices
+        edges = [x_TH.shape[0] * i // n for i in range(n + 1)]
+        after_gemm, after_dgrad = [Handoff() for _ in range(n)], [Handoff() for _ in range(n)]
+        parts = []
+        for i in range(n):
+            handoffs = dict(after_gemm=after_gemm[i], after_dgrad=after_dgrad[i],
+                            dispatch_to=after_gemm[i - 1] if i > 0 else None,
+                            combine_to=after_gemm[i + 1] if i < n - 1 else None,
+                            grad_dispatch_to=after_dgrad[i + 1] if i < n - 1 else None)
+            x_part_TH, part = x_TH[edges[i]:edges[i + 1]], routing.tokens(edges[i], edges[i + 1])
+            token, state = self._dispatch(x_part_TH, part, handoffs=handoffs)
+            parts.append([part, token, state])
+            if i > 0:  # after slice i's dispatch was handed to it
+                parts[i - 1][1] = Experts.apply(parts[i - 1][1], self.experts.w13, self.experts.w2, parts[i - 1][2])
+        parts[-1][1] = Experts.apply(parts[-1][1], self.experts.w13, self.experts.w2, parts[-1][2])
+        shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None and self.shared_overlap else None
+        out_TH = torch.cat([Combine.apply(token, part.probs_TK, state) for part, token, state in parts])
+        return self._with_shared(x_TH, out_TH, shared_TH), routing
 
     def run_experts(self, x_TH: torch.Tensor, token: torch.Tensor, state: PipelineState
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -191,13 +228,13 @@ class MoELayer(nn.Module):
         """The outputs back at their tokens, weighted and summed, plus the shared expert's: (tokens, hidden)."""
         return self._with_shared(x_TH, Combine.apply(token, probs_TK, state), shared_TH)
 
-    def _overlap_sms(self, transport: Transport, rows: int, hidden: int, element_size: int, paired: bool) -> int:
+    def _overlap_sms(self, transport: Transport, rows: int, hidden: int, element_size: int, beside: bool) -> int:
         """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk, no delayed weight gradients
-        and no other micro-batch beside: nothing moves beside them); auto: the measured pairing for NCCL
+        and no other micro-batch or token slice ``beside``: nothing moves beside them); auto: the measured pairing for NCCL
         (tuning.EP_NCCL_SMS_PER_CTA per CTA, none without a cap), for SM pushes from the bytes a chunk moves and
         the GEMM's time. With one chunk and ``delay_wgrad`` the backward's transfer back runs beside the weight
         gradients."""
-        if self.chunks == 1 and not paired and not self.delay_wgrad:
+        if self.chunks == 1 and not beside and not self.delay_wgrad:
             return 0
         if self.carveout != "auto":
             return self.carveout

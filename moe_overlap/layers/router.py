@@ -59,6 +59,24 @@ class Routing:
     keep_TK: Optional[torch.Tensor] = None  # bool, False for copies over capacity; None when dropless
     capacity: Optional[int] = None  # copies each expert takes from this micro-batch; None when dropless
 
+    def tokens(self, start: int, stop: int) -> Routing:
+        """The routing of tokens [start, stop) of this one (a token slice, overlap.moe_token_slices): their copies,
+        counted per expert; no auxiliary losses (they are the whole micro-batch's, this routing's)."""
+        experts_TK = self.experts_TK[start:stop]
+        keep_TK = None if self.keep_TK is None else self.keep_TK[start:stop]
+        zero = self.aux_loss.new_zeros(())
+        return Routing(self.probs_TK[start:stop], experts_TK,
+                       count_copies(experts_TK, keep_TK, self.tokens_per_expert_E.numel()), zero, zero, keep_TK,
+                       self.capacity)
+
+
+def count_copies(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """Copies per expert (kept ones only). A scatter-add, not bincount or a boolean mask: both would sync with the
+    host on CUDA, and the layer allows itself one sync at most."""
+    ones = torch.ones_like(experts_TK, dtype=torch.int64) if keep_TK is None else keep_TK.to(torch.int64)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=experts_TK.device)
+    return counts_E.scatter_add_(0, experts_TK.flatten(), ones.flatten())
+
 
 class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, topk: int, pre_softmax: bool, load_balancing_type: str,
@@ -112,7 +130,7 @@ class Router(nn.Module):
             capacity = math.ceil(logits_TE.shape[0] * self.topk / self.num_experts * self.capacity_factor)
             keep_TK = self._within_capacity(probs_TK, experts_TK, capacity)
             probs_TK = probs_TK * keep_TK
-        tokens_per_expert_E = copies_E if keep_TK is None and copies_E is not None else self._count(experts_TK, keep_TK)
+        tokens_per_expert_E = copies_E if keep_TK is None and copies_E is not None else count_copies(experts_TK, keep_TK, self.num_experts)
         zero = logits_TE.new_zeros(())
         aux_loss = (self._aux_loss(logits_TE, experts_TK if self.force_load_balancing else None)
                     if self.aux_loss_coeff > 0 else zero)
@@ -170,12 +188,6 @@ class Router(nn.Module):
             scores_TE = scores_TGX.masked_fill(~eligible_TG.unsqueeze(-1), float("-inf")).flatten(1)
         return scores_TE.topk(self.topk, dim=-1).indices
 
-    def _count(self, experts: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """Copies per expert (kept ones only). A scatter-add, not bincount or a boolean mask: both would
-        sync with the host on CUDA, and the layer allows itself one sync at most."""
-        ones = torch.ones_like(experts, dtype=torch.int64) if keep is None else keep.to(torch.int64)
-        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=experts.device)
-        return counts_E.scatter_add_(0, experts.flatten(), ones.flatten())
 
     def _within_capacity(self, probs_TK: torch.Tensor, experts_TK: torch.Tensor, capacity: int) -> torch.Tensor:
         """Which copies fit their expert's capacity: rank the copies of each expert by the drop policy."""
@@ -185,7 +197,7 @@ class Router(nn.Module):
         else:  # "position": earliest token first (a token holds at most one copy per expert)
             priority_C = torch.arange(experts_C.numel(), device=experts_C.device)
         order_C = priority_C[torch.argsort(experts_C[priority_C], stable=True)]  # by expert, priority within
-        copies_E = self._count(experts_C, None)
+        copies_E = count_copies(experts_C, None, self.num_experts)
         first_slot_E = torch.cumsum(copies_E, 0) - copies_E
         slot_C = torch.arange(order_C.numel(), device=order_C.device) - first_slot_E[experts_C[order_C]]
         keep_C = torch.empty_like(experts_C, dtype=torch.bool)

@@ -383,6 +383,7 @@ class Trainer:
             "moe_transport": (exchange.name if exchange is not None
                               else dist.get_backend(self.mesh.ep.group) if path == "serial" else None),
             "moe_pipeline_chunks": o.moe_pipeline_chunks if path == "pipeline" else 1,
+            "moe_token_slices": o.moe_token_slices if path == "pipeline" else 1,
             "moe_dispatch_once_per_rank": o.moe_dispatch_once_per_rank and path == "pipeline",
             "moe_cuda_graph": t.moe_cuda_graph, "moe_compute_only": o.moe_compute_only,
             "overlap_moe_expert_parallel_comm": o.overlap_moe_expert_parallel_comm,
