@@ -658,6 +658,15 @@ case $phase in
     cp "$log" "$res/gpu_tests_slices_4x$gpu.txt"
     pack
     ;;
+  slicesx4)  # slices4 lost (0.447 against 0.499, exposed EP 68 against 110 ms): the same rows round the carve-out
+    # that every expert GEMM of a sliced layer takes (auto: 32 SMs), and 0 (no side stream: every transfer on the
+    # compute stream, so the control of what slicing itself costs with nothing overlapped)
+    train_step 4 fine_8l balanced_spread_slicesx "$BAL" --variant "shared:model.moe_shared_expert_overlap=true" \
+      --variant "slices2:overlap.moe_token_slices=2" \
+      --variant "slices2_c0:overlap.moe_token_slices=2,overlap.gemm_sm_carveout=0" \
+      --variant "slices2_c16:overlap.moe_token_slices=2,overlap.gemm_sm_carveout=16" \
+      --variant "slices2_c64:overlap.moe_token_slices=2,overlap.gemm_sm_carveout=64"
+    ;;
   next4)  # (not run yet; superseded by slices4) what the evening of 2026-11-27 left unmeasured, in one call: the GPU tests its changes touch
     # (the fault cases, one graphed; the MoE layer with the shared expert beside the combine; paired micro-batches,
     # whose expert segment now ends with the shared expert), then shared4's rows
