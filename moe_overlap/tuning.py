@@ -62,6 +62,16 @@ import math
 # (benchmarks/results/train_step_*_ep{2,4}_*balanced_*xh100.json).
 ONCE_PER_RANK_MIN_TOPK = 4
 
+# ``model.moe_shared_expert_overlap: auto`` runs the shared expert beside the combine's transfers wherever the
+# pipelined exchange runs: 4xH100 EP=4 fine-grained, forced routing that spreads, the default path otherwise, two
+# launches, 2026-11-27: 0.504 and 0.505 against 0.499 and 0.500 after the combine (exposed EP 65 / 61 against 110 / 109
+# ms a step) (benchmarks/results/train_step_fine_8l_ep4_balanced_spread_slices{,x}_4xh100.json). Not measured paired
+# or at EP=2.
+#
+# ``overlap.moe_token_slices`` stays 1: two slices measured slower, 4xH100 EP=4 fine-grained, the same rows, one
+# launch (..._slicesx_4xh100.json): 0.447 (carve-out auto, 32 SMs), 0.447 at 16, 0.423 at 64, and 0.453 with
+# carve-out 0 (nothing overlapped: what slicing itself costs), against 0.500 unsliced.
+
 # ``overlap.delay_wgrad_compute: auto`` turns it on with one device-planned chunk (each token once per rank,
 # unpaired): the backward's transfer back then leaves on the side stream, with the CTAs gemm_sm_carveout auto gives
 # the pushes, beside the experts' weight gradients, instead of after them on the compute stream. 4xH100 EP=4,

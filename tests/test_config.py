@@ -512,6 +512,22 @@ def test_delay_wgrad_auto(overrides, delayed):
     assert cfg.overlap.delay_wgrad_compute is delayed
 
 
+SHARED_EXPERT = ["model.moe_shared_expert_intermediate_size=64"]
+
+
+@pytest.mark.parametrize("overrides, beside", [
+    (SHARED_EXPERT, True),  # a pipelined exchange (the CPU too): measured faster at EP=4 (tuning.py)
+    (CUDA + BF16 + SHARED_EXPERT + ["train.moe_cuda_graph=true"], True),
+    (SHARED_EXPERT + ["overlap.moe_pipeline=false"], False),  # the serial reference
+    (SHARED_EXPERT + ["parallel.expert_model_parallel_size=1"], False),  # nothing to exchange
+    ([], False),  # no shared expert
+    (SHARED_EXPERT + ["model.moe_shared_expert_overlap=false"], False),  # explicit values stay
+])
+def test_shared_expert_overlap_auto(overrides, beside):
+    cfg = load_config(TINY, overrides)
+    assert cfg.model.moe_shared_expert_overlap is beside
+
+
 @pytest.mark.parametrize("overrides, paired", [
     (CUDA, "auto"),  # top-2 on CUDA with an exchange: the fabric decides when the ranks start
     ([], False),  # measured on CUDA over NCCL only

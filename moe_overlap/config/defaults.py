@@ -26,6 +26,9 @@ a switch the user set needs to run.
                                 on with the pipelined exchange from router top-4 up (each token once per rank: the
                                 fastest measured there, tuning.py); off below, and where it is not implemented
                                 (padded capacity, expert-TP > 1)
+    model.moe_shared_expert_overlap=auto
+                                on where the pipelined exchange runs and the model has a shared expert: it then
+                                runs beside the combine's transfers (the fastest measured, tuning.py); off elsewhere
     overlap.delay_wgrad_compute=auto
                                 on with one device-planned chunk, unpaired, each token once per rank: the
                                 backward's transfer back then runs on the side stream beside the experts' weight
@@ -41,6 +44,7 @@ from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, Parall
 from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
 
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
+SHARED = "model.moe_shared_expert_overlap"
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "moe_token_slices", "delay_wgrad_compute", "moe_planning", "moe_transport", "moe_compute_only",
@@ -184,7 +188,7 @@ def resolve_defaults(cfg: Config) -> list[str]:
     paired = o.overlap_moe_expert_parallel_comm is True and exchanging
     if o.moe_pipeline == "auto":
         asked = [f"overlap.{name}" for name in pipeline_fields_set(o)]
-        if m.moe_shared_expert_overlap:
+        if m.moe_shared_expert_overlap is True:
             asked.append("model.moe_shared_expert_overlap")
         if paired:
             asked.append(PAIRED)
@@ -201,6 +205,12 @@ def resolve_defaults(cfg: Config) -> list[str]:
         t.moe_cuda_graph = False
         choices.append(f"{GRAPH}=true -> false: overlap_moe_expert_parallel_comm runs each MoE layer as stages beside "
                        "another micro-batch, which a graph cannot hold")
+    if m.moe_shared_expert_overlap == "auto" and m.num_moe_experts is not None:  # dense: MoE fields stay as given
+        m.moe_shared_expert_overlap = bool(exchanging and o.moe_pipeline and m.moe_shared_expert_intermediate_size)
+        if exchanging and m.moe_shared_expert_intermediate_size:
+            why = ("the shared expert beside the combine's transfers measured fastest (tuning.py)"
+                   if m.moe_shared_expert_overlap else "no pipelined exchange to run beside")
+            choices.append(f"{SHARED}=auto -> {str(m.moe_shared_expert_overlap).lower()}: {why}")
     if o.moe_dispatch_once_per_rank == "auto":
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"

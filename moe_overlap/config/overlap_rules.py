@@ -134,7 +134,7 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                                                           p.tensor_model_parallel_size) != 1 else None)
         if gap is not None:
             raise not_implemented("overlap.moe_token_slices", o.moe_token_slices, 1, gap)
-    if m.moe_shared_expert_overlap:
+    if m.moe_shared_expert_overlap is True:
         require(o.moe_pipeline, "model.moe_shared_expert_overlap", True,
                  "needs overlap.moe_pipeline=true (the shared expert runs beside the combine's transfers)")
     if o.ep_comm_ctas is not None:

@@ -246,7 +246,7 @@ def _validate_moe(m: ModelConfig) -> None:
         require(m.moe_shared_expert_intermediate_size >= 8 and m.moe_shared_expert_intermediate_size % 8 == 0,
                  "model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size,
                  "must be a positive multiple of 8 (or null: no shared expert)")
-    if m.moe_shared_expert_overlap:
+    if m.moe_shared_expert_overlap is True:
         require(m.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_overlap", True,
                  "needs model.moe_shared_expert_intermediate_size (there is no shared expert to overlap)")
     if m.moe_shared_expert_gate:

@@ -88,7 +88,10 @@ class ModelConfig:
     moe_token_drop_policy: Literal["probs", "position"] = "probs"
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_shared_expert_overlap: bool = False
+    # The shared expert beside the combine's transfers (MoELayer.run_experts): forward, while the expert outputs
+    # travel back; backward, while the output gradient's rows travel to the experts. auto: on where the pipelined
+    # exchange runs (measured faster there, tuning.py); false: after the combine, as Megatron-Core runs it.
+    moe_shared_expert_overlap: Union[bool, Literal["auto"]] = "auto"
     moe_shared_expert_gate: bool = False  # the shared expert's output scaled by a per-token sigmoid gate (Qwen2-MoE)
 
     @property

@@ -78,6 +78,10 @@ class MoELayer(nn.Module):
                              "token once per rank (overlap.moe_dispatch_once_per_rank=true)")
         self.host_planned_rerun = False  # host_planned_rerun(): plan on the host whatever the selector planned
         self.delay_wgrad, self.shared_overlap = overlap.delay_wgrad_compute, cfg.moe_shared_expert_overlap
+        if self.pipelined and self.shared_overlap == "auto" and cfg.moe_shared_expert_intermediate_size:
+            raise ValueError("model.moe_shared_expert_overlap='auto' is resolved when the config is validated "
+                             "(config.validate); a pipelined layer takes true or false")
+        self.shared_overlap = self.shared_overlap is True  # without a shared expert or the pipeline: unused
         if self.pipelined and self.delay_wgrad == "auto":
             raise ValueError("overlap.delay_wgrad_compute='auto' is resolved when the config is validated "
                              "(config.validate); a pipelined layer takes true or false")
