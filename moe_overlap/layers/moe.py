@@ -234,7 +234,8 @@ class MoELayer(nn.Module):
 
     def _overlap_sms(self, transport: Transport, rows: int, hidden: int, element_size: int, beside: bool) -> int:
         """``overlap.gemm_sm_carveout`` for the pipeline's GEMMs (none with one chunk, no delayed weight gradients
-        and no other micro-batch or token slice ``beside``: nothing moves beside them); auto: the measured pairing for NCCL
+        and no other micro-batch or token slice ``beside``: nothing moves beside them); auto: the measured pairing
+        for NCCL
         (tuning.EP_NCCL_SMS_PER_CTA per CTA, none without a cap), for SM pushes from the bytes a chunk moves and
         the GEMM's time. With one chunk and ``delay_wgrad`` the backward's transfer back runs beside the weight
         gradients."""

@@ -130,7 +130,10 @@ class Router(nn.Module):
             capacity = math.ceil(logits_TE.shape[0] * self.topk / self.num_experts * self.capacity_factor)
             keep_TK = self._within_capacity(probs_TK, experts_TK, capacity)
             probs_TK = probs_TK * keep_TK
-        tokens_per_expert_E = copies_E if keep_TK is None and copies_E is not None else count_copies(experts_TK, keep_TK, self.num_experts)
+        if keep_TK is None and copies_E is not None:
+            tokens_per_expert_E = copies_E
+        else:
+            tokens_per_expert_E = count_copies(experts_TK, keep_TK, self.num_experts)
         zero = logits_TE.new_zeros(())
         aux_loss = (self._aux_loss(logits_TE, experts_TK if self.force_load_balancing else None)
                     if self.aux_loss_coeff > 0 else zero)
