@@ -667,6 +667,9 @@ case $phase in
       --variant "slices2_c16:overlap.moe_token_slices=2,overlap.gemm_sm_carveout=16" \
       --variant "slices2_c64:overlap.moe_token_slices=2,overlap.gemm_sm_carveout=64"
     ;;
+  shared2)  # model.moe_shared_expert_overlap: auto (on) at EP=2 on GPUs 0-1, against false: measured at EP=4 only
+    train_step 2 fine_8l balanced_spread_shared "$BAL" --variant "shared_off:model.moe_shared_expert_overlap=false"
+    ;;
   next4)  # (not run yet; superseded by slices4) what the evening of 2026-11-27 left unmeasured, in one call: the GPU tests its changes touch
     # (the fault cases, one graphed; the MoE layer with the shared expert beside the combine; paired micro-batches,
     # whose expert segment now ends with the shared expert), then shared4's rows
