@@ -153,7 +153,7 @@ example() {  # GPUs, then overrides: configs/gpu<N>_<EXAMPLE_FAMILY: fine>.yaml,
   tail -n 2 "$out/$name.log"
   python benchmarks/plot_loss.py "$out/$name" --labels "${ROUTING_NAME:-default}" --png $res/$name.png \
     --json $res/$name.json --machine "${n}x ${gpu^^}" | tail -n 4
-  cp "$out/$name/metrics.jsonl" $res/${name}_metrics.jsonl
+  gzip -c "$out/$name/metrics.jsonl" > $res/${name}_metrics.jsonl.gz  # gzipped: the tree a device call copies stays small
 }
 
 case $phase in

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import importlib.util
 import json
 import statistics
@@ -48,11 +49,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_metrics(run: str) -> list[dict]:
+    """A run's metrics: its directory's metrics.jsonl, or such a file (gzipped: ``.jsonl.gz``, as
+    benchmarks/results keeps them)."""
     path = Path(run)
     path = path / "metrics.jsonl" if path.is_dir() else path
     if not path.is_file():
         raise SystemExit(f"plot_loss: {path}: no such metrics file (a run directory holds metrics.jsonl)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
     if not records:
         raise SystemExit(f"plot_loss: {path} is empty")
     # A resumed run appends: the last record of a step is the one that counts.

@@ -52,6 +52,17 @@ def test_an_expert_below_the_share_after_step_50_fails_naming_where(tmp_path, ca
     assert main([str(tmp_path / "run"), "--min-share", "0.05"]) == 0  # the share is a parameter
 
 
+def test_a_gzipped_metrics_file_reads_as_the_plain_one(tmp_path, capsys):
+    """benchmarks/results keeps the examples' metrics gzipped (``_metrics.jsonl.gz``)."""
+    import gzip
+
+    write_run(tmp_path / "run", {55: 0.1})
+    packed = tmp_path / "run_metrics.jsonl.gz"
+    packed.write_bytes(gzip.compress((tmp_path / "run" / "metrics.jsonl").read_bytes()))
+    assert main([str(packed)]) == 1
+    assert "FAIL (1 of 11 steps had an expert below, the last at step 55" in capsys.readouterr().out
+
+
 def test_the_png_or_a_clear_message_without_matplotlib(tmp_path, capsys):
     write_run(tmp_path / "a", {})
     write_run(tmp_path / "b", {})
