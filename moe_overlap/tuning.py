@@ -65,8 +65,8 @@ ONCE_PER_RANK_MIN_TOPK = 4
 # ``model.moe_shared_expert_overlap: auto`` runs the shared expert beside the combine's transfers wherever the
 # pipelined exchange runs: 4xH100 EP=4 fine-grained, forced routing that spreads, the default path otherwise, two
 # launches, 2026-11-27: 0.504 and 0.505 against 0.499 and 0.500 after the combine (exposed EP 65 / 61 against 110 / 109
-# ms a step) (benchmarks/results/train_step_fine_8l_ep4_balanced_spread_slices{,x}_4xh100.json). Not measured paired
-# or at EP=2.
+# ms a step) (benchmarks/results/train_step_fine_8l_ep4_balanced_spread_slices{,x}_4xh100.json); EP=2 on GPUs 0-1 of
+# that host: 0.532 against 0.530 (..._ep2_balanced_spread_shared_2xh100.json). Not measured paired.
 #
 # ``overlap.moe_token_slices`` stays 1: two slices measured slower, 4xH100 EP=4 fine-grained, the same rows, one
 # launch (..._slicesx_4xh100.json): 0.447 (carve-out auto, 32 SMs), 0.447 at 16, 0.423 at 64, and 0.453 with
