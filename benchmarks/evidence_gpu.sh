@@ -56,8 +56,10 @@
 #   bash benchmarks/evidence_gpu.sh slowpair4 OUT  # slow fabric, spread routing: paired and 2 chunks; NVLink: eager, paired
 #   bash benchmarks/evidence_gpu.sh graph4   OUT   # train.moe_cuda_graph=auto: GPU tests, the fine EP=4 step beside explicit
 #   bash benchmarks/evidence_gpu.sh fault4   OUT   # the GPU fault tests, eager and graphed, the whole output kept
-#   bash benchmarks/evidence_gpu.sh next4    OUT   # (not run yet) the GPU tests the evening's changes touch, then shared4
-#   bash benchmarks/evidence_gpu.sh shared4  OUT   # (not run yet) the shared expert beside the combine, EP=4
+#   bash benchmarks/evidence_gpu.sh slices4  OUT   # token slices and the shared expert beside the combine, EP=4; then
+#                                                  #   the GPU tests they touch
+#   bash benchmarks/evidence_gpu.sh slicesx4 OUT   # token slices at carve-out auto, 0, 16, 64; the shared expert again
+#   bash benchmarks/evidence_gpu.sh shared2  OUT   # the shared expert beside the combine against after it, EP=2
 #   bash benchmarks/evidence_gpu.sh now4     OUT   # the fine ep1 row on text, the fine 4-GPU example, the slow fabric
 #                                                  #   fine row with forced routing that spreads
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
@@ -637,11 +639,6 @@ case $phase in
     tail -n 5 "$log"
     cp "$log" "$res/gpu_tests_fault_4x$gpu.txt"
     ;;
-  shared4)  # (not run yet) model.moe_shared_expert_overlap beside the combine (its backward beside the output
-    # gradient's transfer to the experts): predicted at most 64 x (0.15 + 0.3) ms = 29 ms a step hidden at EP=4, less
-    # where the waits are shorter; the dispatch-gap placement before measured nothing (wgrad1b)
-    train_step 4 fine_8l balanced_spread_shared "$BAL" --variant "shared:model.moe_shared_expert_overlap=true"
-    ;;
   slices4)  # overlap.moe_token_slices=2 (each MoE layer's tokens in two slices whose transfers run beside each
     # other's GEMMs: with one chunk, 1.5 of the 3 transfers a layer leaves alone stay alone), with and without the
     # shared expert beside the combine; predicted: about half of the 78 ms a step the default spends over
@@ -669,17 +666,6 @@ case $phase in
     ;;
   shared2)  # model.moe_shared_expert_overlap: auto (on) at EP=2 on GPUs 0-1, against false: measured at EP=4 only
     train_step 2 fine_8l balanced_spread_shared "$BAL" --variant "shared_off:model.moe_shared_expert_overlap=false"
-    ;;
-  next4)  # (not run yet; superseded by slices4) what the evening of 2026-11-27 left unmeasured, in one call: the GPU tests its changes touch
-    # (the fault cases, one graphed; the MoE layer with the shared expert beside the combine; paired micro-batches,
-    # whose expert segment now ends with the shared expert), then shared4's rows
-    log=$out/gpu_tests_next_4x.txt
-    echo "# $(date -u '+%F %H:%M UTC'); python -m pytest -m gpu -rfEs --tb=short tests/test_gpu_fault.py tests/test_gpu_moe.py tests/test_gpu_microbatch_overlap.py (4 GPUs)" > "$log"
-    timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --tb=short tests/test_gpu_fault.py \
-      tests/test_gpu_moe.py tests/test_gpu_microbatch_overlap.py >> "$log" 2>&1
-    tail -n 6 "$log"
-    cp "$log" "$res/gpu_tests_next_4x$gpu.txt"
-    train_step 4 fine_8l balanced_spread_shared "$BAL" --variant "shared:model.moe_shared_expert_overlap=true"
     ;;
   plan2)  # the same at EP=2 (run on GPUs 0-1 of a 4-GPU host right after plan4, or on 2 GPUs)
     train_step 2 fine_8l balanced_spread_plan "$BAL"
