@@ -211,30 +211,34 @@ def local_case(mesh, x, grad, report) -> None:
         report["local_nosync"] = runs_without_host_sync(make_layer(mesh, torch.bfloat16), x, grad)
 
 
+def replayed_error(graph_layer, eager: list, x, grad) -> float:
+    """``graph_layer`` captured as training captures it and replayed twice, each from zeroed gradients: the largest
+    relative error of its output and gradients against the eager run's."""
+    from moe_overlap.layers.moe import capture_moe_layers
+
+    gc.collect()
+    capture_moe_layers((graph_layer,), tuple(x.shape))
+    for _ in range(2):
+        graph_layer.zero_grad(set_to_none=True)
+        replayed = run_layer(graph_layer, x, grad)
+    torch.cuda.synchronize()
+    return max(rel(r, e) for r, e in zip(replayed, eager))
+
+
 def graph_case(mesh, x, grad, report, sms: int) -> None:
     """The chunked device-planned pipeline (4 chunks, deferred wgrad, shared expert in the gap; with a carve-out
     its pushes on a side stream) captured as training captures it, replayed, against eager."""
-    from moe_overlap.layers.moe import capture_moe_layers
-
     variant = ("device", "sm_push", 4, None, False, True, True, sms)
     eager_layer, graph_layer = make_layer(mesh, torch.bfloat16, variant), make_layer(mesh, torch.bfloat16, variant)
     graph_layer.load_state_dict(eager_layer.state_dict())
     eager = run_layer(eager_layer, x, grad)
-    gc.collect()
-    capture_moe_layers((graph_layer,), tuple(x.shape))
-    for _ in range(2):  # replays, each from zeroed gradients
-        graph_layer.zero_grad(set_to_none=True)
-        replayed = run_layer(graph_layer, x, grad)
-    torch.cuda.synchronize()
-    report[f"graph_sms{sms}_err"] = max(rel(r, e) for r, e in zip(replayed, eager))
+    report[f"graph_sms{sms}_err"] = replayed_error(graph_layer, eager, x, grad)
 
 
 def slices_case(mesh, x, grad, report) -> None:
     """overlap.moe_token_slices=2 on the default path (one device-planned chunk, each token once per rank, delayed
     weight gradients, the shared expert beside the combine, carve-out auto): eager against the serial path under the
     bf16 rule, and replayed from a CUDA graph against eager."""
-    from moe_overlap.layers.moe import capture_moe_layers
-
     variant = ("device", "sm_push", 1, None, False, True, True, "auto")
     ref = run_layer(make_layer(mesh, torch.float32, shared=True), x.float(), grad.float())
     serial = run_layer(make_layer(mesh, torch.bfloat16, shared=True), x, grad)
@@ -245,13 +249,7 @@ def slices_case(mesh, x, grad, report) -> None:
     errs = [(rel(e, r), rel(s, r)) for e, s, r in zip(eager, serial, ref)]
     report["slices_err"] = max(e for e, _ in errs)
     report["slices_violations"] = [(i, e, s) for i, (e, s) in enumerate(errs) if e > 2 * s + 1e-6]
-    gc.collect()
-    capture_moe_layers((graph_layer,), tuple(x.shape))
-    for _ in range(2):  # replays, each from zeroed gradients
-        graph_layer.zero_grad(set_to_none=True)
-        replayed = run_layer(graph_layer, x, grad)
-    torch.cuda.synchronize()
-    report["slices_graph_err"] = max(rel(r, e) for r, e in zip(replayed, eager))
+    report["slices_graph_err"] = replayed_error(graph_layer, eager, x, grad)
 
 
 def multicast_case(mesh, x, grad, report) -> None:
