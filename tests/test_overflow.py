@@ -265,12 +265,19 @@ def test_overflow_free_bounded_run_equals_host_planned(rank_pool, tmp_path, chun
     (2, 1, {}), (2, 2, {"overlap.delay_wgrad_compute": "true"}),
     (4, 2, {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
             "overlap.overlap_param_sync": "true"}),
-], ids=["ep2", "ep2_chunks2_delay_wgrad", "ep4_chunks2_dist_opt"])
+    (8, 1, {}),
+], ids=["ep2", "ep2_chunks2_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
 def test_overflowing_steps_run_again_and_equal_host_planned(rank_pool, tmp_path, world, chunks, extra):
     """Factor 1.0 with learned routing overflows on the most loaded ranks every step: each step is skipped on
     the device and run again planned on the host, its losses and gradients the host-planned run's."""
     both = {"overlap.moe_pipeline_chunks": chunks, **extra}
     _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, {FACTOR: 1.0}, both), True)
+
+
+def test_overflowing_token_slices_run_again_and_equal_host_planned(rank_pool, tmp_path):
+    """overlap.moe_token_slices=2: each slice's plan bounded by its own share, the re-run plans both on the host."""
+    both = {"overlap.moe_token_slices": 2}
+    _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0}, both), True)
 
 
 def test_overflowing_paired_micro_batches_run_again_and_equal_host_planned(rank_pool, tmp_path):
