@@ -199,21 +199,25 @@ class MoELayer(nn.Module):
         n = self.token_slices
         edges = [x_TH.shape[0] * i // n for i in range(n + 1)]
         after_gemm, after_dgrad = [Handoff() for _ in range(n)], [Handoff() for _ in range(n)]
-        parts = []
+        parts, tokens, states = [], [], []
         for i in range(n):
             handoffs = dict(after_gemm=after_gemm[i], after_dgrad=after_dgrad[i],
                             dispatch_to=after_gemm[i - 1] if i > 0 else None,
                             combine_to=after_gemm[i + 1] if i < n - 1 else None,
                             grad_dispatch_to=after_dgrad[i + 1] if i < n - 1 else None)
-            x_part_TH, part = x_TH[edges[i]:edges[i + 1]], routing.tokens(edges[i], edges[i + 1])
-            token, state = self._dispatch(x_part_TH, part, handoffs=handoffs)
-            parts.append([part, token, state])
+            parts.append(routing.tokens(edges[i], edges[i + 1]))
+            token, state = self._dispatch(x_TH[edges[i]:edges[i + 1]], parts[i], handoffs=handoffs)
+            tokens.append(token)
+            states.append(state)
             if i > 0:  # after slice i's dispatch was handed to it
-                parts[i - 1][1] = Experts.apply(parts[i - 1][1], self.experts.w13, self.experts.w2, parts[i - 1][2])
-        parts[-1][1] = Experts.apply(parts[-1][1], self.experts.w13, self.experts.w2, parts[-1][2])
-        shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None and self.shared_overlap else None
-        out_TH = torch.cat([Combine.apply(token, part.probs_TK, state) for part, token, state in parts])
+                tokens[i - 1] = self._experts(tokens[i - 1], states[i - 1])
+        tokens[-1], shared_TH = self.run_experts(x_TH, tokens[-1], states[-1])  # the shared expert: every token
+        out_TH = torch.cat([Combine.apply(t, part.probs_TK, s) for t, part, s in zip(tokens, parts, states)])
         return self._with_shared(x_TH, out_TH, shared_TH), routing
+
+    def _experts(self, token: torch.Tensor, state: PipelineState) -> torch.Tensor:
+        """Every chunk's grouped GEMMs as its rows arrive; the outputs start back (dispatch_pipeline.Experts)."""
+        return Experts.apply(token, self.experts.w13, self.experts.w2, state)
 
     def run_experts(self, x_TH: torch.Tensor, token: torch.Tensor, state: PipelineState
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -223,7 +227,7 @@ class MoELayer(nn.Module):
         started the output gradient's rows to the experts and before the experts' backward waits for them (the
         pipeline's first transfer each way, which one chunk leaves with nothing else beside it). Returns the next
         token and the shared expert's output."""
-        token = Experts.apply(token, self.experts.w13, self.experts.w2, state)
+        token = self._experts(token, state)
         shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None and self.shared_overlap else None
         return token, shared_TH
 
