@@ -67,6 +67,9 @@
 #   bash benchmarks/evidence_gpu.sh exposed_fine2 OUT # the exposed-comm GPU test (GPUs 2-3) beside the fine
 #                                                  #   2-GPU example (GPUs 0-1)
 #   bash benchmarks/evidence_gpu.sh fp8      OUT   # FP8 on one GPU each: GPU tests, GEMMs, training steps vs bf16
+#   bash benchmarks/evidence_gpu.sh converge4 OUT  # FP8 against bf16 over 1,000 steps (two seeds each, one GPU
+#                                                  #   each), then the fine 4-GPU example as shipped and its ep1 row
+#   bash benchmarks/evidence_gpu.sh fp8_4    OUT   # FP8 at EP=4: GPU tests, the fine model bf16 / FP8 / FP8 wire
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank
 #   bash benchmarks/evidence_gpu.sh pp_diag4 OUT   # PP=2 x EP=2, paired beside off (device planning), profiled
@@ -780,6 +783,52 @@ case $phase in
        --json $res/train_step_fp8_mixtral_2l_1x$gpu.json 2>&1 | tee "$out/fp8_mixtral.log" \
        | grep -E '^\{"variant"|Error' | cut -c1-300) &
     wait
+    ;;
+  converge4)  # issue 39's convergence (~0.5B configs/small_gpu.yaml on one GPU each, 1,000 steps of 7 sequences of
+    # 1,024 tokens of real text: 7.2M tokens, under one epoch of the corpus's 7.57M, so nothing repeats): bf16 at two
+    # seeds and FP8 at both, side by side on GPUs 0-3; then issue 41's fine 4-GPU example as shipped today (the shared
+    # expert beside the combine) after its family's ep1 row on GPU 0
+    conv="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
+    conv+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
+    conv+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
+    gpu_of=0
+    for run in "bf16_a train.seed=1234" "bf16_b train.seed=4321" "fp8_a train.seed=1234 train.fp8_recipe=rowwise" \
+               "fp8_b train.seed=4321 train.fp8_recipe=rowwise"; do
+      set -- $run
+      name=$1
+      shift
+      CUDA_VISIBLE_DEVICES=$gpu_of timeout -k 10 "$(left)" python -m moe_overlap train $conv "$@" \
+        train.output_dir="/tmp/converge_$name" > "$out/converge_$name.log" 2>&1 &
+      gpu_of=$((gpu_of + 1))
+    done
+    wait
+    for name in bf16_a bf16_b fp8_a fp8_b; do
+      tail -n 1 "$out/converge_$name.log"
+      gzip -c "/tmp/converge_$name/metrics.jsonl" > $res/fp8_convergence_${name}_1x${gpu}_metrics.jsonl.gz
+    done
+    python benchmarks/fp8_convergence.py --bf16 $res/fp8_convergence_bf16_{a,b}_1x${gpu}_metrics.jsonl.gz \
+      --fp8 $res/fp8_convergence_fp8_{a,b}_1x${gpu}_metrics.jsonl.gz --png $res/fp8_convergence_1x$gpu.png \
+      --json $res/fp8_convergence_1x$gpu.json --machine "1x ${gpu^^} each (GPUs 0-3 of a 4-GPU host)"
+    pack
+    name=train_step_fine_8l_ep1_text_shared_1x$gpu
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT \
+      --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
+    ROUTING_NAME=shared example 4
+    pack
+    ;;
+  fp8_4)  # issue 39 at EP=4: the FP8 GPU tests (4 GPUs), then the fine bench model balanced: bf16 (the default,
+    # compute_only, ep1) beside train.fp8_recipe=rowwise, with FP8 on the wire (fed straight to the FP8 GEMMs), and its
+    # compute_only
+    log=$out/gpu_tests_fp8_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8.py tests/test_gpu_moe.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8.py tests/test_gpu_moe.py \
+      2>&1 | tail -n 25 | tee -a "$log"
+    cp "$log" $res/
+    FP8="train.fp8_recipe=rowwise"
+    train_step 4 fine_8l balanced_fp8 "$BAL" --profile-steps 0 --variant "fp8:$FP8" \
+      --variant "fp8_wire:$FP8,overlap.moe_dispatch_dtype=fp8" \
+      --variant "fp8_compute_only:$FP8,overlap.moe_pipeline=true,overlap.moe_compute_only=true"
     ;;
   once2)
     echo "# $(date -u '+%F %H:%M UTC'); 2 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_dispatch_once_per_rank.py" \
