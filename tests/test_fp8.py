@@ -16,10 +16,11 @@ from moe_overlap.kernels.swiglu import swiglu_backward
 from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, dequantize, dequantize_rows, quantize_columns,
                                            quantize_columns_torch, quantize_rows, quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, experts_wgrad, WgradInputs
-from moe_overlap.layers.fp8 import (Fp8, check_fp8_device, fp8_matmul, grouped_mm, refresh_weights, weight_operand,
-                                    weights_updated)
+from moe_overlap.layers.fp8 import (Fp8, Fp8Rows, check_fp8_device, fp8_matmul, grouped_mm, refresh_weights,
+                                    weight_operand, weights_updated)
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
+from moe_overlap.layers.wire_rows import copies_rows
 from moe_overlap.training.trainer import Trainer
 from tests.test_master import CPU, small_config, world_and_mesh
 
@@ -144,6 +145,33 @@ def test_fp8_packed_rows_quantize_and_dequantize_in_place(monkeypatch, interpret
         assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8))
     with pytest.raises(ValueError, match="one scale per row"):
         dequantize_rows(q, scale[:4], torch.bfloat16)
+
+
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_fp8_rows_reach_their_copies_as_fp8(monkeypatch, interpreted):
+    """The FP8 dispatch's rows fed straight to an FP8 GEMM (wire_rows.copies_rows): each received row's E4M3 bytes
+    and scale, read through the packed rows' strided views, land in its copies' grouped rows (contiguous, bit for
+    bit; rows no copy maps to zero below the bound); dequantized for the weight gradient, up to the bound only."""
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(6)
+    x = torch.randn(6, 32)
+    q_W, scale_W = quantize_rows_torch(x)
+    packed = torch.zeros(6, 12)  # 48 bytes a row: 32 of q, 4 of scale, 12 of padding
+    packed.view(torch.uint8)[:, :32].view(FP8).copy_(q_W)
+    packed.view(torch.uint8)[:, 32:36].view(torch.float32)[:, 0].copy_(scale_W)
+    bytes_ = packed.view(torch.uint8)
+    rows = Fp8Rows(bytes_[:, :32].view(FP8), bytes_[:, 32:36].view(torch.float32)[:, 0], torch.float32)
+    grouped_WJ = torch.tensor([[0, 3], [1, -1], [2, 5], [4, -1], [6, -1], [-1, -1]], dtype=torch.int32)
+    bound = torch.tensor([8])
+    grouped = copies_rows(rows, grouped_WJ, 10, False, bound)
+    assert grouped.q_RK.is_contiguous() and grouped.scale_R.is_contiguous() and grouped.q_RK.shape == (10, 32)
+    for w, row in ((w, row) for w, rows_J in enumerate(grouped_WJ.tolist()) for row in rows_J if row >= 0):
+        assert torch.equal(grouped.q_RK[row].view(torch.uint8), q_W[w].view(torch.uint8))
+        assert grouped.scale_R[row] == scale_W[w]
+    assert not grouped.q_RK[7].float().any() and grouped.scale_R[7] == 0  # no copy: zero, below the bound
+    values = grouped.dequantized(bound)
+    assert torch.equal(values[:8], dequantize(grouped.q_RK[:8], grouped.scale_R[:8]))
 
 
 # ---------------------------------------------------------------------------------------------- weight cache

@@ -146,7 +146,8 @@ class _HeldRouting(torch.nn.Module):
 def fp8_wire_case(mesh, x, grad, report) -> None:
     """overlap.moe_dispatch_dtype=fp8 equals the bf16 dispatch of the dequantized rows, bit for bit: the layer fed
     x and grad against the same layer fed what crossed (each row quantized by the same kernel, then dequantized),
-    the routing held and the shared expert zeroed (it sees the rows as they are)."""
+    the routing held and the shared expert zeroed (it sees the rows as they are). Then both with FP8 GEMMs
+    (train.fp8_recipe): the FP8-wire layer feeds the rows as they crossed."""
     import dataclasses
 
     from tests.test_moe_layer import fp8_values
@@ -154,22 +155,41 @@ def fp8_wire_case(mesh, x, grad, report) -> None:
     def crossed(t):
         return fp8_values(t.reshape(-1, H)).view_as(t)
 
+    from moe_overlap.layers import dispatch_pipeline
+    from moe_overlap.layers.fp8 import Fp8, Fp8Rows
+
     variant = ("device", "sm_push", 1, None, False, False, False, "auto")
     fp8, bf16 = (make_layer(mesh, torch.bfloat16, variant, once=True, dispatch_dtype=d) for d in ("fp8", "bf16"))
     routing = fp8.router(x.reshape(-1, H))
     routing = dataclasses.replace(routing, probs_TK=routing.probs_TK.detach())
-    results = []
-    for layer, x_in, grad_in in ((fp8, x, grad), (bf16, crossed(x), crossed(grad))):
-        layer.router = _HeldRouting(routing)
-        with torch.no_grad():
-            for param in layer.shared_expert.parameters():
-                param.zero_()
-        x_in = x_in.clone().requires_grad_(True)
-        out = layer(x_in)[0]
-        out.backward(grad_in)
-        results.append([out, x_in.grad, layer.experts.w13.grad, layer.experts.w2.grad])
-    report["fp8_wire_equal"] = [bool(torch.equal(a, b)) for a, b in zip(*results)]
-    report["fp8_wire_rel"] = [rel(a.float(), b.float()) for a, b in zip(*results)]
+    arrived_rows, fed = dispatch_pipeline.arrived_rows, []
+
+    def arrived(*args, **kwargs):  # which rows reached the experts as FP8 (train.fp8_recipe's straight feed)
+        rows = arrived_rows(*args, **kwargs)
+        fed.append(isinstance(rows.x_WH, Fp8Rows))
+        return rows
+
+    for recipe in (None, Fp8()):  # bf16 GEMMs, then the FP8 ones (fed the rows as they crossed)
+        results = []
+        for layer, x_in, grad_in in ((fp8, x, grad), (bf16, crossed(x), crossed(grad))):
+            layer.router = _HeldRouting(routing)
+            layer.experts.fp8 = recipe
+            layer.zero_grad()
+            with torch.no_grad():
+                for param in layer.shared_expert.parameters():
+                    param.zero_()
+            x_in = x_in.clone().requires_grad_(True)
+            dispatch_pipeline.arrived_rows = arrived
+            try:
+                out = layer(x_in)[0]
+                out.backward(grad_in)
+            finally:
+                dispatch_pipeline.arrived_rows = arrived_rows
+            results.append([out, x_in.grad, layer.experts.w13.grad, layer.experts.w2.grad])
+        key = "fp8_wire" if recipe is None else "fp8_feed"
+        report[f"{key}_equal"] = [bool(torch.equal(a, b)) for a, b in zip(*results)]
+        report[f"{key}_rel"] = [rel(a.float(), b.float()) for a, b in zip(*results)]
+        report[f"{key}_fed_fp8"], fed[:] = list(fed), []
     report["fp8_wire_vs_rows_as_they_are"] = rel(crossed(x).float(), x.float())
 
 
@@ -322,6 +342,19 @@ def test_fp8_dispatch_equals_bf16_dispatch_of_the_dequantized_rows(reports):
         assert not _errors(report, "fp8_wire_case"), _errors(report, "fp8_wire_case")
         assert all(report["fp8_wire_equal"]), report["fp8_wire_rel"]  # out, x grad, w13 grad, w2 grad
         assert 0 < report["fp8_wire_vs_rows_as_they_are"] < 0.05  # the rows did cross as FP8
+
+
+@pytest.mark.gpu
+def test_fp8_dispatch_feeds_the_fp8_gemms_the_rows_as_they_crossed(reports):
+    """Under train.fp8_recipe the FP8 dispatch's rows reach the first expert GEMM as their E4M3 bytes and scales
+    (the FP8-wire layer's arrivals; the bf16-wire layer's are bf16); against the bf16 dispatch of the dequantized
+    rows, whose GEMM quantizes them again (the same bytes, scales off by bf16's rounding), within 1e-2."""
+    for report in reports:
+        assert not _errors(report, "fp8_wire_case"), _errors(report, "fp8_wire_case")
+        fed = report["fp8_feed_fed_fp8"]
+        assert fed and any(fed) and not all(fed), fed  # the FP8-wire layer's chunks only
+        assert not any(report["fp8_wire_fed_fp8"]), report["fp8_wire_fed_fp8"]  # bf16 GEMMs: dequantized on arrival
+        assert max(report["fp8_feed_rel"]) < 1e-2, report["fp8_feed_rel"]
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ division is a multiplication by 448 / amax (one correctly rounded division per r
 
 - :func:`quantize_rows`: per row of the last dimension (2D (M, K) -> scales (M,); 3D (E, M, K) -> (E, M)):
   activations, and a weight whose last dimension is the GEMM's contraction.
-- :func:`dequantize_rows`: back, per row, into bf16 / fp32 in one pass (the FP8 dispatch's receiver).
+- :func:`dequantize_rows`: back, per row, into bf16 / fp32 in one pass (the FP8 dispatch's receiver, and the
+  weight gradient of rows the dispatch fed straight to an FP8 GEMM).
 - :func:`quantize_columns`: per column, written transposed (2D (M, K) -> q (K, M), scales (K,); 3D per matrix):
   the column-major right operand a scaled GEMM wants when the contraction runs down the columns, in one pass
   (quantize-then-transpose would be a second pass over the FP8 copy).
@@ -60,11 +61,15 @@ if HAVE_TRITON:
             q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
             tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
-    # One program per block of rows: q * scale in fp32, rounded once to the output's dtype.
-    def _dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, n_rows, K, stride_q, stride_scale, stride_out,
-                                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per block of rows: q * scale in fp32, rounded once to the output's dtype. Rows at or past the
+    # bound are left unwritten.
+    def _dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, bound_ptr, n_rows, K, stride_q, stride_scale, stride_out,
+                                HAS_BOUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        live = rows < n_rows
+        limit = n_rows
+        if HAS_BOUND:
+            limit = tl.minimum(tl.load(bound_ptr), n_rows)
+        live = rows < limit
         rows = rows.to(tl.int64)
         cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         scale = tl.load(scale_ptr + rows * stride_scale, mask=live, other=0.0)
@@ -201,9 +206,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Ten
     return q.float() * scale.unsqueeze(dim)
 
 
-def dequantize_rows(q_RK: torch.Tensor, scale_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_rows(q_RK: torch.Tensor, scale_R: torch.Tensor, dtype: torch.dtype,
+                    rows_bound: torch.Tensor | None = None) -> torch.Tensor:
     """(R, K) of ``dtype``: q_RK's rows times their scales in fp32, rounded once (as :func:`dequantize` then a
-    cast); q's rows and the scales may be strided (read straight from packed wire rows). One pass in Triton."""
+    cast); q's rows and the scales may be strided (read straight from packed wire rows). One pass in Triton.
+    ``rows_bound`` (a device int tensor of one element): the rows from it on are left unwritten (the twin writes
+    them)."""
     if q_RK.dim() != 2 or q_RK.stride(1) != 1 or scale_R.shape != q_RK.shape[:1]:
         raise ValueError(f"q_RK must be 2-D with unit column stride and scale_R one scale per row, got "
                          f"{tuple(q_RK.shape)} strides {q_RK.stride()} and {tuple(scale_R.shape)}")
@@ -215,6 +223,7 @@ def dequantize_rows(q_RK: torch.Tensor, scale_R: torch.Tensor, dtype: torch.dtyp
         block_k = min(1024, triton.next_power_of_2(K))
         block_r = max(1, 8192 // block_k)
         _dequantize_rows[(triton.cdiv(R, block_r),), q_RK.device](
-            q_RK, scale_R, out_RK, R, K, q_RK.stride(0), scale_R.stride(0), out_RK.stride(0), BLOCK_R=block_r,
-            BLOCK_K=block_k, num_warps=8)
+            q_RK, scale_R, out_RK, q_RK if rows_bound is None else rows_bound, R, K, q_RK.stride(0),
+            scale_R.stride(0), out_RK.stride(0), HAS_BOUND=rows_bound is not None, BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=8)
     return out_RK

@@ -57,11 +57,11 @@ from moe_overlap.kernels.permute import permute, permute_backward, unpermute, un
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
 from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.exchange_plan import Plan
-from moe_overlap.layers.fp8 import Fp8
+from moe_overlap.layers.fp8 import Fp8, Fp8Rows
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
-from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, dgrad_rows, dispatch_rows, extra_columns,
-                                          hidden_states, packed_hidden, token_grads, token_rows)
+from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, copies_rows, dgrad_rows, dispatch_rows,
+                                          extra_columns, hidden_states, packed_hidden, token_grads, token_rows)
 
 
 class Handoff:
@@ -137,21 +137,22 @@ def _grouped_rows_mapped(plan: Plan) -> bool:
 
 def _arrived(rows_WX: torch.Tensor, chunk: int, state: PipelineState, hidden: int) -> ArrivedRows:
     """A chunk's wire rows split into hidden states and their copies (device-planned: rows past the count
-    carry none)."""
+    carry none). FP8 rows stay FP8 for FP8 GEMMs (layers/fp8.Fp8Rows)."""
     plan = state.plan
     count = plan.routes.recv_rows_C[chunk] if isinstance(plan.routes, DeviceRoutes) else None
-    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count, state.fp8_wire)
+    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count, state.fp8_wire,
+                        keep_fp8=state.fp8 is not None)
 
 
 def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, arrived: ArrivedRows | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """A chunk's rows as its grouped GEMMs take them, with their offsets: wire rows expanded into their copies'
-    grouped rows; under expert-TP, every peer's rows gathered (each rank runs its FFN slice on all of them) and
-    regrouped by expert."""
+    grouped rows (FP8 ones for FP8 GEMMs, as they crossed); under expert-TP, every peer's rows gathered (each rank
+    runs its FFN slice on all of them) and regrouped by expert."""
     plan = state.plan
     if arrived is not None:
-        grouped_RH = permute(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk],
-                             _grouped_rows_mapped(plan), zero_below=plan.offsets[chunk][-1:])
+        grouped_RH = copies_rows(arrived.x_WH, arrived.grouped_row_WJ, plan.grouped_rows[chunk],
+                                 _grouped_rows_mapped(plan), zero_below=plan.offsets[chunk][-1:])
         return grouped_RH, plan.offsets[chunk]
     if state.plan.expert_tp is None:
         return rows_RH, state.plan.offsets[chunk]

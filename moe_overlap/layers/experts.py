@@ -21,7 +21,7 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
 from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
-from moe_overlap.layers.fp8 import Fp8, grouped_mm
+from moe_overlap.layers.fp8 import Fp8, Fp8Rows, grouped_mm
 from moe_overlap.layers.wgrad import grouped_wgrad, main_grad_of, mark_own_grad, placeholder
 
 
@@ -30,9 +30,10 @@ def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(rows_per_expert, dim=0).to(torch.int32)
 
 
-def experts_forward(x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
+def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
                     w2_EFH: torch.Tensor, fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1 -> SwiGLU -> fc2; returns the output and fc1's output (kept for the backward)."""
+    """fc1 -> SwiGLU -> fc2; returns the output and fc1's output (kept for the backward). Rows already in FP8
+    (:class:`Fp8Rows`, under ``fp8``) go to fc1 as they are."""
     h_TF2 = grouped_mm(x_TH, w13_EHF2, offsets_E, fp8, fast_accum=True)
     return grouped_mm(swiglu_forward(h_TF2, offsets_E[-1:]), w2_EFH, offsets_E, fp8, fast_accum=True), h_TF2
 
@@ -50,7 +51,7 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
 class WgradInputs:
     """What the experts' weight gradients of one micro-batch (or one chunk of it) need."""
 
-    x_TH: torch.Tensor
+    x_TH: torch.Tensor | Fp8Rows  # FP8 rows: dequantized when the weight gradients run (only those need them so)
     a_TF: torch.Tensor
     grad_h_TF2: torch.Tensor
     grad_y_TH: torch.Tensor
@@ -62,7 +63,11 @@ def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[Wgr
     """Weight gradients of the local experts ``experts`` from one or two micro-batches' inputs (separate from
     dgrad so a pipeline can defer them into communication gaps): added into the parameters' fp32 main_grad
     inside the grouped kernel (returns Nones), or returned where the parameters have none."""
-    return (grouped_wgrad(w13_EHF2, [(i.x_TH, i.grad_h_TF2, i.offsets_E) for i in inputs], experts),
+    def rows(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor) -> torch.Tensor:
+        return x_TH.dequantized(offsets_E[-1:]) if isinstance(x_TH, Fp8Rows) else x_TH
+
+    return (grouped_wgrad(w13_EHF2, [(rows(i.x_TH, i.offsets_E), i.grad_h_TF2, i.offsets_E) for i in inputs],
+                          experts),
             grouped_wgrad(w2_EFH, [(i.a_TF, i.grad_y_TH, i.offsets_E) for i in inputs], experts))
 
 

@@ -3,7 +3,9 @@ of the left operand and per column of the right one (kernels/fp8_quant.py), bf16
 GEMMs: ``torch._scaled_mm`` for the dense linears, ``torch._scaled_grouped_mm`` for the experts (rows grouped
 by int32 end offsets). Both need the right operand column-major and every weight dimension a multiple of 16.
 
-What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. The weight gradients stay bf16 GEMMs
+What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. Rows that crossed the FP8 dispatch
+reach the experts' first GEMM as they crossed (:class:`Fp8Rows`: their E4M3 bytes and scales, not dequantized and
+quantized again); its weight gradient reads them dequantized. The weight gradients stay bf16 GEMMs
 that accumulate in fp32 straight into ``main_grad`` (layers/wgrad.py): torch 2.11's rowwise scaled GEMMs give only
 bf16 outputs (an FP8 wgrad would return a bf16 gradient and add it in a second pass over the fp32 main_grad), and
 for its grouped 2D x 2D form torchao pads every expert's rows to a multiple of 16, which the exchange does not do.
@@ -30,7 +32,7 @@ from torch import nn
 
 from moe_overlap.config.rules import FP8_NEEDS_GPU
 from moe_overlap.config.schema import ConfigError
-from moe_overlap.kernels.fp8_quant import dequantize, quantize_columns, quantize_rows
+from moe_overlap.kernels.fp8_quant import dequantize, dequantize_rows, quantize_columns, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,26 @@ class Fp8:
     """How a layer's GEMMs run in FP8: on FP8 tensor cores, or emulated (fp32 GEMMs of dequantized operands)."""
 
     emulate: bool = False
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """A GEMM's left operand already in E4M3 with one float32 scale per row (the FP8 dispatch's rows, expanded to
+    the experts' grouped rows: overlap.moe_dispatch_dtype=fp8), fed to the FP8 GEMM as they are, not dequantized
+    and quantized again. ``dtype``: the activations' (the GEMM's output, and what the weight gradient reads them
+    as: :meth:`dequantized`)."""
+
+    q_RK: torch.Tensor  # contiguous where a GEMM takes them (the received rows' views are strided)
+    scale_R: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q_RK.shape
+
+    def dequantized(self, rows_bound: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' values in ``dtype`` (rows from ``rows_bound`` on left unwritten: no GEMM reads them)."""
+        return dequantize_rows(self.q_RK, self.scale_R, self.dtype, rows_bound)
 
 
 _generation = 0  # bumped by every optimizer step: every cached FP8 weight is stale
@@ -98,23 +120,28 @@ def refresh_weights(module: nn.Module, *_) -> None:
                 entry.state = _state(param)
 
 
-def fp8_matmul(a_MK: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8,
+def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool, fp8: Fp8,
                offsets_E: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``a @ B`` in FP8 (B = w^T if ``contract_last`` else w: see :func:`weight_operand`), in a's dtype. With
     ``offsets_E`` (int32 end offsets of each group's rows; w (E, ., .)): group e's rows times B[e]; rows past the
-    last offset are neither quantized nor computed. ``fast_accum``: cuBLAS's faster, less exact FP8 accumulation
-    (the forward's, as Transformer Engine and torchao; the gradients accumulate exactly)."""
+    last offset are neither quantized nor computed. ``a`` as :class:`Fp8Rows`: taken as it is. ``fast_accum``:
+    cuBLAS's faster, less exact FP8 accumulation (the forward's, as Transformer Engine and torchao; the gradients
+    accumulate exactly)."""
     b_q, b_scale = weight_operand(w, contract_last)
-    if a_MK.shape[0] == 0:  # no rows (an EP rank no token chose): nothing to quantize or multiply
-        return a_MK.new_empty((0, b_q.shape[-2]))
-    a_q, a_scale = quantize_rows(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
+    if isinstance(a_MK, Fp8Rows):
+        a_q, a_scale, dtype = a_MK.q_RK, a_MK.scale_R, a_MK.dtype
+    else:
+        a_q, a_scale = quantize_rows(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
+        dtype = a_MK.dtype
+    if a_q.shape[0] == 0:  # no rows (an EP rank no token chose): nothing to multiply
+        return torch.empty((0, b_q.shape[-2]), dtype=dtype, device=a_q.device)
     if fp8.emulate:
-        return _emulated(a_q, a_scale, b_q, b_scale, offsets_E).to(a_MK.dtype)
+        return _emulated(a_q, a_scale, b_q, b_scale, offsets_E).to(dtype)
     if offsets_E is None:
-        return torch._scaled_mm(a_q, b_q.t(), a_scale[:, None], b_scale[None, :], out_dtype=a_MK.dtype,
+        return torch._scaled_mm(a_q, b_q.t(), a_scale[:, None], b_scale[None, :], out_dtype=dtype,
                                 use_fast_accum=fast_accum)
-    return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_scale, b_scale, offs=offsets_E,
-                                    out_dtype=a_MK.dtype, use_fast_accum=fast_accum)
+    return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_scale, b_scale, offs=offsets_E, out_dtype=dtype,
+                                    use_fast_accum=fast_accum)
 
 
 def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
@@ -131,9 +158,10 @@ def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
     return out
 
 
-def grouped_mm(a_TK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, fp8: Fp8 | None,
+def grouped_mm(a_TK: torch.Tensor | Fp8Rows, w: torch.Tensor, offsets_E: torch.Tensor, fp8: Fp8 | None,
                transpose_w: bool = False, fast_accum: bool = False) -> torch.Tensor:
-    """Each group's rows times w[e] (or w[e]^T): torch._grouped_mm, or in FP8 under ``fp8``."""
+    """Each group's rows times w[e] (or w[e]^T): torch._grouped_mm, or in FP8 under ``fp8`` (which takes
+    :class:`Fp8Rows` too)."""
     if fp8 is None:
         return torch._grouped_mm(a_TK, w.transpose(-2, -1) if transpose_w else w, offs=offsets_E)
     # a @ w[e] contracts along w's dim -2; a @ w[e]^T along its last

@@ -29,7 +29,10 @@ With ``overlap.moe_dispatch_dtype=fp8`` (DeepSeek-V3's dispatch) the hidden part
 output-gradient row in the combine's backward, crosses as E4M3 bytes with one float32 scale (kernels/fp8_quant.py,
 quantized per token once, whatever its wire rows), as raw bits in the row's columns: about half the bytes. The
 receiver dequantizes them on arrival (:func:`hidden_states`), so the experts compute on exactly the dequantized
-rows, whichever GEMMs they run. The combine and the dispatch's backward stay in the activations' dtype.
+rows; under ``train.fp8_recipe`` the dispatched rows instead reach the experts' first GEMM as they crossed, E4M3
+bytes and scales expanded to the copies' rows (:func:`copies_rows`), with no second quantization (the output
+gradient's rows are still dequantized: the probs' gradient reads them). The combine and the dispatch's backward
+stay in the activations' dtype.
 
 Letters: T tokens, K copies per token, C a token's wire rows, V targets (rank x chunks + chunk, the order every
 rank's counts are gathered in), W wire rows, J a wire row's copies, M the extra columns, H hidden.
@@ -46,6 +49,7 @@ from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.fp8_quant import FP8, dequantize_rows, quantize_rows
 from moe_overlap.kernels.permute import permute, permute_backward
 from moe_overlap.kernels.wire_targets import copy_grads, distinct_targets, pack_copies, unpack_copies, wire_copies
+from moe_overlap.layers.fp8 import Fp8Rows
 
 WORD = 4  # bytes of one int32 grouped row or fp32 prob in a row's extra columns
 ALIGN_WORDS = 4  # the extra columns padded to 16 bytes: a row of 16-byte aligned hidden stays so (vector stores)
@@ -174,20 +178,36 @@ def dispatch_rows(x_TH: torch.Tensor, probs_TK: torch.Tensor, wire: WireRows, gr
 class ArrivedRows:
     """A chunk's received wire rows, split: the hidden states and each row's copies (sanitised)."""
 
-    x_WH: torch.Tensor  # a view of the received rows (fp8: dequantized from them)
+    x_WH: torch.Tensor | Fp8Rows  # a view of the received rows (fp8: dequantized from them, or their FP8 parts)
     grouped_row_WJ: torch.Tensor  # int32 row of each copy in the chunk's grouped tensor; -1: none
     probs_WJ: torch.Tensor  # fp32
 
 
 def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch.Tensor,
-                 count: torch.Tensor | None, fp8: bool = False) -> ArrivedRows:
+                 count: torch.Tensor | None, fp8: bool = False, keep_fp8: bool = False) -> ArrivedRows:
     """``count``: the chunk's received rows on the device (rows past it were never written: their copies are
     dropped), or None when every row is one. A grouped row past the chunk's last grouped-GEMM offset is dropped too
     (a compute-only reference lands a rank's own rows, whose copies belong elsewhere). ``fp8``: the hidden states
-    crossed packed (:func:`hidden_states`)."""
+    crossed packed (:func:`hidden_states`); ``keep_fp8``: they stay so, views of their bytes and scales (for an FP8
+    GEMM: :func:`copies_rows`)."""
     meta_WM = rows_WX[:, hidden_columns(hidden, rows_WX.dtype, fp8):].view(torch.int32)
     grouped_WJ, probs_WJ = unpack_copies(meta_WM, copies, offsets[-1:], count)
+    if fp8 and keep_fp8:
+        q_WH, scale_W = _packed_parts(rows_WX[:, :hidden_columns(hidden, rows_WX.dtype, True)], hidden)
+        return ArrivedRows(Fp8Rows(q_WH, scale_W, rows_WX.dtype), grouped_WJ, probs_WJ)
     return ArrivedRows(hidden_states(rows_WX, hidden, fp8), grouped_WJ, probs_WJ)
+
+
+def copies_rows(x_WH: torch.Tensor | Fp8Rows, grouped_row_WJ: torch.Tensor, num_rows: int, all_rows_mapped: bool,
+                zero_below: torch.Tensor) -> torch.Tensor | Fp8Rows:
+    """Each wire row's hidden state written to its copies' rows of the chunk's grouped tensor (``num_rows``; rows
+    no copy maps to zero below ``zero_below`` unless ``all_rows_mapped``: permute). Rows in FP8 stay FP8: their
+    bytes move as 32-bit words (the hidden size is a multiple of 16), their scales beside them, both contiguous."""
+    if not isinstance(x_WH, Fp8Rows):
+        return permute(x_WH, grouped_row_WJ, num_rows, all_rows_mapped, zero_below=zero_below)
+    words_RH = permute(x_WH.q_RK.view(torch.int32), grouped_row_WJ, num_rows, all_rows_mapped, zero_below=zero_below)
+    scales_R1 = permute(x_WH.scale_R[:, None], grouped_row_WJ, num_rows, all_rows_mapped, zero_below=zero_below)
+    return Fp8Rows(words_RH.view(FP8), scales_R1[:, 0], x_WH.dtype)
 
 
 def dgrad_rows(grad_x_RH: torch.Tensor, grouped_row_WJ: torch.Tensor, grad_probs_WJ: torch.Tensor | None
