@@ -11,9 +11,13 @@ into main_grad). Variants, milliseconds (median of the rounds):
                in the time), the weights' FP8 copies already made this step
   fp8_requant  the same with the weights quantized again every call (their once-per-step cost on every call:
                the bound for one micro-batch per step)
+  fp8_fast_grads  fp8 with the experts' dgrad GEMMs in fast accumulation too (what the exact one costs; not a
+               setting; the dense case's GEMMs are not patched: its row is fp8 again)
 ``ratio`` is bf16 / fp8 (> 1: FP8 faster). In this recipe the forward and dgrad GEMMs run in FP8 and the weight
 gradients stay bf16 (layers/fp8.py says why), so the expert rows' bound is about 1.5x, not 2x.
 ``--check``: the FP8 outputs, input gradients and main_grads against bf16's, normwise (each under 0.1, or exit 1).
+``--profile PATH``: after the timing, each case's bf16 and fp8 variants under torch.profiler, the GPU kernels'
+time per call (where the FP8 path's time goes: its GEMMs, the quantize kernels, the rest), written to PATH.
 """
 
 from __future__ import annotations
@@ -71,7 +75,22 @@ class Case:
 
     def variants(self) -> dict:
         return {"bf16": lambda: self.step(None), "fp8": lambda: self.step(Fp8()),
-                "fp8_requant": lambda: self.step(Fp8(), requantize=True)}
+                "fp8_requant": lambda: self.step(Fp8(), requantize=True),
+                "fp8_fast_grads": lambda: self.fast_grads(lambda: self.step(Fp8()))}
+
+    @staticmethod
+    def fast_grads(run):
+        """A measurement, not a setting: the dgrad GEMMs with cuBLAS's fast FP8 accumulation too (the forward's;
+        Transformer Engine and torchao keep the gradients' exact), patched in for the call."""
+        from moe_overlap.layers import fp8 as fp8_module
+
+        matmul = fp8_module.fp8_matmul
+        fp8_module.fp8_matmul = (lambda a, w, contract_last, fp8, offsets=None, fast_accum=False:
+                                 matmul(a, w, contract_last, fp8, offsets, True))  # the grouped GEMMs' calls
+        try:
+            return run()
+        finally:
+            fp8_module.fp8_matmul = matmul
 
     def check(self) -> dict[str, float]:
         """FP8 against bf16: output, input gradient and each main_grad (one forward+backward each, from zero)."""
@@ -107,6 +126,29 @@ def dense_case(device) -> Case:
     return Case(linear, linear, x, grad)
 
 
+def kernel_times(name: str, case: Case, calls: int) -> str:
+    """The bf16 and fp8 variants' GPU kernels, ``calls`` calls each under torch.profiler: time per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tables = []
+    for variant in ("bf16", "fp8"):
+        run = case.variants()[variant]
+        run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                run()
+            torch.cuda.synchronize()
+        kernels = sorted(((e.key, e.device_time_total / calls / 1000, e.count // calls) for e in prof.key_averages()
+                          if e.device_time_total > 0), key=lambda k: -k[1])
+        lines = [f"{name} {variant}: {sum(ms for _, ms, _ in kernels):.3f} ms of kernels per call"]
+        lines += [f"  {ms:8.3f} ms  x{count:<3d} {key[:110]}" for key, ms, count in kernels[:25]]
+        tables.append("\n".join(lines))
+    text = "\n".join(tables)
+    print(text, flush=True)
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="mixtral,fine", help=f"of benchmarks/moe_layer.py: {','.join(SHAPES)}")
@@ -114,6 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--json", default=None, help="default: benchmarks/results/fp8_gemm_<gpu>.json")
+    parser.add_argument("--profile", default=None, metavar="PATH", help="write each variant's kernel times here")
     args = parser.parse_args(argv)
     set_run_env()
     if not torch.cuda.is_available():
@@ -123,7 +166,7 @@ def main(argv=None) -> int:
     path = args.json or str(Path(__file__).parent / "results" / f"fp8_gemm_{gpu}.json")
     cases = {f"experts_{name}": lambda name=name: expert_case(SHAPES[name], device) for name in args.shapes.split(",")}
     cases["dense"] = lambda: dense_case(device)
-    rows, failed = [], False
+    rows, failed, profiles = [], False, []
     for name, make in cases.items():
         case = make()
         ms = round_robin(case.variants(), args.rounds, args.warmup, device)
@@ -139,10 +182,15 @@ def main(argv=None) -> int:
               + f"  bf16/fp8 {row['ratio']:.2f}x (requant {row['ratio_requant']:.2f}x)"
               + (f"  fp8 vs bf16 {max(row['fp8_vs_bf16'].values()):.3f}" if args.check else ""), flush=True)
         rows.append(row)
+        if args.profile:
+            profiles.append(kernel_times(name, case, args.rounds))
         del case
         torch.cuda.empty_cache()
     write_json(path, run_header(1), rows)
     print(f"wrote {path}")
+    if args.profile:
+        Path(args.profile).write_text("\n\n".join(profiles) + "\n")
+        print(f"wrote {args.profile}")
     return 1 if failed else 0
 
 
