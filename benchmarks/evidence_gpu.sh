@@ -70,6 +70,7 @@
 #   bash benchmarks/evidence_gpu.sh converge4 OUT  # FP8 against bf16 over 1,000 steps (two seeds each, one GPU
 #                                                  #   each), then the fine 4-GPU example as shipped and its ep1 row
 #   bash benchmarks/evidence_gpu.sh fp8_4    OUT   # FP8 at EP=4: GPU tests, the fine model bf16 / FP8 / FP8 wire
+#   bash benchmarks/evidence_gpu.sh fp8_mixtral4 OUT # FP8 at EP=4 on the Mixtral-like model (wide GEMMs)
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank
@@ -830,6 +831,13 @@ case $phase in
     train_step 4 fine_8l balanced_fp8 "$BAL" --profile-steps 0 --variant "fp8:$FP8" \
       --variant "fp8_wire:$FP8,overlap.moe_dispatch_dtype=fp8" \
       --variant "fp8_compute_only:$FP8,overlap.moe_pipeline=true,overlap.moe_compute_only=true"
+    ;;
+  fp8_mixtral4)  # issue 39 at EP=4 on wide GEMMs: the Mixtral-like bench model balanced, bf16 (the default,
+    # compute_only, ep1) beside train.fp8_recipe=rowwise, each token once per rank in bf16, and FP8 on the wire
+    FP8="train.fp8_recipe=rowwise"
+    ONCE="overlap.moe_dispatch_once_per_rank=true"
+    train_step 4 mixtral_2l balanced_fp8 "$BAL" --profile-steps 0 --variant "fp8:$FP8" --variant "once:$ONCE" \
+      --variant "fp8_wire:$FP8,$ONCE,overlap.moe_dispatch_dtype=fp8"
     ;;
   fp8_gemm1)  # issue 39: where the FP8 expert GEMMs' time goes (one GPU): fp8_gemm.py with the straight feed's
     # code, the dgrad's fast accumulation as a measured variant, and each variant's kernels under the profiler
