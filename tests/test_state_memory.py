@@ -1,9 +1,10 @@
-"""`moe-overlap info`'s model state per rank (weights, fp32 gradients, optimizer state) against what a trainer
-actually allocates, for the plain optimizer in one process and the distributed optimizer at 2 gloo ranks (EP=2,
-PP=2, TP=2); and the shipped GPU configs' headers quote it."""
+"""`moe-overlap info`'s model state per rank (weights, fp32 gradients, optimizer state, the FP8 weight copies)
+against what a trainer actually allocates, for the plain optimizer in one process and the distributed optimizer at 2
+gloo ranks (EP=2, PP=2, TP=2); and the shipped GPU configs' headers quote it."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.training.state_memory import StateBytes, describe_state_memory, state_bytes
 from moe_overlap.training.trainer import Trainer, mesh_layout
 from tests.test_master import CPU, small_config, world_and_mesh
@@ -42,6 +44,26 @@ def test_one_process_counts_what_the_plain_optimizer_allocates(tmp_path, precisi
     held, per_element = allocated(trainer)
     assert per_element == (8 if precision == "fp32" else 12)  # fp32 weights are their own master
     assert state_bytes(cfg, Mesh.single()) == held
+
+
+def test_fp8_copies_count_what_the_recipe_caches(tmp_path):
+    """train.fp8_recipe's weight copies (E4M3 in both orientations, with their scales) as state_bytes counts them
+    for the config against the caches a trainer's step leaves on the parameters (the recipe emulated: the same
+    copies), the first layer in bf16 (train.num_layers_at_start_in_bf16=1: none of its own)."""
+    cfg = small_config(str(tmp_path), 1, 4, **{"train.device": "cpu", "train.precision": "bf16"})
+    trainer = Trainer(cfg, Mesh.single(), CPU)
+    trainer.model.use_fp8(Fp8(emulate=True), bf16_at_start=1)
+    trainer.train_step()
+    cached = sum(entry.q.numel() * entry.q.element_size() + entry.scale.numel() * entry.scale.element_size()
+                 for param in trainer.model.parameters() for entry in param.__dict__.get("fp8_cache", {}).values())
+    fp8 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8_recipe="rowwise",
+                                                             num_layers_at_start_in_bf16=1))
+    planned = state_bytes(fp8, Mesh.single())
+    assert planned.fp8_copies == cached > 0
+    assert planned.total == state_bytes(cfg, Mesh.single()).total + cached
+    every_layer = dataclasses.replace(fp8, train=dataclasses.replace(fp8.train, num_layers_at_start_in_bf16=0))
+    assert state_bytes(every_layer, Mesh.single()).fp8_copies > cached
+    assert " + FP8 copies " in describe_state_memory(fp8, mesh_layout(fp8, 1))[0]
 
 
 LAYOUTS = {

@@ -25,6 +25,7 @@ is the reference the tests compare with, and the only FP8 path on CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,18 @@ def weight_operand(w: torch.Tensor, contract_last: bool) -> tuple[torch.Tensor, 
     q, scale = _quantize_weight(w, contract_last, entry)
     cache[slot] = _CachedWeight(_state(param), view, q, scale)
     return q, scale
+
+
+def weight_copy_bytes(module: nn.Module) -> int:
+    """The bytes of the FP8 copies a module's weights get once its GEMMs ran forward and backward: per weight
+    matrix (N, K) an E4M3 copy in each orientation (2 N K bytes) and their float32 scales, one per column of the
+    right operand (4 (N + K) bytes). Biases stay in their dtype."""
+    total = 0
+    for param in module.parameters(recurse=False):
+        if param.dim() >= 2:
+            *batch, n, k = param.shape
+            total += math.prod(batch) * (2 * n * k + 4 * (n + k))
+    return total
 
 
 @torch.no_grad()

@@ -199,19 +199,24 @@ class MixtralModel(nn.Module):
             if layer.is_moe:
                 layer.mlp.experts.wgrad_pairs = ExpertWgradPairs()
 
-    def use_fp8(self, fp8: Fp8, bf16_at_start: int = 0, bf16_at_end: int = 0) -> None:
-        """``train.fp8_recipe``: the experts' and the linears' GEMMs of every layer but the first ``bf16_at_start``
-        and the last ``bf16_at_end`` (train.num_layers_at_start_in_bf16 / _end_) run in FP8 (layers/fp8.py). The
-        embedding, the output layer, routers, norms and attention itself stay bf16. Call before graph_moe_layers."""
-        if not fp8.emulate:
-            check_fp8_device(next(self.parameters()).device)
+    def fp8_modules(self, bf16_at_start: int = 0, bf16_at_end: int = 0) -> Iterable[nn.Module]:
+        """The modules whose GEMMs ``train.fp8_recipe`` runs in FP8: the experts and the linears of every layer of
+        this stage but the first ``bf16_at_start`` and the last ``bf16_at_end`` of the model
+        (train.num_layers_at_start_in_bf16 / _end_). The embedding, the output layer, routers, norms and attention
+        itself stay bf16."""
         bf16 = set(range(bf16_at_start)) | set(range(self.cfg.num_layers - bf16_at_end, self.cfg.num_layers))
         for index, layer in self.layers.items():
-            if int(index) in bf16:
-                continue
-            for module in layer.modules():
-                if isinstance(module, (ColumnParallelLinear, RowParallelLinear, GroupedExperts)):
-                    module.fp8 = fp8
+            if int(index) not in bf16:
+                yield from (module for module in layer.modules()
+                            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, GroupedExperts)))
+
+    def use_fp8(self, fp8: Fp8, bf16_at_start: int = 0, bf16_at_end: int = 0) -> None:
+        """``train.fp8_recipe``: the GEMMs of :meth:`fp8_modules` in FP8 (layers/fp8.py). Call before
+        graph_moe_layers."""
+        if not fp8.emulate:
+            check_fp8_device(next(self.parameters()).device)
+        for module in self.fp8_modules(bf16_at_start, bf16_at_end):
+            module.fp8 = fp8
 
     def start_micro_batch(self, first: bool, last: bool) -> None:
         for layer in self.layers.values():

@@ -1,6 +1,7 @@
 """The model's own memory on each rank, before activations: the weights in the compute dtype, their fp32 gradients
 (``main_grad``) and the optimizer's fp32 master weights and AdamW moments, which the distributed optimizer shards
-over the data-parallel ranks (dense parameters over DP x CP, experts over expert-DP). Counted from the rank's part
+over the data-parallel ranks (dense parameters over DP x CP, experts over expert-DP); under ``train.fp8_recipe`` the
+FP8 copies of the weights its GEMMs read (layers/fp8.py). Counted from the rank's part
 of the model built on the meta device, so the layout rules (TP splits, PP stages, local experts, tied embeddings)
 are the model code's own. The distributed optimizer pads each bucket to equal shards: a few KiB, not counted."""
 
@@ -12,6 +13,7 @@ import torch
 
 from moe_overlap.config import Config, ConfigError
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
+from moe_overlap.layers.fp8 import weight_copy_bytes
 from moe_overlap.layers.param_info import is_expert_param
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages
@@ -25,10 +27,11 @@ class StateBytes:
     weights: int  # in the compute dtype (train.precision)
     gradients: int  # fp32 main_grad, every local parameter
     optimizer: int  # fp32 master weights (unless the weights are fp32) and the two AdamW moments, this rank's shard
+    fp8_copies: int = 0  # train.fp8_recipe: the FP8 GEMMs' weights in E4M3, both orientations, with their scales
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.fp8_copies
 
 
 def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
@@ -44,7 +47,9 @@ def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
         gradients += param.numel() * FP32_BYTES
         shards = (mesh.edp if is_expert_param(param) else mesh.dp_cp).size if t.use_distributed_optimizer else 1
         optimizer += param.numel() * optimizer_per_element // shards
-    return StateBytes(weights, gradients, optimizer)
+    fp8_copies = (sum(weight_copy_bytes(module) for module in model.fp8_modules(
+        t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)) if t.fp8_recipe else 0)
+    return StateBytes(weights, gradients, optimizer, fp8_copies)
 
 
 def largest_state(cfg: Config, layout: MeshLayout) -> tuple[int, StateBytes]:
@@ -60,18 +65,17 @@ def largest_state(cfg: Config, layout: MeshLayout) -> tuple[int, StateBytes]:
 
 
 def describe_state_memory(cfg: Config, layout: MeshLayout) -> list[str]:
-    """``moe-overlap info``'s lines: the largest rank's model state, then what comes on top."""
+    """``moe-overlap info``'s line: the largest rank's model state, part by part."""
     rank, state = largest_state(cfg, layout)
     gib = 2**30
     sharding = ("sharded over data-parallel ranks by the distributed optimizer" if cfg.train.use_distributed_optimizer
                 else "not sharded: train.use_distributed_optimizer=false")
-    lines = [f"model state per rank, before activations (the most on any rank: rank {rank}): "
-             f"{state.total / gib:.1f} GiB = weights {state.weights / gib:.1f} ({cfg.train.precision}) + gradients "
-             f"{state.gradients / gib:.1f} (fp32) + optimizer {state.optimizer / gib:.1f} (fp32 master and AdamW "
-             f"moments, {sharding})"]
-    if cfg.train.fp8_recipe:
-        lines.append(f"  not counted: the FP8 copies of the weights (train.fp8_recipe={cfg.train.fp8_recipe})")
-    return lines
+    fp8 = (f" + FP8 copies {state.fp8_copies / gib:.1f} (train.fp8_recipe={cfg.train.fp8_recipe}: the FP8 GEMMs' "
+           f"weights in E4M3, both orientations, made once per step)" if cfg.train.fp8_recipe else "")
+    return [f"model state per rank, before activations (the most on any rank: rank {rank}): "
+            f"{state.total / gib:.1f} GiB = weights {state.weights / gib:.1f} ({cfg.train.precision}) + gradients "
+            f"{state.gradients / gib:.1f} (fp32) + optimizer {state.optimizer / gib:.1f} (fp32 master and AdamW "
+            f"moments, {sharding}){fp8}"]
 
 
 def check_state_fits(rank: int, state: StateBytes, gpu_bytes: int) -> None:
@@ -81,8 +85,9 @@ def check_state_fits(rank: int, state: StateBytes, gpu_bytes: int) -> None:
         gib = 2**30
         total = state.total / gib
         shown = round(total, 1) if total >= 0.1 else float(f"{total:.2g}")  # a tiny model keeps 2 digits
+        fp8 = f", FP8 copies {state.fp8_copies / gib:.1f}" if state.fp8_copies else ""
         raise ConfigError(f"model state (GiB, rank {rank})", shown, (
-            f"weights {state.weights / gib:.1f}, gradients {state.gradients / gib:.1f} and optimizer "
+            f"weights {state.weights / gib:.1f}, gradients {state.gradients / gib:.1f}{fp8} and optimizer "
             f"{state.optimizer / gib:.1f} GiB (moe-overlap info) need more than a GPU here holds "
             f"({gpu_bytes / gib:.1f} GiB): shard them further (train.use_distributed_optimizer, more ranks for expert "
             f"data parallelism, parallel.pipeline_model_parallel_size) or train a smaller model"))
