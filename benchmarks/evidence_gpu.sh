@@ -71,6 +71,7 @@
 #                                                  #   each), then the fine 4-GPU example as shipped and its ep1 row
 #   bash benchmarks/evidence_gpu.sh fp8_4    OUT   # FP8 at EP=4: GPU tests, the fine model bf16 / FP8 / FP8 wire
 #   bash benchmarks/evidence_gpu.sh fp8_mixtral4 OUT # FP8 at EP=4 on the Mixtral-like model (wide GEMMs)
+#   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
 #                                                  #   with no overlap field set (auto) beside once_per_rank
@@ -838,6 +839,12 @@ case $phase in
     ONCE="overlap.moe_dispatch_once_per_rank=true"
     train_step 4 mixtral_2l balanced_fp8 "$BAL" --profile-steps 0 --variant "fp8:$FP8" --variant "once:$ONCE" \
       --variant "fp8_wire:$FP8,$ONCE,overlap.moe_dispatch_dtype=fp8"
+    ;;
+  wgrad_kernel1)  # the expert weight gradient into fp32 main_grad on one GPU (half the expert layer's kernel time,
+    # fp8_gemm1): every tile config of the Triton kernel beside the grouped GEMM alone (its limit without the
+    # read-modify-write) and the other ways, round-robin; the next lever for issue 39 and the EP=1 rows
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections wgrad --rounds 10 \
+      --json $res/step_kernels_wgrad_1x$gpu.json 2>&1 | tail -n 8
     ;;
   fp8_gemm1)  # issue 39: where the FP8 expert GEMMs' time goes (one GPU): fp8_gemm.py with the straight feed's
     # code, the dgrad's fast accumulation as a measured variant, and each variant's kernels under the profiler
