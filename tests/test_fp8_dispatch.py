@@ -60,7 +60,7 @@ def fp8_recipe_layer_run(mesh, selector, routing: str, chunks: int, straight: bo
     output and gradients, and for each chunk whether its rows reached the experts as FP8 (``straight``; else
     dequantized on arrival and quantized again by the GEMM, as before the straight feed)."""
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2)
-    overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, moe_planning="device",
+    overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, moe_planning=selector.planning,
                             moe_dispatch_once_per_rank=True, moe_dispatch_dtype="fp8",
                             delay_wgrad_compute=chunks == 1,  # the weight gradients after the dgrads, or each beside
                             moe_expert_rank_capacity_factor=None)
@@ -94,13 +94,14 @@ def fp8_recipe_layer_run(mesh, selector, routing: str, chunks: int, straight: bo
 def straight_feed_case(routing: str) -> tuple[float, list[bool]]:
     mesh = Mesh.create(MeshLayout(dist.get_world_size(), ep=dist.get_world_size()), timeout_s=60)
     try:
-        selector = TransportSelector("device", "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), E, 60)
         errors, fed = [], []
-        for chunks in (1, 2):
-            (straight, fed_straight), (requantized, fed_requantized) = (
-                fp8_recipe_layer_run(mesh, selector, routing, chunks, s) for s in (True, False))
-            errors += [rel_err(a, b) for a, b in zip(straight, requantized) if b.norm() > 0]
-            fed.append(all(fed_straight) and fed_straight and not any(fed_requantized))
+        for planning in ("host", "device"):
+            selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), E, 60)
+            for chunks in (1, 2):
+                (straight, fed_straight), (requantized, fed_requantized) = (
+                    fp8_recipe_layer_run(mesh, selector, routing, chunks, s) for s in (True, False))
+                errors += [rel_err(a, b) for a, b in zip(straight, requantized) if b.norm() > 0]
+                fed.append(all(fed_straight) and fed_straight and not any(fed_requantized))
         return max(errors), fed
     finally:
         mesh.destroy()
@@ -110,8 +111,8 @@ def straight_feed_case(routing: str) -> tuple[float, list[bool]]:
 def test_fp8_dispatch_feeds_the_fp8_gemm_the_rows_as_they_crossed(rank_pool, routing):
     """Under train.fp8_recipe the dispatched rows reach the experts' first GEMM as the E4M3 bytes and scales that
     crossed (Fp8Rows), not dequantized and quantized again; the math is that of the requantized path (the bytes
-    requantize to themselves) within fp32's round-off of the scales, 1 chunk with delayed weight gradients (the
-    rows dequantized for them after every dgrad) and 2 chunks, 2 gloo ranks."""
+    requantize to themselves) within fp32's round-off of the scales, host and device planning, 1 chunk with delayed
+    weight gradients (the rows dequantized for them after every dgrad) and 2 chunks, 2 gloo ranks."""
     for error, fed in rank_pool(2).run(straight_feed_case, routing):
         assert all(fed), fed
         assert error < 1e-6, error
