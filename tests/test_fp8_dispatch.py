@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.distributed as dist
 
 from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig, load_config
