@@ -290,13 +290,13 @@ def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():
 # ------------------------------------------------------------------------------------------ a model in FP8
 
 
-def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str) -> dict:
-    """A layout (2 ranks, EP=ep, ``pipeline``: the MoE exchange's overlap.moe_pipeline) with every layer's GEMMs in
-    emulated FP8 against one process with the same emulation, step by step (the optimizer refreshes the FP8 weights
-    every step); and the single process without FP8, which FP8 must change a little."""
+def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str, extra: dict | None = None) -> dict:
+    """A layout (2 ranks, EP=ep, ``pipeline``: the MoE exchange's overlap.moe_pipeline, ``extra`` overrides) with
+    every layer's GEMMs in emulated FP8 against one process with the same emulation, step by step (the optimizer
+    refreshes the FP8 weights every step); and the single process without FP8, which FP8 must change a little."""
     world = dist.get_world_size()
     global_batch = 2 * 2 * world  # micro-batch 2, two per data-parallel rank
-    cfg = small_config(output_dir, ep, global_batch, **{"overlap.moe_pipeline": pipeline})
+    cfg = small_config(output_dir, ep, global_batch, **{"overlap.moe_pipeline": pipeline, **(extra or {})})
     _, mesh = world_and_mesh(cfg)
     try:
         layout_run = Trainer(cfg, mesh, CPU)
@@ -321,15 +321,24 @@ def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str) -> di
         mesh.destroy()
 
 
-@pytest.mark.parametrize("ep, pipeline", [(1, "auto"), (2, "false"), (2, "true")],
-                         ids=["dp2", "ep2-serial", "ep2-pipeline"])
-def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipeline):
+TP2_SP = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",  # MoE at TP > 1: SP
+          "parallel.expert_model_parallel_size": 1, "parallel.expert_tensor_parallel_size": 1}
+
+
+@pytest.mark.parametrize("ep, pipeline, extra, later", [
+    (1, "auto", None, 1e-3), (2, "false", None, 1e-3), (2, "true", None, 1e-3),
+    (1, "auto", TP2_SP, 3e-3)], ids=["dp2", "ep2-serial", "ep2-pipeline", "tp2-sp"])
+def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipeline, extra, later):
     """The first step (the same weights on both sides) within fp32's 1e-5. After it the two runs' weights differ by
     round-off (~1e-7: micro-batch gradients summed in another order, as without FP8), and a value that sits on an
     E4M3 rounding boundary can round the other way: one element moves by an E4M3 step (6%), which shows as ~1e-4
-    in that expert's gradient. So later steps are held to 1e-3, and the losses to 1e-5 throughout."""
-    for worst in rank_pool(2).run(emulated_fp8_case, ep, 3, str(tmp_path), pipeline):
-        assert worst["loss"] < 1e-5 and worst["first_step_grad"] < 1e-5 and worst["grad"] < 1e-3, worst
+    in that expert's gradient. So later steps are held to ``later`` (1e-3; 3e-3 at TP=2, where every dense GEMM's
+    partial sums are reduced in another order too: 1.4e-3 measured), and the losses to 1e-5 throughout. At TP=2 the
+    row-parallel forward and the column-parallel dgrad contract over a split dimension: their scales are shared
+    over the two ranks (layers/fp8.py); with each rank's own maximum instead, the first step's gradients were 0.5
+    off."""
+    for worst in rank_pool(2).run(emulated_fp8_case, ep, 3, str(tmp_path), pipeline, extra):
+        assert worst["loss"] < 1e-5 and worst["first_step_grad"] < 1e-5 and worst["grad"] < later, worst
         assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst  # FP8 ran, and stays close
 
 
@@ -374,6 +383,15 @@ def refusal(**overrides: str) -> str:
     return str(caught.value)
 
 
+def test_fp8_config_accepts_tensor_parallelism():
+    """TP=2 with sequence parallelism and expert-TP 1: the split contractions share their scales (layers/fp8.py)."""
+    overrides = {**MOE, **GPU_FP8, "parallel.tensor_model_parallel_size": "2", "parallel.sequence_parallel": "true",
+                 "parallel.expert_tensor_parallel_size": "1"}
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    validate_for_world(cfg, 2, "cuda")
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.train.fp8_recipe == "rowwise"
+
+
 def test_fp8_config_accepts_a_gpu_moe_model():
     cfg = load_config(None, [f"{k}={v}" for k, v in {**MOE, **GPU_FP8, "train.num_layers_at_start_in_bf16": "1",
                                                       "train.num_layers_at_end_in_bf16": "1"}.items()])
@@ -396,14 +414,18 @@ def test_fp8_config_accepts_a_gpu_moe_model():
     # head dim 4, one key-value group: the QKV projection is (32 + 2) x 4 = 136 wide
     ({**GPU_FP8, "model.num_attention_heads": "32", "model.num_query_groups": "1"}, "model.num_attention_heads"),
     ({**GPU_FP8, "model.num_attention_heads": "6", "model.kv_channels": "4"}, "model.kv_channels"),  # 24 wide
-    ({**GPU_FP8, "parallel.tensor_model_parallel_size": "2"}, "parallel.tensor_model_parallel_size"),
+    # TP=2 splits the dense MLP's ffn: 48 is 24 on a rank
+    ({**GPU_FP8, "parallel.tensor_model_parallel_size": "2", "model.ffn_hidden_size": "48"}, "model.ffn_hidden_size"),
     ({**GPU_FP8, **MOE, "parallel.expert_tensor_parallel_size": "2"}, "parallel.expert_tensor_parallel_size"),
+    # expert-TP follows TP unless set: FP8 experts need it at 1
+    ({**GPU_FP8, **MOE, "parallel.tensor_model_parallel_size": "2", "parallel.sequence_parallel": "true"},
+     "parallel.expert_tensor_parallel_size"),
     ({"train.num_layers_at_start_in_bf16": "1"}, "train.num_layers_at_start_in_bf16"),
     ({**GPU_FP8, "train.num_layers_at_end_in_bf16": "-1"}, "train.num_layers_at_end_in_bf16"),
     ({**GPU_FP8, "train.num_layers_at_start_in_bf16": "2", "train.num_layers_at_end_in_bf16": "3"},
      "train.num_layers_at_end_in_bf16"),
 ], ids=["auto-device-ok", "cpu", "blockwise", "fp32", "hidden", "ffn", "expert-ffn", "shared-expert", "heads",
-        "kv-channels", "tp", "expert-tp", "bf16-layers-without-fp8", "negative", "too-many"])
+        "kv-channels", "tp-ffn", "expert-tp", "tp-folds-expert-tp", "bf16-layers-without-fp8", "negative", "too-many"])
 def test_fp8_refusals_name_the_field(overrides, field):
     if field == "train.fp8_recipe" and overrides.get("train.device") is None:
         cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])  # checked where the device is known

@@ -180,27 +180,27 @@ def _validate_fp8(cfg: Config) -> None:
     require(t.device != "cpu", "train.fp8_recipe", t.fp8_recipe, f"{FP8_NEEDS_GPU}; train.device is 'cpu'")
     require(t.precision == "bf16", "train.fp8_recipe", t.fp8_recipe,
             f"needs train.precision=bf16 (the FP8 GEMMs take and give bf16), not {t.precision!r}")
-    if p.tensor_model_parallel_size > 1:
-        raise not_implemented("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size, 1,
-                              "FP8 GEMMs inside the tensor-parallel linears' overlapped collectives")
-    if cfg.expert_tensor_parallel_size > 1:
+    if m.num_moe_experts is not None and cfg.expert_tensor_parallel_size > 1:
         raise not_implemented("parallel.expert_tensor_parallel_size", cfg.expert_tensor_parallel_size, 1,
-                              "FP8 expert GEMMs with expert-TP")
-    # torch's scaled GEMMs need both dimensions of every weight (contraction and output) multiples of 16 (without
-    # TP the whole dimension is on the rank): (field, its value, the GEMM dimension it sets)
+                              "FP8 expert GEMMs with expert-TP (with tensor parallelism, set "
+                              "parallel.expert_tensor_parallel_size=1)")
+    # torch's scaled GEMMs need both dimensions of every weight (contraction and output) multiples of 16 on each
+    # rank: the dimensions tensor parallelism splits divided by its size (field, its value, the GEMM dimension it
+    # sets on a rank)
+    tp = p.tensor_model_parallel_size
     heads, groups = m.num_attention_heads, m.query_groups
     head = ("model.kv_channels", m.kv_channels) if m.kv_channels else ("model.num_attention_heads", heads)
     dims = [("model.hidden_size", m.hidden_size, m.hidden_size),
-            (*head, heads * m.head_dim), (*head, (heads + 2 * groups) * m.head_dim)]  # projection, QKV
+            (*head, heads * m.head_dim // tp), (*head, (heads + 2 * groups) * m.head_dim // tp)]  # projection, QKV
     if any(not m.is_moe_layer(i) for i in range(m.num_layers)):
-        dims.append(("model.ffn_hidden_size", m.ffn_hidden_size, m.ffn_hidden_size))
+        dims.append(("model.ffn_hidden_size", m.ffn_hidden_size, m.ffn_hidden_size // tp))
     if m.num_moe_experts is not None:
         expert = ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.moe_ffn_hidden_size else (
             "model.ffn_hidden_size", m.ffn_hidden_size)
         dims.append((*expert, m.expert_ffn_hidden_size))
         if m.moe_shared_expert_intermediate_size:
             size = m.moe_shared_expert_intermediate_size
-            dims.append(("model.moe_shared_expert_intermediate_size", size, size))
+            dims.append(("model.moe_shared_expert_intermediate_size", size, size))  # on the rank's own tokens
     for name, value, size in dims:
         require(size % 16 == 0, name, value,
                 f"train.fp8_recipe={t.fp8_recipe!r} needs every GEMM dimension a multiple of 16: this one is {size}")

@@ -12,6 +12,8 @@ division is a multiplication by 448 / amax (one correctly rounded division per r
 - :func:`quantize_columns`: per column, written transposed (2D (M, K) -> q (K, M), scales (K,); 3D per matrix):
   the column-major right operand a scaled GEMM wants when the contraction runs down the columns, in one pass
   (quantize-then-transpose would be a second pass over the FP8 copy).
+- :func:`amax_along`, :func:`quantize_with_amax`: the same from an absolute maximum given (shared over the ranks
+  that each hold part of the dimension), in torch ops.
 Both read any float dtype (the cast to FP8 is the only cast: bf16 or fp32 in, FP8 out) and can write into given
 buffers (a weight's cached FP8 copy refreshed in place: layers/fp8.py). ``rows_bound`` (a device int tensor of
 one element) skips the rows from it on, as the expert GEMMs do (a static worst-case buffer's unused tail).
@@ -125,10 +127,11 @@ def _outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Te
     return q, scale
 
 
-def _quantize_torch(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin: (q like x, scales with ``dim`` reduced away), the kernels' arithmetic step for step."""
+def _quantize_torch(x: torch.Tensor, dim: int, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin: (q like x, scales with ``dim`` reduced away), the kernels' arithmetic step for step; ``amax`` (``dim``
+    reduced away): given instead of x's own."""
     x = x.float()  # as the kernels: a bf16 row's amax, inverse and products in fp32, not rounded to bf16
-    amax = x.abs().amax(dim, keepdim=True).clamp(min=AMAX_FLOOR)
+    amax = (x.abs().amax(dim, keepdim=True) if amax is None else amax.unsqueeze(dim)).clamp(min=AMAX_FLOOR)
     # Tensor by tensor, both divisions: on CUDA a Python scalar on either side of a division goes through a
     # reciprocal, one ulp off the kernels' correctly rounded division now and then (the CPU divides exactly). An
     # inverse one ulp off moves FP8 values on a rounding boundary (H100: 747 of 1M), a scale one ulp off the scales.
@@ -199,6 +202,20 @@ def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
     _columns[(triton.cdiv(K, block_k), x_BMK.shape[0]), x.device](
         x_BMK, q, scale, M, K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
     return q, scale
+
+
+def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The fp32 absolute maximum of x along ``dim`` (reduced away): what a scale is made from, where ranks that
+    each hold part of that dimension share their maximum first (layers/fp8.py, tensor parallelism)."""
+    return x.detach().float().abs().amax(dim)
+
+
+def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of x quantized along ``dim`` (-1: per row, q like x; -2: per column, q transposed as
+    :func:`quantize_columns` writes it) from a given ``amax``, with the twins' arithmetic: torch ops, not a
+    Triton pass (the shared-scale case only)."""
+    q, scale = _quantize_torch(x, dim, amax)
+    return (q, scale) if dim == -1 else (q.transpose(-2, -1).contiguous(), scale)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Tensor:

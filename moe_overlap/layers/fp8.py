@@ -19,6 +19,11 @@ capture reads the cached copies that the eager warm-up made (no quantize kernel 
 still quantized once per step, not per replay), and the layer's forward pre-hook (:func:`refresh_weights`, which
 the model installs after the capture) refreshes them in place before a replay.
 
+Tensor parallelism: where a linear's contraction is split over the TP ranks (the row-parallel forward, the
+column-parallel dgrad), each rank holds part of every row being quantized. ``split_over`` shares the scales over
+them (an all-reduce of the maxima, then the twins' arithmetic in torch ops), so that each rank's part is quantized
+as one process quantizes the whole and the partial products sum to its product.
+
 The emulated path (``Fp8(emulate=True)``: the same quantization, then fp32 GEMMs of the dequantized operands)
 is the reference the tests compare with, and the only FP8 path on CPU.
 """
@@ -29,11 +34,15 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_overlap.config.rules import FP8_NEEDS_GPU
 from moe_overlap.config.schema import ConfigError
-from moe_overlap.kernels.fp8_quant import dequantize, dequantize_rows, quantize_columns, quantize_rows
+from moe_overlap.distributed.collectives import all_reduce_
+from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.kernels.fp8_quant import (amax_along, dequantize, dequantize_rows, quantize_columns, quantize_rows,
+                                           quantize_with_amax)
 
 
 @dataclass(frozen=True)
@@ -78,23 +87,42 @@ class _CachedWeight:
     view: tuple[torch.Size, tuple[int, ...], int]  # the quantized view: shape, strides, offset in the parameter
     q: torch.Tensor
     scale: torch.Tensor
+    split_over: GroupHandle | None = None  # the ranks that share its contraction dimension (their scales shared)
 
 
 def _state(param: torch.Tensor) -> tuple[int, int, int]:
     return _generation, param._version, param.data_ptr()
 
 
-def _quantize_weight(w: torch.Tensor, contract_last: bool, entry: _CachedWeight | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    quantize = quantize_rows if contract_last else quantize_columns
-    return quantize(w.detach(), *((entry.q, entry.scale) if entry is not None else ()))
+def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized along ``dim``, which ``split_over``'s ranks each hold a part of: each scale from the largest
+    value on any of them (one all-reduce of the maxima), so every rank quantizes its part as one process would
+    quantize the whole."""
+    amax = amax_along(x, dim)
+    all_reduce_(amax, split_over.group, dist.ReduceOp.MAX)
+    return quantize_with_amax(x, amax, dim)
 
 
-def weight_operand(w: torch.Tensor, contract_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_weight(w: torch.Tensor, contract_last: bool, entry: _CachedWeight | None = None,
+                     split_over: GroupHandle | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if split_over is None:
+        quantize = quantize_rows if contract_last else quantize_columns
+        return quantize(w.detach(), *((entry.q, entry.scale) if entry is not None else ()))
+    q, scale = _shared_quantization(w.detach(), -1 if contract_last else -2, split_over)
+    if entry is None:
+        return q, scale
+    entry.q.copy_(q)  # in place: a graph may hold these
+    entry.scale.copy_(scale)
+    return entry.q, entry.scale
+
+
+def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight (or a view of one: a run of experts) as the right operand B (K, N) of ``a @ B``, per matrix:
     B = w^T when ``contract_last`` (the contraction runs along w's last dimension), else B = w. Returns
     (q (..., N, K) contiguous, so that ``q.transpose(-2, -1)`` is B column-major; scales (..., N), one per
-    column of B), from the parameter's cache (see the module docstring)."""
+    column of B), from the parameter's cache (see the module docstring). ``split_over``: the ranks that each hold
+    part of the contraction (a tensor-parallel weight): the scales are the whole dimension's."""
     param = w if w._base is None else w._base
     cache: dict = param.__dict__.setdefault("fp8_cache", {})
     view = (w.shape, w.stride(), w.storage_offset() - param.storage_offset())
@@ -103,9 +131,9 @@ def weight_operand(w: torch.Tensor, contract_last: bool) -> tuple[torch.Tensor, 
     if entry is not None and entry.state == _state(param):
         return entry.q, entry.scale
     if w.is_cuda and torch.cuda.is_current_stream_capturing():  # stale at capture: quantize inside the graph
-        return _quantize_weight(w, contract_last)
-    q, scale = _quantize_weight(w, contract_last, entry)
-    cache[slot] = _CachedWeight(_state(param), view, q, scale)
+        return _quantize_weight(w, contract_last, split_over=split_over)
+    q, scale = _quantize_weight(w, contract_last, entry, split_over)
+    cache[slot] = _CachedWeight(_state(param), view, q, scale, split_over)
     return q, scale
 
 
@@ -129,20 +157,26 @@ def refresh_weights(module: nn.Module, *_) -> None:
         for (contract_last, (shape, stride, offset)), entry in param.__dict__.get("fp8_cache", {}).items():
             if entry.state != _state(param):
                 w = param.as_strided(shape, stride, param.storage_offset() + offset)
-                _quantize_weight(w, contract_last, entry)
+                _quantize_weight(w, contract_last, entry, entry.split_over)
                 entry.state = _state(param)
 
 
 def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool, fp8: Fp8,
-               offsets_E: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+               offsets_E: torch.Tensor | None = None, fast_accum: bool = False,
+               split_over: GroupHandle | None = None) -> torch.Tensor:
     """``a @ B`` in FP8 (B = w^T if ``contract_last`` else w: see :func:`weight_operand`), in a's dtype. With
     ``offsets_E`` (int32 end offsets of each group's rows; w (E, ., .)): group e's rows times B[e]; rows past the
     last offset are neither quantized nor computed. ``a`` as :class:`Fp8Rows`: taken as it is. ``fast_accum``:
     cuBLAS's faster, less exact FP8 accumulation (the forward's, as Transformer Engine and torchao; the gradients
-    accumulate exactly)."""
-    b_q, b_scale = weight_operand(w, contract_last)
+    accumulate exactly). ``split_over``: the ranks that each hold part of the contraction (a tensor-parallel
+    linear's partial product): a's and B's scales are shared over them, so the partial products sum to the one
+    process's."""
+    b_q, b_scale = weight_operand(w, contract_last, split_over)
     if isinstance(a_MK, Fp8Rows):
         a_q, a_scale, dtype = a_MK.q_RK, a_MK.scale_R, a_MK.dtype
+    elif split_over is not None:
+        a_q, a_scale = _shared_quantization(a_MK, -1, split_over)
+        dtype = a_MK.dtype
     else:
         a_q, a_scale = quantize_rows(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
         dtype = a_MK.dtype

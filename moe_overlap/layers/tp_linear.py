@@ -14,7 +14,10 @@ picks the serial path or its overlapped twin by switch; the math here is the sam
 The column forward's gather is pipelined with tp_comm_overlap_ag. Under SP only the local rows of x are saved
 for backward (re-gathered there), which is the point of sequence parallelism. Weight gradients go straight
 into the weights' fp32 main_grad (layers/wgrad.py). Under ``fp8`` (train.fp8_recipe) the forward and dgrad GEMMs
-run in FP8 (layers/fp8.py) beside the same collectives, not pipelined with them; wgrad stays bf16.
+run in FP8 (layers/fp8.py) beside the same collectives, not pipelined with them; wgrad stays bf16. Where the
+contraction is split over the ranks (the row forward, the column dgrad) the FP8 scales of both operands are shared
+over them (one all-reduce of the maxima: of the activations' rows per call, of the weight's columns per step), so
+the partial products are the one process's.
 """
 
 from __future__ import annotations
@@ -23,12 +26,19 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.ring import Pending, TPComm
 from moe_overlap.layers.init import NORMAL, make_param
 from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
 from moe_overlap.layers.fp8 import Fp8, fp8_matmul
 from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
+
+def _contraction_split(comm: TPComm) -> GroupHandle | None:
+    """The ranks that each hold part of a GEMM's contraction when the weight is split along it (FP8 shares its
+    scales over them), or None with one rank."""
+    return comm.group if comm.size > 1 else None
+
 
 # -------------------------------------------------------------------------------------- column parallel
 
@@ -38,7 +48,8 @@ def column_dgrad_start(grad_y_SF: torch.Tensor, w_FH: torch.Tensor, comm: TPComm
     """grad_x = scatter(grad_y @ W): pipelined, or the GEMM now and its scatter in flight (bulk) or done."""
     if comm.overlap.rs_dgrad and fp8 is None:
         return Pending(comm.matmul_scatter(grad_y_SF, w_FH, overlap=True))
-    grad_x_SH = torch.mm(grad_y_SF, w_FH) if fp8 is None else fp8_matmul(grad_y_SF, w_FH, False, fp8)
+    grad_x_SH = (torch.mm(grad_y_SF, w_FH) if fp8 is None  # the contraction over F is split: its scales shared
+                 else fp8_matmul(grad_y_SF, w_FH, False, fp8, split_over=_contraction_split(comm)))
     return comm.start_scatter(grad_x_SH, overlap=comm.overlap.bulk_wgrad)
 
 
@@ -81,7 +92,8 @@ class RowParallelLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x_SF)
         ctx.comm, ctx.weights, ctx.fp8 = comm, (w_HF,), fp8
         if fp8 is not None:
-            return comm.scatter(fp8_matmul(x_SF, w_HF, True, fp8, fast_accum=True))
+            return comm.scatter(fp8_matmul(x_SF, w_HF, True, fp8, fast_accum=True,
+                                           split_over=_contraction_split(comm)))  # the contraction over F is split
         return comm.matmul_scatter(x_SF, w_HF.t(), overlap=comm.overlap.rs)
 
     @staticmethod
