@@ -161,8 +161,8 @@ FP8_NEEDS_GPU = "FP8 needs a GPU with FP8 tensor cores (Hopper or newer)"
 
 
 def _validate_fp8(cfg: Config) -> None:
-    """train.fp8_recipe: what the rowwise FP8 GEMMs need (bf16 activations, every GEMM dimension a multiple of 16
-    on each rank) and what they do not compose with yet."""
+    """train.fp8_recipe: what the FP8 GEMMs need (bf16 activations, every GEMM dimension on each rank a multiple
+    of 16 for rowwise, of 128 for blockwise's tiles and blocks) and what they do not compose with yet."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         require(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")
@@ -174,9 +174,6 @@ def _validate_fp8(cfg: Config) -> None:
             f"model.num_layers={m.num_layers}")
     if t.fp8_recipe is None:
         return
-    if t.fp8_recipe == "blockwise":
-        raise ConfigError("train.fp8_recipe", t.fp8_recipe,
-                          "not implemented yet (blockwise FP8 needs a Triton grouped GEMM); use rowwise or null")
     require(t.device != "cpu", "train.fp8_recipe", t.fp8_recipe, f"{FP8_NEEDS_GPU}; train.device is 'cpu'")
     require(t.precision == "bf16", "train.fp8_recipe", t.fp8_recipe,
             f"needs train.precision=bf16 (the FP8 GEMMs take and give bf16), not {t.precision!r}")
@@ -185,8 +182,8 @@ def _validate_fp8(cfg: Config) -> None:
                               "FP8 expert GEMMs with expert-TP (with tensor parallelism, set "
                               "parallel.expert_tensor_parallel_size=1)")
     # torch's scaled GEMMs need both dimensions of every weight (contraction and output) multiples of 16 on each
-    # rank: the dimensions tensor parallelism splits divided by its size (field, its value, the GEMM dimension it
-    # sets on a rank)
+    # rank, blockwise's of 128: the dimensions tensor parallelism splits divided by its size (field, its value, the
+    # GEMM dimension it sets on a rank)
     tp = p.tensor_model_parallel_size
     heads, groups = m.num_attention_heads, m.query_groups
     head = ("model.kv_channels", m.kv_channels) if m.kv_channels else ("model.num_attention_heads", heads)
@@ -201,9 +198,10 @@ def _validate_fp8(cfg: Config) -> None:
         if m.moe_shared_expert_intermediate_size:
             size = m.moe_shared_expert_intermediate_size
             dims.append(("model.moe_shared_expert_intermediate_size", size, size))  # on the rank's own tokens
+    multiple = 128 if t.fp8_recipe == "blockwise" else 16
     for name, value, size in dims:
-        require(size % 16 == 0, name, value,
-                f"train.fp8_recipe={t.fp8_recipe!r} needs every GEMM dimension a multiple of 16: this one is {size}")
+        require(size % multiple == 0, name, value, f"train.fp8_recipe={t.fp8_recipe!r} needs every GEMM dimension "
+                f"(on each rank) a multiple of {multiple}: this one is {size}")
 
 
 def _validate_moe(m: ModelConfig) -> None:

@@ -1,7 +1,12 @@
-"""FP8 GEMMs of the rowwise recipe (``train.fp8_recipe=rowwise``): E4M3 operands with one float32 scale per row
-of the left operand and per column of the right one (kernels/fp8_quant.py), bf16 out, through torch's scaled
-GEMMs: ``torch._scaled_mm`` for the dense linears, ``torch._scaled_grouped_mm`` for the experts (rows grouped
-by int32 end offsets). Both need the right operand column-major and every weight dimension a multiple of 16.
+"""FP8 GEMMs (``train.fp8_recipe``), E4M3 operands, bf16 out.
+
+- rowwise: one float32 scale per row of the left operand and per column of the right one (kernels/fp8_quant.py),
+  through torch's scaled GEMMs: ``torch._scaled_mm`` for the dense linears, ``torch._scaled_grouped_mm`` for the
+  experts (rows grouped by int32 end offsets). Both need the right operand column-major and every weight
+  dimension a multiple of 16.
+- blockwise: one scale per 1x128 tile of an activation row and per 128x128 block of a weight
+  (kernels/fp8_blockwise.py, its Triton GEMM for the experts and the linears). Every dimension a multiple of 128.
+  One FP8 copy of a weight serves both orientations (a block's scale is the same either way).
 
 What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. Rows that crossed the FP8 dispatch
 reach the experts' first GEMM as they crossed (:class:`Fp8Rows`: their E4M3 bytes and scales, not dequantized and
@@ -20,9 +25,11 @@ still quantized once per step, not per replay), and the layer's forward pre-hook
 the model installs after the capture) refreshes them in place before a replay.
 
 Tensor parallelism: where a linear's contraction is split over the TP ranks (the row-parallel forward, the
-column-parallel dgrad), each rank holds part of every row being quantized. ``split_over`` shares the scales over
-them (an all-reduce of the maxima, then the twins' arithmetic in torch ops), so that each rank's part is quantized
-as one process quantizes the whole and the partial products sum to its product.
+column-parallel dgrad), each rank holds part of every row being quantized. ``split_over`` shares the rowwise
+scales over them (an all-reduce of the maxima, then the twins' arithmetic in torch ops), so that each rank's part
+is quantized as one process quantizes the whole and the partial products sum to its product. Blockwise needs
+nothing shared: each rank's part of a dimension is a multiple of 128, so every tile and block lies on one rank and
+is the one process's.
 
 The emulated path (``Fp8(emulate=True)``: the same quantization, then fp32 GEMMs of the dequantized operands)
 is the reference the tests compare with, and the only FP8 path on CPU.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,15 +49,18 @@ from moe_overlap.config.rules import FP8_NEEDS_GPU
 from moe_overlap.config.schema import ConfigError
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
 from moe_overlap.kernels.fp8_quant import (amax_along, dequantize, dequantize_rows, quantize_columns, quantize_rows,
                                            quantize_with_amax)
 
 
 @dataclass(frozen=True)
 class Fp8:
-    """How a layer's GEMMs run in FP8: on FP8 tensor cores, or emulated (fp32 GEMMs of dequantized operands)."""
+    """How a layer's GEMMs run in FP8: the recipe (``train.fp8_recipe``), on FP8 tensor cores or emulated (fp32
+    GEMMs of dequantized operands)."""
 
     emulate: bool = False
+    recipe: Literal["rowwise", "blockwise"] = "rowwise"
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,15 @@ class _CachedWeight:
     split_over: GroupHandle | None = None  # the ranks that share its contraction dimension (their scales shared)
 
 
+# How a cached copy is quantized: rowwise per row of w (the contraction along w's last dimension) or per column
+# (along its dim -2, written transposed); blockwise per 128x128 block, one copy for both orientations.
+Layout = Literal["rows", "columns", "blocks"]
+
+
+def _layout(contract_last: bool, recipe: str) -> Layout:
+    return "blocks" if recipe == "blockwise" else "rows" if contract_last else "columns"
+
+
 def _state(param: torch.Tensor) -> tuple[int, int, int]:
     return _generation, param._version, param.data_ptr()
 
@@ -103,12 +123,12 @@ def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> 
     return quantize_with_amax(x, amax, dim)
 
 
-def _quantize_weight(w: torch.Tensor, contract_last: bool, entry: _CachedWeight | None = None,
+def _quantize_weight(w: torch.Tensor, layout: Layout, entry: _CachedWeight | None = None,
                      split_over: GroupHandle | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if split_over is None:
-        quantize = quantize_rows if contract_last else quantize_columns
+    if split_over is None or layout == "blocks":  # a block lies on one rank: nothing to share
+        quantize = {"rows": quantize_rows, "columns": quantize_columns, "blocks": quantize_blocks}[layout]
         return quantize(w.detach(), *((entry.q, entry.scale) if entry is not None else ()))
-    q, scale = _shared_quantization(w.detach(), -1 if contract_last else -2, split_over)
+    q, scale = _shared_quantization(w.detach(), -1 if layout == "rows" else -2, split_over)
     if entry is None:
         return q, scale
     entry.q.copy_(q)  # in place: a graph may hold these
@@ -116,36 +136,41 @@ def _quantize_weight(w: torch.Tensor, contract_last: bool, entry: _CachedWeight 
     return entry.q, entry.scale
 
 
-def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle | None = None,
+                   recipe: str = "rowwise") -> tuple[torch.Tensor, torch.Tensor]:
     """A weight (or a view of one: a run of experts) as the right operand B (K, N) of ``a @ B``, per matrix:
-    B = w^T when ``contract_last`` (the contraction runs along w's last dimension), else B = w. Returns
+    B = w^T when ``contract_last`` (the contraction runs along w's last dimension), else B = w. rowwise: returns
     (q (..., N, K) contiguous, so that ``q.transpose(-2, -1)`` is B column-major; scales (..., N), one per
-    column of B), from the parameter's cache (see the module docstring). ``split_over``: the ranks that each hold
-    part of the contraction (a tensor-parallel weight): the scales are the whole dimension's."""
+    column of B); blockwise: (q like w, scales (..., P / 128, Q / 128) of w (P, Q)'s blocks), whichever
+    orientation. From the parameter's cache (see the module docstring). ``split_over``: the ranks that each hold
+    part of the contraction (a tensor-parallel weight): the rowwise scales are the whole dimension's."""
     param = w if w._base is None else w._base
     cache: dict = param.__dict__.setdefault("fp8_cache", {})
     view = (w.shape, w.stride(), w.storage_offset() - param.storage_offset())
-    slot = (contract_last, view)
+    layout = _layout(contract_last, recipe)
+    slot = (layout, view)
     entry = cache.get(slot)
     if entry is not None and entry.state == _state(param):
         return entry.q, entry.scale
     if w.is_cuda and torch.cuda.is_current_stream_capturing():  # stale at capture: quantize inside the graph
-        return _quantize_weight(w, contract_last, split_over=split_over)
-    q, scale = _quantize_weight(w, contract_last, entry, split_over)
+        return _quantize_weight(w, layout, split_over=split_over)
+    q, scale = _quantize_weight(w, layout, entry, split_over)
     cache[slot] = _CachedWeight(_state(param), view, q, scale, split_over)
     return q, scale
 
 
-def weight_copy_bytes(module: nn.Module) -> int:
+def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise") -> int:
     """The bytes of the FP8 copies a module's weights get once its GEMMs ran forward and backward: per weight
-    matrix (N, K) an E4M3 copy in each orientation (2 N K bytes) and their float32 scales, one per column of the
-    right operand (4 (N + K) bytes). Biases stay in their dtype."""
+    matrix (N, K), rowwise an E4M3 copy in each orientation (2 N K bytes) and their float32 scales, one per column
+    of the right operand (4 (N + K) bytes); blockwise one copy (N K bytes) and a scale per 128x128 block. Biases
+    stay in their dtype."""
     total = 0
     for param in module.parameters(recurse=False):
         if param.dim() >= 2:
             *batch, n, k = param.shape
-            total += math.prod(batch) * (2 * n * k + 4 * (n + k))
+            per_matrix = (n * k + 4 * -(-n // BLOCK) * -(-k // BLOCK) if recipe == "blockwise"
+                          else 2 * n * k + 4 * (n + k))
+            total += math.prod(batch) * per_matrix
     return total
 
 
@@ -154,10 +179,10 @@ def refresh_weights(module: nn.Module, *_) -> None:
     """Refresh, in place, the stale FP8 copies of ``module``'s weights (a forward pre-hook of a graphed layer,
     whose replays read the copies without running Python)."""
     for param in module.parameters():
-        for (contract_last, (shape, stride, offset)), entry in param.__dict__.get("fp8_cache", {}).items():
+        for (layout, (shape, stride, offset)), entry in param.__dict__.get("fp8_cache", {}).items():
             if entry.state != _state(param):
                 w = param.as_strided(shape, stride, param.storage_offset() + offset)
-                _quantize_weight(w, contract_last, entry, entry.split_over)
+                _quantize_weight(w, layout, entry, entry.split_over)
                 entry.state = _state(param)
 
 
@@ -166,11 +191,13 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
                split_over: GroupHandle | None = None) -> torch.Tensor:
     """``a @ B`` in FP8 (B = w^T if ``contract_last`` else w: see :func:`weight_operand`), in a's dtype. With
     ``offsets_E`` (int32 end offsets of each group's rows; w (E, ., .)): group e's rows times B[e]; rows past the
-    last offset are neither quantized nor computed. ``a`` as :class:`Fp8Rows`: taken as it is. ``fast_accum``:
-    cuBLAS's faster, less exact FP8 accumulation (the forward's, as Transformer Engine and torchao; the gradients
-    accumulate exactly). ``split_over``: the ranks that each hold part of the contraction (a tensor-parallel
-    linear's partial product): a's and B's scales are shared over them, so the partial products sum to the one
-    process's."""
+    last offset are neither quantized nor computed. ``a`` as :class:`Fp8Rows`: taken as it is. ``fast_accum``
+    (rowwise): cuBLAS's faster, less exact FP8 accumulation (the forward's, as Transformer Engine and torchao; the
+    gradients accumulate exactly; blockwise always sums each 128-deep slice exactly). ``split_over``: the ranks
+    that each hold part of the contraction (a tensor-parallel linear's partial product): a's and B's rowwise
+    scales are shared over them, so the partial products sum to the one process's."""
+    if fp8.recipe == "blockwise":
+        return _blockwise_matmul(a_MK, w, contract_last, fp8, offsets_E)
     b_q, b_scale = weight_operand(w, contract_last, split_over)
     if isinstance(a_MK, Fp8Rows):
         a_q, a_scale, dtype = a_MK.q_RK, a_MK.scale_R, a_MK.dtype
@@ -191,6 +218,21 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
                                     use_fast_accum=fast_accum)
 
 
+def _blockwise_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool, fp8: Fp8,
+                      offsets_E: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fp8_matmul` in the blockwise recipe. Rows that crossed the FP8 dispatch carry one scale per row: the
+    GEMM reads it as each of the row's tiles' (a stride-0 view, no copy)."""
+    w_q, w_scale = weight_operand(w, contract_last, recipe="blockwise")
+    if isinstance(a_MK, Fp8Rows):
+        a_q, dtype = a_MK.q_RK, a_MK.dtype
+        a_scale = a_MK.scale_R[:, None].expand(-1, a_q.shape[1] // BLOCK)
+    else:
+        a_q, a_scale = quantize_tiles(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
+        dtype = a_MK.dtype
+    gemm = blockwise_mm_torch if fp8.emulate else blockwise_mm
+    return gemm(a_q, a_scale, w_q, w_scale, contract_last, offsets_E, dtype)
+
+
 def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
               offsets_E: torch.Tensor | None) -> torch.Tensor:
     """The scaled GEMM's math in fp32 (a host loop over the groups: a reference, not a fast path)."""
@@ -204,7 +246,6 @@ def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
         start = end
     return out
 
-
 def grouped_mm(a_TK: torch.Tensor | Fp8Rows, w: torch.Tensor, offsets_E: torch.Tensor, fp8: Fp8 | None,
                transpose_w: bool = False, fast_accum: bool = False) -> torch.Tensor:
     """Each group's rows times w[e] (or w[e]^T): torch._grouped_mm, or in FP8 under ``fp8`` (which takes
@@ -215,13 +256,13 @@ def grouped_mm(a_TK: torch.Tensor | Fp8Rows, w: torch.Tensor, offsets_E: torch.T
     return fp8_matmul(a_TK, w, transpose_w, fp8, offsets_E, fast_accum)
 
 
-def check_fp8_device(device: torch.device) -> None:
+def check_fp8_device(device: torch.device, recipe: str = "rowwise") -> None:
     """FP8 tensor cores and torch's scaled grouped GEMM: compute capability 9.0 (Hopper) or newer (asked of the GPU
     itself, so once the ranks run; torch._scaled_mm alone would take 8.9, its grouped twin needs 9.0)."""
     if device.type != "cuda":
-        raise ConfigError("train.fp8_recipe", "rowwise", f"{FP8_NEEDS_GPU}; the device is {device.type!r}")
+        raise ConfigError("train.fp8_recipe", recipe, f"{FP8_NEEDS_GPU}; the device is {device.type!r}")
     capability = torch.cuda.get_device_capability(device)
     if capability < (9, 0):
-        raise ConfigError("train.fp8_recipe", "rowwise",
+        raise ConfigError("train.fp8_recipe", recipe,
                           f"{FP8_NEEDS_GPU}; {torch.cuda.get_device_name(device)} has compute capability "
                           f"{capability[0]}.{capability[1]}")

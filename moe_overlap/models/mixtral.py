@@ -214,7 +214,7 @@ class MixtralModel(nn.Module):
         """``train.fp8_recipe``: the GEMMs of :meth:`fp8_modules` in FP8 (layers/fp8.py). Call before
         graph_moe_layers."""
         if not fp8.emulate:
-            check_fp8_device(next(self.parameters()).device)
+            check_fp8_device(next(self.parameters()).device, fp8.recipe)
         for module in self.fp8_modules(bf16_at_start, bf16_at_end):
             module.fp8 = fp8
 
