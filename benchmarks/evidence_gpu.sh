@@ -71,6 +71,8 @@
 #                                                  #   each), then the fine 4-GPU example as shipped and its ep1 row
 #   bash benchmarks/evidence_gpu.sh fp8_4    OUT   # FP8 at EP=4: GPU tests, the fine model bf16 / FP8 / FP8 wire
 #   bash benchmarks/evidence_gpu.sh fp8_mixtral4 OUT # FP8 at EP=4 on the Mixtral-like model (wide GEMMs)
+#   bash benchmarks/evidence_gpu.sh blockwise1 OUT # one GPU: the blockwise FP8 recipe's GPU tests, kernel, GEMMs, models
+#   bash benchmarks/evidence_gpu.sh blockwise4 OUT # 4 GPUs: the FP8 layouts' GPU test, both recipes at EP=4
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
@@ -839,6 +841,45 @@ case $phase in
     ONCE="overlap.moe_dispatch_once_per_rank=true"
     train_step 4 mixtral_2l balanced_fp8 "$BAL" --profile-steps 0 --variant "fp8:$FP8" --variant "once:$ONCE" \
       --variant "fp8_wire:$FP8,$ONCE,overlap.moe_dispatch_dtype=fp8"
+    ;;
+  blockwise1)  # issue 39's blockwise recipe on one GPU: the GPU tests of both recipes (the Triton blockwise GEMM
+    # against its twin, every FP8 GEMM, a model's steps eager and graphed), the blockwise GEMM's tile configs beside
+    # torch's rowwise grouped GEMM and bf16, the layers' GEMMs in each recipe (fp8_gemm.py), then the Mixtral-like
+    # and fine bench models in bf16, rowwise (Mixtral-like only: the fine one does not fit) and blockwise
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_blockwise_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_blockwise.py tests/test_gpu_fp8.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_blockwise.py \
+      tests/test_gpu_fp8.py 2>&1 | tail -n 30 | tee -a "$log"
+    cp "$log" $res/
+    timeout -k 10 100 python benchmarks/step_kernels.py --sections fp8_blockwise --rounds 10 \
+      --json $res/step_kernels_fp8_blockwise_1x$gpu.json 2>&1 | tail -n 8
+    timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 --json $res/fp8_gemm_blockwise_1x$gpu.json \
+      2>&1 | tail -n 6
+    pack
+    for model in mixtral_2l fine_8l; do
+      variants="--variant blockwise:train.fp8_recipe=blockwise"
+      [ $model = mixtral_2l ] && variants="--variant rowwise:train.fp8_recipe=rowwise $variants"
+      timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_$model.yaml $variants --warmup 3 --steps 8 \
+        --profile-steps 0 --json $res/train_step_fp8_blockwise_${model}_1x$gpu.json 2>&1 \
+        | tee "$out/blockwise_$model.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+      pack
+    done
+    ;;
+  blockwise4)  # issue 39 at 2 and 4 GPUs: the FP8 layouts' GPU test (both recipes at TP=2, EP=2 and EP=4 with FP8
+    # on the wire, TP=2 x EP=2, against one process), then the fine and Mixtral-like bench models at EP=4 balanced:
+    # bf16 (the default, compute_only, ep1) beside each recipe with FP8 on the wire
+    log=$out/gpu_tests_fp8_layouts_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py" > "$log"
+    timeout -k 10 240 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py 2>&1 \
+      | tail -n 30 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    WIRE="overlap.moe_dispatch_dtype=fp8,overlap.moe_dispatch_once_per_rank=true"
+    train_step 4 fine_8l balanced_blockwise "$BAL" --profile-steps 0 \
+      --variant "rowwise_wire:train.fp8_recipe=rowwise,$WIRE" --variant "blockwise_wire:train.fp8_recipe=blockwise,$WIRE"
+    train_step 4 mixtral_2l balanced_blockwise "$BAL" --profile-steps 0 \
+      --variant "rowwise_wire:train.fp8_recipe=rowwise,$WIRE" --variant "blockwise_wire:train.fp8_recipe=blockwise,$WIRE"
     ;;
   wgrad_kernel1)  # the expert weight gradient into fp32 main_grad on one GPU (half the expert layer's kernel time,
     # fp8_gemm1): every tile config of the Triton kernel beside the grouped GEMM alone (its limit without the

@@ -1,4 +1,4 @@
-"""The FP8 rowwise recipe's GEMMs against bf16 on one GPU (train.fp8_recipe=rowwise), round-robin in one run:
+"""The FP8 recipes' GEMMs against bf16 on one GPU (train.fp8_recipe), round-robin in one run:
 
     python benchmarks/fp8_gemm.py --check          # writes benchmarks/results/fp8_gemm_<gpu>.json
 
@@ -13,9 +13,12 @@ into main_grad). Variants, milliseconds (median of the rounds):
                the bound for one micro-batch per step)
   fp8_fast_grads  fp8 with the experts' dgrad GEMMs in fast accumulation too (what the exact one costs; not a
                setting; the dense case's GEMMs are not patched: its row is fp8 again)
-``ratio`` is bf16 / fp8 (> 1: FP8 faster). In this recipe the forward and dgrad GEMMs run in FP8 and the weight
+  blockwise    train.fp8_recipe=blockwise as a micro-batch runs it (1x128 activation tiles quantized per call, the
+               128x128 weight blocks made this step; the Triton blockwise GEMM)
+``ratio`` is bf16 / fp8 (> 1: FP8 faster), ``ratio_blockwise`` bf16 / blockwise. In this recipe the forward and dgrad GEMMs run in FP8 and the weight
 gradients stay bf16 (layers/fp8.py says why), so the expert rows' bound is about 1.5x, not 2x.
-``--check``: the FP8 outputs, input gradients and main_grads against bf16's, normwise (each under 0.1, or exit 1).
+``--check``: each recipe's outputs, input gradients and main_grads against bf16's, normwise (each under 0.1, or
+exit 1).
 ``--profile PATH``: after the timing, each case's bf16 and fp8 variants under torch.profiler, the GPU kernels'
 time per call (where the FP8 path's time goes: its GEMMs, the quantize kernels, the rest), written to PATH.
 """
@@ -42,6 +45,7 @@ from moe_overlap.layers.wgrad import take_grad  # noqa: E402
 
 DENSE = (8192, 4096, 14336)  # rows, in, out: a Mixtral-sized fc1 at TP=1
 CHECK_TOL = 0.1
+BLOCKWISE = Fp8(recipe="blockwise")
 
 
 def with_main_grads(module: torch.nn.Module) -> torch.nn.Module:
@@ -76,7 +80,8 @@ class Case:
     def variants(self) -> dict:
         return {"bf16": lambda: self.step(None), "fp8": lambda: self.step(Fp8()),
                 "fp8_requant": lambda: self.step(Fp8(), requantize=True),
-                "fp8_fast_grads": lambda: self.fast_grads(lambda: self.step(Fp8()))}
+                "fp8_fast_grads": lambda: self.fast_grads(lambda: self.step(Fp8())),
+                "blockwise": lambda: self.step(BLOCKWISE)}
 
     @staticmethod
     def fast_grads(run):
@@ -93,15 +98,17 @@ class Case:
             fp8_module.fp8_matmul = matmul
 
     def check(self) -> dict[str, float]:
-        """FP8 against bf16: output, input gradient and each main_grad (one forward+backward each, from zero)."""
+        """Each recipe against bf16: output, input gradient and each main_grad (one forward+backward each, from
+        zero)."""
         results = {}
-        for name, fp8 in (("bf16", None), ("fp8", Fp8())):
+        for name, fp8 in (("bf16", None), ("fp8", Fp8()), ("blockwise", BLOCKWISE)):
             for param in self.module.parameters():
                 param_info(param).main_grad.zero_()
             out, grad_x = self.step(fp8)
             results[name] = [out, grad_x] + [param_info(p).main_grad.clone() for p in self.module.parameters()]
         names = ["out", "grad_x"] + [name for name, _ in self.module.named_parameters()]
-        return {name: rel(got, want) for name, got, want in zip(names, results["fp8"], results["bf16"])}
+        return {f"{recipe}_{name}": rel(got, want) for recipe in ("fp8", "blockwise")
+                for name, got, want in zip(names, results[recipe], results["bf16"])}
 
 
 def expert_case(shape, device) -> Case:
@@ -127,11 +134,11 @@ def dense_case(device) -> Case:
 
 
 def kernel_times(name: str, case: Case, calls: int) -> str:
-    """The bf16 and fp8 variants' GPU kernels, ``calls`` calls each under torch.profiler: time per call."""
+    """The bf16, fp8 and blockwise variants' GPU kernels, ``calls`` calls each under torch.profiler: time per call."""
     from torch.profiler import ProfilerActivity, profile
 
     tables = []
-    for variant in ("bf16", "fp8"):
+    for variant in ("bf16", "fp8", "blockwise"):
         run = case.variants()[variant]
         run()
         torch.cuda.synchronize()
@@ -170,7 +177,8 @@ def main(argv=None) -> int:
     for name, make in cases.items():
         case = make()
         ms = round_robin(case.variants(), args.rounds, args.warmup, device)
-        row = {"case": name, "ms": ms, "ratio": ms["bf16"] / ms["fp8"], "ratio_requant": ms["bf16"] / ms["fp8_requant"]}
+        row = {"case": name, "ms": ms, "ratio": ms["bf16"] / ms["fp8"], "ratio_requant": ms["bf16"] / ms["fp8_requant"],
+               "ratio_blockwise": ms["bf16"] / ms["blockwise"]}
         if name == "dense":
             row["shape"] = dict(zip(("rows", "in", "out"), DENSE))
         else:
@@ -179,7 +187,8 @@ def main(argv=None) -> int:
             row["fp8_vs_bf16"] = errors = case.check()
             failed |= max(errors.values()) > CHECK_TOL
         print(f"{name:16s} " + "  ".join(f"{k} {v:8.3f} ms" for k, v in ms.items())
-              + f"  bf16/fp8 {row['ratio']:.2f}x (requant {row['ratio_requant']:.2f}x)"
+              + f"  bf16/fp8 {row['ratio']:.2f}x (requant {row['ratio_requant']:.2f}x, blockwise "
+              f"{row['ratio_blockwise']:.2f}x)"
               + (f"  fp8 vs bf16 {max(row['fp8_vs_bf16'].values()):.3f}" if args.check else ""), flush=True)
         rows.append(row)
         if args.profile:

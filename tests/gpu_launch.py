@@ -105,16 +105,19 @@ def step_queued_without_host_sync(trainer) -> dict:
     return trainer.finish_step(pending)
 
 
-def bf16_rule(layouts, grads: dict[str, dict], losses: dict[str, list[float]]) -> tuple[int, list[tuple]]:
-    """The bf16 rule for each layout run against ``single_fp32``, beside ``single_bf16``: every gradient
-    (normwise) and the loss curve within 2x the single-process bf16 run's own error. Returns the tensors
-    compared and the violations (layout, what, its error, the single run's)."""
+def bf16_rule(layouts, grads: dict[str, dict], losses: dict[str, list[float]],
+              single: str | dict[str, str] = "single_bf16") -> tuple[int, list[tuple]]:
+    """The bf16 rule for each layout run against ``single_fp32``, beside ``single``: every gradient (normwise)
+    and the loss curve within 2x the single-process run's own error (bf16's; an FP8 layout's, its recipe's single
+    run: ``single`` maps each layout to it). Returns the tensors compared and the violations (layout, what, its
+    error, the single run's)."""
     from tests.test_master import rel_err
 
     ref, tensors, violations = grads["single_fp32"], 0, []
     for layout in layouts:
+        own = single if isinstance(single, str) else single[layout]
         for key, grad in grads[layout].items():
-            layout_err, single_err = rel_err(grad, ref[key]), rel_err(grads["single_bf16"][key], ref[key])
+            layout_err, single_err = rel_err(grad, ref[key]), rel_err(grads[own][key], ref[key])
             tensors += 1
             if layout_err > 2 * single_err:
                 violations.append((layout, key, layout_err, single_err))
@@ -123,7 +126,7 @@ def bf16_rule(layouts, grads: dict[str, dict], losses: dict[str, list[float]]) -
         # another is a coin flip, not a rule.
         curve = torch.tensor(losses["single_fp32"], dtype=torch.float64)
         layout_err, single_err = (float((torch.tensor(losses[name], dtype=torch.float64) - curve).norm())
-                                  for name in (layout, "single_bf16"))
+                                  for name in (layout, own))
         if layout_err > 2 * single_err:
             violations.append((layout, f"loss curve over {len(curve)} steps", layout_err, single_err))
     return tensors, violations

@@ -1,8 +1,8 @@
-"""The FP8 rowwise recipe on one GPU (`pytest -m gpu`; needs FP8 tensor cores: H100/H200): the Triton quantize
+"""The FP8 recipes on one GPU (`pytest -m gpu`; needs FP8 tensor cores: H100/H200): the Triton quantize
 kernels equal their torch twins bit for bit; each FP8 GEMM (forward, dgrad; torch._scaled_mm and
 torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same inputs and within 1e-2 of the emulated path;
 the weight gradients (bf16 GEMMs) into the fp32 main_grad; the experts' layer and a linear whole against the
-emulated path; a small model's training steps with train.fp8_recipe=rowwise (eager, and with its MoE layers
+emulated path; a small model's training steps with each train.fp8_recipe (eager, and with its MoE layers
 replayed from CUDA graphs) with finite losses close to bf16's, the graphed run equal to the eager one, and every
 replay reading FP8 weights that the pre-hook refreshed after the last optimizer step. The train-step test needs
 train.fp8_recipe wired into the trainer (MixtralModel.use_fp8).
@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_overlap.kernels.fp8_blockwise import quantize_blocks
 from moe_overlap.kernels.fp8_quant import (dequantize, dequantize_rows, quantize_columns, quantize_columns_torch,
                                            quantize_rows, quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, WgradInputs, expert_offsets, experts_wgrad
@@ -26,7 +27,11 @@ pytestmark = pytest.mark.gpu
 
 FP8_TOL = 0.05  # an FP8 GEMM against fp32 on the same inputs (bf16's is about 0.004)
 EMULATED_TOL = 1e-2  # the FP8 GEMM against the emulated one (bf16 output, accumulation order)
-REAL, EMULATED = Fp8(), Fp8(emulate=True)
+RECIPES = ["rowwise", "blockwise"]
+
+
+def real_and_emulated(recipe: str) -> tuple[Fp8, Fp8]:
+    return Fp8(recipe=recipe), Fp8(emulate=True, recipe=recipe)
 
 
 @pytest.fixture(autouse=True)
@@ -89,16 +94,18 @@ def test_fp8_packed_wire_rows_equal_twins():
 # ----------------------------------------------------------------------------------------------- FP8 GEMMs
 
 
-def test_fp8_dense_gemms_against_fp32_and_emulated():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_dense_gemms_against_fp32_and_emulated(recipe):
+    real_fp8, emulated_fp8 = real_and_emulated(recipe)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1000, 1024, device="cuda", generator=g).bfloat16()  # rows need not be a multiple of 16
     w = (torch.randn(768, 1024, device="cuda", generator=g) * 0.02).bfloat16()
     grad_y = torch.randn(1000, 768, device="cuda", generator=g).bfloat16()
     for name, a, contract_last, fast, want in (("forward x @ W^T", x, True, True, x.float() @ w.float().t()),
                                                ("dgrad grad_y @ W", grad_y, False, False, grad_y.float() @ w.float())):
-        got = fp8_matmul(a, w, contract_last, REAL, fast_accum=fast)
+        got = fp8_matmul(a, w, contract_last, real_fp8, fast_accum=fast)
         assert got.dtype == torch.bfloat16 and rel(got, want) < FP8_TOL, (name, rel(got, want))
-        assert rel(got, fp8_matmul(a, w, contract_last, EMULATED)) < EMULATED_TOL, name
+        assert rel(got, fp8_matmul(a, w, contract_last, emulated_fp8)) < EMULATED_TOL, name
 
 
 def grouped_inputs(hidden=512, ffn=768, rows=(300, 0, 17, 640, 123), tail=40):
@@ -122,30 +129,34 @@ def loop_reference(a: torch.Tensor, w: torch.Tensor, rows: list[int], transpose_
     return torch.cat(outs)
 
 
-def test_fp8_grouped_gemms_against_fp32_and_emulated():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_grouped_gemms_against_fp32_and_emulated(recipe):
+    real_fp8, emulated_fp8 = real_and_emulated(recipe)
     x, w13, w2, offsets, rows, total = grouped_inputs()
     g = torch.Generator(device="cuda").manual_seed(3)
     grad_y = torch.randn(total + 40, w2.shape[-1], device="cuda", generator=g).bfloat16()
     for name, a, w, transposed, fast in (("forward fc1 x @ w13[e]", x, w13, False, True),
                                          ("dgrad fc2 grad_y @ w2[e]^T", grad_y, w2, True, False)):
-        got = grouped_mm(a, w, offsets, REAL, transpose_w=transposed, fast_accum=fast)[:total]
+        got = grouped_mm(a, w, offsets, real_fp8, transpose_w=transposed, fast_accum=fast)[:total]
         assert torch.isfinite(got).all(), name  # the NaN tail reached no valid row
         want = loop_reference(a, w, rows, transposed)
         assert rel(got, want) < FP8_TOL, (name, rel(got, want))
-        emulated = grouped_mm(a, w, offsets, EMULATED, transpose_w=transposed)[:total]
+        emulated = grouped_mm(a, w, offsets, emulated_fp8, transpose_w=transposed)[:total]
         assert rel(got, emulated) < EMULATED_TOL, (name, rel(got, emulated))
 
 
-def test_fp8_expert_layer_and_wgrad_into_main_grad():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_expert_layer_and_wgrad_into_main_grad(recipe):
     """GroupedSwiGLU in FP8 against the emulated path (output, input gradient, both main_grads); the weight
     gradient GEMMs (bf16, in the Triton grouped kernel) into main_grad against fp32 on the same inputs."""
+    real_fp8, emulated_fp8 = real_and_emulated(recipe)
     x, w13, w2, offsets, rows, total = grouped_inputs()
     x[total:] = 0  # the layer's backward reads every row's gradient: keep the tail finite here
     g = torch.Generator(device="cuda").manual_seed(4)
     grad_y = torch.randn(x.shape[0], x.shape[1], device="cuda", generator=g).bfloat16()
     grad_y[total:] = 0
     results = {}
-    for name, fp8 in (("real", REAL), ("emulated", EMULATED)):
+    for name, fp8 in (("real", real_fp8), ("emulated", emulated_fp8)):
         params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
         mark_own_grad(*params)
         for param in params:
@@ -171,7 +182,9 @@ def test_fp8_expert_layer_and_wgrad_into_main_grad():
         assert rel(param_info(param).main_grad - 1, want) < FP8_TOL
 
 
-def test_fp8_linears_against_emulated():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linears_against_emulated(recipe):
+    real_fp8, emulated_fp8 = real_and_emulated(recipe)
     from moe_overlap.distributed.ring import TPComm
     from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
@@ -184,7 +197,7 @@ def test_fp8_linears_against_emulated():
     x = torch.randn(999, 512, device="cuda", dtype=torch.bfloat16)
     grad_y = torch.randn(999, 512, device="cuda", dtype=torch.bfloat16)
     results = {}
-    for name, fp8 in (("real", REAL), ("emulated", EMULATED), ("fp32", None)):
+    for name, fp8 in (("real", real_fp8), ("emulated", emulated_fp8), ("fp32", None)):
         fc1.fp8 = fc2.fp8 = fp8
         xi = (x.float() if fp8 is None else x).clone().requires_grad_()
         if fp8 is None:
@@ -202,7 +215,7 @@ def test_fp8_linears_against_emulated():
 # ------------------------------------------------------------------------------------------ training steps
 
 
-def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6) -> list[float]:
+def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str = "rowwise") -> list[float]:
     from moe_overlap.config import load_config
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer
@@ -218,15 +231,16 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6) -> list[flo
         "checkpoint.save_final": "false",
     }
     if fp8:
-        overrides.update({"train.fp8_recipe": "rowwise", "train.num_layers_at_start_in_bf16": 1})
+        overrides.update({"train.fp8_recipe": recipe, "train.num_layers_at_start_in_bf16": 1})
     trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), Mesh.single(),
                       torch.device("cuda"))
     experts = trainer.model.layers["1"].mlp.experts
     replays_checked = []
     if graphed and fp8:  # after the refresh hook graph_moe_layers installed: the copies are current
         def check_fresh(_module, _args):
-            for (contract_last, _), entry in experts.w13.fp8_cache.items():
-                fresh = (quantize_rows_torch if contract_last else quantize_columns_torch)(experts.w13.detach())
+            for (layout, _), entry in experts.w13.fp8_cache.items():
+                quantize = {"rows": quantize_rows_torch, "columns": quantize_columns_torch, "blocks": quantize_blocks}
+                fresh = quantize[layout](experts.w13.detach())
                 assert same_fp8(entry.q, fresh[0]) and torch.equal(entry.scale, fresh[1])
             replays_checked.append(True)
 
@@ -239,10 +253,11 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6) -> list[flo
     return losses
 
 
-def test_fp8_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path, recipe):
     bf16 = train_losses(tmp_path / "bf16", fp8=False, graphed=False)
-    eager = train_losses(tmp_path / "eager", fp8=True, graphed=False)
-    graphed = train_losses(tmp_path / "graphed", fp8=True, graphed=True)
+    eager = train_losses(tmp_path / "eager", fp8=True, graphed=False, recipe=recipe)
+    graphed = train_losses(tmp_path / "graphed", fp8=True, graphed=True, recipe=recipe)
     print("losses bf16", bf16, "fp8", eager, "fp8 graphed", graphed)
     assert all(torch.isfinite(torch.tensor(losses)).all() for losses in (bf16, eager, graphed))
     assert bf16[-1] < bf16[0] and eager[-1] < eager[0]  # both learn

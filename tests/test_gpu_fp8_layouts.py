@@ -1,0 +1,121 @@
+"""FP8 layouts over NCCL (`pytest -m gpu`; 2 and 4 GPUs, needs FP8 tensor cores): each recipe at TP=2 with sequence
+parallelism, at EP=2 and EP=4 with FP8 on the wire (fed straight to the FP8 GEMMs), and TP=2 x EP=2, through the
+trainer (``train.fp8_recipe``), against one process.
+
+The FP8 rule, the bf16 rule's (tests/gpu_launch.py) with the recipe's single-process run in bf16's place: each
+layout's loss curve and every gradient of the first step within 2x the single FP8 run's own error against an fp32
+single-process run without FP8. Both runs quantize the same values, so their FP8 errors are mostly the same; what
+a layout may add is round-off (partial sums in another order) and the E4M3 rounding flips it causes. Routing is
+forced (model.moe_router_force_load_balancing), as in the other GPU layouts, so that a flip cannot move a token
+between near-tied experts. Dimensions are multiples of 128 (the blockwise recipe's tiles and blocks, on each rank).
+
+The per-rank work is ``gpu_case``, launched once per rank count under torchrun; under MOE_GPU_TEST_DRYRUN=1
+(tests/gpu_launch.py) it runs on CPU gloo ranks with the recipes emulated (``Fp8(emulate=True)``, given to the
+model directly: the config refuses FP8 on a CPU) and the device-only transports left to auto.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.gpu_launch import bf16_rule, dry_run, launch_ranks, require_gpus, worker_device_type, write_report
+
+STEPS = 3
+DIMS = {"model.hidden_size": 256, "model.ffn_hidden_size": 512, "model.moe_ffn_hidden_size": 256,
+        "model.num_attention_heads": 4, "model.num_query_groups": 2, "model.kv_channels": 64,
+        "model.moe_router_force_load_balancing": "true"}
+TP2_SP = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
+          "parallel.expert_tensor_parallel_size": 1}
+FP8_WIRE = {"overlap.moe_dispatch_dtype": "fp8", "overlap.moe_dispatch_once_per_rank": "true"}
+RECIPES = ("rowwise", "blockwise")
+LAYOUTS = {  # name: (ranks, EP, overrides); each runs in both recipes
+    "tp2_sp": (2, 1, TP2_SP),
+    "ep2_fp8_wire": (2, 2, FP8_WIRE),
+    "ep4_fp8_wire": (4, 4, FP8_WIRE),
+    "tp2_sp_ep2": (4, 2, TP2_SP),
+}
+
+
+def gpu_case(output_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from moe_overlap.distributed.mesh import Mesh
+    from moe_overlap.layers.fp8 import Fp8
+    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_layout
+    from tests.test_master import small_config
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    global_batch = 8 * world
+    base = {"train.device": worker_device_type(), **DIMS}
+
+    meshes = []
+
+    def trainer(ranks: int, ep: int, precision: str, recipe: str | None, extra: dict) -> Trainer:
+        fp8 = {} if recipe is None or dry_run() else {"train.fp8_recipe": recipe}
+        cfg = small_config(output_dir, ep, global_batch, **{**base, "train.precision": precision, **fp8, **extra})
+        mesh = Mesh.single() if ranks == 1 else Mesh.create(mesh_layout(cfg, ranks), timeout_s=60)
+        meshes.append(mesh)
+        run = Trainer(cfg, mesh, device)
+        if recipe is not None and dry_run():
+            run.model.use_fp8(Fp8(emulate=True, recipe=recipe))
+        return run
+
+    world_mesh, device = init_distributed(small_config(output_dir, 1, global_batch, **base))
+    runs, single = {}, {}
+    for name, (ranks, ep, extra) in LAYOUTS.items():
+        if ranks == world:
+            for recipe in RECIPES:
+                runs[f"{name}_{recipe}"] = trainer(world, ep, "bf16", recipe, extra)
+                single[f"{name}_{recipe}"] = f"single_{recipe}"
+    layouts = list(runs)
+    for recipe in RECIPES:
+        runs[f"single_{recipe}"] = trainer(1, 1, "bf16", recipe, {})
+    runs["single_fp32"] = trainer(1, 1, "fp32", None, {})
+    losses, grads = {name: [] for name in runs}, {}
+    for step in range(STEPS):
+        for name, run in runs.items():
+            captured = {}
+            losses[name].append(run.train_step(lambda opt, captured=captured: captured.update(opt.logical_grads()))
+                                ["loss"])
+            if step == 0:
+                grads[name] = captured
+    tensors, violations = bf16_rule(layouts, grads, losses, single)
+    ran_fp8 = all(bool(getattr(run.model.layers["1"].mlp.experts.w13, "fp8_cache", None)) == (name != "single_fp32")
+                  for name, run in runs.items())
+    report = {"rank": dist.get_rank(), "world": world, "layouts": layouts, "tensors": tensors,
+              "violations": violations, "ran_fp8": ran_fp8,
+              "losses": {name: [round(v, 5) for v in curve] for name, curve in losses.items()}}
+    for mesh in (*meshes, world_mesh):
+        mesh.destroy()
+    dist.destroy_process_group()
+    return report
+
+
+def check(report: dict, world: int) -> None:
+    want = [f"{name}_{recipe}" for name, (ranks, _, _) in LAYOUTS.items() if ranks == world for recipe in RECIPES]
+    assert report["layouts"] == want and report["tensors"] > 0, report
+    assert report["ran_fp8"], "a layout's or single run's experts did not run in FP8 (or the fp32 one did)"
+    assert not report["violations"], report["violations"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp8_layouts_follow_the_fp8_rule(tmp_path, world):
+    require_gpus(world)
+    for report in launch_ranks(__file__, tmp_path, timeout_s=600, world=world):
+        check(report, world)
+
+
+@pytest.mark.slow  # the dry-run, not in CI
+def test_fp8_layouts_dry_run_on_cpu_gloo(tmp_path):
+    for report in launch_ranks(__file__, tmp_path, timeout_s=900, world=2, dry_run=True):
+        check(report, 2)
+
+
+if __name__ == "__main__":
+    write_report(sys.argv[1], gpu_case(sys.argv[1]))
