@@ -14,6 +14,14 @@ flattened. Every quantized dimension must be a multiple of 128 (the config refus
 - :func:`blockwise_mm`: ``a @ w^T`` (``contract_last``) or ``a @ w`` per group of rows (int32 end offsets, w
   (E, P, Q)), or dense (no offsets, w (P, Q)).
 
+Its Triton kernel (:func:`blockwise_mm_triton`; CUDA, or TRITON_INTERPRET=1): one program per BLOCK_M rows of
+one group by 128 output columns, on a static grid (cdiv(M, BLOCK_M) + E row tiles; each program finds its group by
+walking the end offsets on the device, so it replays in CUDA graphs). Per 128-deep slice of the contraction, one
+tl.dot of the FP8 tiles into a fresh fp32 accumulator, times the rows' tile scales and the weight block's scale,
+added to the fp32 sum (DeepGEMM's promotion: the tensor cores' FP8 sum never spans more than one slice). The
+weight is read through strides in either orientation; FP8 wgmma reads only K-major operands from shared memory, so
+in the dgrad orientation (``contract_last=False``) Triton transposes each weight tile through registers.
+
 The torch twins dequantize and multiply in fp32: they are the recipe's emulated path too (layers/fp8.py).
 """
 
@@ -22,8 +30,81 @@ from __future__ import annotations
 import torch
 
 from moe_overlap.kernels.fp8_quant import _outputs, _quantize_torch, quantize_rows
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, use_triton
 
 BLOCK = 128
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    # One program per (BLOCK_M rows of one group, BLOCK_N output columns). Programs along the flattened grid run in
+    # groups of GROUP_M row tiles, so neighbouring programs share b's column tiles and a's rows in L2. The operand
+    # b (K, N) is the weight read through strides, either orientation; its scales likewise.
+    def _blockwise_mm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, offsets_ptr, out_ptr, M, N, K, E, tiles_m,
+                             stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
+                             stride_bse, stride_bsk, stride_bsn, stride_om, stride_on, GROUPED: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles_n = N // BLOCK_N
+        width = GROUP_M * tiles_n
+        first_tile = pid // width * GROUP_M
+        rows_of_group = tl.minimum(tiles_m - first_tile, GROUP_M)
+        tile = first_tile + (pid % width) % rows_of_group
+        pid_n = (pid % width) // rows_of_group
+        if GROUPED:
+            # Group e owns row tiles [before_e, before_e + cdiv(rows_e, BLOCK_M)), found by walking the end offsets
+            # on the device (no host sync); a tile past the last group's is dead. Tiles never straddle groups.
+            expert = tl.full((), -1, tl.int32)
+            first_row = tl.full((), 0, tl.int32)
+            end_row = tl.full((), 0, tl.int32)
+            before = tl.full((), 0, tl.int32)
+            start = tl.full((), 0, tl.int32)
+            for e in range(0, E):
+                end = tl.load(offsets_ptr + e)
+                tiles_e = (end - start + BLOCK_M - 1) // BLOCK_M
+                hit = (tile >= before) & (tile < before + tiles_e)
+                expert = tl.where(hit, e, expert)
+                first_row = tl.where(hit, start + (tile - before) * BLOCK_M, first_row)
+                end_row = tl.where(hit, end, end_row)
+                before += tiles_e
+                start = end
+            live = expert >= 0
+            b_base = b_ptr + expert.to(tl.int64) * stride_be
+            b_scale = b_scale_ptr + expert.to(tl.int64) * stride_bse
+        else:
+            live = True
+            first_row = tile * BLOCK_M
+            end_row = M
+            b_base = b_ptr
+            b_scale = b_scale_ptr
+        if live:
+            rm = first_row + tl.arange(0, BLOCK_M)
+            rows_in = rm < end_row
+            rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+            rk = tl.arange(0, BLOCK_K)
+            # Pointers made once and stepped along the contraction (int64 for the rows and columns of big tensors).
+            a_MK = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+            b_KN = b_base + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+            a_scale_M = a_scale_ptr + rm.to(tl.int64) * stride_asm
+            b_scale += pid_n * stride_bsn  # BLOCK_N = 128: one weight block scale per 128-deep slice
+            acc_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for _ in range(0, K // BLOCK_K):
+                a_tile = tl.load(a_MK, mask=rows_in[:, None], other=0.0)
+                # The slice's product alone (a fresh accumulator: the tensor cores' reduced-precision FP8 sum spans
+                # 128 values only), then scaled into the fp32 sum: DeepGEMM's promotion.
+                partial_MN = tl.dot(a_tile, tl.load(b_KN))
+                scale_M = tl.load(a_scale_M, mask=rows_in, other=0.0) * tl.load(b_scale)
+                acc_MN += partial_MN * scale_M[:, None]
+                a_MK += BLOCK_K * stride_ak
+                b_KN += BLOCK_K * stride_bk
+                a_scale_M += stride_ask
+                b_scale += stride_bsk
+            out_MN = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
+            tl.store(out_MN, acc_MN.to(out_ptr.dtype.element_ty), mask=rows_in[:, None])
+
+    _blockwise_mm = Kernel(_blockwise_mm_kernel, do_not_specialize=["M", "tiles_m"])
 
 
 def _check_multiple(what: str, size: int) -> None:
@@ -102,11 +183,79 @@ def blockwise_mm_torch(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tens
     return out.to(out_dtype)
 
 
+def _check_operands(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                    contract_last: bool, offsets_E: torch.Tensor | None) -> tuple[int, int, int]:
+    """(M, K, N) of a blockwise GEMM's operands, or a ValueError naming what does not fit."""
+    if a_q.dim() != 2 or w_q.dim() != (2 if offsets_E is None else 3):
+        raise ValueError(f"blockwise_mm needs a 2-D and w {'2' if offsets_E is None else '3'}-D, got "
+                         f"{tuple(a_q.shape)} and {tuple(w_q.shape)}")
+    M, K = a_q.shape
+    *lead, P, Q = w_q.shape
+    _check_multiple("the contraction K", K)
+    _check_multiple("the weight's rows P", P)
+    _check_multiple("the weight's columns Q", Q)
+    if K != (Q if contract_last else P):
+        raise ValueError(f"a's K = {K} does not match w {tuple(w_q.shape)} (contract_last={contract_last})")
+    if a_scale.shape != (M, K // BLOCK) or w_scale.shape != (*lead, P // BLOCK, Q // BLOCK):
+        raise ValueError(f"scales {tuple(a_scale.shape)} and {tuple(w_scale.shape)} do not fit a {tuple(a_q.shape)} "
+                         f"and w {tuple(w_q.shape)} in blocks of {BLOCK}")
+    if offsets_E is not None and (offsets_E.shape != tuple(lead) or offsets_E.dtype != torch.int32):
+        raise ValueError(f"offsets_E must be int32 of shape {tuple(lead)}, got {offsets_E.dtype} "
+                         f"{tuple(offsets_E.shape)}")
+    return M, K, P if contract_last else Q
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Each slice's product is waited for before it is scaled, so a program
+# leaves the tensor cores idle while it scales; two programs per SM overlap one's scaling with the other's
+# products. Compiled for sm_90 (ptxas, no GPU): 64 rows in one warp group take ~190 registers and 96 KiB of
+# shared memory in 4 stages, so two fit an SM; 128 rows in two warp groups (~196 registers each) fit only one.
+# Not yet measured: benchmarks/step_kernels.py --sections fp8_blockwise sweeps both.
+_CONFIG = (64, 128, 128, 4, 4)
+
+
+def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        contract_last: bool, offsets_E: torch.Tensor | None = None,
+                        out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+                        config: tuple[int, ...] = _CONFIG) -> torch.Tensor:
+    """:func:`blockwise_mm` in one Triton launch of a static grid (CUDA-graph replayable: the group sizes are read
+    on the device). Into ``out`` (M, N) of ``out_dtype`` when given; rows past the last offset are left unwritten
+    (their values in a new output are undefined). Operands of any dtype tl.dot takes (FP8 on Hopper; float32
+    holding E4M3 values in the CPU interpreter). ``config``: (BLOCK_M, 128, 128, warps, stages)."""
+    M, K, N = _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
+    block_m, block_n, block_k, warps, stages = config
+    if (block_n, block_k) != (BLOCK, BLOCK):
+        raise ValueError(f"blockwise_mm_triton's BLOCK_N and BLOCK_K are the scale blocks' {BLOCK}, got {config}")
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
+    elif out.shape != (M, N) or out.dtype != out_dtype:
+        raise ValueError(f"out must be {out_dtype} {(M, N)}, got {out.dtype} {tuple(out.shape)}")
+    if M == 0:
+        return out
+    if not a_q.is_cuda or interpreter_requested():  # the interpreter: small row tiles keep the CPU tests quick
+        block_m = min(block_m, 16)
+    grouped = offsets_E is not None
+    experts = w_q.shape[0] if grouped else 1
+    tiles_m = triton.cdiv(M, block_m) + (experts if grouped else 0)  # a group's last tile may be partial
+    # b (K, N) is w (P, Q) transposed (contract_last) or as it is: strides swapped, no copy. Its block scales too.
+    w_k, w_n = (-1, -2) if contract_last else (-2, -1)
+    _blockwise_mm[(tiles_m * (N // block_n),), a_q.device](
+        a_q, a_scale, w_q, w_scale, offsets_E if grouped else a_scale, out, M, N, K, experts, tiles_m,
+        a_q.stride(0), a_q.stride(1), a_scale.stride(0), a_scale.stride(1), w_q.stride(0) if grouped else 0,
+        w_q.stride(w_k), w_q.stride(w_n), w_scale.stride(0) if grouped else 0, w_scale.stride(w_k),
+        w_scale.stride(w_n), out.stride(0), out.stride(1), GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return out
+
+
 def blockwise_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                  contract_last: bool, offsets_E: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``a @ w^T`` (``contract_last``) or ``a @ w`` in blockwise FP8: a (M, K) E4M3 with scales (M, K / 128)
     (a view with stride 0 along the second dimension takes rows quantized with one scale each); w (P, Q), or
-    (E, P, Q) with ``offsets_E`` (int32 end offsets of each group's rows), E4M3 with scales (..., P / 128,
-    Q / 128). Out (M, P or Q) in ``out_dtype``; rows past the last offset are not computed."""
+    (E, P, Q) with ``offsets_E`` (int32 end offsets of each group's rows, the last at most M), E4M3 with scales
+    (..., P / 128, Q / 128). Out (M, P or Q) in ``out_dtype``; rows past the last offset are not computed (left
+    unwritten by the Triton kernel, zeros in the twin)."""
+    _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
+    if use_triton(a_q, "fp8 blockwise_mm"):
+        return blockwise_mm_triton(a_q, a_scale, w_q, w_scale, contract_last, offsets_E, out_dtype)
     return blockwise_mm_torch(a_q, a_scale, w_q, w_scale, contract_last, offsets_E, out_dtype)
