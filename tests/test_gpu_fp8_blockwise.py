@@ -1,0 +1,115 @@
+"""The blockwise FP8 GEMM's Triton kernel on Hopper's FP8 tensor cores (`pytest -m gpu`; H100/H200): bf16 out
+within 1e-2 normwise of its torch twin (fp32 on the dequantized operands) and within 0.05 of fp32 on the
+unquantized inputs, dense and grouped (uneven groups, empty ones, rows past the last offset left unwritten), in
+both orientations of one weight copy, at Mixtral-like sizes; blockwise_mm runs it on CUDA; replayed from a CUDA
+graph it equals the eager call, also after the group offsets changed in place on the device. Times nothing: see
+benchmarks/step_kernels.py --sections fp8_blockwise.
+
+    CUDA_VISIBLE_DEVICES=0 python -m pytest -m gpu tests/test_gpu_fp8_blockwise.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap.kernels.fp8_blockwise import (blockwise_mm, blockwise_mm_torch, blockwise_mm_triton,
+                                               quantize_blocks, quantize_tiles)
+
+pytestmark = pytest.mark.gpu
+
+FP8_TOL = 0.05  # the FP8 GEMM against fp32 on the unquantized inputs
+TWIN_TOL = 1e-2  # against the twin: bf16 output, the order of the fp32 sums
+M, K_HIDDEN, K_FFN, E = 4096, 1024, 2048, 8  # w (E, 2048, 1024): fc2's shape read forward, fc1's read in dgrad
+GROUP_ROWS = [700, 0, 1000, 13, 555, 900, 128, 300]  # 3596 of 4096 rows: the last 500 past the last offset
+
+
+@pytest.fixture(autouse=True)
+def fp8_gpu():
+    if not torch.cuda.is_available():
+        pytest.fail("no CUDA GPU is visible (a GPU test that did not run did not pass)")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.fail(f"{torch.cuda.get_device_name()} has no FP8 tensor cores (a GPU test that did not run did not "
+                    "pass)")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the references in fp32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def offsets_of(rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows, device="cuda").cumsum(0).to(torch.int32)
+
+
+def inputs(contract_last: bool, grouped: bool, seed: int):
+    """a (M, K) and w bf16, and their blockwise FP8 operands: a_q, a_scale, w_q, w_scale."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    K = K_HIDDEN if contract_last else K_FFN
+    a = (torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-1, 1, M, device="cuda")[:, None]).bfloat16()
+    w = (torch.randn(*((E,) if grouped else ()), K_FFN, K_HIDDEN, device="cuda", generator=g) * 0.02).bfloat16()
+    return a, w, (*quantize_tiles(a), *quantize_blocks(w))
+
+
+@pytest.mark.parametrize("contract_last", [True, False], ids=["forward_a_wT", "dgrad_a_w"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_fp8_blockwise_kernel_against_twin_and_fp32(contract_last, grouped):
+    a, w, operands = inputs(contract_last, grouped, seed=0)
+    offsets = offsets_of(GROUP_ROWS) if grouped else None
+    rows = sum(GROUP_ROWS) if grouped else M
+    out = torch.full((M, K_FFN if contract_last else K_HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = blockwise_mm_triton(*operands, contract_last, offsets, out=out)
+    twin = blockwise_mm_torch(*operands, contract_last, offsets)
+    assert got.isfinite()[:rows].all()
+    assert rel(got[:rows], twin[:rows]) < TWIN_TOL
+    if grouped:
+        assert got[rows:].isnan().all()  # rows past the last offset left unwritten
+        bounds = [0, *offsets.tolist()]
+        want = torch.cat([a[s:t].float() @ (w[e].float().T if contract_last else w[e].float())
+                          for e, (s, t) in enumerate(zip(bounds, bounds[1:]))])
+    else:
+        want = a.float() @ (w.float().T if contract_last else w.float())
+    assert rel(got[:rows], want) < FP8_TOL
+    assert torch.equal(blockwise_mm(*operands, contract_last, offsets)[:rows], got[:rows])  # the kernel on CUDA
+
+
+def test_fp8_blockwise_kernel_ragged_dense_rows():
+    """A dense M that no tile divides: the last tile's rows masked."""
+    _, _, (a_q, a_scale, w_q, w_scale) = inputs(True, False, seed=1)
+    got = blockwise_mm_triton(a_q[:4001], a_scale[:4001], w_q, w_scale, True)
+    twin = blockwise_mm_torch(a_q[:4001], a_scale[:4001], w_q, w_scale, True)
+    assert got.shape == (4001, K_FFN) and rel(got, twin) < TWIN_TOL
+
+
+@pytest.mark.parametrize("contract_last", [True, False], ids=["forward_a_wT", "dgrad_a_w"])
+def test_fp8_blockwise_kernel_replays_in_a_cuda_graph(contract_last):
+    """Captured once, replayed with the group offsets rewritten in place: the static grid reads the group sizes on
+    the device (a host sync would fail the capture), so each replay equals an eager call on the offsets of then."""
+    _, _, operands = inputs(contract_last, True, seed=2)
+    offsets = offsets_of(GROUP_ROWS)
+    out = torch.zeros(M, K_FFN if contract_last else K_HIDDEN, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled before the capture
+        blockwise_mm_triton(*operands, contract_last, offsets, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        blockwise_mm_triton(*operands, contract_last, offsets, out=out)
+
+    first = blockwise_mm_triton(*operands, contract_last, offsets)
+    out.zero_()
+    graph.replay()
+    rows = sum(GROUP_ROWS)
+    assert torch.equal(out[:rows], first[:rows])
+    assert (out[rows:] == 0).all()
+
+    moved = [1024, 1024, 0, 7, 900, 1000, 1, 140]  # 4096 rows: every row counted, groups moved
+    offsets.copy_(offsets_of(moved))
+    graph.replay()
+    again = blockwise_mm_triton(*operands, contract_last, offsets)
+    assert torch.equal(out, again)
+    assert not torch.equal(out[:rows], first[:rows])  # the replay read the new offsets
