@@ -13,6 +13,11 @@
              the tile form the gather-sum kernel had before (tile_*): 1.2-4.2x the limit where the loop is 1.0x.
              SwiGLU's forward also as a grid-stride candidate (programs per SM x SMs, each looping over the
              counted rows), not yet run on a GPU
+  fp8_blockwise  the blockwise FP8 recipe's grouped GEMM (kernels/fp8_blockwise.py: a 1x128 and 128x128 scale
+             per 128-deep slice) at the wgrad section's expert shapes, forward (a @ w^T) and dgrad (g @ w, the
+             same weight copy read N-major), each tile config, against the rowwise recipe's
+             torch._scaled_grouped_mm (one scale per row and column) and bf16 torch._grouped_mm (the limit
+             without FP8); its error against bf16 normwise. Not yet run on a GPU
 
     python benchmarks/step_kernels.py --json benchmarks/results/step_kernels_h200.json
 """
@@ -36,6 +41,11 @@ WGRAD_SHAPES = {  # name: (experts, rows per expert, M, N) -- M x N per expert, 
 # store epilogue instead of the atomic add (10-20% slower), a persistent flattened tile loop (no gain).
 TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
                 (256, 128, 64, 8, 3), (128, 256, 32, 8, 4)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the blockwise kernel: BLOCK_N and BLOCK_K are the scale blocks' 128.
+# 64 rows in one warp group fit two programs per SM (one scales its slice while the other multiplies), 128 in two
+# only one (registers: ptxas for sm_90).
+BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 4, 5), (128, 128, 128, 8, 3),
+                     (128, 128, 128, 8, 4)]
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 
 
@@ -89,6 +99,51 @@ def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
                      "n": n, "ms": ms, "tflops": {k: flops / v / 1e9 for k, v in ms.items()},
                      "best_triton": min((k for k in ms if k.startswith("triton")), key=ms.get)})
         print(rows[-1]["shape"], {k: round(v, 3) for k, v in ms.items()}, flush=True)
+    return rows
+
+
+def fp8_blockwise_rows(rounds: int, shapes: list[str]) -> list[dict]:
+    """Per expert shape and orientation: the blockwise kernel's tile configs, the rowwise scaled grouped GEMM and
+    the bf16 grouped GEMM on the same rows (operands quantized once, outside the timing)."""
+    import torch
+
+    from moe_overlap.kernels.fp8_blockwise import blockwise_mm_triton, quantize_blocks, quantize_tiles
+    from moe_overlap.kernels.fp8_quant import quantize_rows
+
+    rows = []
+    for name in shapes:
+        experts, per_expert, k_in, n_out = WGRAD_SHAPES[name]
+        tokens = experts * per_expert
+        offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
+        w_ENK = torch.randn(experts, n_out, k_in, device="cuda", dtype=torch.bfloat16) * 0.02  # as the layer holds it
+        w_q, w_scale = quantize_blocks(w_ENK)
+        for orientation, contract, out_dim in (("forward", k_in, n_out), ("dgrad", n_out, k_in)):
+            forward = orientation == "forward"
+            a_TC = torch.randn(tokens, contract, device="cuda", dtype=torch.bfloat16)
+            a_q, a_scale = quantize_tiles(a_TC)
+            a_rows_q, a_rows_scale = quantize_rows(a_TC)
+            # The rowwise GEMM's right operand column-major: (E, out, contract) contiguous, transposed.
+            b_q, b_scale = quantize_rows(w_ENK if forward else w_ENK.transpose(-2, -1).contiguous())
+            w_bf16 = w_ENK.transpose(-2, -1) if forward else w_ENK
+            fns = {
+                "rowwise_scaled_grouped_mm": lambda: torch._scaled_grouped_mm(
+                    a_rows_q, b_q.transpose(-2, -1), a_rows_scale, b_scale, offs=offsets, out_dtype=torch.bfloat16),
+                "bf16_grouped_mm": lambda: torch._grouped_mm(a_TC, w_bf16, offs=offsets),
+            }
+            for config in BLOCKWISE_CONFIGS:
+                fns["triton_" + "x".join(map(str, config))] = (
+                    lambda config=config: blockwise_mm_triton(a_q, a_scale, w_q, w_scale, forward, offsets,
+                                                              config=config))
+            want = fns["bf16_grouped_mm"]().float()
+            errors = {k: float((fn().float() - want).norm() / want.norm()) for k, fn in fns.items()
+                      if k != "bf16_grouped_mm"}
+            ms = timed(fns, rounds, reps=5)
+            flops = 2 * tokens * contract * out_dim
+            rows.append({"section": "fp8_blockwise", "shape": name, "orientation": orientation, "experts": experts,
+                         "rows_per_expert": per_expert, "contract": contract, "out": out_dim, "ms": ms,
+                         "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "rel_err_vs_bf16": errors,
+                         "best_triton": min((k for k in ms if k.startswith("triton")), key=ms.get)})
+            print(name, orientation, {k: round(v, 3) for k, v in ms.items()}, flush=True)
     return rows
 
 
@@ -243,15 +298,17 @@ def row_kernel_rows(rounds: int) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--sections", default="wgrad,adamw,attention,rows")
-    parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad shapes")
+    parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
+                        help="comma-separated, of wgrad, adamw, attention, rows, fp8_blockwise")
+    parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad and fp8_blockwise shapes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
     rows = (wgrad_rows(args.rounds, args.shapes.split(",")) if "wgrad" in sections else []) + (
         adamw_rows(args.rounds) if "adamw" in sections else []) + (
         attention_rows(args.rounds) if "attention" in sections else []) + (
-        row_kernel_rows(args.rounds) if "rows" in sections else [])
+        row_kernel_rows(args.rounds) if "rows" in sections else []) + (
+        fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else [])
     write_json(args.json, run_header(1), rows)
 
 
