@@ -855,7 +855,7 @@ case $phase in
     timeout -k 10 100 python benchmarks/step_kernels.py --sections fp8_blockwise --rounds 10 \
       --json $res/step_kernels_fp8_blockwise_1x$gpu.json 2>&1 | tail -n 8
     timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 --json $res/fp8_gemm_blockwise_1x$gpu.json \
-      2>&1 | tail -n 6
+      --profile $res/fp8_gemm_blockwise_kernels_1x$gpu.txt 2>&1 | grep -E "^(experts|dense|wrote)"
     pack
     for model in mixtral_2l fine_8l; do
       variants="--variant blockwise:train.fp8_recipe=blockwise"

@@ -44,8 +44,7 @@ TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the blockwise kernel: BLOCK_N and BLOCK_K are the scale blocks' 128.
 # 64 rows in one warp group fit two programs per SM (one scales its slice while the other multiplies), 128 in two
 # only one (registers: ptxas for sm_90).
-BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 4, 5), (128, 128, 128, 8, 3),
-                     (128, 128, 128, 8, 4)]
+BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 128, 128, 8, 4)]
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 
 
@@ -116,7 +115,7 @@ def fp8_blockwise_rows(rounds: int, shapes: list[str]) -> list[dict]:
         tokens = experts * per_expert
         offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
         w_ENK = torch.randn(experts, n_out, k_in, device="cuda", dtype=torch.bfloat16) * 0.02  # as the layer holds it
-        w_q, w_scale = quantize_blocks(w_ENK)
+        copies = {"forward": quantize_blocks(w_ENK), "dgrad": quantize_blocks(w_ENK, transpose=True)}
         for orientation, contract, out_dim in (("forward", k_in, n_out), ("dgrad", n_out, k_in)):
             forward = orientation == "forward"
             a_TC = torch.randn(tokens, contract, device="cuda", dtype=torch.bfloat16)
@@ -130,10 +129,15 @@ def fp8_blockwise_rows(rounds: int, shapes: list[str]) -> list[dict]:
                     a_rows_q, b_q.transpose(-2, -1), a_rows_scale, b_scale, offs=offsets, out_dtype=torch.bfloat16),
                 "bf16_grouped_mm": lambda: torch._grouped_mm(a_TC, w_bf16, offs=offsets),
             }
+            # what the layers run: the copy laid out along this orientation's contraction (the dgrad's transposed)
+            b_copy_q, b_copy_scale = copies[orientation]
             for config in BLOCKWISE_CONFIGS:
                 fns["triton_" + "x".join(map(str, config))] = (
-                    lambda config=config: blockwise_mm_triton(a_q, a_scale, w_q, w_scale, forward, offsets,
+                    lambda config=config: blockwise_mm_triton(a_q, a_scale, b_copy_q, b_copy_scale, True, offsets,
                                                               config=config))
+            if not forward:  # the forward's copy read through strides: the kernel transposes each tile itself
+                fns["triton_strided_default"] = lambda: blockwise_mm_triton(a_q, a_scale, *copies["forward"], False,
+                                                                            offsets)
             want = fns["bf16_grouped_mm"]().float()
             errors = {k: float((fn().float() - want).norm() / want.norm()) for k, fn in fns.items()
                       if k != "bf16_grouped_mm"}

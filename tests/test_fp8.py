@@ -210,13 +210,17 @@ def test_fp8_weights_quantized_once_per_step_refreshed_in_place():
     assert weight_operand(run, True)[0] is q_run and torch.equal(scale_run, quantize_rows_torch(run.detach())[1])
 
 
-def test_fp8_blockwise_weight_has_one_copy_for_both_orientations():
+def test_fp8_blockwise_weight_copies_are_one_quantization_in_both_orientations():
+    """The dgrad's copy is the forward's transposed (a block's scale does not depend on the orientation), each
+    refreshed in place."""
     torch.manual_seed(7)
     w = torch.nn.Parameter(torch.randn(2, 256, 128))
     q, scale = weight_operand(w, contract_last=True, recipe="blockwise")
     assert q.shape == (2, 256, 128) and scale.shape == (2, 2, 1)
-    assert weight_operand(w, contract_last=False, recipe="blockwise")[0] is q  # the dgrad reads the same copy
     assert torch.equal(scale[1, 1, 0], w.detach()[1, 128:, :].abs().max() / FP8_MAX)
+    q_t, scale_t = weight_operand(w, contract_last=False, recipe="blockwise")
+    assert q_t.shape == (2, 128, 256) and q_t.is_contiguous()
+    assert torch.equal(q_t.float(), q.float().transpose(-2, -1)) and torch.equal(scale_t, scale.transpose(-2, -1))
     before = scale.clone()
     weights_updated()
     with torch.no_grad():
@@ -225,7 +229,8 @@ def test_fp8_blockwise_weight_has_one_copy_for_both_orientations():
     layer.w = w
     refresh_weights(layer)  # in place, as a graphed layer's pre-hook does
     assert weight_operand(w, True, recipe="blockwise")[1] is scale and torch.allclose(scale, 3 * before)
-    assert [layout for layout, _ in w.fp8_cache] == ["blocks"]
+    assert weight_operand(w, False, recipe="blockwise")[0] is q_t and torch.allclose(scale_t, 3 * before.mT)
+    assert sorted(layout for layout, _ in w.fp8_cache) == ["blocks", "blocks_t"]
 
 
 def test_fp8_blockwise_emulated_gemms_against_fp32_and_rows_fed_as_they_crossed():

@@ -74,6 +74,38 @@ def test_fp8_blocks_twin_scales_round_trip_and_given_buffers():
         B.quantize_blocks(w, q_out, torch.empty(2, 3, 2).transpose(-2, -1))
 
 
+def test_fp8_blocks_transposed_are_the_blocks_of_the_transpose():
+    torch.manual_seed(3)
+    w = torch.randn(3, 256, 384)
+    q, scale = B.quantize_blocks(w)
+    q_t, scale_t = B.quantize_blocks(w, transpose=True)
+    assert q_t.shape == (3, 384, 256) and q_t.is_contiguous() and scale_t.shape == (3, 3, 2)
+    assert torch.equal(q_t.view(torch.uint8), q.transpose(-2, -1).contiguous().view(torch.uint8))
+    assert torch.equal(scale_t, scale.transpose(-2, -1))
+    assert torch.equal(q_t.view(torch.uint8), B.quantize_blocks(w.transpose(-2, -1).contiguous())[0].view(torch.uint8))
+
+
+def test_fp8_blocks_kernel_under_the_interpreter(monkeypatch):
+    """The block kernel's indexing, scales and transposed stores on CPU; q may differ from the twin only where the
+    interpreter's own E4M3 cast is known to be wrong (tests/test_fp8.py says how), on GPU it must equal it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(4)
+    w = torch.randn(2, 256, 384) * torch.logspace(-1, 1, 256).unsqueeze(-1)
+    w[1, :128, 256:] = 0
+    for transpose in (False, True):
+        (q, scale), (q_twin, scale_twin) = B.quantize_blocks(w, transpose=transpose), B.quantize_blocks_torch(
+            w, transpose)
+        assert torch.equal(scale, scale_twin), transpose
+        twin = q_twin.float().abs()
+        interpreter_fault = (twin < 2.0 ** -6) | (torch.log2(twin) == torch.log2(twin).round())
+        differs = q.float() != q_twin.float()
+        assert not (differs & ~interpreter_fault).any(), int((differs & ~interpreter_fault).sum())
+        assert differs.float().mean() < 0.2
+    q_out, scale_out = torch.zeros(2, 384, 256, dtype=FP8), torch.zeros(2, 3, 2)
+    got = B.quantize_blocks(w.bfloat16(), q_out, scale_out, transpose=True)  # bf16 in, into given buffers
+    assert got[0] is q_out and torch.equal(scale_out, B.quantize_blocks_torch(w.bfloat16(), True)[1])
+
+
 def test_fp8_row_scale_broadcast_along_tiles_is_the_rows_dequantization():
     """Rows quantized with one scale each (the rowwise quantizer) read as tiles through a stride-0 view."""
     torch.manual_seed(2)

@@ -12,10 +12,12 @@ train.fp8_recipe wired into the trainer (MixtralModel.use_fp8).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from moe_overlap.kernels.fp8_blockwise import quantize_blocks
+from moe_overlap.kernels.fp8_blockwise import quantize_blocks_torch
 from moe_overlap.kernels.fp8_quant import (dequantize, dequantize_rows, quantize_columns, quantize_columns_torch,
                                            quantize_rows, quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, WgradInputs, expert_offsets, experts_wgrad
@@ -239,7 +241,8 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
     if graphed and fp8:  # after the refresh hook graph_moe_layers installed: the copies are current
         def check_fresh(_module, _args):
             for (layout, _), entry in experts.w13.fp8_cache.items():
-                quantize = {"rows": quantize_rows_torch, "columns": quantize_columns_torch, "blocks": quantize_blocks}
+                quantize = {"rows": quantize_rows_torch, "columns": quantize_columns_torch,
+                            "blocks": quantize_blocks_torch, "blocks_t": partial(quantize_blocks_torch, transpose=True)}
                 fresh = quantize[layout](experts.w13.detach())
                 assert same_fp8(entry.q, fresh[0]) and torch.equal(entry.scale, fresh[1])
             replays_checked.append(True)

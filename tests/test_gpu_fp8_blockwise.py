@@ -2,7 +2,8 @@
 within 1e-2 normwise of its torch twin (fp32 on the dequantized operands) and within 0.05 of fp32 on the
 unquantized inputs, dense and grouped (uneven groups, empty ones, rows past the last offset left unwritten), in
 both orientations of one weight copy, at Mixtral-like sizes; blockwise_mm runs it on CUDA; replayed from a CUDA
-graph it equals the eager call, also after the group offsets changed in place on the device. Times nothing: see
+graph it equals the eager call, also after the group offsets changed in place on the device. The quantize kernels
+(tiles through the rows kernel, blocks as they are and transposed) equal their twins bit for bit. Times nothing: see
 benchmarks/step_kernels.py --sections fp8_blockwise.
 
     CUDA_VISIBLE_DEVICES=0 python -m pytest -m gpu tests/test_gpu_fp8_blockwise.py
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from moe_overlap.kernels.fp8_blockwise import (blockwise_mm, blockwise_mm_torch, blockwise_mm_triton,
-                                               quantize_blocks, quantize_tiles)
+                                               quantize_blocks, quantize_blocks_torch, quantize_tiles,
+                                               quantize_tiles_torch)
 
 pytestmark = pytest.mark.gpu
 
@@ -113,3 +115,17 @@ def test_fp8_blockwise_kernel_replays_in_a_cuda_graph(contract_last):
     again = blockwise_mm_triton(*operands, contract_last, offsets)
     assert torch.equal(out, again)
     assert not torch.equal(out[:rows], first[:rows])  # the replay read the new offsets
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_blockwise_quantize_kernels_equal_twins(dtype):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.randn(3, 384, 1024, device="cuda", generator=g) * 4).to(dtype)
+    w[1, :128, 512:640] = 0  # a block of zeros
+    w[2, 7, 9] = 3e4  # an outlier
+    for transpose in (False, True):
+        (q, scale), (q_twin, scale_twin) = quantize_blocks(w, transpose=transpose), quantize_blocks_torch(w, transpose)
+        assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8)) and torch.equal(scale, scale_twin)
+    x = w[0, :300]
+    (q, scale), (q_twin, scale_twin) = quantize_tiles(x), quantize_tiles_torch(x)
+    assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8)) and torch.equal(scale, scale_twin)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.fp8_quant import _outputs, _quantize_torch, quantize_rows
-from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, use_triton
+from moe_overlap.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX, _outputs, _quantize_torch, quantize_rows
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, max_combine, use_triton
 
 BLOCK = 128
 
@@ -106,6 +106,30 @@ if HAVE_TRITON:
 
     _blockwise_mm = Kernel(_blockwise_mm_kernel, do_not_specialize=["M", "tiles_m"])
 
+    _MAX = tl.constexpr(FP8_MAX)
+    _FLOOR = tl.constexpr(AMAX_FLOOR)
+
+    # One program per 128x128 block of one matrix: its amax, its scale, its values quantized with the twin's
+    # arithmetic (kernels/fp8_quant.py), stored where w's block is or, TRANSPOSE, where w^T's is.
+    def _quantize_blocks_kernel(w_ptr, q_ptr, scale_ptr, P, Q, stride_wb, stride_wp, TRANSPOSE: tl.constexpr):
+        matrix = tl.program_id(1).to(tl.int64)
+        blocks_q = Q // 128
+        block_p, block_q = tl.program_id(0) // blocks_q, tl.program_id(0) % blocks_q
+        rp = (block_p * 128 + tl.arange(0, 128)).to(tl.int64)
+        rq = block_q * 128 + tl.arange(0, 128)
+        x = tl.load(w_ptr + matrix * stride_wb + rp[:, None] * stride_wp + rq[None, :]).to(tl.float32)
+        amax = tl.maximum(tl.reduce(tl.reduce(tl.abs(x), 1, max_combine), 0, max_combine), _FLOOR)
+        scale_at = (block_q * (P // 128) + block_p) if TRANSPOSE else tl.program_id(0)
+        tl.store(scale_ptr + matrix * (P // 128) * blocks_q + scale_at, tl.math.div_rn(amax, _MAX))
+        q = tl.minimum(tl.maximum(x * tl.math.div_rn(_MAX, amax), -_MAX), _MAX).to(q_ptr.dtype.element_ty)
+        q_base = q_ptr + matrix * P * Q
+        if TRANSPOSE:  # q^T (Q, P): element (p, q) at q * P + p
+            tl.store(q_base + rq[None, :].to(tl.int64) * P + rp[:, None], q)
+        else:
+            tl.store(q_base + rp[:, None] * Q + rq[None, :], q)
+
+    _blocks = Kernel(_quantize_blocks_kernel)
+
 
 def _check_multiple(what: str, size: int) -> None:
     if size % BLOCK:
@@ -142,16 +166,36 @@ def _blocks_view(w: torch.Tensor) -> torch.Tensor:
             .reshape(*lead, P // BLOCK, Q // BLOCK, BLOCK * BLOCK))
 
 
-def quantize_blocks(w: torch.Tensor, q_out: torch.Tensor | None = None,
-                    scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scales): w (..., P, Q) quantized per 128x128 block; q contiguous like w, scales (..., P / 128,
-    Q / 128) float32; into the given outputs when given (a cached copy refreshed in place)."""
+def quantize_blocks_torch(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`quantize_blocks` (new outputs)."""
     *lead, P, Q = w.shape
-    blocks = _blocks_view(w)
-    q, scale = _outputs(tuple(w.shape), (*lead, P // BLOCK, Q // BLOCK), w, q_out, scale_out)
-    q_blocks, scale_new = _quantize_torch(blocks, -1)
-    q.copy_(q_blocks.reshape(*lead, P // BLOCK, Q // BLOCK, BLOCK, BLOCK).transpose(-3, -2).reshape(w.shape))
-    scale.copy_(scale_new)
+    q_blocks, scale = _quantize_torch(_blocks_view(w), -1)
+    q = q_blocks.reshape(*lead, P // BLOCK, Q // BLOCK, BLOCK, BLOCK).transpose(-3, -2).reshape(w.shape)
+    return (q.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()) if transpose else (q, scale)
+
+
+def quantize_blocks(w: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                    transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales): w (..., P, Q) quantized per 128x128 block; q contiguous like w, scales (..., P / 128,
+    Q / 128) float32; ``transpose``: those of w^T instead (a block's scale and values do not depend on the
+    orientation), q (..., Q, P), written transposed in the same pass. Into the given outputs when given (a cached
+    copy refreshed in place). One Triton pass on CUDA (the twin's fp32 copies of a whole expert weight would
+    take GBs)."""
+    *lead, P, Q = w.shape
+    _blocks_view(w)  # the dimensions' check
+    shape, blocks = ((*lead, Q, P), (*lead, Q // BLOCK, P // BLOCK)) if transpose else (
+        tuple(w.shape), (*lead, P // BLOCK, Q // BLOCK))
+    q, scale = _outputs(shape, blocks, w, q_out, scale_out)
+    if not use_triton(w, "fp8 quantize_blocks"):
+        q_new, scale_new = quantize_blocks_torch(w, transpose)
+        q.copy_(q_new)
+        scale.copy_(scale_new)
+    elif w.numel():
+        w_BPQ = w.reshape(-1, P, Q)
+        if w_BPQ.stride(2) != 1:
+            w_BPQ = w_BPQ.contiguous()
+        _blocks[((P // BLOCK) * (Q // BLOCK), w_BPQ.shape[0]), w.device](
+            w_BPQ, q, scale, P, Q, w_BPQ.stride(0), w_BPQ.stride(1), TRANSPOSE=transpose, num_warps=8)
     return q, scale
 
 

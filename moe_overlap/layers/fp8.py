@@ -6,7 +6,9 @@
   dimension a multiple of 16.
 - blockwise: one scale per 1x128 tile of an activation row and per 128x128 block of a weight
   (kernels/fp8_blockwise.py, its Triton GEMM for the experts and the linears). Every dimension a multiple of 128.
-  One FP8 copy of a weight serves both orientations (a block's scale is the same either way).
+  The dgrad reads a transposed copy of the weight's blocks (the same values and scales, transposed): FP8 tensor
+  cores read only operands laid out along the contraction, and the GEMM transposing each tile itself ran 4-8x
+  slower (``step_kernels_fp8_blockwise_1xh100.json``).
 
 What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. Rows that crossed the FP8 dispatch
 reach the experts' first GEMM as they crossed (:class:`Fp8Rows`: their E4M3 bytes and scales, not dequantized and
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -102,12 +105,17 @@ class _CachedWeight:
 
 
 # How a cached copy is quantized: rowwise per row of w (the contraction along w's last dimension) or per column
-# (along its dim -2, written transposed); blockwise per 128x128 block, one copy for both orientations.
-Layout = Literal["rows", "columns", "blocks"]
+# (along its dim -2, written transposed); blockwise per 128x128 block, as w or written transposed. Every copy has
+# the GEMM's contraction along its last dimension.
+Layout = Literal["rows", "columns", "blocks", "blocks_t"]
+_QUANTIZE = {"rows": quantize_rows, "columns": quantize_columns, "blocks": quantize_blocks,
+             "blocks_t": partial(quantize_blocks, transpose=True)}
 
 
 def _layout(contract_last: bool, recipe: str) -> Layout:
-    return "blocks" if recipe == "blockwise" else "rows" if contract_last else "columns"
+    if recipe == "blockwise":
+        return "blocks" if contract_last else "blocks_t"
+    return "rows" if contract_last else "columns"
 
 
 def _state(param: torch.Tensor) -> tuple[int, int, int]:
@@ -125,9 +133,8 @@ def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> 
 
 def _quantize_weight(w: torch.Tensor, layout: Layout, entry: _CachedWeight | None = None,
                      split_over: GroupHandle | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if split_over is None or layout == "blocks":  # a block lies on one rank: nothing to share
-        quantize = {"rows": quantize_rows, "columns": quantize_columns, "blocks": quantize_blocks}[layout]
-        return quantize(w.detach(), *((entry.q, entry.scale) if entry is not None else ()))
+    if split_over is None or layout.startswith("blocks"):  # a block lies on one rank: nothing to share
+        return _QUANTIZE[layout](w.detach(), *((entry.q, entry.scale) if entry is not None else ()))
     q, scale = _shared_quantization(w.detach(), -1 if layout == "rows" else -2, split_over)
     if entry is None:
         return q, scale
@@ -141,8 +148,8 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
     """A weight (or a view of one: a run of experts) as the right operand B (K, N) of ``a @ B``, per matrix:
     B = w^T when ``contract_last`` (the contraction runs along w's last dimension), else B = w. rowwise: returns
     (q (..., N, K) contiguous, so that ``q.transpose(-2, -1)`` is B column-major; scales (..., N), one per
-    column of B); blockwise: (q like w, scales (..., P / 128, Q / 128) of w (P, Q)'s blocks), whichever
-    orientation. From the parameter's cache (see the module docstring). ``split_over``: the ranks that each hold
+    column of B); blockwise: (q = B^T contiguous, its 128x128 blocks' scales (..., N / 128, K / 128)). From the
+    parameter's cache (see the module docstring). ``split_over``: the ranks that each hold
     part of the contraction (a tensor-parallel weight): the rowwise scales are the whole dimension's."""
     param = w if w._base is None else w._base
     cache: dict = param.__dict__.setdefault("fp8_cache", {})
@@ -161,16 +168,15 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
 
 def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise") -> int:
     """The bytes of the FP8 copies a module's weights get once its GEMMs ran forward and backward: per weight
-    matrix (N, K), rowwise an E4M3 copy in each orientation (2 N K bytes) and their float32 scales, one per column
-    of the right operand (4 (N + K) bytes); blockwise one copy (N K bytes) and a scale per 128x128 block. Biases
-    stay in their dtype."""
+    matrix (N, K) an E4M3 copy in each orientation (2 N K bytes) and their float32 scales: rowwise one per column
+    of the right operand (4 (N + K) bytes), blockwise one per 128x128 block in each copy. Biases stay in their
+    dtype."""
     total = 0
     for param in module.parameters(recurse=False):
         if param.dim() >= 2:
             *batch, n, k = param.shape
-            per_matrix = (n * k + 4 * -(-n // BLOCK) * -(-k // BLOCK) if recipe == "blockwise"
-                          else 2 * n * k + 4 * (n + k))
-            total += math.prod(batch) * per_matrix
+            scales = 2 * (n // BLOCK) * (k // BLOCK) if recipe == "blockwise" else n + k
+            total += math.prod(batch) * (2 * n * k + 4 * scales)
     return total
 
 
@@ -220,9 +226,10 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
 
 def _blockwise_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool, fp8: Fp8,
                       offsets_E: torch.Tensor | None) -> torch.Tensor:
-    """:func:`fp8_matmul` in the blockwise recipe. Rows that crossed the FP8 dispatch carry one scale per row: the
-    GEMM reads it as each of the row's tiles' (a stride-0 view, no copy)."""
-    w_q, w_scale = weight_operand(w, contract_last, recipe="blockwise")
+    """:func:`fp8_matmul` in the blockwise recipe, against the weight's copy laid out along the contraction. Rows
+    that crossed the FP8 dispatch carry one scale per row: the GEMM reads it as each of the row's tiles' (a
+    stride-0 view, no copy)."""
+    b_q, b_scale = weight_operand(w, contract_last, recipe="blockwise")
     if isinstance(a_MK, Fp8Rows):
         a_q, dtype = a_MK.q_RK, a_MK.dtype
         a_scale = a_MK.scale_R[:, None].expand(-1, a_q.shape[1] // BLOCK)
@@ -230,7 +237,7 @@ def _blockwise_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_la
         a_q, a_scale = quantize_tiles(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
         dtype = a_MK.dtype
     gemm = blockwise_mm_torch if fp8.emulate else blockwise_mm
-    return gemm(a_q, a_scale, w_q, w_scale, contract_last, offsets_E, dtype)
+    return gemm(a_q, a_scale, b_q, b_scale, True, offsets_E, dtype)
 
 
 def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,

@@ -27,7 +27,7 @@ class StateBytes:
     weights: int  # in the compute dtype (train.precision)
     gradients: int  # fp32 main_grad, every local parameter
     optimizer: int  # fp32 master weights (unless the weights are fp32) and the two AdamW moments, this rank's shard
-    fp8_copies: int = 0  # train.fp8_recipe: the FP8 GEMMs' weights in E4M3 (rowwise: both orientations) with scales
+    fp8_copies: int = 0  # train.fp8_recipe: the FP8 GEMMs' weights in E4M3, both orientations, with their scales
 
     @property
     def total(self) -> int:
@@ -71,7 +71,7 @@ def describe_state_memory(cfg: Config, layout: MeshLayout) -> list[str]:
     sharding = ("sharded over data-parallel ranks by the distributed optimizer" if cfg.train.use_distributed_optimizer
                 else "not sharded: train.use_distributed_optimizer=false")
     fp8 = (f" + FP8 copies {state.fp8_copies / gib:.1f} (train.fp8_recipe={cfg.train.fp8_recipe}: the FP8 GEMMs' "
-           f"weights in E4M3{', both orientations' if cfg.train.fp8_recipe == 'rowwise' else ''}, made once per step)" if cfg.train.fp8_recipe else "")
+           f"weights in E4M3, both orientations, made once per step)" if cfg.train.fp8_recipe else "")
     return [f"model state per rank, before activations (the most on any rank: rank {rank}): "
             f"{state.total / gib:.1f} GiB = weights {state.weights / gib:.1f} ({cfg.train.precision}) + gradients "
             f"{state.gradients / gib:.1f} (fp32) + optimizer {state.optimizer / gib:.1f} (fp32 master and AdamW "
