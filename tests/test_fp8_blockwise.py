@@ -85,8 +85,8 @@ def test_fp8_blocks_transposed_are_the_blocks_of_the_transpose():
     assert torch.equal(q_t.view(torch.uint8), B.quantize_blocks(w.transpose(-2, -1).contiguous())[0].view(torch.uint8))
 
 
-def test_fp8_blocks_kernel_under_the_interpreter(monkeypatch):
-    """The block kernel's indexing, scales and transposed stores on CPU; q may differ from the twin only where the
+def test_fp8_blockwise_quantize_kernels_under_the_interpreter(monkeypatch):
+    """The block kernel's indexing, scales and transposed stores on CPU, and the tiles kernel's; q may differ from the twin only where the
     interpreter's own E4M3 cast is known to be wrong (tests/test_fp8.py says how), on GPU it must equal it."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(4)
@@ -104,6 +104,13 @@ def test_fp8_blocks_kernel_under_the_interpreter(monkeypatch):
     q_out, scale_out = torch.zeros(2, 384, 256, dtype=FP8), torch.zeros(2, 3, 2)
     got = B.quantize_blocks(w.bfloat16(), q_out, scale_out, transpose=True)  # bf16 in, into given buffers
     assert got[0] is q_out and torch.equal(scale_out, B.quantize_blocks_torch(w.bfloat16(), True)[1])
+
+    x = w[0, :70]  # the tiles' kernel: 70 rows (not a multiple of its 32), rows from the bound on unwritten
+    (q, scale), (q_twin, scale_twin) = B.quantize_tiles(x), B.quantize_tiles_torch(x)
+    assert torch.equal(scale, scale_twin)
+    assert (q.float() != q_twin.float()).float().mean() < 0.2
+    _, scale_bounded = B.quantize_tiles(x, rows_bound=torch.tensor([50], dtype=torch.int32))
+    assert torch.equal(scale_bounded[:50], scale_twin[:50])
 
 
 def test_fp8_row_scale_broadcast_along_tiles_is_the_rows_dequantization():

@@ -6,11 +6,10 @@ A tile's or block's scale is made as a row's in kernels/fp8_quant.py (amax / 448
 the values times 448 / amax, clamped, rounded to nearest even): a tile is a row of 128, a block 128 rows of 128
 flattened. Every quantized dimension must be a multiple of 128 (the config refuses others, naming the field).
 
-- :func:`quantize_tiles`: x (..., M, K) per 1x128 tile along K: q like x, scales (..., M, K / 128). On CUDA the
-  rows kernel of kernels/fp8_quant.py over x viewed as rows of 128.
-- :func:`quantize_blocks`: w (..., P, Q) per 128x128 block: q like w, scales (..., P / 128, Q / 128). Weights
-  only, once per optimizer step: torch ops. One copy serves both orientations (forward and dgrad): a block's
-  scale is the same whichever way the GEMM contracts it.
+- :func:`quantize_tiles`: x (..., M, K) per 1x128 tile along K: q like x, scales (..., M, K / 128).
+- :func:`quantize_blocks`: w (..., P, Q) per 128x128 block: q like w, scales (..., P / 128, Q / 128), or those
+  of w^T written transposed in the same pass (a block's values and scale do not depend on the orientation).
+  Weights, once per optimizer step.
 - :func:`blockwise_mm`: ``a @ w^T`` (``contract_last``) or ``a @ w`` per group of rows (int32 end offsets, w
   (E, P, Q)), or dense (no offsets, w (P, Q)).
 
@@ -20,16 +19,18 @@ walking the end offsets on the device, so it replays in CUDA graphs). Per 128-de
 tl.dot of the FP8 tiles into a fresh fp32 accumulator, times the rows' tile scales and the weight block's scale,
 added to the fp32 sum (DeepGEMM's promotion: the tensor cores' FP8 sum never spans more than one slice). The
 weight is read through strides in either orientation; FP8 wgmma reads only K-major operands from shared memory, so
-in the dgrad orientation (``contract_last=False``) Triton transposes each weight tile through registers.
+with ``contract_last=False`` Triton transposes each weight tile through registers (4-8x slower on an H100: the
+layers pass a transposed copy and ``contract_last=True`` instead).
 
-The torch twins dequantize and multiply in fp32: they are the recipe's emulated path too (layers/fp8.py).
+The quantize kernels run on CUDA (and under TRITON_INTERPRET=1), with the twins' arithmetic. The torch twins of the
+GEMM dequantize and multiply in fp32: they are the recipe's emulated path too (layers/fp8.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX, _outputs, _quantize_torch, quantize_rows
+from moe_overlap.kernels.fp8_quant import AMAX_FLOOR, FP8, FP8_MAX, _outputs, _quantize_torch
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, max_combine, use_triton
 
 BLOCK = 128
@@ -130,6 +131,25 @@ if HAVE_TRITON:
 
     _blocks = Kernel(_quantize_blocks_kernel)
 
+    # One program per (BLOCK_R rows, one 128-wide tile column): each row's tile amax, scale and values, with the
+    # twin's arithmetic. Rows at or past the bound are masked off.
+    def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, R, K, stride_x, HAS_BOUND: tl.constexpr,
+                               BLOCK_R: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        limit = R
+        if HAS_BOUND:
+            limit = tl.minimum(tl.load(bound_ptr), R)
+        live = rows < limit
+        rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.reduce(tl.abs(x), 1, max_combine), _FLOOR)
+        tl.store(scale_ptr + rows * (K // 128) + tl.program_id(1), tl.math.div_rn(amax, _MAX), mask=live)
+        q = tl.minimum(tl.maximum(x * tl.math.div_rn(_MAX, amax)[:, None], -_MAX), _MAX)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
+
+    _tiles = Kernel(_quantize_tiles_kernel)
+
 
 def _check_multiple(what: str, size: int) -> None:
     if size % BLOCK:
@@ -149,12 +169,19 @@ def quantize_tiles(x: torch.Tensor, rows_bound: torch.Tensor | None = None) -> t
     K)) from it on are left unwritten on CUDA (the twin writes them)."""
     *lead, K = x.shape
     _check_multiple("the quantized rows' length", K)
-    if not x.is_cuda:
+    if not use_triton(x, "fp8 quantize_tiles"):
         return quantize_tiles_torch(x)
-    tiles = x.contiguous().view(-1, BLOCK)
-    bound = None if rows_bound is None else rows_bound * (K // BLOCK)
-    q, scale = quantize_rows(tiles, rows_bound=bound)
-    return q.view(x.shape), scale.view(*lead, K // BLOCK)
+    x_RK = x.reshape(-1, K)
+    if x_RK.stride(1) != 1:
+        x_RK = x_RK.contiguous()
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty((*lead, K // BLOCK), dtype=torch.float32, device=x.device)
+    if x.numel():
+        block_r = 32
+        _tiles[(triton.cdiv(x_RK.shape[0], block_r), K // BLOCK), x.device](
+            x_RK, q, scale, x_RK if rows_bound is None else rows_bound, x_RK.shape[0], K, x_RK.stride(0),
+            HAS_BOUND=rows_bound is not None, BLOCK_R=block_r, num_warps=4)
+    return q, scale
 
 
 def _blocks_view(w: torch.Tensor) -> torch.Tensor:
