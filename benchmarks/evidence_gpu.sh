@@ -73,6 +73,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_mixtral4 OUT # FP8 at EP=4 on the Mixtral-like model (wide GEMMs)
 #   bash benchmarks/evidence_gpu.sh blockwise1 OUT # one GPU: the blockwise FP8 recipe's GPU tests, kernel, GEMMs, models
 #   bash benchmarks/evidence_gpu.sh blockwise4 OUT # 4 GPUs: the FP8 layouts' GPU test, both recipes at EP=4
+#   bash benchmarks/evidence_gpu.sh fp8_layouts4 OUT # 4 GPUs: the FP8 layouts' GPU test alone
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
@@ -120,6 +121,15 @@ train_step() {  # nproc, model (fine_8l | mixtral_2l), routing name, routing ove
     configs/bench_${model}.yaml parallel.expert_model_parallel_size="$n" $routes $DISTOPT $GRAPHED $STEPS \
     --compute-only --ep1 --ep1-overrides "${routes// /,}" --json $res/$name.json --timeline $res/$name.png "$@" \
     2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+  pack
+}
+
+fp8_layouts() {  # the FP8 layouts' GPU test at 2 and 4 GPUs (issue 39), its whole output kept
+  local log=$out/gpu_tests_fp8_layouts_4x$gpu.txt
+  echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py" > "$log"
+  timeout -k 10 240 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py >> "$log" 2>&1
+  grep -E "passed|failed|violations" "$log" | tail -n 12 | cut -c1-400
+  cp "$log" $res/
   pack
 }
 
@@ -866,15 +876,13 @@ case $phase in
       pack
     done
     ;;
+  fp8_layouts4)  # the FP8 layouts' GPU test alone (as blockwise4 runs it first)
+    fp8_layouts
+    ;;
   blockwise4)  # issue 39 at 2 and 4 GPUs: the FP8 layouts' GPU test (both recipes at TP=2, EP=2 and EP=4 with FP8
     # on the wire, TP=2 x EP=2, against one process), then the fine and Mixtral-like bench models at EP=4 balanced:
     # bf16 (the default, compute_only, ep1) beside each recipe with FP8 on the wire
-    log=$out/gpu_tests_fp8_layouts_4x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py" > "$log"
-    timeout -k 10 240 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py 2>&1 \
-      | tail -n 30 | tee -a "$log"
-    cp "$log" $res/
-    pack
+    fp8_layouts
     WIRE="overlap.moe_dispatch_dtype=fp8,overlap.moe_dispatch_once_per_rank=true"
     train_step 4 fine_8l balanced_blockwise "$BAL" --profile-steps 0 \
       --variant "rowwise_wire:train.fp8_recipe=rowwise,$WIRE" --variant "blockwise_wire:train.fp8_recipe=blockwise,$WIRE"
