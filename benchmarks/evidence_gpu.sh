@@ -74,6 +74,7 @@
 #   bash benchmarks/evidence_gpu.sh blockwise1 OUT # one GPU: the blockwise FP8 recipe's GPU tests, kernel, GEMMs, models
 #   bash benchmarks/evidence_gpu.sh blockwise4 OUT # 4 GPUs: the FP8 layouts' GPU test, both recipes at EP=4
 #   bash benchmarks/evidence_gpu.sh fp8_layouts4 OUT # 4 GPUs: the FP8 layouts' GPU test alone
+#   bash benchmarks/evidence_gpu.sh fp8_tp2  OUT   # 2 GPUs: the Mixtral-like model at TP=2 in bf16 and both FP8 recipes
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
@@ -875,6 +876,16 @@ case $phase in
         | tee "$out/blockwise_$model.log" | grep -E '^\{"variant"|Error' | cut -c1-300
       pack
     done
+    ;;
+  fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
+    # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
+    name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu
+    TP2="parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true parallel.expert_tensor_parallel_size=1"
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+      configs/bench_mixtral_2l.yaml $TP2 $BAL --warmup 3 --steps 8 --profile-steps 0 \
+      --variant rowwise:train.fp8_recipe=rowwise --variant blockwise:train.fp8_recipe=blockwise --json $res/$name.json \
+      2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    pack
     ;;
   fp8_layouts4)  # the FP8 layouts' GPU test alone (as blockwise4 runs it first)
     fp8_layouts
