@@ -2,14 +2,16 @@
 parallelism, at EP=2 and EP=4 with FP8 on the wire (fed straight to the FP8 GEMMs), and TP=2 x EP=2, through the
 trainer (``train.fp8_recipe``), against one process.
 
-The FP8 rule, the bf16 rule's (tests/gpu_launch.py) on the first step with the recipe's single-process run in
-bf16's place: the layout's loss and every gradient of the first step within 2x the single FP8 run's own error
-against an fp32 single-process run without FP8. From the same weights both runs quantize the same values, so
-their FP8 errors are mostly the same; what a layout may add is round-off (partial sums in another order) and the
-E4M3 rounding flips it causes, which cascade down the backward (tests/test_fp8.py). After the first step the
-weights differ by those flips and the runs drift apart: the later losses are held to LATER_LOSS of the single FP8
-run's (relative). The bf16 rule's loss curve over all steps missed here by chance: TP=2 x EP=2 blockwise on 4 H100s
-drifted 1.0e-3 by step 3 where the single run happened to stay within 0.6e-3 of fp32 (2.7x its error; 2026-11-27).
+The FP8 rule: the bf16 rule's gradients (tests/gpu_launch.py) with the recipe's single-process run in bf16's
+place, every gradient of the first step within 2x the single FP8 run's own error against an fp32 single-process run
+without FP8; and every step's loss within LOSS_TOL of the single FP8 run's (relative). From the same weights both
+runs quantize nearly the same values, so their FP8 errors are mostly the same; what a layout may add is round-off
+(partial sums in another order, bf16 roundings of partial sums at TP=2) and the E4M3 rounding flips it causes,
+which cascade down the backward (tests/test_fp8.py); with FP8 on the wire the dispatched rows carry one scale per
+row where the blockwise GEMM quantizes 1x128 tiles. The bf16 rule's loss part is not used: the single FP8 run's
+loss lands near fp32's by chance (1.3e-4 at the first step on 2 H100s, against the layouts' 1.0e-3, so the
+blockwise layouts "missed" it by 8x; over three steps, TP=2 x EP=2 blockwise on 4 H100s missed it by 2.7x, where it
+drifted 1.0e-3 from its single run; 2026-11-27, gpu_tests_fp8_layouts_*4xh100.txt), a coin flip, not a rule.
 Routing is forced (model.moe_router_force_load_balancing), as in the other GPU layouts, so that a flip cannot move
 a token between near-tied experts. Dimensions are multiples of 128 (the blockwise recipe's tiles and blocks, on
 each rank).
@@ -30,7 +32,7 @@ import torch
 from tests.gpu_launch import bf16_rule, dry_run, launch_ranks, require_gpus, worker_device_type, write_report
 
 STEPS = 3
-LATER_LOSS = 5e-3  # the steps after the first against the single FP8 run: 1.2e-3 seen (4 H100s, 2026-11-27)
+LOSS_TOL = 5e-3  # every step's loss against the single FP8 run's: at most 2.0e-3 seen (2 and 4 H100s, 2026-11-27)
 DIMS = {"model.hidden_size": 256, "model.ffn_hidden_size": 512, "model.moe_ffn_hidden_size": 256,
         "model.num_attention_heads": 4, "model.num_query_groups": 2, "model.kv_channels": 64,
         "model.moe_router_force_load_balancing": "true"}
@@ -90,10 +92,10 @@ def gpu_case(output_dir: str) -> dict:
                                 ["loss"])
             if step == 0:
                 grads[name] = captured
-    tensors, violations = bf16_rule(layouts, grads, {name: curve[:1] for name, curve in losses.items()}, single)
+    tensors, violations = bf16_rule(layouts, grads, None, single)
     for layout in layouts:
         for step, (got, want) in enumerate(zip(losses[layout], losses[single[layout]])):
-            if step and abs(got - want) > LATER_LOSS * abs(want):
+            if abs(got - want) > LOSS_TOL * abs(want):
                 violations.append((layout, f"loss of step {step + 1}", got, want))
     ran_fp8 = all(bool(getattr(run.model.layers["1"].mlp.experts.w13, "fp8_cache", None)) == (name != "single_fp32")
                   for name, run in runs.items())
