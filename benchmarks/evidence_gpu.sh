@@ -72,6 +72,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_4    OUT   # FP8 at EP=4: GPU tests, the fine model bf16 / FP8 / FP8 wire
 #   bash benchmarks/evidence_gpu.sh fp8_mixtral4 OUT # FP8 at EP=4 on the Mixtral-like model (wide GEMMs)
 #   bash benchmarks/evidence_gpu.sh blockwise1 OUT # one GPU: the blockwise FP8 recipe's GPU tests, kernel, GEMMs, models
+#   bash benchmarks/evidence_gpu.sh blockwise_paired1 OUT # one GPU: the blockwise GEMM's configs, two slices in flight
 #   bash benchmarks/evidence_gpu.sh blockwise4 OUT # 4 GPUs: the FP8 layouts' GPU test, both recipes at EP=4
 #   bash benchmarks/evidence_gpu.sh fp8_layouts4 OUT # 4 GPUs: the FP8 layouts' GPU test alone
 #   bash benchmarks/evidence_gpu.sh fp8_tp2  OUT   # 2 GPUs: the Mixtral-like model at TP=2 in bf16 and both FP8 recipes
@@ -889,6 +890,20 @@ case $phase in
     ;;
   fp8_layouts4)  # the FP8 layouts' GPU test alone (as blockwise4 runs it first)
     fp8_layouts
+    ;;
+  blockwise_paired1)  # the blockwise GEMM's tile configs again, with two slices' products in flight (paired), after
+    # its GPU tests (every config against the twin); then the layers' GEMMs in each recipe
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_blockwise_paired_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_blockwise.py" > "$log"
+    timeout -k 10 120 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_blockwise.py 2>&1 \
+      | tail -n 4 | tee -a "$log"
+    cp "$log" $res/
+    timeout -k 10 150 python benchmarks/step_kernels.py --sections fp8_blockwise --rounds 10 \
+      --json $res/step_kernels_fp8_blockwise_paired_1x$gpu.json 2>&1 | tail -n 8
+    timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 \
+      --json $res/fp8_gemm_blockwise_paired_1x$gpu.json 2>&1 | grep -E "^(experts|dense|wrote)"
+    pack
     ;;
   blockwise4)  # issue 39 at 2 and 4 GPUs: the FP8 layouts' GPU test (both recipes at TP=2, EP=2 and EP=4 with FP8
     # on the wire, TP=2 x EP=2, against one process), then the fine and Mixtral-like bench models at EP=4 balanced:

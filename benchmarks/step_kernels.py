@@ -44,7 +44,9 @@ TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the blockwise kernel: BLOCK_N and BLOCK_K are the scale blocks' 128.
 # 64 rows in one warp group fit two programs per SM (one scales its slice while the other multiplies), 128 in two
 # only one (registers: ptxas for sm_90).
-BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 128, 128, 8, 4)]
+BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (128, 128, 128, 8, 3, False),
+                     (128, 128, 128, 8, 4, False), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
+                     (128, 128, 128, 8, 3, True)]
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 
 

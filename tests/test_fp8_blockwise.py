@@ -196,6 +196,19 @@ def test_fp8_blockwise_kernel_grouped_equals_twin(monkeypatch, contract_last, as
 
 
 @needs_triton
+@pytest.mark.parametrize("K", [256, 384], ids=["2-slices-paired", "3-slices-single"])
+def test_fp8_blockwise_kernel_paired_slices_equal_twin(monkeypatch, K):
+    """Two slices' products in flight per step of the loop (where the slices are even: else one at a time)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a_q, a_scale, w_q, w_scale = operands(100, K, (3, 256, K), seed=6)
+    offsets = torch.tensor([41, 41, 97], dtype=torch.int32)
+    want = B.blockwise_mm_torch(a_q, a_scale, w_q, w_scale, True, offsets)
+    got = B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, True, offsets, out_dtype=torch.float32,
+                                config=(64, 128, 128, 4, 4, True))
+    assert_matches_twin(got[:97], want[:97])
+
+
+@needs_triton
 @pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
 def test_fp8_blockwise_kernel_stride0_row_scales_equal_twin(monkeypatch, grouped):
     """a quantized with one scale per row, its scales a stride-0 view along the tiles (not materialized)."""
@@ -221,7 +234,7 @@ def test_fp8_blockwise_kernel_bf16_out_and_empty_rows(monkeypatch):
     empty = B.blockwise_mm_triton(a_q[:0], a_scale[:0], w_q, w_scale, False, torch.zeros(3, dtype=torch.int32))
     assert empty.shape == (0, 256)
     with pytest.raises(ValueError, match="BLOCK_N and BLOCK_K"):
-        B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, False, offsets, config=(64, 256, 128, 4, 4))
+        B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, False, offsets, config=(64, 256, 128, 4, 4, False))
     with pytest.raises(ValueError, match="out must be"):
         B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, False, offsets, out=torch.empty(40, 256))
 

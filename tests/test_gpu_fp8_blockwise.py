@@ -129,3 +129,15 @@ def test_fp8_blockwise_quantize_kernels_equal_twins(dtype):
     x = w[0, :300]
     (q, scale), (q_twin, scale_twin) = quantize_tiles(x), quantize_tiles_torch(x)
     assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8)) and torch.equal(scale, scale_twin)
+
+
+@pytest.mark.parametrize("config", [(64, 128, 128, 4, 4, False), (128, 128, 128, 8, 3, False),
+                                    (64, 128, 128, 4, 4, True), (128, 128, 128, 8, 3, True)],
+                         ids=["64-rows", "128-rows", "64-rows-paired", "128-rows-paired"])
+def test_fp8_blockwise_kernel_configs_against_twin(config):
+    """Each tile config the default picks from (by the output's width) or step_kernels.py sweeps."""
+    _, _, operands = inputs(True, True, seed=6)
+    offsets = offsets_of(GROUP_ROWS)
+    rows = sum(GROUP_ROWS)
+    got = blockwise_mm_triton(*operands, True, offsets, config=config)
+    assert rel(got[:rows], blockwise_mm_torch(*operands, True, offsets)[:rows]) < TWIN_TOL

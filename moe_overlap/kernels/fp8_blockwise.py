@@ -46,7 +46,7 @@ if HAVE_TRITON:
                              stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
                              stride_bse, stride_bsk, stride_bsn, stride_om, stride_on, GROUPED: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr):
+                             GROUP_M: tl.constexpr, PAIRED: tl.constexpr):
         pid = tl.program_id(0)
         tiles_n = N // BLOCK_N
         width = GROUP_M * tiles_n
@@ -91,17 +91,23 @@ if HAVE_TRITON:
             a_scale_M = a_scale_ptr + rm.to(tl.int64) * stride_asm
             b_scale += pid_n * stride_bsn  # BLOCK_N = 128: one weight block scale per 128-deep slice
             acc_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for _ in range(0, K // BLOCK_K):
-                a_tile = tl.load(a_MK, mask=rows_in[:, None], other=0.0)
+            for _ in range(0, K // (BLOCK_K * (1 + PAIRED))):
                 # The slice's product alone (a fresh accumulator: the tensor cores' reduced-precision FP8 sum spans
-                # 128 values only), then scaled into the fp32 sum: DeepGEMM's promotion.
-                partial_MN = tl.dot(a_tile, tl.load(b_KN))
+                # 128 values only), then scaled into the fp32 sum: DeepGEMM's promotion. PAIRED: two slices'
+                # products issued before either is scaled, so the second runs while the first is scaled.
+                partial_MN = tl.dot(tl.load(a_MK, mask=rows_in[:, None], other=0.0), tl.load(b_KN))
+                if PAIRED:
+                    second_MN = tl.dot(tl.load(a_MK + BLOCK_K * stride_ak, mask=rows_in[:, None], other=0.0),
+                                       tl.load(b_KN + BLOCK_K * stride_bk))
                 scale_M = tl.load(a_scale_M, mask=rows_in, other=0.0) * tl.load(b_scale)
                 acc_MN += partial_MN * scale_M[:, None]
-                a_MK += BLOCK_K * stride_ak
-                b_KN += BLOCK_K * stride_bk
-                a_scale_M += stride_ask
-                b_scale += stride_bsk
+                if PAIRED:
+                    scale_M = tl.load(a_scale_M + stride_ask, mask=rows_in, other=0.0) * tl.load(b_scale + stride_bsk)
+                    acc_MN += second_MN * scale_M[:, None]
+                a_MK += (1 + PAIRED) * BLOCK_K * stride_ak
+                b_KN += (1 + PAIRED) * BLOCK_K * stride_bk
+                a_scale_M += (1 + PAIRED) * stride_ask
+                b_scale += (1 + PAIRED) * stride_bsk
             out_MN = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
             tl.store(out_MN, acc_MN.to(out_ptr.dtype.element_ty), mask=rows_in[:, None])
 
@@ -276,24 +282,35 @@ def _check_operands(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
     return M, K, P if contract_last else Q
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Each slice's product is waited for before it is scaled, so a program
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, paired). Each slice's product is waited for before it is scaled, so a program
 # leaves the tensor cores idle while it scales; two programs per SM overlap one's scaling with the other's
 # products. Compiled for sm_90 (ptxas, no GPU): 64 rows in one warp group take ~190 registers and 96 KiB of
 # shared memory in 4 stages, so two fit an SM; 128 rows in two warp groups (~196 registers each) fit only one.
-# Not yet measured: benchmarks/step_kernels.py --sections fp8_blockwise sweeps both.
-_CONFIG = (64, 128, 128, 4, 4)
+# Measured on an H100 (step_kernels_fp8_blockwise_1xh100.json, the expert shapes): 64 rows are the fastest where
+# the output is narrow (the fine experts' 2048 columns), 128 rows 10-15% faster from 4096 columns on (the
+# Mixtral-like experts' dgrad and fc2), within 5% of 64 rows elsewhere.
+_CONFIG = (64, 128, 128, 4, 4, False)
+_CONFIG_WIDE = (128, 128, 128, 8, 3, False)  # outputs of at least WIDE columns
+WIDE = 4096
+
+
+def _default_config(N: int) -> tuple[int, ...]:
+    return _CONFIG_WIDE if N >= WIDE else _CONFIG
 
 
 def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                         contract_last: bool, offsets_E: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
-                        config: tuple[int, ...] = _CONFIG) -> torch.Tensor:
+                        config: tuple[int, ...] | None = None) -> torch.Tensor:
     """:func:`blockwise_mm` in one Triton launch of a static grid (CUDA-graph replayable: the group sizes are read
     on the device). Into ``out`` (M, N) of ``out_dtype`` when given; rows past the last offset are left unwritten
     (their values in a new output are undefined). Operands of any dtype tl.dot takes (FP8 on Hopper; float32
-    holding E4M3 values in the CPU interpreter). ``config``: (BLOCK_M, 128, 128, warps, stages)."""
+    holding E4M3 values in the CPU interpreter). ``config``: (BLOCK_M, 128, 128, warps, stages, paired), paired:
+    two slices' products in flight (where the contraction has an even number of slices); by default by the
+    output's width (N)."""
     M, K, N = _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
-    block_m, block_n, block_k, warps, stages = config
+    config = config or _default_config(N)
+    block_m, block_n, block_k, warps, stages, paired = config
     if (block_n, block_k) != (BLOCK, BLOCK):
         raise ValueError(f"blockwise_mm_triton's BLOCK_N and BLOCK_K are the scale blocks' {BLOCK}, got {config}")
     if out is None:
@@ -314,7 +331,8 @@ def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Ten
         a_q.stride(0), a_q.stride(1), a_scale.stride(0), a_scale.stride(1), w_q.stride(0) if grouped else 0,
         w_q.stride(w_k), w_q.stride(w_n), w_scale.stride(0) if grouped else 0, w_scale.stride(w_k),
         w_scale.stride(w_n), out.stride(0), out.stride(1), GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, GROUP_M=8, PAIRED=bool(paired) and K // block_k % 2 == 0, num_warps=warps,
+        num_stages=stages)
     return out
 
 
