@@ -286,11 +286,12 @@ def _check_operands(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
 # leaves the tensor cores idle while it scales; two programs per SM overlap one's scaling with the other's
 # products. Compiled for sm_90 (ptxas, no GPU): 64 rows in one warp group take ~190 registers and 96 KiB of
 # shared memory in 4 stages, so two fit an SM; 128 rows in two warp groups (~196 registers each) fit only one.
-# Measured on an H100 (step_kernels_fp8_blockwise_1xh100.json, the expert shapes): 64 rows are the fastest where
-# the output is narrow (the fine experts' 2048 columns), 128 rows 10-15% faster from 4096 columns on (the
-# Mixtral-like experts' dgrad and fc2), within 5% of 64 rows elsewhere.
+# Measured on an H100 (step_kernels_fp8_blockwise_1xh100.json, step_kernels_fp8_blockwise_paired_1xh100.json; the
+# expert shapes): 64 rows unpaired are the fastest where the output is narrow (the fine experts' 2048 columns); from
+# 4096 columns on (the Mixtral-like experts) 128 rows with two slices in flight, 15% below 64 rows there (7.40
+# against 8.73 ms over the four GEMMs, bf16's 7.54). 64 rows paired spill: slower everywhere.
 _CONFIG = (64, 128, 128, 4, 4, False)
-_CONFIG_WIDE = (128, 128, 128, 8, 3, False)  # outputs of at least WIDE columns
+_CONFIG_WIDE = (128, 128, 128, 8, 3, True)  # outputs of at least WIDE columns
 WIDE = 4096
 
 
