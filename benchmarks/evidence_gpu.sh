@@ -73,6 +73,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_mixtral4 OUT # FP8 at EP=4 on the Mixtral-like model (wide GEMMs)
 #   bash benchmarks/evidence_gpu.sh blockwise1 OUT # one GPU: the blockwise FP8 recipe's GPU tests, kernel, GEMMs, models
 #   bash benchmarks/evidence_gpu.sh blockwise_paired1 OUT # one GPU: the blockwise GEMM's configs, two slices in flight
+#   bash benchmarks/evidence_gpu.sh blockwise_model1 OUT # one GPU: fp8_gemm.py and the Mixtral-like model, tuned
 #   bash benchmarks/evidence_gpu.sh blockwise4 OUT # 4 GPUs: the FP8 layouts' GPU test, both recipes at EP=4
 #   bash benchmarks/evidence_gpu.sh fp8_layouts4 OUT # 4 GPUs: the FP8 layouts' GPU test alone
 #   bash benchmarks/evidence_gpu.sh fp8_tp2  OUT   # 2 GPUs: the Mixtral-like model at TP=2 in bf16 and both FP8 recipes
@@ -903,6 +904,17 @@ case $phase in
       --json $res/step_kernels_fp8_blockwise_paired_1x$gpu.json 2>&1 | tail -n 8
     timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 \
       --json $res/fp8_gemm_blockwise_paired_1x$gpu.json 2>&1 | grep -E "^(experts|dense|wrote)"
+    pack
+    ;;
+  blockwise_model1)  # with the blockwise GEMM's measured configs: the layers' GEMMs in each recipe, then the
+    # Mixtral-like bench model in bf16, rowwise and blockwise on one GPU
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 --json $res/fp8_gemm_blockwise_tuned_1x$gpu.json \
+      2>&1 | grep -E "^(experts|dense|wrote)"
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise --variant blockwise:train.fp8_recipe=blockwise --warmup 3 --steps 8 \
+      --profile-steps 0 --json $res/train_step_fp8_blockwise_tuned_mixtral_2l_1x$gpu.json 2>&1 \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
   blockwise4)  # issue 39 at 2 and 4 GPUs: the FP8 layouts' GPU test (both recipes at TP=2, EP=2 and EP=4 with FP8
