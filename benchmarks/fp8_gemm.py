@@ -15,11 +15,12 @@ into main_grad). Variants, milliseconds (median of the rounds):
                setting; the dense case's GEMMs are not patched: its row is fp8 again)
   blockwise    train.fp8_recipe=blockwise as a micro-batch runs it (1x128 activation tiles quantized per call, the
                128x128 weight blocks made this step; the Triton blockwise GEMM)
-``ratio`` is bf16 / fp8 (> 1: FP8 faster), ``ratio_blockwise`` bf16 / blockwise. In this recipe the forward and dgrad GEMMs run in FP8 and the weight
-gradients stay bf16 (layers/fp8.py says why), so the expert rows' bound is about 1.5x, not 2x.
+``ratio`` is bf16 / fp8 (> 1: FP8 faster), ``ratio_blockwise`` bf16 / blockwise. In both recipes the forward and
+dgrad GEMMs run in FP8 and the weight gradients stay bf16 (layers/fp8.py says why), so the expert rows' bound is
+about 1.5x, not 2x.
 ``--check``: each recipe's outputs, input gradients and main_grads against bf16's, normwise (each under 0.1, or
 exit 1).
-``--profile PATH``: after the timing, each case's bf16 and fp8 variants under torch.profiler, the GPU kernels'
+``--profile PATH``: after the timing, each case's bf16, fp8 and blockwise variants under torch.profiler, the GPU kernels'
 time per call (where the FP8 path's time goes: its GEMMs, the quantize kernels, the rest), written to PATH.
 """
 

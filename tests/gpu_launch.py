@@ -44,6 +44,15 @@ def require_gpus(count: int) -> None:
         pytest.skip(f"needs {count} GPUs, {visible} visible")
 
 
+def require_fp8_gpu() -> None:
+    """Fail, not skip, without a CUDA GPU with FP8 tensor cores (a GPU test that did not run did not pass)."""
+    if not torch.cuda.is_available():
+        pytest.fail("no CUDA GPU is visible (a GPU test that did not run did not pass)")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.fail(f"{torch.cuda.get_device_name()} has no FP8 tensor cores (a GPU test that did not run did not "
+                    "pass)")
+
+
 def ranks_for_every_gpu(limit: int = 8) -> int:
     """One rank per visible GPU, at most ``limit``, rounded down to a power of two (so the ranks divide the
     tests' 8 experts and their batches); fails without a GPU."""

@@ -86,8 +86,9 @@ def test_fp8_blocks_transposed_are_the_blocks_of_the_transpose():
 
 
 def test_fp8_blockwise_quantize_kernels_under_the_interpreter(monkeypatch):
-    """The block kernel's indexing, scales and transposed stores on CPU, and the tiles kernel's; q may differ from the twin only where the
-    interpreter's own E4M3 cast is known to be wrong (tests/test_fp8.py says how), on GPU it must equal it."""
+    """The block kernel's indexing, scales and transposed stores on CPU, and the tiles kernel's; q may differ from
+    the twin only where the interpreter's own E4M3 cast is known to be wrong (tests/test_fp8.py says how), on GPU
+    it must equal it."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(4)
     w = torch.randn(2, 256, 384) * torch.logspace(-1, 1, 256).unsqueeze(-1)

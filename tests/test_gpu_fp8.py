@@ -24,6 +24,7 @@ from moe_overlap.layers.experts import GroupedSwiGLU, WgradInputs, expert_offset
 from moe_overlap.layers.fp8 import Fp8, fp8_matmul, grouped_mm
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.wgrad import mark_own_grad
+from tests.gpu_launch import require_fp8_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -38,11 +39,7 @@ def real_and_emulated(recipe: str) -> tuple[Fp8, Fp8]:
 
 @pytest.fixture(autouse=True)
 def fp8_gpu():
-    if not torch.cuda.is_available():
-        pytest.fail("no CUDA GPU is visible (a GPU test that did not run did not pass)")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.fail(f"{torch.cuda.get_device_name()} has no FP8 tensor cores (a GPU test that did not run did not "
-                    "pass)")
+    require_fp8_gpu()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,6 +17,7 @@ import torch
 from moe_overlap.kernels.fp8_blockwise import (blockwise_mm, blockwise_mm_torch, blockwise_mm_triton,
                                                quantize_blocks, quantize_blocks_torch, quantize_tiles,
                                                quantize_tiles_torch)
+from tests.gpu_launch import require_fp8_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -28,11 +29,7 @@ GROUP_ROWS = [700, 0, 1000, 13, 555, 900, 128, 300]  # 3596 of 4096 rows: the la
 
 @pytest.fixture(autouse=True)
 def fp8_gpu():
-    if not torch.cuda.is_available():
-        pytest.fail("no CUDA GPU is visible (a GPU test that did not run did not pass)")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.fail(f"{torch.cuda.get_device_name()} has no FP8 tensor cores (a GPU test that did not run did not "
-                    "pass)")
+    require_fp8_gpu()
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the references in fp32
     yield

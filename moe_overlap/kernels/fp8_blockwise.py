@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.fp8_quant import AMAX_FLOOR, FP8, FP8_MAX, _outputs, _quantize_torch
+from moe_overlap.kernels.fp8_quant import AMAX_FLOOR, FP8, FP8_MAX, fp8_outputs, quantize_along_torch
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, max_combine, use_triton
 
 BLOCK = 128
@@ -165,7 +165,7 @@ def _check_multiple(what: str, size: int) -> None:
 def quantize_tiles_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, K = x.shape
     _check_multiple("the quantized rows' length", K)
-    q, scale = _quantize_torch(x.reshape(*lead, K // BLOCK, BLOCK), -1)
+    q, scale = quantize_along_torch(x.reshape(*lead, K // BLOCK, BLOCK), -1)
     return q.reshape(x.shape), scale
 
 
@@ -202,7 +202,7 @@ def _blocks_view(w: torch.Tensor) -> torch.Tensor:
 def quantize_blocks_torch(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of :func:`quantize_blocks` (new outputs)."""
     *lead, P, Q = w.shape
-    q_blocks, scale = _quantize_torch(_blocks_view(w), -1)
+    q_blocks, scale = quantize_along_torch(_blocks_view(w), -1)
     q = q_blocks.reshape(*lead, P // BLOCK, Q // BLOCK, BLOCK, BLOCK).transpose(-3, -2).reshape(w.shape)
     return (q.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()) if transpose else (q, scale)
 
@@ -218,7 +218,7 @@ def quantize_blocks(w: torch.Tensor, q_out: torch.Tensor | None = None, scale_ou
     _blocks_view(w)  # the dimensions' check
     shape, blocks = ((*lead, Q, P), (*lead, Q // BLOCK, P // BLOCK)) if transpose else (
         tuple(w.shape), (*lead, P // BLOCK, Q // BLOCK))
-    q, scale = _outputs(shape, blocks, w, q_out, scale_out)
+    q, scale = fp8_outputs(shape, blocks, w, q_out, scale_out)
     if not use_triton(w, "fp8 quantize_blocks"):
         q_new, scale_new = quantize_blocks_torch(w, transpose)
         q.copy_(q_new)
@@ -282,8 +282,8 @@ def _check_operands(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
     return M, K, P if contract_last else Q
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, paired). Each slice's product is waited for before it is scaled, so a program
-# leaves the tensor cores idle while it scales; two programs per SM overlap one's scaling with the other's
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, paired). Each slice's product is waited for before it is scaled, so a
+# program leaves the tensor cores idle while it scales; two programs per SM overlap one's scaling with the other's
 # products. Compiled for sm_90 (ptxas, no GPU): 64 rows in one warp group take ~190 registers and 96 KiB of
 # shared memory in 4 stages, so two fit an SM; 128 rows in two warp groups (~196 registers each) fit only one.
 # Measured on an H100 (step_kernels_fp8_blockwise_1xh100.json, step_kernels_fp8_blockwise_paired_1xh100.json; the

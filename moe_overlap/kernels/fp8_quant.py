@@ -112,8 +112,9 @@ if HAVE_TRITON:
     _columns = Kernel(_quantize_columns_kernel)
 
 
-def _outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Tensor, q_out: torch.Tensor | None,
-             scale_out: torch.Tensor | None, strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Tensor,
+                q_out: torch.Tensor | None, scale_out: torch.Tensor | None,
+                strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs, given or new; ``strided`` (2-D rows only): q's rows and the scales may sit apart in memory (the
     packed wire rows of layers/wire_rows.py: a row's bytes, then its scale)."""
     q = q_out if q_out is not None else torch.empty(q_shape, dtype=FP8, device=x.device)
@@ -127,7 +128,8 @@ def _outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Te
     return q, scale
 
 
-def _quantize_torch(x: torch.Tensor, dim: int, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_along_torch(x: torch.Tensor, dim: int,
+                         amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin: (q like x, scales with ``dim`` reduced away), the kernels' arithmetic step for step; ``amax`` (``dim``
     reduced away): given instead of x's own."""
     x = x.float()  # as the kernels: a bf16 row's amax, inverse and products in fp32, not rounded to bf16
@@ -142,8 +144,8 @@ def _quantize_torch(x: torch.Tensor, dim: int, amax: torch.Tensor | None = None)
 
 def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
                         scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
-    q_new, scale_new = _quantize_torch(x, -1)
+    q, scale = fp8_outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
+    q_new, scale_new = quantize_along_torch(x, -1)
     q.copy_(q_new)
     scale.copy_(scale_new)
     return q, scale
@@ -151,9 +153,9 @@ def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
 
 def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
                            scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _outputs((*x.shape[:-2], x.shape[-1], x.shape[-2]), (*x.shape[:-2], x.shape[-1]), x, q_out,
+    q, scale = fp8_outputs((*x.shape[:-2], x.shape[-1], x.shape[-2]), (*x.shape[:-2], x.shape[-1]), x, q_out,
                         scale_out)
-    q_new, scale_new = _quantize_torch(x, -2)
+    q_new, scale_new = quantize_along_torch(x, -2)
     q.copy_(q_new.transpose(-2, -1))
     scale.copy_(scale_new)
     return q, scale
@@ -170,7 +172,7 @@ def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out:
     (of x viewed as (rows, K)) are left unwritten (the twin writes them)."""
     if not use_triton(x, "fp8 quantize_rows"):
         return quantize_rows_torch(x, q_out, scale_out)
-    q, scale = _outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
+    q, scale = fp8_outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
     K = x.shape[-1]
     if x.numel() == 0:
         return q, scale
@@ -192,7 +194,7 @@ def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
     if not use_triton(x, "fp8 quantize_columns"):
         return quantize_columns_torch(x, q_out, scale_out)
     M, K = x.shape[-2:]
-    q, scale = _outputs((*x.shape[:-2], K, M), (*x.shape[:-2], K), x, q_out, scale_out)
+    q, scale = fp8_outputs((*x.shape[:-2], K, M), (*x.shape[:-2], K), x, q_out, scale_out)
     if x.numel() == 0:
         return q, scale
     x_BMK = x.reshape(-1, M, K)
@@ -214,7 +216,7 @@ def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, dim: int) -> tuple[t
     """(q, scales) of x quantized along ``dim`` (-1: per row, q like x; -2: per column, q transposed as
     :func:`quantize_columns` writes it) from a given ``amax``, with the twins' arithmetic: torch ops, not a
     Triton pass (the shared-scale case only)."""
-    q, scale = _quantize_torch(x, dim, amax)
+    q, scale = quantize_along_torch(x, dim, amax)
     return (q, scale) if dim == -1 else (q.transpose(-2, -1).contiguous(), scale)
 
 
