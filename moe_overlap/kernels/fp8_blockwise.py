@@ -19,7 +19,7 @@ walking the end offsets on the device, so it replays in CUDA graphs). Per 128-de
 tl.dot of the FP8 tiles into a fresh fp32 accumulator, times the rows' tile scales and the weight block's scale,
 added to the fp32 sum (DeepGEMM's promotion: the tensor cores' FP8 sum never spans more than one slice). The
 weight is read through strides in either orientation; FP8 wgmma reads only K-major operands from shared memory, so
-with ``contract_last=False`` Triton transposes each weight tile through registers (4-8x slower on an H100: the
+with ``contract_last=False`` Triton transposes each weight tile through registers (5-6x slower on an H100: the
 layers pass a transposed copy and ``contract_last=True`` instead).
 
 The quantize kernels run on CUDA (and under TRITON_INTERPRET=1), with the twins' arithmetic. The torch twins of the

@@ -7,7 +7,7 @@
 - blockwise: one scale per 1x128 tile of an activation row and per 128x128 block of a weight
   (kernels/fp8_blockwise.py, its Triton GEMM for the experts and the linears). Every dimension a multiple of 128.
   The dgrad reads a transposed copy of the weight's blocks (the same values and scales, transposed): FP8 tensor
-  cores read only operands laid out along the contraction, and the GEMM transposing each tile itself ran 4-8x
+  cores read only operands laid out along the contraction, and the GEMM transposing each tile itself ran 5-6x
   slower (``step_kernels_fp8_blockwise_1xh100.json``).
 
 What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. Rows that crossed the FP8 dispatch
