@@ -149,8 +149,8 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
     B = w^T when ``contract_last`` (the contraction runs along w's last dimension), else B = w. rowwise: returns
     (q (..., N, K) contiguous, so that ``q.transpose(-2, -1)`` is B column-major; scales (..., N), one per
     column of B); blockwise: (q = B^T contiguous, its 128x128 blocks' scales (..., N / 128, K / 128)). From the
-    parameter's cache (see the module docstring). ``split_over``: the ranks that each hold
-    part of the contraction (a tensor-parallel weight): the rowwise scales are the whole dimension's."""
+    parameter's cache (see the module docstring). ``split_over``: the ranks that each hold part of the contraction
+    (a tensor-parallel weight): the rowwise scales are the whole dimension's."""
     param = w if w._base is None else w._base
     cache: dict = param.__dict__.setdefault("fp8_cache", {})
     view = (w.shape, w.stride(), w.storage_offset() - param.storage_offset())
