@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.fp8_quant import AMAX_FLOOR, FP8, FP8_MAX, fp8_outputs, quantize_along_torch
+from moe_overlap.kernels.fp8_quant import FP8, fp8_outputs, quantize_along_torch
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, max_combine, use_triton
 
 BLOCK = 128
@@ -38,6 +38,8 @@ BLOCK = 128
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX
 
     # One program per (BLOCK_M rows of one group, BLOCK_N output columns). Programs along the flattened grid run in
     # groups of GROUP_M row tiles, so neighbouring programs share b's column tiles and a's rows in L2. The operand
@@ -112,9 +114,6 @@ if HAVE_TRITON:
             tl.store(out_MN, acc_MN.to(out_ptr.dtype.element_ty), mask=rows_in[:, None])
 
     _blockwise_mm = Kernel(_blockwise_mm_kernel, do_not_specialize=["M", "tiles_m"])
-
-    _MAX = tl.constexpr(FP8_MAX)
-    _FLOOR = tl.constexpr(AMAX_FLOOR)
 
     # One program per 128x128 block of one matrix: its amax, its scale, its values quantized with the twin's
     # arithmetic (kernels/fp8_quant.py), stored where w's block is or, TRANSPOSE, where w^T's is.
@@ -345,7 +344,7 @@ def blockwise_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_
     (E, P, Q) with ``offsets_E`` (int32 end offsets of each group's rows, the last at most M), E4M3 with scales
     (..., P / 128, Q / 128). Out (M, P or Q) in ``out_dtype``; rows past the last offset are not computed (left
     unwritten by the Triton kernel, zeros in the twin)."""
-    _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
-    if use_triton(a_q, "fp8 blockwise_mm"):
+    if use_triton(a_q, "fp8 blockwise_mm"):  # it checks the operands itself
         return blockwise_mm_triton(a_q, a_scale, w_q, w_scale, contract_last, offsets_E, out_dtype)
+    _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
     return blockwise_mm_torch(a_q, a_scale, w_q, w_scale, contract_last, offsets_E, out_dtype)

@@ -35,8 +35,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    _MAX = tl.constexpr(FP8_MAX)
-    _FLOOR = tl.constexpr(AMAX_FLOOR)
+    _MAX = TL_FP8_MAX = tl.constexpr(FP8_MAX)  # the kernels' constants (kernels/fp8_blockwise.py's too)
+    _FLOOR = TL_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
     # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
     # A row at or past the bound is masked off whole (no early return: every program runs the same code).
