@@ -292,8 +292,9 @@ def test_fp8_experts_with_no_rows():
 
 def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():
     """GroupedSwiGLU and the linears under FP8: outputs and input gradients within the FP8 tolerance of fp32 (a
-    chain of two FP8 GEMMs: twice the per-GEMM tolerance), weight gradients (bf16 GEMMs: fp32 here) into main_grad
-    exactly as without FP8, given the same activations."""
+    chain of two FP8 GEMMs: twice the per-GEMM tolerance); weight gradients into main_grad exactly as the FP8 wgrad
+    makes them from the same activations, within an FP8 GEMM's tolerance of fp32's, and with train.fp8_wgrad off
+    exactly fp32's (bf16 GEMMs on GPU)."""
     torch.manual_seed(6)
     rows = [3, 0, 5, 8]
     x = torch.randn(sum(rows), 32, requires_grad=True)
@@ -310,26 +311,36 @@ def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():
     (want_x,) = torch.autograd.grad(reference, x, grad)
     assert rel_err(grad_x, want_x) < 2 * GEMM_TOL
     assert w13.fp8_cache and w2.fp8_cache  # the FP8 path ran
-    # wgrad from the FP8 run's own activations, recomputed: main_grad holds exactly that (bf16 GEMMs, fp32 here)
+    # wgrad from the FP8 run's own activations, recomputed: main_grad holds exactly the FP8 wgrad of those
     got13, got2 = param_info(w13).main_grad, param_info(w2).main_grad
     assert got13.abs().sum() > 0 and got2.abs().sum() > 0
     h = grouped_mm(x.detach(), w13, offsets, EMULATED)
     grad_h, a = swiglu_backward(h, grouped_mm(grad, w2, offsets, EMULATED, transpose_w=True), offsets[-1:])
-    param_info(w13).main_grad, param_info(w2).main_grad = torch.zeros_like(w13), torch.zeros_like(w2)
-    experts_wgrad(w13, w2, [WgradInputs(x.detach(), a, grad_h, grad, offsets)])
-    assert torch.allclose(param_info(w13).main_grad, got13, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(param_info(w2).main_grad, got2, rtol=1e-6, atol=1e-6)
+    inputs = [WgradInputs(x.detach(), a, grad_h, grad, offsets)]
+    for fp8 in (EMULATED, None, Fp8(emulate=True, wgrad=False)):
+        param_info(w13).main_grad, param_info(w2).main_grad = torch.zeros_like(w13), torch.zeros_like(w2)
+        experts_wgrad(w13, w2, inputs, fp8=fp8)
+        if fp8 is EMULATED:
+            assert torch.allclose(param_info(w13).main_grad, got13, rtol=1e-6, atol=1e-6)
+            assert torch.allclose(param_info(w2).main_grad, got2, rtol=1e-6, atol=1e-6)
+        elif fp8 is None:
+            fp32_13, fp32_2 = param_info(w13).main_grad, param_info(w2).main_grad
+            assert 1e-3 < rel_err(got13, fp32_13) < GEMM_TOL and 1e-3 < rel_err(got2, fp32_2) < GEMM_TOL
+        else:
+            assert torch.equal(param_info(w13).main_grad, fp32_13) and torch.equal(param_info(w2).main_grad, fp32_2)
 
     comm = TPComm.single()
     fc1, fc2 = ColumnParallelLinear(32, 64, comm), RowParallelLinear(64, 32, comm)
     for linear in (fc1, fc2):
         torch.nn.init.normal_(linear.weight, std=0.2)
     y_ref = fc2(fc1(x))
-    grad_ref = torch.autograd.grad(y_ref, x, torch.ones_like(y_ref))[0]
+    grad_ref, *weight_grads_ref = torch.autograd.grad(y_ref, [x, fc1.weight, fc2.weight], torch.ones_like(y_ref))
     fc1.fp8 = fc2.fp8 = EMULATED
     y = fc2(fc1(x))
     assert rel_err(y, y_ref) < 2 * GEMM_TOL
-    assert rel_err(torch.autograd.grad(y, x, torch.ones_like(y))[0], grad_ref) < 2 * GEMM_TOL
+    grad_x, *weight_grads = torch.autograd.grad(y, [x, fc1.weight, fc2.weight], torch.ones_like(y))
+    assert rel_err(grad_x, grad_ref) < 2 * GEMM_TOL
+    assert all(1e-3 < rel_err(g, want) < 2 * GEMM_TOL for g, want in zip(weight_grads, weight_grads_ref))  # one group
 
 
 # ------------------------------------------------------------------------------------------ a model in FP8
@@ -343,11 +354,12 @@ BLOCKWISE_DIMS = {"model.hidden_size": 128, "model.ffn_hidden_size": 256, "model
 
 
 def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str, extra: dict | None = None,
-                      recipe: str = "rowwise") -> dict:
+                      recipe: str = "rowwise", wgrad: bool = False) -> dict:
     """A layout (2 ranks, EP=ep, ``pipeline``: the MoE exchange's overlap.moe_pipeline, ``extra`` overrides) with
-    every layer's GEMMs in emulated FP8 (``recipe``) against one process with the same emulation, step by step (the
-    optimizer refreshes the FP8 weights every step); and the single process without FP8, which FP8 must change a
-    little."""
+    every layer's GEMMs in emulated FP8 (``recipe``; the weight gradients too with ``wgrad``) against one process
+    with the same emulation, step by step (the optimizer refreshes the FP8 weights every step); and the single
+    process without FP8, which FP8 must change a little. The first step's gradients apart: the experts'
+    (``first_step_expert_grad``) and the rest."""
     world = dist.get_world_size()
     global_batch = 2 * 2 * world  # micro-batch 2, two per data-parallel rank
     dims = BLOCKWISE_DIMS if recipe == "blockwise" else {}
@@ -358,8 +370,9 @@ def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str, extra
         reference = Trainer(small_config(output_dir, 1, global_batch, **dims), Mesh.single(), CPU)
         without_fp8 = Trainer(small_config(output_dir, 1, global_batch, **dims), Mesh.single(), CPU)
         for trainer in (layout_run, reference):
-            trainer.model.use_fp8(Fp8(emulate=True, recipe=recipe))
-        worst = {"loss": 0.0, "first_step_grad": 0.0, "grad": 0.0, "fp8_vs_fp32_loss": 0.0}
+            trainer.model.use_fp8(Fp8(emulate=True, recipe=recipe, wgrad=wgrad))
+        worst = {"loss": 0.0, "first_step_grad": 0.0, "first_step_expert_grad": 0.0, "grad": 0.0,
+                 "fp8_vs_fp32_loss": 0.0}
         for step in range(steps):
             got, want = {}, {}
             m = layout_run.train_step(lambda opt: got.update(opt.logical_grads()))
@@ -369,7 +382,9 @@ def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str, extra
             grad_err = max(rel_err(grad, want[key]) for key, grad in got.items())
             worst["grad"] = max(worst["grad"], grad_err)
             if step == 0:
-                worst["first_step_grad"] = grad_err
+                for key, grad in got.items():
+                    slot = "first_step_expert_grad" if ".experts." in key else "first_step_grad"
+                    worst[slot] = max(worst[slot], rel_err(grad, want[key]))
             worst["fp8_vs_fp32_loss"] = max(worst["fp8_vs_fp32_loss"], abs(r["loss"] - plain["loss"]) / plain["loss"])
         return worst
     finally:
@@ -413,6 +428,28 @@ def test_fp8_blockwise_emulated_layouts_match_single_process(rank_pool, tmp_path
     for worst in rank_pool(2).run(emulated_fp8_case, 2 if extra is None else 1, 1, str(tmp_path), pipeline, extra,
                                   "blockwise"):
         assert worst["loss"] < 1e-5 and worst["first_step_grad"] < first_step_grad, worst
+        assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst
+
+
+@pytest.mark.parametrize("recipe, ep, pipeline, extra, dense_grad", [
+    ("rowwise", 1, "auto", None, 1e-5), ("rowwise", 2, "true", None, 1e-5), ("rowwise", 1, "auto", TP2_SP, 1e-3),
+    ("blockwise", 2, "true", None, 1e-5)], ids=["dp2", "ep2-pipeline", "tp2-sp", "blockwise-ep2-pipeline"])
+def test_fp8_wgrad_emulated_layouts_match_single_process(rank_pool, tmp_path, recipe, ep, pipeline, extra,
+                                                         dense_grad):
+    """train.fp8_wgrad: the weight gradients in FP8 too. Their operands are quantized along the tokens, per expert
+    group (rowwise) or per 128 of its rows (blockwise), so an expert's scales depend on which rows its group holds:
+    at DP=2 each rank's micro-batch is one of the single process's and everything agrees to fp32's round-off (three
+    steps); at EP=2 an expert's group holds both ranks' rows, at TP=2 with SP each rank's half of the sequence, so
+    the experts' weight gradients are other FP8 roundings of the same sums: within an FP8 GEMM's tolerance (2-3e-2
+    measured), while the loss and every other gradient of the first step stay the single process's (1e-5; at TP=2
+    the dense FP8 wgrad quantizes gradients that differ by round-off there: 1e-4 measured)."""
+    steps = 3 if ep == 1 and extra is None else 1
+    for worst in rank_pool(2).run(emulated_fp8_case, ep, steps, str(tmp_path), pipeline, extra, recipe, True):
+        assert worst["loss"] < 1e-5 and worst["first_step_grad"] < dense_grad, worst
+        expert_tol = 1e-5 if steps > 1 else GEMM_TOL
+        assert 0 < worst["first_step_expert_grad"] < expert_tol, worst
+        if steps > 1:
+            assert worst["grad"] < 1e-5, worst
         assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst
 
 

@@ -249,10 +249,13 @@ class TrainConfig:
     # and written once per pair (fewer, larger experts gain most), one micro-batch's wgrad inputs kept per layer.
     expert_wgrad_pairs: bool = False
     # FP8 (E4M3) GEMMs for the experts and the dense linears of the decoder layers (Megatron's names): null: bf16;
-    # rowwise: one float32 scale per row of each operand (torch's scaled GEMMs; forward and input gradient in FP8,
-    # weight gradients in bf16 into the fp32 main_grad); blockwise: not built yet. The first / last that many
-    # layers stay bf16 (as do the embedding, output layer, router, norms and attention itself).
+    # rowwise: one float32 scale per row of each operand (torch's scaled GEMMs); blockwise: one per 1x128
+    # activation tile and 128x128 weight block (a Triton GEMM). The first / last that many layers stay bf16 (as do
+    # the embedding, output layer, router, norms and attention itself).
     fp8_recipe: Optional[Literal["rowwise", "blockwise"]] = None
+    # The weight-gradient GEMMs in FP8 too, added in fp32 into main_grad (Megatron's fp8_wgrad); false: those in
+    # bf16 (the forward and input gradient stay FP8).
+    fp8_wgrad: bool = True
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
     # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.

@@ -110,7 +110,7 @@ class PipelineState:
     grad_combine: FromExperts | None = None
     saved: list[tuple] = field(default_factory=list)  # per chunk: grouped rows, fc1 out (wire: copies, out)
     probs_need_grad: bool = False  # wire: the expert side computes the probs' gradient
-    fp8: Fp8 | None = None  # train.fp8_recipe: the expert GEMMs' forward and dgrad in FP8 (layers/fp8.py)
+    fp8: Fp8 | None = None  # train.fp8_recipe: the expert GEMMs in FP8 (layers/fp8.py)
     fp8_wire: bool = False  # overlap.moe_dispatch_dtype=fp8: the rows into the experts cross as FP8 (wire_rows.py)
     # overlap.moe_token_slices (None: one slice): what other slices hand this call to send beside its first GEMM
     # (forward) and first dgrad (backward); where this slice's dispatch, combine and output-gradient rows go (None:
@@ -295,7 +295,7 @@ class Experts(torch.autograd.Function):
                 grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, w13_EHF2[first:last],
                                                             w2_EFH[first:last], state.fp8)
             jobs[chunk] = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
-                           slice(first, last))
+                           slice(first, last), state.fp8)
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
             back_RH = (_rows_from_experts(grad_x_RH, chunk, state) if not wire else  # a wire row's copies summed
                        dgrad_rows(grad_x_RH, grouped_row_WJ, grad_probs_WJ))

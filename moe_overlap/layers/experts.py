@@ -5,7 +5,7 @@ does the SwiGLU kernel.
 
 The forward and backward are explicit so the overlapped pipeline can run dgrad and wgrad separately.
 w13 holds [gate | up] along its last dimension. Under ``fp8`` (train.fp8_recipe) the forward and dgrad GEMMs run
-in FP8 (layers/fp8.py); the weight gradients stay bf16 into main_grad.
+in FP8 (layers/fp8.py), and so do the weight gradients into main_grad unless train.fp8_wgrad is off.
 """
 
 from __future__ import annotations
@@ -59,16 +59,18 @@ class WgradInputs:
 
 
 def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[WgradInputs],
-                  experts: slice = slice(None)) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                  experts: slice = slice(None), fp8: Fp8 | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Weight gradients of the local experts ``experts`` from one or two micro-batches' inputs (separate from
     dgrad so a pipeline can defer them into communication gaps): added into the parameters' fp32 main_grad
-    inside the grouped kernel (returns Nones), or returned where the parameters have none."""
+    inside the grouped kernel (returns Nones), or returned where the parameters have none. ``fp8``: in FP8 under
+    train.fp8_wgrad."""
     def rows(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor) -> torch.Tensor:
         return x_TH.dequantized(offsets_E[-1:]) if isinstance(x_TH, Fp8Rows) else x_TH
 
     return (grouped_wgrad(w13_EHF2, [(rows(i.x_TH, i.offsets_E), i.grad_h_TF2, i.offsets_E) for i in inputs],
-                          experts),
-            grouped_wgrad(w2_EFH, [(i.a_TF, i.grad_y_TH, i.offsets_E) for i in inputs], experts))
+                          experts, fp8),
+            grouped_wgrad(w2_EFH, [(i.a_TF, i.grad_y_TH, i.offsets_E) for i in inputs], experts, fp8))
 
 
 def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -79,15 +81,15 @@ def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor
     return chunk_grads[0] if len(chunk_grads) == 1 else torch.cat(chunk_grads)
 
 
-def expert_weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
-                        inputs: list[WgradInputs]) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[WgradInputs],
+                        fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both expert weights' gradients from one or two micro-batches' inputs (none: no rows reached them), as
     autograd takes them (see weight_grad_for_autograd)."""
     if not inputs:
         grads = (None, None) if main_grad_of(w13_EHF2) is not None else (torch.zeros_like(w13_EHF2),
                                                                          torch.zeros_like(w2_EFH))
     else:
-        grads = experts_wgrad(w13_EHF2, w2_EFH, inputs)
+        grads = experts_wgrad(w13_EHF2, w2_EFH, inputs, fp8=fp8)
     return weight_grad_for_autograd(w13_EHF2, [grads[0]]), weight_grad_for_autograd(w2_EFH, [grads[1]])
 
 
@@ -138,7 +140,7 @@ class GroupedSwiGLU(torch.autograd.Function):
             grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8)
             inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         ready = ctx.pairs.take(inputs) if ctx.pairs is not None else [i for i in (inputs,) if i is not None]
-        grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready), ctx.weights)
+        grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready, ctx.fp8), ctx.weights)
         return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None, None
 
 

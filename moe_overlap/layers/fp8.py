@@ -10,12 +10,16 @@
   cores read only operands laid out along the contraction, and the GEMM transposing each tile itself ran 5-6x
   slower (``step_kernels_fp8_blockwise_1xh100.json``).
 
-What runs in FP8: the forward GEMMs and the input-gradient (dgrad) GEMMs. Rows that crossed the FP8 dispatch
-reach the experts' first GEMM as they crossed (:class:`Fp8Rows`: their E4M3 bytes and scales, not dequantized and
-quantized again); its weight gradient reads them dequantized. The weight gradients stay bf16 GEMMs
-that accumulate in fp32 straight into ``main_grad`` (layers/wgrad.py): torch 2.11's rowwise scaled GEMMs give only
-bf16 outputs (an FP8 wgrad would return a bf16 gradient and add it in a second pass over the fp32 main_grad), and
-for its grouped 2D x 2D form torchao pads every expert's rows to a multiple of 16, which the exchange does not do.
+What runs in FP8: the forward GEMMs, the input-gradient (dgrad) GEMMs and, unless ``train.fp8_wgrad`` is off,
+the weight-gradient GEMMs. Rows that crossed the FP8 dispatch reach the experts' first GEMM as they crossed
+(:class:`Fp8Rows`: their E4M3 bytes and scales, not dequantized and quantized again); its weight gradient reads
+them dequantized. The weight gradients (:func:`fp8_wgrad`) are a Triton kernel in both recipes
+(kernels/fp8_wgrad.py): each operand quantized along the tokens (the contraction), per column of each group
+(rowwise) or per 128 tokens (blockwise), summed in fp32 per 128 tokens and added in place into the fp32
+``main_grad``. torch 2.11's rowwise scaled GEMMs cannot: they give only bf16 outputs (a bf16 gradient, then a
+second pass over the fp32 main_grad), and their grouped 2D x 2D form needs every expert's rows padded to a
+multiple of 16, which the exchange does not do. With the wgrad off, the weight gradients are bf16 GEMMs that
+accumulate in fp32 into ``main_grad`` (layers/wgrad.py).
 
 Weights are quantized once per optimizer step, not per micro-batch: each weight's FP8 copy (one per orientation,
 the forward's and the dgrad's) is cached on the parameter and refreshed in place when stale: after an optimizer
@@ -55,6 +59,7 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
 from moe_overlap.kernels.fp8_quant import (amax_along, dequantize, dequantize_rows, quantize_columns, quantize_rows,
                                            quantize_with_amax)
+from moe_overlap.kernels.fp8_wgrad import fp8_wgrad_accumulate, fp8_wgrad_accumulate_torch, quantize_along_tokens
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class Fp8:
 
     emulate: bool = False
     recipe: Literal["rowwise", "blockwise"] = "rowwise"
+    wgrad: bool = True  # train.fp8_wgrad: the weight gradients in FP8 too (False: bf16 GEMMs into main_grad)
 
 
 @dataclass(frozen=True)
@@ -261,6 +267,21 @@ def grouped_mm(a_TK: torch.Tensor | Fp8Rows, w: torch.Tensor, offsets_E: torch.T
         return torch._grouped_mm(a_TK, w.transpose(-2, -1) if transpose_w else w, offs=offsets_E)
     # a @ w[e] contracts along w's dim -2; a @ w[e]^T along its last
     return fp8_matmul(a_TK, w, transpose_w, fp8, offsets_E, fast_accum)
+
+
+def fp8_wgrad(segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], out_EMN: torch.Tensor,
+              fp8: Fp8) -> None:
+    """out_EMN[e] (fp32) += the sum over ``segments`` ((a_TM, b_TN, int32 end offsets per group): one micro-batch's
+    rows, or two) of a_e^T @ b_e in FP8: a weight gradient (kernels/fp8_wgrad.py). Both operands quantized along
+    the tokens, per group (rowwise: the group's rows share each column's scale) or per 128 tokens (blockwise:
+    DeepSeek-V3's 128x1 tiles); each 128-token chunk's product summed in fp32."""
+    per_chunk = fp8.recipe == "blockwise"
+    quantized = [(quantize_along_tokens(a_TM, offsets_E, per_chunk), quantize_along_tokens(b_TN, offsets_E, per_chunk))
+                 for a_TM, b_TN, offsets_E in segments]
+    if fp8.emulate:
+        fp8_wgrad_accumulate_torch(quantized, out_EMN)
+    else:
+        fp8_wgrad_accumulate(quantized, out_EMN, per_chunk)
 
 
 def check_fp8_device(device: torch.device, recipe: str = "rowwise") -> None:

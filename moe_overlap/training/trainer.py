@@ -202,7 +202,7 @@ class Trainer:
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
         if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
-            self.model.use_fp8(Fp8(recipe=t.fp8_recipe), t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
+            self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad), t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
         o = cfg.overlap  # which of the distributed optimizer's syncs overlap the compute (their GEMMs are carved out)
@@ -394,7 +394,7 @@ class Trainer:
             "dp_gemm_sm_carveout": dp_gemm_sms(self.cfg) if any(self._dp_overlaps.__dict__.values()) else None,
             "use_distributed_optimizer": t.use_distributed_optimizer, "overlap_grad_sync": o.overlap_grad_sync,
             "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_pairs": t.expert_wgrad_pairs,
-            "fp8_recipe": t.fp8_recipe,
+            "fp8_recipe": t.fp8_recipe, "fp8_wgrad": t.fp8_wgrad if t.fp8_recipe else None,
         }
 
     def _world_stats(self) -> torch.Tensor:
