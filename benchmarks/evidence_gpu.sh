@@ -77,6 +77,7 @@
 #   bash benchmarks/evidence_gpu.sh blockwise4 OUT # 4 GPUs: the FP8 layouts' GPU test, both recipes at EP=4
 #   bash benchmarks/evidence_gpu.sh fp8_layouts4 OUT # 4 GPUs: the FP8 layouts' GPU test alone
 #   bash benchmarks/evidence_gpu.sh fp8_tp2  OUT   # 2 GPUs: the Mixtral-like model at TP=2 in bf16 and both FP8 recipes
+#   bash benchmarks/evidence_gpu.sh fp8_wgrad1 OUT # one GPU: the FP8 weight gradient (tests, kernel, layers, model)
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
@@ -878,6 +879,30 @@ case $phase in
         | tee "$out/blockwise_$model.log" | grep -E '^\{"variant"|Error' | cut -c1-300
       pack
     done
+    ;;
+  fp8_wgrad1)  # issue 39's FP8 weight gradient (train.fp8_wgrad) on one GPU: the GPU tests of every FP8 kernel and
+    # layer, the wgrad kernel's modes and tile configs beside the bf16 kernel, the layers' GEMMs with the wgrad in FP8
+    # and in bf16 (fp8_gemm.py), then the Mixtral-like bench model in bf16 and each recipe with the wgrad in FP8 and bf16
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_fp8_wgrad_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8.py tests/test_gpu_fp8_blockwise.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py \
+      tests/test_gpu_fp8.py tests/test_gpu_fp8_blockwise.py 2>&1 | tail -n 30 | tee -a "$log"
+    cp "$log" $res/
+    timeout -k 10 130 python benchmarks/step_kernels.py --sections fp8_wgrad --rounds 10 \
+      --json $res/step_kernels_fp8_wgrad_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-1500
+    pack
+    timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 --json $res/fp8_gemm_wgrad_1x$gpu.json \
+      2>&1 | grep -E "^(experts|dense|wrote)"
+    pack
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise \
+      --variant rowwise_bf16_wgrad:train.fp8_recipe=rowwise,train.fp8_wgrad=false \
+      --variant blockwise:train.fp8_recipe=blockwise \
+      --variant blockwise_bf16_wgrad:train.fp8_recipe=blockwise,train.fp8_wgrad=false --warmup 3 --steps 8 \
+      --profile-steps 0 --json $res/train_step_fp8_wgrad_mixtral_2l_1x$gpu.json 2>&1 \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
     ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1

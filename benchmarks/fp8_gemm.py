@@ -15,9 +15,9 @@ into main_grad). Variants, milliseconds (median of the rounds):
                setting; the dense case's GEMMs are not patched: its row is fp8 again)
   blockwise    train.fp8_recipe=blockwise as a micro-batch runs it (1x128 activation tiles quantized per call, the
                128x128 weight blocks made this step; the Triton blockwise GEMM)
-``ratio`` is bf16 / fp8 (> 1: FP8 faster), ``ratio_blockwise`` bf16 / blockwise. In both recipes the forward and
-dgrad GEMMs run in FP8 and the weight gradients stay bf16 (layers/fp8.py says why), so the expert rows' bound is
-about 1.5x, not 2x.
+  fp8_bf16_wgrad, blockwise_bf16_wgrad  the same with train.fp8_wgrad=false: the weight gradients in bf16
+``ratio`` is bf16 / fp8 (> 1: FP8 faster), ``ratio_blockwise`` bf16 / blockwise. In both recipes the forward, dgrad
+and (train.fp8_wgrad, the default) wgrad GEMMs run in FP8 (kernels/fp8_wgrad.py for the wgrad).
 ``--check``: each recipe's outputs, input gradients and main_grads against bf16's, normwise (each under 0.1, or
 exit 1).
 ``--profile PATH``: after the timing, each case's bf16, fp8 and blockwise variants under torch.profiler, the GPU kernels'
@@ -47,6 +47,7 @@ from moe_overlap.layers.wgrad import take_grad  # noqa: E402
 DENSE = (8192, 4096, 14336)  # rows, in, out: a Mixtral-sized fc1 at TP=1
 CHECK_TOL = 0.1
 BLOCKWISE = Fp8(recipe="blockwise")
+BF16_WGRAD = {"fp8": Fp8(wgrad=False), "blockwise": Fp8(recipe="blockwise", wgrad=False)}  # train.fp8_wgrad=false
 
 
 def with_main_grads(module: torch.nn.Module) -> torch.nn.Module:
@@ -82,7 +83,9 @@ class Case:
         return {"bf16": lambda: self.step(None), "fp8": lambda: self.step(Fp8()),
                 "fp8_requant": lambda: self.step(Fp8(), requantize=True),
                 "fp8_fast_grads": lambda: self.fast_grads(lambda: self.step(Fp8())),
-                "blockwise": lambda: self.step(BLOCKWISE)}
+                "blockwise": lambda: self.step(BLOCKWISE),
+                "fp8_bf16_wgrad": lambda: self.step(BF16_WGRAD["fp8"]),
+                "blockwise_bf16_wgrad": lambda: self.step(BF16_WGRAD["blockwise"])}
 
     @staticmethod
     def fast_grads(run):
@@ -102,13 +105,14 @@ class Case:
         """Each recipe against bf16: output, input gradient and each main_grad (one forward+backward each, from
         zero)."""
         results = {}
-        for name, fp8 in (("bf16", None), ("fp8", Fp8()), ("blockwise", BLOCKWISE)):
+        recipes = {"fp8": Fp8(), "blockwise": BLOCKWISE, **{f"{k}_bf16_wgrad": v for k, v in BF16_WGRAD.items()}}
+        for name, fp8 in (("bf16", None), *recipes.items()):
             for param in self.module.parameters():
                 param_info(param).main_grad.zero_()
             out, grad_x = self.step(fp8)
             results[name] = [out, grad_x] + [param_info(p).main_grad.clone() for p in self.module.parameters()]
         names = ["out", "grad_x"] + [name for name, _ in self.module.named_parameters()]
-        return {f"{recipe}_{name}": rel(got, want) for recipe in ("fp8", "blockwise")
+        return {f"{recipe}_{name}": rel(got, want) for recipe in recipes
                 for name, got, want in zip(names, results[recipe], results["bf16"])}
 
 

@@ -17,7 +17,13 @@
              per 128-deep slice) at the wgrad section's expert shapes, forward (a @ w^T) and dgrad (g @ w, the
              same weight copy read N-major), each tile config, against the rowwise recipe's
              torch._scaled_grouped_mm (one scale per row and column) and bf16 torch._grouped_mm (the limit
-             without FP8); its error against bf16 normwise. Not yet run on a GPU
+             without FP8); its error against bf16 normwise
+  fp8_wgrad  the FP8 weight gradient (kernels/fp8_wgrad.py, train.fp8_wgrad) at the wgrad section's shapes: the
+             bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
+             128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
+             chunk (blockwise), each tile config, operands quantized outside the timing; then each recipe whole
+             (both operands quantized along the tokens inside the timing), and the quantize pass alone; errors
+             against fp32 normwise
 
     python benchmarks/step_kernels.py --json benchmarks/results/step_kernels_h200.json
 """
@@ -44,6 +50,9 @@ TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the blockwise kernel: BLOCK_N and BLOCK_K are the scale blocks' 128.
 # 64 rows in one warp group fit two programs per SM (one scales its slice while the other multiplies), 128 in two
 # only one (registers: ptxas for sm_90).
+# (BLOCK_M, BLOCK_N, warps, stages) of the FP8 wgrad kernel (the depth is a 128-token chunk).
+FP8_WGRAD_CONFIGS = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
+                     (256, 128, 8, 3)]
 BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (128, 128, 128, 8, 3, False),
                      (128, 128, 128, 8, 4, False), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
                      (128, 128, 128, 8, 3, True)]
@@ -150,6 +159,55 @@ def fp8_blockwise_rows(rounds: int, shapes: list[str]) -> list[dict]:
                          "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "rel_err_vs_bf16": errors,
                          "best_triton": min((k for k in ms if k.startswith("triton")), key=ms.get)})
             print(name, orientation, {k: round(v, 3) for k, v in ms.items()}, flush=True)
+    return rows
+
+
+def fp8_wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
+    """Per expert shape: the FP8 wgrad kernel's modes and tile configs beside the bf16 kernel it replaces, all into
+    the same fp32 main_grad."""
+    import torch
+
+    from moe_overlap.kernels import fp8_wgrad as W
+    from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_triton
+
+    rows = []
+    for name in shapes:
+        experts, per_expert, m, n = WGRAD_SHAPES[name]
+        tokens = experts * per_expert
+        a = torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
+        main_grad = torch.zeros(experts, m, n, device="cuda", dtype=torch.float32)
+        operands = {mode: (W.quantize_along_tokens(a, offsets, mode == "chunk"),
+                           W.quantize_along_tokens(b, offsets, mode == "chunk")) for mode in ("group", "chunk")}
+        modes = {"group": (False, False), "group_fast": (False, True), "chunk": (True, False)}  # per_chunk, fast
+        fns = {"bf16_triton": lambda: grouped_wgrad_accumulate_triton([(a, b, offsets)], main_grad)}
+        for mode, (per_chunk, fast) in modes.items():
+            for config in FP8_WGRAD_CONFIGS:
+                fns[f"fp8_{mode}_" + "x".join(map(str, config))] = (
+                    lambda q=operands["chunk" if per_chunk else "group"], per_chunk=per_chunk, fast=fast,
+                    config=config: W.fp8_wgrad_accumulate_triton([q], main_grad, per_chunk, fast, config))
+        for mode in ("group", "chunk"):
+            fns[f"quantize_{mode}"] = lambda per_chunk=mode == "chunk": (
+                W.quantize_along_tokens(a, offsets, per_chunk), W.quantize_along_tokens(b, offsets, per_chunk))
+            fns[f"whole_{mode}"] = lambda per_chunk=mode == "chunk": W.fp8_wgrad_accumulate(
+                [(W.quantize_along_tokens(a, offsets, per_chunk), W.quantize_along_tokens(b, offsets, per_chunk))],
+                main_grad, per_chunk)
+        want = torch.stack([a[s:e].float().t() @ b[s:e].float() for s, e in zip(
+            [0] + offsets[:-1].tolist(), offsets.tolist())])
+        errors = {}
+        for key, fn in fns.items():
+            if not key.startswith("quantize"):
+                main_grad.zero_()
+                fn()
+                errors[key] = float((main_grad - want).norm() / want.norm())
+        ms = timed(fns, rounds, reps=5)
+        flops = 2 * tokens * m * n
+        rows.append({"section": "fp8_wgrad", "shape": name, "experts": experts, "rows_per_expert": per_expert, "m": m,
+                     "n": n, "ms": ms, "tflops": {k: flops / v / 1e9 for k, v in ms.items()},
+                     "rel_err_vs_fp32": errors,
+                     "best": {mode: min((k for k in ms if k.startswith(f"fp8_{mode}_")), key=ms.get) for mode in modes}})
+        print(name, {k: round(v, 3) for k, v in ms.items()}, {k: round(v, 4) for k, v in errors.items()}, flush=True)
     return rows
 
 
@@ -305,8 +363,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
-                        help="comma-separated, of wgrad, adamw, attention, rows, fp8_blockwise")
-    parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad and fp8_blockwise shapes")
+                        help="comma-separated, of wgrad, adamw, attention, rows, fp8_blockwise, fp8_wgrad")
+    parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -314,7 +372,8 @@ def main(argv=None) -> None:
         adamw_rows(args.rounds) if "adamw" in sections else []) + (
         attention_rows(args.rounds) if "attention" in sections else []) + (
         row_kernel_rows(args.rounds) if "rows" in sections else []) + (
-        fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else [])
+        fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
+        fp8_wgrad_rows(args.rounds, args.shapes.split(",")) if "fp8_wgrad" in sections else [])
     write_json(args.json, run_header(1), rows)
 
 
