@@ -78,6 +78,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_layouts4 OUT # 4 GPUs: the FP8 layouts' GPU test alone
 #   bash benchmarks/evidence_gpu.sh fp8_tp2  OUT   # 2 GPUs: the Mixtral-like model at TP=2 in bf16 and both FP8 recipes
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad1 OUT # one GPU: the FP8 weight gradient (tests, kernel, layers, model)
+#   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
@@ -889,20 +890,30 @@ case $phase in
     timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py \
       tests/test_gpu_fp8.py tests/test_gpu_fp8_blockwise.py 2>&1 | tail -n 30 | tee -a "$log"
     cp "$log" $res/
-    timeout -k 10 130 python benchmarks/step_kernels.py --sections fp8_wgrad --rounds 10 \
-      --json $res/step_kernels_fp8_wgrad_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-1500
+    timeout -k 10 150 python benchmarks/step_kernels.py --sections fp8_wgrad --rounds 10 --rows 1024,4096 \
+      --json $res/step_kernels_fp8_wgrad_rows_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-1500
     pack
-    timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 --json $res/fp8_gemm_wgrad_1x$gpu.json \
+    timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 --json $res/fp8_gemm_wgrad_auto_1x$gpu.json \
       2>&1 | grep -E "^(experts|dense|wrote)"
     pack
     timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
       --variant rowwise:train.fp8_recipe=rowwise \
       --variant rowwise_bf16_wgrad:train.fp8_recipe=rowwise,train.fp8_wgrad=false \
       --variant blockwise:train.fp8_recipe=blockwise \
-      --variant blockwise_bf16_wgrad:train.fp8_recipe=blockwise,train.fp8_wgrad=false --warmup 3 --steps 8 \
-      --profile-steps 0 --json $res/train_step_fp8_wgrad_mixtral_2l_1x$gpu.json 2>&1 \
+      --variant blockwise_fp8_wgrad:train.fp8_recipe=blockwise,train.fp8_wgrad=true --warmup 3 --steps 8 \
+      --profile-steps 0 --json $res/train_step_fp8_wgrad_auto_mixtral_2l_1x$gpu.json 2>&1 \
       | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  fp8_wgrad4)  # issue 39 at 4 GPUs with the FP8 weight gradient: the FP8 layouts' GPU test (2 and 4 ranks), then
+    # the fine and Mixtral-like bench models at EP=4 balanced: bf16 (the default, compute_only, ep1) beside rowwise
+    # with FP8 on the wire, its weight gradients in FP8 (auto) and in bf16
+    fp8_layouts
+    WIRE="overlap.moe_dispatch_dtype=fp8,overlap.moe_dispatch_once_per_rank=true"
+    for model in fine_8l mixtral_2l; do
+      train_step 4 $model balanced_fp8_wgrad "$BAL" --profile-steps 0 --variant "rowwise_wire:train.fp8_recipe=rowwise,$WIRE" \
+        --variant "rowwise_wire_bf16_wgrad:train.fp8_recipe=rowwise,train.fp8_wgrad=false,$WIRE"
+    done
     ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1

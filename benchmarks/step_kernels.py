@@ -50,9 +50,10 @@ TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the blockwise kernel: BLOCK_N and BLOCK_K are the scale blocks' 128.
 # 64 rows in one warp group fit two programs per SM (one scales its slice while the other multiplies), 128 in two
 # only one (registers: ptxas for sm_90).
-# (BLOCK_M, BLOCK_N, warps, stages) of the FP8 wgrad kernel (the depth is a 128-token chunk).
-FP8_WGRAD_CONFIGS = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
-                     (256, 128, 8, 3)]
+# (BLOCK_M, BLOCK_N, warps, stages) of the FP8 wgrad kernel (the depth is a 128-token chunk). Swept first on an
+# H100 with (128, 128, 8, 3), (128, 128, 4, 4) and (128, 256, 8, 3) too (step_kernels_fp8_wgrad_1xh100.json): none
+# the fastest anywhere.
+FP8_WGRAD_CONFIGS = [(64, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3)]
 BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (128, 128, 128, 8, 3, False),
                      (128, 128, 128, 8, 4, False), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
                      (128, 128, 128, 8, 3, True)]
@@ -162,17 +163,17 @@ def fp8_blockwise_rows(rounds: int, shapes: list[str]) -> list[dict]:
     return rows
 
 
-def fp8_wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
-    """Per expert shape: the FP8 wgrad kernel's modes and tile configs beside the bf16 kernel it replaces, all into
-    the same fp32 main_grad."""
+def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | None = None) -> list[dict]:
+    """Per expert shape (and rows per expert: the shape's own, or each of ``rows_per_expert``): the FP8 wgrad
+    kernel's modes and tile configs beside the bf16 kernel it replaces, all into the same fp32 main_grad."""
     import torch
 
     from moe_overlap.kernels import fp8_wgrad as W
     from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_triton
 
     rows = []
-    for name in shapes:
-        experts, per_expert, m, n = WGRAD_SHAPES[name]
+    for name, per_expert in [(name, per) for name in shapes for per in rows_per_expert or [WGRAD_SHAPES[name][1]]]:
+        experts, _, m, n = WGRAD_SHAPES[name]
         tokens = experts * per_expert
         a = torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
@@ -207,7 +208,7 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
                      "n": n, "ms": ms, "tflops": {k: flops / v / 1e9 for k, v in ms.items()},
                      "rel_err_vs_fp32": errors,
                      "best": {mode: min((k for k in ms if k.startswith(f"fp8_{mode}_")), key=ms.get) for mode in modes}})
-        print(name, {k: round(v, 3) for k, v in ms.items()}, {k: round(v, 4) for k, v in errors.items()}, flush=True)
+        print(name, per_expert, {k: round(v, 3) for k, v in ms.items()}, flush=True)
     return rows
 
 
@@ -365,6 +366,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
+    parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -373,7 +375,8 @@ def main(argv=None) -> None:
         attention_rows(args.rounds) if "attention" in sections else []) + (
         row_kernel_rows(args.rounds) if "rows" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
-        fp8_wgrad_rows(args.rounds, args.shapes.split(",")) if "fp8_wgrad" in sections else [])
+        fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")])
+        if "fp8_wgrad" in sections else [])
     write_json(args.json, run_header(1), rows)
 
 

@@ -340,7 +340,7 @@ def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():
     assert rel_err(y, y_ref) < 2 * GEMM_TOL
     grad_x, *weight_grads = torch.autograd.grad(y, [x, fc1.weight, fc2.weight], torch.ones_like(y))
     assert rel_err(grad_x, grad_ref) < 2 * GEMM_TOL
-    assert all(1e-3 < rel_err(g, want) < 2 * GEMM_TOL for g, want in zip(weight_grads, weight_grads_ref))  # one group
+    assert all(rel_err(g, want) < 2 * GEMM_TOL for g, want in zip(weight_grads, weight_grads_ref))
 
 
 # ------------------------------------------------------------------------------------------ a model in FP8
@@ -436,20 +436,20 @@ def test_fp8_blockwise_emulated_layouts_match_single_process(rank_pool, tmp_path
     ("blockwise", 2, "true", None, 1e-5)], ids=["dp2", "ep2-pipeline", "tp2-sp", "blockwise-ep2-pipeline"])
 def test_fp8_wgrad_emulated_layouts_match_single_process(rank_pool, tmp_path, recipe, ep, pipeline, extra,
                                                          dense_grad):
-    """train.fp8_wgrad: the weight gradients in FP8 too. Their operands are quantized along the tokens, per expert
-    group (rowwise) or per 128 of its rows (blockwise), so an expert's scales depend on which rows its group holds:
-    at DP=2 each rank's micro-batch is one of the single process's and everything agrees to fp32's round-off (three
-    steps); at EP=2 an expert's group holds both ranks' rows, at TP=2 with SP each rank's half of the sequence, so
-    the experts' weight gradients are other FP8 roundings of the same sums: within an FP8 GEMM's tolerance (2-3e-2
-    measured), while the loss and every other gradient of the first step stay the single process's (1e-5; at TP=2
-    the dense FP8 wgrad quantizes gradients that differ by round-off there: 1e-4 measured)."""
+    """train.fp8_wgrad: the experts' weight gradients in FP8 too. Their operands are quantized along the tokens, per
+    expert group (rowwise) or per 128 of its rows (blockwise), so an expert's scales depend on which rows its group
+    holds: at DP=2 each rank's micro-batch is one of the single process's and the first step agrees to fp32's
+    round-off (later steps as in the test above); at EP=2 an expert's group holds both ranks' rows, at TP=2 with SP
+    each rank's half of the sequence, so the experts' weight gradients are other FP8 roundings of the same sums:
+    within an FP8 GEMM's tolerance (2-3e-2 measured), while the loss and every other gradient of the first step stay
+    the single process's (1e-5; 1e-3 at TP=2, where the dense GEMMs' partial sums are reduced in another order)."""
     steps = 3 if ep == 1 and extra is None else 1
     for worst in rank_pool(2).run(emulated_fp8_case, ep, steps, str(tmp_path), pipeline, extra, recipe, True):
         assert worst["loss"] < 1e-5 and worst["first_step_grad"] < dense_grad, worst
         expert_tol = 1e-5 if steps > 1 else GEMM_TOL
         assert 0 < worst["first_step_expert_grad"] < expert_tol, worst
-        if steps > 1:
-            assert worst["grad"] < 1e-5, worst
+        if steps > 1:  # later steps: an E4M3 rounding flip now and then, as without the FP8 wgrad (the test above)
+            assert worst["grad"] < 1e-3, worst
         assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst
 
 

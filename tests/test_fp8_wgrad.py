@@ -128,6 +128,12 @@ def test_fp8_wgrad_kernel_refuses_what_does_not_fit():
 def test_fp8_wgrad_field_needs_a_recipe():
     from moe_overlap.config import load_config
 
-    with pytest.raises(ConfigError, match=r"^train\.fp8_wgrad=False: has no effect without train\.fp8_recipe"):
-        load_config(None, ["train.fp8_wgrad=false"])
-    assert load_config(None, []).train.fp8_wgrad  # Megatron's default: on wherever a recipe is
+    for value in ("false", "true"):
+        with pytest.raises(ConfigError, match=r"^train\.fp8_wgrad=(True|False): has no effect without train\.fp8_rec"):
+            load_config(None, [f"train.fp8_wgrad={value}"])
+    assert load_config(None, []).train.fp8_wgrad == "auto"
+    gpu = ["train.device=cuda", "train.precision=bf16"]
+    assert load_config(None, gpu + ["train.fp8_recipe=rowwise"]).train.fp8_wgrad is True  # measured faster
+    assert load_config(None, gpu + ["train.fp8_recipe=blockwise", "model.hidden_size=128", "model.ffn_hidden_size=256",
+                                    "model.num_attention_heads=4", "model.num_query_groups=2"]).train.fp8_wgrad is False
+    assert load_config(None, gpu + ["train.fp8_recipe=rowwise", "train.fp8_wgrad=false"]).train.fp8_wgrad is False

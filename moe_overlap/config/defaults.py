@@ -35,13 +35,16 @@ a switch the user set needs to run.
                                 gradients (the fastest measured there, tuning.py); off elsewhere; with planning
                                 left to the transport, decided when the ranks start (:func:`delay_by_planning`)
 
+    train.fp8_wgrad=auto        with train.fp8_recipe, the experts' weight gradients in FP8 where measured faster
+                                (rowwise; blockwise's stay bf16: tuning.py)
+
 The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
 """
 
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
-from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
+from moe_overlap.tuning import FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK
 
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
 SHARED = "model.moe_shared_expert_overlap"
@@ -250,4 +253,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
                        "weight gradients measured fastest (tuning.py)" if o.delay_wgrad_compute else
                        "measured faster only with one device-planned chunk and each token once per rank (tuning.py)")
                 choices.append(f"{DELAY}=auto -> {str(o.delay_wgrad_compute).lower()}: {why}")
+    if t.fp8_wgrad == "auto" and t.fp8_recipe is not None:
+        t.fp8_wgrad = t.fp8_recipe in FP8_WGRAD_RECIPES
+        choices.append(f"train.fp8_wgrad=auto -> {str(t.fp8_wgrad).lower()}: the experts' weight gradients in "
+                       f"{'FP8' if t.fp8_wgrad else 'bf16'}, measured faster with fp8_recipe={t.fp8_recipe} (tuning.py)")
     return choices

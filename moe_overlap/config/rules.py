@@ -172,8 +172,8 @@ def _validate_fp8(cfg: Config) -> None:
     require(bf16_layers <= m.num_layers, "train.num_layers_at_end_in_bf16", t.num_layers_at_end_in_bf16,
             f"plus train.num_layers_at_start_in_bf16={t.num_layers_at_start_in_bf16} must be <= "
             f"model.num_layers={m.num_layers}")
-    require(t.fp8_recipe is not None or t.fp8_wgrad, "train.fp8_wgrad", t.fp8_wgrad,
-            "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at true")
+    require(t.fp8_recipe is not None or t.fp8_wgrad == "auto", "train.fp8_wgrad", t.fp8_wgrad,
+            "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     if t.fp8_recipe is None:
         return
     require(t.device != "cpu", "train.fp8_recipe", t.fp8_recipe, f"{FP8_NEEDS_GPU}; train.device is 'cpu'")

@@ -253,9 +253,10 @@ class TrainConfig:
     # activation tile and 128x128 weight block (a Triton GEMM). The first / last that many layers stay bf16 (as do
     # the embedding, output layer, router, norms and attention itself).
     fp8_recipe: Optional[Literal["rowwise", "blockwise"]] = None
-    # The weight-gradient GEMMs in FP8 too, added in fp32 into main_grad (Megatron's fp8_wgrad); false: those in
-    # bf16 (the forward and input gradient stay FP8).
-    fp8_wgrad: bool = True
+    # The experts' weight-gradient GEMMs in FP8 too, added in fp32 into main_grad (Megatron's fp8_wgrad); false:
+    # in bf16 (the forward and input gradient stay FP8); auto: where measured faster (config/defaults.py). The dense
+    # linears' weight gradients stay bf16.
+    fp8_wgrad: Union[bool, Literal["auto"]] = "auto"
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
     # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.

@@ -1,5 +1,5 @@
 """FP8 weight gradients accumulated in fp32 in place: out[e] += a_e^T @ b_e over each group's rows (the experts'
-grouped wgrad; a dense linear's is one group), the operands in E4M3 (``train.fp8_recipe``).
+grouped wgrad), the operands in E4M3 (``train.fp8_wgrad``).
 
 A weight gradient contracts along the tokens, and FP8 tensor cores read only operands laid out along the
 contraction, so each operand (a_TM: the GEMM input's rows, b_TN: the output gradient's) is quantized along the
@@ -17,9 +17,14 @@ Scales, one float32 per (chunk, column), stored (chunks, M):
   gradients) or lets the tensor cores accumulate across chunks (``fast_accum``, faster and less exact).
 
 A scale is made as everywhere in kernels/fp8_quant.py (amax / 448, amax >= 1e-12, the values times 448 / amax
-clamped and rounded to nearest even). The group boundaries are read on the device (int32 end offsets, and the
-chunks' end per group from :func:`token_chunks`, a few tiny device ops), so both kernels run on a static grid,
-without a host sync, inside CUDA graphs. Rows past the last offset are never read.
+clamped and rounded to nearest even). The group boundaries are read on the device (int32 end offsets, the chunks'
+end per group and each chunk's group: :func:`token_chunks`, :func:`group_of_chunks`, a few tiny device ops), so both
+kernels run on a static grid, without a host sync, inside CUDA graphs. Rows past the last offset are never read.
+
+Measured on an H100 (step_kernels_fp8_wgrad_1xh100.json): at 1,024 rows per expert the kernel alone runs about as
+fast as the bf16 one (Mixtral fc1 4.98 against 4.69 ms, fc2 2.18 against 2.23): the fp32 read-modify-write of
+main_grad, not the arithmetic, bounds both there; the quantization of both operands adds 0.4-1.0 ms. It gains
+where more rows share one read-modify-write (train.expert_wgrad_pairs, larger micro-batches).
 
 The torch twins (CPU, the emulated path of layers/fp8.py, tests) loop over the groups on the host.
 """
@@ -42,30 +47,16 @@ if HAVE_TRITON:
     # One program per (chunk, BLOCK_C columns). MODE 0: the chunk's column amax into amax (C, M); 1: the chunk
     # quantized with its own amax; 2: with its group's (the max over the group's chunks, which mode 0 wrote).
     # Values stored transposed (the tokens contiguous); a chunk's rows past its group's end as zeros.
-    def _quantize_chunks_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, offsets_ptr, chunk_ends_ptr, M, E, P, stride_x,
-                                MODE: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _quantize_chunks_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, offsets_ptr, chunk_ends_ptr, group_of_chunk_ptr, M,
+                                E, P, stride_x, MODE: tl.constexpr, BLOCK_C: tl.constexpr):
         chunk = tl.program_id(0)
-        # The chunk's group, its rows and the group's chunks, walked on the device (no host sync); a chunk past the
-        # last group's is dead.
-        group = tl.full((), -1, tl.int32)
-        first_row = tl.full((), 0, tl.int32)
-        end_row = tl.full((), 0, tl.int32)
-        first_chunk = tl.full((), 0, tl.int32)
-        end_chunk = tl.full((), 0, tl.int32)
-        start = tl.full((), 0, tl.int32)
-        before = tl.full((), 0, tl.int32)
-        for e in range(0, E):
-            end = tl.load(offsets_ptr + e)
-            chunks_end = tl.load(chunk_ends_ptr + e)
-            hit = (chunk >= before) & (chunk < chunks_end)
-            group = tl.where(hit, e, group)
-            first_row = tl.where(hit, start + (chunk - before) * 128, first_row)
-            end_row = tl.where(hit, end, end_row)
-            first_chunk = tl.where(hit, before, first_chunk)
-            end_chunk = tl.where(hit, chunks_end, end_chunk)
-            start = end
-            before = chunks_end
-        if group >= 0:
+        # The chunk's group (E: past the last group's chunks, dead), its rows and the group's chunks
+        group = tl.load(group_of_chunk_ptr + chunk)
+        if group < E:
+            first_chunk = tl.load(chunk_ends_ptr + group - 1, mask=group > 0, other=0)
+            end_chunk = tl.load(chunk_ends_ptr + group)
+            first_row = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0) + (chunk - first_chunk) * 128
+            end_row = tl.load(offsets_ptr + group)
             rows = first_row + tl.arange(0, 128)
             cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
             in_cols = cols < M
@@ -172,6 +163,13 @@ def token_chunks(offsets_E: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(torch.div(rows_E + (CHUNK - 1), CHUNK, rounding_mode="floor"), 0).to(torch.int32)
 
 
+def group_of_chunks(chunk_ends_E: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The group of each of ``chunks`` chunks (int32; E for a chunk past the last group's), on the device: one
+    search for all, rather than each program walking the E groups."""
+    return torch.searchsorted(chunk_ends_E, torch.arange(chunks, device=chunk_ends_E.device, dtype=torch.int32),
+                              right=True).to(torch.int32)
+
+
 def chunks_bound(rows: int, groups: int) -> int:
     """The most chunks ``rows`` rows in ``groups`` groups can take (each group's last chunk may be partial)."""
     return -(-rows // CHUNK) + groups
@@ -234,8 +232,9 @@ def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk
     grid = (bound, triton.cdiv(M, block_c))
     modes = (1,) if per_chunk else (0, 2)
     amax_CM = scale_CM if per_chunk else torch.empty_like(scale_CM)
+    group_of_chunk = group_of_chunks(chunk_ends, bound)
     for mode in modes:
-        _quantize_chunks[grid, x_TM.device](x_TM, q_MP, scale_CM, amax_CM, offsets_E, chunk_ends, M,
+        _quantize_chunks[grid, x_TM.device](x_TM, q_MP, scale_CM, amax_CM, offsets_E, chunk_ends, group_of_chunk, M,
                                             offsets_E.numel(), bound * CHUNK, x_TM.stride(0), MODE=mode,
                                             BLOCK_C=block_c, num_warps=4)
     return TokenQuantized(q_MP, scale_CM, chunk_ends)
@@ -256,9 +255,10 @@ def fp8_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -
             first = end
 
 
-# (BLOCK_M, BLOCK_N, warps, stages); the depth is a chunk's 128. A first guess, to be swept on an H100
-# (benchmarks/step_kernels.py --sections fp8_wgrad).
-_CONFIG = (128, 128, 8, 4)
+# (BLOCK_M, BLOCK_N, warps, stages); the depth is a chunk's 128. The fastest of benchmarks/step_kernels.py
+# --sections fp8_wgrad on an H100 (step_kernels_fp8_wgrad_1xh100.json) at all four expert shapes, per group and
+# per chunk: 5-10% below 128x128 in 8 warps (two warp groups), 15-50% below 128 x 256 or 256 x 128.
+_CONFIG = (64, 128, 4, 4)
 
 
 def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool,

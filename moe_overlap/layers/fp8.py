@@ -10,16 +10,16 @@
   cores read only operands laid out along the contraction, and the GEMM transposing each tile itself ran 5-6x
   slower (``step_kernels_fp8_blockwise_1xh100.json``).
 
-What runs in FP8: the forward GEMMs, the input-gradient (dgrad) GEMMs and, unless ``train.fp8_wgrad`` is off,
-the weight-gradient GEMMs. Rows that crossed the FP8 dispatch reach the experts' first GEMM as they crossed
+What runs in FP8: the forward GEMMs, the input-gradient (dgrad) GEMMs and, under ``train.fp8_wgrad``, the
+experts' weight-gradient GEMMs. Rows that crossed the FP8 dispatch reach the experts' first GEMM as they crossed
 (:class:`Fp8Rows`: their E4M3 bytes and scales, not dequantized and quantized again); its weight gradient reads
-them dequantized. The weight gradients (:func:`fp8_wgrad`) are a Triton kernel in both recipes
+them dequantized. The experts' FP8 weight gradients (:func:`fp8_wgrad`) are a Triton kernel in both recipes
 (kernels/fp8_wgrad.py): each operand quantized along the tokens (the contraction), per column of each group
 (rowwise) or per 128 tokens (blockwise), summed in fp32 per 128 tokens and added in place into the fp32
 ``main_grad``. torch 2.11's rowwise scaled GEMMs cannot: they give only bf16 outputs (a bf16 gradient, then a
 second pass over the fp32 main_grad), and their grouped 2D x 2D form needs every expert's rows padded to a
-multiple of 16, which the exchange does not do. With the wgrad off, the weight gradients are bf16 GEMMs that
-accumulate in fp32 into ``main_grad`` (layers/wgrad.py).
+multiple of 16, which the exchange does not do. The other weight gradients (the dense linears', and the experts'
+with the wgrad off) are bf16 GEMMs that accumulate in fp32 into ``main_grad`` (layers/wgrad.py).
 
 Weights are quantized once per optimizer step, not per micro-batch: each weight's FP8 copy (one per orientation,
 the forward's and the dgrad's) is cached on the parameter and refreshed in place when stale: after an optimizer
@@ -69,7 +69,7 @@ class Fp8:
 
     emulate: bool = False
     recipe: Literal["rowwise", "blockwise"] = "rowwise"
-    wgrad: bool = True  # train.fp8_wgrad: the weight gradients in FP8 too (False: bf16 GEMMs into main_grad)
+    wgrad: bool = True  # train.fp8_wgrad: the experts' weight gradients in FP8 too (False: bf16 GEMMs)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ picks the serial path or its overlapped twin by switch; the math here is the sam
 The column forward's gather is pipelined with tp_comm_overlap_ag. Under SP only the local rows of x are saved
 for backward (re-gathered there), which is the point of sequence parallelism. Weight gradients go straight
 into the weights' fp32 main_grad (layers/wgrad.py). Under ``fp8`` (train.fp8_recipe) the forward and dgrad GEMMs
-run in FP8 (layers/fp8.py) beside the same collectives, not pipelined with them, and so does wgrad (on the gathered
-rows: nothing to share) unless train.fp8_wgrad is off. Where the
+run in FP8 (layers/fp8.py) beside the same collectives, not pipelined with them; wgrad stays bf16 (an FP8 one,
+kernels/fp8_wgrad.py with every row one group, measured 16% slower on a Mixtral-sized fc1 than cuBLAS's bf16 GEMM
+into main_grad: fp8_gemm_wgrad_1xh100.json). Where the
 contraction is split over the ranks (the row forward, the column dgrad) the FP8 scales of both operands are shared
 over them (one all-reduce of the maxima: of the activations' rows per call, of the weight's columns per step), so
 the partial products are the one process's.
@@ -71,7 +72,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         grad_y_SF = grad_y_SF.contiguous()
         x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
         grad_x = column_dgrad_start(grad_y_SF, w_FH, comm, ctx.fp8)
-        grad_w_FH, = weight_grads(linear_wgrad, (w_FH, grad_y_SF, x_gather.wait(), ctx.fp8), ctx.weights)
+        grad_w_FH, = weight_grads(linear_wgrad, (w_FH, grad_y_SF, x_gather.wait()), ctx.weights)
         return grad_x.wait(), grad_w_FH, None, None
 
 
@@ -101,7 +102,7 @@ class RowParallelLinearFn(torch.autograd.Function):
     def backward(ctx, grad_y_RH: torch.Tensor):
         (x_SF,), (w_HF,) = ctx.saved_tensors, ctx.weights
         grad_x_SF, grad_y_SH = row_dgrad(grad_y_RH.contiguous(), w_HF, ctx.comm, ctx.fp8)
-        grad_w_HF, = weight_grads(linear_wgrad, (w_HF, grad_y_SH, x_SF, ctx.fp8), ctx.weights)
+        grad_w_HF, = weight_grads(linear_wgrad, (w_HF, grad_y_SH, x_SF), ctx.weights)
         return grad_x_SF, grad_w_HF, None, None
 
 

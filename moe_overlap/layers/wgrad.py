@@ -51,30 +51,8 @@ def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:
     return param_info(param).main_grad
 
 
-def _in_fp8(fp8: Fp8 | None) -> bool:
-    return fp8 is not None and fp8.wgrad
-
-
-def _fp8_into_main_grad(param: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                        fp8: Fp8, experts: slice | None) -> torch.Tensor | None:
-    """An FP8 weight gradient (``segments`` as :func:`grouped_wgrad`'s) added into ``main_grad`` (returns None),
-    or returned in the parameter's dtype; ``experts`` None: a dense weight (one group)."""
-    main_grad = main_grad_of(param)
-    target = param if experts is None else param[experts]
-    out = torch.zeros(target.shape, dtype=torch.float32, device=param.device) if main_grad is None else (
-        main_grad if experts is None else main_grad[experts])
-    fp8_wgrad(segments, out[None] if experts is None else out, fp8)
-    return None if main_grad is not None else out.to(param.dtype)
-
-
-def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Tensor,
-                 fp8: Fp8 | None = None) -> torch.Tensor:
-    """The gradient of a (F, H) weight, grad_out^T @ x: into ``main_grad`` (fp32, in the GEMM), or returned.
-    ``fp8`` (train.fp8_wgrad): in FP8, every row one group."""
-    if _in_fp8(fp8):
-        rows = torch.full((1,), grad_out_SF.shape[0], dtype=torch.int32, device=grad_out_SF.device)
-        grad = _fp8_into_main_grad(param, [(grad_out_SF, x_SH, rows)], fp8, None)
-        return placeholder(param) if grad is None else grad
+def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Tensor) -> torch.Tensor:
+    """The gradient of a (F, H) weight, grad_out^T @ x: into ``main_grad`` (fp32, in the GEMM), or returned."""
     main_grad = main_grad_of(param)
     if main_grad is None:
         return torch.mm(grad_out_SF.t(), x_SH)
@@ -94,9 +72,12 @@ def grouped_wgrad(param: torch.Tensor, segments: list[tuple[torch.Tensor, torch.
     x_e^T @ grad_e: accumulated into ``main_grad[experts]`` in fp32 inside the grouped kernel (returns None: the
     caller returns :func:`placeholder` once for the whole parameter), or returned in the parameter's dtype
     (``experts``: the run of local experts this call covers). ``fp8`` (train.fp8_wgrad): in FP8."""
-    if _in_fp8(fp8):
-        return _fp8_into_main_grad(param, segments, fp8, experts)
     main_grad = main_grad_of(param)
+    if fp8 is not None and fp8.wgrad:
+        out = main_grad[experts] if main_grad is not None else torch.zeros(
+            param[experts].shape, dtype=torch.float32, device=param.device)
+        fp8_wgrad(segments, out, fp8)
+        return None if main_grad is not None else out.to(param.dtype)
     if main_grad is None:
         return sum(torch._grouped_mm(x.t(), grad, offs=offsets) for x, grad, offsets in segments)
     grouped_wgrad_accumulate(segments, main_grad[experts])
