@@ -22,8 +22,9 @@
              bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
              128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
              chunk (blockwise), each tile config, operands quantized outside the timing; then each recipe whole
-             (both operands quantized along the tokens inside the timing), and the quantize pass alone; errors
-             against fp32 normwise
+             (both operands quantized along the tokens inside the timing, the default kernel), and the quantize
+             passes alone (64 and 128 columns a program); errors against fp32 normwise; ``--rows``: at those rows
+             per expert
 
     python benchmarks/step_kernels.py --json benchmarks/results/step_kernels_h200.json
 """
@@ -189,8 +190,11 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
                     lambda q=operands["chunk" if per_chunk else "group"], per_chunk=per_chunk, fast=fast,
                     config=config: W.fp8_wgrad_accumulate_triton([q], main_grad, per_chunk, fast, config))
         for mode in ("group", "chunk"):
-            fns[f"quantize_{mode}"] = lambda per_chunk=mode == "chunk": (
-                W.quantize_along_tokens(a, offsets, per_chunk), W.quantize_along_tokens(b, offsets, per_chunk))
+            for columns in (64, 128):  # a quantize program's columns
+                fns[f"quantize_{mode}" + ("" if columns == 64 else f"_c{columns}")] = (
+                    lambda per_chunk=mode == "chunk", columns=columns: (
+                        W.quantize_along_tokens(a, offsets, per_chunk, columns),
+                        W.quantize_along_tokens(b, offsets, per_chunk, columns)))
             fns[f"whole_{mode}"] = lambda per_chunk=mode == "chunk": W.fp8_wgrad_accumulate(
                 [(W.quantize_along_tokens(a, offsets, per_chunk), W.quantize_along_tokens(b, offsets, per_chunk))],
                 main_grad, per_chunk)

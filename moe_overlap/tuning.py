@@ -116,8 +116,17 @@ def auto_push_sms(rows: int, hidden: int, ffn: int, chunks: int, element_size: i
     gemm_ms = 6 * chunk_rows * hidden * ffn / GROUPED_GEMM_FLOPS_PER_MS
     return max(1, min(MAX_PUSH_CTAS, math.ceil(moved_bytes / (gemm_ms * PUSH_BYTES_PER_CTA_MS))))
 
-# ``train.fp8_wgrad: auto``: the recipes whose experts' weight gradients run in FP8 (kernels/fp8_wgrad.py). The
-# Mixtral-like bench model on one H100, 2026-11-27 (train_step_fp8_wgrad_mixtral_2l_1xh100.json, one launch; MFU):
-# rowwise 0.690 with the FP8 wgrad, 0.672 without (bf16 0.606); blockwise 0.587 with (its per-chunk scaling waits
-# for each 128-token product, as its GEMM does), 0.602 without.
+# ``train.fp8_wgrad: auto``: where the experts' weight gradients run in FP8 (kernels/fp8_wgrad.py): the rowwise
+# recipe, experts at least FP8_WGRAD_MIN_DIM wide in both dimensions (hidden and expert ffn), at least
+# FP8_WGRAD_MIN_ROWS rows per expert into each read-modify-write of main_grad (balanced routing; two micro-batches'
+# with train.expert_wgrad_pairs). The FP8 GEMM grows with rows x M x N, quantizing its operands with rows x (M + N),
+# the read-modify-write not at all. One H100, 2026-11-27, kernel alone then quantization, ms
+# (step_kernels_fp8_wgrad_rows_1xh100.json): Mixtral fc1 at 1,024 rows 5.35 + 0.88 against bf16's 4.70, at 4,096
+# rows 8.71 + 3.40 against 14.89; the fine-grained fc1 (2,048 x 2,048) at 4,096 rows 2.40 + 3.43 against 3.98. The
+# Mixtral-like bench model (1,024 rows per expert a micro-batch, in pairs: 2,048), two launches
+# (train_step_fp8_wgrad_*mixtral_2l*):
+# rowwise 0.690 / 0.687 MFU with the FP8 wgrad, 0.672 / 0.682 without (bf16 0.606 / 0.612). Blockwise's per-chunk
+# scaling waits for each 128-token product (as its GEMM does): 0.587 / 0.593 with, 0.602 / 0.605 without.
 FP8_WGRAD_RECIPES = ("rowwise",)
+FP8_WGRAD_MIN_DIM = 4096
+FP8_WGRAD_MIN_ROWS = 2048

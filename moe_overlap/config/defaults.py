@@ -35,8 +35,8 @@ a switch the user set needs to run.
                                 gradients (the fastest measured there, tuning.py); off elsewhere; with planning
                                 left to the transport, decided when the ranks start (:func:`delay_by_planning`)
 
-    train.fp8_wgrad=auto        with train.fp8_recipe, the experts' weight gradients in FP8 where measured faster
-                                (rowwise; blockwise's stay bf16: tuning.py)
+    train.fp8_wgrad=auto        with train.fp8_recipe, the experts' weight gradients in FP8 where measured faster:
+                                rowwise, wide experts, many rows per expert (tuning.py); bf16 elsewhere
 
 The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
 """
@@ -44,7 +44,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
-from moe_overlap.tuning import FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK
+from moe_overlap.tuning import FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS, FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK
 
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
 SHARED = "model.moe_shared_expert_overlap"
@@ -254,7 +254,29 @@ def resolve_defaults(cfg: Config) -> list[str]:
                        "measured faster only with one device-planned chunk and each token once per rank (tuning.py)")
                 choices.append(f"{DELAY}=auto -> {str(o.delay_wgrad_compute).lower()}: {why}")
     if t.fp8_wgrad == "auto" and t.fp8_recipe is not None:
-        t.fp8_wgrad = t.fp8_recipe in FP8_WGRAD_RECIPES
-        choices.append(f"train.fp8_wgrad=auto -> {str(t.fp8_wgrad).lower()}: the experts' weight gradients in "
-                       f"{'FP8' if t.fp8_wgrad else 'bf16'}, measured faster with fp8_recipe={t.fp8_recipe} (tuning.py)")
+        off = fp8_wgrad_off_reason(cfg)
+        t.fp8_wgrad = off is None
+        if m.num_moe_experts is not None:
+            why = "measured faster there" if off is None else f"measured slower {off}"
+            choices.append(f"train.fp8_wgrad=auto -> {str(t.fp8_wgrad).lower()}: the experts' weight gradients in "
+                           f"{'FP8' if t.fp8_wgrad else 'bf16'}, {why} (tuning.py)")
     return choices
+
+
+def fp8_wgrad_off_reason(cfg: Config) -> str | None:
+    """Why ``train.fp8_wgrad: auto`` keeps the experts' weight gradients in bf16, or None: the recipe, the experts'
+    width, and the rows per expert that one read-modify-write of main_grad sums (balanced routing: each of the EP
+    ranks' tokens of a micro-batch, top-k copies over the experts; two micro-batches' with expert_wgrad_pairs)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if t.fp8_recipe not in FP8_WGRAD_RECIPES or m.num_moe_experts is None:
+        return f"with fp8_recipe={t.fp8_recipe}"
+    narrow = min(m.hidden_size, m.expert_ffn_hidden_size)
+    if narrow < FP8_WGRAD_MIN_DIM:
+        return f"for experts {narrow} wide (from {FP8_WGRAD_MIN_DIM} on: the quantization costs what the GEMM saves)"
+    tokens = t.micro_batch_size * m.seq_length // (p.context_parallel_size * (
+        p.tensor_model_parallel_size if p.sequence_parallel else 1))
+    rows = p.expert_model_parallel_size * tokens * m.moe_router_topk // m.num_moe_experts * (
+        2 if t.expert_wgrad_pairs else 1)
+    if rows < FP8_WGRAD_MIN_ROWS:
+        return f"at {rows} rows per expert per weight-gradient call (from {FP8_WGRAD_MIN_ROWS} on)"
+    return None

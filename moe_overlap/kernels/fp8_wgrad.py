@@ -12,19 +12,24 @@ Scales, one float32 per (chunk, column), stored (chunks, M):
 - ``per_chunk`` (the blockwise recipe; DeepSeek-V3's 128x1 tiles for the weight gradient): each chunk's own.
   The GEMM sums each chunk's product in fp32 and multiplies it by its two scale vectors before adding it up.
 - per group (the rowwise recipe; torchao's per-group column scales): the group's amax over all its rows, so
-  the same scale in each of its chunks. The GEMM scales the group's product once, in the epilogue, and
-  still sums each chunk's product in fp32 (``fast_accum=False``, Transformer Engine's choice for
-  gradients) or lets the tensor cores accumulate across chunks (``fast_accum``, faster and less exact).
+  the same scale in each of its chunks. The GEMM scales the group's product once, in the epilogue, and lets the
+  tensor cores accumulate across the chunks (``fast_accum``, the default here), or sums each chunk's product in
+  fp32 (Transformer Engine's choice for gradients). Measured on an H100 (step_kernels_fp8_wgrad_rows_1xh100.json,
+  expert shapes at 4,096 rows per expert): the same error against fp32 (0.03745 against 0.03743; the quantization's
+  own is 0.037) and 17-24% faster (Mixtral fc1 8.71 against 11.46 ms), since a chunk's product need not be waited
+  for before the next one starts.
 
 A scale is made as everywhere in kernels/fp8_quant.py (amax / 448, amax >= 1e-12, the values times 448 / amax
 clamped and rounded to nearest even). The group boundaries are read on the device (int32 end offsets, the chunks'
 end per group and each chunk's group: :func:`token_chunks`, :func:`group_of_chunks`, a few tiny device ops), so both
 kernels run on a static grid, without a host sync, inside CUDA graphs. Rows past the last offset are never read.
 
-Measured on an H100 (step_kernels_fp8_wgrad_1xh100.json): at 1,024 rows per expert the kernel alone runs about as
-fast as the bf16 one (Mixtral fc1 4.98 against 4.69 ms, fc2 2.18 against 2.23): the fp32 read-modify-write of
-main_grad, not the arithmetic, bounds both there; the quantization of both operands adds 0.4-1.0 ms. It gains
-where more rows share one read-modify-write (train.expert_wgrad_pairs, larger micro-batches).
+Measured on an H100 (step_kernels_fp8_wgrad_rows_1xh100.json, per group): at 1,024 rows per expert the GEMM alone
+runs about as fast as the bf16 kernel (Mixtral fc1 4.9-5.4 against 4.70 ms): the fp32 read-modify-write of
+main_grad, not the arithmetic, bounds both there. At 4,096 rows it runs 1.7x bf16's (8.71 against 14.89 ms), but
+quantizing both operands (two passes per group scale) costs 3.4 ms there, as many bytes as bf16 reads: the FP8
+wgrad pays only where the experts are wide (its GEMM grows with rows x M x N, the quantization with rows x (M + N))
+and many rows share one read-modify-write (train.fp8_wgrad=auto: config/defaults.py).
 
 The torch twins (CPU, the emulated path of layers/fp8.py, tests) loop over the groups on the host.
 """
@@ -215,10 +220,11 @@ def quantize_along_tokens_torch(x_TM: torch.Tensor, offsets_E: torch.Tensor, per
 _QUANTIZE_COLUMNS = 64  # BLOCK_C: a program's columns (128 tokens each)
 
 
-def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk: bool) -> TokenQuantized:
+def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk: bool,
+                          columns: int = _QUANTIZE_COLUMNS) -> TokenQuantized:
     """x_TM (rows grouped by the int32 end offsets ``offsets_E``; rows past the last one not read) quantized along
     its rows, transposed: q (M, P) E4M3, scales (chunks, M); see the module docstring. Two Triton passes per
-    group scale (the chunks' amax, then the values), one per chunk scale."""
+    group scale (the chunks' amax, then the values), one per chunk scale; ``columns``: a program's (benchmarks)."""
     if not use_triton(x_TM, "fp8 quantize_along_tokens"):
         return quantize_along_tokens_torch(x_TM, offsets_E, per_chunk)
     T, M = x_TM.shape
@@ -228,7 +234,7 @@ def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk
     chunk_ends = token_chunks(offsets_E)
     q_MP = torch.empty((M, bound * CHUNK), dtype=FP8, device=x_TM.device)
     scale_CM = torch.empty((bound, M), dtype=torch.float32, device=x_TM.device)
-    block_c = min(_QUANTIZE_COLUMNS, triton.next_power_of_2(M))
+    block_c = min(columns, triton.next_power_of_2(M))
     grid = (bound, triton.cdiv(M, block_c))
     modes = (1,) if per_chunk else (0, 2)
     amax_CM = scale_CM if per_chunk else torch.empty_like(scale_CM)
@@ -236,7 +242,7 @@ def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk
     for mode in modes:
         _quantize_chunks[grid, x_TM.device](x_TM, q_MP, scale_CM, amax_CM, offsets_E, chunk_ends, group_of_chunk, M,
                                             offsets_E.numel(), bound * CHUNK, x_TM.stride(0), MODE=mode,
-                                            BLOCK_C=block_c, num_warps=4)
+                                            BLOCK_C=block_c, num_warps=4 if block_c <= 64 else 8)
     return TokenQuantized(q_MP, scale_CM, chunk_ends)
 
 
@@ -256,13 +262,18 @@ def fp8_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -
 
 
 # (BLOCK_M, BLOCK_N, warps, stages); the depth is a chunk's 128. The fastest of benchmarks/step_kernels.py
-# --sections fp8_wgrad on an H100 (step_kernels_fp8_wgrad_1xh100.json) at all four expert shapes, per group and
-# per chunk: 5-10% below 128x128 in 8 warps (two warp groups), 15-50% below 128 x 256 or 256 x 128.
-_CONFIG = (64, 128, 4, 4)
+# --sections fp8_wgrad on an H100 (step_kernels_fp8_wgrad_1xh100.json, step_kernels_fp8_wgrad_rows_1xh100.json):
+# per chunk, 64 x 128 in one warp group at every shape (5-10% below 128 x 128 in two, 15-50% below 256 x 128);
+# per group with the tensor cores accumulating, 128 x 128 in two warp groups where FP8 pays (4,096 rows: 20-25%
+# below 64 x 128; at 1,024 rows 10% above it).
+_CONFIG_CHUNK = (64, 128, 4, 4)
+_CONFIG_GROUP = (128, 128, 8, 4)
 
 
 def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool,
-                                fast_accum: bool = False, config: tuple[int, ...] = _CONFIG) -> None:
+                                fast_accum: bool | None = None, config: tuple[int, ...] | None = None) -> None:
+    """:func:`fp8_wgrad_accumulate` in one launch; ``fast_accum`` (per group only; default there) and the tile
+    ``config`` (BLOCK_M, BLOCK_N, warps, stages; default by mode) for tests and benchmarks."""
     groups, M, N = out_EMN.shape
     if out_EMN.numel() == 0:
         return
@@ -276,7 +287,8 @@ def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, 
             raise ValueError(f"operands {tuple(a.q_MP.shape)} and {tuple(b.q_MP.shape)} with "
                              f"{a.chunk_ends_E.numel()} groups do not fit out {tuple(out_EMN.shape)}")
     (a, b), (a2, b2) = segments[0], segments[-1]
-    block_m, block_n, warps, stages = config
+    fast_accum = not per_chunk if fast_accum is None else fast_accum and not per_chunk
+    block_m, block_n, warps, stages = config or (_CONFIG_CHUNK if per_chunk else _CONFIG_GROUP)
     if not out_EMN.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n = min(block_m, 32), min(block_n, 32)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
@@ -287,11 +299,10 @@ def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, 
         EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages)
 
 
-def fp8_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool,
-                         fast_accum: bool = False) -> None:
+def fp8_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool) -> None:
     """out_EMN[e] (fp32) += sum over segments of a_e^T @ b_e, from operands quantized along the tokens (both of a
     segment with the same ``per_chunk``, the recipe's; see the module docstring)."""
     if use_triton(out_EMN, "fp8 wgrad"):
-        fp8_wgrad_accumulate_triton(segments, out_EMN, per_chunk, fast_accum)
+        fp8_wgrad_accumulate_triton(segments, out_EMN, per_chunk)
     else:
         fp8_wgrad_accumulate_torch(segments, out_EMN)
