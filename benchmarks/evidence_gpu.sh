@@ -804,6 +804,27 @@ case $phase in
        | grep -E '^\{"variant"|Error' | cut -c1-300) &
     wait
     ;;
+  converge_wgrad2)  # issue 39's convergence with the experts' weight gradients in FP8 too (train.fp8_wgrad=true:
+    # auto keeps this model's narrow experts in bf16), FP8 at both seeds on GPUs 0-1, against converge4's bf16 runs
+    # (the same config and seeds; committed under benchmarks/results/)
+    conv="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
+    conv+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
+    conv+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
+    conv+=" train.fp8_recipe=rowwise train.fp8_wgrad=true"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python -m moe_overlap train $conv train.seed=1234 \
+      train.output_dir=/tmp/converge_fp8_wgrad_a > "$out/converge_fp8_wgrad_a.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python -m moe_overlap train $conv train.seed=4321 \
+      train.output_dir=/tmp/converge_fp8_wgrad_b > "$out/converge_fp8_wgrad_b.log" 2>&1 &
+    wait
+    for name in a b; do
+      tail -n 1 "$out/converge_fp8_wgrad_$name.log"
+      gzip -c "/tmp/converge_fp8_wgrad_$name/metrics.jsonl" > $res/fp8_wgrad_convergence_fp8_${name}_1x${gpu}_metrics.jsonl.gz
+    done
+    python benchmarks/fp8_convergence.py --bf16 $res/fp8_convergence_bf16_{a,b}_1xh100_metrics.jsonl.gz \
+      --fp8 $res/fp8_wgrad_convergence_fp8_{a,b}_1x${gpu}_metrics.jsonl.gz --png $res/fp8_wgrad_convergence_1x$gpu.png \
+      --json $res/fp8_wgrad_convergence_1x$gpu.json --machine "1x ${gpu^^} each (GPUs 0-1 of a 2-GPU host; bf16 runs: converge4's)"
+    pack
+    ;;
   converge4)  # issue 39's convergence (~0.5B configs/small_gpu.yaml on one GPU each, 1,000 steps of 7 sequences of
     # 1,024 tokens of real text: 7.2M tokens, under one epoch of the corpus's 7.57M, so nothing repeats): bf16 at two
     # seeds and FP8 at both, side by side on GPUs 0-3; then issue 41's fine 4-GPU example as shipped today (the shared
