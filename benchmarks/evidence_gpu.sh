@@ -79,6 +79,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_tp2  OUT   # 2 GPUs: the Mixtral-like model at TP=2 in bf16 and both FP8 recipes
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad1 OUT # one GPU: the FP8 weight gradient (tests, kernel, layers, model)
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
+#   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
 #   bash benchmarks/evidence_gpu.sh fp8_gemm1 OUT  # one GPU: the FP8 expert GEMMs' kernels, and fast dgrad accumulation
 #   bash benchmarks/evidence_gpu.sh once2    OUT   # each token once per rank at EP=2: GPU tests, the fine model's step
@@ -920,6 +921,16 @@ case $phase in
       --profile-steps 0 --json $res/train_step_fp8_wgrad_fast_mixtral_2l_1x$gpu.json 2>&1 \
       | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  fp8_wgrad_tests)  # the FP8 GPU tests with the experts' FP8 weight gradient in the models (train.fp8_wgrad=true):
+    # the one-GPU FP8 tests (the model's steps eager and graphed among them) on GPU 0, then the FP8 layouts at 2 and 4
+    log=$out/gpu_tests_fp8_wgrad_model_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8.py tests/test_gpu_fp8_blockwise.py" > "$log"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py \
+      tests/test_gpu_fp8.py tests/test_gpu_fp8_blockwise.py 2>&1 | tail -n 8 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    fp8_layouts
     ;;
   fp8_wgrad4)  # issue 39 at 4 GPUs with the FP8 weight gradient: the FP8 layouts' GPU test (2 and 4 ranks), then
     # the fine and Mixtral-like bench models at EP=4 balanced: bf16 (the default, compute_only, ep1) beside rowwise

@@ -81,6 +81,18 @@ def timed(fns: dict, rounds: int, reps: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def wgrad_operands(name: str, per_expert: int):
+    """A weight gradient's operands at an expert shape, ``per_expert`` rows each: (a_TM, b_TN bf16, int32 end
+    offsets, the fp32 main_grad (E, M, N) they add into)."""
+    import torch
+
+    experts, _, m, n = WGRAD_SHAPES[name]
+    a = torch.randn(experts * per_expert, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(experts * per_expert, n, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
+    return a, b, offsets, torch.zeros(experts, m, n, device="cuda", dtype=torch.float32)
+
+
 def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
     import torch
 
@@ -90,10 +102,7 @@ def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
     for name in shapes:
         experts, per_expert, m, n = WGRAD_SHAPES[name]
         tokens = experts * per_expert
-        a = torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-        offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
-        main_grad = torch.zeros(experts, m, n, device="cuda", dtype=torch.float32)
+        a, b, offsets, main_grad = wgrad_operands(name, per_expert)
         host_offsets = [0] + offsets.tolist()
         fns = {
             "grouped_mm_alone": lambda: torch._grouped_mm(a.t(), b, offs=offsets),
@@ -176,10 +185,7 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
     for name, per_expert in [(name, per) for name in shapes for per in rows_per_expert or [WGRAD_SHAPES[name][1]]]:
         experts, _, m, n = WGRAD_SHAPES[name]
         tokens = experts * per_expert
-        a = torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-        offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
-        main_grad = torch.zeros(experts, m, n, device="cuda", dtype=torch.float32)
+        a, b, offsets, main_grad = wgrad_operands(name, per_expert)
         operands = {mode: (W.quantize_along_tokens(a, offsets, mode == "chunk"),
                            W.quantize_along_tokens(b, offsets, mode == "chunk")) for mode in ("group", "chunk")}
         modes = {"group": (False, False), "group_fast": (False, True), "chunk": (True, False)}  # per_chunk, fast

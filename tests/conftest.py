@@ -19,3 +19,18 @@ def rank_pool() -> Iterator[Callable[..., RankPool]]:
     """`rank_pool(world_size, timeout_s=...)`: the session's gloo rank pool, fresh after any failure."""
     yield get_pool
     shutdown_all()
+
+
+@pytest.fixture
+def fp8_kernel_gpu() -> Iterator[None]:
+    """A GPU test of FP8 kernels: fails (not skips) without FP8 tensor cores; TF32 off meanwhile, so that its fp32
+    references are fp32."""
+    import torch
+
+    from tests.gpu_launch import require_fp8_gpu
+
+    require_fp8_gpu()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = tf32

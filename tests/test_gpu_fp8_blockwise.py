@@ -17,23 +17,13 @@ import torch
 from moe_overlap.kernels.fp8_blockwise import (blockwise_mm, blockwise_mm_torch, blockwise_mm_triton,
                                                quantize_blocks, quantize_blocks_torch, quantize_tiles,
                                                quantize_tiles_torch)
-from tests.gpu_launch import require_fp8_gpu
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_kernel_gpu")]
 
 FP8_TOL = 0.05  # the FP8 GEMM against fp32 on the unquantized inputs
 TWIN_TOL = 1e-2  # against the twin: bf16 output, the order of the fp32 sums
 M, K_HIDDEN, K_FFN, E = 4096, 1024, 2048, 8  # w (E, 2048, 1024): fc2's shape read forward, fc1's read in dgrad
 GROUP_ROWS = [700, 0, 1000, 13, 555, 900, 128, 300]  # 3596 of 4096 rows: the last 500 past the last offset
-
-
-@pytest.fixture(autouse=True)
-def fp8_gpu():
-    require_fp8_gpu()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the references in fp32
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

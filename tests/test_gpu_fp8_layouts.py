@@ -14,7 +14,9 @@ blockwise layouts "missed" it by 8x; over three steps, TP=2 x EP=2 blockwise on 
 drifted 1.0e-3 from its single run; 2026-11-27, gpu_tests_fp8_layouts_*4xh100.txt), a coin flip, not a rule.
 Routing is forced (model.moe_router_force_load_balancing), as in the other GPU layouts, so that a flip cannot move
 a token between near-tied experts. Dimensions are multiples of 128 (the blockwise recipe's tiles and blocks, on
-each rank).
+each rank). The experts' weight gradients run in FP8 too (train.fp8_wgrad=true: auto leaves these narrow experts in
+bf16); an expert's scales then depend on which rows its group holds (other ranks' rows at EP > 1, half the sequence
+at TP=2 with SP), so its gradients are another FP8 rounding of the same sums, which the rule's 2x takes.
 
 The per-rank work is ``gpu_case``, launched once per rank count under torchrun; under MOE_GPU_TEST_DRYRUN=1
 (tests/gpu_launch.py) it runs on CPU gloo ranks with the recipes emulated (``Fp8(emulate=True)``, given to the
@@ -64,13 +66,13 @@ def gpu_case(output_dir: str) -> dict:
     meshes = []
 
     def trainer(ranks: int, ep: int, precision: str, recipe: str | None, extra: dict) -> Trainer:
-        fp8 = {} if recipe is None or dry_run() else {"train.fp8_recipe": recipe}
+        fp8 = {} if recipe is None or dry_run() else {"train.fp8_recipe": recipe, "train.fp8_wgrad": "true"}
         cfg = small_config(output_dir, ep, global_batch, **{**base, "train.precision": precision, **fp8, **extra})
         mesh = Mesh.single() if ranks == 1 else Mesh.create(mesh_layout(cfg, ranks), timeout_s=60)
         meshes.append(mesh)
         run = Trainer(cfg, mesh, device)
         if recipe is not None and dry_run():
-            run.model.use_fp8(Fp8(emulate=True, recipe=recipe))
+            run.model.use_fp8(Fp8(emulate=True, recipe=recipe, wgrad=True))
         return run
 
     world_mesh, device = init_distributed(small_config(output_dir, 1, global_batch, **base))

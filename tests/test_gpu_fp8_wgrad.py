@@ -16,31 +16,14 @@ import pytest
 import torch
 
 from moe_overlap.kernels import fp8_wgrad as W
-from tests.gpu_launch import require_fp8_gpu
+from tests.test_gpu_fp8_blockwise import offsets_of, rel
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_kernel_gpu")]
 
 FP8_TOL = 0.05  # the FP8 GEMM against fp32 on the unquantized rows
 TWIN_TOL = 1e-2  # against the twin: the tensor cores' FP8 products, the order of the fp32 sums
 GROUP_ROWS = [700, 0, 1000, 13, 555, 900, 128, 300]  # 3596 rows, then 500 past the last offset
 M, N = 1024, 768  # the weight's (E, M, N): a's columns and b's
-
-
-@pytest.fixture(autouse=True)
-def fp8_gpu():
-    require_fp8_gpu()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the references in fp32
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-def offsets_of(rows: list[int]) -> torch.Tensor:
-    return torch.tensor(rows, device="cuda").cumsum(0).to(torch.int32)
 
 
 def rows_of(columns: int, seed: int, dtype=torch.bfloat16, rows: list[int] = GROUP_ROWS) -> torch.Tensor:
