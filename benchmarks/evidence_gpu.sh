@@ -943,6 +943,24 @@ case $phase in
         --variant "rowwise_wire_bf16_wgrad:train.fp8_recipe=rowwise,train.fp8_wgrad=false,$WIRE"
     done
     ;;
+  fp8_narrow4)  # issue 39: train.fp8_gemm_min_dim on the fine bench model. The one-GPU FP8 tests on GPU 0 (the model's
+    # steps with every GEMM forced to FP8); at EP=4 balanced: bf16 (the default, compute_only, ep1) beside rowwise with
+    # FP8 on the wire at auto (2048: the experts' and shared expert's fc2 in bf16), 0 (every GEMM in FP8, as before)
+    # and 4096 (every GEMM bf16, only the wire FP8); then the model at one GPU, bf16 and rowwise at auto (with every
+    # GEMM's FP8 copies it did not fit)
+    log=$out/gpu_tests_fp8_narrow_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8.py" > "$log"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8.py \
+      2>&1 | tail -n 8 | tee -a "$log"
+    cp "$log" $res/
+    WIRE="train.fp8_recipe=rowwise,overlap.moe_dispatch_dtype=fp8,overlap.moe_dispatch_once_per_rank=true"
+    train_step 4 fine_8l balanced_fp8_narrow "$BAL" --profile-steps 0 --variant "wire_auto:$WIRE" \
+      --variant "wire_all:$WIRE,train.fp8_gemm_min_dim=0" --variant "wire_only:$WIRE,train.fp8_gemm_min_dim=4096"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
+      --json $res/train_step_fp8_narrow_fine_8l_1x$gpu.json 2>&1 | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu

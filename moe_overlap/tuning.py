@@ -130,3 +130,12 @@ def auto_push_sms(rows: int, hidden: int, ffn: int, chunks: int, element_size: i
 FP8_WGRAD_RECIPES = ("rowwise",)
 FP8_WGRAD_MIN_DIM = 4096
 FP8_WGRAD_MIN_ROWS = 2048
+
+# ``train.fp8_gemm_min_dim: auto``: a forward or input-gradient GEMM runs in FP8 only where its contraction and its
+# output are both at least this wide; narrower ones stay bf16. torch's rowwise grouped FP8 GEMM
+# (torch._scaled_grouped_mm, torch 2.11) ran the fine-grained experts' fc2 (contraction 1,024 forward, output 1,024
+# in the dgrad; 64 experts x 1,024 rows) at half bf16's speed: 0.935 / 0.850 ms against 0.446 / 0.417; at 2,048 x
+# 2,048 (their fc1) 0.651 / 0.646 against 0.794 / 0.801, and the Mixtral shapes (4,096 and up) 1.37-1.54x bf16.
+# Blockwise (our Triton GEMM) ran that fc2 at 0.564 / 0.469 (1xH100, 2026-11-27, operands quantized outside the
+# timing: step_kernels_fp8_blockwise_paired_1xh100.json). Each FP8 GEMM also quantizes its activation once per call.
+FP8_GEMM_MIN_DIM = 2048

@@ -5,6 +5,8 @@ the config's refusals. The real FP8 GEMMs and the Triton kernels' exactness are 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,11 +19,12 @@ from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, dequantize,
                                            quantize_columns_torch, quantize_rows, quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, experts_wgrad, WgradInputs
 from moe_overlap.layers.fp8 import (Fp8, Fp8Rows, check_fp8_device, fp8_matmul, grouped_mm, refresh_weights,
-                                    weight_operand, weights_updated)
+                                    weight_copy_bytes, weight_operand, weights_updated)
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 from moe_overlap.layers.wire_rows import copies_rows
 from moe_overlap.training.trainer import Trainer
+from moe_overlap.tuning import FP8_GEMM_MIN_DIM
 from tests.test_master import CPU, small_config, world_and_mesh
 
 EMULATED = Fp8(emulate=True)
@@ -280,6 +283,56 @@ def test_fp8_emulated_grouped_gemm_is_per_group_dense():
     reference = torch.cat([x[sum(rows[:e]):sum(rows[:e + 1])] @ w[e] for e in range(4)])
     assert rel_err(out[:start], reference) < GEMM_TOL
     assert rel_err(grouped_mm(x, w, offsets, None)[:start], reference) < 1e-6  # bf16 path unchanged (fp32 here)
+
+
+def test_fp8_gemm_min_dim_leaves_narrow_gemms_in_bf16():
+    """train.fp8_gemm_min_dim: a forward or dgrad GEMM narrower than the bound in its contraction or its output is
+    the bf16 product itself (rows that crossed as FP8 dequantized first), a wide one the FP8 GEMM's; a narrow
+    weight gets no FP8 copy (weight_copy_bytes counts none)."""
+    torch.manual_seed(7)
+    rows = [5, 0, 9, 2]
+    used = slice(0, sum(rows))  # the rows the GEMMs compute (3 unused tail rows: left unwritten)
+    offsets = expert_offsets(torch.tensor(rows))
+    x, w_wide, w_narrow = torch.randn(sum(rows) + 3, 64), torch.randn(4, 64, 48), torch.randn(4, 64, 16)
+    bound = dataclasses.replace(EMULATED, min_dim=32)
+
+    def gemm(a, w, fp8, transpose_w=False):
+        return grouped_mm(a, w, offsets, fp8, transpose_w=transpose_w)[used]
+
+    assert torch.equal(gemm(x, w_narrow, bound), gemm(x, w_narrow, None))
+    assert torch.equal(gemm(x, w_wide, bound), gemm(x, w_wide, EMULATED))
+    assert not torch.equal(gemm(x, w_wide, bound), gemm(x, w_wide, None))
+    g = torch.randn(sum(rows), 16)  # the dgrad contracts along the weight's narrow dimension: bf16 too
+    assert torch.equal(gemm(g, w_narrow, bound, True), gemm(g, w_narrow, None, True))
+    crossed = Fp8Rows(*quantize_rows(x), torch.float32)
+    assert torch.equal(gemm(crossed, w_narrow, bound), gemm(crossed.dequantized(), w_narrow, None))
+    dense = torch.randn(48, 16)  # (N, K): the forward contracts 16
+    assert torch.equal(fp8_matmul(x[:, :16], dense, True, bound), x[:, :16] @ dense.t())
+    layer = torch.nn.Module()
+    layer.wide, layer.narrow = torch.nn.Parameter(w_wide), torch.nn.Parameter(w_narrow)
+    assert weight_copy_bytes(layer, min_dim=32) == weight_copy_bytes(layer) - 4 * (2 * 64 * 16 + 4 * (64 + 16)) > 0
+
+
+def test_fp8_gemm_min_dim_field(caplog):
+    """train.fp8_gemm_min_dim: refused without a recipe or below 0; auto resolves to the measured bound and logs
+    which GEMMs stay bf16 (the fine-grained bench model's experts' and shared expert's fc2, ffn 1,024; none of the
+    Mixtral-like one's); a value set is kept."""
+    for value in ("0", "4096"):
+        with pytest.raises(ConfigError, match=r"^train\.fp8_gemm_min_dim=\d+: has no effect without train\.fp8_rec"):
+            load_config(None, [f"train.fp8_gemm_min_dim={value}"])
+    with pytest.raises(ConfigError, match=r"^train\.fp8_gemm_min_dim=-1: must be >= 0"):
+        load_config(None, ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise",
+                           "train.fp8_gemm_min_dim=-1"])
+    assert load_config(None, []).train.fp8_gemm_min_dim == "auto"
+    fp8 = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise"]
+    with caplog.at_level("INFO"):
+        assert load_config("configs/bench_fine_8l.yaml", fp8).train.fp8_gemm_min_dim == FP8_GEMM_MIN_DIM
+    assert "stay bf16, measured slower in FP8 (tuning.py): experts' fc2, shared expert fc2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        load_config("configs/bench_mixtral_2l.yaml", fp8)
+    assert "measured slower in FP8 (tuning.py): none here" in caplog.text
+    assert load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_gemm_min_dim=0"]).train.fp8_gemm_min_dim == 0
 
 
 def test_fp8_experts_with_no_rows():

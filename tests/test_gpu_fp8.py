@@ -239,9 +239,9 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
         "train.moe_cuda_graph": str(graphed).lower(), "train.output_dir": str(tmp_path / "run"),
         "checkpoint.save_final": "false",
     }
-    if fp8:  # the experts' weight gradients in FP8 too (auto leaves these narrow experts in bf16)
+    if fp8:  # every GEMM and the experts' weight gradients in FP8 (auto leaves this narrow model's in bf16)
         overrides.update({"train.fp8_recipe": recipe, "train.num_layers_at_start_in_bf16": 1,
-                          "train.fp8_wgrad": "true"})
+                          "train.fp8_wgrad": "true", "train.fp8_gemm_min_dim": 0})
     trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), Mesh.single(),
                       torch.device("cuda"))
     experts = trainer.model.layers["1"].mlp.experts
@@ -258,7 +258,8 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
         trainer.model.layers["1"].mlp.register_forward_pre_hook(check_fresh)
     losses = [trainer.train_step()["loss"] for _ in range(steps)]
     assert (experts.fp8 is not None) == fp8, "train.fp8_recipe did not reach the model (the trainer's wiring)"
-    assert experts.fp8 is None or experts.fp8.wgrad, "train.fp8_wgrad did not reach the model"
+    assert experts.fp8 is None or (experts.fp8.wgrad and experts.fp8.min_dim == 0), \
+        "train.fp8_wgrad or train.fp8_gemm_min_dim did not reach the model"
     assert bool(getattr(experts.w13, "fp8_cache", None)) == fp8  # the FP8 path ran
     assert len(replays_checked) == (4 * steps if graphed and fp8 else 0)  # 4 micro-batches a step
     assert trainer.model.layers["0"].mlp.linear_fc1.fp8 is None  # the first layer stayed bf16

@@ -14,8 +14,8 @@ blockwise layouts "missed" it by 8x; over three steps, TP=2 x EP=2 blockwise on 
 drifted 1.0e-3 from its single run; 2026-11-27, gpu_tests_fp8_layouts_*4xh100.txt), a coin flip, not a rule.
 Routing is forced (model.moe_router_force_load_balancing), as in the other GPU layouts, so that a flip cannot move
 a token between near-tied experts. Dimensions are multiples of 128 (the blockwise recipe's tiles and blocks, on
-each rank). The experts' weight gradients run in FP8 too (train.fp8_wgrad=true: auto leaves these narrow experts in
-bf16); an expert's scales then depend on which rows its group holds (other ranks' rows at EP > 1, half the sequence
+each rank). Every GEMM and the experts' weight gradients run in FP8 (train.fp8_gemm_min_dim=0,
+train.fp8_wgrad=true: auto leaves this narrow model's in bf16); an expert's scales then depend on which rows its group holds (other ranks' rows at EP > 1, half the sequence
 at TP=2 with SP), so its gradients are another FP8 rounding of the same sums, which the rule's 2x takes.
 
 The per-rank work is ``gpu_case``, launched once per rank count under torchrun; under MOE_GPU_TEST_DRYRUN=1
@@ -66,7 +66,8 @@ def gpu_case(output_dir: str) -> dict:
     meshes = []
 
     def trainer(ranks: int, ep: int, precision: str, recipe: str | None, extra: dict) -> Trainer:
-        fp8 = {} if recipe is None or dry_run() else {"train.fp8_recipe": recipe, "train.fp8_wgrad": "true"}
+        fp8 = {} if recipe is None or dry_run() else {"train.fp8_recipe": recipe, "train.fp8_wgrad": "true",
+                                                      "train.fp8_gemm_min_dim": 0}
         cfg = small_config(output_dir, ep, global_batch, **{**base, "train.precision": precision, **fp8, **extra})
         mesh = Mesh.single() if ranks == 1 else Mesh.create(mesh_layout(cfg, ranks), timeout_s=60)
         meshes.append(mesh)

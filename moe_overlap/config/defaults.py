@@ -37,6 +37,9 @@ a switch the user set needs to run.
 
     train.fp8_wgrad=auto        with train.fp8_recipe, the experts' weight gradients in FP8 where measured faster:
                                 rowwise, wide experts, many rows per expert (tuning.py); bf16 elsewhere
+    train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM: the forward and input-gradient
+                                GEMMs narrower than that in the contraction or the output stay bf16 (measured
+                                slower in FP8)
 
 The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
 """
@@ -44,7 +47,8 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
-from moe_overlap.tuning import FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS, FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK
+from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS, FP8_WGRAD_RECIPES,
+                                ONCE_PER_RANK_MIN_TOPK)
 
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
 SHARED = "model.moe_shared_expert_overlap"
@@ -260,7 +264,41 @@ def resolve_defaults(cfg: Config) -> list[str]:
             why = "measured faster there" if off is None else f"measured slower {off}"
             choices.append(f"train.fp8_wgrad=auto -> {str(t.fp8_wgrad).lower()}: the experts' weight gradients in "
                            f"{'FP8' if t.fp8_wgrad else 'bf16'}, {why} (tuning.py)")
+    if t.fp8_gemm_min_dim == "auto" and t.fp8_recipe is not None:
+        t.fp8_gemm_min_dim = FP8_GEMM_MIN_DIM
+        narrow = narrow_gemms(cfg, FP8_GEMM_MIN_DIM)
+        choices.append(f"train.fp8_gemm_min_dim=auto -> {FP8_GEMM_MIN_DIM}: GEMMs narrower in the contraction or the "
+                       f"output stay bf16, measured slower in FP8 (tuning.py): "
+                       f"{', '.join(narrow) if narrow else 'none here'}")
     return choices
+
+
+def fp8_gemm_min_dim(t) -> int:
+    """``train.fp8_gemm_min_dim`` as the layers take it (auto, if not resolved yet: the measured default)."""
+    return FP8_GEMM_MIN_DIM if t.fp8_gemm_min_dim == "auto" else t.fp8_gemm_min_dim
+
+
+def narrow_gemms(cfg: Config, min_dim: int) -> list[str]:
+    """The FP8 layers' weights whose GEMMs ``train.fp8_gemm_min_dim=min_dim`` leaves in bf16: those with a
+    dimension (on a tensor-parallel rank: its part) narrower than ``min_dim``. A weight's forward and input-gradient
+    GEMMs contract along one of its dimensions each and output the other, so both stay bf16 or neither."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tensor_model_parallel_size
+    q_width = m.num_attention_heads * m.head_dim
+    kv_width = 2 * (m.num_query_groups or m.num_attention_heads) * m.head_dim
+    weights = {"attention QKV": (m.hidden_size, (q_width + kv_width) // tp),
+               "attention projection": (q_width // tp, m.hidden_size)}
+    if m.num_moe_experts is None or not all(m.is_moe_layer(i) for i in range(m.num_layers)):
+        weights.update({"dense MLP fc1": (m.hidden_size, 2 * m.ffn_hidden_size // tp),
+                        "dense MLP fc2": (m.ffn_hidden_size // tp, m.hidden_size)})
+    if m.num_moe_experts is not None:
+        weights.update({"experts' fc1": (m.hidden_size, 2 * m.expert_ffn_hidden_size),
+                        "experts' fc2": (m.expert_ffn_hidden_size, m.hidden_size)})
+        if m.moe_shared_expert_intermediate_size:
+            shared = m.moe_shared_expert_intermediate_size
+            weights.update({"shared expert fc1": (m.hidden_size, 2 * shared),
+                            "shared expert fc2": (shared, m.hidden_size)})
+    return [name for name, dims in weights.items() if min(dims) < min_dim]
 
 
 def fp8_wgrad_off_reason(cfg: Config) -> str | None:

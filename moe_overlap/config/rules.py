@@ -174,6 +174,10 @@ def _validate_fp8(cfg: Config) -> None:
             f"model.num_layers={m.num_layers}")
     require(t.fp8_recipe is not None or t.fp8_wgrad == "auto", "train.fp8_wgrad", t.fp8_wgrad,
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
+    require(t.fp8_recipe is not None or t.fp8_gemm_min_dim == "auto", "train.fp8_gemm_min_dim", t.fp8_gemm_min_dim,
+            "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
+    require(t.fp8_gemm_min_dim == "auto" or t.fp8_gemm_min_dim >= 0, "train.fp8_gemm_min_dim", t.fp8_gemm_min_dim,
+            "must be >= 0 (0: every GEMM in FP8), or auto")
     if t.fp8_recipe is None:
         return
     require(t.device != "cpu", "train.fp8_recipe", t.fp8_recipe, f"{FP8_NEEDS_GPU}; train.device is 'cpu'")

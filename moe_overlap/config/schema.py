@@ -257,6 +257,10 @@ class TrainConfig:
     # in bf16 (the forward and input gradient stay FP8); auto: where measured faster (config/defaults.py). The dense
     # linears' weight gradients stay bf16.
     fp8_wgrad: Union[bool, Literal["auto"]] = "auto"
+    # The forward and input-gradient GEMMs run in FP8 only where their contraction and output are both at least this
+    # wide; narrower ones (e.g. a fine-grained expert's fc2) stay bf16. auto: where measured faster
+    # (tuning.FP8_GEMM_MIN_DIM); 0: every GEMM of the FP8 layers.
+    fp8_gemm_min_dim: Union[int, Literal["auto"]] = "auto"
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
     # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.

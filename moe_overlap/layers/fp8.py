@@ -70,6 +70,11 @@ class Fp8:
     emulate: bool = False
     recipe: Literal["rowwise", "blockwise"] = "rowwise"
     wgrad: bool = True  # train.fp8_wgrad: the experts' weight gradients in FP8 too (False: bf16 GEMMs)
+    min_dim: int = 0  # train.fp8_gemm_min_dim: narrower forward / dgrad GEMMs stay bf16 (0: none)
+
+    def covers(self, contraction: int, out_width: int) -> bool:
+        """Whether a forward or input-gradient GEMM of this contraction and output width runs in FP8."""
+        return min(contraction, out_width) >= self.min_dim
 
 
 @dataclass(frozen=True)
@@ -172,14 +177,14 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
     return q, scale
 
 
-def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise") -> int:
+def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise", min_dim: int = 0) -> int:
     """The bytes of the FP8 copies a module's weights get once its GEMMs ran forward and backward: per weight
     matrix (N, K) an E4M3 copy in each orientation (2 N K bytes) and their float32 scales: rowwise one per column
-    of the right operand (4 (N + K) bytes), blockwise one per 128x128 block in each copy. Biases stay in their
-    dtype."""
+    of the right operand (4 (N + K) bytes), blockwise one per 128x128 block in each copy. None for a weight
+    narrower than ``min_dim`` (its GEMMs stay bf16: :meth:`Fp8.covers`). Biases stay in their dtype."""
     total = 0
     for param in module.parameters(recurse=False):
-        if param.dim() >= 2:
+        if param.dim() >= 2 and min(param.shape[-2:]) >= min_dim:
             *batch, n, k = param.shape
             scales = 2 * (n // BLOCK) * (k // BLOCK) if recipe == "blockwise" else n + k
             total += math.prod(batch) * (2 * n * k + 4 * scales)
@@ -208,6 +213,8 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
     gradients accumulate exactly; blockwise always sums each 128-deep slice exactly). ``split_over``: the ranks
     that each hold part of the contraction (a tensor-parallel linear's partial product): a's and B's rowwise
     scales are shared over them, so the partial products sum to the one process's."""
+    if not fp8.covers(a_MK.shape[-1], w.shape[-2] if contract_last else w.shape[-1]):
+        return _bf16_matmul(a_MK, w, contract_last, offsets_E)
     if fp8.recipe == "blockwise":
         return _blockwise_matmul(a_MK, w, contract_last, fp8, offsets_E)
     b_q, b_scale = weight_operand(w, contract_last, split_over)
@@ -228,6 +235,16 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
                                 use_fast_accum=fast_accum)
     return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_scale, b_scale, offs=offsets_E, out_dtype=dtype,
                                     use_fast_accum=fast_accum)
+
+
+def _bf16_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool,
+                 offsets_E: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fp8_matmul` of a GEMM that ``train.fp8_gemm_min_dim`` leaves in bf16 (rows that crossed as FP8
+    dequantized first): the product the layers compute without FP8."""
+    if isinstance(a_MK, Fp8Rows):
+        a_MK = a_MK.dequantized(None if offsets_E is None else offsets_E[-1:])
+    b = w.transpose(-2, -1) if contract_last else w
+    return a_MK @ b if offsets_E is None else torch._grouped_mm(a_MK, b, offs=offsets_E)
 
 
 def _blockwise_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool, fp8: Fp8,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.config import Config, ConfigError
+from moe_overlap.config.defaults import fp8_gemm_min_dim
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.layers.fp8 import weight_copy_bytes
 from moe_overlap.layers.param_info import is_expert_param
@@ -47,7 +48,7 @@ def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
         gradients += param.numel() * FP32_BYTES
         shards = (mesh.edp if is_expert_param(param) else mesh.dp_cp).size if t.use_distributed_optimizer else 1
         optimizer += param.numel() * optimizer_per_element // shards
-    fp8_copies = (sum(weight_copy_bytes(module, t.fp8_recipe) for module in model.fp8_modules(
+    fp8_copies = (sum(weight_copy_bytes(module, t.fp8_recipe, fp8_gemm_min_dim(t)) for module in model.fp8_modules(
         t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)) if t.fp8_recipe else 0)
     return StateBytes(weights, gradients, optimizer, fp8_copies)
 

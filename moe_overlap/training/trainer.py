@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from moe_overlap import tuning
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
-from moe_overlap.config.defaults import (DELAY, GRAPH, PAIRED, delay_by_planning, graphs_by_planning,
-                                          pairing_by_transport)
+from moe_overlap.config.defaults import (DELAY, GRAPH, PAIRED, delay_by_planning, fp8_gemm_min_dim,
+                                          graphs_by_planning, pairing_by_transport)
 from moe_overlap.distributed.a2a import exchange_choice
 from moe_overlap.distributed.collectives import all_gather_into, all_reduce_, nccl_cta_options, rendezvous_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
@@ -202,7 +202,8 @@ class Trainer:
         if t.expert_wgrad_pairs:
             self.model.pair_expert_wgrads()
         if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
-            self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad), t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
+            self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad, min_dim=fp8_gemm_min_dim(t)),
+                               t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
         o = cfg.overlap  # which of the distributed optimizer's syncs overlap the compute (their GEMMs are carved out)
@@ -395,6 +396,7 @@ class Trainer:
             "use_distributed_optimizer": t.use_distributed_optimizer, "overlap_grad_sync": o.overlap_grad_sync,
             "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_pairs": t.expert_wgrad_pairs,
             "fp8_recipe": t.fp8_recipe, "fp8_wgrad": t.fp8_wgrad if t.fp8_recipe else None,
+            "fp8_gemm_min_dim": fp8_gemm_min_dim(t) if t.fp8_recipe else None,
         }
 
     def _world_stats(self) -> torch.Tensor:
