@@ -961,6 +961,19 @@ case $phase in
       --json $res/train_step_fp8_narrow_fine_8l_1x$gpu.json 2>&1 | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
+  push1)  # the SM push's rate per CTA by the bytes a program loads per step (kernels/push_rows.py IN_FLIGHT_BYTES),
+    # alone and beside a carved-out grouped GEMM, into local memory on GPU 0 (step_kernels.py --sections push);
+    # the push kernels' GPU tests first
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_push_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_push_rows.py" > "$log"
+    timeout -k 10 100 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_push_rows.py 2>&1 | tail -n 4 \
+      | tee -a "$log"
+    cp "$log" $res/
+    timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections push --rounds 10 \
+      --json $res/step_kernels_push_1x$gpu.json 2>&1 | tail -n 6 | cut -c1-2500
+    pack
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu

@@ -18,6 +18,10 @@
              same weight copy read N-major), each tile config, against the rowwise recipe's
              torch._scaled_grouped_mm (one scale per row and column) and bf16 torch._grouped_mm (the limit
              without FP8); its error against bf16 normwise
+  push       the SM push (kernels/push_rows.py) into local memory, 64 MiB of rows of the bench models' widths: per
+             CTA count and bytes a program loads per step (``in_flight``), alone and beside a grouped bf16 GEMM
+             carved out by as many SMs (the GEMM launched first, the push on a side stream), with twice the CTAs
+             (two programs per free SM) at 16 KiB too; the GEMM alone at each carve-out; MB per CTA per ms
   fp8_wgrad  the FP8 weight gradient (kernels/fp8_wgrad.py, train.fp8_wgrad) at the wgrad section's shapes: the
              bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
              128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
@@ -370,11 +374,75 @@ def row_kernel_rows(rounds: int) -> list[dict]:
     return out
 
 
+PUSH_WIDTHS = {"fine_bench": 2048, "mixtral": 4096, "fine": 7168}  # hidden sizes: the rows a push moves
+PUSH_IN_FLIGHT = (16384, 32768, 65536)
+
+
+def push_rows_rows(rounds: int) -> list[dict]:
+    import torch
+
+    from moe_overlap.distributed.streams import gemm_sm_carveout
+    from moe_overlap.kernels.push_rows import push_rows
+
+    out = []
+    side = torch.cuda.Stream()
+    # the GEMM beside: the fine bench model's fc1 (64 experts x 1,024 rows, 2048 -> 2 x 1024), forward
+    x_gemm = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16)
+    w_gemm = torch.randn(64, 2048, 2048, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.arange(1, 65, device="cuda", dtype=torch.int32) * 1024
+
+    def gemm(sms: int) -> None:
+        with gemm_sm_carveout(sms):
+            torch._grouped_mm(x_gemm, w_gemm, offs=offsets)
+
+    for name, width in PUSH_WIDTHS.items():
+        rows = (64 << 20) // (width * 2)
+        src = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+        dest = torch.empty_like(src)
+        bases = torch.tensor([dest.data_ptr()], dtype=torch.int64, device="cuda")
+        zero = torch.zeros(1, dtype=torch.int64, device="cuda")
+        count = torch.tensor([rows], device="cuda")
+        ranks = torch.zeros(rows, dtype=torch.int32, device="cuda")
+        dst_rows = torch.arange(rows, device="cuda")
+
+        def push(ctas: int, in_flight: int) -> None:
+            push_rows(src, zero, count, ranks, dst_rows, zero, bases, ctas, in_flight=in_flight)
+
+        def beside(sms: int, ctas: int, in_flight: int) -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            gemm(sms)  # launched first: the push takes the SMs it leaves free
+            with torch.cuda.stream(side):
+                push(ctas, in_flight)
+            torch.cuda.current_stream().wait_stream(side)
+
+        fns = {}
+        for in_flight in PUSH_IN_FLIGHT:
+            for ctas in (1, 4, 8, 16, 32):
+                fns[f"push_{ctas}_{in_flight // 1024}k"] = lambda c=ctas, f=in_flight: push(c, f)
+        fns["push_full_16k"] = lambda: push(264, 16384)
+        for sms in (8, 16):
+            fns[f"gemm_c{sms}"] = lambda sms=sms: gemm(sms)
+            for in_flight in PUSH_IN_FLIGHT:
+                fns[f"gemm_c{sms}+push_{sms}_{in_flight // 1024}k"] = lambda sms=sms, f=in_flight: beside(sms, sms, f)
+            fns[f"gemm_c{sms}+push_{2 * sms}_16k"] = lambda sms=sms: beside(sms, 2 * sms, 16384)
+        fns["gemm_c0"] = lambda: gemm(0)
+        push(8, 65536)
+        assert torch.equal(dest, src), "the push moved the wrong rows"
+        ms = timed(fns, rounds, reps=3)
+        nbytes = rows * width * 2
+        per_cta = {k: round(nbytes / (v * 1e3) / int(k.split("_")[1]) / 1e3, 2)
+                   for k, v in ms.items() if k.startswith("push_") and k != "push_full_16k"}
+        out.append({"section": "push", "shape": name, "hidden": width, "bytes": nbytes, "ms": ms,
+                    "gb_per_s_per_cta": per_cta})
+        print(name, {k: round(v, 4) for k, v in ms.items()}, per_cta, flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
-                        help="comma-separated, of wgrad, adamw, attention, rows, fp8_blockwise, fp8_wgrad")
+                        help="comma-separated, of wgrad, adamw, attention, rows, push, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--json", default=None)
@@ -384,6 +452,7 @@ def main(argv=None) -> None:
         adamw_rows(args.rounds) if "adamw" in sections else []) + (
         attention_rows(args.rounds) if "attention" in sections else []) + (
         row_kernel_rows(args.rounds) if "rows" in sections else []) + (
+        push_rows_rows(args.rounds) if "push" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
         fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")])
         if "fp8_wgrad" in sections else [])

@@ -24,9 +24,10 @@ def no_host_sync(device):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _push_case(rows, hidden, first, counted, ctas, device, dtype, gathered=0):
+def _push_case(rows, hidden, first, counted, ctas, device, dtype, gathered=0, in_flight=16384):
     """``gathered``: a row's first columns come from a source row of their own (a wire row's token), the rest
-    from src (the row's extra columns; none when gathered is the whole width)."""
+    from src (the row's extra columns; none when gathered is the whole width). ``in_flight``: bytes a program
+    moves per step."""
     g = torch.Generator(device=device).manual_seed(rows + hidden)
     src = torch.randn(rows, hidden - gathered, device=device, generator=g).to(dtype)
     gather = None
@@ -42,7 +43,7 @@ def _push_case(rows, hidden, first, counted, ctas, device, dtype, gathered=0):
     bases = torch.tensor([b.data_ptr() for b in got], dtype=torch.int64, device=device)
     out = torch.full((rows, hidden), 5.0, device=device, dtype=dtype)
     with no_host_sync(device):
-        push_rows(src, start, count, dst_rank, dst_row, route_start, bases, ctas, gather=gather)
+        push_rows(src, start, count, dst_rank, dst_row, route_start, bases, ctas, gather=gather, in_flight=in_flight)
         if gather is None:
             copy_rows_out(src, start, count, out, ctas)
     push_rows_torch(whole_rows(src, gather), start, count, dst_rank, dst_row, route_start, want)
@@ -56,14 +57,15 @@ def _push_case(rows, hidden, first, counted, ctas, device, dtype, gathered=0):
         assert all(torch.equal(a, b) for a, b in zip(got, twin))
 
 
-@pytest.mark.parametrize("rows,hidden,first,counted,ctas,gathered", [
-    (50, 37, 4, 41, 3, 0), (64, 8, 0, 64, 1, 0), (9, 5000, 2, 0, 2, 0), (40, 16, 7, 33, 64, 0),
-    (50, 37, 4, 41, 3, 29), (40, 16, 7, 33, 64, 16), (9, 600, 2, 7, 2, 512)])
-def test_push_and_copy_out_match_the_twin(monkeypatch, rows, hidden, first, counted, ctas, gathered):
+@pytest.mark.parametrize("rows,hidden,first,counted,ctas,gathered,in_flight", [
+    (50, 37, 4, 41, 3, 0, 16384), (64, 8, 0, 64, 1, 0, 16384), (9, 5000, 2, 0, 2, 0, 16384),
+    (40, 16, 7, 33, 64, 0, 16384), (50, 37, 4, 41, 3, 29, 16384), (40, 16, 7, 33, 64, 16, 16384),
+    (9, 600, 2, 7, 2, 512, 16384), (50, 1024, 4, 41, 3, 0, 65536), (50, 600, 4, 41, 2, 512, 65536)])
+def test_push_and_copy_out_match_the_twin(monkeypatch, rows, hidden, first, counted, ctas, gathered, in_flight):
     """Any number of CTAs (more than rows too), rows not 16-byte multiples, an empty count, a device start; the
-    first columns gathered from source rows (with extra columns or none)."""
+    first columns gathered from source rows (with extra columns or none); more rows a step (64 KiB)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _push_case(rows, hidden, first, counted, ctas, "cpu", torch.float32, gathered)
+    _push_case(rows, hidden, first, counted, ctas, "cpu", torch.float32, gathered, in_flight)
 
 
 def test_push_rows_checks_its_routes():
@@ -157,11 +159,13 @@ def test_unpermute_copies_the_rows_it_reads(monkeypatch):
                                                              (33, 2048, 0, 0, 4), (1000, 24, 3, 900, 2)])
 def test_bf16_push_copy_out_and_routes_match_the_twins_on_gpu(rows, hidden, first, counted, ctas):
     """One GPU, its own buffers standing in for three ranks' (the kernel reads addresses; peers' are mapped
-    the same way); no host sync in the kernels."""
+    the same way); no host sync in the kernels; the pushes with 16 and 64 KiB a program's step."""
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA")
-    _push_case(rows, hidden, first, counted, ctas, "cuda", torch.bfloat16)
-    _push_case(rows, hidden + 32, first, counted, ctas, "cuda", torch.bfloat16, gathered=hidden)  # wire rows
+    for in_flight in (16384, 65536):
+        _push_case(rows, hidden, first, counted, ctas, "cuda", torch.bfloat16, in_flight=in_flight)
+        _push_case(rows, hidden + 32, first, counted, ctas, "cuda", torch.bfloat16, gathered=hidden,
+                   in_flight=in_flight)  # wire rows
     _route_case([3, 0, 5000, 1], 6000, "cuda")
     _repeat_case("cuda", torch.bfloat16, hidden)
     _repeat_case("cuda", torch.bfloat16, hidden + 32, gathered=hidden)

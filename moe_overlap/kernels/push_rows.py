@@ -17,8 +17,8 @@ Every start and count (``src_start``, ``count``, ``route_start``, ...) is a one-
 ever needs them. The kernel is persistent: ``ctas`` programs loop over the rows, so a push takes no more SMs than it
 is given (the grouped GEMM it runs beside leaves that many free: README, "What overlaps on Hopper"; default: full
 width). Each program moves ``ROWS`` whole rows per step with 16-byte vector loads and stores (dims are multiples of
-8, so bf16 rows start on 16 bytes; the address hints below tell the compiler), the most bytes in flight per SM a
-plain store allows. ``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric
+8, so bf16 rows start on 16 bytes; the address hints below tell the compiler): its loads of a step are in flight
+together, so a program's rate is about its bytes per step over a load's latency (``IN_FLIGHT_BYTES``). ``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric
 memory is mapped into this process; a CPU test passes its own buffers' addresses).
 
 The torch twins take the destination buffers as tensors (one process, or a CPU test standing in for peers).
@@ -29,6 +29,12 @@ from __future__ import annotations
 import torch
 
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
+
+# Bytes a program loads per step (then stores): with 16 KiB a program moved about 9-11 GB/s whatever the CTA count,
+# into local memory (1xH200) and over NVLink (2xH200) alike: bound by a load's latency, not the link (2026-11-24,
+# README "What overlaps on Hopper").
+IN_FLIGHT_BYTES = 16384
+
 
 if HAVE_TRITON:
     import triton
@@ -164,10 +170,11 @@ def push_rows_torch(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Te
 
 
 def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor,
-              route_start, dst_bases: torch.Tensor, ctas: int | None = None, gather: Gather | None = None) -> None:
+              route_start, dst_bases: torch.Tensor, ctas: int | None = None, gather: Gather | None = None,
+              in_flight: int = IN_FLIGHT_BYTES) -> None:
     """Triton kernel (CUDA, or interpreted under TRITON_INTERPRET=1): each rank's destination buffer holds
     contiguous rows of the rows' width (``gather``: its columns and src_RH's) of ``src_RH.dtype`` from the address
-    in ``dst_bases``."""
+    in ``dst_bases``. ``in_flight``: bytes a program loads per step (a benchmark's sweep)."""
     _check_gather(src_RH, gather)
     if dst_rank_Q.shape != dst_row_Q.shape or dst_rank_Q.dim() != 1:
         raise ValueError(f"dst_rank_Q {tuple(dst_rank_Q.shape)} and dst_row_Q {tuple(dst_row_Q.shape)} must be one "
@@ -177,7 +184,8 @@ def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, 
                            "TRITON_INTERPRET=1); push_rows_torch is the twin that takes buffers")
     if _width(src_RH, gather):
         _launch(src_RH, _scalar(src_start, src_RH), _scalar(count, src_RH), _scalar(route_start, src_RH),
-                dst_rank_Q, dst_row_Q, dst_bases, _width(src_RH, gather), ctas, routed=True, gather=gather)
+                dst_rank_Q, dst_row_Q, dst_bases, _width(src_RH, gather), ctas, routed=True, gather=gather,
+                in_flight=in_flight)
 
 
 def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,
@@ -238,10 +246,11 @@ def repeat_rows_host(src_RH: torch.Tensor, dst_RH: torch.Tensor) -> None:
         done += rows
 
 
-def _row_steps(width: int, element_size: int) -> tuple[int, int]:
-    """Columns a program moves per step (up to 8 KiB of a row) and rows per step (up to 16 KiB in flight)."""
+def _row_steps(width: int, element_size: int, in_flight: int = IN_FLIGHT_BYTES) -> tuple[int, int]:
+    """Columns a program moves per step (up to 8 KiB of a row) and rows per step (``in_flight`` bytes, a power of
+    two; narrow rows: one per 4 KiB of it)."""
     block_h = min(8192 // element_size, triton.next_power_of_2(width))
-    return block_h, max(1, min(4, 16384 // (block_h * element_size)))
+    return block_h, max(1, min(in_flight // 4096, in_flight // (block_h * element_size)))
 
 
 def _row_stride(t_RH: torch.Tensor) -> int:
@@ -249,12 +258,12 @@ def _row_stride(t_RH: torch.Tensor) -> int:
 
 
 def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, stride_dst: int, ctas: int | None,
-            routed: bool, gather: Gather | None = None) -> None:
+            routed: bool, gather: Gather | None = None, in_flight: int = IN_FLIGHT_BYTES) -> None:
     ctas = full_width(src_RH.device) if ctas is None else ctas
     if not ctas >= 1:
         raise ValueError(f"ctas={ctas}: a push needs at least one CTA")
     H = _width(src_RH, gather)
-    block_h, rows = _row_steps(H, src_RH.element_size())
+    block_h, rows = _row_steps(H, src_RH.element_size(), in_flight)
     source_TX, source_row_R = gather if gather is not None else (src_RH, src_start)
     X = H - src_RH.shape[1]
     aligned = all(n * src_RH.element_size() % 16 == 0
