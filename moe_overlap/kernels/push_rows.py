@@ -30,10 +30,12 @@ import torch
 
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
 
-# Bytes a program loads per step (then stores): with 16 KiB a program moved about 9-11 GB/s whatever the CTA count,
-# into local memory (1xH200) and over NVLink (2xH200) alike: bound by a load's latency, not the link (2026-11-24,
-# README "What overlaps on Hopper").
-IN_FLIGHT_BYTES = 16384
+# Bytes a program loads per step (then stores). Into local memory on one H100 (2026-11-28, step_kernels.py
+# --sections push, step_kernels_push_1xh100.json; 64 MiB of rows 2,048 / 4,096 / 7,168 wide): 16 KiB moved 9-13 GB/s
+# per CTA, 64 KiB 12-18 (1.2-1.5x; 32 KiB in between); beside a grouped GEMM carved out by 8 SMs, 8 CTAs of 64 KiB
+# finished under it (0.83-0.90 ms with the GEMM alone 0.84-0.87), 16 KiB's stuck out (0.97-1.10). 128 KiB spills
+# (ptxas, sm_90).
+IN_FLIGHT_BYTES = 65536
 
 
 if HAVE_TRITON:
