@@ -974,28 +974,29 @@ case $phase in
       --json $res/step_kernels_push_1x$gpu.json 2>&1 | tail -n 6 | cut -c1-2500
     pack
     ;;
-  push4)  # the push's bytes in flight at EP=4 on one NVLink host (kernels/push_rows.IN_FLIGHT_BYTES: 64 KiB now, 16
+  push4)  # the push's bytes in flight at EP=4 (EP=2 on a 2-GPU host) on one NVLink host (kernels/push_rows.IN_FLIGHT_BYTES: 64 KiB now, 16
     # KiB before), each beside the other on this host (a copy of the tree at 16 KiB): the fine layer bounded at 1.25,
     # 4 chunks graphed, GEMM carve-outs 8 and 16, with the carve-out probe (pushes per CTA into the next rank); then
     # the fine bench model's step balanced: the default (1 chunk), 2 chunks bounded at carve-outs 8 and 16
+    n=$(nvidia-smi -L | wc -l)
     old=/tmp/push16k
     rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
     sed -i 's/^IN_FLIGHT_BYTES = 65536/IN_FLIGHT_BYTES = 16384/' $old/moe_overlap/kernels/push_rows.py
     grep -H "^IN_FLIGHT_BYTES" moe_overlap/kernels/push_rows.py $old/moe_overlap/kernels/push_rows.py
     for tree in 64k 16k; do
       dir=$PWD; [ $tree = 16k ] && dir=$old
-      PYTHONPATH=$dir timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 $dir/benchmarks/moe_layer.py \
+      PYTHONPATH=$dir timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node $n $dir/benchmarks/moe_layer.py \
         --shapes fine --chunks 4 --graph-chunks 4 --carveouts 8,16 --capacity-factor 1.25 --fabric nvlink --rounds 5 \
-        --carveout-probe --json $PWD/$res/moe_layer_4x${gpu}_nvlink_fine_push_$tree.json > "$out/moe_layer4_push_$tree.log" 2>&1
-      tail -n 6 "$out/moe_layer4_push_$tree.log" | cut -c1-1500
+        --carveout-probe --json $PWD/$res/moe_layer_${n}x${gpu}_nvlink_fine_push_$tree.json > "$out/moe_layer${n}_push_$tree.log" 2>&1
+      tail -n 6 "$out/moe_layer${n}_push_$tree.log" | cut -c1-1500
       pack
     done
     BOUND="overlap.moe_pipeline_chunks=2,overlap.moe_expert_rank_capacity_factor=1.25"
-    train_step 4 fine_8l balanced_push64k "$BAL" --profile-steps 0 --variant "chunks2_c8:$BOUND,overlap.gemm_sm_carveout=8" \
+    train_step $n fine_8l balanced_push64k "$BAL" --profile-steps 0 --variant "chunks2_c8:$BOUND,overlap.gemm_sm_carveout=8" \
       --variant "chunks2_c16:$BOUND,overlap.gemm_sm_carveout=16"
-    name=train_step_fine_8l_ep4_balanced_push16k_4x$gpu
-    PYTHONPATH=$old timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 $old/benchmarks/train_step.py \
-      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=4 $BAL $DISTOPT $GRAPHED --warmup 3 --steps 8 \
+    name=train_step_fine_8l_ep${n}_balanced_push16k_${n}x$gpu
+    PYTHONPATH=$old timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node $n $old/benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=$n $BAL $DISTOPT $GRAPHED --warmup 3 --steps 8 \
       --profile-steps 0 --variant "chunks2_c8:$BOUND,overlap.gemm_sm_carveout=8" --json $PWD/$res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     pack
