@@ -94,10 +94,11 @@ DP_NCCL_SMS_PER_CTA = 4
 # (2xH200, 2026-11-22/23; README "What overlaps on Hopper").
 MAX_AUTO_CARVEOUT_SMS = 32
 
-# An SM push CTA's bytes per ms: 235 MB in 3.24 ms by 8 CTAs over NVLink (2xH200, 2026-11-23); 8.4-10 GB/s per CTA
-# at 8 CTAs into its own memory on one H200 (benchmarks/results/moe_layer_1xh200_ep1.json, push_bytes_per_cta_ms,
-# 2026-11-24). `benchmarks/moe_layer.py --carveout-probe` measures it on the GPU in hand.
-PUSH_BYTES_PER_CTA_MS = 9.0e6
+# An SM push CTA's bytes per ms, 64 KiB a program's step (kernels/push_rows.IN_FLIGHT_BYTES): 12.8-13.9 GB/s per CTA
+# at 4-16 CTAs into the peer over NVLink (2xH100, 2026-11-28, `moe_layer.py --carveout-probe`,
+# moe_layer_2xh100_nvlink_fine_push_64k.json; 9.1-10.4 with 16 KiB, as 2xH200 measured on 2026-11-23).
+# `benchmarks/moe_layer.py --carveout-probe` measures it on the GPU in hand.
+PUSH_BYTES_PER_CTA_MS = 13.0e6
 # The grouped GEMMs' forward rate: 690-720 TFLOP/s on the mixtral and fine shapes, 550 on hidden 2048 / ffn 1024
 # (1xH200, moe_layer_1xh200_ep1.json, 2026-11-24).
 GROUPED_GEMM_FLOPS_PER_MS = 6.0e11
