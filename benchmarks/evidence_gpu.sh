@@ -1001,6 +1001,15 @@ case $phase in
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     pack
     ;;
+  fp8_profile1)  # issue 39: where the Mixtral-like bench model's step goes in bf16 and rowwise FP8 (the FP8 wgrad by
+    # auto): one profiled step each after the timed ones, the compute stream's time by kind of work, on one GPU
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 6 --profile-steps 1 \
+      --json $res/train_step_fp8_profile_mixtral_2l_1x$gpu.json --timeline $res/train_step_fp8_profile_mixtral_2l_1x$gpu.png \
+      2>&1 | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu
