@@ -974,7 +974,7 @@ case $phase in
       --json $res/step_kernels_push_1x$gpu.json 2>&1 | tail -n 6 | cut -c1-2500
     pack
     ;;
-  push4)  # the push's bytes in flight at EP=4 (EP=2 on a 2-GPU host) on one NVLink host (kernels/push_rows.IN_FLIGHT_BYTES: 64 KiB now, 16
+  push4|push_layer)  # the push's bytes in flight at EP=4 (EP=2 on a 2-GPU host) on one NVLink host (kernels/push_rows.IN_FLIGHT_BYTES: 64 KiB now, 16
     # KiB before), each beside the other on this host (a copy of the tree at 16 KiB): the fine layer bounded at 1.25,
     # 4 chunks graphed, GEMM carve-outs 8 and 16, with the carve-out probe (pushes per CTA into the next rank); then
     # the fine bench model's step balanced: the default (1 chunk), 2 chunks bounded at carve-outs 8 and 16
@@ -991,15 +991,17 @@ case $phase in
       tail -n 6 "$out/moe_layer${n}_push_$tree.log" | cut -c1-1500
       pack
     done
-    BOUND="overlap.moe_pipeline_chunks=2,overlap.moe_expert_rank_capacity_factor=1.25"
-    train_step $n fine_8l balanced_push64k "$BAL" --profile-steps 0 --variant "chunks2_c8:$BOUND,overlap.gemm_sm_carveout=8" \
-      --variant "chunks2_c16:$BOUND,overlap.gemm_sm_carveout=16"
-    name=train_step_fine_8l_ep${n}_balanced_push16k_${n}x$gpu
-    PYTHONPATH=$old timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node $n $old/benchmarks/train_step.py \
-      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=$n $BAL $DISTOPT $GRAPHED --warmup 3 --steps 8 \
-      --profile-steps 0 --variant "chunks2_c8:$BOUND,overlap.gemm_sm_carveout=8" --json $PWD/$res/$name.json 2>&1 \
-      | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
-    pack
+    if [ "$phase" = push4 ]; then  # push_layer: the layer half only
+      BOUND="overlap.moe_pipeline_chunks=2,overlap.moe_expert_rank_capacity_factor=1.25"
+      train_step $n fine_8l balanced_push64k "$BAL" --profile-steps 0 --variant "chunks2_c8:$BOUND,overlap.gemm_sm_carveout=8" \
+        --variant "chunks2_c16:$BOUND,overlap.gemm_sm_carveout=16"
+      name=train_step_fine_8l_ep${n}_balanced_push16k_${n}x$gpu
+      PYTHONPATH=$old timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node $n $old/benchmarks/train_step.py \
+        configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=$n $BAL $DISTOPT $GRAPHED --warmup 3 --steps 8 \
+        --profile-steps 0 --variant "chunks2_c8:$BOUND,overlap.gemm_sm_carveout=8" --json $PWD/$res/$name.json 2>&1 \
+        | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+      pack
+    fi
     ;;
   fp8_profile1)  # issue 39: where the Mixtral-like bench model's step goes in bf16 and rowwise FP8 (the FP8 wgrad by
     # auto): one profiled step each after the timed ones, the compute stream's time by kind of work, on one GPU
