@@ -1012,6 +1012,23 @@ case $phase in
       2>&1 | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
+  swiglu_fp8_1)  # issue 39: SwiGLU's forward writing FP8 rows for the rowwise fc2 (kernels/swiglu.swiglu_forward_fp8):
+    # its GPU tests and the FP8 ones, the kernel against SwiGLU then quantize_rows, then the Mixtral-like bench model
+    # in bf16 and rowwise FP8 (one GPU)
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_swiglu_fp8_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_swiglu_kernel.py tests/test_gpu_fp8.py" > "$log"
+    timeout -k 10 150 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_swiglu_kernel.py tests/test_gpu_fp8.py \
+      2>&1 | tail -n 6 | tee -a "$log"
+    cp "$log" $res/
+    timeout -k 10 60 python benchmarks/step_kernels.py --sections swiglu_fp8 --rounds 10 \
+      --json $res/step_kernels_swiglu_fp8_1x$gpu.json 2>&1 | tail -n 3 | cut -c1-600
+    pack
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
+      --json $res/train_step_fp8_swiglu_mixtral_2l_1x$gpu.json 2>&1 | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu

@@ -22,6 +22,9 @@
              CTA count and bytes a program loads per step (``in_flight``), alone and beside a grouped bf16 GEMM
              carved out by as many SMs (the GEMM launched first, the push on a side stream), with twice the CTAs
              (two programs per free SM) at 16 KiB too; the GEMM alone at each carve-out; MB per CTA per ms
+  swiglu_fp8 SwiGLU's forward under the rowwise FP8 recipe at the Mixtral-like (8,192 rows, ffn 14,336) and fine
+             (65,536 rows, ffn 1,024) expert shapes: the fused kernel writing FP8 rows (kernels/swiglu.py
+             swiglu_forward_fp8) against SwiGLU then quantize_rows (two passes), and SwiGLU alone (bf16)
   fp8_wgrad  the FP8 weight gradient (kernels/fp8_wgrad.py, train.fp8_wgrad) at the wgrad section's shapes: the
              bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
              128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
@@ -438,11 +441,36 @@ def push_rows_rows(rounds: int) -> list[dict]:
     return out
 
 
+def swiglu_fp8_rows(rounds: int) -> list[dict]:
+    import torch
+
+    from moe_overlap.kernels import swiglu as S
+    from moe_overlap.kernels.fp8_quant import quantize_rows
+
+    out = []
+    for name, (rows, ffn) in {"mixtral": (8192, 14336), "fine": (65536, 1024)}.items():
+        h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16) * 3
+        fns = {"fused_fp8": lambda: S.swiglu_forward_fp8(h),
+               "swiglu_then_quantize_rows": lambda: quantize_rows(S.swiglu_forward(h)),
+               "swiglu_bf16_alone": lambda: S.swiglu_forward(h)}
+        for per_sm in (2, 4, 16, 32):
+            fns[f"fused_fp8_{per_sm}_per_sm"] = lambda per_sm=per_sm: S.swiglu_forward_fp8(h, programs_per_sm=per_sm)
+        q, scale = fns["fused_fp8"]()
+        q_want, scale_want = fns["swiglu_then_quantize_rows"]()
+        same = bool(torch.equal(scale, scale_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)))
+        ms = timed(fns, rounds, reps=5)
+        out.append({"section": "swiglu_fp8", "shape": name, "rows": rows, "ffn": ffn, "ms": ms,
+                    "bit_for_bit": same})
+        print(name, {k: round(v, 4) for k, v in ms.items()}, "bit for bit" if same else "DIFFERS", flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
-                        help="comma-separated, of wgrad, adamw, attention, rows, push, fp8_blockwise, fp8_wgrad")
+                        help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, fp8_blockwise, "
+                             "fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--json", default=None)
@@ -453,6 +481,7 @@ def main(argv=None) -> None:
         attention_rows(args.rounds) if "attention" in sections else []) + (
         row_kernel_rows(args.rounds) if "rows" in sections else []) + (
         push_rows_rows(args.rounds) if "push" in sections else []) + (
+        swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
         fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")])
         if "fp8_wgrad" in sections else [])

@@ -56,6 +56,53 @@ def test_dispatch_picks_the_twin_on_cpu_without_the_interpreter(monkeypatch):
     torch.testing.assert_close(S.swiglu_forward(h), S.swiglu_forward_torch(h))
 
 
+def fp8_matches(q, scale, q_want, scale_want) -> None:
+    """Scales bit for bit; values too, but for the interpreter's own fp32 -> E4M3 cast faults (tests/test_fp8.py:
+    a value rounding up into the next power of two, subnormals), excused where they can happen."""
+    assert torch.equal(scale, scale_want)
+    want = q_want.float().abs()
+    fault = (want < 2.0 ** -6) | (torch.log2(want) == torch.log2(want).round())
+    differs = q.float() != q_want.float()
+    assert not (differs & ~fault).any(), int((differs & ~fault).sum())
+
+
+@pytest.mark.parametrize("rows,ffn", [(0, 8), (1, 8), (7, 24), (33, 72), (5, 2100)])
+def test_fp8_forward_is_the_quantized_activation_in_the_interpreter(monkeypatch, rows, ffn):
+    """swiglu_forward_fp8: a's rows quantized as quantize_rows would (several column blocks a row at 2100); rows
+    past the count are left unwritten; without the interpreter on CPU it is the twin itself."""
+    from moe_overlap.kernels.fp8_quant import quantize_rows_torch
+
+    g = torch.Generator().manual_seed(rows + ffn)
+    h = torch.randn(rows, 2 * ffn, generator=g) * 3
+    if rows:
+        h[0, :ffn] = 0  # a row of zeros: the floor's scale
+    want = quantize_rows_torch(S.swiglu_forward_torch(h))
+    assert all(torch.equal(a, b) for a, b in zip(S.swiglu_forward_fp8(h), want))  # the twin (no interpreter)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fp8_matches(*S.swiglu_forward_fp8(h), *want)
+    if rows > 2:
+        h[rows - 2:] = float("nan")
+        q, scale = S.swiglu_forward_fp8(h, torch.tensor([rows - 2]))
+        fp8_matches(q[:rows - 2], scale[:rows - 2], want[0][:rows - 2], want[1][:rows - 2])
+
+
+@pytest.mark.gpu
+def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu():
+    """On the GPU the fused kernel gives quantize_rows(swiglu_forward(h)) bit for bit (both Triton, bf16)."""
+    if not torch.cuda.is_available():
+        pytest.fail("needs CUDA")
+    from moe_overlap.kernels.fp8_quant import quantize_rows
+
+    for rows, ffn in ((8192, 14336), (4096, 1024), (5, 24)):
+        h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16) * 3
+        valid = torch.tensor([max(rows - 3, 0)], device="cuda")
+        q, scale = S.swiglu_forward_fp8(h, valid)
+        q_want, scale_want = quantize_rows(S.swiglu_forward(h, valid), rows_bound=valid)
+        n = int(valid)
+        assert torch.equal(scale[:n], scale_want[:n])
+        assert torch.equal(q[:n].view(torch.uint8), q_want[:n].view(torch.uint8))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,ffn", [(8192, 14336), (4096 * 8, 2048), (5, 24)])
 def test_bf16_kernels_match_the_twin_on_gpu(rows, ffn):

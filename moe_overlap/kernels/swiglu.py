@@ -3,17 +3,24 @@ rebuilds the activation the fc2 weight gradient needs. fp32 arithmetic in regist
 own dtype (bf16 on GPU): the torch twin's fp32 temporaries cost several full passes over T x 2F.
 
 h_TF2 holds [gate | up] along its last dimension; a = silu(gate) * up.
+
+Under the rowwise FP8 recipe the forward writes a straight as the FP8 rows fc2 reads (:func:`swiglu_forward_fp8`:
+E4M3 values and one scale per row, the values of ``quantize_rows(swiglu_forward(h))``), so a is neither written in
+bf16 nor read back by a quantize pass; the backward rebuilds a itself.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
+from moe_overlap.kernels.fp8_quant import FP8, quantize_rows_torch
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, max_combine, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FP8_FLOOR, TL_FP8_MAX as _FP8_MAX
 
     # Programs stride over the rows below the device count, each on one block of FF columns: a static worst-case
     # buffer costs what its counted rows cost (one program per buffer row ran 2x that, 3 in 4 returning at once:
@@ -43,8 +50,32 @@ if HAVE_TRITON:
             tl.store(grad_h_ptr + row * 2 * FF + FF + col, (grad * silu).to(out_ty), mask=mask)
             tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
+    # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding), each row by one program at a time: a in the
+    # activations' dtype from the first pass over the row's blocks gives its amax, the second (h from L2) the values.
+    def _swiglu_fwd_fp8_kernel(h_ptr, q_ptr, scale_ptr, rows_ptr, FF, BLOCK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
+            amax = tl.full((BLOCK,), 0.0, tl.float32)
+            for start in range(0, FF, BLOCK):
+                mask = start + cols < FF
+                gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(a))
+            amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
+            tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
+            inverse = tl.math.div_rn(_FP8_MAX, amax)
+            for start in range(0, FF, BLOCK):
+                mask = start + cols < FF
+                gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
+                q = tl.minimum(tl.maximum(a * inverse, -_FP8_MAX), _FP8_MAX)
+                tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
     _fwd = Kernel(_swiglu_fwd_kernel)
     _bwd = Kernel(_swiglu_bwd_kernel)
+    _fwd_fp8 = Kernel(_swiglu_fwd_fp8_kernel)
 
 _BLOCK = 1024
 _PROGRAMS_PER_SM = 64  # row programs per SM: 64 ran at the counted rows' own cost, 4 about 10% slower (H100)
@@ -105,6 +136,30 @@ def swiglu_forward(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None) 
     if use_triton(h_TF2, "swiglu"):
         return swiglu_forward_triton(h_TF2, valid_rows)
     return swiglu_forward_torch(h_TF2)
+
+
+_FP8_BLOCK = 2048  # columns per step of the FP8 forward's row program
+_FP8_PROGRAMS_PER_SM = 8  # rows in flight per SM: their h stays in L2 for the second pass
+
+
+def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None,
+                       programs_per_sm: int = _FP8_PROGRAMS_PER_SM) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_TF E4M3, scale_T float32): a = silu(gate) * up in the activations' dtype, quantized per row as
+    kernels/fp8_quant.quantize_rows does, in one kernel that writes no bf16 a. ``valid_rows``: rows from it on are
+    left unwritten by the kernel (the twin computes them all). ``programs_per_sm``: a benchmark's sweep."""
+    if not use_triton(h_TF2, "swiglu"):
+        return quantize_rows_torch(swiglu_forward_torch(h_TF2))
+    h_TF2 = h_TF2.contiguous()
+    ffn = h_TF2.shape[-1] // 2
+    q_TF = torch.empty(h_TF2.shape[:-1] + (ffn,), dtype=FP8, device=h_TF2.device)
+    scale_T = torch.empty(h_TF2.shape[:-1], dtype=torch.float32, device=h_TF2.device)
+    rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
+    if rows and ffn:
+        most = 4 if not h_TF2.is_cuda else (
+            programs_per_sm * torch.cuda.get_device_properties(h_TF2.device).multi_processor_count)
+        _fwd_fp8[(min(rows, most),), h_TF2.device](h_TF2, q_TF, scale_T, _row_count(valid_rows, h_TF2), ffn,
+                                                   BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), num_warps=8)
+    return q_TF, scale_T
 
 
 def swiglu_backward(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor,

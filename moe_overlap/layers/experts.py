@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_forward_torch
+from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_forward_fp8, swiglu_forward_torch
 
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
@@ -33,9 +33,14 @@ def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
 def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
                     w2_EFH: torch.Tensor, fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1 -> SwiGLU -> fc2; returns the output and fc1's output (kept for the backward). Rows already in FP8
-    (:class:`Fp8Rows`, under ``fp8``) go to fc1 as they are."""
+    (:class:`Fp8Rows`, under ``fp8``) go to fc1 as they are; a rowwise FP8 fc2 gets SwiGLU's output as FP8 rows
+    straight from the SwiGLU kernel (no bf16 pass written and quantized after)."""
     h_TF2 = grouped_mm(x_TH, w13_EHF2, offsets_E, fp8, fast_accum=True)
-    return grouped_mm(swiglu_forward(h_TF2, offsets_E[-1:]), w2_EFH, offsets_E, fp8, fast_accum=True), h_TF2
+    if fp8 is not None and fp8.recipe == "rowwise" and fp8.covers(*w2_EFH.shape[-2:]):
+        a_TF = Fp8Rows(*swiglu_forward_fp8(h_TF2, offsets_E[-1:]), h_TF2.dtype)
+    else:
+        a_TF = swiglu_forward(h_TF2, offsets_E[-1:])
+    return grouped_mm(a_TF, w2_EFH, offsets_E, fp8, fast_accum=True), h_TF2
 
 
 def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
