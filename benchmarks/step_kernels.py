@@ -22,9 +22,10 @@
              CTA count and bytes a program loads per step (``in_flight``), alone and beside a grouped bf16 GEMM
              carved out by as many SMs (the GEMM launched first, the push on a side stream), with twice the CTAs
              (two programs per free SM) at 16 KiB too; the GEMM alone at each carve-out; MB per CTA per ms
-  swiglu_fp8 SwiGLU's forward under the rowwise FP8 recipe at the Mixtral-like (8,192 rows, ffn 14,336) and fine
-             (65,536 rows, ffn 1,024) expert shapes: the fused kernel writing FP8 rows (kernels/swiglu.py
-             swiglu_forward_fp8) against SwiGLU then quantize_rows (two passes), and SwiGLU alone (bf16)
+  swiglu_fp8 SwiGLU under the rowwise FP8 recipe at the Mixtral-like (8,192 rows, ffn 14,336) and fine (65,536
+             rows, ffn 1,024) expert shapes: the fused kernels writing FP8 rows (kernels/swiglu.py swiglu_forward_fp8,
+             swiglu_backward_fp8: fc1's output gradient) against SwiGLU then quantize_rows (two passes), and
+             SwiGLU alone (bf16); row programs per SM swept
   fp8_wgrad  the FP8 weight gradient (kernels/fp8_wgrad.py, train.fp8_wgrad) at the wgrad section's shapes: the
              bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
              128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
@@ -455,9 +456,20 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
                "swiglu_bf16_alone": lambda: S.swiglu_forward(h)}
         for per_sm in (2, 4, 16, 32):
             fns[f"fused_fp8_{per_sm}_per_sm"] = lambda per_sm=per_sm: S.swiglu_forward_fp8(h, programs_per_sm=per_sm)
+        grad_a = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
+        fns["bwd_fused_fp8"] = lambda: S.swiglu_backward_fp8(h, grad_a)
+        fns["bwd_then_quantize_rows"] = lambda: quantize_rows(S.swiglu_backward(h, grad_a)[0])
+        fns["bwd_bf16_alone"] = lambda: S.swiglu_backward(h, grad_a)
+        for per_sm in (2, 8, 32):
+            fns[f"bwd_fused_fp8_{per_sm}_per_sm"] = (
+                lambda per_sm=per_sm: S.swiglu_backward_fp8(h, grad_a, programs_per_sm=per_sm))
         q, scale = fns["fused_fp8"]()
         q_want, scale_want = fns["swiglu_then_quantize_rows"]()
-        same = bool(torch.equal(scale, scale_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)))
+        q_bwd, scale_bwd = fns["bwd_fused_fp8"]()[2:]
+        q_bwd_want, scale_bwd_want = fns["bwd_then_quantize_rows"]()
+        same = bool(torch.equal(scale, scale_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+                    and torch.equal(scale_bwd, scale_bwd_want)
+                    and torch.equal(q_bwd.view(torch.uint8), q_bwd_want.view(torch.uint8)))
         ms = timed(fns, rounds, reps=5)
         out.append({"section": "swiglu_fp8", "shape": name, "rows": rows, "ffn": ffn, "ms": ms,
                     "bit_for_bit": same})

@@ -86,9 +86,35 @@ def test_fp8_forward_is_the_quantized_activation_in_the_interpreter(monkeypatch,
         fp8_matches(q[:rows - 2], scale[:rows - 2], want[0][:rows - 2], want[1][:rows - 2])
 
 
+@pytest.mark.parametrize("rows,ffn", [(0, 8), (1, 8), (7, 24), (33, 72), (5, 2100)])
+def test_fp8_backward_adds_the_quantized_gradient_in_the_interpreter(monkeypatch, rows, ffn):
+    """swiglu_backward_fp8: the backward's grad_h and a as swiglu_backward gives them, and grad_h's rows quantized
+    as quantize_rows would (both halves of a row under one scale); rows past the count left unwritten; the twin
+    without the interpreter."""
+    from moe_overlap.kernels.fp8_quant import quantize_rows_torch
+
+    g = torch.Generator().manual_seed(rows + ffn + 1)
+    h, grad_a = torch.randn(rows, 2 * ffn, generator=g) * 3, torch.randn(rows, ffn, generator=g)
+    grad_h, a = S.swiglu_backward_torch(h, grad_a)
+    got = S.swiglu_backward_fp8(h, grad_a)
+    assert all(torch.equal(x, y) for x, y in zip(got, (grad_h, a, *quantize_rows_torch(grad_h))))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    grad_h, a = S.swiglu_backward_triton(h, grad_a)
+    got = S.swiglu_backward_fp8(h, grad_a)
+    assert torch.equal(got[0], grad_h) and torch.equal(got[1], a)
+    fp8_matches(*got[2:], *quantize_rows_torch(grad_h))
+    if rows > 2:
+        h[rows - 2:] = float("nan")
+        got = S.swiglu_backward_fp8(h, grad_a, torch.tensor([rows - 2]))
+        n = rows - 2
+        assert torch.equal(got[0][:n], grad_h[:n]) and torch.equal(got[1][:n], a[:n])
+        fp8_matches(got[2][:n], got[3][:n], *quantize_rows_torch(grad_h[:n]))
+
+
 @pytest.mark.gpu
 def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu():
-    """On the GPU the fused kernel gives quantize_rows(swiglu_forward(h)) bit for bit (both Triton, bf16)."""
+    """On the GPU the fused kernels give quantize_rows(swiglu_forward(h)) and swiglu_backward with
+    quantize_rows(grad_h) bit for bit (all Triton, bf16)."""
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA")
     from moe_overlap.kernels.fp8_quant import quantize_rows
@@ -99,6 +125,13 @@ def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu():
         q, scale = S.swiglu_forward_fp8(h, valid)
         q_want, scale_want = quantize_rows(S.swiglu_forward(h, valid), rows_bound=valid)
         n = int(valid)
+        assert torch.equal(scale[:n], scale_want[:n])
+        assert torch.equal(q[:n].view(torch.uint8), q_want[:n].view(torch.uint8))
+        grad_a = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
+        grad_h, a, q, scale = S.swiglu_backward_fp8(h, grad_a, valid)
+        grad_h_want, a_want = S.swiglu_backward(h, grad_a, valid)
+        q_want, scale_want = quantize_rows(grad_h_want, rows_bound=valid)
+        assert torch.equal(grad_h[:n], grad_h_want[:n]) and torch.equal(a[:n], a_want[:n])
         assert torch.equal(scale[:n], scale_want[:n])
         assert torch.equal(q[:n].view(torch.uint8), q_want[:n].view(torch.uint8))
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_overlap.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_forward_fp8, swiglu_forward_torch
+from moe_overlap.kernels.swiglu import (swiglu_backward, swiglu_backward_fp8, swiglu_forward, swiglu_forward_fp8,
+                                        swiglu_forward_torch)
 
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.init import NORMAL, SCALED_NORMAL, make_param
@@ -36,7 +37,7 @@ def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_E
     (:class:`Fp8Rows`, under ``fp8``) go to fc1 as they are; a rowwise FP8 fc2 gets SwiGLU's output as FP8 rows
     straight from the SwiGLU kernel (no bf16 pass written and quantized after)."""
     h_TF2 = grouped_mm(x_TH, w13_EHF2, offsets_E, fp8, fast_accum=True)
-    if fp8 is not None and fp8.recipe == "rowwise" and fp8.covers(*w2_EFH.shape[-2:]):
+    if _rowwise_fp8(fp8, w2_EFH):
         a_TF = Fp8Rows(*swiglu_forward_fp8(h_TF2, offsets_E[-1:]), h_TF2.dtype)
     else:
         a_TF = swiglu_forward(h_TF2, offsets_E[-1:])
@@ -46,10 +47,21 @@ def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_E
 def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
                   w2_EFH: torch.Tensor, fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input gradient; also fc1's output gradient and the SwiGLU activation, which the weight gradients need
-    (the fused backward rebuilds the activation in the same pass, so the forward need not keep it)."""
+    (the fused backward rebuilds the activation in the same pass, so the forward need not keep it). A rowwise FP8
+    fc1 dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel."""
     grad_a_TF = grouped_mm(grad_y_TH, w2_EFH, offsets_E, fp8, transpose_w=True)
+    if _rowwise_fp8(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
+        grad_h_TF2, a_TF, *rows = swiglu_backward_fp8(h_TF2, grad_a_TF, offsets_E[-1:])
+        return (grouped_mm(Fp8Rows(*rows, grad_h_TF2.dtype), w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2,
+                a_TF)
     grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF, offsets_E[-1:])
     return grouped_mm(grad_h_TF2, w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2, a_TF
+
+
+def _rowwise_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
+    """Whether a GEMM with weight ``w`` runs rowwise FP8 (its left operand then fed as FP8 rows by the SwiGLU
+    kernels)."""
+    return fp8 is not None and fp8.recipe == "rowwise" and fp8.covers(*w.shape[-2:])
 
 
 @dataclass
