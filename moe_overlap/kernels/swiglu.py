@@ -58,22 +58,22 @@ if HAVE_TRITON:
         cols = tl.arange(0, BLOCK)
         for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
             amax = tl.full((BLOCK,), 0.0, tl.float32)
-            for start in range(0, FF, BLOCK):
-                mask = start + cols < FF
-                gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(a))
-            amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
-            tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
-            inverse = tl.math.div_rn(_FP8_MAX, amax)
-            for start in range(0, FF, BLOCK):
-                mask = start + cols < FF
-                gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
-                q = tl.minimum(tl.maximum(a * inverse, -_FP8_MAX), _FP8_MAX)
-                tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            inverse = 0.0
+            for second in tl.static_range(2):
+                if second == 1:
+                    row_amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
+                    tl.store(scale_ptr + row, tl.math.div_rn(row_amax, _FP8_MAX))
+                    inverse = tl.math.div_rn(_FP8_MAX, row_amax)
+                for start in range(0, FF, BLOCK):
+                    mask = start + cols < FF
+                    gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
+                    if second == 0:
+                        amax = tl.maximum(amax, tl.abs(a))
+                    else:
+                        q = tl.minimum(tl.maximum(a * inverse, -_FP8_MAX), _FP8_MAX)
+                        tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     # The backward, and fc1's output gradient as FP8 rows too (for its rowwise dgrad), each row by one program at a
     # time: the first pass writes grad_h and a as the backward does and takes grad_h's amax, the second reads the
