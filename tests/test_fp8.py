@@ -343,6 +343,33 @@ def test_fp8_experts_with_no_rows():
     assert out.shape == (0, 32) and w13.grad.abs().max() == 0 and x.grad.shape == (0, 32)
 
 
+@pytest.mark.parametrize("fp8, fed_fp8_rows", [
+    (EMULATED, [False, True, False, True]), (Fp8(emulate=True, recipe="blockwise"), [False] * 4),
+    (Fp8(emulate=True, min_dim=200), [False, False, False, True])])  # fc2 (128 wide) bf16, fc1 (256) FP8
+def test_fp8_swiglu_feeds_its_gemms_fp8_rows_under_rowwise(monkeypatch, fp8, fed_fp8_rows):
+    """Under the rowwise recipe SwiGLU's kernels hand fc2's forward and fc1's dgrad their operands as FP8 rows
+    (kernels/swiglu.py *_fp8), not bf16 tensors the GEMM quantizes again; the outputs are those of SwiGLU then the
+    FP8 GEMM quantizing them (the same bytes). Blockwise, or a GEMM the min-dim rule leaves bf16, takes bf16."""
+    from moe_overlap.kernels import swiglu as S
+    from moe_overlap.layers import experts as X
+
+    torch.manual_seed(8)
+    rows = [3, 0, 5, 8]
+    offsets = expert_offsets(torch.tensor(rows))
+    x, grad_y = torch.randn(sum(rows), 256), torch.randn(sum(rows), 256)
+    w13, w2 = torch.randn(4, 256, 2 * 128) / 16, torch.randn(4, 128, 256) / 16
+    fed = []
+    monkeypatch.setattr(X, "grouped_mm", lambda a, *args, **kwargs: fed.append(isinstance(a, Fp8Rows)) or
+                        grouped_mm(a, *args, **kwargs))
+    y, h = X.experts_forward(x, offsets, w13, w2, fp8)
+    grad_x, grad_h, a = X.experts_dgrad(grad_y, h, offsets, w13, w2, fp8)
+    assert fed == fed_fp8_rows  # fc1, fc2 forward; fc2, fc1 dgrad
+    unfused_y = grouped_mm(S.swiglu_forward(h), w2, offsets, fp8, fast_accum=True)
+    unfused_grad_h, unfused_a = S.swiglu_backward(h, grouped_mm(grad_y, w2, offsets, fp8, transpose_w=True))
+    assert torch.equal(y, unfused_y) and torch.equal(grad_h, unfused_grad_h) and torch.equal(a, unfused_a)
+    assert torch.equal(grad_x, grouped_mm(unfused_grad_h, w13, offsets, fp8, transpose_w=True))
+
+
 def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():
     """GroupedSwiGLU and the linears under FP8: outputs and input gradients within the FP8 tolerance of fp32 (a
     chain of two FP8 GEMMs: twice the per-GEMM tolerance); weight gradients into main_grad exactly as the FP8 wgrad
