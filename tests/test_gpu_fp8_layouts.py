@@ -15,8 +15,9 @@ drifted 1.0e-3 from its single run; 2026-11-27, gpu_tests_fp8_layouts_*4xh100.tx
 Routing is forced (model.moe_router_force_load_balancing), as in the other GPU layouts, so that a flip cannot move
 a token between near-tied experts. Dimensions are multiples of 128 (the blockwise recipe's tiles and blocks, on
 each rank). Every GEMM and the experts' weight gradients run in FP8 (train.fp8_gemm_min_dim=0,
-train.fp8_wgrad=true: auto leaves this narrow model's in bf16); an expert's scales then depend on which rows its group holds (other ranks' rows at EP > 1, half the sequence
-at TP=2 with SP), so its gradients are another FP8 rounding of the same sums, which the rule's 2x takes.
+train.fp8_wgrad=true: auto leaves this narrow model's in bf16); an expert's scales then depend on which rows its
+group holds (other ranks' rows at EP > 1, half the sequence at TP=2 with SP), so its gradients are another FP8
+rounding of the same sums, which the rule's 2x takes.
 
 The per-rank work is ``gpu_case``, launched once per rank count under torchrun; under MOE_GPU_TEST_DRYRUN=1
 (tests/gpu_launch.py) it runs on CPU gloo ranks with the recipes emulated (``Fp8(emulate=True)``, given to the

@@ -46,7 +46,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 
 from __future__ import annotations
 
-from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig
+from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig
 from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS, FP8_WGRAD_RECIPES,
                                 ONCE_PER_RANK_MIN_TOPK)
 
@@ -273,7 +273,7 @@ def resolve_defaults(cfg: Config) -> list[str]:
     return choices
 
 
-def fp8_gemm_min_dim(t) -> int:
+def fp8_gemm_min_dim(t: TrainConfig) -> int:
     """``train.fp8_gemm_min_dim`` as the layers take it (auto, if not resolved yet: the measured default)."""
     return FP8_GEMM_MIN_DIM if t.fp8_gemm_min_dim == "auto" else t.fp8_gemm_min_dim
 

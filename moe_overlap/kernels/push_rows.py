@@ -18,8 +18,9 @@ ever needs them. The kernel is persistent: ``ctas`` programs loop over the rows,
 is given (the grouped GEMM it runs beside leaves that many free: README, "What overlaps on Hopper"; default: full
 width). Each program moves ``ROWS`` whole rows per step with 16-byte vector loads and stores (dims are multiples of
 8, so bf16 rows start on 16 bytes; the address hints below tell the compiler): its loads of a step are in flight
-together, so a program's rate is about its bytes per step over a load's latency (``IN_FLIGHT_BYTES``). ``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric
-memory is mapped into this process; a CPU test passes its own buffers' addresses).
+together, so a program's rate is about its bytes per step over a load's latency (``IN_FLIGHT_BYTES``).
+``dst_bases`` holds each rank's buffer address as int64, 16-byte aligned (peers' symmetric memory is mapped into
+this process; a CPU test passes its own buffers' addresses).
 
 The torch twins take the destination buffers as tensors (one process, or a CPU test standing in for peers).
 """

@@ -178,8 +178,8 @@ _FP8_BLOCK = 2048  # columns per step of the FP8 forward's row program
 
 
 def _fp8_programs_per_sm(device: torch.device, row_bytes: int) -> int:
-    """Row programs per SM for the FP8 forward: as many as keep the rows in flight within 3/4 of L2 (the second
-    pass re-reads each row's h from there), a power of two in [2, 32]. Measured on an H100 (50 MB L2;
+    """Row programs per SM for the FP8 kernels: as many as keep the rows in flight within 3/4 of L2 (the second
+    pass re-reads each row from there), a power of two in [2, 32]. Measured on an H100 (50 MB L2;
     step_kernels_swiglu_fp8_1xh100.json): the Mixtral-like rows (57 KB of h) ran fastest at 4 per SM, 0.346 ms against
     0.390 at 2 and 0.389 at 16; the fine ones (4 KB) at 32, 0.221 ms against 0.242 at 8."""
     props = torch.cuda.get_device_properties(device)

@@ -239,8 +239,9 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
 
 def _bf16_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool,
                  offsets_E: torch.Tensor | None) -> torch.Tensor:
-    """:func:`fp8_matmul` of a GEMM that ``train.fp8_gemm_min_dim`` leaves in bf16 (rows that crossed as FP8
-    dequantized first): the product the layers compute without FP8."""
+    """``a @ B`` without FP8 (B as :func:`fp8_matmul` reads w; grouped with ``offsets_E``): the layers' GEMMs
+    outside train.fp8_recipe, and those ``train.fp8_gemm_min_dim`` leaves in bf16 (rows that crossed as FP8
+    dequantized first)."""
     if isinstance(a_MK, Fp8Rows):
         a_MK = a_MK.dequantized(None if offsets_E is None else offsets_E[-1:])
     b = w.transpose(-2, -1) if contract_last else w
@@ -281,7 +282,7 @@ def grouped_mm(a_TK: torch.Tensor | Fp8Rows, w: torch.Tensor, offsets_E: torch.T
     """Each group's rows times w[e] (or w[e]^T): torch._grouped_mm, or in FP8 under ``fp8`` (which takes
     :class:`Fp8Rows` too)."""
     if fp8 is None:
-        return torch._grouped_mm(a_TK, w.transpose(-2, -1) if transpose_w else w, offs=offsets_E)
+        return _bf16_matmul(a_TK, w, transpose_w, offsets_E)
     # a @ w[e] contracts along w's dim -2; a @ w[e]^T along its last
     return fp8_matmul(a_TK, w, transpose_w, fp8, offsets_E, fast_accum)
 
