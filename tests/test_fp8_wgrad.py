@@ -66,16 +66,18 @@ def test_fp8_wgrad_quantize_along_tokens_twin(per_chunk):
         start, first = end, chunk_end
 
 
-@pytest.mark.parametrize("per_chunk", [True, False], ids=["per-chunk", "per-group"])
-def test_fp8_wgrad_quantize_kernel_under_the_interpreter(monkeypatch, per_chunk):
-    """The Triton quantizer: the twin's scales exactly, its values but where the interpreter's E4M3 cast is wrong
-    (fp32 in; bf16 in: the scales only, the interpreter's E4M3 cast of those values is off by a step or more on
-    1% of them: on GPU they are equal, tests/test_gpu_fp8_wgrad.py); columns not a multiple of its block."""
+@pytest.mark.parametrize("per_chunk, one_pass", [(True, True), (False, True), (False, False)],
+                         ids=["per-chunk", "per-group", "per-group-two-launches"])
+def test_fp8_wgrad_quantize_kernel_under_the_interpreter(monkeypatch, per_chunk, one_pass):
+    """The Triton quantizer (per group: the one-launch kernel, and the two launches over the chunks): the twin's
+    scales exactly, its values but where the interpreter's E4M3 cast is wrong (fp32 in; bf16 in: the scales only,
+    the interpreter's E4M3 cast of those values is off by a step or more on 1% of them: on GPU they are equal,
+    tests/test_gpu_fp8_wgrad.py); columns not a multiple of its block."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x, offsets = grouped(columns=70)
     for rows in (x, x.bfloat16()):
-        got, twin = W.quantize_along_tokens(rows, offsets, per_chunk), W.quantize_along_tokens_torch(
-            rows, offsets, per_chunk)
+        got, twin = W.quantize_along_tokens(rows, offsets, per_chunk, one_pass=one_pass), \
+            W.quantize_along_tokens_torch(rows, offsets, per_chunk)
         used = int(twin.chunk_ends_E[-1])
         assert torch.equal(got.chunk_ends_E, twin.chunk_ends_E)
         assert torch.equal(got.scale_CM[:used], twin.scale_CM[:used])

@@ -40,12 +40,15 @@ def fp32_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("per_chunk", [True, False], ids=["per-chunk", "per-group"])
-def test_fp8_wgrad_quantize_kernel_equals_twin(dtype, per_chunk):
+@pytest.mark.parametrize("per_chunk, one_pass, columns", [
+    (True, True, None), (False, True, None), (False, True, 16), (False, True, 64), (False, False, None)],
+    ids=["per-chunk", "per-group", "per-group-16", "per-group-64", "per-group-two-launches"])
+def test_fp8_wgrad_quantize_kernel_equals_twin(dtype, per_chunk, one_pass, columns):
     x = rows_of(M + 40, 0, dtype)  # columns not a multiple of the kernel's block
     x[5, 7] = 3e4  # an outlier
     offsets = offsets_of(GROUP_ROWS)
-    got, twin = W.quantize_along_tokens(x, offsets, per_chunk), W.quantize_along_tokens_torch(x, offsets, per_chunk)
+    got = W.quantize_along_tokens(x, offsets, per_chunk, columns, one_pass)
+    twin = W.quantize_along_tokens_torch(x, offsets, per_chunk)
     used = int(twin.chunk_ends_E[-1])
     assert torch.equal(got.chunk_ends_E, twin.chunk_ends_E)
     assert torch.equal(got.scale_CM[:used], twin.scale_CM[:used])

@@ -86,6 +86,45 @@ if HAVE_TRITON:
 
     _quantize_chunks = Kernel(_quantize_chunks_kernel)
 
+    # The group scale in one launch: one program per (group, BLOCK_C columns) reads the group's chunks twice, their
+    # column amax and then the quantized values, the second time from L2 (the program's strip of the group, rows x
+    # BLOCK_C x 2 bytes), where MODE 0 and 2 read every row from HBM twice. The same values and scales as those two.
+    def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, offsets_ptr, chunk_ends_ptr, M, P, stride_x,
+                                BLOCK_C: tl.constexpr):
+        group = tl.program_id(0)
+        first_chunk = tl.load(chunk_ends_ptr + group - 1, mask=group > 0, other=0)
+        end_chunk = tl.load(chunk_ends_ptr + group)
+        first_row = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+        end_row = tl.load(offsets_ptr + group)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_cols = cols < M
+        rows = first_row + tl.arange(0, 128)
+        amax = tl.full((BLOCK_C,), 0.0, tl.float32)
+        for _ in range(first_chunk, end_chunk):
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                        mask=(rows < end_row)[:, None] & in_cols[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.reduce(tl.abs(x), 0, max_combine))
+            rows += 128
+        amax = tl.maximum(amax, _FLOOR)
+        fp8_max = tl.full((BLOCK_C,), _MAX, tl.float32)
+        scale = tl.math.div_rn(amax, fp8_max)
+        inverse = tl.math.div_rn(fp8_max, amax)
+        rows = first_row + tl.arange(0, 128)
+        tokens = first_chunk.to(tl.int64) * 128 + tl.arange(0, 128)
+        chunk_scale = scale_ptr + first_chunk.to(tl.int64) * M + cols
+        for _ in range(first_chunk, end_chunk):
+            tl.store(chunk_scale, scale, mask=in_cols)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                        mask=(rows < end_row)[:, None] & in_cols[None, :], other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x * inverse[None, :], -_MAX), _MAX)
+            tl.store(q_ptr + cols[None, :].to(tl.int64) * P + tokens[:, None], q.to(q_ptr.dtype.element_ty),
+                     mask=in_cols[None, :])
+            rows += 128
+            tokens += 128
+            chunk_scale += M
+
+    _quantize_groups = Kernel(_quantize_groups_kernel)
+
     # One program per (BLOCK_M, BLOCK_N) tile of one group's output, the group's chunks in turn (one or two
     # segments: two micro-batches' rows, each with its own chunks and scales). The tile is added into out (the
     # fp32 main_grad) once, in L2 (an atomic add: the SM does not wait for the old value; one program per element,
@@ -217,14 +256,16 @@ def quantize_along_tokens_torch(x_TM: torch.Tensor, offsets_E: torch.Tensor, per
     return TokenQuantized(q_MP, scale_CM, chunk_ends)
 
 
-_QUANTIZE_COLUMNS = 64  # BLOCK_C: a program's columns (128 tokens each)
+_CHUNK_COLUMNS = 64  # BLOCK_C of the per-chunk passes: a program's columns (128 tokens each)
+_GROUP_COLUMNS = 32  # BLOCK_C of the one-pass group kernel (a 4,096-row group's strip: 256 KB of L2)
 
 
-def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk: bool,
-                          columns: int = _QUANTIZE_COLUMNS) -> TokenQuantized:
+def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk: bool, columns: int | None = None,
+                          one_pass: bool = True) -> TokenQuantized:
     """x_TM (rows grouped by the int32 end offsets ``offsets_E``; rows past the last one not read) quantized along
-    its rows, transposed: q (M, P) E4M3, scales (chunks, M); see the module docstring. Two Triton passes per
-    group scale (the chunks' amax, then the values), one per chunk scale; ``columns``: a program's (benchmarks)."""
+    its rows, transposed: q (M, P) E4M3, scales (chunks, M); see the module docstring. Per chunk: one Triton pass.
+    Per group: one launch that reads each group's rows twice, the second time from L2 (``one_pass``; False: two
+    launches over the chunks, the group's amax between them, for benchmarks). ``columns``: a program's (benchmarks)."""
     if not use_triton(x_TM, "fp8 quantize_along_tokens"):
         return quantize_along_tokens_torch(x_TM, offsets_E, per_chunk)
     T, M = x_TM.shape
@@ -234,7 +275,14 @@ def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk
     chunk_ends = token_chunks(offsets_E)
     q_MP = torch.empty((M, bound * CHUNK), dtype=FP8, device=x_TM.device)
     scale_CM = torch.empty((bound, M), dtype=torch.float32, device=x_TM.device)
-    block_c = min(columns, triton.next_power_of_2(M))
+    groups = not per_chunk and one_pass
+    block_c = min(columns or (_GROUP_COLUMNS if groups else _CHUNK_COLUMNS), triton.next_power_of_2(M))
+    warps = 4 if block_c <= 64 else 8
+    if groups:
+        _quantize_groups[(offsets_E.numel(), triton.cdiv(M, block_c)), x_TM.device](
+            x_TM, q_MP, scale_CM, offsets_E, chunk_ends, M, bound * CHUNK, x_TM.stride(0), BLOCK_C=block_c,
+            num_warps=warps)
+        return TokenQuantized(q_MP, scale_CM, chunk_ends)
     grid = (bound, triton.cdiv(M, block_c))
     modes = (1,) if per_chunk else (0, 2)
     amax_CM = scale_CM if per_chunk else torch.empty_like(scale_CM)
@@ -242,7 +290,7 @@ def quantize_along_tokens(x_TM: torch.Tensor, offsets_E: torch.Tensor, per_chunk
     for mode in modes:
         _quantize_chunks[grid, x_TM.device](x_TM, q_MP, scale_CM, amax_CM, offsets_E, chunk_ends, group_of_chunk, M,
                                             offsets_E.numel(), bound * CHUNK, x_TM.stride(0), MODE=mode,
-                                            BLOCK_C=block_c, num_warps=4 if block_c <= 64 else 8)
+                                            BLOCK_C=block_c, num_warps=warps)
     return TokenQuantized(q_MP, scale_CM, chunk_ends)
 
 
