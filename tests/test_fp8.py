@@ -16,7 +16,8 @@ from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.swiglu import swiglu_backward
 from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, dequantize, dequantize_rows, quantize_columns,
-                                           quantize_columns_torch, quantize_rows, quantize_rows_torch)
+                                           quantize_columns_torch, quantize_rows, quantize_rows_and_columns,
+                                           quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, experts_wgrad, WgradInputs
 from moe_overlap.layers.fp8 import (Fp8, Fp8Rows, check_fp8_device, fp8_matmul, grouped_mm, refresh_weights,
                                     weight_copy_bytes, weight_operand, weights_updated)
@@ -98,11 +99,20 @@ def test_fp8_twins_write_into_given_buffers():
         quantize_columns(x, torch.empty(8, 32, dtype=FP8), torch.empty(32))  # the transposed shape is (32, 8)
 
 
+def assert_twin_but_interpreter_faults(q: torch.Tensor, q_twin: torch.Tensor) -> None:
+    """q from a kernel under TRITON_INTERPRET=1 equals the twin's but where the interpreter's own fp32 -> E4M3 cast
+    is wrong, in two known ways: a value that rounds up into the next power of two keeps the old exponent;
+    subnormals truncate instead of rounding. Exactly those elements are excused."""
+    twin = q_twin.float().abs()
+    interpreter_fault = (twin < 2.0 ** -6) | (torch.log2(twin) == torch.log2(twin).round())
+    differs = q.float() != q_twin.float()
+    assert not (differs & ~interpreter_fault).any(), int((differs & ~interpreter_fault).sum())
+    assert differs.float().mean() < 0.2
+
+
 def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
-    """TRITON_INTERPRET=1 runs the kernels' indexing, masking and scales on CPU; the interpreter's own fp32 -> E4M3
-    cast is wrong in two known ways (a value that rounds up into the next power of two keeps the old exponent;
-    subnormals truncate instead of rounding), so there q may be off by the interpreter's fault: exactly those
-    elements are excused, every other one must equal the twin's. On GPU the kernels must equal the twin exactly."""
+    """TRITON_INTERPRET=1 runs the kernels' indexing, masking and scales on CPU; q may be off by the interpreter's
+    own E4M3 cast (:func:`assert_twin_but_interpreter_faults`). On GPU the kernels must equal the twin exactly."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(2)
     x = torch.randn(3, 37, 72) * 3
@@ -110,11 +120,7 @@ def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
     cases = [(quantize_rows(x), quantize_rows_torch(x)), (quantize_columns(x), quantize_columns_torch(x))]
     for (q, scale), (q_twin, scale_twin) in cases:
         assert torch.equal(scale, scale_twin)
-        twin = q_twin.float().abs()
-        interpreter_fault = (twin < 2.0 ** -6) | (torch.log2(twin) == torch.log2(twin).round())
-        differs = q.float() != q_twin.float()
-        assert not (differs & ~interpreter_fault).any(), int((differs & ~interpreter_fault).sum())
-        assert differs.float().mean() < 0.2
+        assert_twin_but_interpreter_faults(q, q_twin)
     # rows_bound: rows from the bound on are left as they were
     bound = torch.tensor([20], dtype=torch.int32)
     q_out = torch.zeros(37, 72, dtype=FP8)
@@ -122,6 +128,62 @@ def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
     quantize_rows(x[1], q_out, scale_out, rows_bound=bound)
     assert (scale_out[20:] == -1).all() and (q_out[20:].float() == 0).all()
     assert torch.equal(scale_out[:20], quantize_rows_torch(x[1, :20])[1])
+
+
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("interpreted", [False, True])
+@pytest.mark.parametrize("shape", [(3, 70, 200), (130, 96), (2, 64, 128), (2, 5, 3)])
+def test_fp8_rows_and_columns_equal_the_two_quantizations(monkeypatch, interpreted, shape):
+    """quantize_rows_and_columns: quantize_rows and quantize_columns of the same x in one call (2-D and 3-D, sizes
+    that are not multiples of its 64 x 64 tiles, a matrix of zeros, a row and a column of zeros): the scales bit
+    for bit. Through the twin (CPU, bf16 too) q bit for bit; interpreted (the Triton kernels, fp32: the
+    interpreter's E4M3 cast) q equals the twins' but for the interpreter's known faults, and equals the two
+    functions' own kernels, interpreted too, bit for bit."""
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(9)
+    x = torch.randn(shape) * 3 * torch.logspace(-2, 2, shape[-1])  # columns of very different ranges
+    x[..., 1, :] = 0
+    x[..., 2] = 0
+    if x.dim() == 3:
+        x[-1] = 0  # a matrix of zeros: every scale the floor's, every value 0
+    for x_in in (x,) if interpreted else (x, x.bfloat16()):
+        (q_rows, scale_rows), (q_cols, scale_cols) = quantize_rows_and_columns(x_in)
+        (q_rows_twin, scale_rows_twin), (q_cols_twin, scale_cols_twin) = (quantize_rows_torch(x_in),
+                                                                          quantize_columns_torch(x_in))
+        assert q_rows.shape == x.shape and q_cols.shape == (*x.shape[:-2], x.shape[-1], x.shape[-2])
+        assert q_rows.is_contiguous() and q_cols.is_contiguous()
+        assert torch.equal(scale_rows, scale_rows_twin) and torch.equal(scale_cols, scale_cols_twin)
+        if interpreted:
+            assert_twin_but_interpreter_faults(q_rows, q_rows_twin)
+            assert_twin_but_interpreter_faults(q_cols, q_cols_twin)
+            (q_rows_alone, _), (q_cols_alone, _) = quantize_rows(x_in), quantize_columns(x_in)
+            assert same_fp8(q_rows, q_rows_alone) and same_fp8(q_cols, q_cols_alone)
+        else:
+            assert same_fp8(q_rows, q_rows_twin) and same_fp8(q_cols, q_cols_twin)
+    if x.dim() == 3:
+        assert (scale_rows[-1] == AMAX_FLOOR / FP8_MAX).all() and not q_cols[-1].float().any()
+
+
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_fp8_rows_and_columns_write_into_given_buffers(monkeypatch, interpreted):
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(2, 70, 40, generator=torch.Generator().manual_seed(10))
+    rows_out = torch.zeros(2, 70, 40, dtype=FP8), torch.zeros(2, 70)
+    columns_out = torch.zeros(2, 40, 70, dtype=FP8), torch.zeros(2, 40)
+    rows, columns = quantize_rows_and_columns(x, rows_out, columns_out)
+    assert rows[0] is rows_out[0] and rows[1] is rows_out[1]
+    assert columns[0] is columns_out[0] and columns[1] is columns_out[1]
+    assert torch.equal(rows[1], quantize_rows_torch(x)[1]) and torch.equal(columns[1], quantize_columns_torch(x)[1])
+    assert same_fp8(rows[0], quantize_rows(x)[0]) and same_fp8(columns[0], quantize_columns(x)[0])
+    (q_rows, _), (q_cols, _) = quantize_rows_and_columns(x, columns_out=columns_out)  # one given, one new
+    assert q_cols is columns_out[0] and same_fp8(q_rows, rows[0])
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize_rows_and_columns(x, columns_out=rows_out)  # the columns' copy is transposed: (2, 40, 70)
 
 
 @pytest.mark.parametrize("interpreted", [False, True])

@@ -12,6 +12,8 @@ division is a multiplication by 448 / amax (one correctly rounded division per r
 - :func:`quantize_columns`: per column, written transposed (2D (M, K) -> q (K, M), scales (K,); 3D per matrix):
   the column-major right operand a scaled GEMM wants when the contraction runs down the columns, in one pass
   (quantize-then-transpose would be a second pass over the FP8 copy).
+- :func:`quantize_rows_and_columns`: both, bit for bit, from two reads of x instead of four: a weight's two
+  copies (the forward's and the dgrad's), refreshed together once per optimizer step (layers/fp8.py).
 - :func:`amax_along`, :func:`quantize_with_amax`: the same from an absolute maximum given (shared over the ranks
   that each hold part of the dimension), in torch ops.
 Both read any float dtype (the cast to FP8 is the only cast: bf16 or fp32 in, FP8 out) and can write into given
@@ -107,9 +109,55 @@ if HAVE_TRITON:
             tl.store(q_base + rk[None, :].to(tl.int64) * M + (start + rm)[:, None], q.to(q_ptr.dtype.element_ty),
                      mask=mask)
 
+    # quantize_rows_and_columns, pass 1: one program per (BLOCK_M, BLOCK_K) tile of a matrix (the tile index runs
+    # along K first): the tile's row and column maxima, combined over the tiles by atomic maxima into buffers of
+    # zeros. A maximum is exact in any order, so the amax is the one-program kernels' bit for bit.
+    def _rows_and_columns_amax_kernel(x_ptr, amax_rows_ptr, amax_cols_ptr, M, K, stride_xb, stride_xm,
+                                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        matrix = tl.program_id(1).to(tl.int64)
+        tiles_k = (K + BLOCK_K - 1) // BLOCK_K
+        rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        in_m, in_k = rm < M, rk < K
+        x = tl.load(x_ptr + matrix * stride_xb + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=in_m[:, None] & in_k[None, :], other=0.0)
+        x_abs = tl.abs(x.to(tl.float32))
+        tl.atomic_max(amax_rows_ptr + matrix * M + rm, tl.reduce(x_abs, 1, max_combine), mask=in_m, sem="relaxed")
+        tl.atomic_max(amax_cols_ptr + matrix * K + rk, tl.reduce(x_abs, 0, max_combine), mask=in_k, sem="relaxed")
+
+    # Pass 2, the same tiles: each quantized twice, by its rows' scales into q_rows (M, K) and by its columns' into
+    # q_cols (K, M), stored transposed. The first tile of a row (of a column) writes its scale.
+    def _rows_and_columns_quantize_kernel(x_ptr, q_rows_ptr, scale_rows_ptr, q_cols_ptr, scale_cols_ptr,
+                                          amax_rows_ptr, amax_cols_ptr, M, K, stride_xb, stride_xm,
+                                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        matrix = tl.program_id(1).to(tl.int64)
+        tiles_k = (K + BLOCK_K - 1) // BLOCK_K
+        tile_m, tile_k = tl.program_id(0) // tiles_k, tl.program_id(0) % tiles_k
+        rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        in_m, in_k = rm < M, rk < K
+        mask = in_m[:, None] & in_k[None, :]
+        x = tl.load(x_ptr + matrix * stride_xb + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        amax_m = tl.maximum(tl.load(amax_rows_ptr + matrix * M + rm, mask=in_m, other=0.0), _FLOOR)
+        amax_k = tl.maximum(tl.load(amax_cols_ptr + matrix * K + rk, mask=in_k, other=0.0), _FLOOR)
+        fp8_max_m = tl.full((BLOCK_M,), _MAX, tl.float32)
+        fp8_max_k = tl.full((BLOCK_K,), _MAX, tl.float32)
+        tl.store(scale_rows_ptr + matrix * M + rm, tl.math.div_rn(amax_m, fp8_max_m), mask=in_m & (tile_k == 0))
+        tl.store(scale_cols_ptr + matrix * K + rk, tl.math.div_rn(amax_k, fp8_max_k), mask=in_k & (tile_m == 0))
+        q_base = matrix * M * K
+        q = tl.minimum(tl.maximum(x * tl.math.div_rn(fp8_max_m, amax_m)[:, None], -_MAX), _MAX)
+        tl.store(q_rows_ptr + q_base + rm[:, None].to(tl.int64) * K + rk[None, :], q.to(q_rows_ptr.dtype.element_ty),
+                 mask=mask)
+        q = tl.minimum(tl.maximum(x * tl.math.div_rn(fp8_max_k, amax_k)[None, :], -_MAX), _MAX)
+        tl.store(q_cols_ptr + q_base + rk[None, :].to(tl.int64) * M + rm[:, None], q.to(q_cols_ptr.dtype.element_ty),
+                 mask=mask)
+
     _rows = Kernel(_quantize_rows_kernel)
     _dequantize_rows = Kernel(_dequantize_rows_kernel, do_not_specialize=["n_rows"])
     _columns = Kernel(_quantize_columns_kernel)
+    _rows_and_columns_amax = Kernel(_rows_and_columns_amax_kernel)
+    _rows_and_columns_quantize = Kernel(_rows_and_columns_quantize_kernel)
 
 
 def fp8_outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch.Tensor,
@@ -204,6 +252,39 @@ def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
     _columns[(triton.cdiv(K, block_k), x_BMK.shape[0]), x.device](
         x_BMK, q, scale, M, K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
     return q, scale
+
+
+_ROWS_AND_COLUMNS_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K) of both passes
+
+
+def quantize_rows_and_columns(x: torch.Tensor, rows_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              columns_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(:func:`quantize_rows` (x), :func:`quantize_columns` (x)) bit for bit, x (..., M, K), in two passes over x
+    (the maxima of each tile's rows and columns, then both quantized copies of the tile) where the two functions
+    make four: a weight's two rowwise copies, refreshed together once per optimizer step. ``rows_out``,
+    ``columns_out``: the (q, scales) to write into, contiguous."""
+    if not use_triton(x, "fp8 quantize_rows_and_columns"):
+        return quantize_rows_torch(x, *(rows_out or ())), quantize_columns_torch(x, *(columns_out or ()))
+    *batch, M, K = x.shape
+    q_rows, scale_rows = fp8_outputs(tuple(x.shape), (*batch, M), x, *(rows_out or (None, None)))
+    q_cols, scale_cols = fp8_outputs((*batch, K, M), (*batch, K), x, *(columns_out or (None, None)))
+    if x.numel() == 0:
+        return (q_rows, scale_rows), (q_cols, scale_cols)
+    x_BMK = x.reshape(-1, M, K)
+    if x_BMK.stride(2) != 1:
+        x_BMK = x_BMK.contiguous()
+    B = x_BMK.shape[0]
+    amax = torch.zeros(B * (M + K), dtype=torch.float32, device=x.device)  # one memset for both
+    amax_BM, amax_BK = amax[:B * M], amax[B * M:]
+    block_m, block_k = _ROWS_AND_COLUMNS_BLOCKS
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B)
+    _rows_and_columns_amax[grid, x.device](x_BMK, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1),
+                                           BLOCK_M=block_m, BLOCK_K=block_k)
+    _rows_and_columns_quantize[grid, x.device](x_BMK, q_rows, scale_rows, q_cols, scale_cols, amax_BM, amax_BK, M,
+                                               K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m,
+                                               BLOCK_K=block_k)
+    return (q_rows, scale_rows), (q_cols, scale_cols)
 
 
 def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
