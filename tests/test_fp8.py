@@ -18,6 +18,7 @@ from moe_overlap.kernels.swiglu import swiglu_backward
 from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, dequantize, dequantize_rows, quantize_columns,
                                            quantize_columns_torch, quantize_rows, quantize_rows_and_columns,
                                            quantize_rows_torch)
+from moe_overlap.layers import fp8 as fp8_layers
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, experts_wgrad, WgradInputs
 from moe_overlap.layers.fp8 import (Fp8, Fp8Rows, check_fp8_device, fp8_matmul, grouped_mm, refresh_weights,
                                     weight_copy_bytes, weight_operand, weights_updated)
@@ -273,6 +274,71 @@ def test_fp8_weights_quantized_once_per_step_refreshed_in_place():
     for entry in w.fp8_cache.values():
         assert entry.state[0] > 0
     assert weight_operand(run, True)[0] is q_run and torch.equal(scale_run, quantize_rows_torch(run.detach())[1])
+
+
+def test_fp8_weight_copies_of_a_view_refreshed_together_in_one_call(monkeypatch):
+    """After an optimizer step, asking for one rowwise copy of a weight (or of a view: a run of experts) refreshes
+    both of that view's copies with one quantize_rows_and_columns, in place; the first use of each copy, and a copy
+    whose partner is current, go alone. Each refreshed copy equals a fresh quantization."""
+    calls = {"rows": 0, "columns": 0, "rows_and_columns": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for layout in ("rows", "columns"):
+        monkeypatch.setitem(fp8_layers._QUANTIZE, layout, counted(layout, fp8_layers._QUANTIZE[layout]))
+    monkeypatch.setattr(fp8_layers, "quantize_rows_and_columns",
+                        counted("rows_and_columns", fp8_layers.quantize_rows_and_columns))
+
+    def current(view: torch.Tensor) -> None:  # both copies of the view cached equal fresh quantizations
+        for contract_last, quantize in ((True, quantize_rows_torch), (False, quantize_columns_torch)):
+            q, scale = weight_operand(view, contract_last)
+            q_want, scale_want = quantize(view.detach())
+            assert same_fp8(q, q_want) and torch.equal(scale, scale_want)
+
+    torch.manual_seed(11)
+    w = torch.nn.Parameter(torch.randn(4, 32, 48))
+    q_cols, scale_cols = weight_operand(w, contract_last=False)  # the first use of each copy: alone
+    q_rows, scale_rows = weight_operand(w, contract_last=True)
+    assert calls == {"rows": 1, "columns": 1, "rows_and_columns": 0}
+
+    weights_updated()
+    with torch.no_grad():
+        w.data.mul_(-2)
+    q, scale = weight_operand(w, contract_last=False)
+    assert q is q_cols and scale is scale_cols  # in place ...
+    assert calls == {"rows": 1, "columns": 1, "rows_and_columns": 1}  # ... both copies, one call
+    q, scale = weight_operand(w, contract_last=True)
+    assert q is q_rows and scale is scale_rows and calls["rows_and_columns"] == 1  # current: no call
+    current(w)
+    with torch.no_grad():
+        w.add_(1)  # an in-place write through the parameter: both stale too
+    assert weight_operand(w, contract_last=True)[0] is q_rows and calls["rows_and_columns"] == 2
+    current(w)
+    assert calls == {"rows": 1, "columns": 1, "rows_and_columns": 2}
+
+    run = w[1:3]  # a view: its own pair
+    weight_operand(run, contract_last=True)
+    weights_updated()
+    weight_operand(run, contract_last=False)  # the first columns copy of the run: alone; its rows copy stays stale
+    assert calls == {"rows": 2, "columns": 2, "rows_and_columns": 2}
+    weight_operand(run, contract_last=True)  # stale, its partner current: alone
+    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 2}
+
+    layer = torch.nn.Module()
+    layer.w = w
+    weights_updated()
+    with torch.no_grad():
+        w.data.mul_(0.5)
+    refresh_weights(layer)  # a graphed layer's pre-hook: one call per view
+    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 4}
+    assert all(entry.state == fp8_layers._state(w) for entry in w.fp8_cache.values())
+    current(w)
+    current(run)
+    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 4}
 
 
 def test_fp8_blockwise_weight_copies_are_one_quantization_in_both_orientations():

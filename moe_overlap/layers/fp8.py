@@ -25,7 +25,9 @@ Weights are quantized once per optimizer step, not per micro-batch: each weight'
 the forward's and the dgrad's) is cached on the parameter and refreshed in place when stale: after an optimizer
 step (the optimizers call :func:`weights_updated`; they write through ``param.data`` or flat buffers, which leave
 ``param._version`` alone), after an in-place write through the parameter (its ``_version``) or a move of its
-storage. A view of a parameter (a run of experts) caches its own copy on the parameter. Graphed MoE layers: the
+storage. A view of a parameter (a run of experts) caches its own copy on the parameter. A stale rowwise copy whose
+other orientation is cached and stale too is refreshed with it by one kernel, which reads the weight twice, not
+four times (:func:`quantize_rows_and_columns`; not where TP shares the scales). Graphed MoE layers: the
 capture reads the cached copies that the eager warm-up made (no quantize kernel in the graph: the weights are
 still quantized once per step, not per replay), and the layer's forward pre-hook (:func:`refresh_weights`, which
 the model installs after the capture) refreshes them in place before a replay.
@@ -58,7 +60,7 @@ from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
 from moe_overlap.kernels.fp8_quant import (amax_along, dequantize, dequantize_rows, quantize_columns, quantize_rows,
-                                           quantize_with_amax)
+                                           quantize_rows_and_columns, quantize_with_amax)
 from moe_overlap.kernels.fp8_wgrad import fp8_wgrad_accumulate, fp8_wgrad_accumulate_torch, quantize_along_tokens
 
 
@@ -121,6 +123,7 @@ class _CachedWeight:
 Layout = Literal["rows", "columns", "blocks", "blocks_t"]
 _QUANTIZE = {"rows": quantize_rows, "columns": quantize_columns, "blocks": quantize_blocks,
              "blocks_t": partial(quantize_blocks, transpose=True)}
+_ROWWISE_PARTNER = {"rows": "columns", "columns": "rows"}  # the copies quantize_rows_and_columns makes together
 
 
 def _layout(contract_last: bool, recipe: str) -> Layout:
@@ -154,6 +157,21 @@ def _quantize_weight(w: torch.Tensor, layout: Layout, entry: _CachedWeight | Non
     return entry.q, entry.scale
 
 
+def _refresh(w: torch.Tensor, param: torch.Tensor, layout: Layout, entry: _CachedWeight,
+             split_over: GroupHandle | None) -> None:
+    """Quantize w (a view of ``param``) into its stale cached copy, in place; with it the other rowwise orientation
+    of the same view, if cached and stale too: both from one kernel."""
+    cache, state = param.__dict__["fp8_cache"], _state(param)
+    partner = cache.get((_ROWWISE_PARTNER.get(layout), entry.view))
+    if split_over is None and partner is not None and partner.split_over is None and partner.state != state:
+        rows, columns = (entry, partner) if layout == "rows" else (partner, entry)
+        quantize_rows_and_columns(w.detach(), (rows.q, rows.scale), (columns.q, columns.scale))
+        partner.state = state
+    else:
+        _quantize_weight(w, layout, entry, split_over)
+    entry.state = state
+
+
 def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle | None = None,
                    recipe: str = "rowwise") -> tuple[torch.Tensor, torch.Tensor]:
     """A weight (or a view of one: a run of experts) as the right operand B (K, N) of ``a @ B``, per matrix:
@@ -172,9 +190,12 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
         return entry.q, entry.scale
     if w.is_cuda and torch.cuda.is_current_stream_capturing():  # stale at capture: quantize inside the graph
         return _quantize_weight(w, layout, split_over=split_over)
-    q, scale = _quantize_weight(w, layout, entry, split_over)
-    cache[slot] = _CachedWeight(_state(param), view, q, scale, split_over)
-    return q, scale
+    if entry is None:  # the first use: this orientation alone
+        q, scale = _quantize_weight(w, layout, split_over=split_over)
+        cache[slot] = _CachedWeight(_state(param), view, q, scale, split_over)
+        return q, scale
+    _refresh(w, param, layout, entry, split_over)
+    return entry.q, entry.scale
 
 
 def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise", min_dim: int = 0) -> int:
@@ -197,10 +218,9 @@ def refresh_weights(module: nn.Module, *_) -> None:
     whose replays read the copies without running Python)."""
     for param in module.parameters():
         for (layout, (shape, stride, offset)), entry in param.__dict__.get("fp8_cache", {}).items():
-            if entry.state != _state(param):
+            if entry.state != _state(param):  # (a rowwise partner refreshed along with an earlier entry is not)
                 w = param.as_strided(shape, stride, param.storage_offset() + offset)
-                _quantize_weight(w, layout, entry, entry.split_over)
-                entry.state = _state(param)
+                _refresh(w, param, layout, entry, entry.split_over)
 
 
 def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool, fp8: Fp8,
