@@ -136,13 +136,14 @@ def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("interpreted", [False, True])
-@pytest.mark.parametrize("shape", [(3, 70, 200), (130, 96), (2, 64, 128), (2, 5, 3)])
+@pytest.mark.parametrize("shape", [(3, 70, 200), (130, 96), (300, 260), (2, 64, 128), (2, 5, 3)])
 def test_fp8_rows_and_columns_equal_the_two_quantizations(monkeypatch, interpreted, shape):
     """quantize_rows_and_columns: quantize_rows and quantize_columns of the same x in one call (2-D and 3-D, sizes
-    that are not multiples of its 64 x 64 tiles, a matrix of zeros, a row and a column of zeros): the scales bit
-    for bit. Through the twin (CPU, bf16 too) q bit for bit; interpreted (the Triton kernels, fp32: the
-    interpreter's E4M3 cast) q equals the twins' but for the interpreter's known faults, and equals the two
-    functions' own kernels, interpreted too, bit for bit."""
+    that are not multiples of its tiles, 128 x 128 for the maxima and 64 x 64 to quantize, several of each along
+    both dimensions; a matrix of zeros, a row and a column of zeros): the scales bit for bit. Through the twin
+    (CPU, bf16 too) q bit for bit; interpreted (the Triton kernels, fp32: the interpreter's E4M3 cast) q equals the
+    twins' but for the interpreter's known faults, and equals the two functions' own kernels, interpreted too, bit
+    for bit."""
     if interpreted:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(9)

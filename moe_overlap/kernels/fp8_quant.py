@@ -111,7 +111,8 @@ if HAVE_TRITON:
 
     # quantize_rows_and_columns, pass 1: one program per (BLOCK_M, BLOCK_K) tile of a matrix (the tile index runs
     # along K first): the tile's row and column maxima, combined over the tiles by atomic maxima into buffers of
-    # zeros. A maximum is exact in any order, so the amax is the one-program kernels' bit for bit.
+    # zeros. A maximum is exact in any order, so the amax is the one-program kernels' bit for bit. Its tiles need
+    # not be pass 2's.
     def _rows_and_columns_amax_kernel(x_ptr, amax_rows_ptr, amax_cols_ptr, M, K, stride_xb, stride_xm,
                                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         matrix = tl.program_id(1).to(tl.int64)
@@ -125,8 +126,8 @@ if HAVE_TRITON:
         tl.atomic_max(amax_rows_ptr + matrix * M + rm, tl.reduce(x_abs, 1, max_combine), mask=in_m, sem="relaxed")
         tl.atomic_max(amax_cols_ptr + matrix * K + rk, tl.reduce(x_abs, 0, max_combine), mask=in_k, sem="relaxed")
 
-    # Pass 2, the same tiles: each quantized twice, by its rows' scales into q_rows (M, K) and by its columns' into
-    # q_cols (K, M), stored transposed. The first tile of a row (of a column) writes its scale.
+    # Pass 2, one program per tile: the tile quantized twice, by its rows' scales into q_rows (M, K) and by its
+    # columns' into q_cols (K, M), stored transposed. The first tile of a row (of a column) writes its scale.
     def _rows_and_columns_quantize_kernel(x_ptr, q_rows_ptr, scale_rows_ptr, q_cols_ptr, scale_cols_ptr,
                                           amax_rows_ptr, amax_cols_ptr, M, K, stride_xb, stride_xm,
                                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -254,7 +255,10 @@ def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
     return q, scale
 
 
-_ROWS_AND_COLUMNS_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K) of both passes
+# (BLOCK_M, BLOCK_K) of the two passes. Swept on an H100 at (8, 4096, 28672) bf16: the maxima's pass 0.76 ms at
+# 128 x 128 (0.92 at 64 x 64, slower at 256 wide or with 8 warps), the quantize pass at 64 x 64 (larger tiles were
+# slower): 2.10 ms both, against 3.40 for quantize_rows then quantize_columns and 0.66 for a copy of the FP8 bytes.
+_AMAX_BLOCKS, _QUANTIZE_BLOCKS = (128, 128), (64, 64)
 
 
 def quantize_rows_and_columns(x: torch.Tensor, rows_out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -277,13 +281,13 @@ def quantize_rows_and_columns(x: torch.Tensor, rows_out: tuple[torch.Tensor, tor
     B = x_BMK.shape[0]
     amax = torch.zeros(B * (M + K), dtype=torch.float32, device=x.device)  # one memset for both
     amax_BM, amax_BK = amax[:B * M], amax[B * M:]
-    block_m, block_k = _ROWS_AND_COLUMNS_BLOCKS
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B)
-    _rows_and_columns_amax[grid, x.device](x_BMK, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1),
-                                           BLOCK_M=block_m, BLOCK_K=block_k)
-    _rows_and_columns_quantize[grid, x.device](x_BMK, q_rows, scale_rows, q_cols, scale_cols, amax_BM, amax_BK, M,
-                                               K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m,
-                                               BLOCK_K=block_k)
+    block_m, block_k = _AMAX_BLOCKS
+    _rows_and_columns_amax[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), x.device](
+        x_BMK, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
+    block_m, block_k = _QUANTIZE_BLOCKS
+    _rows_and_columns_quantize[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), x.device](
+        x_BMK, q_rows, scale_rows, q_cols, scale_cols, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1),
+        BLOCK_M=block_m, BLOCK_K=block_k)
     return (q_rows, scale_rows), (q_cols, scale_cols)
 
 
