@@ -26,6 +26,11 @@
              rows, ffn 1,024) expert shapes: the fused kernels writing FP8 rows (kernels/swiglu.py swiglu_forward_fp8,
              swiglu_backward_fp8: fc1's output gradient) against SwiGLU then quantize_rows (two passes), and
              SwiGLU alone (bf16); row programs per SM swept
+  weight_fp8 a weight's two rowwise FP8 copies (the forward's per row, the dgrad's per column, written transposed:
+             kernels/fp8_quant.py), refreshed once per optimizer step, at the Mixtral-like expert weights and a fine
+             one: quantize_rows and quantize_columns (two passes over the weight each) against
+             quantize_rows_and_columns (two passes in all), into the cached copies in place; GB/s of the bytes that
+             must move (the weight read once, both copies and their scales written)
   fp8_wgrad  the FP8 weight gradient (kernels/fp8_wgrad.py, train.fp8_wgrad) at the wgrad section's shapes: the
              bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
              128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
@@ -66,6 +71,7 @@ FP8_WGRAD_CONFIGS = [(64, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3)]
 BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (128, 128, 128, 8, 3, False),
                      (128, 128, 128, 8, 4, False), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
                      (128, 128, 128, 8, 3, True)]
+WEIGHT_FP8_SHAPES = {"mixtral_w13": (8, 4096, 28672), "mixtral_w2": (8, 14336, 4096), "fine": (64, 2048, 2048)}
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 
 
@@ -477,12 +483,43 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
     return out
 
 
+def weight_fp8_rows(rounds: int) -> list[dict]:
+    """Per expert weight (E, M, K) bf16: its rows and columns FP8 copies made by the two kernels one after the
+    other, and by the one function that makes both, each into the same preallocated copies (as the weight cache
+    refreshes them); each kernel alone beside them."""
+    import torch
+
+    from moe_overlap.kernels.fp8_quant import quantize_columns, quantize_rows, quantize_rows_and_columns
+
+    out = []
+    for name, (experts, m, k) in WEIGHT_FP8_SHAPES.items():
+        w = torch.randn(experts, m, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        rows_copy, columns_copy = quantize_rows(w), quantize_columns(w)
+        fns = {"rows_then_columns": lambda: (quantize_rows(w, *rows_copy), quantize_columns(w, *columns_copy)),
+               "rows_and_columns": lambda: quantize_rows_and_columns(w, rows_copy, columns_copy),
+               "rows_alone": lambda: quantize_rows(w, *rows_copy),
+               "columns_alone": lambda: quantize_columns(w, *columns_copy)}
+        rows_want, columns_want = quantize_rows(w), quantize_columns(w)
+        quantize_rows_and_columns(w, rows_copy, columns_copy)
+        same = all(torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                   for got, want in ((rows_copy, rows_want), (columns_copy, columns_want)))
+        ms = timed(fns, rounds, reps=3)
+        elements = experts * m * k
+        moved = {"rows_alone": 3 * elements + 4 * experts * m, "columns_alone": 3 * elements + 4 * experts * k}
+        moved["rows_then_columns"] = moved["rows_and_columns"] = 4 * elements + 4 * experts * (m + k)
+        out.append({"section": "weight_fp8", "shape": name, "experts": experts, "m": m, "k": k, "ms": ms,
+                    "bytes": moved, "gb_per_s": {key: moved[key] / v / 1e6 for key, v in ms.items()},
+                    "bit_for_bit": same})
+        print(name, {key: round(v, 3) for key, v in ms.items()}, "bit for bit" if same else "DIFFERS", flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
-                        help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, fp8_blockwise, "
-                             "fp8_wgrad")
+                        help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, weight_fp8, "
+                             "fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--json", default=None)
@@ -494,6 +531,7 @@ def main(argv=None) -> None:
         row_kernel_rows(args.rounds) if "rows" in sections else []) + (
         push_rows_rows(args.rounds) if "push" in sections else []) + (
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
+        weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
         fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")])
         if "fp8_wgrad" in sections else [])

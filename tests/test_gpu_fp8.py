@@ -1,6 +1,7 @@
 """The FP8 recipes on one GPU (`pytest -m gpu`; needs FP8 tensor cores: H100/H200): the Triton quantize
-kernels equal their torch twins bit for bit; each FP8 GEMM (forward, dgrad; torch._scaled_mm and
-torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same inputs and within 1e-2 of the emulated path;
+kernels equal their torch twins bit for bit (a weight's two copies in one call, the two kernels'); each FP8
+GEMM (forward, dgrad; torch._scaled_mm and torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same
+inputs and within 1e-2 of the emulated path;
 the weight gradients (FP8 by train.fp8_wgrad, and bf16) into the fp32 main_grad; the experts' layer and a linear
 whole against the emulated path; a small model's training steps with each train.fp8_recipe (eager, and with its MoE layers
 replayed from CUDA graphs) with finite losses close to bf16's, the graphed run equal to the eager one, and every
@@ -19,7 +20,7 @@ import torch
 
 from moe_overlap.kernels.fp8_blockwise import quantize_blocks_torch
 from moe_overlap.kernels.fp8_quant import (dequantize, dequantize_rows, quantize_columns, quantize_columns_torch,
-                                           quantize_rows, quantize_rows_torch)
+                                           quantize_rows, quantize_rows_and_columns, quantize_rows_torch)
 from moe_overlap.layers.experts import GroupedSwiGLU, WgradInputs, expert_offsets, experts_wgrad
 from moe_overlap.layers.fp8 import Fp8, fp8_matmul, grouped_mm
 from moe_overlap.layers.param_info import param_info
@@ -88,6 +89,31 @@ def test_fp8_packed_wire_rows_equal_twins():
     assert (bytes_[:, 2052:] == 0).all()
     got = dequantize_rows(q, scale, torch.bfloat16)
     assert torch.equal(got, dequantize(want_q, want_scale).bfloat16())
+
+
+@pytest.mark.parametrize("shape", [(8, 4096, 28672), (8, 14336, 4096), (3, 333, 1041), (777, 130)],
+                         ids=["mixtral_w13", "mixtral_w2", "odd", "odd_2d"])
+def test_fp8_rows_and_columns_equal_the_two_kernels(shape):
+    """A weight's two rowwise copies from one quantize_rows_and_columns (two passes over it, maxima combined by
+    atomics): quantize_rows and quantize_columns bit for bit, on Mixtral's expert weights (0.9G and 0.5G elements)
+    and odd sizes (rows and columns not multiples of the 64 x 64 tiles, K not of 16: unaligned rows); written in
+    place into given buffers, as the weight cache does. The odd shapes against the twins too."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    x[..., 7, :] = 0  # a row of zeros
+    x[..., 5] = 0  # a column of zeros
+    x[..., 9, 11] = 3e4  # an outlier
+    rows_want, columns_want = quantize_rows(x), quantize_columns(x)
+    rows_out, columns_out = tuple(map(torch.empty_like, rows_want)), tuple(map(torch.empty_like, columns_want))
+    rows, columns = quantize_rows_and_columns(x, rows_out, columns_out)
+    assert rows[0] is rows_out[0] and columns[1] is columns_out[1]
+    for got, want in ((rows, rows_want), (columns, columns_want)):
+        assert torch.equal(got[1], want[1]), "scales"
+        differ = int((got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum())
+        assert differ == 0, f"{differ} of {got[0].numel()} FP8 values differ from the separate kernels"
+    if x.numel() < 2**24:
+        for got, want in ((rows, quantize_rows_torch(x)), (columns, quantize_columns_torch(x))):
+            assert same_fp8(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # ----------------------------------------------------------------------------------------------- FP8 GEMMs
