@@ -78,6 +78,8 @@
 #   bash benchmarks/evidence_gpu.sh fp8_layouts4 OUT # 4 GPUs: the FP8 layouts' GPU test alone
 #   bash benchmarks/evidence_gpu.sh fp8_tp2  OUT   # 2 GPUs: the Mixtral-like model at TP=2 in bf16 and both FP8 recipes
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad1 OUT # one GPU: the FP8 weight gradient (tests, kernel, layers, model)
+#   bash benchmarks/evidence_gpu.sh fp8_fuse1 OUT  # one GPU: FP8 quantization along the tokens in one launch, a weight's
+#                                                  #   two copies from one kernel; the Mixtral-like model before / after
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
@@ -1029,6 +1031,35 @@ case $phase in
       --json $res/train_step_fp8_swiglu_mixtral_2l_1x$gpu.json 2>&1 | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
+  fp8_fuse1)  # issue 39: the FP8 weight gradient's operands quantized along the tokens in one launch per group
+    # (kernels/fp8_wgrad.py) and a weight's two rowwise copies from one kernel (kernels/fp8_quant.py
+    # quantize_rows_and_columns): their GPU tests and the SwiGLU FP8 ones, the kernels against the ones before, then
+    # the Mixtral-like bench model in bf16 and rowwise FP8 with both (profiled), and a copy of the tree without them
+    # (the two launches over the chunks, each copy quantized alone), then with them again
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_fp8_fuse_1x$gpu.txt
+    tests="tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8.py tests/test_swiglu_kernel.py"
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $tests" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs $tests 2>&1 | tail -n 6 | tee -a "$log"
+    cp "$log" $res/
+    timeout -k 10 120 python benchmarks/step_kernels.py --sections fp8_tokens,weight_fp8 --rounds 10 \
+      --json $res/step_kernels_fp8_fuse_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-900
+    pack
+    old=/tmp/fp8_before
+    rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
+    sed -i 's/one_pass: bool = True/one_pass: bool = False/' $old/moe_overlap/kernels/fp8_wgrad.py
+    sed -i 's/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/' $old/moe_overlap/layers/fp8.py
+    grep -H "one_pass: bool =\|^_ROWWISE_PARTNER" $old/moe_overlap/kernels/fp8_wgrad.py $old/moe_overlap/layers/fp8.py
+    for tree in fused before fused_again; do
+      dir=$PWD; [ $tree = before ] && dir=$old
+      name=train_step_fp8_fuse_${tree}_mixtral_2l_1x$gpu
+      profile="--profile-steps 0"; [ $tree = fused ] && profile="--profile-steps 1 --timeline $PWD/$res/$name.png"
+      PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 $profile \
+        --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+      pack
+    done
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu
@@ -1110,7 +1141,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 (and the others above)" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 (and the others above)" >&2
      exit 2 ;;
 esac
 pack

@@ -31,6 +31,10 @@
              one: quantize_rows and quantize_columns (two passes over the weight each) against
              quantize_rows_and_columns (two passes in all), into the cached copies in place; GB/s of the bytes that
              must move (the weight read once, both copies and their scales written)
+  fp8_tokens the FP8 weight gradient's operands quantized along the tokens per group (the rowwise recipe,
+             kernels/fp8_wgrad.py quantize_along_tokens): every operand of an expert layer's two weight gradients
+             (Mixtral-like at 1,024 and 4,096 rows per expert, fine-grained), the one-launch kernel at 16-128
+             columns a program against the two launches over the chunks, and per chunk (one read)
   fp8_wgrad  the FP8 weight gradient (kernels/fp8_wgrad.py, train.fp8_wgrad) at the wgrad section's shapes: the
              bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
              128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
@@ -73,6 +77,12 @@ BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (
                      (128, 128, 128, 8, 3, True)]
 WEIGHT_FP8_SHAPES = {"mixtral_w13": (8, 4096, 28672), "mixtral_w2": (8, 14336, 4096), "fine": (64, 2048, 2048)}
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
+TOKEN_QUANTIZE_SHAPES = {  # name: (experts, rows per expert, the four operands' widths: x, grad_y, a, grad_h)
+    "mixtral_1gpu": (8, 1024, (4096, 4096, 14336, 2 * 14336)),
+    "mixtral_ep4": (2, 4096, (4096, 4096, 14336, 2 * 14336)),
+    "fine_ep1": (64, 1024, (2048, 2048, 1024, 2 * 1024)),
+}
+
 
 
 def timed(fns: dict, rounds: int, reps: int) -> dict[str, float]:
@@ -514,12 +524,51 @@ def weight_fp8_rows(rounds: int) -> list[dict]:
     return out
 
 
+def fp8_tokens_rows(rounds: int) -> list[dict]:
+    """The FP8 weight gradient's operands quantized along the tokens per group (the rowwise recipe): the one-launch
+    kernel at 16-128 columns a program against the two launches over the chunks (the kernel before), and per chunk
+    (one read: the floor); every operand of an expert layer's two weight gradients, ms for the four, and GB/s for
+    one read of the rows and the FP8 write."""
+    import torch
+
+    from moe_overlap.kernels import fp8_wgrad as W
+
+    out = []
+    for name, (experts, per_expert, widths) in TOKEN_QUANTIZE_SHAPES.items():
+        offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
+        operands = [torch.randn(experts * per_expert, m, device="cuda", dtype=torch.bfloat16) for m in widths]
+
+        def each(per_chunk: bool, columns: int, one_pass: bool):
+            return lambda: [W.quantize_along_tokens(x, offsets, per_chunk, columns, one_pass) for x in operands]
+
+        fns = {"two_launches_c64": each(False, 64, False)}
+        for columns in (16, 32, 64, 128):
+            fns[f"one_pass_c{columns}"] = each(False, columns, True)
+        fns["per_chunk_c64"] = each(True, 64, True)
+        want = fns["two_launches_c64"]()
+        same = {}
+        for key in fns:
+            if key.startswith("one_pass"):
+                got = fns[key]()
+                same[key] = all(torch.equal(g.scale_CM[:int(w.chunk_ends_E[-1])], w.scale_CM[:int(w.chunk_ends_E[-1])])
+                                and torch.equal(g.q_MP[:, :int(w.chunk_ends_E[-1]) * 128].view(torch.uint8),
+                                                w.q_MP[:, :int(w.chunk_ends_E[-1]) * 128].view(torch.uint8))
+                                for g, w in zip(got, want))
+        ms = timed(fns, rounds, reps=5)
+        nbytes = sum(x.numel() * 3 for x in operands)  # one bf16 read and one E4M3 write
+        out.append({"section": "fp8_tokens", "shape": name, "experts": experts, "rows_per_expert": per_expert,
+                    "widths": list(widths), "ms": ms, "gb_per_s": {k: nbytes / v / 1e6 for k, v in ms.items()},
+                    "bit_equal_to_two_launches": same})
+        print(name, {k: round(v, 3) for k, v in ms.items()}, same, flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, weight_fp8, "
-                             "fp8_blockwise, fp8_wgrad")
+                             "fp8_tokens, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--json", default=None)
@@ -532,6 +581,7 @@ def main(argv=None) -> None:
         push_rows_rows(args.rounds) if "push" in sections else []) + (
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
+        fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
         fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")])
         if "fp8_wgrad" in sections else [])
