@@ -1060,6 +1060,27 @@ case $phase in
       pack
     done
     ;;
+  fp8_fuse1b)  # the same model runs with the one-launch quantization at 64 columns a program (the sweep's fastest),
+    # alternating with the tree without both fusions, after the along-token quantizer's GPU tests
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_fp8_fuse64_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py" > "$log"
+    timeout -k 10 100 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py 2>&1 | tail -n 3 | tee -a "$log"
+    cp "$log" $res/
+    old=/tmp/fp8_before
+    rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
+    sed -i 's/one_pass: bool = True/one_pass: bool = False/' $old/moe_overlap/kernels/fp8_wgrad.py
+    sed -i 's/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/' $old/moe_overlap/layers/fp8.py
+    grep -H "^_GROUP_COLUMNS" moe_overlap/kernels/fp8_wgrad.py
+    for tree in fused before fused_again before_again; do
+      dir=$PWD; [ ${tree%_again} = before ] && dir=$old
+      name=train_step_fp8_fuse64_${tree}_mixtral_2l_1x$gpu
+      PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
+        --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-200
+      pack
+    done
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu
@@ -1141,7 +1162,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 (and the others above)" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b (and the others above)" >&2
      exit 2 ;;
 esac
 pack
