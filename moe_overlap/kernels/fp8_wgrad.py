@@ -27,9 +27,12 @@ kernels run on a static grid, without a host sync, inside CUDA graphs. Rows past
 Measured on an H100 (step_kernels_fp8_wgrad_rows_1xh100.json, per group): at 1,024 rows per expert the GEMM alone
 runs about as fast as the bf16 kernel (Mixtral fc1 4.9-5.4 against 4.70 ms): the fp32 read-modify-write of
 main_grad, not the arithmetic, bounds both there. At 4,096 rows it runs 1.7x bf16's (8.71 against 14.89 ms), but
-quantizing both operands (two passes per group scale) costs 3.4 ms there, as many bytes as bf16 reads: the FP8
-wgrad pays only where the experts are wide (its GEMM grows with rows x M x N, the quantization with rows x (M + N))
-and many rows share one read-modify-write (train.fp8_wgrad=auto: config/defaults.py).
+quantizing both operands (then two launches per group scale, each reading every row from HBM) costs 3.4 ms there,
+as many bytes as bf16 reads: the FP8 wgrad pays only where the experts are wide (its GEMM grows with rows x M x N,
+the quantization with rows x (M + N)) and many rows share one read-modify-write (train.fp8_wgrad=auto:
+config/defaults.py). The group scale's one launch (the second read from L2) takes 0.66-0.73x the two launches' time
+(step_kernels_fp8_fuse_1xh100.json: a Mixtral-like layer's four operands 0.95 against 1.35 ms at 1,024 rows per
+expert, 1.02 against 1.55 at 4,096; fine-grained 1.00 against 1.37).
 
 The torch twins (CPU, the emulated path of layers/fp8.py, tests) loop over the groups on the host.
 """
