@@ -464,6 +464,52 @@ def test_fp8_gemm_min_dim_field(caplog):
     assert load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_gemm_min_dim=0"]).train.fp8_gemm_min_dim == 0
 
 
+def test_fp8_fused_quantizations_change_no_bit_of_an_expert_step(monkeypatch):
+    """The FP8 kernels fused for speed compute what they replace, bit for bit, through an expert layer's forward and
+    backward over two optimizer steps (the weights' copies refreshed between them): the along-token quantization of
+    the weight gradient's operands in one launch per group (against two launches over the chunks), and a weight's
+    two rowwise copies from one kernel (against each quantized alone). The Triton kernels under the interpreter;
+    the GEMMs emulated (the same in both runs)."""
+    import functools
+
+    from moe_overlap.kernels import fp8_wgrad as W
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fp8 = dataclasses.replace(EMULATED, wgrad=True)
+    rows = torch.tensor([70, 0, 131, 5])
+    offsets = expert_offsets(rows)
+
+    def two_steps() -> list[torch.Tensor]:
+        torch.manual_seed(11)
+        w13, w2 = torch.nn.Parameter(torch.randn(4, 48, 2 * 40)), torch.nn.Parameter(torch.randn(4, 40, 48))
+        results = []
+        for _ in range(2):
+            fp8_layers.weights_updated()  # an optimizer step: every cached copy is stale
+            x = torch.randn(int(rows.sum()) + 3, 48, requires_grad=True)
+            out = GroupedSwiGLU.apply(x, offsets, w13, w2, None, fp8)
+            out[:int(rows.sum())].backward(torch.randn(int(rows.sum()), 48))
+            results += [out.detach().clone(), x.grad, w13.grad.clone(), w2.grad.clone()]
+            with torch.no_grad():  # the next step's weights
+                w13.add_(0.01)
+                w2.mul_(0.9)
+        return results
+
+    paired = []
+    monkeypatch.setattr(fp8_layers, "quantize_rows_and_columns",
+                        lambda *a, real=fp8_layers.quantize_rows_and_columns: paired.append(a) or real(*a))
+    fused = two_steps()
+    assert len(paired) == 2  # the second step refreshed each weight's two copies in one call
+    monkeypatch.setattr(fp8_layers, "quantize_along_tokens", functools.partial(W.quantize_along_tokens,
+                                                                                one_pass=False))
+    monkeypatch.setattr(fp8_layers, "_ROWWISE_PARTNER", {})
+    calls = []
+    monkeypatch.setattr(fp8_layers, "quantize_rows_and_columns", lambda *a, **k: calls.append(a))
+    separate = two_steps()
+    assert not calls
+    for got, want in zip(fused, separate):
+        assert torch.equal(got, want)
+
+
 def test_fp8_experts_with_no_rows():
     w13, w2 = torch.nn.Parameter(torch.randn(2, 32, 64)), torch.nn.Parameter(torch.randn(2, 32, 32))
     x = torch.zeros(0, 32, requires_grad=True)
