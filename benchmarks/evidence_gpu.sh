@@ -188,6 +188,9 @@ case $phase in
   suite)
     suite 4x 0,1,2,3 "$(left)"
     ;;
+  suite_now4)  # the same, its log kept beside the earlier ones (gpu_tests_suite_now_4x<gpu>.txt)
+    suite suite_now_4x 0,1,2,3 "$(left)"
+    ;;
   ep4)
     train_step 4 fine_8l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
     train_step 4 mixtral_2l balanced "$BAL" --variant "$SERIAL" --variant "$CHUNKS" --variant "$PAIRED"
@@ -1162,7 +1165,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b (and the others above)" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 (and the others above)" >&2
      exit 2 ;;
 esac
 pack
