@@ -1084,6 +1084,26 @@ case $phase in
       pack
     done
     ;;
+  fp8_tiles1)  # the FP8 weight gradient's 64 x 128 tiles at 2,048 rows per expert and call and fewer: its GPU
+    # tests, then the Mixtral-like model (two micro-batches of 1,024 rows per expert a call) with them and without
+    export CUDA_VISIBLE_DEVICES=0
+    log=$out/gpu_tests_fp8_tiles_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py" > "$log"
+    timeout -k 10 100 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py 2>&1 | tail -n 3 | tee -a "$log"
+    cp "$log" $res/
+    old=/tmp/fp8_tiles_before
+    rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
+    sed -i 's/^_FEW_ROWS = 2560/_FEW_ROWS = 0/' $old/moe_overlap/kernels/fp8_wgrad.py
+    grep -H "^_FEW_ROWS" moe_overlap/kernels/fp8_wgrad.py $old/moe_overlap/kernels/fp8_wgrad.py
+    for tree in tiles before; do
+      dir=$PWD; [ $tree = before ] && dir=$old
+      name=train_step_fp8_tiles_${tree}_mixtral_2l_1x$gpu
+      PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
+        --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-200
+      pack
+    done
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu
@@ -1165,7 +1185,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 (and the others above)" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 (and the others above)" >&2
      exit 2 ;;
 esac
 pack
