@@ -151,17 +151,3 @@ def test_fp8_wgrad_auto_where_measured_faster(config, overrides, fp8_wgrad):
     cfg = load_config(f"configs/{config}.yaml", ["train.device=cuda", "train.precision=bf16",
                                                  "train.fp8_recipe=rowwise", *overrides])
     assert cfg.train.fp8_wgrad is fp8_wgrad
-
-
-def test_fp8_wgrad_tiles_follow_the_rows_a_call_sums_per_expert():
-    """The per-group kernel's tiles (measured, kernels/fp8_wgrad.py): 64 x 128 where a call sums 2,048 rows per
-    expert or fewer (the Mixtral-like model at one GPU: two micro-batches of 1,024), 128 x 128 at 4,096 (its EP=4
-    rows); read from the operands' static widths, as a device-planned buffer's bound gives them."""
-    def segment(rows: int, experts: int) -> W.Segment:
-        a = W.TokenQuantized(torch.empty(8, W.chunks_bound(rows, experts) * W.CHUNK), torch.empty(0), torch.empty(0))
-        return a, a
-
-    assert W._group_config([segment(8 * 1024, 8)] * 2, 8) == W._CONFIG_GROUP_FEW_ROWS
-    assert W._group_config([segment(8 * 2048, 8)], 8) == W._CONFIG_GROUP_FEW_ROWS
-    assert W._group_config([segment(8 * 4096, 8)], 8) == W._CONFIG_GROUP
-    assert W._group_config([segment(2 * 4096, 2)] * 2, 2) == W._CONFIG_GROUP

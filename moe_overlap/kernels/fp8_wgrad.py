@@ -315,19 +315,10 @@ def fp8_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -
 # (BLOCK_M, BLOCK_N, warps, stages); the depth is a chunk's 128. The fastest of benchmarks/step_kernels.py
 # --sections fp8_wgrad on an H100 (step_kernels_fp8_wgrad_1xh100.json, step_kernels_fp8_wgrad_rows_1xh100.json):
 # per chunk, 64 x 128 in one warp group at every shape (5-10% below 128 x 128 in two, 15-50% below 256 x 128);
-# per group with the tensor cores accumulating, 128 x 128 in two warp groups at 4,096 rows per expert and call
-# (20-25% below 64 x 128), 64 x 128 in one at 2,048 and fewer (step_kernels_fp8_wgrad_fast_1xh100.json, 2,048 rows:
-# Mixtral fc1 5.94 against 6.53 ms, fc2 even, fine-grained 6% below; 1,024 rows: 9-10% below).
+# per group with the tensor cores accumulating, 128 x 128 in two warp groups where FP8 pays (4,096 rows: 20-25%
+# below 64 x 128; at 1,024 rows 10% above it).
 _CONFIG_CHUNK = (64, 128, 4, 4)
-_CONFIG_GROUP, _CONFIG_GROUP_FEW_ROWS = (128, 128, 8, 4), (64, 128, 4, 4)
-_FEW_ROWS = 2560  # token columns per group and call (each group's rows padded to whole chunks): 2,048 rows and fewer
-
-
-def _group_config(segments: list[Segment], groups: int) -> tuple[int, ...]:
-    """The per-group kernel's tiles by the rows each group sums in one call, known without a sync: the operands'
-    token columns over the groups (a static buffer's bound where rows are planned on the device)."""
-    columns = sum(a.q_MP.shape[1] for a, _ in segments)
-    return _CONFIG_GROUP_FEW_ROWS if columns <= _FEW_ROWS * groups else _CONFIG_GROUP
+_CONFIG_GROUP = (128, 128, 8, 4)
 
 
 def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool,
@@ -348,7 +339,7 @@ def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, 
                              f"{a.chunk_ends_E.numel()} groups do not fit out {tuple(out_EMN.shape)}")
     (a, b), (a2, b2) = segments[0], segments[-1]
     fast_accum = not per_chunk if fast_accum is None else fast_accum and not per_chunk
-    block_m, block_n, warps, stages = config or (_CONFIG_CHUNK if per_chunk else _group_config(segments, groups))
+    block_m, block_n, warps, stages = config or (_CONFIG_CHUNK if per_chunk else _CONFIG_GROUP)
     if not out_EMN.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n = min(block_m, 32), min(block_n, 32)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
