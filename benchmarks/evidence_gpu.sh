@@ -1085,7 +1085,8 @@ case $phase in
     done
     ;;
   fp8_tiles1)  # the FP8 weight gradient's 64 x 128 tiles at 2,048 rows per expert and call and fewer: its GPU
-    # tests, then the Mixtral-like model (two micro-batches of 1,024 rows per expert a call) with them and without
+    # tests, then the Mixtral-like model (two micro-batches of 1,024 rows per expert a call) with them and without.
+    # Ran at commit bcced3a (the rule, _FEW_ROWS, was measured slower and reverted; the sed below finds nothing now)
     export CUDA_VISIBLE_DEVICES=0
     log=$out/gpu_tests_fp8_tiles_1x$gpu.txt
     echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py" > "$log"
