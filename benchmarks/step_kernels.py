@@ -41,7 +41,8 @@
              chunk (blockwise), each tile config, operands quantized outside the timing; then each recipe whole
              (both operands quantized along the tokens inside the timing, the default kernel), and the quantize
              passes alone (64 and 128 columns a program); errors against fp32 normwise; ``--rows``: at those rows
-             per expert
+             per expert; ``--segments 2``: each call sums two micro-batches' halves (expert_wgrad_pairs' calls, which
+             a one-segment sweep mistimed: README, section "FP8")
 
     python benchmarks/step_kernels.py --json benchmarks/results/step_kernels_h200.json
 """
@@ -197,9 +198,12 @@ def fp8_blockwise_rows(rounds: int, shapes: list[str]) -> list[dict]:
     return rows
 
 
-def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | None = None) -> list[dict]:
+def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | None = None,
+                   segments: int = 1) -> list[dict]:
     """Per expert shape (and rows per expert: the shape's own, or each of ``rows_per_expert``): the FP8 wgrad
-    kernel's modes and tile configs beside the bf16 kernel it replaces, all into the same fp32 main_grad."""
+    kernel's modes and tile configs beside the bf16 kernel it replaces, all into the same fp32 main_grad.
+    ``segments`` 2: the rows per expert in two micro-batches' segments of half each, every kernel summing both in
+    one call, as the step does with train.expert_wgrad_pairs."""
     import torch
 
     from moe_overlap.kernels import fp8_wgrad as W
@@ -209,27 +213,30 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
     for name, per_expert in [(name, per) for name in shapes for per in rows_per_expert or [WGRAD_SHAPES[name][1]]]:
         experts, _, m, n = WGRAD_SHAPES[name]
         tokens = experts * per_expert
-        a, b, offsets, main_grad = wgrad_operands(name, per_expert)
-        operands = {mode: (W.quantize_along_tokens(a, offsets, mode == "chunk"),
-                           W.quantize_along_tokens(b, offsets, mode == "chunk")) for mode in ("group", "chunk")}
+        parts = [wgrad_operands(name, per_expert // segments) for _ in range(segments)]  # (a, b, offsets, main_grad)
+        main_grad = parts[0][3]
+        bf16_segments = [(a, b, offsets) for a, b, offsets, _ in parts]
+
+        def quantized(per_chunk: bool, columns: int | None = None) -> list:
+            return [(W.quantize_along_tokens(a, offsets, per_chunk, columns),
+                     W.quantize_along_tokens(b, offsets, per_chunk, columns)) for a, b, offsets in bf16_segments]
+
+        operands = {mode: quantized(mode == "chunk") for mode in ("group", "chunk")}
         modes = {"group": (False, False), "group_fast": (False, True), "chunk": (True, False)}  # per_chunk, fast
-        fns = {"bf16_triton": lambda: grouped_wgrad_accumulate_triton([(a, b, offsets)], main_grad)}
+        fns = {"bf16_triton": lambda: grouped_wgrad_accumulate_triton(bf16_segments, main_grad)}
         for mode, (per_chunk, fast) in modes.items():
             for config in FP8_WGRAD_CONFIGS:
                 fns[f"fp8_{mode}_" + "x".join(map(str, config))] = (
                     lambda q=operands["chunk" if per_chunk else "group"], per_chunk=per_chunk, fast=fast,
-                    config=config: W.fp8_wgrad_accumulate_triton([q], main_grad, per_chunk, fast, config))
+                    config=config: W.fp8_wgrad_accumulate_triton(q, main_grad, per_chunk, fast, config))
         for mode in ("group", "chunk"):
             for columns in (64, 128):  # a quantize program's columns
                 fns[f"quantize_{mode}" + ("" if columns == 64 else f"_c{columns}")] = (
-                    lambda per_chunk=mode == "chunk", columns=columns: (
-                        W.quantize_along_tokens(a, offsets, per_chunk, columns),
-                        W.quantize_along_tokens(b, offsets, per_chunk, columns)))
+                    lambda per_chunk=mode == "chunk", columns=columns: quantized(per_chunk, columns))
             fns[f"whole_{mode}"] = lambda per_chunk=mode == "chunk": W.fp8_wgrad_accumulate(
-                [(W.quantize_along_tokens(a, offsets, per_chunk), W.quantize_along_tokens(b, offsets, per_chunk))],
-                main_grad, per_chunk)
-        want = torch.stack([a[s:e].float().t() @ b[s:e].float() for s, e in zip(
-            [0] + offsets[:-1].tolist(), offsets.tolist())])
+                quantized(per_chunk), main_grad, per_chunk)
+        want = sum(torch.stack([a[s:e].float().t() @ b[s:e].float() for s, e in zip(
+            [0] + offsets[:-1].tolist(), offsets.tolist())]) for a, b, offsets in bf16_segments)
         errors = {}
         for key, fn in fns.items():
             if not key.startswith("quantize"):
@@ -238,11 +245,11 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
                 errors[key] = float((main_grad - want).norm() / want.norm())
         ms = timed(fns, rounds, reps=5)
         flops = 2 * tokens * m * n
-        rows.append({"section": "fp8_wgrad", "shape": name, "experts": experts, "rows_per_expert": per_expert, "m": m,
-                     "n": n, "ms": ms, "tflops": {k: flops / v / 1e9 for k, v in ms.items()},
-                     "rel_err_vs_fp32": errors,
+        rows.append({"section": "fp8_wgrad", "shape": name, "experts": experts, "rows_per_expert": per_expert,
+                     "segments": segments, "m": m, "n": n, "ms": ms,
+                     "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "rel_err_vs_fp32": errors,
                      "best": {mode: min((k for k in ms if k.startswith(f"fp8_{mode}_")), key=ms.get) for mode in modes}})
-        print(name, per_expert, {k: round(v, 3) for k, v in ms.items()}, flush=True)
+        print(name, per_expert, segments, {k: round(v, 3) for k, v in ms.items()}, flush=True)
     return rows
 
 
@@ -571,6 +578,8 @@ def main(argv=None) -> None:
                              "fp8_tokens, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
+    parser.add_argument("--segments", type=int, choices=(1, 2), default=1,
+                        help="fp8_wgrad: the rows per expert in two micro-batches' segments, as expert_wgrad_pairs sums them")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -583,7 +592,8 @@ def main(argv=None) -> None:
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
         fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
-        fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")])
+        fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")],
+                       args.segments)
         if "fp8_wgrad" in sections else [])
     write_json(args.json, run_header(1), rows)
 
