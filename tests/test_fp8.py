@@ -648,11 +648,13 @@ def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str, extra
 
 TP2_SP = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",  # MoE at TP > 1: SP
           "parallel.expert_model_parallel_size": 1, "parallel.expert_tensor_parallel_size": 1}
+ETP2 = {"parallel.expert_model_parallel_size": 1, "parallel.expert_tensor_parallel_size": 2}  # each expert's ffn halved
 
 
 @pytest.mark.parametrize("ep, pipeline, extra, later", [
     (1, "auto", None, 1e-3), (2, "false", None, 1e-3), (2, "true", None, 1e-3),
-    (1, "auto", TP2_SP, 3e-3)], ids=["dp2", "ep2-serial", "ep2-pipeline", "tp2-sp"])
+    (1, "auto", TP2_SP, 3e-3), (1, "auto", ETP2, 3e-3), (1, "auto", {**TP2_SP, **ETP2}, 3e-3)],
+    ids=["dp2", "ep2-serial", "ep2-pipeline", "tp2-sp", "etp2", "tp2-sp-etp2"])
 def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipeline, extra, later):
     """The first step (the same weights on both sides) within fp32's 1e-5. After it the two runs' weights differ by
     round-off (~1e-7: micro-batch gradients summed in another order, as without FP8), and a value that sits on an
@@ -661,9 +663,11 @@ def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipe
     partial sums are reduced in another order too: 1.4e-3 measured), and the losses to 1e-5 throughout. At TP=2 the
     row-parallel forward and the column-parallel dgrad contract over a split dimension: their scales are shared
     over the two ranks (layers/fp8.py); with each rank's own maximum instead, the first step's gradients were 0.5
-    off."""
+    off. Expert-TP 2 (alone, and following TP=2) splits each expert's ffn: fc2's forward and fc1's dgrad contract
+    over it and share their scales over the expert-TP group."""
     for worst in rank_pool(2).run(emulated_fp8_case, ep, 3, str(tmp_path), pipeline, extra):
         assert worst["loss"] < 1e-5 and worst["first_step_grad"] < 1e-5 and worst["grad"] < later, worst
+        assert worst["first_step_expert_grad"] < 1e-5, worst  # the experts' too, expert-TP's split GEMMs included
         assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst  # FP8 ran, and stays close
 
 
@@ -686,23 +690,26 @@ def test_fp8_blockwise_emulated_layouts_match_single_process(rank_pool, tmp_path
         assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst
 
 
-@pytest.mark.parametrize("recipe, ep, pipeline, extra, dense_grad", [
-    ("rowwise", 1, "auto", None, 1e-5), ("rowwise", 2, "true", None, 1e-5), ("rowwise", 1, "auto", TP2_SP, 1e-3),
-    ("blockwise", 2, "true", None, 1e-5)], ids=["dp2", "ep2-pipeline", "tp2-sp", "blockwise-ep2-pipeline"])
+@pytest.mark.parametrize("recipe, ep, pipeline, extra, dense_grad, expert_grad", [
+    ("rowwise", 1, "auto", None, 1e-5, 1e-5), ("rowwise", 2, "true", None, 1e-5, GEMM_TOL),
+    ("rowwise", 1, "auto", TP2_SP, 1e-3, GEMM_TOL), ("blockwise", 2, "true", None, 1e-5, GEMM_TOL),
+    ("rowwise", 1, "auto", ETP2, 1e-5, GEMM_TOL)],
+    ids=["dp2", "ep2-pipeline", "tp2-sp", "blockwise-ep2-pipeline", "etp2"])
 def test_fp8_wgrad_emulated_layouts_match_single_process(rank_pool, tmp_path, recipe, ep, pipeline, extra,
-                                                         dense_grad):
+                                                         dense_grad, expert_grad):
     """train.fp8_wgrad: the experts' weight gradients in FP8 too. Their operands are quantized along the tokens, per
     expert group (rowwise) or per 128 of its rows (blockwise), so an expert's scales depend on which rows its group
     holds: at DP=2 each rank's micro-batch is one of the single process's and the first step agrees to fp32's
     round-off (later steps as in the test above); at EP=2 an expert's group holds both ranks' rows, at TP=2 with SP
     each rank's half of the sequence, so the experts' weight gradients are other FP8 roundings of the same sums:
     within an FP8 GEMM's tolerance (2-3e-2 measured), while the loss and every other gradient of the first step stay
-    the single process's (1e-5; 1e-3 at TP=2, where the dense GEMMs' partial sums are reduced in another order)."""
+    the single process's (1e-5; 1e-3 at TP=2, where the dense GEMMs' partial sums are reduced in another order).
+    Expert-TP 2 over the two data-parallel ranks: each holds part of every expert's ffn over both ranks' rows, so an
+    expert's group holds rows of two micro-batches, as at EP=2."""
     steps = 3 if ep == 1 and extra is None else 1
     for worst in rank_pool(2).run(emulated_fp8_case, ep, steps, str(tmp_path), pipeline, extra, recipe, True):
         assert worst["loss"] < 1e-5 and worst["first_step_grad"] < dense_grad, worst
-        expert_tol = 1e-5 if steps > 1 else GEMM_TOL
-        assert 0 < worst["first_step_expert_grad"] < expert_tol, worst
+        assert 0 < worst["first_step_expert_grad"] < expert_grad, worst
         if steps > 1:  # later steps: an E4M3 rounding flip now and then, as without the FP8 wgrad (the test above)
             assert worst["grad"] < 1e-3, worst
         assert 1e-6 < worst["fp8_vs_fp32_loss"] < 0.02, worst
@@ -808,6 +815,16 @@ def test_fp8_config_accepts_tensor_parallelism():
     assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.train.fp8_recipe == "rowwise"
 
 
+def test_fp8_config_accepts_expert_tensor_parallelism():
+    """Expert-TP 2 (following TP=2 with sequence parallelism, or set alone): fc2's forward and fc1's dgrad contract
+    over the split FFN dimension and share their scales over the expert-TP group (layers/fp8.py)."""
+    for overrides in ({"parallel.tensor_model_parallel_size": "2", "parallel.sequence_parallel": "true"},
+                      {"parallel.expert_tensor_parallel_size": "2"}):
+        cfg = load_config(None, [f"{k}={v}" for k, v in {**MOE, **GPU_FP8, **overrides}.items()])
+        validate_for_world(cfg, 2, "cuda")
+        assert cfg.expert_tensor_parallel_size == 2 and cfg.train.fp8_recipe == "rowwise"
+
+
 def test_fp8_config_accepts_a_gpu_moe_model():
     cfg = load_config(None, [f"{k}={v}" for k, v in {**MOE, **GPU_FP8, "train.num_layers_at_start_in_bf16": "1",
                                                       "train.num_layers_at_end_in_bf16": "1"}.items()])
@@ -832,10 +849,12 @@ def test_fp8_config_accepts_a_gpu_moe_model():
     ({**GPU_FP8, "model.num_attention_heads": "6", "model.kv_channels": "4"}, "model.kv_channels"),  # 24 wide
     # TP=2 splits the dense MLP's ffn: 48 is 24 on a rank
     ({**GPU_FP8, "parallel.tensor_model_parallel_size": "2", "model.ffn_hidden_size": "48"}, "model.ffn_hidden_size"),
-    ({**GPU_FP8, **MOE, "parallel.expert_tensor_parallel_size": "2"}, "parallel.expert_tensor_parallel_size"),
-    # expert-TP follows TP unless set: FP8 experts need it at 1
-    ({**GPU_FP8, **MOE, "parallel.tensor_model_parallel_size": "2", "parallel.sequence_parallel": "true"},
-     "parallel.expert_tensor_parallel_size"),
+    # expert-TP splits the experts' ffn: 48 is 24 on a rank
+    ({**GPU_FP8, **MOE, "parallel.expert_tensor_parallel_size": "2", "model.moe_ffn_hidden_size": "48"},
+     "model.moe_ffn_hidden_size"),
+    # expert-TP follows TP unless set
+    ({**GPU_FP8, **MOE, "parallel.tensor_model_parallel_size": "2", "parallel.sequence_parallel": "true",
+      "model.moe_ffn_hidden_size": "48"}, "model.moe_ffn_hidden_size"),
     ({"train.num_layers_at_start_in_bf16": "1"}, "train.num_layers_at_start_in_bf16"),
     ({**GPU_FP8, "train.num_layers_at_end_in_bf16": "-1"}, "train.num_layers_at_end_in_bf16"),
     ({**GPU_FP8, "train.num_layers_at_start_in_bf16": "2", "train.num_layers_at_end_in_bf16": "3"},

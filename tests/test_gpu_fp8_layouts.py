@@ -1,6 +1,6 @@
 """FP8 layouts over NCCL (`pytest -m gpu`; 2 and 4 GPUs, needs FP8 tensor cores): each recipe at TP=2 with sequence
-parallelism, at EP=2 and EP=4 with FP8 on the wire (fed straight to the FP8 GEMMs), and TP=2 x EP=2, through the
-trainer (``train.fp8_recipe``), against one process.
+parallelism (expert-TP 1 and 2), at EP=2 and EP=4 with FP8 on the wire (fed straight to the FP8 GEMMs), and TP=2 x
+EP=2, through the trainer (``train.fp8_recipe``), against one process.
 
 The FP8 rule: the bf16 rule's gradients (tests/gpu_launch.py) with the recipe's single-process run in bf16's
 place, every gradient of the first step within 2x the single FP8 run's own error against an fp32 single-process run
@@ -45,6 +45,7 @@ FP8_WIRE = {"overlap.moe_dispatch_dtype": "fp8", "overlap.moe_dispatch_once_per_
 RECIPES = ("rowwise", "blockwise")
 LAYOUTS = {  # name: (ranks, EP, overrides); each runs in both recipes
     "tp2_sp": (2, 1, TP2_SP),
+    "tp2_sp_etp2": (2, 1, {**TP2_SP, "parallel.expert_tensor_parallel_size": 2}),  # each expert's ffn split
     "ep2_fp8_wire": (2, 2, FP8_WIRE),
     "ep4_fp8_wire": (4, 4, FP8_WIRE),
     "tp2_sp_ep2": (4, 2, TP2_SP),

@@ -183,10 +183,6 @@ def _validate_fp8(cfg: Config) -> None:
     require(t.device != "cpu", "train.fp8_recipe", t.fp8_recipe, f"{FP8_NEEDS_GPU}; train.device is 'cpu'")
     require(t.precision == "bf16", "train.fp8_recipe", t.fp8_recipe,
             f"needs train.precision=bf16 (the FP8 GEMMs take and give bf16), not {t.precision!r}")
-    if m.num_moe_experts is not None and cfg.expert_tensor_parallel_size > 1:
-        raise not_implemented("parallel.expert_tensor_parallel_size", cfg.expert_tensor_parallel_size, 1,
-                              "FP8 expert GEMMs with expert-TP (with tensor parallelism, set "
-                              "parallel.expert_tensor_parallel_size=1)")
     # torch's scaled GEMMs need both dimensions of every weight (contraction and output) multiples of 16 on each
     # rank, blockwise's of 128: the dimensions tensor parallelism splits divided by its size (field, its value, the
     # GEMM dimension it sets on a rank)
@@ -200,7 +196,7 @@ def _validate_fp8(cfg: Config) -> None:
     if m.num_moe_experts is not None:
         expert = ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.moe_ffn_hidden_size else (
             "model.ffn_hidden_size", m.ffn_hidden_size)
-        dims.append((*expert, m.expert_ffn_hidden_size))
+        dims.append((*expert, m.expert_ffn_hidden_size // cfg.expert_tensor_parallel_size))
         if m.moe_shared_expert_intermediate_size:
             size = m.moe_shared_expert_intermediate_size
             dims.append(("model.moe_shared_expert_intermediate_size", size, size))  # on the rank's own tokens

@@ -10,6 +10,7 @@ in FP8 (layers/fp8.py), and so do the weight gradients into main_grad unless tra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_E
         a_TF = Fp8Rows(*swiglu_forward_fp8(h_TF2, offsets_E[-1:]), h_TF2.dtype)
     else:
         a_TF = swiglu_forward(h_TF2, offsets_E[-1:])
-    return grouped_mm(a_TF, w2_EFH, offsets_E, fp8, fast_accum=True), h_TF2
+    return grouped_mm(a_TF, w2_EFH, offsets_E, fp8, fast_accum=True, split=True), h_TF2
 
 
 def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
@@ -55,13 +56,14 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
         return (grouped_mm(Fp8Rows(*rows, grad_h_TF2.dtype), w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2,
                 a_TF)
     grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF, offsets_E[-1:])
-    return grouped_mm(grad_h_TF2, w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2, a_TF
+    return grouped_mm(grad_h_TF2, w13_EHF2, offsets_E, fp8, transpose_w=True, split=True), grad_h_TF2, a_TF
 
 
 def _rowwise_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
-    """Whether a GEMM with weight ``w`` runs rowwise FP8 (its left operand then fed as FP8 rows by the SwiGLU
-    kernels)."""
-    return fp8 is not None and fp8.recipe == "rowwise" and fp8.covers(*w.shape[-2:])
+    """Whether a GEMM with weight ``w`` runs rowwise FP8 with its left operand fed as FP8 rows by the SwiGLU kernels:
+    not under expert-TP, where those rows are the FFN dimension's part on this rank and their scales are shared over
+    the group (layers/fp8.py) instead."""
+    return fp8 is not None and fp8.recipe == "rowwise" and fp8.expert_tp is None and fp8.covers(*w.shape[-2:])
 
 
 @dataclass
@@ -183,7 +185,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_local_experts, self.first_expert = num_local_experts, first_expert
         self.wgrad_pairs: ExpertWgradPairs | None = None  # train.expert_wgrad_pairs (MixtralModel sets it)
-        self.fp8: Fp8 | None = None  # train.fp8_recipe (MixtralModel.use_fp8 sets it)
+        self.expert_tp = etp if etp is not None and etp.size > 1 else None
+        self.fp8 = None  # train.fp8_recipe (MixtralModel.use_fp8 sets it)
         rank, size, ranks = (etp.rank, etp.size, tuple(etp.ranks)) if etp is not None else (0, 1, ())
         local_ffn = ffn_hidden_size // size
         self.w13 = make_param((num_local_experts, hidden_size, 2 * local_ffn), NORMAL, device, dtype,
@@ -191,6 +194,15 @@ class GroupedExperts(nn.Module):
         self.w2 = make_param((num_local_experts, local_ffn, hidden_size), SCALED_NORMAL, device, dtype,
                              first_expert=first_expert, tp=TPShard(0, rank, size, ranks))
         mark_own_grad(self.w13, self.w2)
+
+    @property
+    def fp8(self) -> Fp8 | None:
+        return self._fp8
+
+    @fp8.setter
+    def fp8(self, fp8: Fp8 | None) -> None:
+        """The recipe, with the expert-TP group the split GEMMs share their scales over (Fp8.expert_tp)."""
+        self._fp8 = fp8 if fp8 is None or self.expert_tp is None else dataclasses.replace(fp8, expert_tp=self.expert_tp)
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_pairs, self.fp8)

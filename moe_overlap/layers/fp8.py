@@ -33,7 +33,8 @@ still quantized once per step, not per replay), and the layer's forward pre-hook
 the model installs after the capture) refreshes them in place before a replay.
 
 Tensor parallelism: where a linear's contraction is split over the TP ranks (the row-parallel forward, the
-column-parallel dgrad), each rank holds part of every row being quantized. ``split_over`` shares the rowwise
+column-parallel dgrad; under expert-TP the experts' fc2 forward and fc1 dgrad, over ``Fp8.expert_tp``), each rank
+holds part of every row being quantized. ``split_over`` shares the rowwise
 scales over them (an all-reduce of the maxima, then the twins' arithmetic in torch ops), so that each rank's part
 is quantized as one process quantizes the whole and the partial products sum to its product. Blockwise needs
 nothing shared: each rank's part of a dimension is a multiple of 128, so every tile and block lies on one rank and
@@ -46,7 +47,7 @@ is the reference the tests compare with, and the only FP8 path on CPU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
@@ -73,6 +74,9 @@ class Fp8:
     recipe: Literal["rowwise", "blockwise"] = "rowwise"
     wgrad: bool = True  # train.fp8_wgrad: the experts' weight gradients in FP8 too (False: bf16 GEMMs)
     min_dim: int = 0  # train.fp8_gemm_min_dim: narrower forward / dgrad GEMMs stay bf16 (0: none)
+    # expert-TP (set by GroupedExperts): the group each expert's FFN dimension is split over, along which fc2's
+    # forward and fc1's dgrad contract, so their rowwise scales are shared over it (as tensor parallelism's)
+    expert_tp: GroupHandle | None = field(default=None, compare=False)
 
     def covers(self, contraction: int, out_width: int) -> bool:
         """Whether a forward or input-gradient GEMM of this contraction and output width runs in FP8."""
@@ -298,13 +302,14 @@ def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
     return out
 
 def grouped_mm(a_TK: torch.Tensor | Fp8Rows, w: torch.Tensor, offsets_E: torch.Tensor, fp8: Fp8 | None,
-               transpose_w: bool = False, fast_accum: bool = False) -> torch.Tensor:
+               transpose_w: bool = False, fast_accum: bool = False, split: bool = False) -> torch.Tensor:
     """Each group's rows times w[e] (or w[e]^T): torch._grouped_mm, or in FP8 under ``fp8`` (which takes
-    :class:`Fp8Rows` too)."""
+    :class:`Fp8Rows` too). ``split``: the contraction is the experts' FFN dimension, split over ``fp8.expert_tp``
+    (the rowwise scales shared over it)."""
     if fp8 is None:
         return _bf16_matmul(a_TK, w, transpose_w, offsets_E)
     # a @ w[e] contracts along w's dim -2; a @ w[e]^T along its last
-    return fp8_matmul(a_TK, w, transpose_w, fp8, offsets_E, fast_accum)
+    return fp8_matmul(a_TK, w, transpose_w, fp8, offsets_E, fast_accum, fp8.expert_tp if split else None)
 
 
 def fp8_wgrad(segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], out_EMN: torch.Tensor,
