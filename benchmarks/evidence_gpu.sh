@@ -185,6 +185,44 @@ example() {  # GPUs, then overrides: configs/gpu<N>_<EXAMPLE_FAMILY: fine>.yaml,
   gzip -c "$out/$name/metrics.jsonl" > $res/${name}_metrics.jsonl.gz  # gzipped: the tree a device call copies stays small
 }
 
+gpu0_tests() {  # log name, then test files: pytest -m gpu on the visible GPU(s), the log's tail kept under $res
+  local log=$out/gpu_tests_$1_1x$gpu.txt
+  shift
+  echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $*" > "$log"
+  timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tail -n 6 | tee -a "$log"
+  cp "$log" $res/
+}
+
+tree_before() {  # a copy of the tree at /tmp/NAME with edits that undo a change, each "FILE|SED EXPRESSION"
+  local old=/tmp/$1
+  shift
+  rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
+  for edit in "$@"; do
+    sed -i "${edit#*|}" "$old/${edit%%|*}"
+    grep -Hn "" "$old/${edit%%|*}" | grep -F "$(echo "${edit#*|}" | cut -d/ -f3)" | head -n 2
+  done
+}
+# the two FP8 quantization fusions of 2026-11-28 undone: the along-token quantization in two launches, each weight
+# copy quantized alone
+FUSIONS_OFF=("moe_overlap/kernels/fp8_wgrad.py|s/one_pass: bool = True/one_pass: bool = False/"
+             "moe_overlap/layers/fp8.py|s/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/")
+
+mixtral_fp8_runs() {  # result name, the undone tree's dir (tree_before), then the launches' trees, in order: a name
+  # "before" or "before_again" runs the copy, any other this tree; each launch bf16 then rowwise FP8 on the
+  # Mixtral-like bench model, 3 warm-up + 8 steps; PROFILE=TREE: that launch's steps profiled too
+  local label=$1 old=$2 tree dir name profile
+  shift 2
+  for tree in "$@"; do
+    dir=$PWD; [ "${tree%_again}" = before ] && dir=$old
+    name=train_step_${label}_${tree}_mixtral_2l_1x$gpu
+    profile="--profile-steps 0"; [ "$tree" = "${PROFILE:-}" ] && profile="--profile-steps 1 --timeline $PWD/$res/$name.png"
+    PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 $profile \
+      --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+  done
+}
+
 case $phase in
   suite)
     suite 4x 0,1,2,3 "$(left)"
@@ -1039,72 +1077,30 @@ case $phase in
     # (kernels/fp8_wgrad.py) and a weight's two rowwise copies from one kernel (kernels/fp8_quant.py
     # quantize_rows_and_columns): their GPU tests and the SwiGLU FP8 ones, the kernels against the ones before, then
     # the Mixtral-like bench model in bf16 and rowwise FP8 with both (profiled), and a copy of the tree without them
-    # (the two launches over the chunks, each copy quantized alone), then with them again
+    # (the two launches over the chunks, each copy quantized alone), then with them again. Ran at 32 columns a
+    # program (_GROUP_COLUMNS, 64 since)
     export CUDA_VISIBLE_DEVICES=0
-    log=$out/gpu_tests_fp8_fuse_1x$gpu.txt
-    tests="tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8.py tests/test_swiglu_kernel.py"
-    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $tests" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs $tests 2>&1 | tail -n 6 | tee -a "$log"
-    cp "$log" $res/
+    gpu0_tests fp8_fuse tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8.py tests/test_swiglu_kernel.py
     timeout -k 10 120 python benchmarks/step_kernels.py --sections fp8_tokens,weight_fp8 --rounds 10 \
       --json $res/step_kernels_fp8_fuse_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-900
     pack
-    old=/tmp/fp8_before
-    rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
-    sed -i 's/one_pass: bool = True/one_pass: bool = False/' $old/moe_overlap/kernels/fp8_wgrad.py
-    sed -i 's/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/' $old/moe_overlap/layers/fp8.py
-    grep -H "one_pass: bool =\|^_ROWWISE_PARTNER" $old/moe_overlap/kernels/fp8_wgrad.py $old/moe_overlap/layers/fp8.py
-    for tree in fused before fused_again; do
-      dir=$PWD; [ $tree = before ] && dir=$old
-      name=train_step_fp8_fuse_${tree}_mixtral_2l_1x$gpu
-      profile="--profile-steps 0"; [ $tree = fused ] && profile="--profile-steps 1 --timeline $PWD/$res/$name.png"
-      PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
-        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 $profile \
-        --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
-      pack
-    done
+    tree_before fp8_before "${FUSIONS_OFF[@]}"
+    PROFILE=fused mixtral_fp8_runs fp8_fuse /tmp/fp8_before fused before fused_again
     ;;
   fp8_fuse1b)  # the same model runs with the one-launch quantization at 64 columns a program (the sweep's fastest),
     # alternating with the tree without both fusions, after the along-token quantizer's GPU tests
     export CUDA_VISIBLE_DEVICES=0
-    log=$out/gpu_tests_fp8_fuse64_1x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py" > "$log"
-    timeout -k 10 100 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py 2>&1 | tail -n 3 | tee -a "$log"
-    cp "$log" $res/
-    old=/tmp/fp8_before
-    rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
-    sed -i 's/one_pass: bool = True/one_pass: bool = False/' $old/moe_overlap/kernels/fp8_wgrad.py
-    sed -i 's/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/' $old/moe_overlap/layers/fp8.py
-    grep -H "^_GROUP_COLUMNS" moe_overlap/kernels/fp8_wgrad.py
-    for tree in fused before fused_again before_again; do
-      dir=$PWD; [ ${tree%_again} = before ] && dir=$old
-      name=train_step_fp8_fuse64_${tree}_mixtral_2l_1x$gpu
-      PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
-        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
-        --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-200
-      pack
-    done
+    gpu0_tests fp8_fuse64 tests/test_gpu_fp8_wgrad.py
+    tree_before fp8_before "${FUSIONS_OFF[@]}"
+    mixtral_fp8_runs fp8_fuse64 /tmp/fp8_before fused before fused_again before_again
     ;;
   fp8_tiles1)  # the FP8 weight gradient's 64 x 128 tiles at 2,048 rows per expert and call and fewer: its GPU
     # tests, then the Mixtral-like model (two micro-batches of 1,024 rows per expert a call) with them and without.
     # Ran at commit bcced3a (the rule, _FEW_ROWS, was measured slower and reverted; the sed below finds nothing now)
     export CUDA_VISIBLE_DEVICES=0
-    log=$out/gpu_tests_fp8_tiles_1x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py" > "$log"
-    timeout -k 10 100 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_wgrad.py 2>&1 | tail -n 3 | tee -a "$log"
-    cp "$log" $res/
-    old=/tmp/fp8_tiles_before
-    rm -rf $old && mkdir -p $old && cp -r moe_overlap benchmarks configs $old/
-    sed -i 's/^_FEW_ROWS = 2560/_FEW_ROWS = 0/' $old/moe_overlap/kernels/fp8_wgrad.py
-    grep -H "^_FEW_ROWS" moe_overlap/kernels/fp8_wgrad.py $old/moe_overlap/kernels/fp8_wgrad.py
-    for tree in tiles before; do
-      dir=$PWD; [ $tree = before ] && dir=$old
-      name=train_step_fp8_tiles_${tree}_mixtral_2l_1x$gpu
-      PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
-        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
-        --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-200
-      pack
-    done
+    gpu0_tests fp8_tiles tests/test_gpu_fp8_wgrad.py
+    tree_before fp8_tiles_before "moe_overlap/kernels/fp8_wgrad.py|s/^_FEW_ROWS = 2560/_FEW_ROWS = 0/"
+    mixtral_fp8_runs fp8_tiles /tmp/fp8_tiles_before tiles before
     ;;
   fp8_wgrad_pairs1)  # the FP8 weight gradient's tile configs on the calls the Mixtral-like step makes (two
     # micro-batches' segments of 1,024 rows per expert: expert_wgrad_pairs) and at one segment of 2,048, beside the
