@@ -14,8 +14,10 @@ division is a multiplication by 448 / amax (one correctly rounded division per r
   (quantize-then-transpose would be a second pass over the FP8 copy).
 - :func:`quantize_rows_and_columns`: both, bit for bit, from two reads of x instead of four: a weight's two
   copies (the forward's and the dgrad's), refreshed together once per optimizer step (layers/fp8.py).
-- :func:`amax_along`, :func:`quantize_with_amax`: the same from an absolute maximum given (shared over the ranks
-  that each hold part of the dimension), in torch ops.
+- :func:`row_amax`, and :func:`quantize_rows` from a given ``amax``: the rows' two passes apart, for scales shared
+  over the ranks that each hold part of the rows (tensor and expert-TP's split contractions: layers/fp8.py).
+- :func:`amax_along`, :func:`quantize_with_amax`: the same along either dimension in torch ops (the columns'
+  shared scales: a weight's copy, once per optimizer step).
 Both read any float dtype (the cast to FP8 is the only cast: bf16 or fp32 in, FP8 out) and can write into given
 buffers (a weight's cached FP8 copy refreshed in place: layers/fp8.py). ``rows_bound`` (a device int tensor of
 one element) skips the rows from it on, as the expert GEMMs do (a static worst-case buffer's unused tail).
@@ -41,9 +43,11 @@ if HAVE_TRITON:
     _FLOOR = TL_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
     # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
-    # A row at or past the bound is masked off whole (no early return: every program runs the same code).
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, n_rows, K, stride_x, stride_q, stride_scale,
-                              HAS_BOUND: tl.constexpr, BLOCK: tl.constexpr):
+    # A row at or past the bound is masked off whole (no early return: every program runs the same code). AMAX: 0
+    # the row's own; 1 the row's amax stored in amax_ptr and nothing else (ranks that each hold part of the row
+    # share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass).
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, bound_ptr, n_rows, K, stride_x, stride_q,
+                              stride_scale, HAS_BOUND: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         limit = n_rows
         if HAS_BOUND:
@@ -51,19 +55,26 @@ if HAVE_TRITON:
         live = row < limit
         row = row.to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        amax = tl.full((BLOCK,), 0.0, tl.float32)
-        for start in range(0, K, BLOCK):
-            mask = (start + cols < K) & live
-            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FLOOR)
-        tl.store(scale_ptr + row * stride_scale, tl.math.div_rn(amax, _MAX), mask=live)
-        inverse = tl.math.div_rn(_MAX, amax)
-        for start in range(0, K, BLOCK):
-            mask = (start + cols < K) & live
-            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
-            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        if AMAX == 2:
+            amax = tl.load(amax_ptr + row, mask=live, other=0.0)
+        else:
+            amax_B = tl.full((BLOCK,), 0.0, tl.float32)
+            for start in range(0, K, BLOCK):
+                mask = (start + cols < K) & live
+                x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                amax_B = tl.maximum(amax_B, tl.abs(x))
+            amax = tl.reduce(amax_B, 0, max_combine)
+        if AMAX == 1:
+            tl.store(amax_ptr + row, amax, mask=live)
+        else:
+            amax = tl.maximum(amax, _FLOOR)
+            tl.store(scale_ptr + row * stride_scale, tl.math.div_rn(amax, _MAX), mask=live)
+            inverse = tl.math.div_rn(_MAX, amax)
+            for start in range(0, K, BLOCK):
+                mask = (start + cols < K) & live
+                x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
+                tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     # One program per block of rows: q * scale in fp32, rounded once to the output's dtype. Rows at or past the
     # bound are left unwritten.
@@ -191,10 +202,10 @@ def quantize_along_torch(x: torch.Tensor, dim: int,
     return q, (amax / fp8_max).squeeze(dim)
 
 
-def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
-                        scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                        amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = fp8_outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
-    q_new, scale_new = quantize_along_torch(x, -1)
+    q_new, scale_new = quantize_along_torch(x, -1, amax)
     q.copy_(q_new)
     scale.copy_(scale_new)
     return q, scale
@@ -215,25 +226,45 @@ _COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
 
 
 def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                  rows_bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows_bound: torch.Tensor | None = None, amax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): x (..., K) quantized per row of its last dimension, q contiguous like x, scales (...) float32;
     for a 2-D x, given outputs may be strided (q's rows apart, scales at a stride). ``rows_bound``: rows from it on
-    (of x viewed as (rows, K)) are left unwritten (the twin writes them)."""
+    (of x viewed as (rows, K)) are left unwritten (the twin writes them). ``amax`` (float32 (...)): each row's
+    absolute maximum, given (:func:`row_amax`, shared over the ranks that each hold part of the rows), not x's own:
+    one pass over x."""
     if not use_triton(x, "fp8 quantize_rows"):
-        return quantize_rows_torch(x, q_out, scale_out)
+        return quantize_rows_torch(x, q_out, scale_out, amax)
     q, scale = fp8_outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
+    if x.numel():
+        _launch_rows(x, q, scale, 0 if amax is None else 2, amax, rows_bound)
+    return q, scale
+
+
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's absolute maximum of x (..., K), float32 (...): the first of :func:`quantize_rows`' passes alone,
+    for scales shared over ranks that each hold part of the rows (one Triton pass; its twin in torch ops)."""
+    if not use_triton(x, "fp8 row_amax"):
+        return amax_along(x, -1)
+    amax = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel():
+        _launch_rows(x, x, x, 1, amax, None)
+    return amax
+
+
+def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: int, amax: torch.Tensor | None,
+                 rows_bound: torch.Tensor | None) -> None:
+    """The row kernel over x's rows (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``)."""
     K = x.shape[-1]
-    if x.numel() == 0:
-        return q, scale
     x_rows = x.reshape(-1, K)
     if x_rows.stride(1) != 1:
         x_rows = x_rows.contiguous()
-    stride_q, stride_scale = (q.stride(0), scale.stride(0)) if x.dim() == 2 else (K, 1)
+    stride_q, stride_scale = (q.stride(0), scale.stride(0)) if x.dim() == 2 and mode != 1 else (K, 1)
     block = min(_ROW_BLOCK, triton.next_power_of_2(K))
-    _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if rows_bound is None else rows_bound,
-                                        x_rows.shape[0], K, x_rows.stride(0), stride_q, stride_scale,
-                                        HAS_BOUND=rows_bound is not None, BLOCK=block)
-    return q, scale
+    _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if amax is None else amax.reshape(-1),
+                                        x_rows if rows_bound is None else rows_bound, x_rows.shape[0], K,
+                                        x_rows.stride(0), stride_q, stride_scale, HAS_BOUND=rows_bound is not None,
+                                        AMAX=mode, BLOCK=block)
 
 
 def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
