@@ -5,7 +5,8 @@ does the SwiGLU kernel.
 
 The forward and backward are explicit so the overlapped pipeline can run dgrad and wgrad separately.
 w13 holds [gate | up] along its last dimension. Under ``fp8`` (train.fp8_recipe) the forward and dgrad GEMMs run
-in FP8 (layers/fp8.py), and so do the weight gradients into main_grad unless train.fp8_wgrad is off.
+in FP8 (layers/fp8.py), and so do the weight gradients into main_grad unless train.fp8_wgrad is off. Under expert-TP
+fc2's forward and fc1's dgrad contract over the split FFN dimension: their scales are shared over the group.
 """
 
 from __future__ import annotations
