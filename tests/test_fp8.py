@@ -15,9 +15,9 @@ from moe_overlap.config import ConfigError, load_config, validate_for_world
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.swiglu import swiglu_backward
-from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, dequantize, dequantize_rows, quantize_along_torch,
-                                           quantize_columns, quantize_columns_torch, quantize_rows,
-                                           quantize_rows_and_columns, quantize_rows_torch, row_amax)
+from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, column_amax, dequantize, dequantize_rows,
+                                           quantize_along_torch, quantize_columns, quantize_columns_torch,
+                                           quantize_rows, quantize_rows_and_columns, quantize_rows_torch, row_amax)
 from moe_overlap.layers import fp8 as fp8_layers
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, experts_wgrad, WgradInputs
 from moe_overlap.layers.fp8 import (Fp8, Fp8Rows, check_fp8_device, fp8_matmul, grouped_mm, refresh_weights,
@@ -131,21 +131,26 @@ def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
     assert torch.equal(scale_out[:20], quantize_rows_torch(x[1, :20])[1])
 
 
-def test_fp8_rows_from_a_shared_amax_under_the_interpreter(monkeypatch):
-    """The row kernel's passes apart, for the scales ranks share (tensor and expert-TP): row_amax is each row's
-    absolute maximum exactly; quantize_rows from a given amax (here larger than the rows' own, as another rank's part
-    may make it; and a row of zeros) equals the twin's quantization with that amax (scales exactly; q but for the
-    interpreter's E4M3 faults), on rows and on a weight's matrices."""
+@pytest.mark.parametrize("dim", [-1, -2], ids=["rows", "columns"])
+def test_fp8_scales_from_a_shared_amax_under_the_interpreter(monkeypatch, dim):
+    """The row and column kernels' passes apart, for the scales ranks share (tensor and expert-TP): row_amax /
+    column_amax is each row's / column's absolute maximum exactly; quantize_rows / quantize_columns from a given
+    amax (here larger than x's own, as another rank's part may make it; and a row and a column of zeros) equals the
+    twin's quantization with that amax (scales exactly; q but for the interpreter's E4M3 faults), on a 2-D x and on
+    a weight's matrices."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(3)
-    for x in (torch.randn(37, 72) * 3, torch.randn(3, 21, 40)):
+    amax_of, quantize, twin = ((row_amax, quantize_rows, quantize_rows_torch) if dim == -1 else
+                               (column_amax, quantize_columns, quantize_columns_torch))
+    for x in (torch.randn(37, 72) * 3, torch.randn(3, 21, 70)):
         x[..., 4, :] = 0
-        amax = row_amax(x)
-        assert torch.equal(amax, x.abs().amax(-1))
-        shared = amax * torch.rand(amax.shape).add(1.0)  # another rank's part held larger values on most rows
-        q, scale = quantize_rows(x, amax=shared)
-        q_twin, scale_twin = quantize_along_torch(x, -1, shared)
-        assert torch.equal(scale, scale_twin) and torch.equal(quantize_rows_torch(x, amax=shared)[1], scale_twin)
+        x[..., 6] = 0
+        amax = amax_of(x)
+        assert torch.equal(amax, x.abs().amax(dim))
+        shared = amax * torch.rand(amax.shape).add(1.0)  # another rank's part held larger values on most of them
+        q, scale = quantize(x, amax=shared)
+        q_twin, scale_twin = twin(x, amax=shared)
+        assert torch.equal(scale, scale_twin) and torch.equal(scale_twin, quantize_along_torch(x, dim, shared)[1])
         assert_twin_but_interpreter_faults(q, q_twin)
 
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from moe_overlap.kernels.fp8_blockwise import quantize_blocks_torch
-from moe_overlap.kernels.fp8_quant import (dequantize, dequantize_rows, quantize_columns, quantize_columns_torch,
-                                           quantize_rows, quantize_rows_and_columns, quantize_rows_torch, row_amax)
+from moe_overlap.kernels.fp8_quant import (column_amax, dequantize, dequantize_rows, quantize_columns,
+                                           quantize_columns_torch, quantize_rows, quantize_rows_and_columns,
+                                           quantize_rows_torch, row_amax)
 from moe_overlap.layers.experts import GroupedSwiGLU, WgradInputs, expert_offsets, experts_wgrad
 from moe_overlap.layers.fp8 import Fp8, fp8_matmul, grouped_mm
 from moe_overlap.layers.param_info import param_info
@@ -76,19 +77,23 @@ def test_fp8_triton_quantize_equals_twin(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_rows_from_a_shared_amax_equal_twin(dtype):
-    """The scales tensor and expert-TP share: row_amax, then quantize_rows from a given (larger) amax, bit for bit
-    the twin's quantization with that amax, on rows and a weight's matrices."""
+@pytest.mark.parametrize("dim", [-1, -2], ids=["rows", "columns"])
+def test_fp8_scales_from_a_shared_amax_equal_twin(dtype, dim):
+    """The scales tensor and expert-TP share: row_amax / column_amax, then quantize_rows / quantize_columns from a
+    given (larger) amax, bit for bit the twin's quantization with that amax, on a 2-D x and a weight's matrices."""
+    amax_of, quantize, twin = ((row_amax, quantize_rows, quantize_rows_torch) if dim == -1 else
+                               (column_amax, quantize_columns, quantize_columns_torch))
     g = torch.Generator(device="cuda").manual_seed(4)
     x = (torch.randn(3, 333, 1040, device="cuda", generator=g) * 4).to(dtype)
     x[0, 7] = 0  # a row of zeros
+    x[1, :, 5] = 0  # a column of zeros
     x[2, 9, 11] = 3e4  # an outlier
-    for rows in (x, x[1]):
-        amax = row_amax(rows)
-        assert torch.equal(amax, rows.float().abs().amax(-1))
+    for part in (x, x[1]):
+        amax = amax_of(part)
+        assert torch.equal(amax, part.float().abs().amax(dim))
         shared = amax * torch.rand(amax.shape, device="cuda", generator=g).add(1.0)
-        q, scale = quantize_rows(rows, amax=shared)
-        q_want, scale_want = quantize_rows_torch(rows, amax=shared)
+        q, scale = quantize(part, amax=shared)
+        q_want, scale_want = twin(part, amax=shared)
         assert torch.equal(scale, scale_want) and same_fp8(q, q_want)
 
 

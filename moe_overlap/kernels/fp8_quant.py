@@ -14,10 +14,9 @@ division is a multiplication by 448 / amax (one correctly rounded division per r
   (quantize-then-transpose would be a second pass over the FP8 copy).
 - :func:`quantize_rows_and_columns`: both, bit for bit, from two reads of x instead of four: a weight's two
   copies (the forward's and the dgrad's), refreshed together once per optimizer step (layers/fp8.py).
-- :func:`row_amax`, and :func:`quantize_rows` from a given ``amax``: the rows' two passes apart, for scales shared
-  over the ranks that each hold part of the rows (tensor and expert-TP's split contractions: layers/fp8.py).
-- :func:`amax_along`, :func:`quantize_with_amax`: the same along either dimension in torch ops (the columns'
-  shared scales: a weight's copy, once per optimizer step).
+- :func:`row_amax`, :func:`column_amax`, and :func:`quantize_rows` / :func:`quantize_columns` from a given
+  ``amax``: the two passes apart, for scales shared over the ranks that each hold part of the rows or columns (tensor
+  and expert-TP's split contractions: layers/fp8.py); :func:`amax_along` is the maxima's twin.
 Both read any float dtype (the cast to FP8 is the only cast: bf16 or fp32 in, FP8 out) and can write into given
 buffers (a weight's cached FP8 copy refreshed in place: layers/fp8.py). ``rows_bound`` (a device int tensor of
 one element) skips the rows from it on, as the expert GEMMs do (a static worst-case buffer's unused tail).
@@ -96,29 +95,38 @@ if HAVE_TRITON:
                      mask=mask)
 
     # One program per (block of columns, matrix): the columns' amax down all M rows, then each (BLOCK_M, BLOCK_K)
-    # tile quantized and stored transposed into q (K, M).
-    def _quantize_columns_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xb, stride_xm, BLOCK_M: tl.constexpr,
-                                 BLOCK_K: tl.constexpr):
+    # tile quantized and stored transposed into q (K, M). AMAX as the row kernel's: 0 own, 1 the amax stored alone
+    # (in amax_ptr, (matrices, K)), 2 read from amax_ptr.
+    def _quantize_columns_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, M, K, stride_xb, stride_xm, AMAX: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         matrix = tl.program_id(1).to(tl.int64)
         rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         rm = tl.arange(0, BLOCK_M)
         x_base = x_ptr + matrix * stride_xb
-        amax = tl.full((BLOCK_K,), 0.0, tl.float32)
-        for start in range(0, M, BLOCK_M):
-            mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
-            x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.reduce(tl.abs(x.to(tl.float32)), 0, max_combine))
-        amax = tl.maximum(amax, _FLOOR)
-        fp8_max = tl.full((BLOCK_K,), _MAX, tl.float32)
-        tl.store(scale_ptr + matrix * K + rk, tl.math.div_rn(amax, fp8_max), mask=rk < K)
-        inverse = tl.math.div_rn(fp8_max, amax)
-        q_base = q_ptr + matrix * M * K
-        for start in range(0, M, BLOCK_M):
-            mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
-            x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask, other=0.0)
-            q = tl.minimum(tl.maximum(x.to(tl.float32) * inverse[None, :], -_MAX), _MAX)
-            tl.store(q_base + rk[None, :].to(tl.int64) * M + (start + rm)[:, None], q.to(q_ptr.dtype.element_ty),
-                     mask=mask)
+        if AMAX == 2:
+            amax = tl.load(amax_ptr + matrix * K + rk, mask=rk < K, other=0.0)
+        else:
+            amax = tl.full((BLOCK_K,), 0.0, tl.float32)
+            for start in range(0, M, BLOCK_M):
+                mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
+                x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask,
+                            other=0.0)
+                amax = tl.maximum(amax, tl.reduce(tl.abs(x.to(tl.float32)), 0, max_combine))
+        if AMAX == 1:
+            tl.store(amax_ptr + matrix * K + rk, amax, mask=rk < K)
+        else:
+            amax = tl.maximum(amax, _FLOOR)
+            fp8_max = tl.full((BLOCK_K,), _MAX, tl.float32)
+            tl.store(scale_ptr + matrix * K + rk, tl.math.div_rn(amax, fp8_max), mask=rk < K)
+            inverse = tl.math.div_rn(fp8_max, amax)
+            q_base = q_ptr + matrix * M * K
+            for start in range(0, M, BLOCK_M):
+                mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
+                x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask,
+                            other=0.0)
+                q = tl.minimum(tl.maximum(x.to(tl.float32) * inverse[None, :], -_MAX), _MAX)
+                tl.store(q_base + rk[None, :].to(tl.int64) * M + (start + rm)[:, None], q.to(q_ptr.dtype.element_ty),
+                         mask=mask)
 
     # quantize_rows_and_columns, pass 1: one program per (BLOCK_M, BLOCK_K) tile of a matrix (the tile index runs
     # along K first): the tile's row and column maxima, combined over the tiles by atomic maxima into buffers of
@@ -211,11 +219,11 @@ def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, scal
     return q, scale
 
 
-def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None,
-                           scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                           amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = fp8_outputs((*x.shape[:-2], x.shape[-1], x.shape[-2]), (*x.shape[:-2], x.shape[-1]), x, q_out,
                         scale_out)
-    q_new, scale_new = quantize_along_torch(x, -2)
+    q_new, scale_new = quantize_along_torch(x, -2, amax)
     q.copy_(q_new.transpose(-2, -1))
     scale.copy_(scale_new)
     return q, scale
@@ -267,23 +275,42 @@ def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: in
                                         AMAX=mode, BLOCK=block)
 
 
-def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None,
-                     scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                     amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): each column of x (..., M, K) quantized, q (..., K, M) contiguous (x's matrices transposed),
-    scales (..., K) float32."""
+    scales (..., K) float32. ``amax`` (float32 (..., K)): each column's absolute maximum, given
+    (:func:`column_amax`, shared over ranks), not x's own."""
     if not use_triton(x, "fp8 quantize_columns"):
-        return quantize_columns_torch(x, q_out, scale_out)
+        return quantize_columns_torch(x, q_out, scale_out, amax)
     M, K = x.shape[-2:]
     q, scale = fp8_outputs((*x.shape[:-2], K, M), (*x.shape[:-2], K), x, q_out, scale_out)
-    if x.numel() == 0:
-        return q, scale
+    if x.numel():
+        _launch_columns(x, q, scale, 0 if amax is None else 2, amax)
+    return q, scale
+
+
+def column_amax(x: torch.Tensor) -> torch.Tensor:
+    """Each column's absolute maximum of x (..., M, K), float32 (..., K): :func:`quantize_columns`' first pass
+    alone (as :func:`row_amax`)."""
+    if not use_triton(x, "fp8 column_amax"):
+        return amax_along(x, -2)
+    amax = torch.empty((*x.shape[:-2], x.shape[-1]), dtype=torch.float32, device=x.device)
+    if x.numel():
+        _launch_columns(x, x, x, 1, amax)
+    return amax
+
+
+def _launch_columns(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: int,
+                    amax: torch.Tensor | None) -> None:
+    """The column kernel over x's matrices (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``)."""
+    M, K = x.shape[-2:]
     x_BMK = x.reshape(-1, M, K)
     if x_BMK.stride(2) != 1:
         x_BMK = x_BMK.contiguous()
     block_m, block_k = _COLUMN_BLOCKS
     _columns[(triton.cdiv(K, block_k), x_BMK.shape[0]), x.device](
-        x_BMK, q, scale, M, K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
-    return q, scale
+        x_BMK, q, scale, x_BMK if amax is None else amax.reshape(-1), M, K, x_BMK.stride(0), x_BMK.stride(1),
+        AMAX=mode, BLOCK_M=block_m, BLOCK_K=block_k)
 
 
 # (BLOCK_M, BLOCK_K) of the two passes, from a sweep by hand on an H100 at (8, 4096, 28672) bf16 (2026-11-28): the
@@ -327,14 +354,6 @@ def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The fp32 absolute maximum of x along ``dim`` (reduced away): what a scale is made from, where ranks that
     each hold part of that dimension share their maximum first (layers/fp8.py, tensor parallelism)."""
     return x.detach().float().abs().amax(dim)
-
-
-def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scales) of x quantized along ``dim`` (-1: per row, q like x; -2: per column, q transposed as
-    :func:`quantize_columns` writes it) from a given ``amax``, with the twins' arithmetic: torch ops, not a
-    Triton pass (the shared-scale case only)."""
-    q, scale = quantize_along_torch(x, dim, amax)
-    return (q, scale) if dim == -1 else (q.transpose(-2, -1).contiguous(), scale)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -60,8 +60,8 @@ from moe_overlap.config.schema import ConfigError
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
-from moe_overlap.kernels.fp8_quant import (amax_along, dequantize, dequantize_rows, quantize_columns, quantize_rows,
-                                           quantize_rows_and_columns, quantize_with_amax, row_amax)
+from moe_overlap.kernels.fp8_quant import (column_amax, dequantize, dequantize_rows, quantize_columns, quantize_rows,
+                                           quantize_rows_and_columns, row_amax)
 from moe_overlap.kernels.fp8_wgrad import fp8_wgrad_accumulate, fp8_wgrad_accumulate_torch, quantize_along_tokens
 
 
@@ -143,11 +143,10 @@ def _state(param: torch.Tensor) -> tuple[int, int, int]:
 def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> tuple[torch.Tensor, torch.Tensor]:
     """x quantized along ``dim``, which ``split_over``'s ranks each hold a part of: each scale from the largest
     value on any of them (one all-reduce of the maxima), so every rank quantizes its part as one process would
-    quantize the whole. Per row (activations, each call): the row kernel's two passes with the all-reduce between
-    them; per column (a weight's copy, once a step): torch ops."""
-    amax = row_amax(x) if dim == -1 else amax_along(x, dim)
+    quantize the whole: the row (column) kernel's two passes with the all-reduce between them."""
+    amax = row_amax(x) if dim == -1 else column_amax(x)
     all_reduce_(amax, split_over.group, dist.ReduceOp.MAX)
-    return quantize_rows(x, amax=amax) if dim == -1 else quantize_with_amax(x, amax, dim)
+    return quantize_rows(x, amax=amax) if dim == -1 else quantize_columns(x, amax=amax)
 
 
 def _quantize_weight(w: torch.Tensor, layout: Layout, entry: _CachedWeight | None = None,
