@@ -35,7 +35,7 @@ the model installs after the capture) refreshes them in place before a replay.
 Tensor parallelism: where a linear's contraction is split over the TP ranks (the row-parallel forward, the
 column-parallel dgrad; under expert-TP the experts' fc2 forward and fc1 dgrad, over ``Fp8.expert_tp``), each rank
 holds part of every row being quantized. ``split_over`` shares the rowwise
-scales over them (an all-reduce of the maxima, then the twins' arithmetic in torch ops), so that each rank's part
+scales over them (an all-reduce of the maxima between the quantize kernels' two passes), so that each rank's part
 is quantized as one process quantizes the whole and the partial products sum to its product. Blockwise needs
 nothing shared: each rank's part of a dimension is a multiple of 128, so every tile and block lies on one rank and
 is the one process's.
