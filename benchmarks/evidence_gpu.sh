@@ -82,6 +82,7 @@
 #                                                  #   two copies from one kernel; the Mixtral-like model before / after
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_pairs1 OUT # one GPU: the FP8 wgrad's tiles on two-segment calls (pairs)
 #   bash benchmarks/evidence_gpu.sh fp8_split2 OUT # 2 GPUs: shared row scales and FP8 with expert-TP, tests and steps
+#   bash benchmarks/evidence_gpu.sh tma1     OUT   # one GPU: the wgrad tiles added by the TMA against atomic adds
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
@@ -1114,6 +1115,19 @@ case $phase in
       pack
     done
     ;;
+  tma1)  # the weight gradients' tiles added by the TMA's bulk reduction against the element-wise atomic adds (one
+    # GPU): the GPU tests, both kernels at the Mixtral-like shapes (the FP8 one on the step's two-segment calls) and
+    # the fine one, then the Mixtral-like model with and without (the first launch profiled)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests tma tests/test_gpu_wgrad.py tests/test_gpu_fp8_wgrad.py
+    timeout -k 10 120 python benchmarks/step_kernels.py --sections wgrad --shapes mixtral_fc1,mixtral_fc2,fine_fc1 \
+      --rounds 10 --json $res/step_kernels_wgrad_tma_1x$gpu.json 2>&1 | tail -n 3 | cut -c1-900
+    timeout -k 10 150 python benchmarks/step_kernels.py --sections fp8_wgrad --shapes mixtral_fc1,mixtral_fc2 \
+      --rows 2048 --segments 2 --rounds 10 --json $res/step_kernels_fp8_wgrad_tma_1x$gpu.json 2>&1 | tail -n 2 | cut -c1-1200
+    pack
+    tree_before tma_before "moe_overlap/kernels/grouped_wgrad.py|s/if addressable and tma is not False:/if False:/"
+    PROFILE=tma mixtral_fp8_runs tma /tmp/tma_before tma before tma_again before_again
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu
@@ -1213,7 +1227,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 (and the others above)" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 (and the others above)" >&2
      exit 2 ;;
 esac
 pack
