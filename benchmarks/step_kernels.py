@@ -63,7 +63,11 @@ WGRAD_SHAPES = {  # name: (experts, rows per expert, M, N) -- M x N per expert, 
     "fine_fc1": (64, 1024, 2048, 2 * 1024), "fine_fc2": (64, 1024, 1024, 2048),
 }
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Tried and dropped on an H200 (step_kernels_*_h200.json): a load +
-# store epilogue instead of the atomic add (10-20% slower), a persistent flattened tile loop (no gain).
+# store epilogue instead of the atomic add (10-20% slower), a persistent flattened tile loop (no gain). On an H100
+# (commit b72a5bd, phase tma1: step_kernels_wgrad_tma_1xh100.json, step_kernels_fp8_wgrad_tma_1xh100.json,
+# train_step_tma_*): the TMA's bulk reduction (cp.reduce.async.bulk.tensor) instead of the atomic add, in this
+# kernel and the FP8 one: -7% to +6% by shape, the Mixtral-like FP8 step 0.6% slower. main_grad_rmw times the
+# read-modify-write alone: the kernels take about its time plus the GEMM's.
 TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
                 (256, 128, 64, 8, 3), (128, 256, 32, 8, 4)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the blockwise kernel: BLOCK_N and BLOCK_K are the scale blocks' 128.
@@ -133,7 +137,6 @@ def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
             "grouped_mm_alone": lambda: torch._grouped_mm(a.t(), b, offs=offsets),
             "grouped_mm_then_add": lambda: main_grad.add_(torch._grouped_mm(a.t(), b, offs=offsets)),
             "main_grad_rmw": lambda: main_grad.add_(1.0),
-            "triton_atomic": lambda: grouped_wgrad_accumulate_triton([(a, b, offsets)], main_grad, tma=False),
             "addmm_per_expert": lambda: [torch.addmm(main_grad[e], a[s:t].t(), b[s:t], out_dtype=torch.float32,
                                                      out=main_grad[e])
                                          for e, (s, t) in enumerate(zip(host_offsets, host_offsets[1:]))],
@@ -227,16 +230,12 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
         modes = {"group": (False, False), "group_fast": (False, True), "chunk": (True, False)}  # per_chunk, fast
         # main_grad's read-modify-write alone (one add of a scalar): what the kernels' epilogues stream through HBM
         fns = {"main_grad_rmw": lambda: main_grad.add_(1.0),
-               "bf16_triton": lambda: grouped_wgrad_accumulate_triton(bf16_segments, main_grad),
-               "bf16_triton_atomic": lambda: grouped_wgrad_accumulate_triton(bf16_segments, main_grad, tma=False)}
+               "bf16_triton": lambda: grouped_wgrad_accumulate_triton(bf16_segments, main_grad)}
         for mode, (per_chunk, fast) in modes.items():
             for config in FP8_WGRAD_CONFIGS:
                 fns[f"fp8_{mode}_" + "x".join(map(str, config))] = (
                     lambda q=operands["chunk" if per_chunk else "group"], per_chunk=per_chunk, fast=fast,
                     config=config: W.fp8_wgrad_accumulate_triton(q, main_grad, per_chunk, fast, config))
-            fns[f"fp8_{mode}_atomic"] = (  # the default tile, the tile added by element-wise atomics
-                lambda q=operands["chunk" if per_chunk else "group"], per_chunk=per_chunk, fast=fast:
-                W.fp8_wgrad_accumulate_triton(q, main_grad, per_chunk, fast, tma=False))
         for mode in ("group", "chunk"):
             for columns in (64, 128):  # a quantize program's columns
                 fns[f"quantize_{mode}" + ("" if columns == 64 else f"_c{columns}")] = (
@@ -256,8 +255,7 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
         rows.append({"section": "fp8_wgrad", "shape": name, "experts": experts, "rows_per_expert": per_expert,
                      "segments": segments, "m": m, "n": n, "ms": ms,
                      "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "rel_err_vs_fp32": errors,
-                     "best": {mode: min((k for k in ms if k.startswith(f"fp8_{mode}_") and not k.endswith("atomic")),
-                                        key=ms.get) for mode in modes}})
+                     "best": {mode: min((k for k in ms if k.startswith(f"fp8_{mode}_")), key=ms.get) for mode in modes}})
         print(name, per_expert, segments, {k: round(v, 3) for k, v in ms.items()}, flush=True)
     return rows
 

@@ -7,8 +7,7 @@ import torch
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.kernels.grouped_wgrad import (grouped_wgrad_accumulate_torch, grouped_wgrad_accumulate_triton,
-                                               tile_target)
+from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_torch, grouped_wgrad_accumulate_triton
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.wgrad import adds_own_grad
 from moe_overlap.models.mixtral import build_model
@@ -37,16 +36,6 @@ def test_grouped_wgrad_kernel_matches_twin_and_skips_rows_past_the_last_offset(m
     assert torch.isfinite(got).all()
     assert torch.equal(got[0], start[0])  # an expert without rows: untouched
     assert rel_err(got - start, want - start) < 1e-6
-
-
-def test_tile_target_off_a_gpu_is_the_tensor_and_refuses_the_tma(monkeypatch):
-    """The interpreter adds by element-wise atomics (it has no TMA); asking it for the TMA fails in one line."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    out = torch.zeros(2, 32, 32)
-    target, tma = tile_target(out, 32, 32)
-    assert target is out and not tma
-    with pytest.raises(ValueError, match="the TMA cannot add into main_grad"):
-        tile_target(out, 32, 32, tma=True)
 
 
 def test_grouped_wgrad_kernel_sums_two_micro_batches(monkeypatch):

@@ -51,7 +51,6 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX
-    from moe_overlap.kernels.grouped_wgrad import add_tile, tile_target
 
     # One program per (chunk, BLOCK_C columns). MODE 0: the chunk's column amax into amax (C, M); 1: the chunk
     # quantized with its own amax; 2: with its group's (the max over the group's chunks, which mode 0 wrote).
@@ -131,11 +130,11 @@ if HAVE_TRITON:
 
     # One program per (BLOCK_M, BLOCK_N) tile of one group's output, the group's chunks in turn (one or two
     # segments: two micro-batches' rows, each with its own chunks and scales). The tile is added into out (the
-    # fp32 main_grad) once, in L2, by the epilogue of kernels/grouped_wgrad.py (``add_tile``).
+    # fp32 main_grad) once, in L2 (an atomic add: the SM does not wait for the old value; one program per element,
+    # so the sum is deterministic), as kernels/grouped_wgrad.py's bf16 kernel.
     def _fp8_wgrad_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, chunk_ends_ptr, a2_ptr, a2_scale_ptr, b2_ptr,
-                          b2_scale_ptr, chunk_ends2_ptr, out, M, N, P, P2, stride_oe, stride_om,
-                          TMA_REDUCE: tl.constexpr, SEGMENTS: tl.constexpr, PER_CHUNK: tl.constexpr,
-                          FAST_ACCUM: tl.constexpr,
+                          b2_scale_ptr, chunk_ends2_ptr, out_ptr, M, N, P, P2, stride_oe, stride_om,
+                          SEGMENTS: tl.constexpr, PER_CHUNK: tl.constexpr, FAST_ACCUM: tl.constexpr,
                           EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -198,7 +197,8 @@ if HAVE_TRITON:
                 scale_b = tl.load(scale_b_N, mask=in_n, other=0.0)
                 acc_MN += segment_MN * scale_a[:, None] * scale_b[None, :]
         if chunks_seen > 0:  # a group without rows adds nothing
-            add_tile(out, acc_MN, group, pid_m, pid_n, M, N, stride_oe, stride_om, TMA_REDUCE, BLOCK_M, BLOCK_N)
+            out = out_ptr + group.to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+            tl.atomic_add(out, acc_MN, mask=in_m[:, None] & in_n[None, :], sem="relaxed")
 
     _fp8_wgrad = Kernel(_fp8_wgrad_kernel)
 
@@ -322,11 +322,9 @@ _CONFIG_GROUP = (128, 128, 8, 4)
 
 
 def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool,
-                                fast_accum: bool | None = None, config: tuple[int, ...] | None = None,
-                                tma: bool | None = None) -> None:
-    """:func:`fp8_wgrad_accumulate` in one launch; ``fast_accum`` (per group only; default there), the tile
-    ``config`` (BLOCK_M, BLOCK_N, warps, stages; default by mode) and ``tma`` (the TMA's reduction into out_EMN,
-    default where it can: kernels/grouped_wgrad.tile_target) for tests and benchmarks."""
+                                fast_accum: bool | None = None, config: tuple[int, ...] | None = None) -> None:
+    """:func:`fp8_wgrad_accumulate` in one launch; ``fast_accum`` (per group only; default there) and the tile
+    ``config`` (BLOCK_M, BLOCK_N, warps, stages; default by mode) for tests and benchmarks."""
     groups, M, N = out_EMN.shape
     if out_EMN.numel() == 0:
         return
@@ -345,11 +343,10 @@ def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, 
     if not out_EMN.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n = min(block_m, 32), min(block_n, 32)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
-    out, tma = tile_target(out_EMN, block_m, block_n, tma)
     _fp8_wgrad[grid, out_EMN.device](
         a.q_MP, a.scale_CM, b.q_MP, b.scale_CM, a.chunk_ends_E, a2.q_MP, a2.scale_CM, b2.q_MP, b2.scale_CM,
-        a2.chunk_ends_E, out, M, N, a.q_MP.shape[1], a2.q_MP.shape[1], out_EMN.stride(0), out_EMN.stride(1),
-        TMA_REDUCE=tma, SEGMENTS=len(segments), PER_CHUNK=per_chunk, FAST_ACCUM=fast_accum, EVEN_M=M % block_m == 0,
+        a2.chunk_ends_E, out_EMN, M, N, a.q_MP.shape[1], a2.q_MP.shape[1], out_EMN.stride(0), out_EMN.stride(1),
+        SEGMENTS=len(segments), PER_CHUNK=per_chunk, FAST_ACCUM=fast_accum, EVEN_M=M % block_m == 0,
         EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages)
 
 

@@ -8,12 +8,6 @@ expert's rows in fp32 on the tensor cores and adds the tile into ``out`` (the pa
 once, so the bf16 gradient and the separate pass that added it never exist. torch._grouped_mm cannot do this
 on torch 2.11 (it refuses an fp32 output for bf16 operands).
 
-The tile is added in L2, never read into the SM (``add_tile``, the FP8 kernel's epilogue too): on a GPU by the TMA
-unit's bulk reduction (cp.reduce.async.bulk.tensor), which the program hands its tile to and leaves, so the next
-program's GEMM runs while the fp32 read-modify-write streams through HBM; elsewhere (the interpreter, or a main_grad
-the TMA cannot address: a base or row stride not a multiple of 16 bytes) by element-wise atomic adds, which the SM
-issues 16 bytes at a time. One program owns each element, so either sum is deterministic and the same bits.
-
 The torch twin (CPU, or without triton) is the grouped GEMM followed by the sum.
 """
 
@@ -26,27 +20,9 @@ from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requeste
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from moe_overlap.kernels.launch import DeviceFunction
-
-    def _add_tile(out, acc_MN, expert, pid_m, pid_n, M, N, stride_oe, stride_om, TMA_REDUCE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """out[expert] tile (pid_m, pid_n) += acc_MN, in L2. ``out``: main_grad's (E, M, N) TMA descriptor with
-        TMA_REDUCE (the unit clips the edges), its pointer otherwise."""
-        if TMA_REDUCE:
-            out.atomic_add([expert, pid_m * BLOCK_M, pid_n * BLOCK_N], acc_MN.reshape(1, BLOCK_M, BLOCK_N))
-        else:
-            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tile = out + expert.to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-            tl.atomic_add(tile, acc_MN, mask=(rm[:, None] < M) & (rn[None, :] < N), sem="relaxed")
-
-    add_tile = DeviceFunction(_add_tile)
-
-    def _grouped_wgrad_kernel(a_ptr, b_ptr, offsets_ptr, a2_ptr, b2_ptr, offsets2_ptr, out, M, N, stride_a,
-                              stride_b, stride_a2, stride_b2, stride_oe, stride_om, TMA_REDUCE: tl.constexpr,
-                              SEGMENTS: tl.constexpr,
+    def _grouped_wgrad_kernel(a_ptr, b_ptr, offsets_ptr, a2_ptr, b2_ptr, offsets2_ptr, out_ptr, M, N, stride_a,
+                              stride_b, stride_a2, stride_b2, stride_oe, stride_om, SEGMENTS: tl.constexpr,
                               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -85,7 +61,11 @@ if HAVE_TRITON:
                 a_KM += BLOCK_K * step_a
                 b_KN += BLOCK_K * step_b
         if rows_seen > 0:  # an expert without rows adds nothing
-            add_tile(out, acc, expert, pid_m, pid_n, M, N, stride_oe, stride_om, TMA_REDUCE, BLOCK_M, BLOCK_N)
+            out = out_ptr + expert.to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            # An add in L2 rather than a load and a store: the SM does not wait for the old value (measured: a
+            # quarter of the epilogue's cost). One program owns each element, so the sum is deterministic.
+            tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
     _grouped_wgrad = Kernel(_grouped_wgrad_kernel)
 
@@ -96,21 +76,6 @@ _CONFIG = (128, 128, 32, 4, 5)
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (a_TM, b_TN, int32 end offsets per expert)
 
 
-def tile_target(out_EMN: torch.Tensor, block_m: int, block_n: int, tma: bool | None = None) -> tuple[object, bool]:
-    """What ``add_tile`` adds into, and whether by the TMA: main_grad's descriptor where the TMA can address it
-    (compiled on a Hopper or later GPU, 16-byte aligned base and row strides) unless ``tma`` is False (the element-
-    wise adds, for benchmarks and tests); the tensor itself otherwise."""
-    addressable = (out_EMN.is_cuda and not interpreter_requested() and out_EMN.data_ptr() % 16 == 0
-                   and out_EMN.stride(0) % 4 == 0 and out_EMN.stride(1) % 4 == 0
-                   and torch.cuda.get_device_capability(out_EMN.device)[0] >= 9)  # the TMA: Hopper on
-    if tma and not addressable:
-        raise ValueError(f"the TMA cannot add into main_grad of strides {out_EMN.stride()} at "
-                         f"{out_EMN.data_ptr() % 16} bytes past 16-byte alignment on {out_EMN.device}")
-    if addressable and tma is not False:
-        return TensorDescriptor.from_tensor(out_EMN, [1, block_m, block_n]), True
-    return out_EMN, False
-
-
 def grouped_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -> None:
     """Twin: each segment's grouped GEMM in the operands' dtype, then the fp32 sum."""
     for a_TM, b_TN, offsets_E in segments:
@@ -119,7 +84,7 @@ def grouped_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tenso
 
 
 def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor,
-                                    config: tuple[int, ...] = _CONFIG, tma: bool | None = None) -> None:
+                                    config: tuple[int, ...] = _CONFIG) -> None:
     experts, M, N = out_EMN.shape
     if out_EMN.numel() == 0:
         return
@@ -132,10 +97,9 @@ def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tens
     if not a.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n, block_k = min(block_m, 32), min(block_n, 32), min(block_k, 16)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), experts)
-    out, tma = tile_target(out_EMN, block_m, block_n, tma)
     _grouped_wgrad[grid, a.device](
-        a, b, offsets, a2, b2, offsets2, out, M, N, a.stride(0), b.stride(0), a2.stride(0), b2.stride(0),
-        out_EMN.stride(0), out_EMN.stride(1), TMA_REDUCE=tma, SEGMENTS=len(segments), EVEN_M=M % block_m == 0,
+        a, b, offsets, a2, b2, offsets2, out_EMN, M, N, a.stride(0), b.stride(0), a2.stride(0), b2.stride(0),
+        out_EMN.stride(0), out_EMN.stride(1), SEGMENTS=len(segments), EVEN_M=M % block_m == 0,
         EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
         num_stages=stages)
 

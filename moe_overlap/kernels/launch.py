@@ -57,15 +57,6 @@ def check_2d(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
 
-if HAVE_TRITON:
-    class DeviceFunction(JITFunction):
-        """A function kernels call (``@triton.jit`` without a grid): inlined by Triton's compiler, which takes any
-        JITFunction, and called as plain Python by the interpreter, which cannot call a JITFunction."""
-
-        def __call__(self, *args, **kwargs):
-            return self.fn(*args, **kwargs)
-
-
 class Kernel:
     """One kernel function, compiled for CUDA or interpreted for CPU / TRITON_INTERPRET=1, chosen per launch."""
 
