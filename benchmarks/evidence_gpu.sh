@@ -83,6 +83,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_pairs1 OUT # one GPU: the FP8 wgrad's tiles on two-segment calls (pairs)
 #   bash benchmarks/evidence_gpu.sh fp8_split2 OUT # 2 GPUs: shared row scales and FP8 with expert-TP, tests and steps
 #   bash benchmarks/evidence_gpu.sh tma1     OUT   # one GPU: the wgrad tiles added by the TMA against atomic adds
+#   bash benchmarks/evidence_gpu.sh fp8_tp_overlap2 OUT # 2 GPUs: FP8 GEMMs inside the TP rings, tests and steps
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
@@ -1157,6 +1158,23 @@ case $phase in
       pack
     done
     ;;
+  fp8_tp_overlap2)  # FP8 GEMMs inside the TP rings (2 GPUs): the 2-rank FP8 layouts (tp2_sp_overlaps new) and the
+    # TP ring tests, then the Mixtral-like model at TP=2 with SP, expert-TP 1: bf16 and rowwise, each with the TP
+    # communication serial and with every overlap on, round-robin in one launch
+    log=$out/gpu_tests_fp8_tp_overlap_2x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); GPUs 0-1: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py tests/test_gpu_tp.py -k 'not 4]'" > "$log"
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 240 python -m pytest -m gpu -p no:cacheprovider -rfEs \
+      tests/test_gpu_fp8_layouts.py tests/test_gpu_tp.py -k "not 4]" 2>&1 | tail -n 6 | tee -a "$log"
+    cp "$log" $res/
+    name=train_step_mixtral_2l_tp2_sp_fp8_tp_overlap_2x$gpu
+    TPO="overlap.tp_comm_overlap=true,overlap.tp_comm_overlap_ag=true,overlap.tp_comm_overlap_rs=true"
+    TPO+=",overlap.tp_comm_overlap_rs_dgrad=true,overlap.tp_comm_bulk_dgrad=true"
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+      configs/bench_mixtral_2l.yaml parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
+      parallel.expert_tensor_parallel_size=1 $BAL --warmup 3 --steps 8 --profile-steps 0 --variant "tp_overlap:$TPO" \
+      --variant rowwise:train.fp8_recipe=rowwise --variant "rowwise_tp_overlap:train.fp8_recipe=rowwise,$TPO" \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    ;;
   fp8_layouts4)  # the FP8 layouts' GPU test alone (as blockwise4 runs it first)
     fp8_layouts
     ;;
@@ -1228,7 +1246,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 (and the others above)" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 (and the others above)" >&2
      exit 2 ;;
 esac
 pack

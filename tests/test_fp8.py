@@ -672,12 +672,16 @@ def emulated_fp8_case(ep: int, steps: int, output_dir: str, pipeline: str, extra
 TP2_SP = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",  # MoE at TP > 1: SP
           "parallel.expert_model_parallel_size": 1, "parallel.expert_tensor_parallel_size": 1}
 ETP2 = {"parallel.expert_model_parallel_size": 1, "parallel.expert_tensor_parallel_size": 2}  # each expert's ffn halved
+TP_OVERLAPS = {"overlap.tp_comm_overlap": "true", "overlap.tp_comm_overlap_ag": "true",  # every pipelined ring, two
+               "overlap.tp_comm_overlap_rs": "true", "overlap.tp_comm_overlap_rs_dgrad": "true",  # blocks a rank
+               "overlap.tp_comm_bulk_dgrad": "true", "overlap.tp_comm_num_splits": 2}
 
 
 @pytest.mark.parametrize("ep, pipeline, extra, later", [
     (1, "auto", None, 1e-3), (2, "false", None, 1e-3), (2, "true", None, 1e-3),
-    (1, "auto", TP2_SP, 3e-3), (1, "auto", ETP2, 3e-3), (1, "auto", {**TP2_SP, **ETP2}, 3e-3)],
-    ids=["dp2", "ep2-serial", "ep2-pipeline", "tp2-sp", "etp2", "tp2-sp-etp2"])
+    (1, "auto", TP2_SP, 3e-3), (1, "auto", {**TP2_SP, **TP_OVERLAPS}, 3e-3), (1, "auto", ETP2, 3e-3),
+    (1, "auto", {**TP2_SP, **ETP2}, 3e-3)],
+    ids=["dp2", "ep2-serial", "ep2-pipeline", "tp2-sp", "tp2-sp-overlaps", "etp2", "tp2-sp-etp2"])
 def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipeline, extra, later):
     """The first step (the same weights on both sides) within fp32's 1e-5. After it the two runs' weights differ by
     round-off (~1e-7: micro-batch gradients summed in another order, as without FP8), and a value that sits on an
@@ -686,7 +690,8 @@ def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipe
     partial sums are reduced in another order too: 1.4e-3 measured), and the losses to 1e-5 throughout. At TP=2 the
     row-parallel forward and the column-parallel dgrad contract over a split dimension: their scales are shared
     over the two ranks (layers/fp8.py); with each rank's own maximum instead, the first step's gradients were 0.5
-    off. Expert-TP 2 (alone, and following TP=2) splits each expert's ffn: fc2's forward and fc1's dgrad contract
+    off. With every TP overlap on, the rings multiply a block of rows at a time: each row quantized as it arrives
+    (the gathers), or every row once before the ring starts, its scale shared (the split contractions). Expert-TP 2 (alone, and following TP=2) splits each expert's ffn: fc2's forward and fc1's dgrad contract
     over it and share their scales over the expert-TP group."""
     for worst in rank_pool(2).run(emulated_fp8_case, ep, 3, str(tmp_path), pipeline, extra):
         assert worst["loss"] < 1e-5 and worst["first_step_grad"] < 1e-5 and worst["grad"] < later, worst

@@ -1,6 +1,6 @@
 """FP8 layouts over NCCL (`pytest -m gpu`; 2 and 4 GPUs, needs FP8 tensor cores): each recipe at TP=2 with sequence
-parallelism (expert-TP 1 and 2), at EP=2 and EP=4 with FP8 on the wire (fed straight to the FP8 GEMMs), and TP=2 x
-EP=2, through the trainer (``train.fp8_recipe``), against one process.
+parallelism (expert-TP 1 and 2; every TP overlap on), at EP=2 and EP=4 with FP8 on the wire (fed straight to the
+FP8 GEMMs), and TP=2 x EP=2, through the trainer (``train.fp8_recipe``), against one process.
 
 The FP8 rule: the bf16 rule's gradients (tests/gpu_launch.py) with the recipe's single-process run in bf16's
 place, every gradient of the first step within 2x the single FP8 run's own error against an fp32 single-process run
@@ -41,11 +41,15 @@ DIMS = {"model.hidden_size": 256, "model.ffn_hidden_size": 512, "model.moe_ffn_h
         "model.moe_router_force_load_balancing": "true"}
 TP2_SP = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
           "parallel.expert_tensor_parallel_size": 1}
+TP_OVERLAPS = {"overlap.tp_comm_overlap": "true", "overlap.tp_comm_overlap_ag": "true", "overlap.tp_comm_overlap_rs": "true",
+               "overlap.tp_comm_overlap_rs_dgrad": "true", "overlap.tp_comm_bulk_dgrad": "true",
+               "overlap.tp_comm_num_splits": 2}
 FP8_WIRE = {"overlap.moe_dispatch_dtype": "fp8", "overlap.moe_dispatch_once_per_rank": "true"}
 RECIPES = ("rowwise", "blockwise")
 LAYOUTS = {  # name: (ranks, EP, overrides); each runs in both recipes
     "tp2_sp": (2, 1, TP2_SP),
     "tp2_sp_etp2": (2, 1, {**TP2_SP, "parallel.expert_tensor_parallel_size": 2}),  # each expert's ffn split
+    "tp2_sp_overlaps": (2, 1, {**TP2_SP, **TP_OVERLAPS}),  # FP8 GEMMs in the TP rings, a block of rows at a time
     "ep2_fp8_wire": (2, 2, FP8_WIRE),
     "ep4_fp8_wire": (4, 4, FP8_WIRE),
     "tp2_sp_ep2": (4, 2, TP2_SP),

@@ -9,6 +9,8 @@ Two kinds of overlap, as Transformer Engine's userbuffers:
   bulk       an all-gather or reduce-scatter that the next GEMM does not need is started before it and waited
              on after it (an async collective).
 Every overlapped call sits beside its serial twin (the reference) below; :class:`TPComm` picks by switch.
+A GEMM's right operand is a matrix B, or a :class:`Gemm` that multiplies rows by it some other way (FP8:
+layers/fp8.py); the rings take rows a block at a time either way.
 
 Nothing here knows what a transformer is. Tensors are 2-D token rows; a TP group's gathered row order is
 rank-major: rank r's R rows are rows [r*R, (r+1)*R). With ``sequence_parallel`` off the "gather" is the
@@ -282,6 +284,23 @@ def make_ring_transport(requested: str, group: GroupHandle, device: torch.device
 # ------------------------------------------------------------------------------------------- the rings
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """rows @ B, for the rings and their serial twins: B's width, and the product of a block of rows (anything
+    with ``shape``, ``dtype`` and ``device`` that slices by rows: a tensor, or FP8 rows with their scales),
+    written into ``out`` when one is given."""
+
+    cols: int
+    product: Callable[[object, Optional[torch.Tensor]], torch.Tensor]
+
+
+def as_gemm(b: torch.Tensor | Gemm) -> Gemm:
+    """``b`` as a :class:`Gemm`: a matrix (K, N) multiplies by torch.mm."""
+    if isinstance(b, Gemm):
+        return b
+    return Gemm(b.shape[1], lambda a, out: torch.mm(a, b, out=out))
+
+
 def ring_all_gather(x_RJ: torch.Tensor, group: GroupHandle, transport: RingTransport, num_splits: int,
                     consume: Callable[[torch.Tensor, int], None]) -> None:
     """Every rank's ``x_RJ``, chunk by chunk: ``consume(chunk_CJ, first_row)`` once per chunk of the gathered
@@ -344,23 +363,24 @@ def _check_splits(rows: int, num_splits: int) -> None:
 # --------------------------------------------------------------------------- serial and overlapped ops
 
 
-def all_gather_matmul(x_RJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
+def all_gather_matmul(x_RJ: torch.Tensor, b: torch.Tensor | Gemm, group: GroupHandle,
                       keep_gathered: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Serial: gather the rows, then one GEMM. Returns (AG(x) @ b, AG(x) if ``keep_gathered``)."""
     x_SJ = gather_rows(x_RJ, group)
-    return torch.mm(x_SJ, b_KN), (x_SJ if keep_gathered else None)
+    return as_gemm(b).product(x_SJ, None), (x_SJ if keep_gathered else None)
 
 
-def ring_all_gather_matmul(x_RJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle, transport: RingTransport,
+def ring_all_gather_matmul(x_RJ: torch.Tensor, b: torch.Tensor | Gemm, group: GroupHandle, transport: RingTransport,
                            num_splits: int, keep_gathered: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pipelined twin of :func:`all_gather_matmul`: each chunk's GEMM runs as the chunk arrives."""
+    gemm = as_gemm(b)
     total = group.size * x_RJ.shape[0]
-    y_SN = x_RJ.new_empty((total, b_KN.shape[1]))
+    y_SN = x_RJ.new_empty((total, gemm.cols))
     x_SJ = x_RJ.new_empty((total, x_RJ.shape[1])) if keep_gathered else None
 
     def consume(chunk_CJ: torch.Tensor, first: int) -> None:
         rows = slice(first, first + chunk_CJ.shape[0])
-        torch.mm(chunk_CJ, b_KN, out=y_SN[rows])
+        gemm.product(chunk_CJ, y_SN[rows])
         if x_SJ is not None:
             x_SJ[rows].copy_(chunk_CJ)
 
@@ -368,20 +388,21 @@ def ring_all_gather_matmul(x_RJ: torch.Tensor, b_KN: torch.Tensor, group: GroupH
     return y_SN, x_SJ
 
 
-def matmul_reduce_scatter(a_SJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+def matmul_reduce_scatter(a_SJ: torch.Tensor, b: torch.Tensor | Gemm, group: GroupHandle) -> torch.Tensor:
     """Serial: one GEMM, then reduce-scatter its rows."""
-    return scatter_rows(torch.mm(a_SJ, b_KN), group)
+    return scatter_rows(as_gemm(b).product(a_SJ, None), group)
 
 
-def ring_matmul_reduce_scatter(a_SJ: torch.Tensor, b_KN: torch.Tensor, group: GroupHandle,
+def ring_matmul_reduce_scatter(a_SJ: torch.Tensor, b: torch.Tensor | Gemm, group: GroupHandle,
                                transport: RingTransport, num_splits: int) -> torch.Tensor:
     """Pipelined twin of :func:`matmul_reduce_scatter`: partial sums travel the ring while the next GEMM runs."""
+    gemm = as_gemm(b)
     _check_rows(a_SJ.shape[0], group.size)
     rows = a_SJ.shape[0] // group.size
-    out_RN = a_SJ.new_empty((rows, b_KN.shape[1]))
+    out_RN = torch.empty((rows, gemm.cols), dtype=a_SJ.dtype, device=a_SJ.device)
 
     def partial(first: int, num: int, out: Optional[torch.Tensor]) -> torch.Tensor:
-        return torch.mm(a_SJ[first:first + num], b_KN, out=out)
+        return gemm.product(a_SJ[first:first + num], out)
 
     return ring_reduce_scatter(rows, group, transport, num_splits, partial, out_RN)
 
@@ -508,20 +529,20 @@ class TPComm:
                 return Pending(all_reduce_(x_SJ.contiguous(), self.group.group))
         return self.transport.start_reduce_scatter(x_SJ) if overlap else Pending(scatter_rows(x_SJ, self.group))
 
-    def gather_matmul(self, x_RJ: torch.Tensor, b_KN: torch.Tensor, overlap: bool,
+    def gather_matmul(self, x_RJ: torch.Tensor, b: torch.Tensor | Gemm, overlap: bool,
                       keep_gathered: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(gather(x) @ b, gather(x) if ``keep_gathered``)."""
         if not self._sharded():
-            return torch.mm(x_RJ, b_KN), (x_RJ if keep_gathered else None)
+            return as_gemm(b).product(x_RJ, None), (x_RJ if keep_gathered else None)
         if overlap:
-            return ring_all_gather_matmul(x_RJ, b_KN, self.group, self.transport, self.overlap.num_splits,
+            return ring_all_gather_matmul(x_RJ, b, self.group, self.transport, self.overlap.num_splits,
                                           keep_gathered)
-        return all_gather_matmul(x_RJ, b_KN, self.group, keep_gathered)
+        return all_gather_matmul(x_RJ, b, self.group, keep_gathered)
 
-    def matmul_scatter(self, a_SJ: torch.Tensor, b_KN: torch.Tensor, overlap: bool) -> torch.Tensor:
+    def matmul_scatter(self, a_SJ: torch.Tensor, b: torch.Tensor | Gemm, overlap: bool) -> torch.Tensor:
         """scatter(a @ b)."""
         if not self._sharded():
-            return all_reduce_(torch.mm(a_SJ, b_KN), self.group.group)
+            return all_reduce_(as_gemm(b).product(a_SJ, None), self.group.group)
         if overlap:
-            return ring_matmul_reduce_scatter(a_SJ, b_KN, self.group, self.transport, self.overlap.num_splits)
-        return matmul_reduce_scatter(a_SJ, b_KN, self.group)
+            return ring_matmul_reduce_scatter(a_SJ, b, self.group, self.transport, self.overlap.num_splits)
+        return matmul_reduce_scatter(a_SJ, b, self.group)

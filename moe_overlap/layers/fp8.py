@@ -59,6 +59,7 @@ from moe_overlap.config.rules import FP8_NEEDS_GPU
 from moe_overlap.config.schema import ConfigError
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.distributed.ring import Gemm
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
 from moe_overlap.kernels.fp8_quant import (column_amax, dequantize, dequantize_rows, quantize_columns, quantize_rows,
                                            quantize_rows_and_columns, row_amax)
@@ -97,6 +98,14 @@ class Fp8Rows:
     @property
     def shape(self) -> torch.Size:
         return self.q_RK.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q_RK.device
+
+    def __getitem__(self, rows: slice) -> Fp8Rows:
+        """A block of the rows with their scales (a TP ring multiplies them a block at a time)."""
+        return Fp8Rows(self.q_RK[rows], self.scale_R[rows], self.dtype)
 
     def dequantized(self, rows_bound: torch.Tensor | None = None) -> torch.Tensor:
         """The rows' values in ``dtype`` (rows from ``rows_bound`` on left unwritten: no GEMM reads them)."""
@@ -259,6 +268,31 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
                                 use_fast_accum=fast_accum)
     return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_scale, b_scale, offs=offsets_E, out_dtype=dtype,
                                     use_fast_accum=fast_accum)
+
+
+def fp8_gemm(w: torch.Tensor, contract_last: bool, fp8: Fp8, fast_accum: bool = False,
+             split_over: GroupHandle | None = None) -> Gemm:
+    """:func:`fp8_matmul` by w as a :class:`~moe_overlap.distributed.ring.Gemm`: what the tensor-parallel linears
+    hand their gathers and scatters, serial or pipelined, so FP8 runs beside the same overlaps as bf16. A ring takes
+    the rows a block at a time: rowwise, each row's scale is its own, so a block's product is the whole's; where the
+    contraction is split, quantize the rows once first (:func:`split_contraction_rows`)."""
+    def product(a_MK: torch.Tensor | Fp8Rows, out: torch.Tensor | None) -> torch.Tensor:
+        y = fp8_matmul(a_MK, w, contract_last, fp8, fast_accum=fast_accum, split_over=split_over)
+        return y if out is None else out.copy_(y)
+
+    return Gemm(w.shape[-2] if contract_last else w.shape[-1], product)
+
+
+def split_contraction_rows(a_MK: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8,
+                           split_over: GroupHandle | None) -> torch.Tensor | Fp8Rows:
+    """a's rows for a rowwise FP8 GEMM whose contraction ``split_over``'s ranks each hold a part of, quantized once
+    with their scales shared over those ranks: a ring's ranks multiply different blocks of rows at each hop, so no
+    block could share its own. ``a`` itself where the GEMM quantizes nothing shared (blockwise: a tile lies on one
+    rank; no split; a GEMM that train.fp8_gemm_min_dim leaves bf16)."""
+    if fp8.recipe != "rowwise" or split_over is None or \
+            not fp8.covers(a_MK.shape[-1], w.shape[-2] if contract_last else w.shape[-1]):
+        return a_MK
+    return Fp8Rows(*_shared_quantization(a_MK, -1, split_over), a_MK.dtype)
 
 
 def _bf16_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool,

@@ -14,7 +14,8 @@ picks the serial path or its overlapped twin by switch; the math here is the sam
 The column forward's gather is pipelined with tp_comm_overlap_ag. Under SP only the local rows of x are saved
 for backward (re-gathered there), which is the point of sequence parallelism. Weight gradients go straight
 into the weights' fp32 main_grad (layers/wgrad.py). Under ``fp8`` (train.fp8_recipe) the forward and dgrad GEMMs
-run in FP8 (layers/fp8.py) beside the same collectives, not pipelined with them; wgrad stays bf16 (an FP8 one,
+run in FP8 (layers/fp8.py: :func:`_gemm` hands the collectives an FP8 GEMM in place of W), serial or pipelined by
+the same switches; wgrad stays bf16 (an FP8 one,
 kernels/fp8_wgrad.py with every row one group, measured 16% slower on a Mixtral-sized fc1 than cuBLAS's bf16 GEMM
 into main_grad: fp8_gemm_wgrad_1xh100.json). Where the
 contraction is split over the ranks (the row forward, the column dgrad) the FP8 scales of both operands are shared
@@ -29,11 +30,11 @@ from einops import rearrange
 from torch import nn
 
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.distributed.ring import Pending, TPComm
+from moe_overlap.distributed.ring import Gemm, Pending, TPComm, as_gemm
 from moe_overlap.layers.init import NORMAL, make_param
 from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
-from moe_overlap.layers.fp8 import Fp8, fp8_matmul
+from moe_overlap.layers.fp8 import Fp8, Fp8Rows, fp8_gemm, split_contraction_rows
 from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
 
 def _contraction_split(comm: TPComm) -> GroupHandle | None:
@@ -42,17 +43,28 @@ def _contraction_split(comm: TPComm) -> GroupHandle | None:
     return comm.group if comm.size > 1 else None
 
 
+def _gemm(a: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8 | None, comm: TPComm,
+          split: bool = False, fast_accum: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | Gemm]:
+    """(a, B) for ``a @ B`` through the TP collectives, B = w^T if ``contract_last`` else w: the matrix itself in
+    bf16; in FP8 the GEMM by w, and where the contraction is ``split`` over the ranks, a's rows quantized once with
+    their scales shared (layers/fp8.py)."""
+    if fp8 is None:
+        return a, w.t() if contract_last else w
+    split_over = _contraction_split(comm) if split else None
+    return (split_contraction_rows(a, w, contract_last, fp8, split_over),
+            fp8_gemm(w, contract_last, fp8, fast_accum, split_over))
+
+
 # -------------------------------------------------------------------------------------- column parallel
 
 
 def column_dgrad_start(grad_y_SF: torch.Tensor, w_FH: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None
                        ) -> Pending:
     """grad_x = scatter(grad_y @ W): pipelined, or the GEMM now and its scatter in flight (bulk) or done."""
-    if comm.overlap.rs_dgrad and fp8 is None:
-        return Pending(comm.matmul_scatter(grad_y_SF, w_FH, overlap=True))
-    grad_x_SH = (torch.mm(grad_y_SF, w_FH) if fp8 is None  # the contraction over F is split: its scales shared
-                 else fp8_matmul(grad_y_SF, w_FH, False, fp8, split_over=_contraction_split(comm)))
-    return comm.start_scatter(grad_x_SH, overlap=comm.overlap.bulk_wgrad)
+    grad_y, b = _gemm(grad_y_SF, w_FH, False, fp8, comm, split=True)  # the contraction over F is split
+    if comm.overlap.rs_dgrad:
+        return Pending(comm.matmul_scatter(grad_y, b, overlap=True))
+    return comm.start_scatter(as_gemm(b).product(grad_y, None), overlap=comm.overlap.bulk_wgrad)
 
 
 class ColumnParallelLinearFn(torch.autograd.Function):
@@ -61,9 +73,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x_RH)
         ctx.comm, ctx.weights = comm, (w_FH,)  # the parameter itself (its main_grad), also under recomputation
         ctx.fp8 = fp8
-        if fp8 is not None:
-            return fp8_matmul(comm.gather(x_RH), w_FH, True, fp8, fast_accum=True)
-        return comm.gather_matmul(x_RH, w_FH.t(), overlap=comm.overlap.ag)[0]
+        return comm.gather_matmul(*_gemm(x_RH, w_FH, True, fp8, comm, fast_accum=True), overlap=comm.overlap.ag)[0]
 
     @staticmethod
     def backward(ctx, grad_y_SF: torch.Tensor):
@@ -82,10 +92,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 def row_dgrad(grad_y_RH: torch.Tensor, w_HF: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gather(grad_y) @ W, gather(grad_y)): the gathered gradient is what wgrad needs."""
-    if fp8 is not None:
-        grad_y_SH = comm.gather(grad_y_RH)
-        return fp8_matmul(grad_y_SH, w_HF, False, fp8), grad_y_SH
-    return comm.gather_matmul(grad_y_RH, w_HF, overlap=comm.overlap.ag, keep_gathered=True)
+    return comm.gather_matmul(*_gemm(grad_y_RH, w_HF, False, fp8, comm), overlap=comm.overlap.ag, keep_gathered=True)
 
 
 class RowParallelLinearFn(torch.autograd.Function):
@@ -93,10 +100,8 @@ class RowParallelLinearFn(torch.autograd.Function):
     def forward(ctx, x_SF: torch.Tensor, w_HF: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None) -> torch.Tensor:
         ctx.save_for_backward(x_SF)
         ctx.comm, ctx.weights, ctx.fp8 = comm, (w_HF,), fp8
-        if fp8 is not None:
-            return comm.scatter(fp8_matmul(x_SF, w_HF, True, fp8, fast_accum=True,
-                                           split_over=_contraction_split(comm)))  # the contraction over F is split
-        return comm.matmul_scatter(x_SF, w_HF.t(), overlap=comm.overlap.rs)
+        x, b = _gemm(x_SF, w_HF, True, fp8, comm, split=True, fast_accum=True)  # the contraction over F is split
+        return comm.matmul_scatter(x, b, overlap=comm.overlap.rs)
 
     @staticmethod
     def backward(ctx, grad_y_RH: torch.Tensor):
