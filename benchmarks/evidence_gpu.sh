@@ -84,6 +84,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_split2 OUT # 2 GPUs: shared row scales and FP8 with expert-TP, tests and steps
 #   bash benchmarks/evidence_gpu.sh tma1     OUT   # one GPU: the wgrad tiles added by the TMA against atomic adds
 #   bash benchmarks/evidence_gpu.sh fp8_tp_overlap2 OUT # 2 GPUs: FP8 GEMMs inside the TP rings, tests and steps
+#   bash benchmarks/evidence_gpu.sh wgrad_groups1 OUT # one GPU: 4 micro-batches per main_grad read-modify-write
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
@@ -114,7 +115,7 @@ md5sum $res/* > "$before"
 BAL="model.moe_router_force_load_balancing=true"
 TEXT="data.path=data/stdlib/stdlib.bin"
 DISTOPT="train.use_distributed_optimizer=true overlap.overlap_grad_sync=true overlap.overlap_param_sync=true"
-GRAPHED="overlap.moe_pipeline=true overlap.moe_planning=device train.moe_cuda_graph=true train.expert_wgrad_pairs=false"
+GRAPHED="overlap.moe_pipeline=true overlap.moe_planning=device train.moe_cuda_graph=true train.expert_wgrad_micro_batches=1"
 SERIAL="serial:overlap.moe_pipeline=false,overlap.moe_planning=auto,train.moe_cuda_graph=false"
 SERIAL+=",train.use_distributed_optimizer=false,overlap.overlap_grad_sync=false,overlap.overlap_param_sync=false"
 CHUNKS="chunks2_copy_engine:overlap.moe_planning=host,overlap.moe_pipeline_chunks=2,train.moe_cuda_graph=false"
@@ -162,7 +163,7 @@ slow_step() {  # model, name tag, then train_step arguments: EP=4 through NCCL o
   shift 2
   timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py \
     configs/bench_${model}.yaml parallel.expert_model_parallel_size=4 $BAL $DISTOPT overlap.moe_pipeline=true \
-    overlap.moe_planning=host overlap.moe_transport=nccl train.moe_cuda_graph=false train.expert_wgrad_pairs=false \
+    overlap.moe_planning=host overlap.moe_transport=nccl train.moe_cuda_graph=false train.expert_wgrad_micro_batches=1 \
     $STEPS --fabric slow --compute-only --json $res/$name.json --timeline $res/$name.png "$@" 2>&1 \
     | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
   pack
@@ -528,7 +529,7 @@ case $phase in
     ;;
   pp_graph_more4)  # issue 36: graphed MoE layers under PP=2 x EP=2 with the distributed optimizer's overlaps (fine),
     # and the Mixtral-like model (4 layers, no expert wgrad pairs): eager against graphed, each twice
-    for model in "fine_8l" "mixtral_2l model.num_layers=4 train.expert_wgrad_pairs=false"; do
+    for model in "fine_8l" "mixtral_2l model.num_layers=4 train.expert_wgrad_micro_batches=1"; do
       set -- $model
       timeout -k 10 $(( $(left) < 170 ? $(left) : 170 )) torchrun --standalone --nproc-per-node 4 \
         benchmarks/train_step.py configs/bench_$1.yaml ${@:2} parallel.pipeline_model_parallel_size=2 \
@@ -1130,6 +1131,20 @@ case $phase in
     tree_before tma_before "moe_overlap/kernels/grouped_wgrad.py|s/if addressable and tma is not False:/if False:/"
     PROFILE=tma mixtral_fp8_runs tma /tmp/tma_before tma before tma_again before_again
     ;;
+  wgrad_groups1)  # the experts' weight gradients of 4 micro-batches per read-modify-write of main_grad against 2
+    # (one GPU): the kernels' GPU tests at 1, 2 and 4 segments, then the Mixtral-like model, bf16 and rowwise, pairs
+    # (its config) and fours, round-robin in one launch, twice
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests wgrad_groups tests/test_gpu_wgrad.py tests/test_gpu_fp8_wgrad.py -k "wgrad_kernel_against"
+    for launch in 1 2; do
+      name=train_step_wgrad_groups${launch}_mixtral_2l_1x$gpu
+      timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 3 --steps 8 \
+        --profile-steps 0 --variant fours:train.expert_wgrad_micro_batches=4 --variant rowwise:train.fp8_recipe=rowwise \
+        --variant rowwise_fours:train.fp8_recipe=rowwise,train.expert_wgrad_micro_batches=4 --json $res/$name.json \
+        2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+      pack
+    done
+    ;;
   fp8_tp2)  # FP8 with tensor parallelism (issue 39): the Mixtral-like bench model at TP=2 with sequence parallelism
     # (expert-TP 1, routing forced) in bf16, rowwise and blockwise, on GPUs 0-1
     name=train_step_mixtral_2l_tp2_sp_fp8_2x$gpu
@@ -1246,7 +1261,7 @@ case $phase in
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
     ;;
-  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 (and the others above)" >&2
+  *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 (and the others above)" >&2
      exit 2 ;;
 esac
 pack

@@ -41,8 +41,8 @@
              chunk (blockwise), each tile config, operands quantized outside the timing; then each recipe whole
              (both operands quantized along the tokens inside the timing, the default kernel), and the quantize
              passes alone (64 and 128 columns a program); errors against fp32 normwise; ``--rows``: at those rows
-             per expert; ``--segments 2``: each call sums two micro-batches' halves (expert_wgrad_pairs' calls, which
-             a one-segment sweep mistimed: README, section "FP8")
+             per expert; ``--segments N``: each call sums N micro-batches' shares (the calls of
+             train.expert_wgrad_micro_batches=N, which a one-segment sweep mistimed: README, section "FP8")
 
     python benchmarks/step_kernels.py --json benchmarks/results/step_kernels_h200.json
 """
@@ -207,8 +207,8 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
                    segments: int = 1) -> list[dict]:
     """Per expert shape (and rows per expert: the shape's own, or each of ``rows_per_expert``): the FP8 wgrad
     kernel's modes and tile configs beside the bf16 kernel it replaces, all into the same fp32 main_grad.
-    ``segments`` 2: the rows per expert in two micro-batches' segments of half each, every kernel summing both in
-    one call, as the step does with train.expert_wgrad_pairs."""
+    ``segments`` N: the rows per expert in N micro-batches' segments of a share each, every kernel summing them in
+    one call, as the step does with train.expert_wgrad_micro_batches=N."""
     import torch
 
     from moe_overlap.kernels import fp8_wgrad as W
@@ -585,8 +585,9 @@ def main(argv=None) -> None:
                              "fp8_tokens, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
-    parser.add_argument("--segments", type=int, choices=(1, 2), default=1,
-                        help="fp8_wgrad: the rows per expert in two micro-batches' segments, as expert_wgrad_pairs sums them")
+    parser.add_argument("--segments", type=int, choices=(1, 2, 4), default=1,
+                        help="fp8_wgrad: the rows per expert in that many micro-batches' segments, as "
+                             "train.expert_wgrad_micro_batches sums them")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")

@@ -234,6 +234,9 @@ BAD: list[tuple] = [
     (TINY, ["overlap.moe_sync_free_dispatch=true"], "overlap.moe_sync_free_dispatch", "True",
      "overlap.moe_pipeline=true overlap.moe_planning=device"),
     (TINY, ["overlap.moe_a2a_chunks=2"], "overlap.moe_a2a_chunks", "2", "use overlap.moe_pipeline_chunks"),
+    (TINY, ["train.expert_wgrad_pairs=true"], "train.expert_wgrad_pairs", "True",
+     "was replaced: use train.expert_wgrad_micro_batches=2"),
+    (TINY, ["train.expert_wgrad_micro_batches=0"], "train.expert_wgrad_micro_batches", "0", "must be 1"),
     (TINY, ["overlap.moe_a2a_backend=symm"], "overlap.moe_a2a_backend", "'symm'", "overlap.moe_transport",
      "copy_engine with overlap.moe_planning=host", "sm_push with overlap.moe_planning=device"),
     (TINY, ["train.moe_cuda_graph=true", SERIAL], "train.moe_cuda_graph", "True", "overlap.moe_planning=device"),
@@ -473,7 +476,7 @@ def test_defaults_load():
     (["train.device=cpu"], True, "auto", False),  # CUDA graphs need CUDA
     (["parallel.expert_model_parallel_size=1"], False, "auto", False),  # one expert rank
     (["parallel.expert_model_parallel_size=1", "overlap.moe_pipeline_chunks=2"], True, "auto", False),  # asked for
-    (["train.expert_wgrad_pairs=true"], False, "auto", False),  # what the pipeline's chunks replace
+    (["train.expert_wgrad_micro_batches=2"], False, "auto", False),  # what the pipeline's chunks replace
     (["overlap.moe_pipeline=false"], False, "auto", False),  # the serial reference stays explicit
     (["train.moe_cuda_graph=true", "train.precision=bf16"], True, "device", True),  # the plan a graph replays
     # paired micro-batches turn on what they need: the pipeline and eager layers; planning is the transport's choice
@@ -570,7 +573,7 @@ def test_pairing_by_transport(transport, micro_batches, paired):
     (CUDA + ["overlap.moe_pipeline=false"], False),  # the serial exchange's host sync
     (CUDA + ["overlap.moe_planning=host"], False),
     (CUDA + ["overlap.moe_transport=nccl"], False),
-    (CUDA + ["train.expert_wgrad_pairs=true", "overlap.moe_pipeline=false"], False),
+    (CUDA + ["train.expert_wgrad_micro_batches=4", "overlap.moe_pipeline=false"], False),
     (CUDA + ["train.recompute_granularity=full"], False),  # not implemented graphed
     (CUDA + ["parallel.pipeline_model_parallel_size=2", "train.pipeline_schedule=zb_h1"], False),
     (CUDA + BF16 + ["parallel.pipeline_model_parallel_size=2"], "auto"),  # 1f1b: a graph set per micro-batch in flight

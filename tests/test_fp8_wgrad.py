@@ -93,16 +93,18 @@ def as_float(t: W.TokenQuantized) -> W.TokenQuantized:
 
 
 @pytest.mark.parametrize("per_chunk, fast_accum, segments", [
-    (True, False, 1), (True, False, 2), (False, False, 1), (False, False, 2), (False, True, 1)],
-    ids=["per-chunk", "per-chunk-pair", "per-group", "per-group-pair", "per-group-fast"])
+    (True, False, 1), (True, False, 2), (False, False, 1), (False, False, 2), (False, True, 1), (False, True, 4),
+    (True, False, 3)],
+    ids=["per-chunk", "per-chunk-pair", "per-group", "per-group-pair", "per-group-fast", "per-group-fast-four",
+         "per-chunk-three"])
 def test_fp8_wgrad_kernel_under_the_interpreter(monkeypatch, per_chunk, fast_accum, segments):
     """The Triton GEMM against its twin (fp32 sums in another order): groups empty and uneven, output dimensions
-    not multiples of the tile, one or two segments (two micro-batches' rows, each with its own chunks), added onto
+    not multiples of the tile, one to four segments (micro-batches' rows, each with its own chunks), added onto
     what the output held; and against fp32 within an FP8 GEMM's tolerance."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pairs, exact = [], torch.zeros(len(COUNTS), 40, 36)
     for seed in range(segments):
-        counts = COUNTS if seed == 0 else (3, 0, 200, 1, 60, 0)
+        counts = COUNTS if seed == 0 else (3, 0, 200, 1, 60 + seed, 0)
         a, offsets = grouped(counts, 40, seed)
         b, _ = grouped(counts, 36, seed + 10)
         pairs.append((W.quantize_along_tokens_torch(a, offsets, per_chunk),
@@ -123,8 +125,8 @@ def test_fp8_wgrad_kernel_refuses_what_does_not_fit():
         W.fp8_wgrad_accumulate_triton([(q, q)], torch.zeros(len(COUNTS), 48, 40), True)
     with pytest.raises(ValueError, match="float32"):
         W.fp8_wgrad_accumulate_triton([(q, q)], torch.zeros(len(COUNTS), 48, 48, dtype=torch.bfloat16), True)
-    with pytest.raises(ValueError, match="one or two segments"):
-        W.fp8_wgrad_accumulate_triton([(q, q)] * 3, torch.zeros(len(COUNTS), 48, 48), True)
+    with pytest.raises(ValueError, match="one or more segments"):
+        W.fp8_wgrad_accumulate_triton([], torch.zeros(len(COUNTS), 48, 48), True)
 
 
 def test_fp8_wgrad_field_needs_a_recipe():
@@ -138,8 +140,8 @@ def test_fp8_wgrad_field_needs_a_recipe():
 
 @pytest.mark.parametrize("config, overrides, fp8_wgrad", [
     ("bench_mixtral_2l", [], True),  # 1,024 rows per expert a micro-batch, in pairs: 2,048 per call
-    ("bench_mixtral_2l", ["train.expert_wgrad_pairs=false"], False),  # 1,024
-    ("bench_mixtral_2l", ["train.expert_wgrad_pairs=false", "parallel.expert_model_parallel_size=4"], True),  # 4,096
+    ("bench_mixtral_2l", ["train.expert_wgrad_micro_batches=1"], False),  # 1,024
+    ("bench_mixtral_2l", ["train.expert_wgrad_micro_batches=1", "parallel.expert_model_parallel_size=4"], True),  # 4,096
     ("bench_fine_8l", ["parallel.expert_model_parallel_size=4"], False),  # experts 1,024 wide
     ("bench_mixtral_2l", ["train.fp8_recipe=blockwise"], False),  # its per-chunk scaling: slower
     ("bench_mixtral_2l", ["train.fp8_wgrad=false"], False), ("bench_fine_8l", ["train.fp8_wgrad=true"], True)])

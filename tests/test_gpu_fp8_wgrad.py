@@ -2,7 +2,7 @@
 kernels/fp8_wgrad.py): the quantize kernel along the tokens equals its twin bit for bit (bf16 and fp32 rows, per
 group and per 128-token chunk); the GEMM into the fp32 main_grad within 1e-2 normwise of its twin (fp32 on the
 dequantized operands) and within 0.05 of fp32 on the unquantized rows, per group (each chunk summed in fp32, and the
-tensor cores' own accumulation) and per chunk, one and two segments, every tile config step_kernels.py sweeps,
+tensor cores' own accumulation) and per chunk, one, two and four segments, every tile config step_kernels.py sweeps,
 uneven and empty groups, the rows past the last offset NaN (never read); replayed from a CUDA graph it equals the
 eager call, also after the group offsets changed in place. Times nothing: see benchmarks/step_kernels.py
 --sections fp8_wgrad.
@@ -57,11 +57,11 @@ def test_fp8_wgrad_quantize_kernel_equals_twin(dtype, per_chunk, one_pass, colum
 
 @pytest.mark.parametrize("per_chunk, fast_accum", [(True, False), (False, False), (False, True)],
                          ids=["per-chunk", "per-group", "per-group-fast"])
-@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("segments", [1, 2, 4])
 def test_fp8_wgrad_kernel_against_twin_and_fp32(per_chunk, fast_accum, segments):
     pairs, exact = [], 0
     for seed in range(segments):
-        rows = GROUP_ROWS if seed == 0 else [1, 0, 333, 1024, 64, 129, 900, 0]  # group 1: no rows in either
+        rows = GROUP_ROWS if seed == 0 else [1, 0, 333, 1024, 64 * seed, 129, 900, 0]  # group 1: no rows in any
         offsets = offsets_of(rows)
         a, b = rows_of(M, 2 * seed, rows=rows), rows_of(N, 2 * seed + 1, rows=rows)
         pairs.append((W.quantize_along_tokens(a, offsets, per_chunk), W.quantize_along_tokens(b, offsets, per_chunk)))

@@ -1,5 +1,5 @@
-"""The bf16 grouped weight-gradient kernel on a GPU (`pytest -m gpu`; kernels/grouped_wgrad.py): one and two
-segments (two micro-batches' rows) added into fp32 main_grad equal fp64 sums of the bf16 rows within fp32's
+"""The bf16 grouped weight-gradient kernel on a GPU (`pytest -m gpu`; kernels/grouped_wgrad.py): one, two
+and four segments (micro-batches' rows) added into fp32 main_grad equal fp64 sums of the bf16 rows within fp32's
 rounding, tile edges ragged (neither dimension a multiple of the 128 x 128 tile), an expert without rows untouched,
 the rows past the last offset NaN (never read). Times nothing: see benchmarks/step_kernels.py --sections wgrad.
 
@@ -17,11 +17,11 @@ from tests.test_gpu_fp8_wgrad import rows_of
 
 pytestmark = pytest.mark.gpu
 
-ROWS = [[700, 0, 1000, 13, 555], [1, 0, 333, 1024, 64]]  # expert 1 gets no rows from either segment
+ROWS = [[700, 0, 1000, 13, 555], [1, 0, 333, 1024, 64], [9, 0, 0, 500, 3], [128, 0, 77, 1, 0]]  # expert 1: none
 M, N = 1000, 744  # neither a multiple of the 128 x 128 tile
 
 
-@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("segments", [1, 2, 4])
 def test_grouped_wgrad_kernel_against_fp64(segments):
     parts = [(rows_of(M, 2 * s, rows=ROWS[s]), rows_of(N, 2 * s + 1, rows=ROWS[s]), offsets_of(ROWS[s]))
              for s in range(segments)]

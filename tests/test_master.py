@@ -97,10 +97,12 @@ def test_layouts_match_single_process(rank_pool, tmp_path, world, ep):
     assert all(max(w.values()) < TOL for w in worst)
 
 
-def test_expert_wgrad_pairs_match_single_process(rank_pool, tmp_path):
-    """EP=2 x the distributed optimizer with its overlaps, the experts' weight gradients summed two micro-batches
-    at a time: the bucket's reduce-scatter must still see the whole gradient on the last micro-batch."""
-    layout = {"train.expert_wgrad_pairs": "true", "train.use_distributed_optimizer": "true",
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_expert_wgrad_groups_match_single_process(rank_pool, tmp_path, micro_batches):
+    """EP=2 x the distributed optimizer with its overlaps, the experts' weight gradients summed two or three
+    micro-batches at a time: the bucket's reduce-scatter must still see the whole gradient on the last micro-batch
+    (three: a group the step's last micro-batch cuts short)."""
+    layout = {"train.expert_wgrad_micro_batches": micro_batches, "train.use_distributed_optimizer": "true",
               "overlap.overlap_grad_sync": "true", "overlap.overlap_param_sync": "true"}
     worst = rank_pool(2).run(equivalence_case, 2, 2, str(tmp_path), layout=layout)
     assert all(max(w.values()) < TOL for w in worst)

@@ -75,16 +75,16 @@ def test_one_micro_batch_per_step_is_refused_with_the_world_size():
         validate_for_world(cfg, 2, "cpu")
 
 
-@pytest.mark.parametrize("both", [{}, {"train.expert_wgrad_pairs": "true"}], ids=["plain", "expert_wgrad_pairs"])
+@pytest.mark.parametrize("both", [{}, {"train.expert_wgrad_micro_batches": 2}], ids=["plain", "expert_wgrad_pairs"])
 def test_one_rank_is_bit_identical_to_plain_accumulation_and_interleaves(tmp_path, monkeypatch, both):
     """EP=1 (no exchange: each layer is attention | MLP): the same floating-point operations in another order,
     so bit-identical losses and gradients (also with the experts' weight gradients summed in pairs, which follow
     the backward order); the order alternates B(i) and F(i+1) stage by stage."""
-    from moe_overlap.layers.experts import ExpertWgradPairs
+    from moe_overlap.layers.experts import ExpertWgradGroups
 
     taken = []  # micro-batches per weight-gradient call of the paired experts
-    take = ExpertWgradPairs.take
-    monkeypatch.setattr(ExpertWgradPairs, "take", lambda self, inputs: taken.append(take(self, inputs)) or taken[-1])
+    take = ExpertWgradGroups.take
+    monkeypatch.setattr(ExpertWgradGroups, "take", lambda self, inputs: taken.append(take(self, inputs)) or taken[-1])
     runs = []
     for extra in ({}, ON):
         cfg = small_config(str(tmp_path), 1, 8, **LAYERS, **both, **extra)  # 4 micro-batches of 2

@@ -172,7 +172,8 @@ def test_render_shows_every_rank_and_the_bubble():
      "overlap.batch_p2p_comm", "cannot both be set"),
     (["parallel.pipeline_model_parallel_size=2", "train.schedule=1f1b"], "train.schedule",
      "did you mean 'pipeline_schedule'"),
-    (["parallel.pipeline_model_parallel_size=2", "train.expert_wgrad_pairs=true"], "train.expert_wgrad_pairs",
+    (["parallel.pipeline_model_parallel_size=2", "train.expert_wgrad_micro_batches=2"],
+     "train.expert_wgrad_micro_batches",
      "not implemented yet (under pipeline parallelism"),
 ])
 def test_bad_pipeline_config_is_one_line_naming_the_field(overrides, field, fragment):

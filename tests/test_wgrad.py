@@ -38,22 +38,27 @@ def test_grouped_wgrad_kernel_matches_twin_and_skips_rows_past_the_last_offset(m
     assert rel_err(got - start, want - start) < 1e-6
 
 
-def test_grouped_wgrad_kernel_sums_two_micro_batches(monkeypatch):
-    """Two segments (two micro-batches' rows, each with its own offsets and row stride) add what two calls add."""
+@pytest.mark.parametrize("segments", [2, 4])
+def test_grouped_wgrad_kernel_sums_micro_batches(monkeypatch, segments):
+    """Two or four segments (micro-batches' rows, each with its own offsets and row stride) add what as many calls
+    add."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(1)
     first = (torch.randn(50, 24, generator=g), torch.randn(50, 40, generator=g), torch.tensor([0, 20, 50], dtype=torch.int32))
     wide = torch.randn(30, 32, generator=g)  # a strided view: row stride 32, 24 columns
     second = (wide[:, :24], torch.randn(30, 40, generator=g), torch.tensor([10, 10, 30], dtype=torch.int32))
+    more = [(torch.randn(20, 24, generator=g), torch.randn(20, 40, generator=g), torch.tensor(ends, dtype=torch.int32))
+            for ends in ([5, 19, 20], [0, 0, 20])]
+    parts = [first, second, *more][:segments]
     start = torch.randn(3, 24, 40, generator=g)
     got, want = start.clone(), start.clone()
-    grouped_wgrad_accumulate_triton([first, second], got)
-    grouped_wgrad_accumulate_torch([first], want)
-    grouped_wgrad_accumulate_torch([second], want)
+    grouped_wgrad_accumulate_triton(parts, got)
+    for part in parts:
+        grouped_wgrad_accumulate_torch([part], want)
     assert rel_err(got - start, want - start) < 1e-6
 
 
-def model_grads(with_optimizer: bool, pairs: bool = False, distributed: bool = False,
+def model_grads(with_optimizer: bool, group: int = 1, distributed: bool = False,
                 micro_batches: int = 2) -> dict[str, torch.Tensor]:
     overrides = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
                  "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=16",
@@ -64,8 +69,8 @@ def model_grads(with_optimizer: bool, pairs: bool = False, distributed: bool = F
     model = build_model(cfg.model, Mesh.single(), "cpu", torch.float32, seed=3)
     optimizer = None
     if with_optimizer:
-        if pairs:
-            model.pair_expert_wgrads()
+        if group > 1:
+            model.group_expert_wgrads(group)
         optimizer = (DistributedOptimizer(model, Mesh.single(), cfg.train, cfg.overlap) if distributed
                      else MixedPrecisionAdamW(model, Mesh.single(), cfg.train))
     g = torch.Generator().manual_seed(5)
@@ -80,14 +85,16 @@ def model_grads(with_optimizer: bool, pairs: bool = False, distributed: bool = F
     return {name: param_info(p).main_grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("pairs,distributed,micro_batches", [(False, False, 2), (True, False, 3), (True, True, 4),
-                                                              (True, False, 1)],
-                         ids=["plain", "pairs_odd", "pairs_distributed_optimizer", "pairs_one_micro_batch"])
-def test_main_grad_holds_the_autograd_gradients_summed_over_micro_batches(pairs, distributed, micro_batches):
+@pytest.mark.parametrize("group,distributed,micro_batches", [(1, False, 2), (2, False, 3), (2, True, 4),
+                                                              (2, False, 1), (3, False, 5), (4, True, 4)],
+                         ids=["plain", "pairs_odd", "pairs_distributed_optimizer", "pairs_one_micro_batch",
+                              "threes_remainder", "fours_distributed_optimizer"])
+def test_main_grad_holds_the_autograd_gradients_summed_over_micro_batches(group, distributed, micro_batches):
     """Every parameter, the tied embedding (lookup and output GEMM) and the experts included: what the layers add
     into main_grad equals what plain autograd accumulates in .grad; with the experts' weight gradients summed
-    two micro-batches at a time too (an odd count and a single micro-batch leave none waiting)."""
-    fused = model_grads(True, pairs, distributed, micro_batches)
+    several micro-batches at a time too (train.expert_wgrad_micro_batches: an odd count, a single micro-batch and a
+    count the group does not divide leave none waiting)."""
+    fused = model_grads(True, group, distributed, micro_batches)
     plain = model_grads(False, micro_batches=micro_batches)
     assert fused.keys() == plain.keys()
     for name, grad in plain.items():

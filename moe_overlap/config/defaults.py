@@ -4,7 +4,8 @@ a switch the user set needs to run.
 
     overlap.moe_pipeline=auto   the pipeline where there is an exchange (EP x expert-TP > 1) or where a field that
                                 only the pipeline reads is set; otherwise (one expert rank, or
-                                train.expert_wgrad_pairs, which the pipeline's chunks replace) the serial exchange
+                                train.expert_wgrad_micro_batches > 1, which the pipeline's chunks replace) the
+                                serial exchange
     overlap_moe_expert_parallel_comm=auto
                                 off where the config alone rules pairing out or measured it slower (one expert
                                 rank, one host's peer copies asked for, PP > 1, ...); otherwise the fabric decides
@@ -95,8 +96,8 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
         return "chunks or delayed wgrad: not measured paired"
     if o.moe_token_slices > 1:
         return "overlap.moe_token_slices > 1: token slices run in one layer call, not beside another micro-batch"
-    if t.expert_wgrad_pairs:
-        return "train.expert_wgrad_pairs=true: the serial exchange"
+    if t.expert_wgrad_micro_batches > 1:
+        return f"train.expert_wgrad_micro_batches={t.expert_wgrad_micro_batches}: the serial exchange"
     if t.recompute_granularity != "none":
         return f"train.recompute_granularity={t.recompute_granularity!r}: not implemented paired"
     return None
@@ -150,8 +151,9 @@ def graphs_off_reason(cfg: Config, exchanging: bool, paired: bool) -> str | None
         return "overlap.moe_pipeline=false: the serial exchange's host sync, which a graph cannot hold"
     if o.moe_planning == "host" or o.moe_transport in ("nccl", "copy_engine", "gloo"):
         return "host-planned sizes, whose host sync a graph cannot hold"
-    if t.expert_wgrad_pairs:
-        return "train.expert_wgrad_pairs=true: a graph replays one backward, not alternating ones"
+    if t.expert_wgrad_micro_batches > 1:
+        return (f"train.expert_wgrad_micro_batches={t.expert_wgrad_micro_batches}: a graph replays one backward, "
+                "not alternating ones")
     gap = graph_gap(cfg)
     return None if gap is None else f"not implemented: {gap}"
 
@@ -204,8 +206,9 @@ def resolve_defaults(cfg: Config) -> list[str]:
             o.moe_pipeline, why = True, f"{', '.join(asked)} runs on it"
         elif not exchanging:
             o.moe_pipeline, why = False, "one expert rank: nothing to exchange"
-        elif t.expert_wgrad_pairs:
-            o.moe_pipeline, why = False, "train.expert_wgrad_pairs=true, which the pipeline's chunks replace"
+        elif t.expert_wgrad_micro_batches > 1:
+            o.moe_pipeline, why = False, (f"train.expert_wgrad_micro_batches={t.expert_wgrad_micro_batches}, which "
+                                          "the pipeline's chunks replace")
         else:
             o.moe_pipeline, why = True, "the fastest measured with an exchange (tuning.py)"
         choices.append(f"overlap.moe_pipeline=auto -> {str(o.moe_pipeline).lower()}: {why}")
@@ -304,7 +307,7 @@ def narrow_gemms(cfg: Config, min_dim: int) -> list[str]:
 def fp8_wgrad_off_reason(cfg: Config) -> str | None:
     """Why ``train.fp8_wgrad: auto`` keeps the experts' weight gradients in bf16, or None: the recipe, the experts'
     width, and the rows per expert that one read-modify-write of main_grad sums (balanced routing: each of the EP
-    ranks' tokens of a micro-batch, top-k copies over the experts; two micro-batches' with expert_wgrad_pairs)."""
+    ranks' tokens of a micro-batch, top-k copies over the experts; as many micro-batches' as train.expert_wgrad_micro_batches)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if t.fp8_recipe not in FP8_WGRAD_RECIPES or m.num_moe_experts is None:
         return f"with fp8_recipe={t.fp8_recipe}"
@@ -313,8 +316,8 @@ def fp8_wgrad_off_reason(cfg: Config) -> str | None:
         return f"for experts {narrow} wide (from {FP8_WGRAD_MIN_DIM} on: the quantization costs what the GEMM saves)"
     tokens = t.micro_batch_size * m.seq_length // (p.context_parallel_size * (
         p.tensor_model_parallel_size if p.sequence_parallel else 1))
-    rows = p.expert_model_parallel_size * tokens * m.moe_router_topk // m.num_moe_experts * (
-        2 if t.expert_wgrad_pairs else 1)
+    rows = p.expert_model_parallel_size * tokens * m.moe_router_topk // m.num_moe_experts * \
+        t.expert_wgrad_micro_batches
     if rows < FP8_WGRAD_MIN_ROWS:
         return f"at {rows} rows per expert per weight-gradient call (from {FP8_WGRAD_MIN_ROWS} on)"
     return None

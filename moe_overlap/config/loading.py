@@ -23,6 +23,7 @@ _REPLACED = {
     "overlap.moe_overlap_dispatch": (False, "use overlap.moe_pipeline=true overlap.moe_planning=host"),
     "overlap.moe_sync_free_dispatch": (False, "use overlap.moe_pipeline=true overlap.moe_planning=device"),
     "overlap.moe_a2a_chunks": (1, "use overlap.moe_pipeline_chunks"),
+    "train.expert_wgrad_pairs": (False, "use train.expert_wgrad_micro_batches=2"),
     "overlap.moe_a2a_backend": ("auto", "use overlap.moe_transport (symm: copy_engine with overlap.moe_planning=host, "
                                         "sm_push with overlap.moe_planning=device; auto, nccl, gloo as before)"),
 }

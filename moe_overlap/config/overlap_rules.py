@@ -21,7 +21,7 @@ def validate_overlaps(cfg: Config) -> None:
     _validate_pipeline(cfg)
     _validate_moe_overlap(m, o, p)
     _validate_moe_cuda_graph(cfg)
-    _validate_expert_wgrad_pairs(t, o, m, p)
+    _validate_expert_wgrad_micro_batches(t, o, m, p)
     _validate_microbatch_overlap(cfg)
     _validate_distributed_optimizer(o, t)
     _validate_comm_resources(o)
@@ -183,19 +183,21 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
                               "with overlap_moe_expert_parallel_comm, whose stages run a layer's steps apart")
 
 
-def _validate_expert_wgrad_pairs(t: TrainConfig, o: OverlapConfig, m: ModelConfig, p: ParallelConfig) -> None:
-    if not t.expert_wgrad_pairs:
+def _validate_expert_wgrad_micro_batches(t: TrainConfig, o: OverlapConfig, m: ModelConfig,
+                                         p: ParallelConfig) -> None:
+    n, name = t.expert_wgrad_micro_batches, "train.expert_wgrad_micro_batches"
+    require(n >= 1, name, n, "must be 1 (each micro-batch's own) or more")
+    if n == 1:
         return
-    require(m.num_moe_experts is not None, "train.expert_wgrad_pairs", True, "needs MoE layers (model.num_moe_experts)")
+    require(m.num_moe_experts is not None, name, n, "needs MoE layers (model.num_moe_experts)")
     if t.moe_cuda_graph is True:
-        raise not_implemented("train.expert_wgrad_pairs", True, False,
-                               "with train.moe_cuda_graph: a graph replays one backward, not alternating ones")
+        raise not_implemented(name, n, 1, "with train.moe_cuda_graph: a graph replays one backward, not alternating "
+                                          "ones")
     if o.moe_pipeline:
-        raise not_implemented("train.expert_wgrad_pairs", True, False,
-                               "with overlap.moe_pipeline, whose chunks schedule their own weight gradients")
+        raise not_implemented(name, n, 1, "with overlap.moe_pipeline, whose chunks schedule their own weight gradients")
     if p.pipeline_model_parallel_size > 1:
-        raise not_implemented("train.expert_wgrad_pairs", True, False,
-                               "under pipeline parallelism, whose schedule interleaves other micro-batches' backwards")
+        raise not_implemented(name, n, 1, "under pipeline parallelism, whose schedule interleaves other micro-batches' "
+                                          "backwards")
 
 
 def _validate_comm_resources(o: OverlapConfig) -> None:

@@ -174,7 +174,7 @@ class OverlapConfig:
     # The MoE exchange as a pipeline of chunks (runs of local experts) beside the grouped GEMMs, forward and
     # backward; false: the serial reference (one all-to-all each way, sizes from the host). auto: the pipeline
     # wherever there is an exchange (EP x expert-TP > 1) or a pipeline field is set, as measured fastest
-    # (tuning.py); the serial exchange with one rank, or with train.expert_wgrad_pairs (config/defaults.py).
+    # (tuning.py); the serial exchange with one rank, or with train.expert_wgrad_micro_batches > 1 (config/defaults.py).
     moe_pipeline: Union[bool, Literal["auto"]] = "auto"
     moe_pipeline_chunks: int = 1
     # The micro-batch's tokens cut into this many slices inside each pipelined MoE layer, their steps interleaved:
@@ -245,9 +245,10 @@ class TrainConfig:
     # Replay each MoE layer's forward and backward from CUDA graphs (needs overlap.moe_planning=device). auto: where
     # the exchange is planned on the device (one host with peer access), unpaired: the fastest measured there.
     moe_cuda_graph: Union[bool, Literal["auto"]] = "auto"
-    # Sum the experts' weight gradients of two consecutive micro-batches in one grouped kernel: main_grad is read
-    # and written once per pair (fewer, larger experts gain most), one micro-batch's wgrad inputs kept per layer.
-    expert_wgrad_pairs: bool = False
+    # Sum the experts' weight gradients of this many consecutive micro-batches in one grouped kernel: main_grad is
+    # read and written once per group (fewer, larger experts gain most), that many less one micro-batches' wgrad
+    # inputs kept per layer. 1: each micro-batch's own (2 was train.expert_wgrad_pairs=true).
+    expert_wgrad_micro_batches: int = 1
     # FP8 (E4M3) GEMMs for the experts and the dense linears of the decoder layers (Megatron's names): null: bf16;
     # rowwise: one float32 scale per row of each operand (torch's scaled GEMMs); blockwise: one per 1x128
     # activation tile and 128x128 weight block (a Triton GEMM). The first / last that many layers stay bf16 (as do

@@ -128,12 +128,13 @@ if HAVE_TRITON:
 
     _quantize_groups = Kernel(_quantize_groups_kernel)
 
-    # One program per (BLOCK_M, BLOCK_N) tile of one group's output, the group's chunks in turn (one or two
-    # segments: two micro-batches' rows, each with its own chunks and scales). The tile is added into out (the
+    # One program per (BLOCK_M, BLOCK_N) tile of one group's output, the group's chunks in turn (one or more
+    # segments: micro-batches' rows, each with its own chunks and scales; per segment one element of each tuple:
+    # a, its scales, b, its scales, the chunks' ends per group, the width P). The tile is added into out (the
     # fp32 main_grad) once, in L2 (an atomic add: the SM does not wait for the old value; one program per element,
     # so the sum is deterministic), as kernels/grouped_wgrad.py's bf16 kernel.
-    def _fp8_wgrad_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, chunk_ends_ptr, a2_ptr, a2_scale_ptr, b2_ptr,
-                          b2_scale_ptr, chunk_ends2_ptr, out_ptr, M, N, P, P2, stride_oe, stride_om,
+    def _fp8_wgrad_kernel(a_ptrs, a_scale_ptrs, b_ptrs, b_scale_ptrs, chunk_ends_ptrs, widths, out_ptr, M, N,
+                          stride_oe, stride_om,
                           SEGMENTS: tl.constexpr, PER_CHUNK: tl.constexpr, FAST_ACCUM: tl.constexpr,
                           EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_M: tl.constexpr):
@@ -153,12 +154,9 @@ if HAVE_TRITON:
         acc_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         chunks_seen = 0
         for segment in tl.static_range(SEGMENTS):
-            if segment == 0:
-                a_base, a_scale, b_base, b_scale, chunk_ends, width = (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr,
-                                                                       chunk_ends_ptr, P)
-            else:
-                a_base, a_scale, b_base, b_scale, chunk_ends, width = (a2_ptr, a2_scale_ptr, b2_ptr, b2_scale_ptr,
-                                                                       chunk_ends2_ptr, P2)
+            a_base, a_scale, b_base, b_scale = (a_ptrs[segment], a_scale_ptrs[segment], b_ptrs[segment],
+                                                b_scale_ptrs[segment])
+            chunk_ends, width = chunk_ends_ptrs[segment], widths[segment]
             first = tl.load(chunk_ends + group - 1, mask=group > 0, other=0)
             end = tl.load(chunk_ends + group)
             chunks_seen += end - first
@@ -328,8 +326,8 @@ def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, 
     groups, M, N = out_EMN.shape
     if out_EMN.numel() == 0:
         return
-    if len(segments) not in (1, 2):
-        raise ValueError(f"fp8_wgrad_accumulate sums one or two segments, got {len(segments)}")
+    if not segments:
+        raise ValueError("fp8_wgrad_accumulate sums one or more segments, got none")
     if out_EMN.dtype != torch.float32 or out_EMN.stride(2) != 1:
         raise ValueError(f"out_EMN must be float32 with unit column stride, got {out_EMN.dtype} {out_EMN.stride()}")
     for a, b in segments:
@@ -337,15 +335,16 @@ def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, 
                 a.chunk_ends_E.numel() != groups:
             raise ValueError(f"operands {tuple(a.q_MP.shape)} and {tuple(b.q_MP.shape)} with "
                              f"{a.chunk_ends_E.numel()} groups do not fit out {tuple(out_EMN.shape)}")
-    (a, b), (a2, b2) = segments[0], segments[-1]
     fast_accum = not per_chunk if fast_accum is None else fast_accum and not per_chunk
     block_m, block_n, warps, stages = config or (_CONFIG_CHUNK if per_chunk else _CONFIG_GROUP)
     if not out_EMN.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n = min(block_m, 32), min(block_n, 32)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
+    a_all, b_all = zip(*segments)
     _fp8_wgrad[grid, out_EMN.device](
-        a.q_MP, a.scale_CM, b.q_MP, b.scale_CM, a.chunk_ends_E, a2.q_MP, a2.scale_CM, b2.q_MP, b2.scale_CM,
-        a2.chunk_ends_E, out_EMN, M, N, a.q_MP.shape[1], a2.q_MP.shape[1], out_EMN.stride(0), out_EMN.stride(1),
+        tuple(a.q_MP for a in a_all), tuple(a.scale_CM for a in a_all), tuple(b.q_MP for b in b_all),
+        tuple(b.scale_CM for b in b_all), tuple(a.chunk_ends_E for a in a_all), tuple(a.q_MP.shape[1] for a in a_all),
+        out_EMN, M, N, out_EMN.stride(0), out_EMN.stride(1),
         SEGMENTS=len(segments), PER_CHUNK=per_chunk, FAST_ACCUM=fast_accum, EVEN_M=M % block_m == 0,
         EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages)
 

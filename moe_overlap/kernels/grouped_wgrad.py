@@ -1,5 +1,6 @@
 """Grouped weight-gradient GEMM that accumulates into fp32 in place: out[e] += a_e^T @ b_e (one micro-batch's
-rows, or two micro-batches' summed in the same program: see layers/experts.py, ``train.expert_wgrad_pairs``).
+rows, or several micro-batches' summed in the same program: see layers/experts.py,
+``train.expert_wgrad_micro_batches``).
 
 The rows of expert e are [offsets[e-1], offsets[e]) of a_TM and b_TN (offsets int32 on the device, rows past
 the last offset never read), so the kernel serves the static worst-case buffers of the device-planned exchange and
@@ -21,8 +22,9 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    def _grouped_wgrad_kernel(a_ptr, b_ptr, offsets_ptr, a2_ptr, b2_ptr, offsets2_ptr, out_ptr, M, N, stride_a,
-                              stride_b, stride_a2, stride_b2, stride_oe, stride_om, SEGMENTS: tl.constexpr,
+    # Per segment (a micro-batch's rows), one element of each tuple: a, b, their end offsets and row strides.
+    def _grouped_wgrad_kernel(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, M, N, stride_oe, stride_om,
+                              SEGMENTS: tl.constexpr,
                               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -40,11 +42,9 @@ if HAVE_TRITON:
         rk = tl.arange(0, BLOCK_K)
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         rows_seen = 0
-        for segment in tl.static_range(SEGMENTS):  # a second segment: another micro-batch's rows, same sum
-            if segment == 0:
-                a_base, b_base, offsets, step_a, step_b = a_ptr, b_ptr, offsets_ptr, stride_a, stride_b
-            else:
-                a_base, b_base, offsets, step_a, step_b = a2_ptr, b2_ptr, offsets2_ptr, stride_a2, stride_b2
+        for segment in tl.static_range(SEGMENTS):  # each further segment: another micro-batch's rows, same sum
+            a_base, b_base, offsets = a_ptrs[segment], b_ptrs[segment], offsets_ptrs[segment]
+            step_a, step_b = strides_a[segment], strides_b[segment]
             start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
             end = tl.load(offsets + expert)
             rows_seen += end - start
@@ -88,17 +88,18 @@ def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tens
     experts, M, N = out_EMN.shape
     if out_EMN.numel() == 0:
         return
-    if len(segments) not in (1, 2):
-        raise ValueError(f"grouped_wgrad_accumulate sums one or two segments, got {len(segments)}")
+    if not segments:
+        raise ValueError("grouped_wgrad_accumulate sums one or more segments, got none")
     if any(a.stride(1) != 1 or b.stride(1) != 1 for a, b, _ in segments) or out_EMN.stride(2) != 1:
         raise ValueError("grouped_wgrad_accumulate needs unit column strides (rows may be strided)")
-    (a, b, offsets), (a2, b2, offsets2) = segments[0], segments[-1]
+    a = segments[0][0]
     block_m, block_n, block_k, warps, stages = config
     if not a.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n, block_k = min(block_m, 32), min(block_n, 32), min(block_k, 16)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), experts)
+    a_all, b_all, offsets_all = zip(*segments)
     _grouped_wgrad[grid, a.device](
-        a, b, offsets, a2, b2, offsets2, out_EMN, M, N, a.stride(0), b.stride(0), a2.stride(0), b2.stride(0),
+        a_all, b_all, offsets_all, tuple(x.stride(0) for x in a_all), tuple(x.stride(0) for x in b_all), out_EMN, M, N,
         out_EMN.stride(0), out_EMN.stride(1), SEGMENTS=len(segments), EVEN_M=M % block_m == 0,
         EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
         num_stages=stages)
@@ -106,7 +107,7 @@ def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tens
 
 def grouped_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor) -> None:
     """out_EMN[e] += sum over segments of a_TM[rows of e]^T @ b_TN[rows of e], in fp32 (``out_EMN`` fp32; a
-    segment's rows of e between its int32 end offsets[e-1] and offsets[e]; one segment, or two: two
+    segment's rows of e between its int32 end offsets[e-1] and offsets[e]; one segment, or several: as many
     micro-batches' rows summed in registers, one add into ``out_EMN``)."""
     if use_triton(segments[0][0], "grouped_wgrad"):
         grouped_wgrad_accumulate_triton(segments, out_EMN)

@@ -113,41 +113,43 @@ def expert_weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: li
     return weight_grad_for_autograd(w13_EHF2, [grads[0]]), weight_grad_for_autograd(w2_EFH, [grads[1]])
 
 
-class ExpertWgradPairs:
-    """``train.expert_wgrad_pairs``: the experts' weight gradients of consecutive micro-batches summed two at a
-    time. A micro-batch's wgrad inputs wait for the next one's, and one grouped kernel adds both into main_grad:
-    the fp32 main_grad is read and written once per pair instead of per micro-batch (the expert wgrad's largest
-    cost beside its GEMM when experts are few and large), at the price of keeping one micro-batch's wgrad
-    inputs per layer. The step's last micro-batch never waits, so main_grad is whole when its backward ends."""
+class ExpertWgradGroups:
+    """``train.expert_wgrad_micro_batches``: the experts' weight gradients of ``size`` consecutive micro-batches
+    summed at once. A micro-batch's wgrad inputs wait for the next ones', and one grouped kernel adds them all into
+    main_grad: the fp32 main_grad is read and written once per group instead of per micro-batch (the expert wgrad's
+    largest cost beside its GEMM when experts are few and large), at the price of keeping size - 1 micro-batches'
+    wgrad inputs per layer. The step's last micro-batch never waits, so main_grad is whole when its backward ends.
+    A micro-batch whose rows reached none of these experts adds nothing and counts toward no group."""
 
-    def __init__(self):
-        self.waiting: WgradInputs | None = None
+    def __init__(self, size: int):
+        self.size = size
+        self.waiting: list[WgradInputs] = []
         self.last = True
 
     def start_micro_batch(self, first: bool, last: bool) -> None:
         if first:
-            self.waiting = None
+            self.waiting = []
         self.last = last
 
     def take(self, inputs: WgradInputs | None) -> list[WgradInputs] | None:
-        """The inputs whose gradients to add now (one or two micro-batches'), or None: they wait."""
-        if not self.last and (self.waiting is None or inputs is None):
-            self.waiting = self.waiting or inputs
+        """The inputs whose gradients to add now (up to ``size`` micro-batches'), or None: they wait."""
+        if inputs is not None:
+            self.waiting.append(inputs)
+        if not self.last and len(self.waiting) < self.size:
             return None
-        ready = [i for i in (self.waiting, inputs) if i is not None]
-        self.waiting = None
+        ready, self.waiting = self.waiting, []
         return ready
 
 
 class GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
-                pairs: ExpertWgradPairs | None = None, fp8: Fp8 | None = None) -> torch.Tensor:
+                groups: ExpertWgradGroups | None = None, fp8: Fp8 | None = None) -> torch.Tensor:
         y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH, fp8)
         ctx.save_for_backward(x_TH, offsets_E, h_TF2)
         ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad), also under recomputation
         ctx.fp8 = fp8
-        ctx.pairs = pairs if main_grad_of(w13_EHF2) is not None else None
+        ctx.groups = groups if main_grad_of(w13_EHF2) is not None else None
         return y_TH
 
     @staticmethod
@@ -159,7 +161,7 @@ class GroupedSwiGLU(torch.autograd.Function):
             grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
             grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8)
             inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
-        ready = ctx.pairs.take(inputs) if ctx.pairs is not None else [i for i in (inputs,) if i is not None]
+        ready = ctx.groups.take(inputs) if ctx.groups is not None else [i for i in (inputs,) if i is not None]
         grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready, ctx.fp8), ctx.weights)
         return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None, None
 
@@ -185,7 +187,7 @@ class GroupedExperts(nn.Module):
                  device=None, dtype=None, etp: GroupHandle | None = None):
         super().__init__()
         self.num_local_experts, self.first_expert = num_local_experts, first_expert
-        self.wgrad_pairs: ExpertWgradPairs | None = None  # train.expert_wgrad_pairs (MixtralModel sets it)
+        self.wgrad_groups: ExpertWgradGroups | None = None  # train.expert_wgrad_micro_batches (MixtralModel sets it)
         self.expert_tp = etp if etp is not None and etp.size > 1 else None
         self.fp8 = None  # train.fp8_recipe (MixtralModel.use_fp8 sets it)
         rank, size, ranks = (etp.rank, etp.size, tuple(etp.ranks)) if etp is not None else (0, 1, ())
@@ -206,4 +208,4 @@ class GroupedExperts(nn.Module):
         self._fp8 = fp8 if fp8 is None or self.expert_tp is None else dataclasses.replace(fp8, expert_tp=self.expert_tp)
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_pairs, self.fp8)
+        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_groups, self.fp8)

@@ -23,7 +23,7 @@ from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 from moe_overlap.layers.attention import SelfAttention
 from moe_overlap.layers.embedding import Embedding, lm_cross_entropy
-from moe_overlap.layers.experts import ExpertWgradPairs, GroupedExperts
+from moe_overlap.layers.experts import ExpertWgradGroups, GroupedExperts
 from moe_overlap.layers.fp8 import Fp8, check_fp8_device, refresh_weights
 from moe_overlap.layers.init import init_parameters
 from moe_overlap.layers.param_info import is_expert_param, is_tp_split, param_info
@@ -192,12 +192,13 @@ class MixtralModel(nn.Module):
             units.append((self.final_layernorm, ("final_layernorm",) + output))
         return units
 
-    def pair_expert_wgrads(self) -> None:
-        """``train.expert_wgrad_pairs``: every MoE layer sums its experts' weight gradients two micro-batches at a
-        time (layers/experts.py, ExpertWgradPairs); the trainer marks each micro-batch with start_micro_batch."""
+    def group_expert_wgrads(self, micro_batches: int) -> None:
+        """``train.expert_wgrad_micro_batches``: every MoE layer sums its experts' weight gradients that many
+        micro-batches at a time (layers/experts.py, ExpertWgradGroups); the trainer marks each micro-batch with
+        start_micro_batch."""
         for layer in self.layers.values():
             if layer.is_moe:
-                layer.mlp.experts.wgrad_pairs = ExpertWgradPairs()
+                layer.mlp.experts.wgrad_groups = ExpertWgradGroups(micro_batches)
 
     def fp8_modules(self, bf16_at_start: int = 0, bf16_at_end: int = 0) -> Iterable[nn.Module]:
         """The modules whose GEMMs ``train.fp8_recipe`` runs in FP8: the experts and the linears of every layer of
@@ -220,8 +221,8 @@ class MixtralModel(nn.Module):
 
     def start_micro_batch(self, first: bool, last: bool) -> None:
         for layer in self.layers.values():
-            if layer.is_moe and layer.mlp.experts.wgrad_pairs is not None:
-                layer.mlp.experts.wgrad_pairs.start_micro_batch(first, last)
+            if layer.is_moe and layer.mlp.experts.wgrad_groups is not None:
+                layer.mlp.experts.wgrad_groups.start_micro_batch(first, last)
 
     def graph_moe_layers(self, micro_batch_size: int, copies: int = 1) -> None:
         """Capture every MoE layer's forward and backward in CUDA graphs (``train.moe_cuda_graph``): from then

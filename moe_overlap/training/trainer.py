@@ -199,8 +199,8 @@ class Trainer:
         if cfg.model.moe_router_force_load_balancing and mesh.rank == 0:
             log.warning("model.moe_router_force_load_balancing=true: every token's experts are assigned (each expert "
                         "the same load); the model does not learn routing (a benchmark setting)")
-        if t.expert_wgrad_pairs:
-            self.model.pair_expert_wgrads()
+        if t.expert_wgrad_micro_batches > 1:
+            self.model.group_expert_wgrads(t.expert_wgrad_micro_batches)
         if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
             self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad, min_dim=fp8_gemm_min_dim(t)),
                                t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
@@ -394,7 +394,7 @@ class Trainer:
                                         if o.overlap_moe_expert_parallel_comm else None),
             "dp_gemm_sm_carveout": dp_gemm_sms(self.cfg) if any(self._dp_overlaps.__dict__.values()) else None,
             "use_distributed_optimizer": t.use_distributed_optimizer, "overlap_grad_sync": o.overlap_grad_sync,
-            "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_pairs": t.expert_wgrad_pairs,
+            "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_micro_batches": t.expert_wgrad_micro_batches,
             "fp8_recipe": t.fp8_recipe, "fp8_wgrad": t.fp8_wgrad if t.fp8_recipe else None,
             "fp8_gemm_min_dim": fp8_gemm_min_dim(t) if t.fp8_recipe else None,
         }
