@@ -17,7 +17,7 @@ Every hook of a step is armed here, from the action list:
   last micro-batch only, so that the distributed optimizer starts a bucket's reduce-scatter when the bucket's last
   gradient of the step has arrived (its parameter all-gathers are waited for by forward pre-hooks, at the
   bucket's first forward);
-- the model's start_micro_batch (the experts' weight-gradient pairs), before each backward, in backward order;
+- the model's start_micro_batch (the experts' weight-gradient groups), before each backward, in backward order;
 - the GEMMs' SM carve-outs (:class:`Carveouts`): beside the parameter all-gathers from the step's start through
   each chunk's first forward, beside the gradient reduce-scatters from the last micro-batch's first backward
   action to the end, beside the other micro-batch's exchanges in every pair.
@@ -229,7 +229,7 @@ class PipelineExecutor:
 
     def _arm_backward(self, action: Compute, schedule: Schedule) -> None:
         """Before a backward action: the distributed optimizer may start a bucket's reduce-scatter only on its
-        last gradient; the experts' weight-gradient pairs follow the backward order."""
+        last gradient; the experts' weight-gradient groups follow the backward order."""
         last = action.micro_batch == schedule.micro_batches - 1
         self.optimizer.arm_grad_sync(last)
         if action.kind != WEIGHT_GRAD:
