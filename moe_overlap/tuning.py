@@ -119,9 +119,9 @@ def auto_push_sms(rows: int, hidden: int, ffn: int, chunks: int, element_size: i
 
 # ``train.fp8_wgrad: auto``: where the experts' weight gradients run in FP8 (kernels/fp8_wgrad.py): the rowwise
 # recipe, experts at least FP8_WGRAD_MIN_DIM wide in both dimensions (hidden and expert ffn), at least
-# FP8_WGRAD_MIN_ROWS rows per expert into each read-modify-write of main_grad (balanced routing; two micro-batches'
-# with train.expert_wgrad_micro_batches=2). The FP8 GEMM grows with rows x M x N, quantizing its operands with rows x (M + N),
-# the read-modify-write not at all. One H100, 2026-11-27, kernel alone then quantization, ms
+# FP8_WGRAD_MIN_ROWS rows per expert into each read-modify-write of main_grad (balanced routing; N micro-batches'
+# with train.expert_wgrad_micro_batches=N). The FP8 GEMM grows with rows x M x N, quantizing its operands with
+# rows x (M + N), the read-modify-write not at all. One H100, 2026-11-27, kernel alone then quantization, ms
 # (step_kernels_fp8_wgrad_rows_1xh100.json): Mixtral fc1 at 1,024 rows 5.35 + 0.88 against bf16's 4.70, at 4,096
 # rows 8.71 + 3.40 against 14.89; the fine-grained fc1 (2,048 x 2,048) at 4,096 rows 2.40 + 3.43 against 3.98. The
 # Mixtral-like bench model (1,024 rows per expert a micro-batch, in pairs: 2,048), two launches

@@ -691,8 +691,9 @@ def test_fp8_emulated_layouts_match_single_process(rank_pool, tmp_path, ep, pipe
     row-parallel forward and the column-parallel dgrad contract over a split dimension: their scales are shared
     over the two ranks (layers/fp8.py); with each rank's own maximum instead, the first step's gradients were 0.5
     off. With every TP overlap on, the rings multiply a block of rows at a time: each row quantized as it arrives
-    (the gathers), or every row once before the ring starts, its scale shared (the split contractions). Expert-TP 2 (alone, and following TP=2) splits each expert's ffn: fc2's forward and fc1's dgrad contract
-    over it and share their scales over the expert-TP group."""
+    (the gathers), or every row once before the ring starts, its scale shared (the split contractions). Expert-TP 2
+    (alone, and following TP=2) splits each expert's ffn: fc2's forward and fc1's dgrad contract over it and share
+    their scales over the expert-TP group."""
     for worst in rank_pool(2).run(emulated_fp8_case, ep, 3, str(tmp_path), pipeline, extra):
         assert worst["loss"] < 1e-5 and worst["first_step_grad"] < 1e-5 and worst["grad"] < later, worst
         assert worst["first_step_expert_grad"] < 1e-5, worst  # the experts' too, expert-TP's split GEMMs included

@@ -142,7 +142,7 @@ def test_fp8_wgrad_field_needs_a_recipe():
     ("bench_mixtral_2l", [], True),  # 1,024 rows per expert a micro-batch, in fours: 4,096 per call
     ("bench_mixtral_2l", ["train.expert_wgrad_micro_batches=2"], True),  # in pairs: 2,048
     ("bench_mixtral_2l", ["train.expert_wgrad_micro_batches=1"], False),  # 1,024
-    ("bench_mixtral_2l", ["train.expert_wgrad_micro_batches=1", "parallel.expert_model_parallel_size=4"], True),  # 4,096
+    ("bench_mixtral_2l", ["train.expert_wgrad_micro_batches=1", "parallel.expert_model_parallel_size=4"], True),  # 4096
     ("bench_fine_8l", ["parallel.expert_model_parallel_size=4"], False),  # experts 1,024 wide
     ("bench_mixtral_2l", ["train.fp8_recipe=blockwise"], False),  # its per-chunk scaling: slower
     ("bench_mixtral_2l", ["train.fp8_wgrad=false"], False), ("bench_fine_8l", ["train.fp8_wgrad=true"], True)])

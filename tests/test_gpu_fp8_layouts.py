@@ -41,9 +41,9 @@ DIMS = {"model.hidden_size": 256, "model.ffn_hidden_size": 512, "model.moe_ffn_h
         "model.moe_router_force_load_balancing": "true"}
 TP2_SP = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
           "parallel.expert_tensor_parallel_size": 1}
-TP_OVERLAPS = {"overlap.tp_comm_overlap": "true", "overlap.tp_comm_overlap_ag": "true", "overlap.tp_comm_overlap_rs": "true",
-               "overlap.tp_comm_overlap_rs_dgrad": "true", "overlap.tp_comm_bulk_dgrad": "true",
-               "overlap.tp_comm_num_splits": 2}
+TP_OVERLAPS = {"overlap.tp_comm_overlap": "true", "overlap.tp_comm_overlap_ag": "true",
+               "overlap.tp_comm_overlap_rs": "true", "overlap.tp_comm_overlap_rs_dgrad": "true",
+               "overlap.tp_comm_bulk_dgrad": "true", "overlap.tp_comm_num_splits": 2}
 FP8_WIRE = {"overlap.moe_dispatch_dtype": "fp8", "overlap.moe_dispatch_once_per_rank": "true"}
 RECIPES = ("rowwise", "blockwise")
 LAYOUTS = {  # name: (ranks, EP, overrides); each runs in both recipes

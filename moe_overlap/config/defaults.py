@@ -307,7 +307,8 @@ def narrow_gemms(cfg: Config, min_dim: int) -> list[str]:
 def fp8_wgrad_off_reason(cfg: Config) -> str | None:
     """Why ``train.fp8_wgrad: auto`` keeps the experts' weight gradients in bf16, or None: the recipe, the experts'
     width, and the rows per expert that one read-modify-write of main_grad sums (balanced routing: each of the EP
-    ranks' tokens of a micro-batch, top-k copies over the experts; as many micro-batches' as train.expert_wgrad_micro_batches)."""
+    ranks' tokens of a micro-batch, top-k copies over the experts; as many micro-batches' as
+    train.expert_wgrad_micro_batches)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if t.fp8_recipe not in FP8_WGRAD_RECIPES or m.num_moe_experts is None:
         return f"with fp8_recipe={t.fp8_recipe}"
