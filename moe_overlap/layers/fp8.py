@@ -236,6 +236,11 @@ def refresh_weights(module: nn.Module, *_) -> None:
                 _refresh(w, param, layout, entry, entry.split_over)
 
 
+def _out_width(w: torch.Tensor, contract_last: bool) -> int:
+    """The width of ``a @ B`` where B = w^T if ``contract_last`` else w."""
+    return w.shape[-2] if contract_last else w.shape[-1]
+
+
 def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool, fp8: Fp8,
                offsets_E: torch.Tensor | None = None, fast_accum: bool = False,
                split_over: GroupHandle | None = None) -> torch.Tensor:
@@ -246,7 +251,7 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
     gradients accumulate exactly; blockwise always sums each 128-deep slice exactly). ``split_over``: the ranks
     that each hold part of the contraction (a tensor-parallel linear's partial product): a's and B's rowwise
     scales are shared over them, so the partial products sum to the one process's."""
-    if not fp8.covers(a_MK.shape[-1], w.shape[-2] if contract_last else w.shape[-1]):
+    if not fp8.covers(a_MK.shape[-1], _out_width(w, contract_last)):
         return _bf16_matmul(a_MK, w, contract_last, offsets_E)
     if fp8.recipe == "blockwise":
         return _blockwise_matmul(a_MK, w, contract_last, fp8, offsets_E)
@@ -280,7 +285,7 @@ def fp8_gemm(w: torch.Tensor, contract_last: bool, fp8: Fp8, fast_accum: bool = 
         y = fp8_matmul(a_MK, w, contract_last, fp8, fast_accum=fast_accum, split_over=split_over)
         return y if out is None else out.copy_(y)
 
-    return Gemm(w.shape[-2] if contract_last else w.shape[-1], product)
+    return Gemm(_out_width(w, contract_last), product)
 
 
 def split_contraction_rows(a_MK: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8,
@@ -289,8 +294,7 @@ def split_contraction_rows(a_MK: torch.Tensor, w: torch.Tensor, contract_last: b
     with their scales shared over those ranks: a ring's ranks multiply different blocks of rows at each hop, so no
     block could share its own. ``a`` itself where the GEMM quantizes nothing shared (blockwise: a tile lies on one
     rank; no split; a GEMM that train.fp8_gemm_min_dim leaves bf16)."""
-    if fp8.recipe != "rowwise" or split_over is None or \
-            not fp8.covers(a_MK.shape[-1], w.shape[-2] if contract_last else w.shape[-1]):
+    if fp8.recipe != "rowwise" or split_over is None or not fp8.covers(a_MK.shape[-1], _out_width(w, contract_last)):
         return a_MK
     return Fp8Rows(*_shared_quantization(a_MK, -1, split_over), a_MK.dtype)
 
