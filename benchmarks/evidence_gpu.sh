@@ -81,6 +81,8 @@
 #   bash benchmarks/evidence_gpu.sh fp8_fuse1 OUT  # one GPU: FP8 quantization along the tokens in one launch, a weight's
 #                                                  #   two copies from one kernel; the Mixtral-like model before / after
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_pairs1 OUT # one GPU: the FP8 wgrad's tiles on two-segment calls (pairs)
+#   bash benchmarks/evidence_gpu.sh bulk2    OUT   # the bulk-copy (TMA) push against the Triton push, per CTA and
+#                                                  #   beside a carved-out GEMM (bulk4 on a 4-GPU host)
 #   bash benchmarks/evidence_gpu.sh fp8_split2 OUT # 2 GPUs: shared row scales and FP8 with expert-TP, tests and steps
 #   bash benchmarks/evidence_gpu.sh tma1     OUT   # one GPU: the wgrad tiles added by the TMA against atomic adds
 #   bash benchmarks/evidence_gpu.sh fp8_tp_overlap2 OUT # 2 GPUs: FP8 GEMMs inside the TP rings, tests and steps
@@ -1051,6 +1053,24 @@ case $phase in
         | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
       pack
     fi
+    ;;
+  bulk2|bulk4)  # issue 38: the bulk-copy push (benchmarks/bulk_push.py, the TMA's cp.async.bulk) against the Triton
+    # push, per CTA into the next rank and beside a grouped GEMM carved out by as many SMs (moe_layer.py's carve-out
+    # probe, every shape); its output checked against the Triton push's in local memory first (bulk_matches_push)
+    n=$(nvidia-smi -L | wc -l)
+    name=moe_layer_${n}x${gpu}_nvlink_bulk_probe
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node $n benchmarks/moe_layer.py --shapes fine_small,fine,mixtral \
+      --probe-only --carveout-probe --fabric nvlink --rounds 5 --json $res/$name.json > "$out/$name.log" 2>&1
+    tail -n 30 "$out/$name.log" | cut -c1-600
+    python - $res/$name.json <<'PY'
+import json, sys
+for row in json.load(open(sys.argv[1]))["rows"]:
+    t = row["times_ms"]
+    print(row["shape"], "matches", row["bulk_matches_push"], "MB", round(row["push_bytes"] / 1e6, 1))
+    print("  per CTA MB/ms push", row["push_bytes_per_cta_ms"], "bulk", row["bulk_bytes_per_cta_ms"])
+    print("  beside", {k: v for k, v in t.items() if "+" in k or k.startswith("ffn_c") or "k_8" in k})
+PY
+    pack
     ;;
   fp8_profile1)  # issue 39: where the Mixtral-like bench model's step goes in bf16 and rowwise FP8 (the FP8 wgrad by
     # auto): one profiled step each after the timed ones, the compute stream's time by kind of work, on one GPU

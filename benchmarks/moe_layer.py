@@ -45,6 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
 
+CTAS = (1, 2, 4, 8, 16, 32)  # the carve-out probe's push widths
+BULK_STAGES = ((2, 65536), (6, 32768), (8, 16384), (12, 16384))  # (stages, bytes a stage) beside bulk_push's 4 x 32K
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -111,6 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also time the dispatch transports alone and beside the expert GEMMs, chunked and not")
     parser.add_argument("--carveout-probe", action="store_true",
                         help="also time the grouped GEMMs under SM carve-outs and the push kernel per CTA count")
+    parser.add_argument("--probe-only", action="store_true", help="only the probes, not the layer's settings")
     parser.add_argument("--allow-multicast", action="store_true", help="do not force NVLink multicast off")
     return parser.parse_args(argv)
 
@@ -133,7 +137,8 @@ def main(argv=None) -> None:
     bench = Bench(mesh, torch.device("cuda") if cuda else torch.device("cpu"), args)
     rows = []
     for name in args.shapes.split(","):
-        rows += bench.run_shape(name, SHAPES[name], skew=False)
+        if not args.probe_only:
+            rows += bench.run_shape(name, SHAPES[name], skew=False)
         if args.skew:
             rows += bench.run_shape(name, SHAPES[name], skew=True)
         if args.transport_probe:
@@ -352,6 +357,7 @@ class Bench:
         rank's rows with N CTAs, alone and beside the FFN carved out by N (the FFN launched first); local stores
         on one GPU, the next rank's region on more."""
         torch = self.torch
+        from benchmarks.bulk_push import bulk_push_rows
         from moe_overlap.kernels.push_rows import push_rows
         from moe_overlap.layers.experts import experts_dgrad, experts_forward
 
@@ -388,27 +394,43 @@ class Bench:
         def push(ctas):
             push_rows(x, zero, count, ranks, dst_rows, zero, bases, ctas)
 
-        def beside(ctas):
+        def bulk(ctas):
+            bulk_push_rows(x, zero, count, ranks, dst_rows, zero, bases, ctas)
+
+        def beside(ctas, mover=push):
             side.wait_stream(torch.cuda.current_stream())
             ffn(ctas)  # launched first, then the push on the free SMs
             with torch.cuda.stream(side):
-                push(ctas)
+                mover(ctas)
             torch.cuda.current_stream().wait_stream(side)
 
+        # The bulk-copy push moves what the Triton push moves (into this rank's own memory, checked here).
+        mine = torch.tensor([dest.data_ptr()], dtype=torch.int64, device=self.device)
+        local = torch.zeros_like(ranks)
+        dest.zero_()
+        bulk_push_rows(x, zero, count, local, dst_rows, zero, mine, 8)
+        bulk_out = dest[:moved].clone()
+        push_rows(x, zero, count, local, dst_rows, zero, mine, 8)
+        bulk_matches = bool(torch.equal(bulk_out, dest[:moved]) and torch.equal(bulk_out, x[:moved]))
         variants = {}
         for sms in (0, 4, 8, 16, 32):
             variants[f"ffn_c{sms}"] = lambda sms=sms: ffn(sms)
             variants[f"dgrad_c{sms}"] = lambda sms=sms: dgrad(sms)
-        for ctas in (1, 2, 4, 8, 16, 32):
+        for ctas in CTAS:
             variants[f"push_{ctas}"] = lambda ctas=ctas: push(ctas)
+            variants[f"bulk_{ctas}"] = lambda ctas=ctas: bulk(ctas)
         for ctas in (4, 8, 16):
             variants[f"ffn_c{ctas}+push_{ctas}"] = lambda ctas=ctas: beside(ctas)
+            variants[f"ffn_c{ctas}+bulk_{ctas}"] = lambda ctas=ctas: beside(ctas, bulk)
+        for stages, stage_bytes in BULK_STAGES:  # the bulk push's depth at 8 CTAs
+            variants[f"bulk_{stages}x{stage_bytes >> 10}k_8"] = lambda stages=stages, stage_bytes=stage_bytes: (
+                bulk_push_rows(x, zero, count, ranks, dst_rows, zero, bases, 8, stages, stage_bytes))
         times = self.round_robin(variants)
         nbytes = moved * shape.hidden * x.element_size()
         return {"shape": name, "kind": "carveout_probe", "push_bytes": nbytes, "peer": self.mesh.ep.size > 1,
-                "times_ms": {k: round(v, 4) for k, v in times.items()},
-                "push_bytes_per_cta_ms": {ctas: round(nbytes / times[f"push_{ctas}"] / ctas)
-                                          for ctas in (1, 2, 4, 8, 16, 32)}}
+                "bulk_matches_push": bulk_matches, "times_ms": {k: round(v, 4) for k, v in times.items()},
+                **{f"{mover}_bytes_per_cta_ms": {ctas: round(nbytes / times[f"{mover}_{ctas}"] / ctas)
+                                                 for ctas in CTAS} for mover in ("push", "bulk")}}
 
     # -------------------------------------------------------------------------------------- timeline
     def timeline(self, path: str, shape: Shape):
