@@ -83,6 +83,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_pairs1 OUT # one GPU: the FP8 wgrad's tiles on two-segment calls (pairs)
 #   bash benchmarks/evidence_gpu.sh bulk2    OUT   # the bulk-copy (TMA) push against the Triton push, per CTA and
 #                                                  #   beside a carved-out GEMM (bulk4 on a 4-GPU host)
+#   bash benchmarks/evidence_gpu.sh fp8_tp_profile2 OUT # 2 GPUs: TP=2 SP, bf16 against FP8, profiled (expert-TP 1, 2)
 #   bash benchmarks/evidence_gpu.sh fp8_split2 OUT # 2 GPUs: shared row scales and FP8 with expert-TP, tests and steps
 #   bash benchmarks/evidence_gpu.sh tma1     OUT   # one GPU: the wgrad tiles added by the TMA against atomic adds
 #   bash benchmarks/evidence_gpu.sh fp8_tp_overlap2 OUT # 2 GPUs: FP8 GEMMs inside the TP rings, tests and steps
@@ -1071,6 +1072,28 @@ for row in json.load(open(sys.argv[1]))["rows"]:
     print("  beside", {k: v for k, v in t.items() if "+" in k or k.startswith("ffn_c") or "k_8" in k})
 PY
     pack
+    ;;
+  fp8_tp_profile2)  # issue 39: where FP8 loses to bf16 at TP=2 with SP (0.978x at expert-TP 1, 0.886x at 2 in
+    # fp8_split2, every TP collective serial): one profiled step of each precision, the compute stream by kind and
+    # the top kernels, rank 0
+    for etp in 1 2; do
+      name=train_step_mixtral_2l_tp2_sp_etp${etp}_fp8_profile_2x$gpu
+      CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+        configs/bench_mixtral_2l.yaml parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
+        parallel.expert_tensor_parallel_size=$etp $BAL --warmup 3 --steps 4 --profile-steps 1 \
+        --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 \
+        | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-300
+      python - $res/$name.json <<'PY'
+import json, sys
+for row in json.load(open(sys.argv[1]))["rows"]:
+    step = row["profile_per_rank"][0]["breakdown"]
+    print(row["variant"], round(row["step_time_s"] * 1e3, 1), "ms; exposed", row["exposed_comm_ms"])
+    print("  compute stream", {k: v for k, v in step["compute_stream_ms"].items() if v})
+    for k in step["top_kernels"][:18]:
+        print(f"   {k['ms']:8.2f} ms {k['calls']:5d}x {k['kind']:>14} {k['kernel'][:90]}")
+PY
+      pack
+    done
     ;;
   fp8_profile1)  # issue 39: where the Mixtral-like bench model's step goes in bf16 and rowwise FP8 (the FP8 wgrad by
     # auto): one profiled step each after the timed ones, the compute stream's time by kind of work, on one GPU
