@@ -84,6 +84,7 @@
 #   bash benchmarks/evidence_gpu.sh bulk2    OUT   # the bulk-copy (TMA) push against the Triton push, per CTA and
 #                                                  #   beside a carved-out GEMM (bulk4 on a 4-GPU host)
 #   bash benchmarks/evidence_gpu.sh fp8_tp_profile2 OUT # 2 GPUs: TP=2 SP, bf16 against FP8, profiled (expert-TP 1, 2)
+#   bash benchmarks/evidence_gpu.sh recheck_now4 OUT # the exposed-time GPU test again; the fine model's EP=4 default
 #   bash benchmarks/evidence_gpu.sh fp8_split2 OUT # 2 GPUs: shared row scales and FP8 with expert-TP, tests and steps
 #   bash benchmarks/evidence_gpu.sh tma1     OUT   # one GPU: the wgrad tiles added by the TMA against atomic adds
 #   bash benchmarks/evidence_gpu.sh fp8_tp_overlap2 OUT # 2 GPUs: FP8 GEMMs inside the TP rings, tests and steps
@@ -1094,6 +1095,16 @@ for row in json.load(open(sys.argv[1]))["rows"]:
 PY
       pack
     done
+    ;;
+  recheck_now4)  # the exposed-time test that failed one held step in suite_now4 (pipeline_nccl, 0.77x of the
+    # hold), run again alone; then the fine bench model's default at EP=4 with compute_only and ep1 on today's tree
+    log=$out/gpu_tests_exposed_again_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); GPUs 0-1: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_exposed_comm.py" > "$log"
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs \
+      tests/test_gpu_exposed_comm.py 2>&1 | tail -n 25 | tee -a "$log" | grep -E "passed|failed|assert" | cut -c1-600
+    cp "$log" $res/
+    pack
+    train_step 4 fine_8l balanced_spread_now "$BAL"
     ;;
   fp8_profile1)  # issue 39: where the Mixtral-like bench model's step goes in bf16 and rowwise FP8 (the FP8 wgrad by
     # auto): one profiled step each after the timed ones, the compute stream's time by kind of work, on one GPU
