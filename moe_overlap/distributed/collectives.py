@@ -68,6 +68,13 @@ def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: ProcessG
     return gather(output, tensor, group=group, async_op=True)
 
 
+def start_all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM):
+    """Start an in-place all-reduce; returns a handle to ``wait()`` on before reading ``tensor``."""
+    if group is None:
+        return _COMPLETED
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
 def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup,
                          op: dist.ReduceOp = dist.ReduceOp.SUM):
     """Start summing ``tensor`` over the group into this rank's dim-0 shard ``output``; returns a handle.

@@ -57,9 +57,10 @@ from torch import nn
 
 from moe_overlap.config.rules import FP8_NEEDS_GPU
 from moe_overlap.config.schema import ConfigError
-from moe_overlap.distributed.collectives import all_reduce_
+from moe_overlap.distributed.collectives import start_all_reduce
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.distributed.ring import Gemm
+from moe_overlap.distributed.ring import Gemm, Pending
+from moe_overlap.distributed.streams import exposed_kind
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
 from moe_overlap.kernels.fp8_quant import (column_amax, dequantize, dequantize_rows, quantize_columns, quantize_rows,
                                            quantize_rows_and_columns, row_amax)
@@ -149,13 +150,20 @@ def _state(param: torch.Tensor) -> tuple[int, int, int]:
     return _generation, param._version, param.data_ptr()
 
 
-def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> tuple[torch.Tensor, torch.Tensor]:
+def _start_shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> Pending:
     """x quantized along ``dim``, which ``split_over``'s ranks each hold a part of: each scale from the largest
     value on any of them (one all-reduce of the maxima), so every rank quantizes its part as one process would
-    quantize the whole: the row (column) kernel's two passes with the all-reduce between them."""
+    quantize the whole: the row (column) kernel's two passes with the all-reduce between them. Started: the
+    maxima cross until ``wait()``, which quantizes and gives (q, scale). A collective of the same group started
+    before that wait queues behind the maxima on the group's stream, so the two wait out the ranks' skew once."""
     amax = row_amax(x) if dim == -1 else column_amax(x)
-    all_reduce_(amax, split_over.group, dist.ReduceOp.MAX)
-    return quantize_rows(x, amax=amax) if dim == -1 else quantize_columns(x, amax=amax)
+    work = start_all_reduce(amax, split_over.group, dist.ReduceOp.MAX)
+    return Pending(work=work, kind=exposed_kind(split_over.group),
+                   complete=lambda: quantize_rows(x, amax=amax) if dim == -1 else quantize_columns(x, amax=amax))
+
+
+def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> tuple[torch.Tensor, torch.Tensor]:
+    return _start_shared_quantization(x, dim, split_over).wait()
 
 
 def _quantize_weight(w: torch.Tensor, layout: Layout, entry: _CachedWeight | None = None,
@@ -280,7 +288,7 @@ def fp8_gemm(w: torch.Tensor, contract_last: bool, fp8: Fp8, fast_accum: bool = 
     """:func:`fp8_matmul` by w as a :class:`~moe_overlap.distributed.ring.Gemm`: what the tensor-parallel linears
     hand their gathers and scatters, serial or pipelined, so FP8 runs beside the same overlaps as bf16. A ring takes
     the rows a block at a time: rowwise, each row's scale is its own, so a block's product is the whole's; where the
-    contraction is split, quantize the rows once first (:func:`split_contraction_rows`)."""
+    contraction is split, quantize the rows once first (:func:`start_split_contraction_rows`)."""
     def product(a_MK: torch.Tensor | Fp8Rows, out: torch.Tensor | None) -> torch.Tensor:
         y = fp8_matmul(a_MK, w, contract_last, fp8, fast_accum=fast_accum, split_over=split_over)
         return y if out is None else out.copy_(y)
@@ -288,15 +296,17 @@ def fp8_gemm(w: torch.Tensor, contract_last: bool, fp8: Fp8, fast_accum: bool = 
     return Gemm(_out_width(w, contract_last), product)
 
 
-def split_contraction_rows(a_MK: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8,
-                           split_over: GroupHandle | None) -> torch.Tensor | Fp8Rows:
+def start_split_contraction_rows(a_MK: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8,
+                                 split_over: GroupHandle | None) -> Pending:
     """a's rows for a rowwise FP8 GEMM whose contraction ``split_over``'s ranks each hold a part of, quantized once
     with their scales shared over those ranks: a ring's ranks multiply different blocks of rows at each hop, so no
     block could share its own. ``a`` itself where the GEMM quantizes nothing shared (blockwise: a tile lies on one
-    rank; no split; a GEMM that train.fp8_gemm_min_dim leaves bf16)."""
+    rank; no split; a GEMM that train.fp8_gemm_min_dim leaves bf16). Started: ``wait()`` gives the rows, their
+    maxima crossing until then (:func:`_start_shared_quantization`)."""
     if fp8.recipe != "rowwise" or split_over is None or not fp8.covers(a_MK.shape[-1], _out_width(w, contract_last)):
-        return a_MK
-    return Fp8Rows(*_shared_quantization(a_MK, -1, split_over), a_MK.dtype)
+        return Pending(a_MK)
+    quantizing = _start_shared_quantization(a_MK, -1, split_over)
+    return Pending(complete=lambda: Fp8Rows(*quantizing.wait(), a_MK.dtype))
 
 
 def _bf16_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: bool,

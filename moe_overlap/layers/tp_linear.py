@@ -34,7 +34,7 @@ from moe_overlap.distributed.ring import Gemm, Pending, TPComm, as_gemm
 from moe_overlap.layers.init import NORMAL, make_param
 from moe_overlap.layers.param_info import TPShard
 from moe_overlap.layers.deferred_wgrad import weight_grads
-from moe_overlap.layers.fp8 import Fp8, Fp8Rows, fp8_gemm, split_contraction_rows
+from moe_overlap.layers.fp8 import Fp8, Fp8Rows, fp8_gemm, start_split_contraction_rows
 from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
 
 def _contraction_split(comm: TPComm) -> GroupHandle | None:
@@ -43,25 +43,39 @@ def _contraction_split(comm: TPComm) -> GroupHandle | None:
     return comm.group if comm.size > 1 else None
 
 
+def _start_rows(a: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8 | None, comm: TPComm,
+                split: bool = False) -> Pending:
+    """a's rows as the GEMM by w takes them (see :func:`_gemm`), started: in FP8 with the contraction ``split``,
+    their shared maxima cross until ``wait()``."""
+    if fp8 is None:
+        return Pending(a)
+    return start_split_contraction_rows(a, w, contract_last, fp8, _contraction_split(comm) if split else None)
+
+
+def _operand(w: torch.Tensor, contract_last: bool, fp8: Fp8 | None, comm: TPComm, split: bool = False,
+             fast_accum: bool = False) -> torch.Tensor | Gemm:
+    """B of :func:`_gemm`."""
+    if fp8 is None:
+        return w.t() if contract_last else w
+    return fp8_gemm(w, contract_last, fp8, fast_accum, _contraction_split(comm) if split else None)
+
+
 def _gemm(a: torch.Tensor, w: torch.Tensor, contract_last: bool, fp8: Fp8 | None, comm: TPComm,
           split: bool = False, fast_accum: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | Gemm]:
     """(a, B) for ``a @ B`` through the TP collectives, B = w^T if ``contract_last`` else w: the matrix itself in
     bf16; in FP8 the GEMM by w, and where the contraction is ``split`` over the ranks, a's rows quantized once with
     their scales shared (layers/fp8.py)."""
-    if fp8 is None:
-        return a, w.t() if contract_last else w
-    split_over = _contraction_split(comm) if split else None
-    return (split_contraction_rows(a, w, contract_last, fp8, split_over),
-            fp8_gemm(w, contract_last, fp8, fast_accum, split_over))
+    return (_start_rows(a, w, contract_last, fp8, comm, split).wait(),
+            _operand(w, contract_last, fp8, comm, split, fast_accum))
 
 
 # -------------------------------------------------------------------------------------- column parallel
 
 
-def column_dgrad_start(grad_y_SF: torch.Tensor, w_FH: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None
-                       ) -> Pending:
-    """grad_x = scatter(grad_y @ W): pipelined, or the GEMM now and its scatter in flight (bulk) or done."""
-    grad_y, b = _gemm(grad_y_SF, w_FH, False, fp8, comm, split=True)  # the contraction over F is split
+def column_dgrad_start(grad_y: Pending, w_FH: torch.Tensor, comm: TPComm, fp8: Fp8 | None = None) -> Pending:
+    """grad_x = scatter(grad_y @ W) from grad_y's rows as ``_start_rows`` started them: pipelined, or the GEMM now
+    and its scatter in flight (bulk) or done."""
+    grad_y, b = grad_y.wait(), _operand(w_FH, False, fp8, comm, split=True)  # the contraction over F is split
     if comm.overlap.rs_dgrad:
         return Pending(comm.matmul_scatter(grad_y, b, overlap=True))
     return comm.start_scatter(as_gemm(b).product(grad_y, None), overlap=comm.overlap.bulk_wgrad)
@@ -80,8 +94,11 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         (x_RH,), (w_FH,) = ctx.saved_tensors, ctx.weights
         comm = ctx.comm
         grad_y_SF = grad_y_SF.contiguous()
+        # FP8: the output gradient's shared maxima start first, so the serial gather of x queues behind them and
+        # one wait covers both (2xH100: about 1 ms of exposed TP wait per all-reduce of maxima waited for alone)
+        grad_y = _start_rows(grad_y_SF, w_FH, False, ctx.fp8, comm, split=True)
         x_gather = comm.start_gather(x_RH, overlap=comm.overlap.bulk_dgrad)
-        grad_x = column_dgrad_start(grad_y_SF, w_FH, comm, ctx.fp8)
+        grad_x = column_dgrad_start(grad_y, w_FH, comm, ctx.fp8)
         grad_w_FH, = weight_grads(linear_wgrad, (w_FH, grad_y_SF, x_gather.wait()), ctx.weights)
         return grad_x.wait(), grad_w_FH, None, None
 
