@@ -85,6 +85,8 @@
 #                                                  #   beside a carved-out GEMM (bulk4 on a 4-GPU host)
 #   bash benchmarks/evidence_gpu.sh fp8_tp_profile2 OUT # 2 GPUs: TP=2 SP, bf16 against FP8, profiled (expert-TP 1, 2)
 #   bash benchmarks/evidence_gpu.sh recheck_now4 OUT # the exposed-time GPU test again; the fine model's EP=4 default
+#   bash benchmarks/evidence_gpu.sh fp8_merge2 OUT # 2 GPUs: the column dgrad's maxima before the gather (FP8 at TP=2);
+#                                                  #   AGAIN=_b ETPS=2: the steps alone again, expert-TP 2
 #   bash benchmarks/evidence_gpu.sh fp8_split2 OUT # 2 GPUs: shared row scales and FP8 with expert-TP, tests and steps
 #   bash benchmarks/evidence_gpu.sh tma1     OUT   # one GPU: the wgrad tiles added by the TMA against atomic adds
 #   bash benchmarks/evidence_gpu.sh fp8_tp_overlap2 OUT # 2 GPUs: FP8 GEMMs inside the TP rings, tests and steps
@@ -1105,6 +1107,23 @@ PY
     cp "$log" $res/
     pack
     train_step 4 fine_8l balanced_spread_now "$BAL"
+    ;;
+  fp8_merge2)  # issue 39: the column-parallel dgrad's FP8 maxima started before the serial gather of x (one wait for
+    # both, layers/tp_linear.py): the 2-rank FP8 layouts' GPU test, then fp8_split2's steps again (TP=2 with SP,
+    # expert-TP 1 and 2, bf16 against rowwise)
+    log=$out/gpu_tests_fp8_merge_2x$gpu.txt
+    [ -n "${AGAIN:-}" ] || echo "# $(date -u '+%F %H:%M UTC'); GPUs 0-1: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py -k '2]'" > "$log"
+    [ -n "${AGAIN:-}" ] || { CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider \
+      -rfEs tests/test_gpu_fp8_layouts.py -k "2]" 2>&1 | tail -n 6 | tee -a "$log"; cp "$log" $res/; }
+    for etp in ${ETPS:-1 2}; do
+      name=train_step_mixtral_2l_tp2_sp_etp${etp}_fp8_merge${AGAIN:-}_2x$gpu
+      CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+        configs/bench_mixtral_2l.yaml parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
+        parallel.expert_tensor_parallel_size=$etp $BAL --warmup 3 --steps 8 --profile-steps 0 \
+        --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json \
+        2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+      pack
+    done
     ;;
   fp8_profile1)  # issue 39: where the Mixtral-like bench model's step goes in bf16 and rowwise FP8 (the FP8 wgrad by
     # auto): one profiled step each after the timed ones, the compute stream's time by kind of work, on one GPU
