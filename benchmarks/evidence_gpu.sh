@@ -144,6 +144,20 @@ train_step() {  # nproc, model (fine_8l | mixtral_2l), routing name, routing ove
   pack
 }
 
+tp2_fp8_steps() {  # name tag, expert-TP sizes, then train_step arguments: the Mixtral-like bench model at TP=2 with
+  # SP on GPUs 0-1, forced balancing, bf16 (config) against rowwise FP8, one launch per expert-TP size
+  local tag=$1 etps=$2 etp name
+  shift 2
+  for etp in $etps; do
+    name=train_step_mixtral_2l_tp2_sp_etp${etp}_fp8_${tag}_2x$gpu
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+      configs/bench_mixtral_2l.yaml parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
+      parallel.expert_tensor_parallel_size=$etp $BAL --variant rowwise:train.fp8_recipe=rowwise \
+      --json $res/$name.json "$@" 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    pack
+  done
+}
+
 fp8_layouts() {  # the FP8 layouts' GPU test at 2 and 4 GPUs (issue 39), its whole output kept
   local log=$out/gpu_tests_fp8_layouts_4x$gpu.txt
   echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py" > "$log"
@@ -1079,13 +1093,9 @@ PY
   fp8_tp_profile2)  # issue 39: where FP8 loses to bf16 at TP=2 with SP (0.978x at expert-TP 1, 0.886x at 2 in
     # fp8_split2, every TP collective serial): one profiled step of each precision, the compute stream by kind and
     # the top kernels, rank 0
+    tp2_fp8_steps profile "1 2" --warmup 3 --steps 4 --profile-steps 1
     for etp in 1 2; do
       name=train_step_mixtral_2l_tp2_sp_etp${etp}_fp8_profile_2x$gpu
-      CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
-        configs/bench_mixtral_2l.yaml parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
-        parallel.expert_tensor_parallel_size=$etp $BAL --warmup 3 --steps 4 --profile-steps 1 \
-        --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 \
-        | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-300
       python - $res/$name.json <<'PY'
 import json, sys
 for row in json.load(open(sys.argv[1]))["rows"]:
@@ -1095,7 +1105,6 @@ for row in json.load(open(sys.argv[1]))["rows"]:
     for k in step["top_kernels"][:18]:
         print(f"   {k['ms']:8.2f} ms {k['calls']:5d}x {k['kind']:>14} {k['kernel'][:90]}")
 PY
-      pack
     done
     ;;
   recheck_now4)  # the exposed-time test that failed one held step in suite_now4 (pipeline_nccl, 0.77x of the
@@ -1115,15 +1124,7 @@ PY
     [ -n "${AGAIN:-}" ] || echo "# $(date -u '+%F %H:%M UTC'); GPUs 0-1: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py -k '2]'" > "$log"
     [ -n "${AGAIN:-}" ] || { CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider \
       -rfEs tests/test_gpu_fp8_layouts.py -k "2]" 2>&1 | tail -n 6 | tee -a "$log"; cp "$log" $res/; }
-    for etp in ${ETPS:-1 2}; do
-      name=train_step_mixtral_2l_tp2_sp_etp${etp}_fp8_merge${AGAIN:-}_2x$gpu
-      CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
-        configs/bench_mixtral_2l.yaml parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
-        parallel.expert_tensor_parallel_size=$etp $BAL --warmup 3 --steps 8 --profile-steps 0 \
-        --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json \
-        2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
-      pack
-    done
+    tp2_fp8_steps merge${AGAIN:-} "${ETPS:-1 2}" --warmup 3 --steps 8 --profile-steps 0
     ;;
   fp8_profile1)  # issue 39: where the Mixtral-like bench model's step goes in bf16 and rowwise FP8 (the FP8 wgrad by
     # auto): one profiled step each after the timed ones, the compute stream's time by kind of work, on one GPU
@@ -1246,15 +1247,7 @@ PY
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 300 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8.py \
       tests/test_gpu_fp8_layouts.py tests/test_gpu_wgrad.py -k "not 4]" 2>&1 | tail -n 6 | tee -a "$log"
     cp "$log" $res/
-    for etp in 1 2; do
-      name=train_step_mixtral_2l_tp2_sp_etp${etp}_fp8_split_2x$gpu
-      CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
-        configs/bench_mixtral_2l.yaml parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
-        parallel.expert_tensor_parallel_size=$etp $BAL --warmup 3 --steps 8 --profile-steps 0 \
-        --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json \
-        2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
-      pack
-    done
+    tp2_fp8_steps split "1 2" --warmup 3 --steps 8 --profile-steps 0
     ;;
   fp8_tp_overlap2)  # FP8 GEMMs inside the TP rings (2 GPUs): the 2-rank FP8 layouts (tp2_sp_overlaps new) and the
     # TP ring tests, then the Mixtral-like model at TP=2 with SP, expert-TP 1: bf16 and rowwise, each with the TP
