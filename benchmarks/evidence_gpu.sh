@@ -32,6 +32,8 @@
 #   bash benchmarks/evidence_gpu.sh examples4x OUT # both 4-GPU examples as shipped, one after the other
 #   bash benchmarks/evidence_gpu.sh mb4      OUT   # the fine ep1 row on text, then the fine 4-GPU example as
 #                                                  #   shipped (2 sequences per micro-batch) and at 1
+#   bash benchmarks/evidence_gpu.sh routing4v OUT  # the fine 2-GPU example, two untried routings side by side
+#   bash benchmarks/evidence_gpu.sh mb4b     OUT   # the fine 4-GPU example at 4 sequences a micro-batch, bounded
 #   bash benchmarks/evidence_gpu.sh example4_split OUT # the once-per-rank GPU test at 4 ranks, then train_step.py
 #                                                  #   on configs/gpu4_fine.yaml: learned routing, forced balancing,
 #                                                  #   compute_only (the exposed exchange's split)
@@ -852,6 +854,25 @@ case $phase in
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
       --no-scale-batch --warmup 2 --steps 3 --profile-steps 1 --json $res/$name.json --timeline $res/$name.png 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    ;;
+  routing4v)  # issue 41 (2026-11-28): the fine 2-GPU example's routing target (no expert under 25% of its layer's
+    # mean from step 50), two untried settings side by side: DeepSeek-V3's bias rate (1e-3) on sigmoid scores beside
+    # aux 0.1 (GPUs 0-1; the 1e-2 rate tried before oscillated), softmax with aux 0.3 (GPUs 2-3; 0.2 left 5 steps under)
+    CUDA_VISIBLE_DEVICES=0,1 ROUTING="model.moe_router_score_function=sigmoid model.moe_router_enable_expert_bias=true \
+model.moe_router_bias_update_rate=1e-3" ROUTING_NAME=mb2_sigmoid_bias1e-3_aux1e-1 example 2 &
+    sleep 2
+    CUDA_VISIBLE_DEVICES=2,3 ROUTING="model.moe_aux_loss_coeff=0.3" ROUTING_NAME=mb2_aux3e-1 example 2 &
+    wait
+    ;;
+  mb4b)  # issue 41: the fine 4-GPU example at 4 sequences a micro-batch (4 micro-batches per GPU: half the
+    # per-micro-batch syncs of the shipped 8 of 2), which fits only with the exchange bounded (factor 1.5: the
+    # examples' worst micro-batch at EP=4 was 1.56, before step 16), after the family's ep1 row on GPU 0; then the
+    # example as shipped for 60 steps in the same lease
+    name=train_step_fine_8l_ep1_text_mb4b_1x$gpu
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT $STEPS \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ROUTING="train.micro_batch_size=4 overlap.moe_expert_rank_capacity_factor=1.5" ROUTING_NAME=mb4_bound1.5 example 4
+    ROUTING_NAME=shipped_mb4b example 4 train.max_steps=60
     ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
