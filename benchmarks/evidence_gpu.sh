@@ -34,6 +34,8 @@
 #                                                  #   shipped (2 sequences per micro-batch) and at 1
 #   bash benchmarks/evidence_gpu.sh routing4v OUT  # the fine 2-GPU example, two untried routings side by side
 #   bash benchmarks/evidence_gpu.sh mb4b     OUT   # the fine 4-GPU example at 4 sequences a micro-batch, bounded
+#   bash benchmarks/evidence_gpu.sh mb4c     OUT   # the same at factor 2.0, then 1.0 (forced overflow) for 8 steps
+#   bash benchmarks/evidence_gpu.sh rerun4   OUT   # the re-run recomputed: the overflow GPU test, forced overflows at mb 4
 #   bash benchmarks/evidence_gpu.sh example4_split OUT # the once-per-rank GPU test at 4 ranks, then train_step.py
 #                                                  #   on configs/gpu4_fine.yaml: learned routing, forced balancing,
 #                                                  #   compute_only (the exposed exchange's split)
@@ -873,6 +875,30 @@ model.moe_router_bias_update_rate=1e-3" ROUTING_NAME=mb2_sigmoid_bias1e-3_aux1e-
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ROUTING="train.micro_batch_size=4 overlap.moe_expert_rank_capacity_factor=1.5" ROUTING_NAME=mb4_bound1.5 example 4
     ROUTING_NAME=shipped_mb4b example 4 train.max_steps=60
+    ;;
+  mb4c)  # issue 41 after mb4b (4 sequences a micro-batch at factor 1.5: 0.494 against 0.484 shipped, 58.7 GiB, no
+    # overflow, but its worst micro-batch reached 1.49 at step 18): the same at factor 2.0 (what a shipped config
+    # would hold: no measured EP=4 example passed 1.56), then at 1.0 for 8 steps, where learned routing overflows
+    # nearly every step: whether the eager host-planned re-run fits beside the graphs at this size
+    ROUTING="train.micro_batch_size=4 overlap.moe_expert_rank_capacity_factor=2.0" ROUTING_NAME=mb4_bound2.0 example 4
+    ROUTING="train.micro_batch_size=4 overlap.moe_expert_rank_capacity_factor=1.0" ROUTING_NAME=mb4_bound1.0 example 4 \
+      train.max_steps=8 train.eval_interval=0
+    ;;
+  rerun4)  # issue 37, after mb4c (the eager host-planned re-run of an overflowed step ran out of memory beside the
+    # graph pools at 4 sequences a micro-batch): the re-run now recomputes every layer in its backward. The overflow
+    # GPU test at 4 GPUs, then forced overflows at 4 sequences a micro-batch: factor 1.5 (the largest pools that fit)
+    # on skewed synthetic tokens (zipf 1.2), and 1.0 on real text, 6 steps each
+    log=$out/gpu_tests_overflow_rerun_4x.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: python -m pytest -m gpu -rfEs tests/test_gpu_overflow.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_overflow.py 2>&1 | tail -n 8 \
+      | tee -a "$log"
+    cp "$log" "$res/gpu_tests_overflow_rerun_4x$gpu.txt"
+    for run in "1.5 data.path=synthetic:zipf:1.2 model.vocab_size=32000" "1.0"; do
+      set -- $run
+      ROUTING="train.micro_batch_size=4 overlap.moe_expert_rank_capacity_factor=$1" ROUTING_NAME=mb4_rerun${1}_recomputed \
+        example 4 train.max_steps=6 train.eval_interval=0 ${@:2}
+      grep -E "OutOfMemory|ran again" "$out/examples_gpu4_fine_mb4_rerun${1}_recomputed_4x$gpu.log" | cut -c1-200 | head -n 3
+    done
     ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}

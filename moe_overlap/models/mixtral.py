@@ -266,7 +266,7 @@ class MixtralModel(nn.Module):
         for index in indices:
             layer = self.layers[str(index)]
             if self.recompute and torch.is_grad_enabled():
-                x_BSH, layer_aux, layer_tokens = checkpoint(layer, x_BSH, use_reentrant=False)  # never graphed
+                x_BSH, layer_aux, layer_tokens = checkpoint(layer, x_BSH, micro_batch=micro_batch, use_reentrant=False)
             else:
                 x_BSH, layer_aux, layer_tokens = layer(x_BSH, micro_batch=micro_batch)
             if layer_aux is not None:

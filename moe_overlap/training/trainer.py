@@ -287,14 +287,27 @@ class Trainer:
         self.step = metrics["step"] - 1
         self._rerun_pending.zero_()  # stream-ordered after the queued step read it
         self._last_step_end = attempt.start
-        with host_planned_rerun(self._moe_layers):
-            again = finish()
+        recompute = self.model.recompute
+        self.model.recompute = recompute or self._rerun_recomputes()
+        try:
+            with host_planned_rerun(self._moe_layers):
+                again = finish()
+        finally:
+            self.model.recompute = recompute
         again.update(moe_overflow_rows=metrics["moe_overflow_rows"], moe_overflow_reruns=1)
         if self.is_logger:
             log.info("step %d: %d MoE rows overflowed the device-planned exchange's bound "
                      "(overlap.moe_expert_rank_capacity_factor=%s); the step ran again planned on the host",
                      metrics["step"], metrics["moe_overflow_rows"], self.cfg.overlap.moe_expert_rank_capacity_factor)
         return again, None if queued is None else self.launch_step()
+
+    def _rerun_recomputes(self) -> bool:
+        """Whether a step run again recomputes every layer in its backward (train.recompute_granularity=full for
+        that step): the attempt's graphs keep its static tensors in their pools, and the re-run's host-planned
+        stash is at least the bound that overflowed, so holding it for every layer can run out of memory where the
+        attempt fit (configs/gpu4_fine.yaml at 4 sequences a micro-batch on 4xH100, 2026-11-28); recomputed, it holds
+        one layer's. Not where recomputation is not implemented: paired micro-batches' stages, ZB-H1."""
+        return not self.cfg.overlap.overlap_moe_expert_parallel_comm and self.cfg.train.pipeline_schedule != "zb_h1"
 
     def launch_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> StepInFlight:
         """Queue one optimizer step's work; its numbers stay on the device until :meth:`finish_step`, so the
