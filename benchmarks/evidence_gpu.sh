@@ -36,6 +36,7 @@
 #   bash benchmarks/evidence_gpu.sh mb4b     OUT   # the fine 4-GPU example at 4 sequences a micro-batch, bounded
 #   bash benchmarks/evidence_gpu.sh mb4c     OUT   # the same at factor 2.0, then 1.0 (forced overflow) for 8 steps
 #   bash benchmarks/evidence_gpu.sh rerun4   OUT   # the re-run recomputed: the overflow GPU test, forced overflows at mb 4
+#   bash benchmarks/evidence_gpu.sh confirm4 OUT   # the fine ep1 row, then configs/gpu4_fine.yaml as shipped
 #   bash benchmarks/evidence_gpu.sh example4_split OUT # the once-per-rank GPU test at 4 ranks, then train_step.py
 #                                                  #   on configs/gpu4_fine.yaml: learned routing, forced balancing,
 #                                                  #   compute_only (the exposed exchange's split)
@@ -899,6 +900,13 @@ model.moe_router_bias_update_rate=1e-3" ROUTING_NAME=mb2_sigmoid_bias1e-3_aux1e-
         example 4 train.max_steps=6 train.eval_interval=0 ${@:2}
       grep -E "OutOfMemory|ran again" "$out/examples_gpu4_fine_mb4_rerun${1}_recomputed_4x$gpu.log" | cut -c1-200 | head -n 3
     done
+    ;;
+  confirm4)  # issue 41: configs/gpu4_fine.yaml as shipped since 2026-11-28 (4 sequences a micro-batch, factor 1.5),
+    # after the family's ep1 row on GPU 0: a second launch of what mb4b measured once
+    name=train_step_fine_8l_ep1_text_confirm_1x$gpu
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT $STEPS \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ROUTING_NAME=shipped_mb4 example 4
     ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
