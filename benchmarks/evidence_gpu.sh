@@ -37,6 +37,7 @@
 #   bash benchmarks/evidence_gpu.sh mb4c     OUT   # the same at factor 2.0, then 1.0 (forced overflow) for 8 steps
 #   bash benchmarks/evidence_gpu.sh rerun4   OUT   # the re-run recomputed: the overflow GPU test, forced overflows at mb 4
 #   bash benchmarks/evidence_gpu.sh confirm4 OUT   # the fine ep1 row, then configs/gpu4_fine.yaml as shipped
+#   bash benchmarks/evidence_gpu.sh bound175_4 OUT # configs/gpu4_fine.yaml at factor 1.75
 #   bash benchmarks/evidence_gpu.sh example4_split OUT # the once-per-rank GPU test at 4 ranks, then train_step.py
 #                                                  #   on configs/gpu4_fine.yaml: learned routing, forced balancing,
 #                                                  #   compute_only (the exposed exchange's split)
@@ -907,6 +908,10 @@ model.moe_router_bias_update_rate=1e-3" ROUTING_NAME=mb2_sigmoid_bias1e-3_aux1e-
     CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT $STEPS \
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ROUTING_NAME=shipped_mb4 example 4
+    ;;
+  bound175_4)  # issue 41 after confirm4 (at 1.5 step 18 overflowed, worst micro-batch 1.52, and its re-run cost 6.8 s
+    # against 1.0): configs/gpu4_fine.yaml at factor 1.75, between 1.5 and 2.0 (which did not fit), 100 steps
+    ROUTING="overlap.moe_expert_rank_capacity_factor=1.75" ROUTING_NAME=mb4_bound1.75 example 4
     ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
