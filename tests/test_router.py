@@ -18,6 +18,7 @@ from moe_overlap.kernels.router import FORCED_ORDERS, forced_expert_orders, forc
 from moe_overlap.layers.router import Router
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.trainer import Trainer
+from tests.test_dist_optimizer import parameters
 from tests.test_master import CPU, TOL, equivalence_case, small_config, tp_layout, world_and_mesh
 
 H, E, TOKENS, SEQ = 16, 8, 24, 6
@@ -514,6 +515,39 @@ def test_expert_bias_is_identical_on_every_rank_and_checkpointed(rank_pool, tmp_
     assert biases[0] == biases[1] and any(biases[0])
 
 
+def router_lr_scale_case(output_dir: str, distributed: bool) -> list[str]:
+    """One step from the same weights with the routers' learning rate at 1 and at 0.25 of the schedule (EP=2, the
+    dense parameters over DP=2): the parameters the scaled run moved, by name, after checking every move."""
+    extra = {"train.use_distributed_optimizer": str(distributed).lower()}
+    runs = []
+    for scale in (1.0, 0.25):
+        cfg = small_config(output_dir, 2, 8, **extra, **{"model.moe_router_lr_scale": scale})
+        _, mesh = world_and_mesh(cfg)
+        try:
+            trainer = Trainer(cfg, mesh, CPU)
+            before = parameters(trainer)
+            trainer.train_step()
+            runs.append((before, parameters(trainer)))
+        finally:
+            mesh.destroy()
+    (start, plain), (same_start, scaled) = runs
+    routers = []
+    for name, weight in start.items():
+        assert torch.equal(weight, same_start[name]), name
+        if ".router." in name:  # AdamW's first move is lr x g / |g| (plus the decay's lr x wd x w): linear in lr
+            torch.testing.assert_close(scaled[name] - weight, 0.25 * (plain[name] - weight), rtol=1e-4, atol=1e-9)
+            routers.append(name)
+        else:
+            assert torch.equal(scaled[name], plain[name]), name
+    return routers
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_router_lr_scale_moves_only_the_routers_less(rank_pool, tmp_path, distributed):
+    routers = rank_pool(2).run(router_lr_scale_case, str(tmp_path), distributed)
+    assert routers[0] == routers[1] and len(routers[0]) == 2  # the two MoE layers of small_config
+
+
 BASE = ["model.num_moe_experts=8", "model.moe_router_topk=2"]
 BAD_ROUTER = [
     (["model.moe_expert_capacity_factor=0"], "model.moe_expert_capacity_factor", "must be > 0"),
@@ -532,6 +566,10 @@ BAD_ROUTER = [
      "model.moe_router_topk", "= 2"),
     (["model.moe_router_enable_expert_bias=true"], "model.moe_router_enable_expert_bias", "'sigmoid'"),
     (["model.moe_router_bias_update_rate=0"], "model.moe_router_bias_update_rate", "must be > 0"),
+    (["model.moe_router_lr_scale=0"], "model.moe_router_lr_scale", "must be a finite number > 0"),
+    (["model.moe_router_lr_scale=-0.5"], "model.moe_router_lr_scale", "must be a finite number > 0"),
+    (["model.num_moe_experts=null", "model.moe_router_lr_scale=0.1"], "model.moe_router_lr_scale",
+     "has no effect on a dense model"),
     (["model.num_moe_experts=null", "model.moe_router_force_load_balancing=true"],
      "model.moe_router_force_load_balancing", "has no effect on a dense model"),
 ]

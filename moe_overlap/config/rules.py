@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from moe_overlap.config.defaults import resolve_defaults
 from moe_overlap.config.overlap_rules import validate_overlaps
@@ -239,6 +240,8 @@ def _validate_moe(m: ModelConfig) -> None:
                  "needs model.moe_router_score_function='sigmoid' (as Megatron-Core)")
     require(m.moe_router_bias_update_rate > 0, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
              "must be > 0")
+    require(math.isfinite(m.moe_router_lr_scale) and m.moe_router_lr_scale > 0, "model.moe_router_lr_scale",
+            m.moe_router_lr_scale, "must be a finite number > 0 (1: train.lr's schedule)")
     if m.moe_pad_expert_input_to_capacity:
         require(m.moe_expert_capacity_factor is not None, "model.moe_pad_expert_input_to_capacity", True,
                  "needs model.moe_expert_capacity_factor (padding fills each expert's capacity)")

@@ -78,6 +78,9 @@ class ModelConfig:
     moe_router_group_topk: Optional[int] = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    # The routers' learning rate as a multiple of train.lr's schedule (every step of it): below 1, each step moves a
+    # router's logits less, so one expert's share swings less from step to step
+    moe_router_lr_scale: float = 1.0
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     # Benchmarks only (torchtitan's debug switch): copy j of token t goes to expert (t * topk + j) mod experts, the
     # weights are the router's scores there; the model does not learn routing.

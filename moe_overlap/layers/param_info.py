@@ -75,6 +75,7 @@ class ParamInfo:
     tied_copy: bool = False  # the last stage's copy of a tied embedding: not saved, counted once in the norm
     adds_own_grad: bool = False  # its layer adds the gradient into main_grad itself (layers/wgrad.py)
     main_grad: torch.Tensor | None = None  # the fp32 gradient the optimizer attaches and the step sums into
+    lr_scale: float = 1.0  # its learning rate as a multiple of the schedule's (a router's: model.moe_router_lr_scale)
 
 
 def param_info(param: torch.Tensor) -> ParamInfo:

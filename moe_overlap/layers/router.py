@@ -47,6 +47,7 @@ from torch import nn
 from moe_overlap.config import ModelConfig
 from moe_overlap.kernels.router import forced_expert_orders, forced_experts, topk_route
 from moe_overlap.layers.init import NORMAL, make_param
+from moe_overlap.layers.param_info import param_info
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Router(nn.Module):
                  score_function: str = "softmax", num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                  enable_expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  capacity_factor: Optional[float] = None, drop_policy: str = "probs",
-                 seq_length: Optional[int] = None, force_load_balancing: bool = False):
+                 seq_length: Optional[int] = None, force_load_balancing: bool = False, lr_scale: float = 1.0):
         super().__init__()
         self.num_experts, self.topk, self.pre_softmax = num_experts, topk, pre_softmax
         self.force_load_balancing = force_load_balancing
@@ -94,6 +95,7 @@ class Router(nn.Module):
         self.aux_loss_coeff = aux_loss_coeff if load_balancing_type != "none" else 0.0
         self.z_loss_coeff = z_loss_coeff
         self.weight = make_param((num_experts, hidden_size), NORMAL, device, dtype)
+        param_info(self.weight).lr_scale = lr_scale  # the optimizers read it
         # Buffers, not parameters: the optimizer never sees them; the trainer checkpoints them by logical name.
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
                              if enable_expert_bias else None)
@@ -111,7 +113,7 @@ class Router(nn.Module):
                    group_topk=cfg.moe_router_group_topk, enable_expert_bias=cfg.moe_router_enable_expert_bias,
                    bias_update_rate=cfg.moe_router_bias_update_rate, capacity_factor=cfg.moe_expert_capacity_factor,
                    drop_policy=cfg.moe_token_drop_policy, seq_length=cfg.seq_length,
-                   force_load_balancing=cfg.moe_router_force_load_balancing)
+                   force_load_balancing=cfg.moe_router_force_load_balancing, lr_scale=cfg.moe_router_lr_scale)
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
         """Route the tokens of one micro-batch; ``x_TH`` is (batch, seq) flattened sequence-major."""

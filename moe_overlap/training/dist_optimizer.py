@@ -44,8 +44,8 @@ from moe_overlap.layers.param_info import is_expert_param, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.precision import DTYPES
 from moe_overlap.training.checkpoint import flat_range_tensor, tp_logical_tensor
-from moe_overlap.training.optimizer import (GradNorms, adamw_hyper, clip_control, decays, logical_grad_copies,
-                                            logical_parts)
+from moe_overlap.training.optimizer import (GradNorms, adam_group, adamw_hyper, clip_control, decays,
+                                            logical_grad_copies, logical_parts)
 from moe_overlap.training.tp_grads import (counts_in_dense_norm, is_shared_embedding, sum_sequence_parallel_grads,
                                            sum_shared_embedding_grads)
 
@@ -72,8 +72,9 @@ class _Bucket:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: GroupHandle, first_unit: int,
                  payload_dtype: torch.dtype, counts_in_norm: Callable[[nn.Parameter], bool]):
         self.group, self.first_unit, self.payload_dtype = group, first_unit, payload_dtype
-        # Decayed (>= 2-D) parameters first: a shard then meets one decayed and one undecayed range at most.
-        params = sorted(params, key=lambda item: not decays(item[1]))
+        # Decayed (>= 2-D) parameters first, then by learning-rate scale: a shard then meets few runs of parameters
+        # that AdamW updates alike (one decayed and one undecayed where every scale is 1).
+        params = sorted(params, key=lambda item: (not decays(item[1]), param_info(item[1]).lr_scale))
         self.slots: list[_Slot] = []
         for name, param in params:
             self.slots.append(_Slot(name, param, self.slots[-1].end if self.slots else 0))
@@ -97,11 +98,19 @@ class _Bucket:
         self.master = self.param_shard if dtype == torch.float32 else self.param_shard.float()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        decay_end = max((s.end for s in self.slots if decays(s.param)), default=0)
+        # The runs of slots with one adam_group, the padding in the last (zeros: no update moves it), each clipped
+        # to this rank's shard: (where in the shard, decays, learning-rate scale).
+        runs: list[list] = []
+        for slot in self.slots:
+            group = adam_group(slot.param)
+            if runs and runs[-1][2] == group:
+                runs[-1][1] = slot.end
+            else:
+                runs.append([slot.start, slot.end, group])
+        runs[-1][1] = self.numel
         lo, hi = self.shard.start, self.shard.stop
-        self.adam_ranges = [(slice(max(a, lo) - lo, min(b, hi) - lo), decay)
-                            for a, b, decay in ((0, decay_end, True), (decay_end, self.numel, False))
-                            if max(a, lo) < min(b, hi)]
+        self.adam_ranges = [(slice(max(a, lo) - lo, min(b, hi) - lo), *group)
+                            for a, b, group in runs if max(a, lo) < min(b, hi)]
         # Each parameter's part of the shard, and whether its squares count in the global norm (a TP-replicated
         # parameter counts on one TP rank).
         self.shard_parts: list[tuple[str, slice, bool]] = []
@@ -134,10 +143,10 @@ class _Bucket:
     def update(self, lr: float, cfg: TrainConfig, control: torch.Tensor) -> None:
         """AdamW on this rank's shard (``control``: see kernels/adamw.py), writing the model's copy of the shard
         in the same pass."""
-        for where, decay in self.adam_ranges:
+        for where, decay, lr_scale in self.adam_ranges:
             adamw_update(self.master[where], self.grad_shard[where], self.exp_avg[where], self.exp_avg_sq[where],
                          self.param_shard[where] if self.has_separate_master else None, control,
-                         adamw_hyper(cfg, lr, decay))
+                         adamw_hyper(cfg, lr, decay, lr_scale))
 
     def start_param_sync(self, comm) -> None:
         """All-gather the shards of the model copy (the update already wrote this rank's)."""

@@ -97,8 +97,13 @@ def check_nonfinite(norm: float, step_index: int, cfg: TrainConfig, nonfinite_na
     log.warning("step %d: gradient norm is %s (%s); skipping the optimizer step", step_index + 1, norm, where)
 
 
-def adamw_hyper(cfg: TrainConfig, lr: float, decay: bool) -> AdamWHyper:
-    return AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay if decay else 0.0)
+def adam_group(param: torch.Tensor) -> tuple[bool, float]:
+    """What AdamW's hyper-parameters depend on for a parameter: whether it decays, and its learning-rate scale."""
+    return decays(param), param_info(param).lr_scale
+
+
+def adamw_hyper(cfg: TrainConfig, lr: float, decay: bool, lr_scale: float = 1.0) -> AdamWHyper:
+    return AdamWHyper(lr * lr_scale, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay if decay else 0.0)
 
 
 class GradNorms:
@@ -236,7 +241,7 @@ class MixedPrecisionAdamW:
         control = clip_control(norm, self.steps_made, self.cfg, skip)
         for entry in self.entries:
             adamw_update(entry.master, entry.main_grad, entry.exp_avg, entry.exp_avg_sq, entry.model_copy, control,
-                         adamw_hyper(self.cfg, lr, decays(entry.param)))
+                         adamw_hyper(self.cfg, lr, *adam_group(entry.param)))
         weights_updated()  # the FP8 copies of the weights (train.fp8_recipe) are stale
         self.zero_grad()
         return norm, control[2]
