@@ -38,6 +38,8 @@
 #   bash benchmarks/evidence_gpu.sh rerun4   OUT   # the re-run recomputed: the overflow GPU test, forced overflows at mb 4
 #   bash benchmarks/evidence_gpu.sh confirm4 OUT   # the fine ep1 row, then configs/gpu4_fine.yaml as shipped
 #   bash benchmarks/evidence_gpu.sh bound175_4 OUT # configs/gpu4_fine.yaml at factor 1.75
+#   bash benchmarks/evidence_gpu.sh routing4r OUT  # the fine 2-GPU example, two routers' learning rates side by side
+#   bash benchmarks/evidence_gpu.sh shipped4 OUT   # the fine ep1 row, then configs/gpu4_fine.yaml as shipped
 #   bash benchmarks/evidence_gpu.sh example4_split OUT # the once-per-rank GPU test at 4 ranks, then train_step.py
 #                                                  #   on configs/gpu4_fine.yaml: learned routing, forced balancing,
 #                                                  #   compute_only (the exposed exchange's split)
@@ -912,6 +914,22 @@ model.moe_router_bias_update_rate=1e-3" ROUTING_NAME=mb2_sigmoid_bias1e-3_aux1e-
   bound175_4)  # issue 41 after confirm4 (at 1.5 step 18 overflowed, worst micro-batch 1.52, and its re-run cost 6.8 s
     # against 1.0): configs/gpu4_fine.yaml at factor 1.75, between 1.5 and 2.0 (which did not fit), 100 steps
     ROUTING="overlap.moe_expert_rank_capacity_factor=1.75" ROUTING_NAME=mb4_bound1.75 example 4
+    ;;
+  routing4r)  # issue 41 (2026-11-28): the fine 2-GPU example's routing target, the routers' learning rate side by
+    # side (at 0.1 alone, 2xH200: 3 steps under, lowest 20%, val 3.72 against the shipped 3.65): 0.3 (GPUs 0-1), and
+    # 0.1 beside aux 0.2 (GPUs 2-3)
+    CUDA_VISIBLE_DEVICES=0,1 ROUTING="model.moe_router_lr_scale=0.3" ROUTING_NAME=mb2_router_lr3e-1 example 2 &
+    sleep 2
+    CUDA_VISIBLE_DEVICES=2,3 ROUTING="model.moe_router_lr_scale=0.1 model.moe_aux_loss_coeff=0.2" \
+      ROUTING_NAME=mb2_router_lr1e-1_aux2e-1 example 2 &
+    wait
+    ;;
+  shipped4)  # issue 41: configs/gpu4_fine.yaml as shipped (factor 1.75 since bound175_4) after the family's ep1 row
+    # on GPU 0 of the same lease (bound175_4 had none)
+    name=train_step_fine_8l_ep1_text_shipped4_1x$gpu
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT $STEPS \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ROUTING_NAME=shipped_f175 example 4
     ;;
   example4)  # issue 41's 4-GPU example (EXAMPLE_STEPS=N overrides its 100 steps)
     example 4 ${EXAMPLE_STEPS:+train.max_steps=$EXAMPLE_STEPS}
