@@ -106,7 +106,8 @@ def main(argv=None) -> list[dict]:
     import torch.distributed as dist
 
     from moe_overlap.config import load_config
-    from moe_overlap.training.trainer import Trainer, init_distributed
+    from moe_overlap.training.run_setup import init_distributed
+    from moe_overlap.training.trainer import Trainer
 
     owns_process_group = not dist.is_initialized()
     config = args.config or str(REPO / ("configs/tiny.yaml" if args.smoke else "configs/small_gpu.yaml"))

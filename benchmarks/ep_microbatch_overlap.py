@@ -53,7 +53,8 @@ def main(argv=None) -> list[dict]:
 
     from moe_overlap.config import load_config
     from moe_overlap.training.profiling import StepProfiler
-    from moe_overlap.training.trainer import Trainer, init_distributed
+    from moe_overlap.training.run_setup import init_distributed
+    from moe_overlap.training.trainer import Trainer
 
     out_dir = Path(tempfile.mkdtemp(prefix="ep_mb_overlap_"))
     cfg = load_config(args.config, args.overrides + [

@@ -114,7 +114,7 @@ def main(argv=None) -> list[dict]:
     import torch.distributed as dist
 
     from moe_overlap.config import ConfigError, load_config
-    from moe_overlap.training.trainer import init_distributed
+    from moe_overlap.training.run_setup import init_distributed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     owns_process_group = not dist.is_initialized()

@@ -121,7 +121,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
 
     from moe_overlap.models.mixtral import count_parameters
     from moe_overlap.training.profiling import measured_gemm_tflops
-    from moe_overlap.training.trainer import Trainer, init_distributed
+    from moe_overlap.training.run_setup import init_distributed
+    from moe_overlap.training.trainer import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     all_overrides = args.overrides + overrides

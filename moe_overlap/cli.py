@@ -213,7 +213,7 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
     gpu_bytes = local_gpu_bytes() if device_type == "cuda" else None
     if gpu_bytes is not None:  # each rank checks its own part again (under a user's torchrun too)
         from moe_overlap.training.state_memory import check_state_fits, largest_state
-        from moe_overlap.training.trainer import mesh_layout
+        from moe_overlap.training.run_setup import mesh_layout
         check_state_fits(*largest_state(cfg, mesh_layout(cfg, args.nproc)), gpu_bytes)
     started = time.time()
     try:
@@ -258,7 +258,7 @@ def check_before_launch(cfg: Config, world_size: int, device_type: str) -> None:
     ``device_type`` (the rules each rank checks again), the data (the token file, its index, room for
     train.eval_iters) and train.resume against checkpoint.dir. Reads no GPU: a CPU host checks a GPU config."""
     from moe_overlap.config import validate_for_world
-    from moe_overlap.training.trainer import check_inputs
+    from moe_overlap.training.run_setup import check_inputs
 
     validate_for_world(cfg, world_size, device_type)
     check_inputs(cfg)
@@ -284,7 +284,8 @@ def _train(cfg: Config, debug: bool = False) -> int:
 
     from moe_overlap.distributed.monitor import RankMonitor
     from moe_overlap.training.checkpoint import CheckpointSaveError, step_dir
-    from moe_overlap.training.trainer import Trainer, init_distributed
+    from moe_overlap.training.run_setup import init_distributed
+    from moe_overlap.training.trainer import Trainer
 
     owns_group = not dist.is_initialized()  # a caller's group (tests) outlives this run
     monitor = mesh = None
@@ -377,7 +378,7 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     from moe_overlap.models.mixtral import count_parameters
     from moe_overlap.training.data import describe_source
     from moe_overlap.training.state_memory import describe_state_memory
-    from moe_overlap.training.trainer import mesh_layout
+    from moe_overlap.training.run_setup import mesh_layout
 
     p = cfg.parallel
     world_size = world_size or (p.tensor_model_parallel_size * p.context_parallel_size

@@ -593,12 +593,12 @@ def test_graphs_and_delay_auto_follow_the_fabric(monkeypatch, planning, transpor
     import torch
 
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training import trainer
+    from moe_overlap.training import run_setup
 
     cfg = load_config(TINY, CUDA + BF16 + ["model.moe_router_topk=4"])  # top-4: each token once per rank, one chunk
     assert (cfg.train.moe_cuda_graph, cfg.overlap.delay_wgrad_compute) == ("auto", "auto")
-    monkeypatch.setattr(trainer, "exchange_choice", lambda *args: (planning, transport, ""))
-    trainer.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))  # no tensor made: one rank, no agreement
+    monkeypatch.setattr(run_setup, "exchange_choice", lambda *args: (planning, transport, ""))
+    run_setup.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))  # no tensor made: one rank, no agreement
     assert (cfg.train.moe_cuda_graph, cfg.overlap.delay_wgrad_compute) == (graphed, delayed)
     assert cfg.overlap.overlap_moe_expert_parallel_comm is paired
     assert cfg.overlap.moe_planning == ("device" if graphed else "auto")

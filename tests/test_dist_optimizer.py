@@ -173,7 +173,7 @@ def test_overlap_starts_reduce_scatter_in_last_backward_and_waits_all_gather_in_
 def test_dp_carveout_setting(carveout, ctas, want):
     """What the GEMMs beside the DP syncs leave free: as set; auto: the measured pairing, 4 x the CTA cap."""
     from moe_overlap.config import Config, OverlapConfig
-    from moe_overlap.training.trainer import dp_gemm_sms
+    from moe_overlap.training.run_setup import dp_gemm_sms
 
     assert dp_gemm_sms(Config(overlap=OverlapConfig(gemm_sm_carveout=carveout, dp_comm_ctas=ctas))) == want
 

@@ -47,7 +47,8 @@ def exposed_cases(output_dir: str) -> dict:
     import torch.distributed as dist
 
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_layout
+    from moe_overlap.training.run_setup import init_distributed, mesh_layout
+    from moe_overlap.training.trainer import Trainer
     from tests.test_master import small_config
 
     def config(extra: dict):

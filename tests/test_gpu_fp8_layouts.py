@@ -61,7 +61,8 @@ def gpu_case(output_dir: str) -> dict:
 
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.layers.fp8 import Fp8
-    from moe_overlap.training.trainer import Trainer, init_distributed, mesh_layout
+    from moe_overlap.training.run_setup import init_distributed, mesh_layout
+    from moe_overlap.training.trainer import Trainer
     from tests.test_master import small_config
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -170,7 +170,8 @@ def run_layout(name: str, output_dir: str, world: int, device, meshes: dict, ref
     trainer joins ``trainers``, alive to the end: its symmetric workspaces must not be freed under a later
     layout's graph capture, nor while a peer may still signal into them."""
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training.trainer import Trainer, mesh_group_options, mesh_layout
+    from moe_overlap.training.run_setup import mesh_group_options, mesh_layout
+    from moe_overlap.training.trainer import Trainer
 
     layout = LAYOUTS[name]
     cfg = layout_config(output_dir, world, layout.ep, **layout.overrides)
@@ -316,7 +317,7 @@ def test_comm_ctas_and_gemm_carveout_reach_nccl_and_the_step(tmp_path_factory):
 def test_every_layout_config_is_valid_for_its_gpus(layout):
     """On CPU, at once: each layout's config passes the checks a GPU run makes before it builds anything."""
     from moe_overlap.config import validate_for_world
-    from moe_overlap.training.trainer import mesh_layout
+    from moe_overlap.training.run_setup import mesh_layout
 
     world = LAYOUTS[layout].world
     cfg = layout_config("unused", world, LAYOUTS[layout].ep, **LAYOUTS[layout].overrides)

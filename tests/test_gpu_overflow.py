@@ -30,7 +30,8 @@ def gpu_case(output_dir: str) -> dict:
     import torch.distributed as dist
 
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training.trainer import Trainer, init_distributed
+    from moe_overlap.training.run_setup import init_distributed
+    from moe_overlap.training.trainer import Trainer
     from tests.test_master import small_config
     from tests.test_pipeline import LAYERS
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.training.trainer import Optimizer, Trainer, mesh_layout
+from moe_overlap.training.run_setup import mesh_layout
+from moe_overlap.training.trainer import Optimizer, Trainer
 
 TOL = 1e-5
 CPU = torch.device("cpu")

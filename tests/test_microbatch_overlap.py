@@ -55,13 +55,13 @@ def test_auto_pairs_where_the_exchange_runs_over_nccl(monkeypatch, transport, gl
     would run goes over NCCL (no peer copies) with micro-batches to pair (4 or 1 here, at micro-batch 8)."""
     import torch
 
-    from moe_overlap.training import trainer
+    from moe_overlap.training import run_setup
 
     cfg = load_config(TINY, ["train.device=cuda", f"train.global_batch_size={global_batch}"])
     assert cfg.overlap.overlap_moe_expert_parallel_comm == "auto"
     asked = []
-    monkeypatch.setattr(trainer, "exchange_choice", lambda *args: asked.append(args[:2]) or ("host", transport, ""))
-    trainer.resolve_by_fabric(cfg, Mesh.single(), torch.device("cpu"))
+    monkeypatch.setattr(run_setup, "exchange_choice", lambda *args: asked.append(args[:2]) or ("host", transport, ""))
+    run_setup.resolve_by_fabric(cfg, Mesh.single(), torch.device("cpu"))
     assert cfg.overlap.overlap_moe_expert_parallel_comm is paired
     assert asked == [("auto", "auto")]  # the config's own planning and transport, resolved by the fabric
 

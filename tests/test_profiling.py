@@ -78,7 +78,7 @@ def test_every_step_logs_throughput_mfu_and_exposed_communication(tmp_path):
 def exposed_case(output_dir: str, layout: list[str]) -> dict[str, float]:
     import torch.distributed as dist
 
-    from moe_overlap.training.trainer import mesh_layout
+    from moe_overlap.training.run_setup import mesh_layout
 
     cfg = load_config("configs/tiny.yaml", layout + ["train.max_steps=1", "train.eval_interval=0",
                                                      "checkpoint.save_final=false", f"train.output_dir={output_dir}",

@@ -79,7 +79,7 @@ def test_gpu_example_is_what_the_quick_start_promises(path, monkeypatch):
     import torch
 
     from moe_overlap.distributed.mesh import Mesh
-    from moe_overlap.training import trainer
+    from moe_overlap.training import run_setup
 
     cfg = load_config(path)
     m, o, t = cfg.model, cfg.overlap, cfg.train
@@ -89,8 +89,8 @@ def test_gpu_example_is_what_the_quick_start_promises(path, monkeypatch):
     assert m.hidden_size >= 2048 and t.precision == "bf16" and t.device == "cuda"
     assert (cfg.data.path, cfg.data.dtype, m.vocab_size) == (CORPUS, "uint16", 32000)
     assert o.moe_pipeline and (o.moe_planning, t.moe_cuda_graph) == ("auto", "auto")  # the fabric decides
-    monkeypatch.setattr(trainer, "exchange_choice", lambda *args: ("device", "sm_push", ""))  # one NVLink host
-    trainer.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))
+    monkeypatch.setattr(run_setup, "exchange_choice", lambda *args: ("device", "sm_push", ""))  # one NVLink host
+    run_setup.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))
     assert (o.moe_planning, t.moe_cuda_graph, o.overlap_moe_expert_parallel_comm) == ("device", True, False)
     assert t.use_distributed_optimizer and o.overlap_grad_sync and o.overlap_param_sync
     assert not m.moe_router_force_load_balancing

@@ -14,7 +14,8 @@ from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.training.state_memory import StateBytes, describe_state_memory, state_bytes
-from moe_overlap.training.trainer import Trainer, mesh_layout
+from moe_overlap.training.run_setup import mesh_layout
+from moe_overlap.training.trainer import Trainer
 from tests.test_master import CPU, small_config, world_and_mesh
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -16,7 +16,8 @@ from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.distributed.ring import (P2PTransport, TPComm, TPOverlap, all_gather_matmul,
                                           matmul_reduce_scatter, ring_all_gather_matmul, ring_matmul_reduce_scatter)
 from moe_overlap.models.mixtral import build_model
-from moe_overlap.training.trainer import Trainer, mesh_layout
+from moe_overlap.training.run_setup import mesh_layout
+from moe_overlap.training.trainer import Trainer
 from tests.test_master import CPU, TOL, rel_err, run_and_save, small_config, tp_layout, world_and_mesh
 
 

@@ -9,7 +9,7 @@ a switch the user set needs to run.
     overlap_moe_expert_parallel_comm=auto
                                 off where the config alone rules pairing out or measured it slower (one expert
                                 rank, one host's peer copies asked for, PP > 1, ...); otherwise the fabric decides
-                                when the ranks start (training/trainer.py, :func:`pairing_by_transport`): paired
+                                when the ranks start (training/run_setup.py, :func:`pairing_by_transport`): paired
                                 where the exchange runs over NCCL, with at least 2 micro-batches
     overlap_moe_expert_parallel_comm with an exchange
                                 turns the pipeline on (auto), leaves moe_planning auto to the transport (device
