@@ -19,6 +19,7 @@ import torch
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.layers.device_plan import DevicePlanner, chunk_bounds_rows, receive_rows
+from moe_overlap.layers.fp8 import Fp8
 from moe_overlap.training.trainer import Trainer
 from tests.test_master import CPU, TOL, rel_err, small_config, world_and_mesh
 
@@ -183,11 +184,12 @@ def _grads_and_metrics(trainer: Trainer, steps: int) -> list[tuple[dict, dict]]:
 
 
 def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dict | None = None,
-                  fit: bool = False, fake_overflow_at: int | None = None) -> dict:
+                  fit: bool = False, fake_overflow_at: int | None = None, fp8: bool = False) -> dict:
     """The bounded device-planned run against the host-planned run of the same layout, step by step: the worst
     relative error of losses, gradient norms and every gradient (or, with ``fit``, of every step's losses and the
     weights fit ends with), and the overflow metrics of the bounded run. ``fake_overflow_at``: the bounded run's
-    forward-backward of that launch (1-based, re-runs counted) reports one overflowing row per rank."""
+    forward-backward of that launch (1-based, re-runs counted) reports one overflowing row per rank. ``fp8``: both
+    runs' GEMMs in emulated FP8 (rowwise, the weight gradients too)."""
     both = {"overlap.moe_pipeline": "true", **(both or {})}
     runs = []
     for extra in ({"overlap.moe_planning": "host"}, {"overlap.moe_planning": "device", **bounded}):
@@ -195,6 +197,8 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
         _, mesh = world_and_mesh(cfg)
         try:
             trainer = Trainer(cfg, mesh, CPU)
+            if fp8:
+                trainer.model.use_fp8(Fp8(emulate=True, wgrad=True))
             if fake_overflow_at is not None and runs:
                 _fake_overflow(trainer, fake_overflow_at)
             if fit:
@@ -222,7 +226,8 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
                         abs(m["grad_norm"] - r["grad_norm"]) / r["grad_norm"],
                         *(rel_err(grads[k], want_grads[k]) for k in want_grads))
         metrics = [m for m, _ in got]
-    return {"worst": worst, "overflow_rows": [m["moe_overflow_rows"] for m in metrics],
+    return {"worst": worst, "losses": [m["loss"] for m in metrics],
+            "overflow_rows": [m["moe_overflow_rows"] for m in metrics],
             "reruns": [m["moe_overflow_reruns"] for m in metrics], "skipped": [m["skipped"] for m in metrics]}
 
 
@@ -284,6 +289,16 @@ def test_overflowing_paired_micro_batches_run_again_and_equal_host_planned(rank_
     """overlap_moe_expert_parallel_comm: the layers' stages, split at their exchanges, run host-planned too."""
     both = {"overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2}
     _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0}, both), True)
+
+
+def test_overflowing_fp8_steps_run_again_and_equal_host_planned(rank_pool, tmp_path):
+    """Emulated FP8 GEMMs (weight gradients too): the re-run, recomputed, quantizes the same weights as the attempt
+    (the skipped update left the masters as they were, and the FP8 copies are refreshed from them), so its steps
+    are the host-planned FP8 run's."""
+    fp8 = rank_pool(2).run(overflow_case, str(tmp_path / "fp8"), 2, 2, {FACTOR: 1.0}, fp8=True)
+    _check(fp8, True)
+    bf16 = rank_pool(2).run(overflow_case, str(tmp_path / "plain"), 2, 2, {FACTOR: 1.0})
+    assert all(a != b for a, b in zip(fp8[0]["losses"], bf16[0]["losses"]))  # the GEMMs did run in FP8
 
 
 def test_overflowing_steps_in_fit_equal_host_planned(rank_pool, tmp_path):
