@@ -76,6 +76,19 @@ def lowest_share(record: dict) -> tuple[float, str, int] | None:
     return lowest
 
 
+def below_by_layer(records: list[dict], min_share: float) -> dict[str, int]:
+    """Where a run's dips sit: every step's experts under ``min_share`` of their layer's mean, counted per layer,
+    from the first step (the check itself starts later)."""
+    counts: dict[str, int] = {}
+    for record in records:
+        for layer, loads in record.get("tokens_per_expert", {}).items():
+            mean = sum(loads) / len(loads)
+            under = sum(load < min_share * mean for load in loads) if mean > 0 else 0
+            if under:
+                counts[layer] = counts.get(layer, 0) + under
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
 def summarize(records: list[dict], from_step: int, min_share: float, skip: int) -> dict:
     last = records[-1]
     timed = [record for record in records if record["step"] > skip] or records
@@ -112,6 +125,7 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
                                default=None),
         "max_dead_experts": max((record.get("moe_dead_experts", 0) for record in records), default=0),
         "balance_from_step": from_step, "balance_min_share": min_share, "balance_steps_checked": len(checked),
+        "below_by_layer": below_by_layer(records, min_share),
     }
     if checked:
         step, (share, layer, expert) = min(checked, key=lambda item: item[1][0])

@@ -44,11 +44,14 @@ def test_a_balanced_run_passes_and_reports_the_table_numbers(tmp_path, capsys):
 
 
 def test_an_expert_below_the_share_after_step_50_fails_naming_where(tmp_path, capsys):
-    write_run(tmp_path / "run", {55: 0.1, 57: 0.2, 58: 0.3})
-    assert main([str(tmp_path / "run" / "metrics.jsonl"), "--labels", "bias"]) == 1
+    write_run(tmp_path / "run", {10: 0.0, 55: 0.1, 57: 0.2, 58: 0.3})
+    out = tmp_path / "summary.json"
+    assert main([str(tmp_path / "run" / "metrics.jsonl"), "--labels", "bias", "--json", str(out)]) == 1
     text = capsys.readouterr().out
     assert ("bias: 60 steps logged" in text and "FAIL (2 of 11 steps had an expert below, the last at step 57; lowest 10% of the mean: "
             "layer 2 expert 3 at step 55)" in text)
+    # where the dips sit, from the first step: step 10's (before the check) and 55's and 57's, all in layer 2
+    assert json.loads(out.read_text())["runs"]["bias"]["below_by_layer"] == {"2": 3}
     assert main([str(tmp_path / "run"), "--min-share", "0.05"]) == 0  # the share is a parameter
 
 
