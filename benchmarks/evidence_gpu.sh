@@ -100,6 +100,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_tp_overlap2 OUT # 2 GPUs: FP8 GEMMs inside the TP rings, tests and steps
 #   bash benchmarks/evidence_gpu.sh wgrad_groups1 OUT # one GPU: 4 micro-batches per main_grad read-modify-write
 #   bash benchmarks/evidence_gpu.sh wgrad_eights1 OUT # one GPU: 8 against 4
+#   bash benchmarks/evidence_gpu.sh fp8_param1 OUT # one GPU: train.fp8_param's GPU tests, held against kept copies
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
@@ -1297,6 +1298,27 @@ PY
         2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
       pack
     done
+    ;;
+  fp8_param1)  # issue 39: train.fp8_param (the FP8 GEMMs' weights held only as their FP8 copies, quantized from the
+    # masters read as bf16; auto: on with the plain optimizer) on one GPU: the FP8 GPU tests, then the Mixtral-like
+    # bench model bf16, rowwise held (auto) and rowwise kept beside the bf16 weights (false), two launches with the FP8
+    # rows' order swapped; then the fine bench model bf16 and rowwise held (with the copies beside, it did not fit)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests fp8_param tests/test_gpu_fp8.py
+    pack
+    for launch in 1 2; do
+      name=train_step_fp8_param${launch}_mixtral_2l_1x$gpu
+      held=rowwise:train.fp8_recipe=rowwise kept=rowwise_kept:train.fp8_recipe=rowwise,train.fp8_param=false
+      order="--variant $held --variant $kept"; [ $launch = 2 ] && order="--variant $kept --variant $held"
+      timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 3 --steps 8 \
+        --profile-steps 0 $order --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' \
+        | cut -c1-300
+      pack
+    done
+    name=train_step_fp8_param_fine_8l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
+      --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
     ;;
   wgrad_eights1)  # the same with all 8 micro-batches of the step per read-modify-write against the config's 4
     # (one GPU, one launch)

@@ -519,7 +519,7 @@ def test_fp8_fused_quantizations_change_no_bit_of_an_expert_step(monkeypatch):
 
     paired = []
     monkeypatch.setattr(fp8_layers, "quantize_rows_and_columns",
-                        lambda *a, real=fp8_layers.quantize_rows_and_columns: paired.append(a) or real(*a))
+                        lambda *a, real=fp8_layers.quantize_rows_and_columns, **k: paired.append(a) or real(*a, **k))
     fused = two_steps()
     assert len(paired) == 2  # the second step refreshed each weight's two copies in one call
     monkeypatch.setattr(fp8_layers, "quantize_along_tokens", functools.partial(W.quantize_along_tokens,

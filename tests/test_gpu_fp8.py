@@ -18,7 +18,7 @@ from functools import partial
 import pytest
 import torch
 
-from moe_overlap.kernels.fp8_blockwise import quantize_blocks_torch
+from moe_overlap.kernels.fp8_blockwise import quantize_blocks, quantize_blocks_torch
 from moe_overlap.kernels.fp8_quant import (column_amax, dequantize, dequantize_rows, quantize_columns,
                                            quantize_columns_torch, quantize_rows, quantize_rows_and_columns,
                                            quantize_rows_torch, row_amax)
@@ -53,6 +53,30 @@ def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # -------------------------------------------------------------------------------------------- quantize kernels
+
+
+@pytest.mark.parametrize("shape", [(8, 1024, 2048), (3, 333, 1041)], ids=["experts", "odd"])
+def test_gpu_fp8_weight_quantizers_read_a_master_as_its_bf16_values(shape):
+    """``as_dtype`` (train.fp8_param: the copies quantized from the fp32 master, rounded to bf16 in registers): every
+    weight quantizer's compiled kernel fed the master equals it fed the master's bf16 values, bit for bit, and
+    differs from the master read unrounded."""
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    x = torch.randn(shape, device="cuda") * torch.logspace(-2, 2, shape[-1], device="cuda")
+    x_bf16 = x.to(bf16)
+    for quantize in (quantize_rows, quantize_columns):
+        (q, scale), (q_want, scale_want) = quantize(x, as_dtype=bf16), quantize(x_bf16)
+        assert same_fp8(q, q_want) and torch.equal(scale, scale_want), quantize.__name__
+        assert not torch.equal(scale, quantize(x)[1]), quantize.__name__
+    for got, want in zip(quantize_rows_and_columns(x, as_dtype=bf16), quantize_rows_and_columns(x_bf16)):
+        assert same_fp8(got[0], want[0]) and torch.equal(got[1], want[1])
+    for amax_of in (row_amax, column_amax):
+        assert torch.equal(amax_of(x, as_dtype=bf16), amax_of(x_bf16)), amax_of.__name__
+    if shape[-1] % 128 == 0 and shape[-2] % 128 == 0:
+        for transpose in (False, True):
+            (q, scale), (q_want, scale_want) = (quantize_blocks(x, transpose=transpose, as_dtype=bf16),
+                                                quantize_blocks(x_bf16, transpose=transpose))
+            assert same_fp8(q, q_want) and torch.equal(scale, scale_want), transpose
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -272,7 +296,8 @@ def test_fp8_linears_against_emulated(recipe):
 # ------------------------------------------------------------------------------------------ training steps
 
 
-def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str = "rowwise") -> list[float]:
+def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str = "rowwise",
+                 held: bool = True) -> list[float]:
     from moe_overlap.config import load_config
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer
@@ -289,17 +314,20 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
     }
     if fp8:  # every GEMM and the experts' weight gradients in FP8 (auto leaves this narrow model's in bf16)
         overrides.update({"train.fp8_recipe": recipe, "train.num_layers_at_start_in_bf16": 1,
-                          "train.fp8_wgrad": "true", "train.fp8_gemm_min_dim": 0})
+                          "train.fp8_wgrad": "true", "train.fp8_gemm_min_dim": 0,
+                          "train.fp8_param": str(held).lower()})
     trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), Mesh.single(),
                       torch.device("cuda"))
     experts = trainer.model.layers["1"].mlp.experts
     replays_checked = []
     if graphed and fp8:  # after the refresh hook graph_moe_layers installed: the copies are current
         def check_fresh(_module, _args):
+            master = param_info(experts.w13).fp8_master  # train.fp8_param: the weight's values are its copies now
+            weights = experts.w13.detach() if master is None else master.to(torch.bfloat16)
             for (layout, _), entry in experts.w13.fp8_cache.items():
                 quantize = {"rows": quantize_rows_torch, "columns": quantize_columns_torch,
                             "blocks": quantize_blocks_torch, "blocks_t": partial(quantize_blocks_torch, transpose=True)}
-                fresh = quantize[layout](experts.w13.detach())
+                fresh = quantize[layout](weights)
                 assert same_fp8(entry.q, fresh[0]) and torch.equal(entry.scale, fresh[1])
             replays_checked.append(True)
 
@@ -311,6 +339,8 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
     assert bool(getattr(experts.w13, "fp8_cache", None)) == fp8  # the FP8 path ran
     assert len(replays_checked) == (4 * steps if graphed and fp8 else 0)  # 4 micro-batches a step
     assert trainer.model.layers["0"].mlp.linear_fc1.fp8 is None  # the first layer stayed bf16
+    assert param_info(experts.w13).holds_fp8 == (fp8 and held)  # train.fp8_param reached the optimizer
+    assert not param_info(trainer.model.layers["0"].mlp.linear_fc1.weight).holds_fp8
     return losses
 
 
@@ -324,3 +354,15 @@ def test_fp8_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path, recipe
     assert bf16[-1] < bf16[0] and eager[-1] < eager[0]  # both learn
     assert max(abs(f - b) / b for f, b in zip(eager, bf16)) < 0.02
     assert max(abs(g - e) / e for g, e in zip(graphed, eager)) < 2e-3
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_fp8_param_trains_as_the_bf16_weights(tmp_path, recipe):
+    """train.fp8_param (the FP8 weights held only as their copies, quantized from the masters read as bf16) against
+    the copies kept beside the bf16 weights: the first step bit for bit (the same copies, the same GEMMs); after it
+    the runs part only by the weight gradients' unordered atomic sums, as two launches of one run do."""
+    held = train_losses(tmp_path / "held", fp8=True, graphed=False, recipe=recipe, held=True)
+    kept = train_losses(tmp_path / "kept", fp8=True, graphed=False, recipe=recipe, held=False)
+    print("losses held", held, "kept", kept)
+    assert held[0] == kept[0]
+    assert max(abs(h - k) / k for h, k in zip(held, kept)) < 2e-3

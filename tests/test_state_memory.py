@@ -51,7 +51,8 @@ def test_fp8_copies_count_what_the_recipe_caches(tmp_path):
     """train.fp8_recipe's weight copies (E4M3 in both orientations, with their scales) as state_bytes counts them
     for the config against the caches a trainer's step leaves on the parameters (the recipe emulated: the same
     copies), the first layer in bf16 (train.num_layers_at_start_in_bf16=1: none of its own), every GEMM in FP8
-    (train.fp8_gemm_min_dim=0); with auto's bound, wider than this model, none."""
+    (train.fp8_gemm_min_dim=0), the copies apart from the weights (train.fp8_param=false; held in them:
+    tests/test_fp8_param.py); with auto's bound, wider than this model, none."""
     cfg = small_config(str(tmp_path), 1, 4, **{"train.device": "cpu", "train.precision": "bf16"})
     trainer = Trainer(cfg, Mesh.single(), CPU)
     trainer.model.use_fp8(Fp8(emulate=True), bf16_at_start=1)
@@ -59,7 +60,7 @@ def test_fp8_copies_count_what_the_recipe_caches(tmp_path):
     cached = sum(entry.q.numel() * entry.q.element_size() + entry.scale.numel() * entry.scale.element_size()
                  for param in trainer.model.parameters() for entry in param.__dict__.get("fp8_cache", {}).values())
     fp8 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8_recipe="rowwise", fp8_gemm_min_dim=0,
-                                                             num_layers_at_start_in_bf16=1))
+                                                             num_layers_at_start_in_bf16=1, fp8_param=False))
     planned = state_bytes(fp8, Mesh.single())
     assert planned.fp8_copies == cached > 0
     assert planned.total == state_bytes(cfg, Mesh.single()).total + cached

@@ -38,6 +38,8 @@ a switch the user set needs to run.
 
     train.fp8_wgrad=auto        with train.fp8_recipe, the experts' weight gradients in FP8 where measured faster:
                                 rowwise, wide experts, many rows per expert (tuning.py); bf16 elsewhere
+    train.fp8_param=auto        with train.fp8_recipe, on with the plain optimizer (the FP8 weights held only as
+                                their FP8 copies); off with the distributed optimizer (not implemented there)
     train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM: the forward and input-gradient
                                 GEMMs narrower than that in the contraction or the output stay bf16 (measured
                                 slower in FP8)
@@ -267,6 +269,11 @@ def resolve_defaults(cfg: Config) -> list[str]:
             why = "measured faster there" if off is None else f"measured slower {off}"
             choices.append(f"train.fp8_wgrad=auto -> {str(t.fp8_wgrad).lower()}: the experts' weight gradients in "
                            f"{'FP8' if t.fp8_wgrad else 'bf16'}, {why} (tuning.py)")
+    if t.fp8_param == "auto" and t.fp8_recipe is not None:
+        t.fp8_param = fp8_param(t)
+        choices.append(f"train.fp8_param=auto -> {str(t.fp8_param).lower()}: " + (
+            "the FP8 GEMMs' weights held only as their FP8 copies (2 bytes a weight less)" if t.fp8_param else
+            "not implemented with the distributed optimizer"))
     if t.fp8_gemm_min_dim == "auto" and t.fp8_recipe is not None:
         t.fp8_gemm_min_dim = FP8_GEMM_MIN_DIM
         narrow = narrow_gemms(cfg, FP8_GEMM_MIN_DIM)
@@ -274,6 +281,11 @@ def resolve_defaults(cfg: Config) -> list[str]:
                        f"output stay bf16, measured slower in FP8 (tuning.py): "
                        f"{', '.join(narrow) if narrow else 'none here'}")
     return choices
+
+
+def fp8_param(t: TrainConfig) -> bool:
+    """``train.fp8_param`` as the optimizer and the memory count take it (auto, if not resolved yet: as resolved)."""
+    return t.fp8_recipe is not None and (t.fp8_param is True or t.fp8_param == "auto" and not t.use_distributed_optimizer)
 
 
 def fp8_gemm_min_dim(t: TrainConfig) -> int:

@@ -177,6 +177,11 @@ def _validate_fp8(cfg: Config) -> None:
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     require(t.fp8_recipe is not None or t.fp8_gemm_min_dim == "auto", "train.fp8_gemm_min_dim", t.fp8_gemm_min_dim,
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
+    require(t.fp8_recipe is not None or t.fp8_param == "auto", "train.fp8_param", t.fp8_param,
+            "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
+    require(t.fp8_param is not True or not t.use_distributed_optimizer, "train.fp8_param", t.fp8_param,
+            "with train.use_distributed_optimizer=true is not implemented yet (its parameter all-gather moves the "
+            "bf16 values): set it false, or use the plain optimizer")
     require(t.fp8_gemm_min_dim == "auto" or t.fp8_gemm_min_dim >= 0, "train.fp8_gemm_min_dim", t.fp8_gemm_min_dim,
             "must be >= 0 (0: every GEMM in FP8), or auto")
     if t.fp8_recipe is None:

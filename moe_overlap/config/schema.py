@@ -265,6 +265,10 @@ class TrainConfig:
     # wide; narrower ones (e.g. a fine-grained expert's fc2) stay bf16. auto: where measured faster
     # (tuning.FP8_GEMM_MIN_DIM); 0: every GEMM of the FP8 layers.
     fp8_gemm_min_dim: Union[int, Literal["auto"]] = "auto"
+    # The weights whose GEMMs run in FP8 kept only as their FP8 copies, in the memory of their bf16 values (2 bytes a
+    # weight less), quantized from the fp32 masters as the bf16 values would have been (Megatron's fp8_param). auto:
+    # on with the plain optimizer (config/defaults.py); the distributed optimizer: not implemented yet.
+    fp8_param: Union[bool, Literal["auto"]] = "auto"
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
     # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.

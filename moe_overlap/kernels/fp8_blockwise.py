@@ -9,7 +9,8 @@ flattened. Every quantized dimension must be a multiple of 128 (the config refus
 - :func:`quantize_tiles`: x (..., M, K) per 1x128 tile along K: q like x, scales (..., M, K / 128).
 - :func:`quantize_blocks`: w (..., P, Q) per 128x128 block: q like w, scales (..., P / 128, Q / 128), or those
   of w^T written transposed in the same pass (a block's values and scale do not depend on the orientation).
-  Weights, once per optimizer step.
+  Weights, once per optimizer step; ``as_dtype``: an fp32 master's values rounded to bf16 / fp16 first, in registers
+  (kernels/fp8_quant.py's).
 - :func:`blockwise_mm`: ``a @ w^T`` (``contract_last``) or ``a @ w`` per group of rows (int32 end offsets, w
   (E, P, Q)), or dense (no offsets, w (P, Q)).
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.fp8_quant import FP8, fp8_outputs, quantize_along_torch
+from moe_overlap.kernels.fp8_quant import FP8, fp8_outputs, quantize_along_torch, round_mode, rounded
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, max_combine, use_triton
 
 BLOCK = 128
@@ -39,7 +40,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX
+    from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX, as_stored
 
     # One program per (BLOCK_M rows of one group, BLOCK_N output columns). Programs along the flattened grid run in
     # groups of GROUP_M row tiles, so neighbouring programs share b's column tiles and a's rows in L2. The operand
@@ -116,14 +117,17 @@ if HAVE_TRITON:
     _blockwise_mm = Kernel(_blockwise_mm_kernel, do_not_specialize=["M", "tiles_m"])
 
     # One program per 128x128 block of one matrix: its amax, its scale, its values quantized with the twin's
-    # arithmetic (kernels/fp8_quant.py), stored where w's block is or, TRANSPOSE, where w^T's is.
-    def _quantize_blocks_kernel(w_ptr, q_ptr, scale_ptr, P, Q, stride_wb, stride_wp, TRANSPOSE: tl.constexpr):
+    # arithmetic (kernels/fp8_quant.py), stored where w's block is or, TRANSPOSE, where w^T's is. ROUND as
+    # kernels/fp8_quant.py's (_as_stored).
+    def _quantize_blocks_kernel(w_ptr, q_ptr, scale_ptr, P, Q, stride_wb, stride_wp, TRANSPOSE: tl.constexpr,
+                                ROUND: tl.constexpr):
         matrix = tl.program_id(1).to(tl.int64)
         blocks_q = Q // 128
         block_p, block_q = tl.program_id(0) // blocks_q, tl.program_id(0) % blocks_q
         rp = (block_p * 128 + tl.arange(0, 128)).to(tl.int64)
         rq = block_q * 128 + tl.arange(0, 128)
         x = tl.load(w_ptr + matrix * stride_wb + rp[:, None] * stride_wp + rq[None, :]).to(tl.float32)
+        x = as_stored(x, ROUND)
         amax = tl.maximum(tl.reduce(tl.reduce(tl.abs(x), 1, max_combine), 0, max_combine), _FLOOR)
         scale_at = (block_q * (P // 128) + block_p) if TRANSPOSE else tl.program_id(0)
         tl.store(scale_ptr + matrix * (P // 128) * blocks_q + scale_at, tl.math.div_rn(amax, _MAX))
@@ -198,8 +202,10 @@ def _blocks_view(w: torch.Tensor) -> torch.Tensor:
             .reshape(*lead, P // BLOCK, Q // BLOCK, BLOCK * BLOCK))
 
 
-def quantize_blocks_torch(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks_torch(w: torch.Tensor, transpose: bool = False, *, as_dtype: torch.dtype | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of :func:`quantize_blocks` (new outputs)."""
+    w = rounded(w, as_dtype)
     *lead, P, Q = w.shape
     q_blocks, scale = quantize_along_torch(_blocks_view(w), -1)
     q = q_blocks.reshape(*lead, P // BLOCK, Q // BLOCK, BLOCK, BLOCK).transpose(-3, -2).reshape(w.shape)
@@ -207,19 +213,22 @@ def quantize_blocks_torch(w: torch.Tensor, transpose: bool = False) -> tuple[tor
 
 
 def quantize_blocks(w: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                    transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    transpose: bool = False, *, as_dtype: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): w (..., P, Q) quantized per 128x128 block; q contiguous like w, scales (..., P / 128,
     Q / 128) float32; ``transpose``: those of w^T instead (a block's scale and values do not depend on the
     orientation), q (..., Q, P), written transposed in the same pass. Into the given outputs when given (a cached
     copy refreshed in place). One Triton pass on CUDA (the twin's fp32 copies of a whole expert weight would
-    take GBs)."""
+    take GBs). ``as_dtype`` (bf16 or fp16): bit for bit the result for ``w.to(as_dtype)``, with no copy made (an
+    fp32 master weight quantized as its model copy would be)."""
+    round_ = round_mode(w, as_dtype)
     *lead, P, Q = w.shape
     _blocks_view(w)  # the dimensions' check
     shape, blocks = ((*lead, Q, P), (*lead, Q // BLOCK, P // BLOCK)) if transpose else (
         tuple(w.shape), (*lead, P // BLOCK, Q // BLOCK))
     q, scale = fp8_outputs(shape, blocks, w, q_out, scale_out)
     if not use_triton(w, "fp8 quantize_blocks"):
-        q_new, scale_new = quantize_blocks_torch(w, transpose)
+        q_new, scale_new = quantize_blocks_torch(w, transpose, as_dtype=as_dtype)
         q.copy_(q_new)
         scale.copy_(scale_new)
     elif w.numel():
@@ -227,7 +236,8 @@ def quantize_blocks(w: torch.Tensor, q_out: torch.Tensor | None = None, scale_ou
         if w_BPQ.stride(2) != 1:
             w_BPQ = w_BPQ.contiguous()
         _blocks[((P // BLOCK) * (Q // BLOCK), w_BPQ.shape[0]), w.device](
-            w_BPQ, q, scale, P, Q, w_BPQ.stride(0), w_BPQ.stride(1), TRANSPOSE=transpose, num_warps=8)
+            w_BPQ, q, scale, P, Q, w_BPQ.stride(0), w_BPQ.stride(1), TRANSPOSE=transpose, ROUND=round_,
+            num_warps=8)
     return q, scale
 
 

@@ -17,8 +17,10 @@ division is a multiplication by 448 / amax (one correctly rounded division per r
 - :func:`row_amax`, :func:`column_amax`, and :func:`quantize_rows` / :func:`quantize_columns` from a given
   ``amax``: the two passes apart, for scales shared over the ranks that each hold part of the rows or columns (tensor
   and expert-TP's split contractions: layers/fp8.py); :func:`amax_along` is the maxima's twin.
-Both read any float dtype (the cast to FP8 is the only cast: bf16 or fp32 in, FP8 out) and can write into given
-buffers (a weight's cached FP8 copy refreshed in place: layers/fp8.py). ``rows_bound`` (a device int tensor of
+Both read any float dtype (the cast to FP8 is the only cast: bf16 or fp32 in, FP8 out; but with ``as_dtype``, the
+weight quantizers' and maxima's keyword, x's values are first rounded to bf16 / fp16 in registers, bit for bit as
+``x.to(as_dtype)``: an fp32 master weight quantized as its model copy would be, with no copy made) and can write into
+given buffers (a weight's cached FP8 copy refreshed in place: layers/fp8.py). ``rows_bound`` (a device int tensor of
 one element) skips the rows from it on, as the expert GEMMs do (a static worst-case buffer's unused tail).
 
 The torch twins are the reference (CPU, tests); the Triton kernels run on CUDA.
@@ -38,15 +40,33 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from moe_overlap.kernels.launch import DeviceFunction
+
     _MAX = TL_FP8_MAX = tl.constexpr(FP8_MAX)  # the kernels' constants (kernels/fp8_blockwise.py's too)
     _FLOOR = TL_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+    def _as_stored(x, ROUND: tl.constexpr):
+        """x (fp32) as the kernels' ROUND says: 0 as it is; 1 its values rounded to bf16, 2 to fp16, back in fp32
+        (:func:`round_mode`), bit for bit as x.to(bf16 / fp16) holds them. bf16's round to nearest even is done in
+        integers (the interpreter's fp32 -> bf16 cast truncates; a NaN stays a NaN), fp16's by the cast."""
+        if ROUND == 1:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + (bits >> 16 & 1)) >> 16 << 16
+            x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+        elif ROUND == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    as_stored = DeviceFunction(_as_stored)  # kernels/fp8_blockwise.py's too
 
     # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
     # A row at or past the bound is masked off whole (no early return: every program runs the same code). AMAX: 0
     # the row's own; 1 the row's amax stored in amax_ptr and nothing else (ranks that each hold part of the row
-    # share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass).
+    # share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass). ROUND (here and in the column, rows-and-
+    # columns and blocks kernels, at every load of x): :func:`_as_stored`'s.
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, bound_ptr, n_rows, K, stride_x, stride_q,
-                              stride_scale, HAS_BOUND: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
+                              stride_scale, HAS_BOUND: tl.constexpr, AMAX: tl.constexpr, ROUND: tl.constexpr,
+                              BLOCK: tl.constexpr):
         row = tl.program_id(0)
         limit = n_rows
         if HAS_BOUND:
@@ -61,6 +81,7 @@ if HAVE_TRITON:
             for start in range(0, K, BLOCK):
                 mask = (start + cols < K) & live
                 x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = as_stored(x, ROUND)
                 amax_B = tl.maximum(amax_B, tl.abs(x))
             amax = tl.reduce(amax_B, 0, max_combine)
         if AMAX == 1:
@@ -72,6 +93,7 @@ if HAVE_TRITON:
             for start in range(0, K, BLOCK):
                 mask = (start + cols < K) & live
                 x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = as_stored(x, ROUND)
                 q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
                 tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -96,9 +118,9 @@ if HAVE_TRITON:
 
     # One program per (block of columns, matrix): the columns' amax down all M rows, then each (BLOCK_M, BLOCK_K)
     # tile quantized and stored transposed into q (K, M). AMAX as the row kernel's: 0 own, 1 the amax stored alone
-    # (in amax_ptr, (matrices, K)), 2 read from amax_ptr.
+    # (in amax_ptr, (matrices, K)), 2 read from amax_ptr. ROUND as the row kernel's.
     def _quantize_columns_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, M, K, stride_xb, stride_xm, AMAX: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         matrix = tl.program_id(1).to(tl.int64)
         rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         rm = tl.arange(0, BLOCK_M)
@@ -110,8 +132,9 @@ if HAVE_TRITON:
             for start in range(0, M, BLOCK_M):
                 mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
                 x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask,
-                            other=0.0)
-                amax = tl.maximum(amax, tl.reduce(tl.abs(x.to(tl.float32)), 0, max_combine))
+                            other=0.0).to(tl.float32)
+                x = as_stored(x, ROUND)
+                amax = tl.maximum(amax, tl.reduce(tl.abs(x), 0, max_combine))
         if AMAX == 1:
             tl.store(amax_ptr + matrix * K + rk, amax, mask=rk < K)
         else:
@@ -123,25 +146,27 @@ if HAVE_TRITON:
             for start in range(0, M, BLOCK_M):
                 mask = ((start + rm)[:, None] < M) & (rk[None, :] < K)
                 x = tl.load(x_base + (start + rm)[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask,
-                            other=0.0)
-                q = tl.minimum(tl.maximum(x.to(tl.float32) * inverse[None, :], -_MAX), _MAX)
+                            other=0.0).to(tl.float32)
+                x = as_stored(x, ROUND)
+                q = tl.minimum(tl.maximum(x * inverse[None, :], -_MAX), _MAX)
                 tl.store(q_base + rk[None, :].to(tl.int64) * M + (start + rm)[:, None], q.to(q_ptr.dtype.element_ty),
                          mask=mask)
 
     # quantize_rows_and_columns, pass 1: one program per (BLOCK_M, BLOCK_K) tile of a matrix (the tile index runs
     # along K first): the tile's row and column maxima, combined over the tiles by atomic maxima into buffers of
     # zeros. A maximum is exact in any order, so the amax is the one-program kernels' bit for bit. Its tiles need
-    # not be pass 2's.
+    # not be pass 2's. ROUND (both passes) as the row kernel's.
     def _rows_and_columns_amax_kernel(x_ptr, amax_rows_ptr, amax_cols_ptr, M, K, stride_xb, stride_xm,
-                                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                                      ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         matrix = tl.program_id(1).to(tl.int64)
         tiles_k = (K + BLOCK_K - 1) // BLOCK_K
         rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
         in_m, in_k = rm < M, rk < K
         x = tl.load(x_ptr + matrix * stride_xb + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=in_m[:, None] & in_k[None, :], other=0.0)
-        x_abs = tl.abs(x.to(tl.float32))
+                    mask=in_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+        x = as_stored(x, ROUND)
+        x_abs = tl.abs(x)
         tl.atomic_max(amax_rows_ptr + matrix * M + rm, tl.reduce(x_abs, 1, max_combine), mask=in_m, sem="relaxed")
         tl.atomic_max(amax_cols_ptr + matrix * K + rk, tl.reduce(x_abs, 0, max_combine), mask=in_k, sem="relaxed")
 
@@ -149,7 +174,7 @@ if HAVE_TRITON:
     # columns' into q_cols (K, M), stored transposed. The first tile of a row (of a column) writes its scale.
     def _rows_and_columns_quantize_kernel(x_ptr, q_rows_ptr, scale_rows_ptr, q_cols_ptr, scale_cols_ptr,
                                           amax_rows_ptr, amax_cols_ptr, M, K, stride_xb, stride_xm,
-                                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                                          ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         matrix = tl.program_id(1).to(tl.int64)
         tiles_k = (K + BLOCK_K - 1) // BLOCK_K
         tile_m, tile_k = tl.program_id(0) // tiles_k, tl.program_id(0) % tiles_k
@@ -159,6 +184,7 @@ if HAVE_TRITON:
         mask = in_m[:, None] & in_k[None, :]
         x = tl.load(x_ptr + matrix * stride_xb + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask,
                     other=0.0).to(tl.float32)
+        x = as_stored(x, ROUND)
         amax_m = tl.maximum(tl.load(amax_rows_ptr + matrix * M + rm, mask=in_m, other=0.0), _FLOOR)
         amax_k = tl.maximum(tl.load(amax_cols_ptr + matrix * K + rk, mask=in_k, other=0.0), _FLOOR)
         fp8_max_m = tl.full((BLOCK_M,), _MAX, tl.float32)
@@ -196,6 +222,24 @@ def fp8_outputs(q_shape: tuple[int, ...], scale_shape: tuple[int, ...], x: torch
     return q, scale
 
 
+_ROUND_MODES = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def round_mode(x: torch.Tensor, as_dtype: torch.dtype | None) -> int:
+    """The kernels' ROUND for ``as_dtype`` (x's values rounded to it first): 0 none (``None``, or x's own dtype), 1
+    bf16, 2 fp16; a ValueError for any other."""
+    if as_dtype is None or as_dtype == x.dtype:
+        return 0
+    if as_dtype not in _ROUND_MODES:
+        raise ValueError(f"as_dtype must be None, x's dtype, torch.bfloat16 or torch.float16, got {as_dtype}")
+    return _ROUND_MODES[as_dtype]
+
+
+def rounded(x: torch.Tensor, as_dtype: torch.dtype | None) -> torch.Tensor:
+    """The twins' ``as_dtype``: ``x.to(as_dtype)`` (a copy), x where ``None``."""
+    return x.to(as_dtype) if round_mode(x, as_dtype) else x
+
+
 def quantize_along_torch(x: torch.Tensor, dim: int,
                          amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin: (q like x, scales with ``dim`` reduced away), the kernels' arithmetic step for step; ``amax`` (``dim``
@@ -211,19 +255,21 @@ def quantize_along_torch(x: torch.Tensor, dim: int,
 
 
 def quantize_rows_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                        amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        amax: torch.Tensor | None = None, *, as_dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = fp8_outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
-    q_new, scale_new = quantize_along_torch(x, -1, amax)
+    q_new, scale_new = quantize_along_torch(rounded(x, as_dtype), -1, amax)
     q.copy_(q_new)
     scale.copy_(scale_new)
     return q, scale
 
 
 def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                           amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           amax: torch.Tensor | None = None, *, as_dtype: torch.dtype | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = fp8_outputs((*x.shape[:-2], x.shape[-1], x.shape[-2]), (*x.shape[:-2], x.shape[-1]), x, q_out,
                         scale_out)
-    q_new, scale_new = quantize_along_torch(x, -2, amax)
+    q_new, scale_new = quantize_along_torch(rounded(x, as_dtype), -2, amax)
     q.copy_(q_new.transpose(-2, -1))
     scale.copy_(scale_new)
     return q, scale
@@ -234,35 +280,38 @@ _COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
 
 
 def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                  rows_bound: torch.Tensor | None = None, amax: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows_bound: torch.Tensor | None = None, amax: torch.Tensor | None = None, *,
+                  as_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): x (..., K) quantized per row of its last dimension, q contiguous like x, scales (...) float32;
     for a 2-D x, given outputs may be strided (q's rows apart, scales at a stride). ``rows_bound``: rows from it on
     (of x viewed as (rows, K)) are left unwritten (the twin writes them). ``amax`` (float32 (...)): each row's
     absolute maximum, given (:func:`row_amax`, shared over the ranks that each hold part of the rows), not x's own:
-    one pass over x."""
+    one pass over x. ``as_dtype`` (bf16 or fp16): bit for bit the result for ``x.to(as_dtype)``, with no copy made
+    (an fp32 master weight quantized as its model copy would be; here and in the functions below)."""
+    round_ = round_mode(x, as_dtype)
     if not use_triton(x, "fp8 quantize_rows"):
-        return quantize_rows_torch(x, q_out, scale_out, amax)
+        return quantize_rows_torch(x, q_out, scale_out, amax, as_dtype=as_dtype)
     q, scale = fp8_outputs(tuple(x.shape), tuple(x.shape[:-1]), x, q_out, scale_out, strided=x.dim() == 2)
     if x.numel():
-        _launch_rows(x, q, scale, 0 if amax is None else 2, amax, rows_bound)
+        _launch_rows(x, q, scale, 0 if amax is None else 2, amax, rows_bound, round_)
     return q, scale
 
 
-def row_amax(x: torch.Tensor) -> torch.Tensor:
+def row_amax(x: torch.Tensor, *, as_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each row's absolute maximum of x (..., K), float32 (...): the first of :func:`quantize_rows`' passes alone,
     for scales shared over ranks that each hold part of the rows (one Triton pass; its twin in torch ops)."""
+    round_ = round_mode(x, as_dtype)
     if not use_triton(x, "fp8 row_amax"):
-        return amax_along(x, -1)
+        return amax_along(x, -1, as_dtype=as_dtype)
     amax = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if x.numel():
-        _launch_rows(x, x, x, 1, amax, None)
+        _launch_rows(x, x, x, 1, amax, None, round_)
     return amax
 
 
 def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: int, amax: torch.Tensor | None,
-                 rows_bound: torch.Tensor | None) -> None:
-    """The row kernel over x's rows (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``)."""
+                 rows_bound: torch.Tensor | None, round_: int) -> None:
+    """The row kernel over x's rows (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``; ROUND ``round_``)."""
     K = x.shape[-1]
     x_rows = x.reshape(-1, K)
     if x_rows.stride(1) != 1:
@@ -272,37 +321,40 @@ def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: in
     _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if amax is None else amax.reshape(-1),
                                         x_rows if rows_bound is None else rows_bound, x_rows.shape[0], K,
                                         x_rows.stride(0), stride_q, stride_scale, HAS_BOUND=rows_bound is not None,
-                                        AMAX=mode, BLOCK=block)
+                                        AMAX=mode, ROUND=round_, BLOCK=block)
 
 
 def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                     amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     amax: torch.Tensor | None = None, *, as_dtype: torch.dtype | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): each column of x (..., M, K) quantized, q (..., K, M) contiguous (x's matrices transposed),
     scales (..., K) float32. ``amax`` (float32 (..., K)): each column's absolute maximum, given
-    (:func:`column_amax`, shared over ranks), not x's own."""
+    (:func:`column_amax`, shared over ranks), not x's own. ``as_dtype``: as :func:`quantize_rows`'."""
+    round_ = round_mode(x, as_dtype)
     if not use_triton(x, "fp8 quantize_columns"):
-        return quantize_columns_torch(x, q_out, scale_out, amax)
+        return quantize_columns_torch(x, q_out, scale_out, amax, as_dtype=as_dtype)
     M, K = x.shape[-2:]
     q, scale = fp8_outputs((*x.shape[:-2], K, M), (*x.shape[:-2], K), x, q_out, scale_out)
     if x.numel():
-        _launch_columns(x, q, scale, 0 if amax is None else 2, amax)
+        _launch_columns(x, q, scale, 0 if amax is None else 2, amax, round_)
     return q, scale
 
 
-def column_amax(x: torch.Tensor) -> torch.Tensor:
+def column_amax(x: torch.Tensor, *, as_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each column's absolute maximum of x (..., M, K), float32 (..., K): :func:`quantize_columns`' first pass
     alone (as :func:`row_amax`)."""
+    round_ = round_mode(x, as_dtype)
     if not use_triton(x, "fp8 column_amax"):
-        return amax_along(x, -2)
+        return amax_along(x, -2, as_dtype=as_dtype)
     amax = torch.empty((*x.shape[:-2], x.shape[-1]), dtype=torch.float32, device=x.device)
     if x.numel():
-        _launch_columns(x, x, x, 1, amax)
+        _launch_columns(x, x, x, 1, amax, round_)
     return amax
 
 
 def _launch_columns(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: int,
-                    amax: torch.Tensor | None) -> None:
-    """The column kernel over x's matrices (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``)."""
+                    amax: torch.Tensor | None, round_: int) -> None:
+    """The column kernel over x's matrices (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``; ROUND ``round_``)."""
     M, K = x.shape[-2:]
     x_BMK = x.reshape(-1, M, K)
     if x_BMK.stride(2) != 1:
@@ -310,7 +362,7 @@ def _launch_columns(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode:
     block_m, block_k = _COLUMN_BLOCKS
     _columns[(triton.cdiv(K, block_k), x_BMK.shape[0]), x.device](
         x_BMK, q, scale, x_BMK if amax is None else amax.reshape(-1), M, K, x_BMK.stride(0), x_BMK.stride(1),
-        AMAX=mode, BLOCK_M=block_m, BLOCK_K=block_k)
+        AMAX=mode, ROUND=round_, BLOCK_M=block_m, BLOCK_K=block_k)
 
 
 # (BLOCK_M, BLOCK_K) of the two passes, from a sweep by hand on an H100 at (8, 4096, 28672) bf16 (2026-11-28): the
@@ -321,13 +373,16 @@ _AMAX_BLOCKS, _QUANTIZE_BLOCKS = (128, 128), (64, 64)
 
 
 def quantize_rows_and_columns(x: torch.Tensor, rows_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                              columns_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                              columns_out: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                              as_dtype: torch.dtype | None = None
                               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(:func:`quantize_rows` (x), :func:`quantize_columns` (x)) bit for bit, x (..., M, K), in two passes over x
     (the maxima of each tile's rows and columns, then both quantized copies of the tile) where the two functions
     make four: a weight's two rowwise copies, refreshed together once per optimizer step. ``rows_out``,
-    ``columns_out``: the (q, scales) to write into, contiguous."""
+    ``columns_out``: the (q, scales) to write into, contiguous. ``as_dtype``: as :func:`quantize_rows`'."""
+    round_ = round_mode(x, as_dtype)
     if not use_triton(x, "fp8 quantize_rows_and_columns"):
+        x = rounded(x, as_dtype)  # one copy for both twins
         return quantize_rows_torch(x, *(rows_out or ())), quantize_columns_torch(x, *(columns_out or ()))
     *batch, M, K = x.shape
     q_rows, scale_rows = fp8_outputs(tuple(x.shape), (*batch, M), x, *(rows_out or (None, None)))
@@ -342,18 +397,20 @@ def quantize_rows_and_columns(x: torch.Tensor, rows_out: tuple[torch.Tensor, tor
     amax_BM, amax_BK = amax[:B * M], amax[B * M:]
     block_m, block_k = _AMAX_BLOCKS
     _rows_and_columns_amax[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), x.device](
-        x_BMK, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
+        x_BMK, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1), ROUND=round_, BLOCK_M=block_m,
+        BLOCK_K=block_k)
     block_m, block_k = _QUANTIZE_BLOCKS
     _rows_and_columns_quantize[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), x.device](
         x_BMK, q_rows, scale_rows, q_cols, scale_cols, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1),
-        BLOCK_M=block_m, BLOCK_K=block_k)
+        ROUND=round_, BLOCK_M=block_m, BLOCK_K=block_k)
     return (q_rows, scale_rows), (q_cols, scale_cols)
 
 
-def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+def amax_along(x: torch.Tensor, dim: int, *, as_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fp32 absolute maximum of x along ``dim`` (reduced away): what a scale is made from, where ranks that
-    each hold part of that dimension share their maximum first (layers/fp8.py, tensor parallelism)."""
-    return x.detach().float().abs().amax(dim)
+    each hold part of that dimension share their maximum first (layers/fp8.py, tensor parallelism). ``as_dtype``:
+    of ``x.to(as_dtype)``."""
+    return rounded(x.detach(), as_dtype).float().abs().amax(dim)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -21,6 +21,14 @@ try:
     sum_combine = tl.standard._sum_combine  # the combine function tl.sum uses; the interpreter knows it
     max_combine = tl.standard._elementwise_max  # tl.max's, likewise
     min_combine = tl.standard._elementwise_min
+
+    class DeviceFunction(JITFunction):
+        """A function that kernels call: a compiled kernel inlines it (it is a JITFunction), an interpreted one
+        (:class:`Kernel` on CPU) calls it as the Python it is (a plain JITFunction refuses to be called)."""
+
+        def __call__(self, *args, **kwargs):
+            return self.fn(*args, **kwargs)
+
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     HAVE_TRITON = False

@@ -32,6 +32,14 @@ capture reads the cached copies that the eager warm-up made (no quantize kernel 
 still quantized once per step, not per replay), and the layer's forward pre-hook (:func:`refresh_weights`, which
 the model installs after the capture) refreshes them in place before a replay.
 
+Under ``train.fp8_param`` a weight whose GEMMs run in FP8 is held only as its FP8 copies: they live in the storage of
+its bf16 values, which nothing reads any more (both its GEMMs are FP8: :meth:`Fp8.covers`), the forward's
+orientation in the first half of its bytes, the dgrad's in the second, 1 byte an element each. The copies are
+quantized from the optimizer's fp32 master, rounded to bf16 by the quantize kernels as they read it: bit for bit
+the copies of the bf16 weight the optimizer no longer writes (``ParamInfo.fp8_master``; the optimizer sets it and
+reads ``ParamInfo.holds_fp8``). A run of experts' copies are slices of the whole weight's (the scales are per
+matrix), so they share its place.
+
 Tensor parallelism: where a linear's contraction is split over the TP ranks (the row-parallel forward, the
 column-parallel dgrad; under expert-TP the experts' fc2 forward and fc1 dgrad, over ``Fp8.expert_tp``), each rank
 holds part of every row being quantized. ``split_over`` shares the rowwise
@@ -62,9 +70,10 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.ring import Gemm, Pending
 from moe_overlap.distributed.streams import exposed_kind
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
-from moe_overlap.kernels.fp8_quant import (column_amax, dequantize, dequantize_rows, quantize_columns, quantize_rows,
-                                           quantize_rows_and_columns, row_amax)
+from moe_overlap.kernels.fp8_quant import (FP8, column_amax, dequantize, dequantize_rows, quantize_columns,
+                                           quantize_rows, quantize_rows_and_columns, row_amax)
 from moe_overlap.kernels.fp8_wgrad import fp8_wgrad_accumulate, fp8_wgrad_accumulate_torch, quantize_along_tokens
+from moe_overlap.layers.param_info import param_info
 
 
 @dataclass(frozen=True)
@@ -150,46 +159,90 @@ def _state(param: torch.Tensor) -> tuple[int, int, int]:
     return _generation, param._version, param.data_ptr()
 
 
-def _start_shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> Pending:
+def _start_shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle,
+                               as_dtype: torch.dtype | None = None) -> Pending:
     """x quantized along ``dim``, which ``split_over``'s ranks each hold a part of: each scale from the largest
     value on any of them (one all-reduce of the maxima), so every rank quantizes its part as one process would
     quantize the whole: the row (column) kernel's two passes with the all-reduce between them. Started: the
     maxima cross until ``wait()``, which quantizes and gives (q, scale). A collective of the same group started
-    before that wait queues behind the maxima on the group's stream, so the two wait out the ranks' skew once."""
-    amax = row_amax(x) if dim == -1 else column_amax(x)
+    before that wait queues behind the maxima on the group's stream, so the two wait out the ranks' skew once.
+    ``as_dtype``: x's values rounded to it first (a master weight, :class:`_Source`)."""
+    amax = row_amax(x, as_dtype=as_dtype) if dim == -1 else column_amax(x, as_dtype=as_dtype)
     work = start_all_reduce(amax, split_over.group, dist.ReduceOp.MAX)
+    quantize = quantize_rows if dim == -1 else quantize_columns
     return Pending(work=work, kind=exposed_kind(split_over.group),
-                   complete=lambda: quantize_rows(x, amax=amax) if dim == -1 else quantize_columns(x, amax=amax))
+                   complete=lambda: quantize(x, amax=amax, as_dtype=as_dtype))
 
 
-def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle) -> tuple[torch.Tensor, torch.Tensor]:
-    return _start_shared_quantization(x, dim, split_over).wait()
+def _shared_quantization(x: torch.Tensor, dim: int, split_over: GroupHandle,
+                         as_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _start_shared_quantization(x, dim, split_over, as_dtype).wait()
 
 
-def _quantize_weight(w: torch.Tensor, layout: Layout, entry: _CachedWeight | None = None,
-                     split_over: GroupHandle | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class _Source:
+    """What a weight's FP8 copies are quantized from: the weight (a view of a parameter), or under train.fp8_param
+    the same view of the parameter's fp32 master, read as ``as_dtype`` (the weight's: the kernels round each value
+    to it as they read it), so the copies are the bf16 weight's bit for bit."""
+
+    values: torch.Tensor
+    as_dtype: torch.dtype | None = None
+
+    @staticmethod
+    def of(w: torch.Tensor, param: torch.Tensor) -> _Source:
+        master = param_info(param).fp8_master
+        if master is None:
+            return _Source(w.detach())
+        offset = w.storage_offset() - param.storage_offset()  # the master is laid out as the parameter
+        return _Source(master.as_strided(w.shape, w.stride(), master.storage_offset() + offset), w.dtype)
+
+
+def _quantize_weight(source: _Source, layout: Layout, out: tuple[torch.Tensor | None, torch.Tensor | None] = (None,
+                     None), split_over: GroupHandle | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's copy in ``layout``, written into ``out`` (q, scale) where given (in place: a graph may hold
+    them)."""
     if split_over is None or layout.startswith("blocks"):  # a block lies on one rank: nothing to share
-        return _QUANTIZE[layout](w.detach(), *((entry.q, entry.scale) if entry is not None else ()))
-    q, scale = _shared_quantization(w.detach(), -1 if layout == "rows" else -2, split_over)
-    if entry is None:
-        return q, scale
-    entry.q.copy_(q)  # in place: a graph may hold these
-    entry.scale.copy_(scale)
-    return entry.q, entry.scale
+        return _QUANTIZE[layout](source.values, *out, as_dtype=source.as_dtype)
+    q, scale = _shared_quantization(source.values, -1 if layout == "rows" else -2, split_over, source.as_dtype)
+    q_out, scale_out = out
+    return q if q_out is None else q_out.copy_(q), scale if scale_out is None else scale_out.copy_(scale)
+
+
+def _place_in_param(param: torch.Tensor, layout: Layout, w: torch.Tensor) -> torch.Tensor | None:
+    """Under train.fp8_param, where the copy of ``w`` (a view of ``param``) in ``layout`` lives in the parameter's
+    own storage: the forward's orientation in the first half of its bytes, the dgrad's in the second, at w's element
+    offset (see the module docstring); the parameter is marked as holding FP8 copies from then on. None (the copy
+    gets memory of its own) without train.fp8_param, or where w is not a run of whole matrices of a contiguous
+    2-byte parameter."""
+    info = param_info(param)
+    if info.fp8_master is None or param.element_size() != 2 or not (param.is_contiguous() and w.is_contiguous()):
+        return None
+    matrix = param.shape[-2:].numel()
+    offset = w.storage_offset() - param.storage_offset()
+    if w.shape[-2:] != param.shape[-2:] or offset % matrix:
+        return None
+    second_half = layout in ("columns", "blocks_t")
+    start = 2 * param.storage_offset() + (param.numel() if second_half else 0) + offset  # in bytes
+    if start % 16:  # the scaled GEMMs' operands are 16-byte aligned
+        return None
+    shape = (*w.shape[:-2], w.shape[-1], w.shape[-2]) if second_half else tuple(w.shape)
+    info.holds_fp8 = True
+    return torch.empty(0, dtype=FP8, device=param.device).set_(param.untyped_storage(), start, shape)
 
 
 def _refresh(w: torch.Tensor, param: torch.Tensor, layout: Layout, entry: _CachedWeight,
              split_over: GroupHandle | None) -> None:
     """Quantize w (a view of ``param``) into its stale cached copy, in place; with it the other rowwise orientation
     of the same view, if cached and stale too: both from one kernel."""
-    cache, state = param.__dict__["fp8_cache"], _state(param)
+    cache, state, source = param.__dict__["fp8_cache"], _state(param), _Source.of(w, param)
     partner = cache.get((_ROWWISE_PARTNER.get(layout), entry.view))
     if split_over is None and partner is not None and partner.split_over is None and partner.state != state:
         rows, columns = (entry, partner) if layout == "rows" else (partner, entry)
-        quantize_rows_and_columns(w.detach(), (rows.q, rows.scale), (columns.q, columns.scale))
+        quantize_rows_and_columns(source.values, (rows.q, rows.scale), (columns.q, columns.scale),
+                                  as_dtype=source.as_dtype)
         partner.state = state
     else:
-        _quantize_weight(w, layout, entry, split_over)
+        _quantize_weight(source, layout, (entry.q, entry.scale), split_over)
     entry.state = state
 
 
@@ -210,26 +263,28 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
     if entry is not None and entry.state == _state(param):
         return entry.q, entry.scale
     if w.is_cuda and torch.cuda.is_current_stream_capturing():  # stale at capture: quantize inside the graph
-        return _quantize_weight(w, layout, split_over=split_over)
+        return _quantize_weight(_Source.of(w, param), layout, split_over=split_over)
     if entry is None:  # the first use: this orientation alone
-        q, scale = _quantize_weight(w, layout, split_over=split_over)
+        q, scale = _quantize_weight(_Source.of(w, param), layout, (_place_in_param(param, layout, w), None),
+                                    split_over)
         cache[slot] = _CachedWeight(_state(param), view, q, scale, split_over)
         return q, scale
     _refresh(w, param, layout, entry, split_over)
     return entry.q, entry.scale
 
 
-def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise", min_dim: int = 0) -> int:
+def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise", min_dim: int = 0, in_weights: bool = False) -> int:
     """The bytes of the FP8 copies a module's weights get once its GEMMs ran forward and backward: per weight
     matrix (N, K) an E4M3 copy in each orientation (2 N K bytes) and their float32 scales: rowwise one per column
     of the right operand (4 (N + K) bytes), blockwise one per 128x128 block in each copy. None for a weight
-    narrower than ``min_dim`` (its GEMMs stay bf16: :meth:`Fp8.covers`). Biases stay in their dtype."""
+    narrower than ``min_dim`` (its GEMMs stay bf16: :meth:`Fp8.covers`). Biases stay in their dtype.
+    ``in_weights`` (train.fp8_param): the E4M3 bytes live in the weights' own storage, only the scales are more."""
     total = 0
     for param in module.parameters(recurse=False):
         if param.dim() >= 2 and min(param.shape[-2:]) >= min_dim:
             *batch, n, k = param.shape
             scales = 2 * (n // BLOCK) * (k // BLOCK) if recipe == "blockwise" else n + k
-            total += math.prod(batch) * (2 * n * k + 4 * scales)
+            total += math.prod(batch) * ((0 if in_weights else 2 * n * k) + 4 * scales)
     return total
 
 

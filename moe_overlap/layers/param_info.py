@@ -76,6 +76,10 @@ class ParamInfo:
     adds_own_grad: bool = False  # its layer adds the gradient into main_grad itself (layers/wgrad.py)
     main_grad: torch.Tensor | None = None  # the fp32 gradient the optimizer attaches and the step sums into
     lr_scale: float = 1.0  # its learning rate as a multiple of the schedule's (a router's: model.moe_router_lr_scale)
+    # train.fp8_param: the fp32 master its FP8 copies are quantized from (the optimizer sets it), and whether its own
+    # storage holds them now in place of its values (layers/fp8.py sets it; the optimizer then writes no values)
+    fp8_master: torch.Tensor | None = None
+    holds_fp8: bool = False
 
 
 def param_info(param: torch.Tensor) -> ParamInfo:

@@ -156,8 +156,16 @@ class ParamEntry:
 
     @property
     def model_copy(self) -> torch.Tensor | None:
-        """Where the update writes the model's weights too: the parameter, unless it is its own master."""
-        return None if self.master is self.param else self.param.data
+        """Where the update writes the model's weights too: the parameter, unless it is its own master or its storage
+        holds its FP8 copies instead (train.fp8_param: they are quantized from the master)."""
+        return None if self.master is self.param or param_info(self.param).holds_fp8 else self.param.data
+
+    @property
+    def model_values(self) -> torch.Tensor:
+        """The model's weights as a checkpoint holds them: the parameter, or the master rounded to its dtype where
+        the parameter's storage holds FP8 copies (a new tensor: loading into it restores nothing, the master
+        loads beside it)."""
+        return self.master.to(self.param.dtype) if param_info(self.param).holds_fp8 else self.param.data
 
     def logical_slices(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``tensor`` (contiguous, shaped like the parameter) keyed by logical name; experts one
@@ -185,6 +193,13 @@ class MixedPrecisionAdamW:
                                [e.is_expert or counts_in_dense_norm(e.param, mesh.tp) for e in self.entries],
                                self.device)
         self._is_expert = torch.tensor([e.is_expert for e in self.entries], device=self.device)
+
+    def hold_fp8_weights(self) -> None:
+        """train.fp8_param: the weights whose GEMMs run in FP8 keep only their FP8 copies, in their own storage,
+        quantized from the masters (layers/fp8.py); the others' values are written as before."""
+        for entry in self.entries:
+            if entry.master is not entry.param:
+                param_info(entry.param).fp8_master = entry.master
 
     def start_micro_batch(self, is_last: bool) -> None:
         """Nothing to arm: this optimizer all-reduces after the whole backward (reduce_grads)."""
@@ -259,7 +274,7 @@ class MixedPrecisionAdamW:
         """Model and optimizer tensors keyed by logical name (views: loading into them restores in place)."""
         state: dict[str, torch.Tensor] = {}
         for entry in self.entries:
-            for key, view in entry.logical_slices(entry.param.data).items():
+            for key, view in entry.logical_slices(entry.model_values).items():
                 state[f"model.{key}"] = view
             for suffix, tensor in (("exp_avg", entry.exp_avg), ("exp_avg_sq", entry.exp_avg_sq)):
                 for key, view in entry.logical_slices(tensor).items():

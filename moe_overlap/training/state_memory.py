@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.config import Config, ConfigError
-from moe_overlap.config.defaults import fp8_gemm_min_dim
+from moe_overlap.config.defaults import fp8_gemm_min_dim, fp8_param
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.layers.fp8 import weight_copy_bytes
 from moe_overlap.layers.param_info import is_expert_param
@@ -28,7 +28,9 @@ class StateBytes:
     weights: int  # in the compute dtype (train.precision)
     gradients: int  # fp32 main_grad, every local parameter
     optimizer: int  # fp32 master weights (unless the weights are fp32) and the two AdamW moments, this rank's shard
-    fp8_copies: int = 0  # train.fp8_recipe: the FP8 GEMMs' weights in E4M3, both orientations, with their scales
+    # train.fp8_recipe: the FP8 GEMMs' weights in E4M3, both orientations, with their scales (train.fp8_param: the
+    # scales alone, the E4M3 bytes held in the weights' own memory)
+    fp8_copies: int = 0
 
     @property
     def total(self) -> int:
@@ -48,8 +50,9 @@ def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
         gradients += param.numel() * FP32_BYTES
         shards = (mesh.edp if is_expert_param(param) else mesh.dp_cp).size if t.use_distributed_optimizer else 1
         optimizer += param.numel() * optimizer_per_element // shards
-    fp8_copies = (sum(weight_copy_bytes(module, t.fp8_recipe, fp8_gemm_min_dim(t)) for module in model.fp8_modules(
-        t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)) if t.fp8_recipe else 0)
+    fp8_modules = model.fp8_modules(t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16) if t.fp8_recipe else []
+    fp8_copies = sum(weight_copy_bytes(module, t.fp8_recipe, fp8_gemm_min_dim(t), fp8_param(t))
+                     for module in fp8_modules)
     return StateBytes(weights, gradients, optimizer, fp8_copies)
 
 
@@ -71,8 +74,10 @@ def describe_state_memory(cfg: Config, layout: MeshLayout) -> list[str]:
     gib = 2**30
     sharding = ("sharded over data-parallel ranks by the distributed optimizer" if cfg.train.use_distributed_optimizer
                 else "not sharded: train.use_distributed_optimizer=false")
+    held = (", held in the bf16 weights' memory: their scales alone counted here (train.fp8_param)"
+            if fp8_param(cfg.train) else "")
     fp8 = (f" + FP8 copies {state.fp8_copies / gib:.1f} (train.fp8_recipe={cfg.train.fp8_recipe}: the FP8 GEMMs' "
-           f"weights in E4M3, both orientations, made once per step)" if cfg.train.fp8_recipe else "")
+           f"weights in E4M3, both orientations, made once per step{held})" if cfg.train.fp8_recipe else "")
     return [f"model state per rank, before activations (the most on any rank: rank {rank}): "
             f"{state.total / gib:.1f} GiB = weights {state.weights / gib:.1f} ({cfg.train.precision}) + gradients "
             f"{state.gradients / gib:.1f} (fp32) + optimizer {state.optimizer / gib:.1f} (fp32 master and AdamW "

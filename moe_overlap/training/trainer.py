@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
-from moe_overlap.config.defaults import fp8_gemm_min_dim
+from moe_overlap.config.defaults import fp8_gemm_min_dim, fp8_param
 from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.monitor import RankMonitor
@@ -80,6 +80,8 @@ class Trainer:
                                t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
+        if fp8_param(t):  # before any FP8 GEMM places a copy
+            self.optimizer.hold_fp8_weights()
         o = cfg.overlap  # which of the distributed optimizer's syncs overlap the compute (their GEMMs are carved out)
         self._dp_overlaps = DPOverlaps(t.use_distributed_optimizer and o.overlap_grad_sync,
                                        t.use_distributed_optimizer and o.overlap_param_sync)
@@ -284,6 +286,7 @@ class Trainer:
             "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_micro_batches": t.expert_wgrad_micro_batches,
             "fp8_recipe": t.fp8_recipe, "fp8_wgrad": t.fp8_wgrad if t.fp8_recipe else None,
             "fp8_gemm_min_dim": fp8_gemm_min_dim(t) if t.fp8_recipe else None,
+            "fp8_param": fp8_param(t) if t.fp8_recipe else None,
         }
 
     def _world_stats(self) -> torch.Tensor:
