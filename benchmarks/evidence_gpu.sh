@@ -101,6 +101,7 @@
 #   bash benchmarks/evidence_gpu.sh wgrad_groups1 OUT # one GPU: 4 micro-batches per main_grad read-modify-write
 #   bash benchmarks/evidence_gpu.sh wgrad_eights1 OUT # one GPU: 8 against 4
 #   bash benchmarks/evidence_gpu.sh fp8_param1 OUT # one GPU: train.fp8_param's GPU tests, held against kept copies
+#   bash benchmarks/evidence_gpu.sh fp8_maxima1 OUT # the same with the optimizer's step leaving the maxima
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh wgrad_kernel1 OUT # one GPU: the expert weight gradient's tile configs
@@ -240,6 +241,27 @@ tree_before() {  # a copy of the tree at /tmp/NAME with edits that undo a change
 # copy quantized alone
 FUSIONS_OFF=("moe_overlap/kernels/fp8_wgrad.py|s/one_pass: bool = True/one_pass: bool = False/"
              "moe_overlap/layers/fp8.py|s/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/")
+
+fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0
+  local label=$1 launch name held kept order
+  shift
+  export CUDA_VISIBLE_DEVICES=0
+  gpu0_tests $label "$@"
+  pack
+  held=rowwise:train.fp8_recipe=rowwise kept=rowwise_kept:train.fp8_recipe=rowwise,train.fp8_param=false
+  for launch in 1 2; do
+    name=train_step_${label}${launch}_mixtral_2l_1x$gpu
+    order="--variant $held --variant $kept"; [ $launch = 2 ] && order="--variant $kept --variant $held"
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 3 --steps 8 \
+      --profile-steps 0 $order --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' \
+      | cut -c1-300
+    pack
+  done
+  name=train_step_${label}_fine_8l_1x$gpu
+  timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
+    --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+    | grep -E '^\{"variant"|Error' | cut -c1-300
+}
 
 mixtral_fp8_runs() {  # result name, the undone tree's dir (tree_before), then the launches' trees, in order: a name
   # "before" or "before_again" runs the copy, any other this tree; each launch bf16 then rowwise FP8 on the
@@ -1303,22 +1325,11 @@ PY
     # masters read as bf16; auto: on with the plain optimizer) on one GPU: the FP8 GPU tests, then the Mixtral-like
     # bench model bf16, rowwise held (auto) and rowwise kept beside the bf16 weights (false), two launches with the FP8
     # rows' order swapped; then the fine bench model bf16 and rowwise held (with the copies beside, it did not fit)
-    export CUDA_VISIBLE_DEVICES=0
-    gpu0_tests fp8_param tests/test_gpu_fp8.py
-    pack
-    for launch in 1 2; do
-      name=train_step_fp8_param${launch}_mixtral_2l_1x$gpu
-      held=rowwise:train.fp8_recipe=rowwise kept=rowwise_kept:train.fp8_recipe=rowwise,train.fp8_param=false
-      order="--variant $held --variant $kept"; [ $launch = 2 ] && order="--variant $kept --variant $held"
-      timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 3 --steps 8 \
-        --profile-steps 0 $order --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' \
-        | cut -c1-300
-      pack
-    done
-    name=train_step_fp8_param_fine_8l_1x$gpu
-    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
-      --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 | tee "$out/$name.log" \
-      | grep -E '^\{"variant"|Error' | cut -c1-300
+    fp8_param_runs fp8_param tests/test_gpu_fp8.py
+    ;;
+  fp8_maxima1)  # the same after the optimizer's step leaves the held weights' maxima (one pass over the master to
+    # refresh the copies, not two), with the fused kernels' GPU tests (the step's kernels)
+    fp8_param_runs fp8_maxima tests/test_gpu_fp8.py tests/test_fused_kernels.py
     ;;
   wgrad_eights1)  # the same with all 8 micro-batches of the step per read-modify-write against the config's 4
     # (one GPU, one launch)

@@ -12,6 +12,7 @@ import torch
 
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import Mesh
+from moe_overlap.layers import fp8 as fp8_layers
 from moe_overlap.layers.fp8 import Fp8, refresh_weights, weight_operand, weights_updated
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.training.state_memory import state_bytes
@@ -79,18 +80,36 @@ def fp8_trainer(output_dir: str, held: bool, **extra) -> Trainer:
     return trainer
 
 
-def test_fp8_param_trains_bit_for_bit_as_the_bf16_weights(tmp_path):
+def test_fp8_param_trains_bit_for_bit_as_the_bf16_weights(tmp_path, monkeypatch):
     """Three steps with every decoder GEMM in emulated FP8: losses, gradients and masters equal to the run that keeps
     bf16 weights; every weight of an FP8 GEMM holds its copies in its own storage (no E4M3 byte elsewhere), the
     others (embedding, output layer, routers, norms) keep their values; the checkpoint's model tensors are the
-    bf16 values all the same. The memory count is what the run holds."""
-    held, kept = fp8_trainer(str(tmp_path / "held"), True), fp8_trainer(str(tmp_path / "kept"), False)
-    for _ in range(3):
-        grads = {}
-        got = held.train_step(lambda opt: grads.update(opt.logical_grads()))
-        want = kept.train_step(lambda opt: grads.update({f"kept.{k}": v for k, v in opt.logical_grads().items()}))
-        assert got["loss"] == want["loss"]
-        assert all(torch.equal(grad, grads[f"kept.{key}"]) for key, grad in grads.items() if not key.startswith("kept"))
+    bf16 values all the same. The held run's copies are refreshed from the maxima its optimizer steps left (one
+    pass over the master: kernels/adamw.py), the kept run's from their own first pass. The memory count is what the
+    run holds."""
+    refreshes = []
+    real = fp8_layers.quantize_rows_and_columns
+    monkeypatch.setattr(fp8_layers, "quantize_rows_and_columns",
+                        lambda *a, **k: refreshes.append((a[0].dtype, k.get("amax") is not None)) or real(*a, **k))
+    # one run after the other: an optimizer step makes every parameter's copies stale, the other run's maxima too
+    def three_steps(trainer: Trainer) -> list[tuple[float, dict]]:
+        steps = []
+        for _ in range(3):
+            grads = {}
+            steps.append((trainer.train_step(lambda opt: grads.update(opt.logical_grads()))["loss"], grads))
+        return steps
+
+    held = fp8_trainer(str(tmp_path / "held"), True)
+    held_steps = three_steps(held)
+    # the held run reads its fp32 masters, with the step's maxima from the second step on
+    assert (torch.float32, True) in refreshes and {dtype for dtype, _ in refreshes} == {torch.float32}
+    assert refreshes.count((torch.float32, False)) == 0
+    refreshes.clear()
+    kept = fp8_trainer(str(tmp_path / "kept"), False)
+    for (loss, grads), (loss_want, grads_want) in zip(held_steps, three_steps(kept)):
+        assert loss == loss_want
+        assert grads.keys() == grads_want.keys() and all(torch.equal(g, grads_want[key]) for key, g in grads.items())
+    assert refreshes and all(dtype == torch.bfloat16 and not given for dtype, given in refreshes)  # its own passes
     state, want_state = held.optimizer.logical_state(), kept.optimizer.logical_state()
     assert state.keys() == want_state.keys()
     assert all(torch.equal(tensor, want_state[key]) for key, tensor in state.items())

@@ -293,6 +293,38 @@ def test_fp8_linears_against_emulated(recipe):
         assert rel(got, exact) < 2 * FP8_TOL, (what, rel(got, exact))  # two FP8 GEMMs in a row
 
 
+@pytest.mark.parametrize("shape", [(8, 1024, 4096), (3, 333, 1041)], ids=["experts", "odd"])
+def test_gpu_adamw_step_leaves_the_bf16_maxima(shape):
+    """The optimizer step that also leaves its new weights' row and column maxima (train.fp8_param, compiled): the
+    master and moments the flat kernel writes, bit for bit, and the maxima of the new master read as bf16 exactly;
+    quantize_rows_and_columns given them equals it making its own."""
+    from moe_overlap.kernels.adamw import AdamWHyper, WeightMaxima, adamw_update, adamw_update_triton
+
+    hyper = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    control = torch.tensor([0.5, 3.0, 1.0], device="cuda")
+
+    def state() -> list[torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        return [torch.randn(shape, generator=g, device="cuda"), torch.randn(shape, generator=g, device="cuda"),
+                torch.randn(shape, generator=g, device="cuda") * 0.1,
+                torch.rand(shape, generator=g, device="cuda") * 0.01]
+
+    flat, tiled = state(), state()
+    adamw_update_triton(*flat, None, control, hyper)
+    M, K = shape[-2:]
+    B = flat[0].numel() // (M * K)
+    maxima = WeightMaxima(torch.zeros(B * M, device="cuda"), torch.zeros(B * K, device="cuda"), torch.bfloat16)
+    adamw_update(*tiled, None, control, hyper, maxima)
+    assert all(torch.equal(t, f) for t, f in zip(tiled, flat))
+    weights = tiled[0].view(B, M, K).to(torch.bfloat16).float().abs()
+    assert torch.equal(maxima.rows_BM, weights.amax(-1).reshape(-1))
+    assert torch.equal(maxima.columns_BK, weights.amax(-2).reshape(-1))
+    given = quantize_rows_and_columns(tiled[0], as_dtype=torch.bfloat16,
+                                      amax=(maxima.rows_BM.view(*shape[:-1]), maxima.columns_BK.view(*shape[:-2], K)))
+    for got, want in zip(given, quantize_rows_and_columns(tiled[0], as_dtype=torch.bfloat16)):
+        assert same_fp8(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ------------------------------------------------------------------------------------------ training steps
 
 

@@ -10,6 +10,11 @@ skips the step) are read from a small device tensor, so the step never waits for
 
 The math is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments). The torch twin runs on
 CPU and where triton is missing.
+
+Where the model holds a weight only as its FP8 copies (train.fp8_param) there is no model copy to write: the
+step, tile by tile of each matrix, leaves the new weights' row and column maxima instead (:class:`WeightMaxima`),
+the first of the rowwise copies' two passes (kernels/fp8_quant.py), so the copies are made by reading the master
+once more, not twice.
 """
 
 from __future__ import annotations
@@ -18,44 +23,101 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.kernels.fp8_quant import round_mode
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from moe_overlap.kernels.fp8_quant import tile_maxima
+    from moe_overlap.kernels.launch import DeviceFunction
+
+    def _factors(control_ptr, lr, beta1, beta2):
+        """(grad_scale, step_size, sqrt_bias_correction2) of the step the control tensor describes."""
+        grad_scale = tl.load(control_ptr)
+        step = tl.load(control_ptr + 1)
+        bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+        return grad_scale, lr / bias_correction1, tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+
+    def _adamw_values(master, grad, exp_avg, exp_avg_sq, step_size, sqrt_bias_correction2, lr, beta1, beta2, eps,
+                      weight_decay):
+        """One AdamW step of loaded values (the gradient already scaled): (master, exp_avg, exp_avg_sq)."""
+        master = master * (1.0 - lr * weight_decay)
+        exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
+        exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
+        denom = tl.sqrt(exp_avg_sq) / sqrt_bias_correction2 + eps
+        return master - step_size * exp_avg / denom, exp_avg, exp_avg_sq
+
+    factors, adamw_values = DeviceFunction(_factors), DeviceFunction(_adamw_values)
+
     def _adamw_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, control_ptr, n, lr, beta1, beta2,
                       eps, weight_decay, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
         # Each program walks blocks PROGRAMS apart: the control is read once per program, not once per block.
         if tl.load(control_ptr + 2) != 0.0:
-            grad_scale = tl.load(control_ptr)
-            step = tl.load(control_ptr + 1)
-            bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-            step_size = lr / bias_correction1
-            sqrt_bias_correction2 = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+            grad_scale, step_size, sqrt_bias_correction2 = factors(control_ptr, lr, beta1, beta2)
             for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < n
                 grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
-                master = tl.load(master_ptr + offs, mask=mask, other=0.0)
-                exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-                exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-                master = master * (1.0 - lr * weight_decay)
-                exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
-                exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
-                denom = tl.sqrt(exp_avg_sq) / sqrt_bias_correction2 + eps
-                master = master - step_size * exp_avg / denom
+                master, exp_avg, exp_avg_sq = adamw_values(
+                    tl.load(master_ptr + offs, mask=mask, other=0.0), grad,
+                    tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
+                    tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr,
+                    beta1, beta2, eps, weight_decay)
                 tl.store(master_ptr + offs, master, mask=mask)
                 tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
                 tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
                 if HAS_COPY:
                     tl.store(copy_ptr + offs, master.to(copy_ptr.dtype.element_ty), mask=mask)
 
+    # With maxima (train.fp8_param): one program per (BLOCK_M, BLOCK_K) tile of a matrix (master (B, M, K)): the
+    # tile's step, then its new values' row and column maxima (as ROUND stores them) into the rowwise FP8 copies'
+    # buffers, also where the step does not apply (the copies are made again all the same).
+    def _adamw_maxima_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, control_ptr, amax_rows_ptr,
+                             amax_cols_ptr, M, K, lr, beta1, beta2, eps, weight_decay, ROUND: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        matrix = tl.program_id(1).to(tl.int64)
+        tiles_k = (K + BLOCK_K - 1) // BLOCK_K
+        rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        in_m, in_k = rm < M, rk < K
+        mask = in_m[:, None] & in_k[None, :]
+        offs = matrix * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+        master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        if tl.load(control_ptr + 2) != 0.0:
+            grad_scale, step_size, sqrt_bias_correction2 = factors(control_ptr, lr, beta1, beta2)
+            grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
+            master, exp_avg, exp_avg_sq = adamw_values(
+                master, grad, tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
+                tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr, beta1,
+                beta2, eps, weight_decay)
+            tl.store(master_ptr + offs, master, mask=mask)
+            tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
+            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+        tile_maxima(master, amax_rows_ptr + matrix * M, amax_cols_ptr + matrix * K, rm, rk, in_m, in_k, ROUND)
+
     _adamw = Kernel(_adamw_kernel, do_not_specialize=["n", "lr"])
+    _adamw_maxima = Kernel(_adamw_maxima_kernel, do_not_specialize=["lr"])
 
 # 1024 elements a block, 8 warps, 4 programs an SM walking the blocks: the best of benchmarks/step_kernels.py on an
 # H200 (3.8 TB/s counting every byte; torch's fused AdamW and then the copy: 3.2).
 _BLOCK, _WARPS, _PROGRAMS_PER_SM = 1024, 8, 4
+
+
+_MAXIMA_BLOCKS, _MAXIMA_WARPS = (64, 128), 8  # not swept
+
+
+@dataclass(frozen=True)
+class WeightMaxima:
+    """Where a step also leaves its new weights' maxima, per row and per column of each matrix (master viewed
+    (B, M, K)), read as ``as_dtype``: the first pass of the rowwise FP8 copies' quantization
+    (kernels/fp8_quant.quantize_rows_and_columns' ``amax``), made while the step has the weights in hand
+    (train.fp8_param, layers/fp8.py)."""
+
+    rows_BM: torch.Tensor  # float32 (B * M,)
+    columns_BK: torch.Tensor  # float32 (B * K,)
+    as_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -68,8 +130,18 @@ class AdamWHyper:
 
 
 def adamw_update_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                       model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper) -> None:
+                       model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper,
+                       maxima: WeightMaxima | None = None) -> None:
     """Twin of :func:`adamw_update`, in torch ops (the host reads ``apply``: CPU, or CUDA without triton)."""
+    _adamw_torch(master, grad, exp_avg, exp_avg_sq, model_copy, control, hyper)
+    if maxima is not None:
+        values = master.to(maxima.as_dtype).float().abs().view(-1, *master.shape[-2:])
+        maxima.rows_BM.copy_(values.amax(-1).reshape(-1))
+        maxima.columns_BK.copy_(values.amax(-2).reshape(-1))
+
+
+def _adamw_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper) -> None:
     grad_scale, step, apply = control.tolist()
     if not apply:
         return
@@ -101,11 +173,34 @@ def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch
         PROGRAMS=programs, num_warps=warps)
 
 
+def adamw_maxima_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                        control: torch.Tensor, hyper: AdamWHyper, maxima: WeightMaxima) -> None:
+    if not all(t.is_contiguous() and t.shape == master.shape for t in (grad, exp_avg, exp_avg_sq)):
+        raise ValueError("adamw_update needs contiguous tensors of one shape")
+    M, K = master.shape[-2:]
+    B = master.numel() // (M * K)
+    maxima.rows_BM.zero_()  # the tiles' atomic maxima start from zeros
+    maxima.columns_BK.zero_()
+    block_m, block_k = _MAXIMA_BLOCKS
+    _adamw_maxima[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), master.device](
+        master, grad, exp_avg, exp_avg_sq, control, maxima.rows_BM, maxima.columns_BK, M, K, hyper.lr, hyper.beta1,
+        hyper.beta2, hyper.eps, hyper.weight_decay, ROUND=round_mode(master, maxima.as_dtype), BLOCK_M=block_m,
+        BLOCK_K=block_k, num_warps=_MAXIMA_WARPS)
+
+
 def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper) -> None:
+                 model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper,
+                 maxima: WeightMaxima | None = None) -> None:
     """One AdamW step of fp32 ``master`` in place from fp32 ``grad`` (scaled by ``control[0]``), writing the
-    moments and, with ``model_copy``, the updated weights in that tensor's dtype; nothing when ``control[2]`` is 0."""
-    if use_triton(master, "adamw"):
-        adamw_update_triton(master, grad, exp_avg, exp_avg_sq, model_copy, control, hyper)
+    moments and, with ``model_copy``, the updated weights in that tensor's dtype; nothing when ``control[2]`` is 0.
+    With ``maxima`` (no model copy then: train.fp8_param holds the weights as FP8 copies), the new weights' row and
+    column maxima too, in the same pass over the master (and where the step does not apply, of the weights as they
+    are)."""
+    if maxima is not None and model_copy is not None:
+        raise ValueError("adamw_update writes maxima in place of a model copy, not both")
+    if not use_triton(master, "adamw"):
+        adamw_update_torch(master, grad, exp_avg, exp_avg_sq, model_copy, control, hyper, maxima)
+    elif maxima is not None:
+        adamw_maxima_triton(master, grad, exp_avg, exp_avg_sq, control, hyper, maxima)
     else:
-        adamw_update_torch(master, grad, exp_avg, exp_avg_sq, model_copy, control, hyper)
+        adamw_update_triton(master, grad, exp_avg, exp_avg_sq, model_copy, control, hyper)

@@ -59,6 +59,16 @@ if HAVE_TRITON:
 
     as_stored = DeviceFunction(_as_stored)  # kernels/fp8_blockwise.py's too
 
+    def _tile_maxima(x, amax_rows_ptr, amax_cols_ptr, rm, rk, in_m, in_k, ROUND: tl.constexpr):
+        """A tile x (rows rm, columns rk of a matrix; fp32, read as ROUND stores it) into its matrix's row and column
+        maxima (buffers of zeros at first) by atomic maxima: a maximum is exact in any order, so any tiling gives
+        the one-program kernels' amax bit for bit (quantize_rows_and_columns' first pass; kernels/adamw.py's)."""
+        x_abs = tl.abs(as_stored(x, ROUND))
+        tl.atomic_max(amax_rows_ptr + rm, tl.reduce(x_abs, 1, max_combine), mask=in_m, sem="relaxed")
+        tl.atomic_max(amax_cols_ptr + rk, tl.reduce(x_abs, 0, max_combine), mask=in_k, sem="relaxed")
+
+    tile_maxima = DeviceFunction(_tile_maxima)
+
     # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
     # A row at or past the bound is masked off whole (no early return: every program runs the same code). AMAX: 0
     # the row's own; 1 the row's amax stored in amax_ptr and nothing else (ranks that each hold part of the row
@@ -165,10 +175,7 @@ if HAVE_TRITON:
         in_m, in_k = rm < M, rk < K
         x = tl.load(x_ptr + matrix * stride_xb + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
                     mask=in_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
-        x = as_stored(x, ROUND)
-        x_abs = tl.abs(x)
-        tl.atomic_max(amax_rows_ptr + matrix * M + rm, tl.reduce(x_abs, 1, max_combine), mask=in_m, sem="relaxed")
-        tl.atomic_max(amax_cols_ptr + matrix * K + rk, tl.reduce(x_abs, 0, max_combine), mask=in_k, sem="relaxed")
+        tile_maxima(x, amax_rows_ptr + matrix * M, amax_cols_ptr + matrix * K, rm, rk, in_m, in_k, ROUND)
 
     # Pass 2, one program per tile: the tile quantized twice, by its rows' scales into q_rows (M, K) and by its
     # columns' into q_cols (K, M), stored transposed. The first tile of a row (of a column) writes its scale.
@@ -374,16 +381,21 @@ _AMAX_BLOCKS, _QUANTIZE_BLOCKS = (128, 128), (64, 64)
 
 def quantize_rows_and_columns(x: torch.Tensor, rows_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                               columns_out: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                              as_dtype: torch.dtype | None = None
+                              as_dtype: torch.dtype | None = None,
+                              amax: tuple[torch.Tensor, torch.Tensor] | None = None
                               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(:func:`quantize_rows` (x), :func:`quantize_columns` (x)) bit for bit, x (..., M, K), in two passes over x
     (the maxima of each tile's rows and columns, then both quantized copies of the tile) where the two functions
     make four: a weight's two rowwise copies, refreshed together once per optimizer step. ``rows_out``,
-    ``columns_out``: the (q, scales) to write into, contiguous. ``as_dtype``: as :func:`quantize_rows`'."""
+    ``columns_out``: the (q, scales) to write into, contiguous. ``as_dtype``: as :func:`quantize_rows`'. ``amax``
+    ((..., M), (..., K) float32): the rows' and columns' maxima, given (the optimizer's step made them:
+    kernels/adamw.py): the second pass alone."""
     round_ = round_mode(x, as_dtype)
     if not use_triton(x, "fp8 quantize_rows_and_columns"):
         x = rounded(x, as_dtype)  # one copy for both twins
-        return quantize_rows_torch(x, *(rows_out or ())), quantize_columns_torch(x, *(columns_out or ()))
+        rows_amax, columns_amax = (None, None) if amax is None else amax
+        return (quantize_rows_torch(x, *(rows_out or (None, None)), amax=rows_amax),
+                quantize_columns_torch(x, *(columns_out or (None, None)), amax=columns_amax))
     *batch, M, K = x.shape
     q_rows, scale_rows = fp8_outputs(tuple(x.shape), (*batch, M), x, *(rows_out or (None, None)))
     q_cols, scale_cols = fp8_outputs((*batch, K, M), (*batch, K), x, *(columns_out or (None, None)))
@@ -393,12 +405,15 @@ def quantize_rows_and_columns(x: torch.Tensor, rows_out: tuple[torch.Tensor, tor
     if x_BMK.stride(2) != 1:
         x_BMK = x_BMK.contiguous()
     B = x_BMK.shape[0]
-    amax = torch.zeros(B * (M + K), dtype=torch.float32, device=x.device)  # one memset for both
-    amax_BM, amax_BK = amax[:B * M], amax[B * M:]
-    block_m, block_k = _AMAX_BLOCKS
-    _rows_and_columns_amax[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), x.device](
-        x_BMK, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1), ROUND=round_, BLOCK_M=block_m,
-        BLOCK_K=block_k)
+    if amax is None:
+        both = torch.zeros(B * (M + K), dtype=torch.float32, device=x.device)  # one memset for both
+        amax_BM, amax_BK = both[:B * M], both[B * M:]
+        block_m, block_k = _AMAX_BLOCKS
+        _rows_and_columns_amax[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), x.device](
+            x_BMK, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1), ROUND=round_, BLOCK_M=block_m,
+            BLOCK_K=block_k)
+    else:
+        amax_BM, amax_BK = (a.reshape(-1) for a in amax)
     block_m, block_k = _QUANTIZE_BLOCKS
     _rows_and_columns_quantize[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), x.device](
         x_BMK, q_rows, scale_rows, q_cols, scale_cols, amax_BM, amax_BK, M, K, x_BMK.stride(0), x_BMK.stride(1),

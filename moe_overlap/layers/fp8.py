@@ -38,7 +38,9 @@ orientation in the first half of its bytes, the dgrad's in the second, 1 byte an
 quantized from the optimizer's fp32 master, rounded to bf16 by the quantize kernels as they read it: bit for bit
 the copies of the bf16 weight the optimizer no longer writes (``ParamInfo.fp8_master``; the optimizer sets it and
 reads ``ParamInfo.holds_fp8``). A run of experts' copies are slices of the whole weight's (the scales are per
-matrix), so they share its place.
+matrix), so they share its place. Rowwise, the optimizer's step leaves the new weights' row and column maxima
+(:func:`step_maxima`, kernels/adamw.py) while it has them in hand, so the refresh of the two copies reads the fp32
+master once (the second pass), where the bf16 weight was read twice.
 
 Tensor parallelism: where a linear's contraction is split over the TP ranks (the row-parallel forward, the
 column-parallel dgrad; under expert-TP the experts' fc2 forward and fc1 dgrad, over ``Fp8.expert_tp``), each rank
@@ -55,6 +57,7 @@ is the reference the tests compare with, and the only FP8 path on CPU.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -69,6 +72,7 @@ from moe_overlap.distributed.collectives import start_all_reduce
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.ring import Gemm, Pending
 from moe_overlap.distributed.streams import exposed_kind
+from moe_overlap.kernels.adamw import WeightMaxima
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
 from moe_overlap.kernels.fp8_quant import (FP8, column_amax, dequantize, dequantize_rows, quantize_columns,
                                            quantize_rows, quantize_rows_and_columns, row_amax)
@@ -125,10 +129,62 @@ class Fp8Rows:
 _generation = 0  # bumped by every optimizer step: every cached FP8 weight is stale
 
 
-def weights_updated() -> None:
-    """The optimizers' call after they wrote new weights (a step, a checkpoint load)."""
+def weights_updated(with_maxima: Iterable[torch.Tensor] = ()) -> None:
+    """The optimizers' call after they wrote new weights (a step, a checkpoint load); ``with_maxima``: the
+    parameters whose :func:`step_maxima` the step filled (they are the new weights')."""
     global _generation
     _generation += 1
+    for param in with_maxima:
+        param.__dict__["fp8_maxima"].state = _state(param)
+
+
+@dataclass
+class _StepMaxima:
+    record: WeightMaxima
+    state: tuple[int, int, int] | None = None  # the parameter's state (_state) the maxima are of
+
+
+def step_maxima(param: torch.Tensor) -> WeightMaxima | None:
+    """Under train.fp8_param, rowwise: where the optimizer's step leaves the parameter's new row and column maxima
+    (kernels/adamw.py), so that the refresh of its two copies reads the master once, not twice (their first pass
+    made by the step, which has the values in hand). None where no pair of copies would read them (blockwise,
+    scales shared over tensor-parallel ranks, a parameter that holds no copies)."""
+    cache = param.__dict__.get("fp8_cache", {})
+    if not param_info(param).holds_fp8 or not any(
+            layout == "rows" and entry.split_over is None and cache.get(("columns", view)) is not None
+            for (layout, view), entry in cache.items()):
+        return None
+    if "fp8_maxima" not in param.__dict__:
+        M, K = param.shape[-2:]
+        B = param.numel() // (M * K)
+        buffers = torch.zeros(B * (M + K), dtype=torch.float32, device=param.device)
+        param.__dict__["fp8_maxima"] = _StepMaxima(WeightMaxima(buffers[:B * M], buffers[B * M:], param.dtype))
+    return param.__dict__["fp8_maxima"].record
+
+
+def _maxima_of_view(param: torch.Tensor, view: tuple[torch.Size, tuple[int, ...], int]
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's maxima of a view of ``param`` ((..., M), (..., K)) if they are of its current weights and the
+    view is a run of whole matrices, else None."""
+    maxima = param.__dict__.get("fp8_maxima")
+    shape, stride, offset = view
+    M, K = param.shape[-2:]
+    if maxima is None or maxima.state != _state(param) or not _whole_matrices(param, shape, stride, offset):
+        return None
+    first, count = offset // (M * K), math.prod(shape[:-2])
+    record = maxima.record
+    return (record.rows_BM[first * M:(first + count) * M].view(*shape[:-2], M),
+            record.columns_BK[first * K:(first + count) * K].view(*shape[:-2], K))
+
+
+def _whole_matrices(param: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], offset: int) -> bool:
+    """Whether a view (shape, stride, element offset) of a contiguous parameter is a run of its whole matrices."""
+    expected, contiguous = 1, True
+    for size, step in reversed(list(zip(shape, stride))):
+        contiguous &= size == 1 or step == expected
+        expected *= size
+    return (param.dim() >= 2 and param.is_contiguous() and contiguous and tuple(shape[-2:]) == tuple(param.shape[-2:])
+            and offset % param.shape[-2:].numel() == 0)
 
 
 @dataclass
@@ -215,11 +271,8 @@ def _place_in_param(param: torch.Tensor, layout: Layout, w: torch.Tensor) -> tor
     gets memory of its own) without train.fp8_param, or where w is not a run of whole matrices of a contiguous
     2-byte parameter."""
     info = param_info(param)
-    if info.fp8_master is None or param.element_size() != 2 or not (param.is_contiguous() and w.is_contiguous()):
-        return None
-    matrix = param.shape[-2:].numel()
     offset = w.storage_offset() - param.storage_offset()
-    if w.shape[-2:] != param.shape[-2:] or offset % matrix:
+    if info.fp8_master is None or param.element_size() != 2 or not _whole_matrices(param, w.shape, w.stride(), offset):
         return None
     second_half = layout in ("columns", "blocks_t")
     start = 2 * param.storage_offset() + (param.numel() if second_half else 0) + offset  # in bytes
@@ -239,7 +292,7 @@ def _refresh(w: torch.Tensor, param: torch.Tensor, layout: Layout, entry: _Cache
     if split_over is None and partner is not None and partner.split_over is None and partner.state != state:
         rows, columns = (entry, partner) if layout == "rows" else (partner, entry)
         quantize_rows_and_columns(source.values, (rows.q, rows.scale), (columns.q, columns.scale),
-                                  as_dtype=source.as_dtype)
+                                  as_dtype=source.as_dtype, amax=_maxima_of_view(param, entry.view))
         partner.state = state
     else:
         _quantize_weight(source, layout, (entry.q, entry.scale), split_over)

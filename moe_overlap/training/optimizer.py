@@ -23,7 +23,7 @@ from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.kernels.adamw import AdamWHyper, adamw_update
-from moe_overlap.layers.fp8 import weights_updated
+from moe_overlap.layers.fp8 import step_maxima, weights_updated
 from moe_overlap.layers.init import expert_key
 from moe_overlap.layers.param_info import is_expert_param, is_tp_split, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
@@ -254,10 +254,14 @@ class MixedPrecisionAdamW:
         clip_control."""
         norm = self.grad_norm()
         control = clip_control(norm, self.steps_made, self.cfg, skip)
+        with_maxima = []
         for entry in self.entries:
+            maxima = step_maxima(entry.param)  # train.fp8_param: the first pass of the FP8 copies' refresh
             adamw_update(entry.master, entry.main_grad, entry.exp_avg, entry.exp_avg_sq, entry.model_copy, control,
-                         adamw_hyper(self.cfg, lr, *adam_group(entry.param)))
-        weights_updated()  # the FP8 copies of the weights (train.fp8_recipe) are stale
+                         adamw_hyper(self.cfg, lr, *adam_group(entry.param)), maxima)
+            if maxima is not None:
+                with_maxima.append(entry.param)
+        weights_updated(with_maxima)  # the FP8 copies of the weights (train.fp8_recipe) are stale
         self.zero_grad()
         return norm, control[2]
 
