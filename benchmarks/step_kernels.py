@@ -35,6 +35,8 @@
              kernels/fp8_wgrad.py quantize_along_tokens): every operand of an expert layer's two weight gradients
              (Mixtral-like at 1,024 and 4,096 rows per expert, fine-grained), the one-launch kernel at 16-128
              columns a program against the two launches over the chunks, and per chunk (one read)
+  fp8_param  a weight's optimizer step and the refresh of its two rowwise FP8 copies, kept apart from the bf16
+             weight against held in it (train.fp8_param: the tiled step leaving the maxima, per tile config)
   fp8_wgrad  the FP8 weight gradient (kernels/fp8_wgrad.py, train.fp8_wgrad) at the wgrad section's shapes: the
              bf16 Triton kernel it replaces (its default config), and the FP8 kernel per group (rowwise: each
              128-token chunk summed in fp32, or fast: the tensor cores' own accumulation across chunks) and per
@@ -538,6 +540,52 @@ def weight_fp8_rows(rounds: int) -> list[dict]:
     return out
 
 
+def fp8_param_rows(rounds: int) -> list[dict]:
+    """What an optimizer step and the refresh of a weight's two rowwise FP8 copies cost per weight, kept apart from
+    the bf16 weight (the flat AdamW writing the bf16 copy, then quantize_rows_and_columns' two passes over it)
+    against held in it (train.fp8_param: the tiled AdamW leaving the row and column maxima, per tile config, then
+    the second pass alone over the fp32 master; and that pass's two over the master without the maxima)."""
+    import torch
+
+    from moe_overlap.kernels.adamw import AdamWHyper, WeightMaxima, adamw_maxima_triton, adamw_update_triton
+    from moe_overlap.kernels.fp8_quant import quantize_rows_and_columns
+
+    hyper = AdamWHyper(1e-6, 0.9, 0.95, 1e-8, 0.1)
+    control = torch.tensor([1.0, 3.0, 1.0], device="cuda")
+
+    def one_weight(name: str) -> dict:  # its tensors freed on return
+        experts, m, k = WEIGHT_FP8_SHAPES[name]
+        master, grad, exp_avg = (torch.randn(experts, m, k, device="cuda") * 0.02 for _ in range(3))
+        exp_avg_sq = torch.rand(experts, m, k, device="cuda") * 1e-4
+        bf16 = master.to(torch.bfloat16)
+        rows, cols = quantize_rows_and_columns(bf16)
+        maxima = WeightMaxima(torch.zeros(experts * m, device="cuda"), torch.zeros(experts * k, device="cuda"),
+                              torch.bfloat16)
+        amax = (maxima.rows_BM.view(experts, m), maxima.columns_BK.view(experts, k))
+        fns = {"kept_adamw": lambda: adamw_update_triton(master, grad, exp_avg, exp_avg_sq, bf16, control, hyper),
+               "kept_refresh": lambda: quantize_rows_and_columns(bf16, rows, cols),
+               "held_refresh": lambda: quantize_rows_and_columns(master, rows, cols, as_dtype=torch.bfloat16,
+                                                                 amax=amax),
+               "held_refresh_two_passes": lambda: quantize_rows_and_columns(master, rows, cols,
+                                                                            as_dtype=torch.bfloat16)}
+        for (block_m, block_k), warps in (((64, 128), 8), ((128, 128), 8), ((128, 128), 4), ((32, 256), 8),
+                                          ((64, 256), 8), ((32, 128), 4)):
+            fns[f"held_adamw_{block_m}x{block_k}x{warps}"] = (
+                lambda blocks=(block_m, block_k), warps=warps: adamw_maxima_triton(
+                    master, grad, exp_avg, exp_avg_sq, control, hyper, maxima, blocks, warps))
+        ms = timed(fns, rounds, reps=2)
+        ms["kept_total"] = ms["kept_adamw"] + ms["kept_refresh"]
+        ms["held_total_default"] = ms["held_adamw_64x128x8"] + ms["held_refresh"]
+        print(name, {key: round(v, 3) for key, v in ms.items()}, flush=True)
+        return {"section": "fp8_param", "shape": name, "experts": experts, "m": m, "k": k, "ms": ms}
+
+    out = []
+    for name in ("mixtral_w13", "mixtral_w2"):
+        out.append(one_weight(name))
+        torch.cuda.empty_cache()
+    return out
+
+
 def fp8_tokens_rows(rounds: int) -> list[dict]:
     """The FP8 weight gradient's operands quantized along the tokens per group (the rowwise recipe): the one-launch
     kernel at 16-128 columns a program against the two launches over the chunks (the kernel before), and per chunk
@@ -582,7 +630,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, weight_fp8, "
-                             "fp8_tokens, fp8_blockwise, fp8_wgrad")
+                             "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--segments", type=int, choices=(1, 2, 4), default=1,
@@ -599,6 +647,7 @@ def main(argv=None) -> None:
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
         fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (
+        fp8_param_rows(args.rounds) if "fp8_param" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
         fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")],
                        args.segments)

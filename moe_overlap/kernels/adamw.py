@@ -174,18 +174,19 @@ def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch
 
 
 def adamw_maxima_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                        control: torch.Tensor, hyper: AdamWHyper, maxima: WeightMaxima) -> None:
+                        control: torch.Tensor, hyper: AdamWHyper, maxima: WeightMaxima,
+                        blocks: tuple[int, int] = _MAXIMA_BLOCKS, warps: int = _MAXIMA_WARPS) -> None:
     if not all(t.is_contiguous() and t.shape == master.shape for t in (grad, exp_avg, exp_avg_sq)):
         raise ValueError("adamw_update needs contiguous tensors of one shape")
     M, K = master.shape[-2:]
     B = master.numel() // (M * K)
     maxima.rows_BM.zero_()  # the tiles' atomic maxima start from zeros
     maxima.columns_BK.zero_()
-    block_m, block_k = _MAXIMA_BLOCKS
+    block_m, block_k = blocks
     _adamw_maxima[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), master.device](
         master, grad, exp_avg, exp_avg_sq, control, maxima.rows_BM, maxima.columns_BK, M, K, hyper.lr, hyper.beta1,
         hyper.beta2, hyper.eps, hyper.weight_decay, ROUND=round_mode(master, maxima.as_dtype), BLOCK_M=block_m,
-        BLOCK_K=block_k, num_warps=_MAXIMA_WARPS)
+        BLOCK_K=block_k, num_warps=warps)
 
 
 def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
