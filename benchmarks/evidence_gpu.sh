@@ -1329,13 +1329,13 @@ PY
     ;;
   fp8_maxima1)  # the same after the optimizer's step leaves the held weights' maxima (one pass over the master to
     # refresh the copies, not two), with the fused kernels' GPU tests (the step's kernels)
-    fp8_param_runs fp8_maxima tests/test_gpu_fp8.py tests/test_fused_kernels.py
+    fp8_param_runs fp8_maxima${AGAIN:-} tests/test_gpu_fp8.py tests/test_fused_kernels.py
     ;;
   fp8_param_kernels1)  # where train.fp8_param's 1% went (fp8_maxima1: held 0.991x kept): a weight's step and
     # copies' refresh, kept against held, the tiled step's tile configs (benchmarks/step_kernels.py fp8_param)
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections fp8_param \
-      --json $res/step_kernels_fp8_param_1x$gpu.json 2>&1 | tail -n 4
+      --json $res/step_kernels_fp8_param${AGAIN:-}_1x$gpu.json 2>&1 | tail -n 4
     ;;
   wgrad_eights1)  # the same with all 8 micro-batches of the step per read-modify-write against the config's 4
     # (one GPU, one launch)

@@ -568,14 +568,17 @@ def fp8_param_rows(rounds: int) -> list[dict]:
                                                                  amax=amax),
                "held_refresh_two_passes": lambda: quantize_rows_and_columns(master, rows, cols,
                                                                             as_dtype=torch.bfloat16)}
-        for (block_m, block_k), warps in (((64, 128), 8), ((128, 128), 8), ((128, 128), 4), ((32, 256), 8),
-                                          ((64, 256), 8), ((32, 128), 4)):
-            fns[f"held_adamw_{block_m}x{block_k}x{warps}"] = (
-                lambda blocks=(block_m, block_k), warps=warps: adamw_maxima_triton(
-                    master, grad, exp_avg, exp_avg_sq, control, hyper, maxima, blocks, warps))
+        for (block_m, block_k), warps, per_sm in (
+                ((64, 128), 8, None), ((32, 256), 8, None), ((8, 1024), 8, 4), ((16, 512), 8, 4), ((4, 1024), 4, 8),
+                ((32, 256), 8, 4), ((64, 128), 8, 4), ((8, 512), 4, 8), ((8, 1024), 8, 2), ((2, 1024), 4, 8)):
+            fns[f"held_adamw_{block_m}x{block_k}x{warps}_{per_sm or 'all'}"] = (
+                lambda blocks=(block_m, block_k), warps=warps, per_sm=per_sm: adamw_maxima_triton(
+                    master, grad, exp_avg, exp_avg_sq, control, hyper, maxima, blocks, warps, per_sm))
+        fns["held_adamw_default"] = lambda: adamw_maxima_triton(master, grad, exp_avg, exp_avg_sq, control, hyper,
+                                                                maxima)
         ms = timed(fns, rounds, reps=2)
         ms["kept_total"] = ms["kept_adamw"] + ms["kept_refresh"]
-        ms["held_total_default"] = ms["held_adamw_64x128x8"] + ms["held_refresh"]
+        ms["held_total_default"] = ms["held_adamw_default"] + ms["held_refresh"]
         print(name, {key: round(v, 3) for key, v in ms.items()}, flush=True)
         return {"section": "fp8_param", "shape": name, "experts": experts, "m": m, "k": k, "ms": ms}
 

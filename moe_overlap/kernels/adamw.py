@@ -71,41 +71,47 @@ if HAVE_TRITON:
                 if HAS_COPY:
                     tl.store(copy_ptr + offs, master.to(copy_ptr.dtype.element_ty), mask=mask)
 
-    # With maxima (train.fp8_param): one program per (BLOCK_M, BLOCK_K) tile of a matrix (master (B, M, K)): the
-    # tile's step, then its new values' row and column maxima (as ROUND stores them) into the rowwise FP8 copies'
-    # buffers, also where the step does not apply (the copies are made again all the same).
+    # With maxima (train.fp8_param): (BLOCK_M, BLOCK_K) tiles of the matrices (master (B, M, K)), each program
+    # walking tiles PROGRAMS apart as the flat kernel walks blocks: a tile's step, then its new values' row and column
+    # maxima (as ROUND stores them) into the rowwise FP8 copies' buffers, also where the step does not apply (the
+    # copies are made again all the same).
     def _adamw_maxima_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, control_ptr, amax_rows_ptr,
-                             amax_cols_ptr, M, K, lr, beta1, beta2, eps, weight_decay, ROUND: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        matrix = tl.program_id(1).to(tl.int64)
+                             amax_cols_ptr, M, K, tiles, lr, beta1, beta2, eps, weight_decay, ROUND: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
+        apply = tl.load(control_ptr + 2) != 0.0
+        grad_scale, step_size, sqrt_bias_correction2 = factors(control_ptr, lr, beta1, beta2)
         tiles_k = (K + BLOCK_K - 1) // BLOCK_K
-        rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-        in_m, in_k = rm < M, rk < K
-        mask = in_m[:, None] & in_k[None, :]
-        offs = matrix * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
-        master = tl.load(master_ptr + offs, mask=mask, other=0.0)
-        if tl.load(control_ptr + 2) != 0.0:
-            grad_scale, step_size, sqrt_bias_correction2 = factors(control_ptr, lr, beta1, beta2)
-            grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
-            master, exp_avg, exp_avg_sq = adamw_values(
-                master, grad, tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
-                tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr, beta1,
-                beta2, eps, weight_decay)
-            tl.store(master_ptr + offs, master, mask=mask)
-            tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
-        tile_maxima(master, amax_rows_ptr + matrix * M, amax_cols_ptr + matrix * K, rm, rk, in_m, in_k, ROUND)
+        tiles_per_matrix = (M + BLOCK_M - 1) // BLOCK_M * tiles_k
+        for tile in range(tl.program_id(0), tiles, PROGRAMS):
+            matrix = (tile // tiles_per_matrix).to(tl.int64)
+            rm = (tile % tiles_per_matrix // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rk = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+            in_m, in_k = rm < M, rk < K
+            mask = in_m[:, None] & in_k[None, :]
+            offs = matrix * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+            master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+            if apply:
+                grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
+                master, exp_avg, exp_avg_sq = adamw_values(
+                    master, grad, tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
+                    tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr,
+                    beta1, beta2, eps, weight_decay)
+                tl.store(master_ptr + offs, master, mask=mask)
+                tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
+                tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+            tile_maxima(master, amax_rows_ptr + matrix * M, amax_cols_ptr + matrix * K, rm, rk, in_m, in_k, ROUND)
 
     _adamw = Kernel(_adamw_kernel, do_not_specialize=["n", "lr"])
-    _adamw_maxima = Kernel(_adamw_maxima_kernel, do_not_specialize=["lr"])
+    _adamw_maxima = Kernel(_adamw_maxima_kernel, do_not_specialize=["tiles", "lr"])
 
 # 1024 elements a block, 8 warps, 4 programs an SM walking the blocks: the best of benchmarks/step_kernels.py on an
 # H200 (3.8 TB/s counting every byte; torch's fused AdamW and then the copy: 3.2).
 _BLOCK, _WARPS, _PROGRAMS_PER_SM = 1024, 8, 4
 
 
-_MAXIMA_BLOCKS, _MAXIMA_WARPS = (64, 128), 8  # not swept
+# (BLOCK_M, BLOCK_K), warps, programs an SM: the best of benchmarks/step_kernels.py fp8_param on an H100 (Mixtral fc1
+# weight: 9.76 ms, against 10.20 for the flat step writing the bf16 copy; step_kernels_fp8_param_b_1xh100.json)
+_MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = (4, 1024), 4, 8
 
 
 @dataclass(frozen=True)
@@ -175,18 +181,22 @@ def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch
 
 def adamw_maxima_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         control: torch.Tensor, hyper: AdamWHyper, maxima: WeightMaxima,
-                        blocks: tuple[int, int] = _MAXIMA_BLOCKS, warps: int = _MAXIMA_WARPS) -> None:
+                        blocks: tuple[int, int] = _MAXIMA_BLOCKS, warps: int = _MAXIMA_WARPS,
+                        programs_per_sm: int | None = _MAXIMA_PROGRAMS_PER_SM) -> None:
     if not all(t.is_contiguous() and t.shape == master.shape for t in (grad, exp_avg, exp_avg_sq)):
         raise ValueError("adamw_update needs contiguous tensors of one shape")
     M, K = master.shape[-2:]
-    B = master.numel() // (M * K)
+    block_m, block_k = blocks
+    tiles = master.numel() // (M * K) * triton.cdiv(M, block_m) * triton.cdiv(K, block_k)
+    programs = tiles
+    if programs_per_sm is not None and master.is_cuda:
+        programs = min(programs, programs_per_sm * torch.cuda.get_device_properties(master.device).multi_processor_count)
     maxima.rows_BM.zero_()  # the tiles' atomic maxima start from zeros
     maxima.columns_BK.zero_()
-    block_m, block_k = blocks
-    _adamw_maxima[(triton.cdiv(M, block_m) * triton.cdiv(K, block_k), B), master.device](
-        master, grad, exp_avg, exp_avg_sq, control, maxima.rows_BM, maxima.columns_BK, M, K, hyper.lr, hyper.beta1,
-        hyper.beta2, hyper.eps, hyper.weight_decay, ROUND=round_mode(master, maxima.as_dtype), BLOCK_M=block_m,
-        BLOCK_K=block_k, num_warps=warps)
+    _adamw_maxima[(programs,), master.device](
+        master, grad, exp_avg, exp_avg_sq, control, maxima.rows_BM, maxima.columns_BK, M, K, tiles, hyper.lr,
+        hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, ROUND=round_mode(master, maxima.as_dtype),
+        BLOCK_M=block_m, BLOCK_K=block_k, PROGRAMS=programs, num_warps=warps)
 
 
 def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
