@@ -1337,6 +1337,15 @@ PY
     timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections fp8_param \
       --json $res/step_kernels_fp8_param${AGAIN:-}_1x$gpu.json 2>&1 | tail -n 4
     ;;
+  fp8_layouts_held2)  # issue 39: the FP8 layouts' GPU test at 2 ranks (TP=2 with SP, every TP overlap, expert-TP 2;
+    # EP=2 with FP8 on the wire) with train.fp8_param on by auto (the plain optimizer): the weights held in their copies
+    log=$out/gpu_tests_fp8_layouts_held_2x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 2 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py -k 'follow and 2'" > "$log"
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs \
+      tests/test_gpu_fp8_layouts.py -k 'follow and 2' >> "$log" 2>&1
+    tail -n 3 "$log"
+    cp "$log" $res/
+    ;;
   wgrad_eights1)  # the same with all 8 micro-batches of the step per read-modify-write against the config's 4
     # (one GPU, one launch)
     export CUDA_VISIBLE_DEVICES=0

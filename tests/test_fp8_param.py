@@ -17,7 +17,7 @@ from moe_overlap.layers.fp8 import Fp8, refresh_weights, weight_operand, weights
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.training.state_memory import state_bytes
 from moe_overlap.training.trainer import Trainer
-from tests.test_master import CPU, small_config
+from tests.test_master import CPU, small_config, world_and_mesh
 
 BF16 = {"train.device": "cpu", "train.precision": "bf16"}
 
@@ -162,3 +162,43 @@ def test_fp8_param_auto_follows_the_optimizer(caplog):
         assert load_config(None, []).train.fp8_param == "auto"  # no recipe: nothing to hold
     assert "train.fp8_param=auto -> true: the FP8 GEMMs' weights held only as their FP8 copies" in caplog.text
     assert "train.fp8_param=auto -> false: not implemented with the distributed optimizer" in caplog.text
+
+
+def held_against_kept(output_dir: str, extra: dict) -> list[tuple[float, float]]:
+    """A layout's run (bf16, every decoder GEMM in emulated FP8) with the weights held in their copies, then the same
+    run with the copies kept apart (one after the other: a step stales every copy, the other run's maxima too):
+    each step's (held, kept) loss; every gradient asserted equal on the way."""
+    cfg = small_config(output_dir, 1, 2 * 2 * torch.distributed.get_world_size(), **BF16, **extra)
+    _, mesh = world_and_mesh(cfg)
+    try:
+        runs = []
+        for held in (True, False):
+            trainer = Trainer(cfg, mesh, CPU)
+            trainer.model.use_fp8(Fp8(emulate=True, min_dim=0))
+            if held:
+                trainer.optimizer.hold_fp8_weights()
+            steps = []
+            for _ in range(3):
+                grads = {}
+                steps.append((trainer.train_step(lambda opt: grads.update(opt.logical_grads()))["loss"], grads))
+            runs.append(steps)
+        for (_, grads), (_, grads_kept) in zip(*runs):
+            assert grads.keys() == grads_kept.keys()
+            assert all(torch.equal(grad, grads_kept[key]) for key, grad in grads.items()), [
+                key for key, grad in grads.items() if not torch.equal(grad, grads_kept[key])][:3]
+        return [(held[0], kept[0]) for held, kept in zip(*runs)]
+    finally:
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("extra", [
+    {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
+     "parallel.expert_model_parallel_size": 1, "parallel.expert_tensor_parallel_size": 1},
+    {"parallel.expert_model_parallel_size": 2, "overlap.moe_pipeline": "true", "overlap.moe_planning": "host",
+     "overlap.moe_pipeline_chunks": 2}], ids=["tp2-sp", "ep2-chunks"])
+def test_fp8_param_layouts_train_bit_for_bit_as_the_bf16_weights(rank_pool, tmp_path, extra):
+    """At TP=2 with SP the row-parallel forward's and the column-parallel dgrad's copies share their scales over the
+    ranks (the maxima all-reduced, the masters read as bf16); at EP=2 with two chunks each chunk's GEMMs read a run of
+    experts' copies (slices of the whole weight's place). Held or kept apart, the same bits."""
+    for steps in rank_pool(2).run(held_against_kept, str(tmp_path), extra):
+        assert all(held == kept for held, kept in steps), steps
