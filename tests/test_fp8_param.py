@@ -122,6 +122,9 @@ def test_fp8_param_trains_bit_for_bit_as_the_bf16_weights(tmp_path, monkeypatch)
     assert elsewhere == 0
     scales = sum(entry.scale.numel() * 4 for param in held.model.parameters()
                  for entry in param.__dict__.get("fp8_cache", {}).values())
+    scales += sum(4 * (param.fp8_maxima.record.rows_BM.numel() + param.fp8_maxima.record.columns_BK.numel())
+                  for param in held.model.parameters() if "fp8_maxima" in param.__dict__)  # the step's maxima
+    assert all("fp8_maxima" in param.__dict__ for param in held.model.parameters() if param_info(param).holds_fp8)
     cfg = small_config(str(tmp_path), 1, 4, **BF16)
     fp8 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8_recipe="rowwise", fp8_gemm_min_dim=0,
                                                              fp8_param=True))

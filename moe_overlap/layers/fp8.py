@@ -331,13 +331,17 @@ def weight_copy_bytes(module: nn.Module, recipe: str = "rowwise", min_dim: int =
     matrix (N, K) an E4M3 copy in each orientation (2 N K bytes) and their float32 scales: rowwise one per column
     of the right operand (4 (N + K) bytes), blockwise one per 128x128 block in each copy. None for a weight
     narrower than ``min_dim`` (its GEMMs stay bf16: :meth:`Fp8.covers`). Biases stay in their dtype.
-    ``in_weights`` (train.fp8_param): the E4M3 bytes live in the weights' own storage, only the scales are more."""
+    ``in_weights`` (train.fp8_param): the E4M3 bytes live in the weights' own storage; the scales are more, and
+    rowwise the optimizer step's maxima (:func:`step_maxima`: as many as the scales)."""
     total = 0
     for param in module.parameters(recurse=False):
         if param.dim() >= 2 and min(param.shape[-2:]) >= min_dim:
             *batch, n, k = param.shape
             scales = 2 * (n // BLOCK) * (k // BLOCK) if recipe == "blockwise" else n + k
-            total += math.prod(batch) * ((0 if in_weights else 2 * n * k) + 4 * scales)
+            if in_weights:
+                total += math.prod(batch) * 4 * scales * (2 if recipe == "rowwise" else 1)
+            else:
+                total += math.prod(batch) * (2 * n * k + 4 * scales)
     return total
 
 
