@@ -253,8 +253,11 @@ class _Source:
         return _Source(master.as_strided(w.shape, w.stride(), master.storage_offset() + offset), w.dtype)
 
 
-def _quantize_weight(source: _Source, layout: Layout, out: tuple[torch.Tensor | None, torch.Tensor | None] = (None,
-                     None), split_over: GroupHandle | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+CopyOut = tuple[torch.Tensor | None, torch.Tensor | None]  # (q, scale) to write into, or None for new ones
+
+
+def _quantize_weight(source: _Source, layout: Layout, out: CopyOut = (None, None),
+                     split_over: GroupHandle | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight's copy in ``layout``, written into ``out`` (q, scale) where given (in place: a graph may hold
     them)."""
     if split_over is None or layout.startswith("blocks"):  # a block lies on one rank: nothing to share
