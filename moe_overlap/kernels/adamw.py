@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.kernels.fp8_quant import round_mode
+from moe_overlap.kernels.fp8_quant import amax_along, round_mode
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
 
 if HAVE_TRITON:
@@ -141,9 +141,9 @@ def adamw_update_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     """Twin of :func:`adamw_update`, in torch ops (the host reads ``apply``: CPU, or CUDA without triton)."""
     _adamw_torch(master, grad, exp_avg, exp_avg_sq, model_copy, control, hyper)
     if maxima is not None:
-        values = master.to(maxima.as_dtype).float().abs().view(-1, *master.shape[-2:])
-        maxima.rows_BM.copy_(values.amax(-1).reshape(-1))
-        maxima.columns_BK.copy_(values.amax(-2).reshape(-1))
+        matrices = master.view(-1, *master.shape[-2:])
+        maxima.rows_BM.copy_(amax_along(matrices, -1, as_dtype=maxima.as_dtype).reshape(-1))
+        maxima.columns_BK.copy_(amax_along(matrices, -2, as_dtype=maxima.as_dtype).reshape(-1))
 
 
 def _adamw_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -170,13 +170,18 @@ def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     tensors = (master, grad, exp_avg, exp_avg_sq) + (() if model_copy is None else (model_copy,))
     if not all(t.is_contiguous() and t.numel() == n for t in tensors):
         raise ValueError("adamw_update needs contiguous tensors of one size")
-    programs = triton.cdiv(n, block)
-    if programs_per_sm is not None and master.is_cuda:
-        programs = min(programs, programs_per_sm * torch.cuda.get_device_properties(master.device).multi_processor_count)
+    programs = _programs(triton.cdiv(n, block), programs_per_sm, master.device)
     _adamw[(programs,), master.device](
         master, grad, exp_avg, exp_avg_sq, master if model_copy is None else model_copy, control, n, hyper.lr,
         hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, HAS_COPY=model_copy is not None, BLOCK=block,
         PROGRAMS=programs, num_warps=warps)
+
+
+def _programs(work: int, programs_per_sm: int | None, device: torch.device) -> int:
+    """Programs of a kernel that walks ``work`` blocks or tiles: one each, or at most that many an SM (CUDA)."""
+    if programs_per_sm is None or device.type != "cuda":
+        return work
+    return min(work, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def adamw_maxima_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -188,9 +193,7 @@ def adamw_maxima_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     M, K = master.shape[-2:]
     block_m, block_k = blocks
     tiles = master.numel() // (M * K) * triton.cdiv(M, block_m) * triton.cdiv(K, block_k)
-    programs = tiles
-    if programs_per_sm is not None and master.is_cuda:
-        programs = min(programs, programs_per_sm * torch.cuda.get_device_properties(master.device).multi_processor_count)
+    programs = _programs(tiles, programs_per_sm, master.device)
     maxima.rows_BM.zero_()  # the tiles' atomic maxima start from zeros
     maxima.columns_BK.zero_()
     _adamw_maxima[(programs,), master.device](

@@ -162,14 +162,14 @@ def step_maxima(param: torch.Tensor) -> WeightMaxima | None:
     return param.__dict__["fp8_maxima"].record
 
 
-def _maxima_of_view(param: torch.Tensor, view: tuple[torch.Size, tuple[int, ...], int]
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The step's maxima of a view of ``param`` ((..., M), (..., K)) if they are of its current weights and the
-    view is a run of whole matrices, else None."""
+def _maxima_of_view(param: torch.Tensor, view: tuple[torch.Size, tuple[int, ...], int],
+                    state: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's maxima of a view of ``param`` ((..., M), (..., K)) if they are of its weights at ``state`` (its
+    current one) and the view is a run of whole matrices, else None."""
     maxima = param.__dict__.get("fp8_maxima")
     shape, stride, offset = view
     M, K = param.shape[-2:]
-    if maxima is None or maxima.state != _state(param) or not _whole_matrices(param, shape, stride, offset):
+    if maxima is None or maxima.state != state or not _whole_matrices(param, shape, stride, offset):
         return None
     first, count = offset // (M * K), math.prod(shape[:-2])
     record = maxima.record
@@ -295,7 +295,7 @@ def _refresh(w: torch.Tensor, param: torch.Tensor, layout: Layout, entry: _Cache
     if split_over is None and partner is not None and partner.split_over is None and partner.state != state:
         rows, columns = (entry, partner) if layout == "rows" else (partner, entry)
         quantize_rows_and_columns(source.values, (rows.q, rows.scale), (columns.q, columns.scale),
-                                  as_dtype=source.as_dtype, amax=_maxima_of_view(param, entry.view))
+                                  as_dtype=source.as_dtype, amax=_maxima_of_view(param, entry.view, state))
         partner.state = state
     else:
         _quantize_weight(source, layout, (entry.q, entry.scale), split_over)
