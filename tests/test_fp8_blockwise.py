@@ -253,3 +253,48 @@ def test_fp8_blockwise_mm_runs_the_kernel_only_when_interpreted_or_on_cuda(monke
     interpreted = B.blockwise_mm(a_q, a_scale, w_q, w_scale, True, out_dtype=torch.float32)
     assert len(calls) == 1
     assert_matches_twin(interpreted, twin)
+
+
+# ------------------------------------------------------------------ the same kernel's rowwise mode, interpreted
+
+
+def rowwise_operands(M: int, K: int, w_shape: tuple[int, ...], seed: int):
+    """a (M, K) quantized per row and w (..., N, K) per row of w (per output column), as the rowwise recipe holds
+    them, and their dequantized values."""
+    g = torch.Generator().manual_seed(seed)
+    a_q, a_scale = quantize_rows(torch.randn(M, K, generator=g) * torch.logspace(-1, 1, M).unsqueeze(-1))
+    w_q, w_scale = quantize_rows(torch.randn(*w_shape, generator=g) * 0.05)
+    return a_q, a_scale, w_q, w_scale, dequantize(a_q, a_scale), dequantize(w_q, w_scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("as_fp8", [True, False], ids=["fp8", "float32"])
+def test_fp8_rowwise_kernel_grouped_equals_dequantized_product(monkeypatch, as_fp8, fast_accum):
+    """Groups of 30, 0, 7 and 53 rows; rows 90 to 99 past the last offset left unwritten; the row and column
+    scales applied once after the contraction (on the CPU both accumulations are fp32's)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a_q, a_scale, w_q, w_scale, a, w = rowwise_operands(100, 256, (4, 384, 256), seed=8)
+    a_q[90:], a_scale[90:] = FP8_MAX, 1e30
+    offsets = torch.tensor([30, 30, 37, 90], dtype=torch.int32)
+    out = torch.full((100, 384), float("nan"))
+    got = B.rowwise_mm_triton(held(a_q, as_fp8), a_scale, held(w_q, as_fp8), w_scale, offsets, torch.float32,
+                              fast_accum, out=out, config=(16, 128, 128, 4, 1))
+    assert got is out
+    bounds = [0, 30, 30, 37, 90]
+    want = torch.cat([a[s:t] @ w[e].t() for e, (s, t) in enumerate(zip(bounds, bounds[1:]))])
+    assert_matches_twin(got[:90], want)
+    assert got[90:].isnan().all()
+
+
+@needs_triton
+def test_fp8_rowwise_kernel_dense_bf16_out_slices_and_refusals(monkeypatch):
+    """Dense (no offsets) with a ragged last tile, 64-deep slices, a bf16 output; dimensions its tiles do not divide
+    are refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a_q, a_scale, w_q, w_scale, a, w = rowwise_operands(40, 192, (256, 192), seed=9)
+    got = B.rowwise_mm_triton(a_q, a_scale, w_q, w_scale, config=(16, 128, 64, 4, 1))
+    assert got.dtype == torch.bfloat16 and got.shape == (40, 256) and rel_err(got, a @ w.t()) < 4e-3
+    assert B.rowwise_mm_triton(a_q[:0], a_scale[:0], w_q, w_scale, config=(16, 128, 64, 4, 1)).shape == (0, 256)
+    with pytest.raises(ValueError, match=r"multiples of 128 and 128, got \(40, 192\) and \(256, 192\)"):
+        B.rowwise_mm_triton(a_q, a_scale, w_q, w_scale)  # K = 192: not a multiple of the default 128-deep slices
