@@ -263,17 +263,6 @@ fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU
     | grep -E '^\{"variant"|Error' | cut -c1-300
 }
 
-fp8_grouped_steps() {  # model, more variants: bf16, then rowwise FP8 through torch's and the Triton grouped GEMM, in
-  # one launch on GPU 0 (3 warm-up + 8 steps, one profiled)
-  local name=train_step_fp8_grouped${AGAIN:-}_${1}_1x$gpu
-  timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_$1.yaml --warmup 3 --steps 8 --profile-steps 1 \
-    --variant torch:train.fp8_recipe=rowwise,train.fp8_grouped_gemm=torch \
-    --variant triton:train.fp8_recipe=rowwise,train.fp8_grouped_gemm=triton $2 \
-    --json $res/$name.json --timeline $res/$name.png 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' \
-    | cut -c1-300
-  pack
-}
-
 mixtral_fp8_runs() {  # result name, the undone tree's dir (tree_before), then the launches' trees, in order: a name
   # "before" or "before_again" runs the copy, any other this tree; each launch bf16 then rowwise FP8 on the
   # Mixtral-like bench model, 3 warm-up + 8 steps; PROFILE=TREE: that launch's steps profiled too
@@ -1473,17 +1462,6 @@ PY
       --timeline $res/pp_schedule_2x${gpu}_nvlink.png > "$out/pp_nvlink.log" 2>&1
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
-    ;;
-  fp8_rowwise1)  # issue 39: the Triton kernel's rowwise mode (train.fp8_grouped_gemm) on one GPU: its GPU tests,
-    # the sweep against torch's scaled grouped GEMM at the expert shapes, then the fine-grained and Mixtral-like bench
-    # models in bf16 and rowwise FP8 with torch's and the Triton grouped GEMM (fine: also every GEMM in FP8)
-    export CUDA_VISIBLE_DEVICES=0
-    gpu0_tests fp8_rowwise tests/test_gpu_fp8_blockwise.py -k rowwise
-    timeout -k 10 200 python benchmarks/step_kernels.py --sections fp8_rowwise --rounds 10 \
-      --json $res/step_kernels_fp8_rowwise${AGAIN:-}_1x$gpu.json 2>&1 | tail -n 9 | cut -c1-600
-    pack
-    fp8_grouped_steps fine_8l "--variant triton_all:train.fp8_recipe=rowwise,train.fp8_grouped_gemm=triton,train.fp8_gemm_min_dim=0"
-    fp8_grouped_steps mixtral_2l ""
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

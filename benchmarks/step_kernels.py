@@ -18,9 +18,6 @@
              same weight copy read N-major), each tile config, against the rowwise recipe's
              torch._scaled_grouped_mm (one scale per row and column) and bf16 torch._grouped_mm (the limit
              without FP8); its error against bf16 normwise
-  fp8_rowwise the same shapes for the rowwise recipe: the kernel's rowwise mode (kernels/fp8_blockwise.py
-             rowwise_mm_triton, train.fp8_grouped_gemm) per tile config, exact and fast accumulation, against torch's
-             scaled grouped GEMM (both accumulations) and bf16
   push       the SM push (kernels/push_rows.py) into local memory, 64 MiB of rows of the bench models' widths: per
              CTA count and bytes a program loads per step (``in_flight``), alone and beside a grouped bf16 GEMM
              carved out by as many SMs (the GEMM launched first, the push on a side stream), with twice the CTAs
@@ -85,10 +82,6 @@ FP8_WGRAD_CONFIGS = [(64, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3)]
 BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (128, 128, 128, 8, 3, False),
                      (128, 128, 128, 8, 4, False), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
                      (128, 128, 128, 8, 3, True)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the same kernel's rowwise mode (train.fp8_grouped_gemm): its scales
-# are applied once after the contraction, so nothing waits on a slice's product.
-ROWWISE_CONFIGS = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
-                   (64, 128, 128, 4, 4), (64, 256, 128, 4, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4)]
 WEIGHT_FP8_SHAPES = {"mixtral_w13": (8, 4096, 28672), "mixtral_w2": (8, 14336, 4096), "fine": (64, 2048, 2048)}
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 TOKEN_QUANTIZE_SHAPES = {  # name: (experts, rows per expert, the four operands' widths: x, grad_y, a, grad_h)
@@ -162,14 +155,12 @@ def wgrad_rows(rounds: int, shapes: list[str]) -> list[dict]:
     return rows
 
 
-def fp8_blockwise_rows(rounds: int, shapes: list[str], blockwise: bool = True, rowwise: bool = False) -> list[dict]:
-    """Per expert shape and orientation: the blockwise kernel's tile configs (``blockwise``), the same kernel's
-    rowwise mode per tile config, exact and fast (``rowwise``), torch's rowwise scaled grouped GEMM (exact and fast)
-    and the bf16 grouped GEMM on the same rows (operands quantized once, outside the timing)."""
+def fp8_blockwise_rows(rounds: int, shapes: list[str]) -> list[dict]:
+    """Per expert shape and orientation: the blockwise kernel's tile configs, the rowwise scaled grouped GEMM and
+    the bf16 grouped GEMM on the same rows (operands quantized once, outside the timing)."""
     import torch
 
-    from moe_overlap.kernels.fp8_blockwise import (blockwise_mm_triton, quantize_blocks, quantize_tiles,
-                                                   rowwise_mm_triton)
+    from moe_overlap.kernels.fp8_blockwise import blockwise_mm_triton, quantize_blocks, quantize_tiles
     from moe_overlap.kernels.fp8_quant import quantize_rows
 
     rows = []
@@ -190,19 +181,11 @@ def fp8_blockwise_rows(rounds: int, shapes: list[str], blockwise: bool = True, r
             fns = {
                 "rowwise_scaled_grouped_mm": lambda: torch._scaled_grouped_mm(
                     a_rows_q, b_q.transpose(-2, -1), a_rows_scale, b_scale, offs=offsets, out_dtype=torch.bfloat16),
-                "rowwise_scaled_grouped_mm_fast": lambda: torch._scaled_grouped_mm(
-                    a_rows_q, b_q.transpose(-2, -1), a_rows_scale, b_scale, offs=offsets, out_dtype=torch.bfloat16,
-                    use_fast_accum=True),
                 "bf16_grouped_mm": lambda: torch._grouped_mm(a_TC, w_bf16, offs=offsets),
             }
-            for config in ROWWISE_CONFIGS if rowwise else []:
-                for fast in (False, True):
-                    fns[f"rowwise_triton_{'x'.join(map(str, config))}_{'fast' if fast else 'exact'}"] = (
-                        lambda config=config, fast=fast: rowwise_mm_triton(a_rows_q, a_rows_scale, b_q, b_scale,
-                                                                           offsets, fast_accum=fast, config=config))
             # what the layers run: the copy laid out along this orientation's contraction (the dgrad's transposed)
             b_copy_q, b_copy_scale = copies[orientation]
-            for config in BLOCKWISE_CONFIGS if blockwise else []:
+            for config in BLOCKWISE_CONFIGS:
                 fns["triton_" + "x".join(map(str, config))] = (
                     lambda config=config: blockwise_mm_triton(a_q, a_scale, b_copy_q, b_copy_scale, True, offsets,
                                                               config=config))
@@ -217,7 +200,7 @@ def fp8_blockwise_rows(rounds: int, shapes: list[str], blockwise: bool = True, r
             rows.append({"section": "fp8_blockwise", "shape": name, "orientation": orientation, "experts": experts,
                          "rows_per_expert": per_expert, "contract": contract, "out": out_dim, "ms": ms,
                          "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "rel_err_vs_bf16": errors,
-                         "best_triton": min((k for k in ms if "triton" in k), key=ms.get)})
+                         "best_triton": min((k for k in ms if k.startswith("triton")), key=ms.get)})
             print(name, orientation, {k: round(v, 3) for k, v in ms.items()}, flush=True)
     return rows
 
@@ -650,7 +633,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, weight_fp8, "
-                             "fp8_tokens, fp8_param, fp8_blockwise, fp8_rowwise, fp8_wgrad")
+                             "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--segments", type=int, choices=(1, 2, 4), default=1,
@@ -669,8 +652,6 @@ def main(argv=None) -> None:
         fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (
         fp8_param_rows(args.rounds) if "fp8_param" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (
-        fp8_blockwise_rows(args.rounds, args.shapes.split(","), blockwise=False, rowwise=True)
-        if "fp8_rowwise" in sections else []) + (
         fp8_wgrad_rows(args.rounds, args.shapes.split(","), args.rows and [int(r) for r in args.rows.split(",")],
                        args.segments)
         if "fp8_wgrad" in sections else [])

@@ -139,15 +139,6 @@ FP8_WGRAD_MIN_ROWS = 2048
 # 2,048 (their fc1) 0.651 / 0.646 against 0.794 / 0.801, and the Mixtral shapes (4,096 and up) 1.37-1.54x bf16.
 # Blockwise (our Triton GEMM) ran that fc2 at 0.564 / 0.469 (1xH100, 2026-11-27, operands quantized outside the
 # timing: step_kernels_fp8_blockwise_paired_1xh100.json). Each FP8 GEMM also quantizes its activation once per call.
+# Those are torch's exact accumulation, which the dgrad runs; the forward's fast one ran fc2 at 0.323 against bf16's
+# 0.428, its dgrad 0.794 exact against 0.395 (1xH200, step_kernels_fp8_rowwise_1xh200.json): slower together still.
 FP8_GEMM_MIN_DIM = 2048
-
-# ``train.fp8_grouped_gemm: auto`` (rowwise): an expert GEMM narrower than this in its contraction or its output runs
-# in our Triton kernel (kernels/fp8_blockwise.rowwise_mm_triton), wider ones in torch's scaled grouped GEMM. Not
-# measured yet: a placeholder until the sweep (step_kernels.py --sections fp8_blockwise) decides.
-FP8_TRITON_GROUPED_BELOW = 4096
-
-
-def fp8_triton_grouped(contraction: int, out_width: int) -> bool:
-    """``train.fp8_grouped_gemm: auto``'s choice for one rowwise expert GEMM: our Triton kernel (its dimensions
-    multiples of its 128-wide tiles, narrower than FP8_TRITON_GROUPED_BELOW), else torch's."""
-    return contraction % 128 == 0 and out_width % 128 == 0 and min(contraction, out_width) < FP8_TRITON_GROUPED_BELOW

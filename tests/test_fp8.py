@@ -487,44 +487,6 @@ def test_fp8_gemm_min_dim_field(caplog):
     assert load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_gemm_min_dim=0"]).train.fp8_gemm_min_dim == 0
 
 
-@pytest.mark.parametrize("transpose_w", [True, False], ids=["a_wT", "a_w"])
-def test_fp8_grouped_gemm_triton_is_the_emulated_product(monkeypatch, transpose_w):
-    """train.fp8_grouped_gemm=triton: a rowwise expert GEMM runs our Triton kernel (interpreted here) on the same
-    FP8 operands as the emulated path, in either orientation of the weight (its rows' copy or its columns'), and
-    gives its product (fp32 sums in another order); rows past the last offset are not computed."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.manual_seed(11)
-    rows = [20, 0, 3, 17]
-    offsets = expert_offsets(torch.tensor(rows))
-    x = torch.randn(sum(rows) + 2, 128)
-    w = torch.randn(4, 256, 128) * 0.05 if transpose_w else torch.randn(4, 128, 256) * 0.05
-    triton = Fp8(grouped_gemm="triton")
-    assert triton.triton_grouped(128, 256) and not Fp8(grouped_gemm="torch").triton_grouped(128, 256)
-    got = grouped_mm(x, w, offsets, triton, transpose_w=transpose_w)[:40]
-    want = grouped_mm(x, w, offsets, EMULATED, transpose_w=transpose_w)[:40]
-    assert got.shape == want.shape == (40, 256)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-
-
-def test_fp8_grouped_gemm_field(caplog):
-    """train.fp8_grouped_gemm: refused without a recipe, torch with blockwise (not implemented), triton where an
-    expert dimension is not a multiple of 128; auto logs which expert GEMMs run in the Triton kernel."""
-    fp8 = ["train.device=cuda", "train.precision=bf16"]
-    with pytest.raises(ConfigError, match=r"^train\.fp8_grouped_gemm='triton': has no effect without train\.fp8_rec"):
-        load_config(None, ["train.fp8_grouped_gemm=triton"])
-    with pytest.raises(ConfigError, match=r"^train\.fp8_grouped_gemm='torch': with train\.fp8_recipe=blockwise is not "
-                                          r"implemented"):
-        load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_recipe=blockwise", "train.fp8_grouped_gemm=torch"])
-    with pytest.raises(ConfigError, match=r"^model\.moe_ffn_hidden_size=1040: train\.fp8_grouped_gemm=triton needs the "
-                                          r"experts' dimensions \(on each rank\) multiples of 128: this one is 1040"):
-        load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_recipe=rowwise", "train.fp8_grouped_gemm=triton",
-                                                   "model.moe_ffn_hidden_size=1040"])
-    with caplog.at_level("INFO"):
-        cfg = load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_recipe=rowwise"])
-    assert cfg.train.fp8_grouped_gemm == "auto"
-    assert "train.fp8_grouped_gemm=auto: the experts' rowwise FP8 GEMMs in our Triton kernel" in caplog.text
-
-
 def test_fp8_fused_quantizations_change_no_bit_of_an_expert_step(monkeypatch):
     """The FP8 kernels fused for speed compute what they replace, bit for bit, through an expert layer's forward and
     backward over two optimizer steps (the weights' copies refreshed between them): the along-token quantization of

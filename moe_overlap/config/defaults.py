@@ -43,8 +43,6 @@ a switch the user set needs to run.
     train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM: the forward and input-gradient
                                 GEMMs narrower than that in the contraction or the output stay bf16 (measured
                                 slower in FP8)
-    train.fp8_grouped_gemm=auto (rowwise) each expert GEMM in our Triton kernel or torch's scaled grouped GEMM,
-                                whichever measured faster at its width (tuning.fp8_triton_grouped)
 
 The transport's ``auto`` follows the fabric, which only the ranks see (distributed/a2a.py).
 """
@@ -53,7 +51,7 @@ from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig
 from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS, FP8_WGRAD_RECIPES,
-                                ONCE_PER_RANK_MIN_TOPK, fp8_triton_grouped)
+                                ONCE_PER_RANK_MIN_TOPK)
 
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
 SHARED = "model.moe_shared_expert_overlap"
@@ -282,20 +280,7 @@ def resolve_defaults(cfg: Config) -> list[str]:
         choices.append(f"train.fp8_gemm_min_dim=auto -> {FP8_GEMM_MIN_DIM}: GEMMs narrower in the contraction or the "
                        f"output stay bf16, measured slower in FP8 (tuning.py): "
                        f"{', '.join(narrow) if narrow else 'none here'}")
-    if t.fp8_grouped_gemm == "auto" and t.fp8_recipe == "rowwise" and m.num_moe_experts is not None:
-        triton = [name for name, (rows, cols) in expert_weights(cfg).items()
-                  if min(rows, cols) >= t.fp8_gemm_min_dim and fp8_triton_grouped(rows, cols)]
-        choices.append("train.fp8_grouped_gemm=auto: the experts' rowwise FP8 GEMMs in our Triton kernel where "
-                       f"measured faster (tuning.py): {', '.join(triton) if triton else 'none here'}; torch's "
-                       "scaled grouped GEMM elsewhere")
     return choices
-
-
-def expert_weights(cfg: Config) -> dict[str, tuple[int, int]]:
-    """The experts' two weights' dimensions on a rank (expert-TP splits the FFN dimension)."""
-    m = cfg.model
-    ffn = m.expert_ffn_hidden_size // cfg.expert_tensor_parallel_size
-    return {"experts' fc1": (m.hidden_size, 2 * ffn), "experts' fc2": (ffn, m.hidden_size)}
 
 
 def fp8_param(t: TrainConfig) -> bool:
@@ -322,7 +307,8 @@ def narrow_gemms(cfg: Config, min_dim: int) -> list[str]:
         weights.update({"dense MLP fc1": (m.hidden_size, 2 * m.ffn_hidden_size // tp),
                         "dense MLP fc2": (m.ffn_hidden_size // tp, m.hidden_size)})
     if m.num_moe_experts is not None:
-        weights.update(expert_weights(cfg))
+        ffn = m.expert_ffn_hidden_size // cfg.expert_tensor_parallel_size  # expert-TP splits it, as the layers see
+        weights.update({"experts' fc1": (m.hidden_size, 2 * ffn), "experts' fc2": (ffn, m.hidden_size)})
         if m.moe_shared_expert_intermediate_size:
             shared = m.moe_shared_expert_intermediate_size
             weights.update({"shared expert fc1": (m.hidden_size, 2 * shared),

@@ -177,11 +177,6 @@ def _validate_fp8(cfg: Config) -> None:
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     require(t.fp8_recipe is not None or t.fp8_gemm_min_dim == "auto", "train.fp8_gemm_min_dim", t.fp8_gemm_min_dim,
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
-    require(t.fp8_recipe is not None or t.fp8_grouped_gemm == "auto", "train.fp8_grouped_gemm", t.fp8_grouped_gemm,
-            "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
-    require(t.fp8_recipe != "blockwise" or t.fp8_grouped_gemm != "torch", "train.fp8_grouped_gemm",
-            t.fp8_grouped_gemm, "with train.fp8_recipe=blockwise is not implemented (torch has no blockwise grouped "
-            "FP8 GEMM; blockwise runs the Triton one): leave it at auto")
     require(t.fp8_recipe is not None or t.fp8_param == "auto", "train.fp8_param", t.fp8_param,
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     require(t.fp8_param is not True or not t.use_distributed_optimizer, "train.fp8_param", t.fp8_param,
@@ -215,10 +210,6 @@ def _validate_fp8(cfg: Config) -> None:
     for name, value, size in dims:
         require(size % multiple == 0, name, value, f"train.fp8_recipe={t.fp8_recipe!r} needs every GEMM dimension "
                 f"(on each rank) a multiple of {multiple}: this one is {size}")
-    if t.fp8_grouped_gemm == "triton" and m.num_moe_experts is not None:
-        for name, value, size in (dims[0], dims[-2 if m.moe_shared_expert_intermediate_size else -1]):
-            require(size % 128 == 0, name, value, "train.fp8_grouped_gemm=triton needs the experts' dimensions (on "
-                    f"each rank) multiples of 128: this one is {size}; or leave it at auto")
 
 
 def _validate_moe(m: ModelConfig) -> None:

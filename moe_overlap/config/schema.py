@@ -265,10 +265,6 @@ class TrainConfig:
     # wide; narrower ones (e.g. a fine-grained expert's fc2) stay bf16. auto: where measured faster
     # (tuning.FP8_GEMM_MIN_DIM); 0: every GEMM of the FP8 layers.
     fp8_gemm_min_dim: Union[int, Literal["auto"]] = "auto"
-    # The rowwise recipe's grouped expert GEMMs (forward and input gradient): torch's scaled grouped GEMM (CUTLASS)
-    # or our Triton kernel (kernels/fp8_blockwise.py, its rowwise mode; every expert dimension a multiple of 128).
-    # auto: per GEMM, where measured faster (tuning.FP8_TRITON_GROUPED_BELOW). Blockwise always runs the Triton one.
-    fp8_grouped_gemm: Literal["auto", "torch", "triton"] = "auto"
     # The weights whose GEMMs run in FP8 kept only as their FP8 copies, in the memory of their bf16 values (2 bytes a
     # weight less), quantized from the fp32 masters as the bf16 values would have been (Megatron's fp8_param). auto:
     # on with the plain optimizer (config/defaults.py); the distributed optimizer: not implemented yet.

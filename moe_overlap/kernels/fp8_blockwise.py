@@ -49,8 +49,7 @@ if HAVE_TRITON:
                              stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
                              stride_bse, stride_bsk, stride_bsn, stride_om, stride_on, GROUPED: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, PAIRED: tl.constexpr, ROWWISE: tl.constexpr,
-                             FAST_ACCUM: tl.constexpr):
+                             GROUP_M: tl.constexpr, PAIRED: tl.constexpr):
         pid = tl.program_id(0)
         tiles_n = N // BLOCK_N
         width = GROUP_M * tiles_n
@@ -93,38 +92,25 @@ if HAVE_TRITON:
             a_MK = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
             b_KN = b_base + rk[:, None] * stride_bk + rn[None, :] * stride_bn
             a_scale_M = a_scale_ptr + rm.to(tl.int64) * stride_asm
+            b_scale += pid_n * stride_bsn  # BLOCK_N = 128: one weight block scale per 128-deep slice
             acc_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            if ROWWISE:  # one scale per row of a and per column of b: applied once, after the whole contraction
-                for _ in range(0, K // BLOCK_K):
-                    a = tl.load(a_MK, mask=rows_in[:, None], other=0.0)
-                    if FAST_ACCUM:  # the tensor cores' own accumulation across the slices (Hopper's reduced one)
-                        acc_MN = tl.dot(a, tl.load(b_KN), acc_MN)
-                    else:  # each slice's product summed in fp32
-                        acc_MN += tl.dot(a, tl.load(b_KN))
-                    a_MK += BLOCK_K * stride_ak
-                    b_KN += BLOCK_K * stride_bk
-                acc_MN *= (tl.load(a_scale_M, mask=rows_in, other=0.0)[:, None]
-                           * tl.load(b_scale + rn * stride_bsn)[None, :])
-            else:
-                b_scale += pid_n * stride_bsn  # BLOCK_N = 128: one weight block scale per 128-deep slice
-                for _ in range(0, K // (BLOCK_K * (1 + PAIRED))):
-                    # The slice's product alone (a fresh accumulator: the tensor cores' reduced-precision FP8 sum
-                    # spans 128 values only), then scaled into the fp32 sum: DeepGEMM's promotion. PAIRED: two
-                    # slices' products issued before either is scaled, so the second runs while the first is scaled.
-                    partial_MN = tl.dot(tl.load(a_MK, mask=rows_in[:, None], other=0.0), tl.load(b_KN))
-                    if PAIRED:
-                        second_MN = tl.dot(tl.load(a_MK + BLOCK_K * stride_ak, mask=rows_in[:, None], other=0.0),
-                                           tl.load(b_KN + BLOCK_K * stride_bk))
-                    scale_M = tl.load(a_scale_M, mask=rows_in, other=0.0) * tl.load(b_scale)
-                    acc_MN += partial_MN * scale_M[:, None]
-                    if PAIRED:
-                        scale_M = (tl.load(a_scale_M + stride_ask, mask=rows_in, other=0.0)
-                                   * tl.load(b_scale + stride_bsk))
-                        acc_MN += second_MN * scale_M[:, None]
-                    a_MK += (1 + PAIRED) * BLOCK_K * stride_ak
-                    b_KN += (1 + PAIRED) * BLOCK_K * stride_bk
-                    a_scale_M += (1 + PAIRED) * stride_ask
-                    b_scale += (1 + PAIRED) * stride_bsk
+            for _ in range(0, K // (BLOCK_K * (1 + PAIRED))):
+                # The slice's product alone (a fresh accumulator: the tensor cores' reduced-precision FP8 sum spans
+                # 128 values only), then scaled into the fp32 sum: DeepGEMM's promotion. PAIRED: two slices'
+                # products issued before either is scaled, so the second runs while the first is scaled.
+                partial_MN = tl.dot(tl.load(a_MK, mask=rows_in[:, None], other=0.0), tl.load(b_KN))
+                if PAIRED:
+                    second_MN = tl.dot(tl.load(a_MK + BLOCK_K * stride_ak, mask=rows_in[:, None], other=0.0),
+                                       tl.load(b_KN + BLOCK_K * stride_bk))
+                scale_M = tl.load(a_scale_M, mask=rows_in, other=0.0) * tl.load(b_scale)
+                acc_MN += partial_MN * scale_M[:, None]
+                if PAIRED:
+                    scale_M = tl.load(a_scale_M + stride_ask, mask=rows_in, other=0.0) * tl.load(b_scale + stride_bsk)
+                    acc_MN += second_MN * scale_M[:, None]
+                a_MK += (1 + PAIRED) * BLOCK_K * stride_ak
+                b_KN += (1 + PAIRED) * BLOCK_K * stride_bk
+                a_scale_M += (1 + PAIRED) * stride_ask
+                b_scale += (1 + PAIRED) * stride_bsk
             out_MN = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
             tl.store(out_MN, acc_MN.to(out_ptr.dtype.element_ty), mask=rows_in[:, None])
 
@@ -355,48 +341,8 @@ def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Ten
         a_q.stride(0), a_q.stride(1), a_scale.stride(0), a_scale.stride(1), w_q.stride(0) if grouped else 0,
         w_q.stride(w_k), w_q.stride(w_n), w_scale.stride(0) if grouped else 0, w_scale.stride(w_k),
         w_scale.stride(w_n), out.stride(0), out.stride(1), GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8, PAIRED=bool(paired) and K // block_k % 2 == 0, ROWWISE=False, FAST_ACCUM=False,
-        num_warps=warps, num_stages=stages)
-    return out
-
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the rowwise mode: its scales are applied once, after the whole
-# contraction, so nothing waits for a slice's product and 128 rows in two warp groups keep the tensor cores fed.
-ROWWISE_CONFIG = (128, 128, 128, 8, 4)
-
-
-def rowwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                      offsets_E: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                      fast_accum: bool = False, out: torch.Tensor | None = None,
-                      config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``a @ w^T`` in the rowwise recipe by the same Triton kernel (one launch of a static grid): a (M, K) E4M3
-    with one float32 scale per row (M,); w (N, K), or (E, N, K) with ``offsets_E``, E4M3 laid out along the
-    contraction, with one scale per row of w (..., N): torch._scaled_grouped_mm's operands, its right one
-    transposed. ``fast_accum``: the tensor cores' own accumulation across the whole contraction (as cuBLAS's fast
-    accumulation); otherwise each BLOCK_K-deep slice's product is summed in fp32. Rows past the last offset are left
-    unwritten. ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); N and K multiples of its BLOCK_N and
-    BLOCK_K."""
-    grouped = offsets_E is not None
-    M, K = a_q.shape
-    N = w_q.shape[-2]
-    block_m, block_n, block_k, warps, stages = config or ROWWISE_CONFIG
-    if w_q.dim() != 2 + grouped or w_q.shape[-1] != K or N % block_n or K % block_k:
-        raise ValueError(f"rowwise_mm_triton needs a (M, K) and w ({'E, ' if grouped else ''}N, K) with N and K "
-                         f"multiples of {block_n} and {block_k}, got {tuple(a_q.shape)} and {tuple(w_q.shape)}")
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
-    if M == 0:
-        return out
-    if not a_q.is_cuda or interpreter_requested():
-        block_m = min(block_m, 16)
-    experts = w_q.shape[0] if grouped else 1
-    tiles_m = triton.cdiv(M, block_m) + (experts if grouped else 0)
-    _blockwise_mm[(tiles_m * (N // block_n),), a_q.device](
-        a_q, a_scale, w_q, w_scale, offsets_E if grouped else a_scale, out, M, N, K, experts, tiles_m,
-        a_q.stride(0), a_q.stride(1), a_scale.stride(0), 0, w_q.stride(0) if grouped else 0, w_q.stride(-1),
-        w_q.stride(-2), w_scale.stride(0) if grouped else 0, 0, w_scale.stride(-1), out.stride(0), out.stride(1),
-        GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PAIRED=False, ROWWISE=True,
-        FAST_ACCUM=fast_accum, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, GROUP_M=8, PAIRED=bool(paired) and K // block_k % 2 == 0, num_warps=warps,
+        num_stages=stages)
     return out
 
 

@@ -73,13 +73,11 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.ring import Gemm, Pending
 from moe_overlap.distributed.streams import exposed_kind
 from moe_overlap.kernels.adamw import WeightMaxima
-from moe_overlap.kernels.fp8_blockwise import (BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles,
-                                               rowwise_mm_triton)
+from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
 from moe_overlap.kernels.fp8_quant import (FP8, column_amax, dequantize, dequantize_rows, quantize_columns,
                                            quantize_rows, quantize_rows_and_columns, row_amax)
 from moe_overlap.kernels.fp8_wgrad import fp8_wgrad_accumulate, fp8_wgrad_accumulate_torch, quantize_along_tokens
 from moe_overlap.layers.param_info import param_info
-from moe_overlap.tuning import fp8_triton_grouped
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,6 @@ class Fp8:
     recipe: Literal["rowwise", "blockwise"] = "rowwise"
     wgrad: bool = True  # train.fp8_wgrad: the experts' weight gradients in FP8 too (False: bf16 GEMMs)
     min_dim: int = 0  # train.fp8_gemm_min_dim: narrower forward / dgrad GEMMs stay bf16 (0: none)
-    grouped_gemm: Literal["auto", "torch", "triton"] = "auto"  # train.fp8_grouped_gemm (rowwise)
     # expert-TP (set by GroupedExperts): the group each expert's FFN dimension is split over, along which fc2's
     # forward and fc1's dgrad contract, so their rowwise scales are shared over it (as tensor parallelism's)
     expert_tp: GroupHandle | None = field(default=None, compare=False)
@@ -99,13 +96,6 @@ class Fp8:
     def covers(self, contraction: int, out_width: int) -> bool:
         """Whether a forward or input-gradient GEMM of this contraction and output width runs in FP8."""
         return min(contraction, out_width) >= self.min_dim
-
-    def triton_grouped(self, contraction: int, out_width: int) -> bool:
-        """Whether a rowwise grouped GEMM of this contraction and output width runs in our Triton kernel, not
-        torch's scaled grouped GEMM (auto: where measured faster, its dimensions multiples of its tiles)."""
-        if self.grouped_gemm != "auto":
-            return self.grouped_gemm == "triton"
-        return fp8_triton_grouped(contraction, out_width)
 
 
 @dataclass(frozen=True)
@@ -404,8 +394,6 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
     if offsets_E is None:
         return torch._scaled_mm(a_q, b_q.t(), a_scale[:, None], b_scale[None, :], out_dtype=dtype,
                                 use_fast_accum=fast_accum)
-    if fp8.triton_grouped(a_q.shape[1], b_q.shape[-2]):
-        return rowwise_mm_triton(a_q, a_scale, b_q, b_scale, offsets_E, dtype, fast_accum)
     return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_scale, b_scale, offs=offsets_E, out_dtype=dtype,
                                     use_fast_accum=fast_accum)
 

@@ -76,8 +76,7 @@ class Trainer:
         if t.expert_wgrad_micro_batches > 1:
             self.model.group_expert_wgrads(t.expert_wgrad_micro_batches)
         if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
-            self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad, min_dim=fp8_gemm_min_dim(t),
-                                   grouped_gemm=t.fp8_grouped_gemm),
+            self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad, min_dim=fp8_gemm_min_dim(t)),
                                t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
