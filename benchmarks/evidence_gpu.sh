@@ -242,7 +242,8 @@ tree_before() {  # a copy of the tree at /tmp/NAME with edits that undo a change
 FUSIONS_OFF=("moe_overlap/kernels/fp8_wgrad.py|s/one_pass: bool = True/one_pass: bool = False/"
              "moe_overlap/layers/fp8.py|s/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/")
 
-fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0
+fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0 (FP8_PARAM_EXTRA: overrides of
+  # every run)
   local label=$1 launch name held kept order
   shift
   export CUDA_VISIBLE_DEVICES=0
@@ -252,13 +253,13 @@ fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU
   for launch in 1 2; do
     name=train_step_${label}${launch}_mixtral_2l_1x$gpu
     order="--variant $held --variant $kept"; [ $launch = 2 ] && order="--variant $kept --variant $held"
-    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 3 --steps 8 \
-      --profile-steps 0 $order --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' \
-      | cut -c1-300
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml ${FP8_PARAM_EXTRA:-} \
+      --warmup 3 --steps 8 --profile-steps 0 $order --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
   done
   name=train_step_${label}_fine_8l_1x$gpu
-  timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
+  timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml ${FP8_PARAM_EXTRA:-} --warmup 3 --steps 8 \
     --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 | tee "$out/$name.log" \
     | grep -E '^\{"variant"|Error' | cut -c1-300
 }
@@ -1462,6 +1463,10 @@ PY
       --timeline $res/pp_schedule_2x${gpu}_nvlink.png > "$out/pp_nvlink.log" 2>&1
     kill $watchdog 2>/dev/null
     tail -n 30 "$out/pp_nvlink.log"
+    ;;
+  fp8_param_dist1)  # issue 39: train.fp8_param with the distributed optimizer at one rank (every shard whole, so
+    # every FP8 weight held): its GPU tests, then fp8_param1's runs with the distributed optimizer
+    FP8_PARAM_EXTRA=train.use_distributed_optimizer=true fp8_param_runs fp8_param_dist tests/test_gpu_fp8.py
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

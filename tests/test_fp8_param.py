@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from moe_overlap.config import ConfigError, load_config
+from moe_overlap.config import ConfigError, load_config, validate_for_world
+from moe_overlap.config.defaults import fp8_param
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.layers import fp8 as fp8_layers
 from moe_overlap.layers.fp8 import Fp8, refresh_weights, weight_operand, weights_updated
@@ -146,31 +147,73 @@ def test_fp8_param_resumes_bit_for_bit(tmp_path):
     assert resumed.train_step()["loss"] == third
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"train.fp8_param": "true"}, r"^train\.fp8_param=True: has no effect without train\.fp8_recipe"),
-    ({"train.device": "cuda", "train.precision": "bf16", "train.fp8_recipe": "rowwise", "train.fp8_param": "true",
-      "train.use_distributed_optimizer": "true"},
-     r"^train\.fp8_param=True: with train\.use_distributed_optimizer=true is not implemented yet"),
-], ids=["no-recipe", "distributed-optimizer"])
-def test_fp8_param_refusals_name_the_field(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+def test_fp8_param_refusals_name_the_field():
+    """Without a recipe; true with the distributed optimizer where it shards a weight over more than one rank (its
+    all-gather moves the bf16 values), refused before any rank starts; at one rank it holds every weight."""
+    with pytest.raises(ConfigError, match=r"^train\.fp8_param=True: has no effect without train\.fp8_recipe"):
+        load_config(None, ["train.fp8_param=true"])
+    cfg = load_config(None, ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise",
+                             "train.fp8_param=true", "train.use_distributed_optimizer=true"])
+    validate_for_world(cfg, 1, "cuda")
+    with pytest.raises(ConfigError, match=r"^train\.fp8_param=True: with train\.use_distributed_optimizer=true is "
+                                          r"not implemented yet where the optimizer shards a weight over more than "
+                                          r"one rank \(data-parallel x context-parallel size 2, expert-data-parallel "
+                                          r"size 1"):
+        validate_for_world(dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, expert_model_parallel_size=2)), 2, "cuda")
 
 
-def test_fp8_param_auto_follows_the_optimizer(caplog):
+def test_fp8_param_auto_holds_with_either_optimizer(caplog):
     gpu = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise"]
     with caplog.at_level("INFO"):
         assert load_config(None, gpu).train.fp8_param is True
-        assert load_config(None, gpu + ["train.use_distributed_optimizer=true"]).train.fp8_param is False
+        distributed = load_config(None, gpu + ["train.use_distributed_optimizer=true"])
+        assert distributed.train.fp8_param == "auto" and fp8_param(distributed.train)  # true would ask for all
+        validate_for_world(dataclasses.replace(distributed, parallel=dataclasses.replace(
+            distributed.parallel, expert_model_parallel_size=2)), 2, "cuda")
         assert load_config(None, []).train.fp8_param == "auto"  # no recipe: nothing to hold
     assert "train.fp8_param=auto -> true: the FP8 GEMMs' weights held only as their FP8 copies" in caplog.text
-    assert "train.fp8_param=auto -> false: not implemented with the distributed optimizer" in caplog.text
+    assert ("where the distributed optimizer's shard of them is whole (a data-parallel group of one rank); the "
+            "others keep their bf16 values beside the copies (not implemented yet)") in caplog.text
+
+
+def test_fp8_param_with_the_distributed_optimizer_trains_and_resumes_bit_for_bit(tmp_path):
+    """At one rank every bucket's shard is whole, so the distributed optimizer holds every FP8 GEMM's weights as the
+    plain optimizer does: three steps' losses, gradients and checkpoint tensors equal the run with the copies kept
+    apart (its step leaving the maxima of the copies' refresh), and a run resumed after two steps makes the straight
+    run's third step."""
+    distributed = {"train.use_distributed_optimizer": "true", "train.resume": "false"}
+    runs = []
+    for held in (True, False):
+        trainer = fp8_trainer(str(tmp_path / str(held)), held, **distributed)
+        steps = []
+        for _ in range(3):
+            grads = {}
+            steps.append((trainer.train_step(lambda opt: grads.update(opt.logical_grads()))["loss"], grads))
+        runs.append((trainer, steps))
+    (held, held_steps), (kept, kept_steps) = runs
+    for (loss, grads), (loss_want, grads_want) in zip(held_steps, kept_steps):
+        assert loss == loss_want and all(torch.equal(g, grads_want[key]) for key, g in grads.items())
+    holding = [param for param in held.model.parameters() if param_info(param).holds_fp8]
+    assert holding and all("fp8_maxima" in param.__dict__ for param in holding)  # the step left their maxima
+    state, want = held.optimizer.logical_state(), kept.optimizer.logical_state()
+    assert state.keys() == want.keys() and all(torch.equal(t, want[key]) for key, t in state.items())
+
+    straight = fp8_trainer(str(tmp_path / "resume"), True, **distributed)
+    for _ in range(2):
+        straight.train_step()
+    straight.save()
+    third = straight.train_step()["loss"]
+    resumed = fp8_trainer(str(tmp_path / "resume"), True, **{"train.use_distributed_optimizer": "true"})
+    assert resumed.resume() and resumed.step == 2
+    assert resumed.train_step()["loss"] == third
 
 
 def held_against_kept(output_dir: str, extra: dict) -> list[tuple[float, float]]:
     """A layout's run (bf16, every decoder GEMM in emulated FP8) with the weights held in their copies, then the same
     run with the copies kept apart (one after the other: a step stales every copy, the other run's maxima too):
-    each step's (held, kept) loss; every gradient asserted equal on the way."""
+    each step's (held, kept) loss, and the names of the weights that held their copies; every gradient asserted
+    equal on the way."""
     cfg = small_config(output_dir, 1, 2 * 2 * torch.distributed.get_world_size(), **BF16, **extra)
     _, mesh = world_and_mesh(cfg)
     try:
@@ -185,11 +228,13 @@ def held_against_kept(output_dir: str, extra: dict) -> list[tuple[float, float]]
                 grads = {}
                 steps.append((trainer.train_step(lambda opt: grads.update(opt.logical_grads()))["loss"], grads))
             runs.append(steps)
+            if held:
+                holding = {name for name, param in trainer.model.named_parameters() if param_info(param).holds_fp8}
         for (_, grads), (_, grads_kept) in zip(*runs):
             assert grads.keys() == grads_kept.keys()
             assert all(torch.equal(grad, grads_kept[key]) for key, grad in grads.items()), [
                 key for key, grad in grads.items() if not torch.equal(grad, grads_kept[key])][:3]
-        return [(held[0], kept[0]) for held, kept in zip(*runs)]
+        return [(held[0], kept[0]) for held, kept in zip(*runs)], holding
     finally:
         mesh.destroy()
 
@@ -198,10 +243,19 @@ def held_against_kept(output_dir: str, extra: dict) -> list[tuple[float, float]]
     {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": "true",
      "parallel.expert_model_parallel_size": 1, "parallel.expert_tensor_parallel_size": 1},
     {"parallel.expert_model_parallel_size": 2, "overlap.moe_pipeline": "true", "overlap.moe_planning": "host",
-     "overlap.moe_pipeline_chunks": 2}], ids=["tp2-sp", "ep2-chunks"])
+     "overlap.moe_pipeline_chunks": 2},
+    {"parallel.expert_model_parallel_size": 2, "train.use_distributed_optimizer": "true"}],
+    ids=["tp2-sp", "ep2-chunks", "ep2-distributed-optimizer"])
 def test_fp8_param_layouts_train_bit_for_bit_as_the_bf16_weights(rank_pool, tmp_path, extra):
     """At TP=2 with SP the row-parallel forward's and the column-parallel dgrad's copies share their scales over the
     ranks (the maxima all-reduced, the masters read as bf16); at EP=2 with two chunks each chunk's GEMMs read a run of
-    experts' copies (slices of the whole weight's place). Held or kept apart, the same bits."""
-    for steps in rank_pool(2).run(held_against_kept, str(tmp_path), extra):
+    experts' copies (slices of the whole weight's place). With the distributed optimizer at EP=2 the experts' shards
+    are whole (expert-data-parallel size 1), so they hold their copies; the dense weights, sharded over the 2
+    data-parallel ranks, keep their bf16 values. Held or kept apart, the same bits."""
+    for steps, holding in rank_pool(2).run(held_against_kept, str(tmp_path), extra):
         assert all(held == kept for held, kept in steps), steps
+        assert any(".experts." in name for name in holding)
+        if "train.use_distributed_optimizer" in extra:
+            assert all(".experts." in name for name in holding)
+        else:
+            assert any("attention" in name for name in holding)

@@ -329,7 +329,7 @@ def test_gpu_adamw_step_leaves_the_bf16_maxima(shape):
 
 
 def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str = "rowwise",
-                 held: bool = True) -> list[float]:
+                 held: bool = True, distributed: bool = False) -> list[float]:
     from moe_overlap.config import load_config
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer
@@ -342,7 +342,7 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
         "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.lr": 1e-3, "train.lr_warmup_steps": 1,
         "train.max_steps": steps, "train.eval_interval": 0, "train.precision": "bf16", "train.device": "cuda",
         "train.moe_cuda_graph": str(graphed).lower(), "train.output_dir": str(tmp_path / "run"),
-        "checkpoint.save_final": "false",
+        "checkpoint.save_final": "false", "train.use_distributed_optimizer": str(distributed).lower(),
     }
     if fp8:  # every GEMM and the experts' weight gradients in FP8 (auto leaves this narrow model's in bf16)
         overrides.update({"train.fp8_recipe": recipe, "train.num_layers_at_start_in_bf16": 1,
@@ -388,13 +388,16 @@ def test_fp8_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path, recipe
     assert max(abs(g - e) / e for g, e in zip(graphed, eager)) < 2e-3
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed_optimizer"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_gpu_fp8_param_trains_as_the_bf16_weights(tmp_path, recipe):
+def test_gpu_fp8_param_trains_as_the_bf16_weights(tmp_path, recipe, distributed):
     """train.fp8_param (the FP8 weights held only as their copies, quantized from the masters read as bf16) against
     the copies kept beside the bf16 weights: the first step bit for bit (the same copies, the same GEMMs); after it
-    the runs part only by the weight gradients' unordered atomic sums, as two launches of one run do."""
-    held = train_losses(tmp_path / "held", fp8=True, graphed=False, recipe=recipe, held=True)
-    kept = train_losses(tmp_path / "kept", fp8=True, graphed=False, recipe=recipe, held=False)
+    the runs part only by the weight gradients' unordered atomic sums, as two launches of one run do. With the
+    distributed optimizer at one rank, whose shards are whole, as with the plain one."""
+    held = train_losses(tmp_path / "held", fp8=True, graphed=False, recipe=recipe, held=True, distributed=distributed)
+    kept = train_losses(tmp_path / "kept", fp8=True, graphed=False, recipe=recipe, held=False,
+                        distributed=distributed)
     print("losses held", held, "kept", kept)
     assert held[0] == kept[0]
     assert max(abs(h - k) / k for h, k in zip(held, kept)) < 2e-3

@@ -38,8 +38,8 @@ a switch the user set needs to run.
 
     train.fp8_wgrad=auto        with train.fp8_recipe, the experts' weight gradients in FP8 where measured faster:
                                 rowwise, wide experts, many rows per expert (tuning.py); bf16 elsewhere
-    train.fp8_param=auto        with train.fp8_recipe, on with the plain optimizer (the FP8 weights held only as
-                                their FP8 copies); off with the distributed optimizer (not implemented there)
+    train.fp8_param=auto        with train.fp8_recipe, on: the FP8 weights held only as their FP8 copies (with the
+                                distributed optimizer, those whose shard is whole: not implemented for the others)
     train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM: the forward and input-gradient
                                 GEMMs narrower than that in the contraction or the output stay bf16 (measured
                                 slower in FP8)
@@ -270,10 +270,12 @@ def resolve_defaults(cfg: Config) -> list[str]:
             choices.append(f"train.fp8_wgrad=auto -> {str(t.fp8_wgrad).lower()}: the experts' weight gradients in "
                            f"{'FP8' if t.fp8_wgrad else 'bf16'}, {why} (tuning.py)")
     if t.fp8_param == "auto" and t.fp8_recipe is not None:
-        t.fp8_param = fp8_param(t)
-        choices.append(f"train.fp8_param=auto -> {str(t.fp8_param).lower()}: " + (
-            "the FP8 GEMMs' weights held only as their FP8 copies (2 bytes a weight less)" if t.fp8_param else
-            "not implemented with the distributed optimizer"))
+        # with the distributed optimizer it stays auto: true would ask for every weight (validate_for_world)
+        t.fp8_param = "auto" if t.use_distributed_optimizer else True
+        choices.append("train.fp8_param=auto -> true: the FP8 GEMMs' weights held only as their FP8 copies (2 bytes a "
+                       "weight less)" + (", where the distributed optimizer's shard of them is whole (a data-parallel "
+                       "group of one rank); the others keep their bf16 values beside the copies (not implemented "
+                       "yet)" if t.use_distributed_optimizer else ""))
     if t.fp8_gemm_min_dim == "auto" and t.fp8_recipe is not None:
         t.fp8_gemm_min_dim = FP8_GEMM_MIN_DIM
         narrow = narrow_gemms(cfg, FP8_GEMM_MIN_DIM)
@@ -285,7 +287,7 @@ def resolve_defaults(cfg: Config) -> list[str]:
 
 def fp8_param(t: TrainConfig) -> bool:
     """``train.fp8_param`` as the optimizer and the memory count take it (auto, if not resolved yet: as resolved)."""
-    return t.fp8_recipe is not None and (t.fp8_param is True or t.fp8_param == "auto" and not t.use_distributed_optimizer)
+    return t.fp8_recipe is not None and t.fp8_param is not False
 
 
 def fp8_gemm_min_dim(t: TrainConfig) -> int:

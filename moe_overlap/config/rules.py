@@ -179,9 +179,6 @@ def _validate_fp8(cfg: Config) -> None:
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     require(t.fp8_recipe is not None or t.fp8_param == "auto", "train.fp8_param", t.fp8_param,
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
-    require(t.fp8_param is not True or not t.use_distributed_optimizer, "train.fp8_param", t.fp8_param,
-            "with train.use_distributed_optimizer=true is not implemented yet (its parameter all-gather moves the "
-            "bf16 values): set it false, or use the plain optimizer")
     require(t.fp8_gemm_min_dim == "auto" or t.fp8_gemm_min_dim >= 0, "train.fp8_gemm_min_dim", t.fp8_gemm_min_dim,
             "must be >= 0 (0: every GEMM in FP8), or auto")
     if t.fp8_recipe is None:
@@ -345,6 +342,14 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
     refuse(graph_device_refusal(device_type) if t.moe_cuda_graph is True else None)
     require(t.fp8_recipe is None or device_type == "cuda", "train.fp8_recipe", t.fp8_recipe,
             f"{FP8_NEEDS_GPU}; the device is {device_type!r}")
+    if t.fp8_param is True and t.use_distributed_optimizer:  # hold_fp8_weights: one-rank shard groups only
+        dp_cp = dp * p.context_parallel_size
+        edp = stage_ranks // expert_ranks
+        require(dp_cp == 1 and edp == 1, "train.fp8_param", True,
+                "with train.use_distributed_optimizer=true is not implemented yet where the optimizer shards a weight "
+                f"over more than one rank (data-parallel x context-parallel size {dp_cp}, expert-data-parallel size "
+                f"{edp}: its all-gather moves the bf16 values): leave it at auto, which holds the weights whose shards "
+                "are whole")
     cpu_values = (("dp_comm_ctas", (None,)), ("ep_comm_ctas", (None,)), ("gemm_sm_carveout", (0, "auto")))
     for name, anywhere in cpu_values:  # what sets no communicator or GEMM passes anywhere
         value = getattr(cfg.overlap, name)

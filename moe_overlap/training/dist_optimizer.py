@@ -39,7 +39,7 @@ from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import GroupHandle, Mesh
 from moe_overlap.distributed.streams import exposed_wait
 from moe_overlap.kernels.adamw import adamw_update
-from moe_overlap.layers.fp8 import weights_updated
+from moe_overlap.layers.fp8 import step_maxima, weights_updated
 from moe_overlap.layers.param_info import is_expert_param, param_info, tp_shard
 from moe_overlap.layers.wgrad import take_grad
 from moe_overlap.precision import DTYPES
@@ -140,13 +140,48 @@ class _Bucket:
         self.grad_work = self.payload = None
         self.ready.clear()
 
-    def update(self, lr: float, cfg: TrainConfig, control: torch.Tensor) -> None:
-        """AdamW on this rank's shard (``control``: see kernels/adamw.py), writing the model's copy of the shard
-        in the same pass."""
+    def update(self, lr: float, cfg: TrainConfig, control: torch.Tensor) -> list[nn.Parameter]:
+        """AdamW on this rank's shard (``control``: see kernels/adamw.py), writing the model's copy of the shard in
+        the same pass, but for the weights that hold their FP8 copies (train.fp8_param): each of those is updated
+        alone, its master viewed as the weight, leaving its copies' maxima where :func:`step_maxima` says. Returns
+        the weights whose maxima it left."""
+        with_maxima = []
+        for where, decay, lr_scale, held in self._update_parts():
+            hyper = adamw_hyper(cfg, lr, decay, lr_scale)
+            if held is None:
+                adamw_update(self.master[where], self.grad_shard[where], self.exp_avg[where], self.exp_avg_sq[where],
+                             self.param_shard[where] if self.has_separate_master else None, control, hyper)
+                continue
+            maxima = step_maxima(held)
+            adamw_update(*(t[where].view(held.shape) for t in (self.master, self.grad_shard, self.exp_avg,
+                                                                self.exp_avg_sq)), None, control, hyper, maxima)
+            if maxima is not None:
+                with_maxima.append(held)
+        return with_maxima
+
+    def _update_parts(self) -> list[tuple[slice, bool, float, nn.Parameter | None]]:
+        """``adam_ranges`` with each weight that holds its FP8 copies cut out as a part of its own (the weight; None
+        for the others). Only a one-rank bucket's weights hold them (its shard is the whole bucket, so shard and
+        bucket offsets agree), and a weight lies in one range."""
+        held = [slot for slot in self.slots if param_info(slot.param).holds_fp8]
+        parts = []
         for where, decay, lr_scale in self.adam_ranges:
-            adamw_update(self.master[where], self.grad_shard[where], self.exp_avg[where], self.exp_avg_sq[where],
-                         self.param_shard[where] if self.has_separate_master else None, control,
-                         adamw_hyper(cfg, lr, decay, lr_scale))
+            at = where.start
+            for slot in held:
+                if where.start <= slot.start and slot.end <= where.stop:
+                    if at < slot.start:
+                        parts.append((slice(at, slot.start), decay, lr_scale, None))
+                    parts.append((slice(slot.start, slot.end), decay, lr_scale, slot.param))
+                    at = slot.end
+            if at < where.stop:
+                parts.append((slice(at, where.stop), decay, lr_scale, None))
+        return parts
+
+    def write_model_copy(self) -> None:
+        """The model's copy of the shard from the master (after a load), but where a weight holds its FP8 copies."""
+        for where, _, _, held in self._update_parts():
+            if held is None:
+                self.param_shard[where].copy_(self.master[where])
 
     def start_param_sync(self, comm) -> None:
         """All-gather the shards of the model copy (the update already wrote this rank's)."""
@@ -203,6 +238,17 @@ class DistributedOptimizer:
             first_used_here = [bucket for bucket in self.buckets if bucket.first_unit == index]
             if first_used_here:
                 module.register_forward_pre_hook(functools.partial(_wait_for_params, first_used_here))
+
+    def hold_fp8_weights(self) -> None:
+        """train.fp8_param, as MixedPrecisionAdamW's, where a bucket's shard is the whole bucket (a group of one rank:
+        every bucket at data-parallel size 1, the experts' where expert parallelism spans the data-parallel ranks):
+        its weights whose GEMMs run in FP8 keep only their FP8 copies, quantized from the masters. Where the shards
+        split the weights a rank holds part of each master and the all-gather moves the bf16 values, so those keep
+        their values beside their copies (gathering the copies instead is not implemented yet)."""
+        for bucket in self.buckets:
+            if bucket.group.size == 1 and bucket.has_separate_master:
+                for slot in bucket.slots:
+                    param_info(slot.param).fp8_master = bucket.master[slot.start:slot.end].view_as(slot.param)
 
     # ------------------------------------------------------------------------------ gradients
     def start_micro_batch(self, is_last: bool) -> None:
@@ -301,10 +347,11 @@ class DistributedOptimizer:
         the unchanged shards."""
         norm = self.grad_norm()
         control = clip_control(norm, self.steps_made, self.cfg, skip)
+        with_maxima = []
         for bucket in self.buckets:  # forward order: the all-gather the next forward needs first starts first
-            bucket.update(lr, self.cfg, control)
+            with_maxima += bucket.update(lr, self.cfg, control)
             bucket.start_param_sync(self.collectives)
-        weights_updated()  # the FP8 copies of the weights (train.fp8_recipe), made after the all-gathers, are stale
+        weights_updated(with_maxima)  # the FP8 copies of the weights (train.fp8_recipe) are stale
         if not self.overlap_param_sync:
             self.finish_param_sync()
         self.zero_grad()
@@ -327,7 +374,10 @@ class DistributedOptimizer:
             if bucket.has_separate_master:
                 moments["master"] = bucket.master
             for slot in bucket.slots:
-                param_flat = bucket.param_data[slot.start:slot.end]
+                # a weight that holds its FP8 copies: its master's values in its dtype (a new tensor; the master
+                # loads beside it), as MixedPrecisionAdamW's
+                param_flat = (bucket.master[slot.start:slot.end].to(slot.param.dtype)
+                              if param_info(slot.param).holds_fp8 else bucket.param_data[slot.start:slot.end])
                 for key, offset, shape in logical_parts(slot.name, slot.param):
                     view = param_flat[offset:offset + shape.numel()].view(shape)
                     state[f"model.{key}"] = tp_logical_tensor(view, tp_shard(slot.param))
@@ -365,7 +415,7 @@ class DistributedOptimizer:
         """Refresh the model copies from the loaded master shards (the moments loaded in place)."""
         if any(bucket.has_separate_master for bucket in self.buckets):
             for bucket in self.buckets:
-                bucket.param_shard.copy_(bucket.master)
+                bucket.write_model_copy()
                 bucket.start_param_sync(self.collectives)
             self.finish_param_sync()
         weights_updated()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from moe_overlap.config import Config, ConfigError
 from moe_overlap.config.defaults import fp8_gemm_min_dim, fp8_param
@@ -48,12 +49,18 @@ def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
     for param in model.parameters():
         weights += param.numel() * param.element_size()
         gradients += param.numel() * FP32_BYTES
-        shards = (mesh.edp if is_expert_param(param) else mesh.dp_cp).size if t.use_distributed_optimizer else 1
-        optimizer += param.numel() * optimizer_per_element // shards
+        optimizer += param.numel() * optimizer_per_element // (_shards(mesh, param) if t.use_distributed_optimizer
+                                                               else 1)
     fp8_modules = model.fp8_modules(t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16) if t.fp8_recipe else []
-    fp8_copies = sum(weight_copy_bytes(module, t.fp8_recipe, fp8_gemm_min_dim(t), fp8_param(t))
-                     for module in fp8_modules)
+    fp8_copies = sum(weight_copy_bytes(module, t.fp8_recipe, fp8_gemm_min_dim(t), fp8_param(t) and (
+        not t.use_distributed_optimizer or _shards(mesh, module) == 1)) for module in fp8_modules)
     return StateBytes(weights, gradients, optimizer, fp8_copies)
+
+
+def _shards(mesh: Mesh, part: nn.Module | torch.Tensor) -> int:
+    """Over how many ranks the distributed optimizer shards a parameter (a module's: its first)."""
+    param = part if isinstance(part, torch.Tensor) else next(part.parameters())
+    return (mesh.edp if is_expert_param(param) else mesh.dp_cp).size
 
 
 def largest_state(cfg: Config, layout: MeshLayout) -> tuple[int, StateBytes]:
@@ -74,8 +81,9 @@ def describe_state_memory(cfg: Config, layout: MeshLayout) -> list[str]:
     gib = 2**30
     sharding = ("sharded over data-parallel ranks by the distributed optimizer" if cfg.train.use_distributed_optimizer
                 else "not sharded: train.use_distributed_optimizer=false")
-    held = (", held in the bf16 weights' memory: their scales alone counted here (train.fp8_param)"
-            if fp8_param(cfg.train) else "")
+    held = (", held in the bf16 weights' memory: their scales alone counted here (train.fp8_param" + (
+        "; with the distributed optimizer, the weights whose shard is whole" if cfg.train.use_distributed_optimizer
+        else "") + ")" if fp8_param(cfg.train) else "")
     fp8 = (f" + FP8 copies {state.fp8_copies / gib:.1f} (train.fp8_recipe={cfg.train.fp8_recipe}: the FP8 GEMMs' "
            f"weights in E4M3, both orientations, made once per step{held})" if cfg.train.fp8_recipe else "")
     return [f"model state per rank, before activations (the most on any rank: rank {rank}): "
