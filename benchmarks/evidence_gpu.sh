@@ -1488,6 +1488,18 @@ PY
       --png $res/fp8_curves_mixtral_2l_1x$gpu.png --json $res/fp8_curves_mixtral_2l_1x$gpu.json \
       --machine "1x ${gpu^^}" | cut -c1-300 | tail -n 12
     ;;
+  fp8_fine_fours1)  # issue 39: the fine-grained bench model with four micro-batches' expert weight gradients per
+    # read-modify-write of main_grad (eager: graphed MoE layers replay one backward), bf16 and rowwise FP8, beside
+    # each precision eager with one and graphed (the config): whether summing more micro-batches moves FP8's ratio
+    export CUDA_VISIBLE_DEVICES=0
+    name=train_step_fp8_fine_fours_fine_8l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
+      --profile-steps 0 --variant eager:train.moe_cuda_graph=false \
+      --variant eager_fours:train.moe_cuda_graph=false,train.expert_wgrad_micro_batches=4 \
+      --variant rowwise:train.fp8_recipe=rowwise --variant rowwise_eager:train.fp8_recipe=rowwise,train.moe_cuda_graph=false \
+      --variant rowwise_eager_fours:train.fp8_recipe=rowwise,train.moe_cuda_graph=false,train.expert_wgrad_micro_batches=4 \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
