@@ -259,3 +259,28 @@ def test_fp8_param_layouts_train_bit_for_bit_as_the_bf16_weights(rank_pool, tmp_
             assert all(".experts." in name for name in holding)
         else:
             assert any("attention" in name for name in holding)
+
+
+def test_fp8_param_memory_count_with_the_distributed_optimizer():
+    """The model state `moe-overlap info` prints, fine bench model at EP=4 with the distributed optimizer: with auto
+    the experts (expert-data-parallel size 1: their shard whole) count only their scales and maxima, the dense
+    weights (sharded over 4 data-parallel ranks) their whole copies; false counts every copy whole; at one rank
+    auto holds everything, as the plain optimizer does."""
+    from moe_overlap.training.run_setup import mesh_layout
+    from moe_overlap.training.state_memory import largest_state
+
+    base = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise",
+            "train.use_distributed_optimizer=true"]
+
+    def copies(world: int, *extra: str) -> int:
+        cfg = load_config("configs/bench_fine_8l.yaml", base + [f"parallel.expert_model_parallel_size={world}",
+                                                                 *extra])
+        return largest_state(cfg, mesh_layout(cfg, world))[1].fp8_copies
+
+    held, kept = copies(4), copies(4, "train.fp8_param=false")
+    plain = load_config("configs/bench_fine_8l.yaml", base[:3] + ["parallel.expert_model_parallel_size=4"])
+    all_held = largest_state(plain, mesh_layout(plain, 4))[1].fp8_copies
+    assert all_held < held < kept  # the dense weights' copies whole, the experts' not
+    assert kept - held > 0.9 * 2**30  # the experts' E4M3 bytes: about 1 GiB a rank here
+    one = load_config("configs/bench_fine_8l.yaml", base[:3])
+    assert copies(1) == largest_state(one, mesh_layout(one, 1))[1].fp8_copies
