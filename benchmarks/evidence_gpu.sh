@@ -1500,6 +1500,15 @@ PY
       --variant rowwise_eager_fours:train.fp8_recipe=rowwise,train.moe_cuda_graph=false,train.expert_wgrad_micro_batches=4 \
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ;;
+  fp8_param_dist2)  # issue 39: train.fp8_param with the distributed optimizer at EP=2 on 2 GPUs: the experts held
+    # (expert-data-parallel size 1), the dense weights kept (sharded over 2 data-parallel ranks); bf16, held, kept
+    name=train_step_fp8_param_dist_mixtral_2l_ep2_2x$gpu
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+      configs/bench_mixtral_2l.yaml parallel.expert_model_parallel_size=2 train.use_distributed_optimizer=true $BAL \
+      --warmup 2 --steps 4 --profile-steps 0 --variant held:train.fp8_recipe=rowwise \
+      --variant kept:train.fp8_recipe=rowwise,train.fp8_param=false --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-300
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
