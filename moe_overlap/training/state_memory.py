@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from moe_overlap.config import Config, ConfigError
 from moe_overlap.config.defaults import fp8_gemm_min_dim, fp8_param
@@ -53,13 +52,12 @@ def state_bytes(cfg: Config, mesh: Mesh) -> StateBytes:
                                                                else 1)
     fp8_modules = model.fp8_modules(t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16) if t.fp8_recipe else []
     fp8_copies = sum(weight_copy_bytes(module, t.fp8_recipe, fp8_gemm_min_dim(t), fp8_param(t) and (
-        not t.use_distributed_optimizer or _shards(mesh, module) == 1)) for module in fp8_modules)
+        not t.use_distributed_optimizer or _shards(mesh, next(module.parameters())) == 1)) for module in fp8_modules)
     return StateBytes(weights, gradients, optimizer, fp8_copies)
 
 
-def _shards(mesh: Mesh, part: nn.Module | torch.Tensor) -> int:
-    """Over how many ranks the distributed optimizer shards a parameter (a module's: its first)."""
-    param = part if isinstance(part, torch.Tensor) else next(part.parameters())
+def _shards(mesh: Mesh, param: torch.Tensor) -> int:
+    """Over how many ranks the distributed optimizer shards a parameter."""
     return (mesh.edp if is_expert_param(param) else mesh.dp_cp).size
 
 
