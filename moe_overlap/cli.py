@@ -397,12 +397,27 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     print(f"parameters: {count_parameters(cfg.model) / 1e6:.2f} M")
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
-    for line in describe_state_memory(cfg, mesh_layout(cfg, world_size)) + describe_exchange_memory(cfg, device_type):
+    for line in (describe_state_memory(cfg, mesh_layout(cfg, world_size))
+                 + describe_exchange_memory(cfg, device_type, _moe_calls_in_flight(cfg, world_size))):
         print(line)
     print(mesh_layout(cfg, world_size).table())
     if wants_schedule:
         _print_schedule(cfg, world_size, given, png)
     return 0
+
+
+def _moe_calls_in_flight(cfg: Config, world_size: int) -> int:
+    """The MoE layer calls in flight on the first pipeline rank (the trainer's count, from the schedule's bound):
+    its units in flight x the most MoE layers of one of its model chunks."""
+    from moe_overlap.models.pipeline_stages import PipelineStages
+    from moe_overlap.training.schedules import default_schedule, in_flight_bound
+
+    stages = PipelineStages.from_config(cfg)
+    name = cfg.train.pipeline_schedule or default_schedule(stages.vpp)
+    units = in_flight_bound(name, stages.pp, stages.vpp, cfg.num_micro_batches(world_size), 0,
+                            cfg.overlap.overlap_moe_expert_parallel_comm)
+    return units * max(sum(map(cfg.model.is_moe_layer, stages.layers[stages.stage(0, chunk)]))
+                       for chunk in range(stages.vpp))
 
 
 def _print_schedule(cfg: Config, world_size: int, given: dict[str, float] | None, png: str | None) -> None:

@@ -43,7 +43,7 @@ def allocated_sizes(settings: list[tuple[float | None, int]]) -> list[dict]:
             x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(dist.get_rank()))
             routing, token, state = layer.start_dispatch(x_TH)
             token, shared_TH = layer.run_experts(x_TH, token, state)
-            stash = [(rows.shape[0], rows.nbytes + fc1.nbytes) for rows, fc1 in state.saved]
+            stash = [(rows.shape[0], rows.nbytes + fc1.nbytes) for (rows, fc1, _), _ in state.saved]
             layer.finish_combine(x_TH, token, routing.probs_TK, state, shared_TH)
             regions = selector.transport(0).regions  # the twin's regions: a private buffer of REGIONS regions
             want = exchange_memory(world, routing.experts_TK.numel(), chunk_bounds(E // world, chunks), factor, H, F,

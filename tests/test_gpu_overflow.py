@@ -4,7 +4,9 @@ each step's update is skipped on the device and the step runs again planned on t
 bf16 rule against an fp32 single-process run (the loss curve over STEPS steps, every gradient of the first), with
 the MoE layers replayed from CUDA graphs (one chunk) and eager (2 chunks, delayed weight gradients); and a bound
 that is never passed (factor = EP: the worst case) queues a graphed step without one host sync
-(``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it).
+(``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it). The paged
+stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a pool of the worst case (never past) and of the
+balanced rows (past on the most loaded rank, run again); its pages in the sync check too.
 
 The per-rank work is `gpu_case`, launched once under torchrun; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it
 runs on CPU gloo ranks, skipping the graphed layout and the sync check, which only CUDA runs.
@@ -24,6 +26,7 @@ from tests.gpu_launch import (bf16_rule, cpu_skip_reason, dry_run, launch_ranks,
 
 STEPS = 3
 FACTOR = "overlap.moe_expert_rank_capacity_factor"
+PAGED = "overlap.moe_paged_stash_factor"
 
 
 def gpu_case(output_dir: str) -> dict:
@@ -43,7 +46,10 @@ def gpu_case(output_dir: str) -> dict:
     device_planned = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device"}
     layouts = {"overflow_graphed": {**device_planned, FACTOR: 1.0, "train.moe_cuda_graph": "true"},
                "overflow_eager_chunks2": {**device_planned, FACTOR: 1.0, "overlap.moe_pipeline_chunks": 2,
-                                          "overlap.delay_wgrad_compute": "true"}}
+                                          "overlap.delay_wgrad_compute": "true"},
+               # the paged stash: a pool of the worst case never overflows; of the balanced rows it does
+               "paged_graphed": {**device_planned, PAGED: float(world), "train.moe_cuda_graph": "true"},
+               "paged_overflow_graphed": {**device_planned, PAGED: 1.0, "train.moe_cuda_graph": "true"}}
     mesh, device = init_distributed(small_config(output_dir, world, global_batch, **bf16))
     runs, skipped = {}, {}
     for name, extra in layouts.items():
@@ -69,7 +75,8 @@ def gpu_case(output_dir: str) -> dict:
               "skipped": {name: why for name, why in skipped.items() if why}, "syncs_checked": False}
     if not dry_run():  # a bound never passed: the graphed step queues without a host sync
         bounded = Trainer(small_config(output_dir, world, global_batch, **bf16, **device_planned,
-                                       **{FACTOR: float(world), "train.moe_cuda_graph": "true"}), mesh, device)
+                                       **{FACTOR: float(world), PAGED: float(world), "train.moe_cuda_graph": "true"}),
+                          mesh, device)
         bounded.train_step()  # the first step sizes what later steps reuse
         report["syncs_checked"] = step_queued_without_host_sync(bounded)["moe_overflow_rows"] == 0
     mesh.destroy()
@@ -84,8 +91,9 @@ def test_overflow_runs_again_and_equals_single_process_bf16_on_every_gpu(tmp_pat
     world = ranks_for_every_gpu(limit=4)  # 8 experts: 2 chunks of local experts need EP <= 4
     for report in launch_ranks(__file__, tmp_path, timeout_s=300, world=world):
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
-        assert not report["skipped"] and set(report["reruns"]) == {"overflow_graphed", "overflow_eager_chunks2"}
-        assert all(reruns > 0 for reruns in report["reruns"].values()), report  # the bound was passed
+        assert not report["skipped"] and set(report["reruns"]) == {"overflow_graphed", "overflow_eager_chunks2",
+                                                                   "paged_graphed", "paged_overflow_graphed"}
+        assert all((reruns > 0) == ("overflow" in name) for name, reruns in report["reruns"].items()), report
         assert report["syncs_checked"], report
 
 
@@ -94,7 +102,8 @@ def test_overflow_dry_run_on_cpu_gloo(tmp_path):
     """The eager layout on 2 gloo ranks under the same checks (the graphed one and the sync check are CUDA's)."""
     for report in launch_ranks(__file__, tmp_path, timeout_s=600, world=2, dry_run=True):
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
-        assert set(report["skipped"]) == {"overflow_graphed"} and report["reruns"]["overflow_eager_chunks2"] > 0
+        assert set(report["skipped"]) == {"overflow_graphed", "paged_graphed", "paged_overflow_graphed"}
+        assert report["reruns"]["overflow_eager_chunks2"] > 0
 
 
 if __name__ == "__main__":

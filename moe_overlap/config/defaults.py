@@ -58,8 +58,8 @@ SHARED = "model.moe_shared_expert_overlap"
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "moe_token_slices", "delay_wgrad_compute", "moe_planning", "moe_transport",
-                   "moe_compute_only", "moe_expert_rank_capacity_factor", "moe_dispatch_once_per_rank",
-                   "moe_dispatch_dtype")
+                   "moe_compute_only", "moe_expert_rank_capacity_factor", "moe_paged_stash_factor",
+                   "moe_dispatch_once_per_rank", "moe_dispatch_dtype")
 
 
 def pipeline_fields_set(o: OverlapConfig) -> list[str]:

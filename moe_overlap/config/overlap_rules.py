@@ -112,6 +112,13 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
         require(o.moe_planning != "host", "overlap.moe_expert_rank_capacity_factor", factor,
                 "bounds the device-planned exchange only; with overlap.moe_planning=host every buffer is sized "
                 "exactly (use overlap.moe_planning=device or auto)")
+    factor = o.moe_paged_stash_factor
+    if factor is not None:
+        require(math.isfinite(factor) and factor >= 1.0, "overlap.moe_paged_stash_factor", factor,
+                "must be >= 1.0 (the pool holds the balanced rows at least) or null (no pages)")
+        require(o.moe_planning != "host", "overlap.moe_paged_stash_factor", factor,
+                "pages the device-planned exchange's stash only; with overlap.moe_planning=host it is sized exactly "
+                "(use overlap.moe_planning=device or auto)")
     if o.moe_compute_only:
         require(p.expert_model_parallel_size > 1, "overlap.moe_compute_only", True,
                  "needs parallel.expert_model_parallel_size > 1 (one EP rank exchanges nothing)")

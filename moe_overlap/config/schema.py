@@ -202,6 +202,14 @@ class OverlapConfig:
     # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (README). Host planning is exact and
     # needs no bound (with auto planning there, it has no effect).
     moe_expert_rank_capacity_factor: Optional[float] = None
+    # The device-planned exchange's backward stash in pages (layers/paged_stash.py): each chunk's tensors the backward
+    # needs (its rows and their fc1 output) are copied after its GEMMs into one pool per rank, as many pages as the
+    # rows actually received, and back out by the backward, so that a layer call in flight holds its rows, not its
+    # bound, and a layer's excess takes the pages another left. The pool holds factor x the balanced rows (T x K)
+    # of every MoE layer call in flight; a chunk that does not fit counts its rows as overflow rows (the step runs
+    # again planned on the host, as past the receive bound). >= 1.0; null (the default): each call keeps its bounded
+    # tensors (no copies).
+    moe_paged_stash_factor: Optional[float] = None
     # Each token crosses to an EP rank once per chunk (as DeepEP): dispatch sends its hidden state once to each
     # (chunk, rank) holding any of its k experts, with their grouped rows and probs beside it; the receiver expands it
     # into its experts' rows, weights their outputs by the probs and sums them into one row that goes back.

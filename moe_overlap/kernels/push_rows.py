@@ -174,10 +174,11 @@ def push_rows_torch(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Te
 
 def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor,
               route_start, dst_bases: torch.Tensor, ctas: int | None = None, gather: Gather | None = None,
-              in_flight: int = IN_FLIGHT_BYTES) -> None:
+              in_flight: int = IN_FLIGHT_BYTES, dst_row_stride: int | None = None) -> None:
     """Triton kernel (CUDA, or interpreted under TRITON_INTERPRET=1): each rank's destination buffer holds
-    contiguous rows of the rows' width (``gather``: its columns and src_RH's) of ``src_RH.dtype`` from the address
-    in ``dst_bases``. ``in_flight``: bytes a program loads per step (a benchmark's sweep)."""
+    rows of the rows' width (``gather``: its columns and src_RH's) of ``src_RH.dtype`` from the address in
+    ``dst_bases``, ``dst_row_stride`` elements apart (default: contiguous rows). ``in_flight``: bytes a program loads
+    per step (a benchmark's sweep)."""
     _check_gather(src_RH, gather)
     if dst_rank_Q.shape != dst_row_Q.shape or dst_rank_Q.dim() != 1:
         raise ValueError(f"dst_rank_Q {tuple(dst_rank_Q.shape)} and dst_row_Q {tuple(dst_row_Q.shape)} must be one "
@@ -187,8 +188,8 @@ def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, 
                            "TRITON_INTERPRET=1); push_rows_torch is the twin that takes buffers")
     if _width(src_RH, gather):
         _launch(src_RH, _scalar(src_start, src_RH), _scalar(count, src_RH), _scalar(route_start, src_RH),
-                dst_rank_Q, dst_row_Q, dst_bases, _width(src_RH, gather), ctas, routed=True, gather=gather,
-                in_flight=in_flight)
+                dst_rank_Q, dst_row_Q, dst_bases, dst_row_stride or _width(src_RH, gather), ctas, routed=True,
+                gather=gather, in_flight=in_flight)
 
 
 def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,

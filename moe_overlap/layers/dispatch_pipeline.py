@@ -58,6 +58,7 @@ from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
 from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.fp8 import Fp8, Fp8Rows
+from moe_overlap.layers.paged_stash import PagedStash, Stashed
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
 from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, copies_rows, dgrad_rows, dispatch_rows,
@@ -108,7 +109,9 @@ class PipelineState:
     combine: FromExperts | None = None
     grad_dispatch: ToExperts | None = None
     grad_combine: FromExperts | None = None
-    saved: list[tuple] = field(default_factory=list)  # per chunk: grouped rows, fc1 out (wire: copies, out)
+    # per chunk: what its backward needs (grouped rows, fc1 out; wire: and the outputs), and (wire) its copies
+    saved: list[tuple] = field(default_factory=list)
+    stash: PagedStash | None = None  # overlap.moe_paged_stash_factor: the chunks' tensors kept in the pool's pages
     probs_need_grad: bool = False  # wire: the expert side computes the probs' gradient
     fp8: Fp8 | None = None  # train.fp8_recipe: the expert GEMMs in FP8 (layers/fp8.py)
     fp8_wire: bool = False  # overlap.moe_dispatch_dtype=fp8: the rows into the experts cross as FP8 (wire_rows.py)
@@ -142,6 +145,18 @@ def _arrived(rows_WX: torch.Tensor, chunk: int, state: PipelineState, hidden: in
     count = plan.routes.recv_rows_C[chunk] if isinstance(plan.routes, DeviceRoutes) else None
     return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count, state.fp8_wire,
                         keep_fp8=state.fp8 is not None)
+
+
+def _keep(state: PipelineState, chunk: int, tensors: list) -> list | Stashed:
+    """A chunk's tensors for its backward: as they are, or copied into the paged stash (its counted rows)."""
+    if state.stash is None or tensors[0].shape[0] == 0:
+        return tensors
+    return state.stash.put(tensors, state.plan.offsets[chunk][-1:])
+
+
+def _kept(state: PipelineState, kept: list | Stashed) -> list:
+    """The tensors :func:`_keep` kept (out of the paged stash: fresh, its pages returned)."""
+    return state.stash.take(kept) if isinstance(kept, Stashed) else kept
 
 
 def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, arrived: ArrivedRows | None = None
@@ -242,13 +257,15 @@ class Experts(torch.autograd.Function):
             with state.carveout():
                 y_RH, h_RF2 = experts_forward(grouped_RH, offsets, w13_EHF2[first:last], w2_EFH[first:last],
                                                state.fp8)
+            # kept for the backward after the rows back are made (a paged stash's copy does not delay them)
             if arrived is None:
-                state.saved.append((grouped_RH, h_RF2))
-                return _rows_from_experts(y_RH, chunk, state), None
+                return _rows_from_experts(y_RH, chunk, state), lambda: state.saved.append(
+                    (_keep(state, chunk, [grouped_RH, h_RF2, None]), None))
             # the expert outputs weighted by their probs and summed per wire row, on the expert side
             copies = arrived.grouped_row_WJ, arrived.probs_WJ  # not the received rows: they are in grouped_RH
-            state.saved.append((grouped_RH, h_RF2, copies, y_RH if state.probs_need_grad else None))
-            return unpermute(y_RH, arrived.grouped_row_WJ, arrived.probs_WJ), None
+            y_kept = y_RH if state.probs_need_grad else None
+            return unpermute(y_RH, arrived.grouped_row_WJ, arrived.probs_WJ), lambda: state.saved.append(
+                (_keep(state, chunk, [grouped_RH, h_RF2, y_kept]), copies))
 
         _run_chunks(state, dispatch, state.combine, compute, last_alone=not state.paired, after_first=state.after_gemm,
                     back_to=state.combine_to)
@@ -278,12 +295,14 @@ class Experts(torch.autograd.Function):
 
         def compute(chunk: int, rows_RH: torch.Tensor):
             first, last = plan.chunk_experts[chunk]
-            grouped_RH, h_RF2, *wire = state.saved[chunk]
+            kept, copies = state.saved[chunk]
+            grouped_RH, h_RF2, y_RH = _kept(state, kept)
             if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients; no rows (on every expert-TP peer)
                 return rows_RH.new_empty((0, width)), None
             grad_probs_WJ = None
+            wire = copies is not None
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
-                (grouped_row_WJ, probs_WJ), y_RH = wire
+                grouped_row_WJ, probs_WJ = copies
                 grad_WH = hidden_states(rows_RH, hidden, state.fp8_wire)
                 grad_y_RH, grad_probs_WJ = unpermute_backward(grad_WH, y_RH, grouped_row_WJ, probs_WJ,
                                                               _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0],

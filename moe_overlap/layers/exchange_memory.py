@@ -10,6 +10,7 @@ rows (a token once per chunk and rank, its copies' grouped rows and probs beside
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moe_overlap.config import Config
@@ -17,6 +18,7 @@ from moe_overlap.distributed.a2a import REGIONS
 from moe_overlap.exchange_rules import choose_exchange
 from moe_overlap.layers.device_plan import chunk_bounds_rows, receive_rows, region_rows, wire_chunk_rows
 from moe_overlap.layers.exchange_plan import chunk_bounds
+from moe_overlap.layers.paged_stash import aligned_bytes, page_rows_for, stash_pages
 from moe_overlap.layers.wire_rows import copies_per_wire_row, wire_row_bytes
 from moe_overlap.precision import DTYPES
 
@@ -69,7 +71,30 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.2f} GiB"
 
 
-def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
+def rows_per_call(cfg: Config) -> int:
+    """T x k: the token copies one rank routes in a MoE layer call (its CP rank's sequence, its TP block of it
+    under sequence parallelism), which is also what a rank receives with balanced routing."""
+    m, p = cfg.model, cfg.parallel
+    shards = p.context_parallel_size * (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    return cfg.train.micro_batch_size * m.seq_length // shards * m.moe_router_topk
+
+
+def paged_stash_size(cfg: Config, calls: int) -> tuple[int, int, int, int]:
+    """``overlap.moe_paged_stash_factor``'s pool for ``calls`` MoE layer calls in flight on a rank, as
+    (rows, stashes, row bytes, page rows) for layers/paged_stash.PagedStash: factor x T x k rows a call; a stash per
+    chunk and token slice; a row of the chunk's rows, their fc1 output and (each token once per rank) their outputs,
+    in the training precision (FP8 rows are narrower)."""
+    m, o = cfg.model, cfg.overlap
+    chunks = len(chunk_bounds(m.num_moe_experts // cfg.parallel.expert_model_parallel_size, o.moe_pipeline_chunks))
+    element = DTYPES[cfg.train.precision].itemsize
+    widths = [m.hidden_size, 2 * m.expert_ffn_hidden_size] + ([m.hidden_size] if o.moe_dispatch_once_per_rank else [])
+    rows = math.ceil(o.moe_paged_stash_factor * rows_per_call(cfg) * calls)
+    stashes = calls * chunks * o.moe_token_slices
+    return (rows, stashes, sum(aligned_bytes(w * element) for w in widths),
+            page_rows_for(rows_per_call(cfg) // (chunks * o.moe_token_slices)))
+
+
+def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> list[str]:
     """``info``'s lines on the MoE exchange's memory per rank for ``cfg`` on ``device_type`` (auto planning
     resolved as there, symmetric memory assumed to run: every EP rank on one host); none for a dense model."""
     m, o, p = cfg.model, cfg.overlap, cfg.parallel
@@ -89,9 +114,7 @@ def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
     if m.moe_pad_expert_input_to_capacity:
         return ["MoE exchange: device-planned, padded to capacity: every buffer exactly EP x capacity rows per "
                 "local expert, no bound"]
-    # a rank dispatches its own tokens: its CP rank's sequence, its TP block of it under sequence parallelism
-    shards = p.context_parallel_size * (p.tensor_model_parallel_size if p.sequence_parallel else 1)
-    rows = cfg.train.micro_batch_size * m.seq_length // shards * m.moe_router_topk
+    rows = rows_per_call(cfg)
     chunk_experts = chunk_bounds(m.num_moe_experts // ep, o.moe_pipeline_chunks)
     factors = [None] + ([o.moe_expert_rank_capacity_factor] if o.moe_expert_rank_capacity_factor else [])
     sizes = [exchange_memory(ep, rows, chunk_experts, factor, m.hidden_size, m.expert_ffn_hidden_size,
@@ -116,4 +139,10 @@ def describe_exchange_memory(cfg: Config, device_type: str) -> list[str]:
               f"{_size(sizes[0].stash_row_bytes)} a row;",
               "  the receive buffer lies in a region); the regions are shared by "
               + (f"the {layers} MoE layers" if p.pipeline_model_parallel_size == 1 else "the stage's MoE layers")]
+    if o.moe_paged_stash_factor is not None:
+        pooled, stashes, row_bytes, page_rows = paged_stash_size(cfg, calls)
+        pool_bytes = (stash_pages(pooled, stashes, page_rows) + 1) * page_rows * row_bytes
+        lines.append(f"  overlap.moe_paged_stash_factor={o.moe_paged_stash_factor:g}: no stash per layer call; one pool "
+                     f"of {_size(pool_bytes)} per rank instead ({pooled:,} rows of {_size(row_bytes)} for the "
+                     f"{calls} MoE layer calls in flight, and a page of {page_rows} rows per stash)")
     return lines

@@ -30,6 +30,7 @@ from torch import nn
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.a2a_exchange import Transport
+from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.streams import carveout_for, prepare_device_clock
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal
@@ -41,6 +42,7 @@ from moe_overlap.layers.dispatcher import serial_dispatch_combine
 from moe_overlap.layers.experts import GroupedExperts, expert_offsets
 from moe_overlap.layers.host_plan import HostPlanner
 from moe_overlap.layers.mlp import GatedSharedExpert, SwiGLUMLP
+from moe_overlap.layers.paged_stash import PagedStash
 from moe_overlap.layers.router import Router, Routing
 from moe_overlap.tuning import EP_NCCL_SMS_PER_CTA, auto_push_sms
 
@@ -110,6 +112,9 @@ class MoELayer(nn.Module):
         self._planners: dict[tuple, HostPlanner | DevicePlanner] = {}  # by the exchange settings they plan for
         self.graph_copies: tuple[nn.Module, ...] = ()  # capture_moe_layers(copies=n): the graphed copies 2..n
         self.last_overlap_sms: int | None = None  # the pipeline's GEMM carve-out in its last call
+        # overlap.moe_paged_stash_factor: the pool every MoE layer's device-planned calls keep their backward's
+        # tensors in (layers/paged_stash.py; the trainer makes it, knowing the calls in flight)
+        self.stash: PagedStash | None = None
 
     def for_micro_batch(self, micro_batch: int) -> nn.Module:
         """What runs ``micro_batch``: with graphed copies (capture_moe_layers), the copy its index picks in turn (the
@@ -184,8 +189,10 @@ class MoELayer(nn.Module):
         sms = self._overlap_sms(plan.transport, planner.permuted_rows(routing), x_TH.shape[1], x_TH.element_size(),
                                 paired or handoffs is not None)
         self.last_overlap_sms = sms  # what the last call chose (a benchmark reports it)
+        # only a device plan's tensors are bounded, and only a call whose backward runs returns its pages
+        paged = isinstance(plan.routes, DeviceRoutes) and plan.expert_tp is None and torch.is_grad_enabled()
         state = PipelineState(plan, sms, self.delay_wgrad, paired, fp8=self.experts.fp8, fp8_wire=self.fp8_wire,
-                              **(handoffs or {}))
+                              stash=self.stash if paged else None, **(handoffs or {}))
         return DispatchStart.apply(x_TH, routing.probs_TK, state), state
 
     def _sliced(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, Routing]:

@@ -24,7 +24,9 @@ from moe_overlap.distributed.streams import (Event, ExposedComm, HostCopy, check
                                              measuring_exposed_comm, to_device_async)
 from moe_overlap.distributed.symm import symmetric_memory_bytes
 from moe_overlap.layers.fp8 import Fp8
+from moe_overlap.layers.exchange_memory import paged_stash_size
 from moe_overlap.layers.moe import host_planned_rerun
+from moe_overlap.layers.paged_stash import PagedStash
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
@@ -41,7 +43,7 @@ from moe_overlap.training.pipeline import Carveouts, PipelineExecutor
 from moe_overlap.training.preemption import StopRequests
 from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 from moe_overlap.training.run_setup import check_resume_setting, dp_gemm_sms, paired_gemm_sms, resolve_by_fabric
-from moe_overlap.training.schedules import graph_copies
+from moe_overlap.training.schedules import graph_copies, in_flight
 from moe_overlap.training.state_memory import check_state_fits, state_bytes
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class Trainer:
             log.warning("overlap.moe_compute_only: every rank's MoE rows stay in its own memory (a benchmark's "
                         "reference without the exchange's transfers); its learning rate is held at 0 and its loss "
                         "means nothing")
+        self._stash = self._paged_stash(stages)  # before the graphs capture the MoE layers' stash
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired,
             # or a pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
@@ -173,9 +176,32 @@ class Trainer:
         again.update(moe_overflow_rows=metrics["moe_overflow_rows"], moe_overflow_reruns=1)
         if self.is_logger:
             log.info("step %d: %d MoE rows overflowed the device-planned exchange's bound "
-                     "(overlap.moe_expert_rank_capacity_factor=%s); the step ran again planned on the host",
-                     metrics["step"], metrics["moe_overflow_rows"], self.cfg.overlap.moe_expert_rank_capacity_factor)
+                     "(overlap.moe_expert_rank_capacity_factor=%s, moe_paged_stash_factor=%s); the step ran again "
+                     "planned on the host", metrics["step"], metrics["moe_overflow_rows"],
+                     self.cfg.overlap.moe_expert_rank_capacity_factor, self.cfg.overlap.moe_paged_stash_factor)
         return again, None if queued is None else self.launch_step()
+
+    def _paged_stash(self, stages: PipelineStages) -> PagedStash | None:
+        """``overlap.moe_paged_stash_factor``: one pool of pages for every device-planned MoE layer call in flight on
+        this rank (its schedule's units in flight x the most MoE layers of one of its model chunks), which every MoE
+        layer keeps its backward's tensors in; None without the factor or a device-planned exchange."""
+        moe_layers = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
+        exchange = next((layer.transports for layer in moe_layers if layer.transports is not None), None)
+        if self.cfg.overlap.moe_paged_stash_factor is None or exchange is None or exchange.planning != "device":
+            return None
+        rank = self.mesh.pp.rank
+        per_chunk = max(sum(map(self.cfg.model.is_moe_layer, stages.layers[stages.stage(rank, chunk)]))
+                        for chunk in range(stages.vpp))
+        calls = in_flight(self.pipeline.schedule.ranks[rank]) * per_chunk
+        rows, stashes, row_bytes, page_rows = paged_stash_size(self.cfg, calls)
+        stash = PagedStash(rows, stashes, row_bytes, self.device, exchange.count_overflow, page_rows)
+        for layer in moe_layers:
+            layer.stash = stash
+        if self.mesh.rank == 0:
+            log.info("MoE paged stash: %d pages of %d rows x %d bytes (%.2f GiB a rank) for %d layer calls in flight "
+                     "(overlap.moe_paged_stash_factor=%g)", stash.pages, stash.page_rows, stash.row_bytes,
+                     stash.nbytes / 2**30, calls, self.cfg.overlap.moe_paged_stash_factor)
+        return stash
 
     def _rerun_recomputes(self) -> bool:
         """Whether a step run again recomputes every layer in its backward (train.recompute_granularity=full for
@@ -194,6 +220,8 @@ class Trainer:
         lr = 0.0 if self.cfg.overlap.moe_compute_only else lr_at(self.step, self.cfg.train)
         if self._exchange is not None:
             self._exchange.overflow_rows.zero_()
+        if self._stash is not None:  # every page free (an overflowed attempt's backward returned its pages too)
+            self._stash.reset()
         with measuring_exposed_comm(self.device) as exposed:
             losses = self.forward_backward(self.step)
             self.optimizer.reduce_grads()
@@ -491,12 +519,12 @@ class Trainer:
 
 
 def bounded_exchange(cfg: Config) -> bool:
-    """Whether the MoE layers may plan a bounded exchange on the device (overlap.moe_expert_rank_capacity_factor
-    with the pipeline over more than one expert rank, planned on the device or by auto): then every step reduces
+    """Whether the MoE layers may plan a bounded exchange on the device (overlap.moe_expert_rank_capacity_factor, or
+    the pool of overlap.moe_paged_stash_factor    with the pipeline over more than one expert rank, planned on the device or by auto): then every step reduces
     the overflow over the world and may run again."""
     o, p = cfg.overlap, cfg.parallel
     return (cfg.model.num_moe_experts is not None and o.moe_pipeline and o.moe_planning != "host"
-            and o.moe_expert_rank_capacity_factor is not None
+            and (o.moe_expert_rank_capacity_factor is not None or o.moe_paged_stash_factor is not None)
             and p.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1)
 
 
