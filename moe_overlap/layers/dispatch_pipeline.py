@@ -54,7 +54,6 @@ from moe_overlap.distributed.a2a_exchange import FromExperts, ToExperts
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.streams import Event, gemm_sm_carveout
 from moe_overlap.kernels.permute import permute, permute_backward, unpermute, unpermute_backward
-from moe_overlap.kernels.push_rows import full_width
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
 from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.exchange_plan import Plan
@@ -152,19 +151,12 @@ def _keep(state: PipelineState, chunk: int, tensors: list) -> list | Stashed:
     """A chunk's tensors for its backward: as they are, or copied into the paged stash (its counted rows)."""
     if state.stash is None or tensors[0].shape[0] == 0:
         return tensors
-    return state.stash.put(tensors, state.plan.offsets[chunk][-1:], _copy_ctas(state, tensors[0].device))
+    return state.stash.put(tensors, state.plan.offsets[chunk][-1:])
 
 
 def _kept(state: PipelineState, kept: list | Stashed) -> list:
     """The tensors :func:`_keep` kept (out of the paged stash: fresh, its pages returned)."""
-    return state.stash.take(kept, _copy_ctas(state, kept.rows.device)) if isinstance(kept, Stashed) else kept
-
-
-def _copy_ctas(state: PipelineState, device: torch.device) -> int | None:
-    """The paged stash's copies leave the SMs the GEMMs leave free (``state.sms``) to the transfers beside them: a
-    copy at full width launched before a push holds every SM and delays it (measured: 4 chunks at EP=2 on 2xH200,
-    the exposed exchange wait 364 -> 676 ms a step)."""
-    return max(1, full_width(device) - 2 * state.sms) if state.sms else None
+    return state.stash.take(kept) if isinstance(kept, Stashed) else kept
 
 
 def _rows_for_experts(rows_RH: torch.Tensor, chunk: int, state: PipelineState, arrived: ArrivedRows | None = None

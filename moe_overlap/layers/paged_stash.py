@@ -117,9 +117,9 @@ class PagedStash:
         r = self._range(rows)
         return table_M[r // self.page_rows] * self.page_rows + r % self.page_rows
 
-    def put(self, tensors: list[Stashable], rows: torch.Tensor, ctas: int | None = None) -> Stashed:
+    def put(self, tensors: list[Stashable], rows: torch.Tensor) -> Stashed:
         """Copy the first ``rows`` (a one-element device tensor) rows of each tensor (every one of the same rows,
-        at least that many) into pages taken from the stack, with ``ctas`` programs (None: full width)."""
+        at least that many) into pages taken from the stack."""
         bound = max(t.shape[0] for t in tensors if t is not None)
         parts, layout, column = [], [], 0
         for t in tensors:
@@ -145,10 +145,10 @@ class PagedStash:
         self.count_overflow(torch.where(fits, 0, rows.reshape(()).long()))
         pooled_R = self._pooled_rows(table_M, bound)
         for bytes_RB, column in parts:
-            self._write(bytes_RB, rows, pooled_R, column, ctas)
+            self._write(bytes_RB, rows, pooled_R, column)
         return Stashed(table_M, taken, rows, layout)
 
-    def take(self, stashed: Stashed, ctas: int | None = None) -> list[Stashable]:
+    def take(self, stashed: Stashed) -> list[Stashable]:
         """The stash's tensors back (fresh, their rows past the count unwritten), its pages back on the stack."""
         bound = next(entry[1][0] for entry in stashed.layout if entry is not None)
         pooled_R = self._pooled_rows(stashed.table_M, bound)
@@ -157,9 +157,9 @@ class PagedStash:
             if entry is None:
                 out.append(None)
                 continue
-            tensor = self._read(entry, stashed.rows, pooled_R, ctas)
+            tensor = self._read(entry, stashed.rows, pooled_R)
             if entry[0] == "fp8":  # its scales follow it
-                out.append(Fp8Rows(tensor, self._read(next(entries), stashed.rows, pooled_R, ctas), entry[5]))
+                out.append(Fp8Rows(tensor, self._read(next(entries), stashed.rows, pooled_R), entry[5]))
             else:
                 out.append(tensor)
         back = min(stashed.table_M.numel(), self.pages)  # a stash takes no more than the pool's pages
@@ -167,26 +167,25 @@ class PagedStash:
         self.top.add_(stashed.taken)
         return out
 
-    def _write(self, bytes_RB: torch.Tensor, rows: torch.Tensor, pooled_R: torch.Tensor, column: int,
-               ctas: int | None) -> None:
+    def _write(self, bytes_RB: torch.Tensor, rows: torch.Tensor, pooled_R: torch.Tensor, column: int) -> None:
         width = bytes_RB.shape[1]
         if use_triton(bytes_RB, "paged stash"):
             if column not in self._bases:
                 self._bases[column] = torch.tensor([self.rows_NB.data_ptr() + column], device=self.top.device)
             ranks = torch.zeros_like(pooled_R, dtype=torch.int32)  # one destination: the pool
-            push_rows(bytes_RB, self._zero, rows, ranks, pooled_R, self._zero, self._bases[column], ctas,
+            push_rows(bytes_RB, self._zero, rows, ranks, pooled_R, self._zero, self._bases[column],
                       dst_row_stride=self.row_bytes)
         else:  # the twin: the count read on the host
             n = int(rows.reshape(-1)[0])
             self.rows_NB[pooled_R[:n], column:column + width] = bytes_RB[:n]
 
-    def _read(self, entry: tuple, rows: torch.Tensor, pooled_R: torch.Tensor, ctas: int | None) -> torch.Tensor:
+    def _read(self, entry: tuple, rows: torch.Tensor, pooled_R: torch.Tensor) -> torch.Tensor:
         _, shape, dtype, column, width, _ = entry
         out = torch.empty(shape, dtype=dtype, device=self.rows_NB.device)
         bytes_RB = _bytes_2d(out)
         source = self.rows_NB[:, column:column + width]
         if use_triton(bytes_RB, "paged stash"):
-            repeat_rows(bytes_RB[:, :0], self._zero, rows, bytes_RB, self._zero, rows, ctas, gather=(source, pooled_R))
+            repeat_rows(bytes_RB[:, :0], self._zero, rows, bytes_RB, self._zero, rows, gather=(source, pooled_R))
         else:  # the twin: rows past the count poisoned (NaN in every float type), as nothing may read them
             n = int(rows.reshape(-1)[0])
             bytes_RB[:n] = source[pooled_R[:n]]
