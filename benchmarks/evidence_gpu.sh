@@ -1569,6 +1569,28 @@ PY
       --variant paged1.25:$P=1.25 --warmup 2 --steps 5 --profile-steps 0 --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     ;;
+  paged2e)  # issue 37: the paged stash restoring a chunk's tensors before the compute stream waits for its rows (the
+    # copy under the transfer): its GPU tests; the default path graphed and balanced, then 4 chunks eager on the
+    # bundled corpus, each null against pages 1.25
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) python -m pytest -m gpu -q \
+      -p no:cacheprovider tests/test_gpu_overflow.py tests/test_paged_stash.py 2>&1 | tail -n 4 \
+      | tee "$out/gpu_tests_paged_prefetch_2x$gpu.txt"
+    cp "$out/gpu_tests_paged_prefetch_2x$gpu.txt" $res/
+    P=overlap.moe_paged_stash_factor
+    fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $DISTOPT"
+    name=paged_prefetch_ep2_graphed_balanced_2x$gpu
+    timeout -k 10 $(( $(left) < 170 ? $(left) : 170 )) torchrun --standalone --nproc-per-node 2 \
+      benchmarks/train_step.py $fine $GRAPHED $BAL --variant paged1.25:$P=1.25 --warmup 2 --steps 5 \
+      --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
+      | cut -c1-400
+    pack
+    name=paged_prefetch_ep2_chunks4_skewed_2x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $fine \
+      overlap.moe_pipeline=true overlap.moe_planning=device overlap.moe_pipeline_chunks=4 \
+      overlap.delay_wgrad_compute=true train.moe_cuda_graph=false --variant paged1.25:$P=1.25 --warmup 2 --steps 4 \
+      --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
+      | cut -c1-400
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
