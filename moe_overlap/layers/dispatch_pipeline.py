@@ -293,19 +293,10 @@ class Experts(torch.autograd.Function):
             with state.carveout():
                 wgrads[chunk] = experts_wgrad(*jobs[chunk])
 
-        # a chunk's kept tensors, taken out of a paged stash before the compute stream waits for its rows: the
-        # copy runs while they travel (chunk 0 now, chunk i + 1 once the dgrad of chunk i is queued)
-        restored = {}
-
-        def restore(chunk: int) -> None:
-            if chunk < len(state.saved) and chunk not in restored:
-                kept, copies = state.saved[chunk]
-                restored[chunk] = _kept(state, kept), copies
-
         def compute(chunk: int, rows_RH: torch.Tensor):
             first, last = plan.chunk_experts[chunk]
-            restore(chunk)
-            (grouped_RH, h_RF2, y_RH), copies = restored.pop(chunk)
+            kept, copies = state.saved[chunk]
+            grouped_RH, h_RF2, y_RH = _kept(state, kept)
             if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients; no rows (on every expert-TP peer)
                 return rows_RH.new_empty((0, width)), None
             grad_probs_WJ = None
@@ -324,13 +315,11 @@ class Experts(torch.autograd.Function):
                                                             w2_EFH[first:last], state.fp8)
             jobs[chunk] = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
                            slice(first, last), state.fp8)
-            restore(chunk + 1)
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
             back_RH = (_rows_from_experts(grad_x_RH, chunk, state) if not wire else  # a wire row's copies summed
                        dgrad_rows(grad_x_RH, grouped_row_WJ, grad_probs_WJ))
             return back_RH, None if later else (lambda: wgrad(chunk))
 
-        restore(0)
         # the last transfer back runs beside the delayed weight gradients (or another micro-batch), else alone
         _run_chunks(state, grad_dispatch, grad_combine, compute,
                     last_alone=not (deferred or state.delay_wgrad or state.paired), after_first=state.after_dgrad)
