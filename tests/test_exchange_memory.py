@@ -84,13 +84,18 @@ def _info_rows(capsys, world: int, *overrides: str) -> dict[str, list[str]]:
 
 def test_info_prints_the_exchange_memory_bounded_alike_at_every_ep(capsys):
     rows = {world: _info_rows(capsys, world, "overlap.moe_expert_rank_capacity_factor=1.25") for world in (2, 4)}
-    bounded = ["81,920 rows 320 MiB", "81,921 rows", "640 MiB", f"{REGIONS} x 320 MiB"]
+    # the stash 12 KiB a row: each token once per rank (auto, top-8) keeps the expert outputs too
+    bounded = ["81,920 rows 320 MiB", "81,921 rows", "960 MiB", f"{REGIONS} x 320 MiB"]
     assert rows[2]["1.25"] == rows[4]["1.25"] == bounded
-    # null grows with EP: EP x R rows per chunk, the stash 8 KiB a row, the regions EP x R + 1 rows of 4 KiB
-    assert rows[2]["null (worst case, EP x R)"] == ["131,072 rows 512 MiB", "131,073 rows", "1.00 GiB",
+    # null grows with EP: EP x R rows per chunk, the regions EP x R + 1 rows of 4 KiB
+    assert rows[2]["null (worst case, EP x R)"] == ["131,072 rows 512 MiB", "131,073 rows", "1.50 GiB",
                                                     f"{REGIONS} x 512 MiB"]
-    assert rows[4]["null (worst case, EP x R)"] == ["262,144 rows 1.00 GiB", "262,145 rows", "2.00 GiB",
+    assert rows[4]["null (worst case, EP x R)"] == ["262,144 rows 1.00 GiB", "262,145 rows", "3.00 GiB",
                                                     f"{REGIONS} x 1.00 GiB"]
+    # without it, 8 KiB a row (the rows and their fc1 outputs)
+    plain = _info_rows(capsys, 4, "overlap.moe_expert_rank_capacity_factor=1.25",
+                       "overlap.moe_dispatch_once_per_rank=false")
+    assert plain["1.25"][2] == "640 MiB" and plain["null (worst case, EP x R)"][2] == "2.00 GiB"
 
 
 def test_info_says_a_host_planned_exchange_has_no_bound(capsys):

@@ -33,7 +33,9 @@ class ExchangeMemory:
     receive_rows: int  # the compact receive buffer, its spare row included
     region_bytes: int  # each of the REGIONS symmetric regions
     row_bytes: int  # a row that moves: hidden x element size
-    stash_row_bytes: int  # a stashed row: its input and its fc1 output (hidden + 2 x expert ffn, x element size)
+    # a stashed row: its input and its fc1 output (hidden + 2 x expert ffn, x element size); with each token once per
+    # rank also its output (hidden more: the probs' gradient is made on the expert side from it)
+    stash_row_bytes: int
 
     @property
     def chunk_bytes(self) -> int:
@@ -45,12 +47,14 @@ class ExchangeMemory:
 
 
 def exchange_memory(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None,
-                    hidden: int, expert_ffn: int, element_bytes: int) -> ExchangeMemory:
-    """The sizes the device planner allocates for a layer call (dropless: ``rows`` = T x k permuted rows)."""
+                    hidden: int, expert_ffn: int, element_bytes: int, outputs: bool = False) -> ExchangeMemory:
+    """The sizes the device planner allocates for a layer call (dropless: ``rows`` = T x k permuted rows);
+    ``outputs``: the stash keeps the expert outputs too (each token once per rank)."""
     row_bytes = hidden * element_bytes
     received = receive_rows(ranks, rows, chunk_experts, factor)
+    stash_row = (hidden * (2 if outputs else 1) + 2 * expert_ffn) * element_bytes
     return ExchangeMemory(factor, chunk_bounds_rows(ranks, rows, chunk_experts, factor), received,
-                          region_rows(received, rows) * row_bytes, row_bytes, (hidden + 2 * expert_ffn) * element_bytes)
+                          region_rows(received, rows) * row_bytes, row_bytes, stash_row)
 
 
 def wire_region_bytes(ranks: int, tokens: int, topk: int, chunk_experts: list[tuple[int, int]],
@@ -117,8 +121,9 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
     rows = rows_per_call(cfg)
     chunk_experts = chunk_bounds(m.num_moe_experts // ep, o.moe_pipeline_chunks)
     factors = [None] + ([o.moe_expert_rank_capacity_factor] if o.moe_expert_rank_capacity_factor else [])
+    outputs = bool(o.moe_dispatch_once_per_rank)
     sizes = [exchange_memory(ep, rows, chunk_experts, factor, m.hidden_size, m.expert_ffn_hidden_size,
-                             DTYPES[cfg.train.precision].itemsize) for factor in factors]
+                             DTYPES[cfg.train.precision].itemsize, outputs) for factor in factors]
     layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     chunks = len(chunk_experts)
     lines = [f"MoE exchange per rank (device-planned, EP {ep}, {chunks} chunk{'s' * (chunks > 1)}): per layer call "
@@ -135,8 +140,8 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
                                            m.hidden_size, DTYPES[cfg.train.precision].itemsize)) for factor in factors]
         lines.append(f"  overlap.moe_dispatch_once_per_rank: symmetric regions of wire rows {REGIONS} x "
                      + " / ".join(regions))
-    lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs, "
-              f"{_size(sizes[0].stash_row_bytes)} a row;",
+    lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs"
+              f"{', and their outputs' if outputs else ''}, {_size(sizes[0].stash_row_bytes)} a row;",
               "  the receive buffer lies in a region); the regions are shared by "
               + (f"the {layers} MoE layers" if p.pipeline_model_parallel_size == 1 else "the stage's MoE layers")]
     if o.moe_paged_stash_factor is not None:
