@@ -113,14 +113,18 @@ PAGED = "overlap.moe_paged_stash_factor"
          "overlap.moe_dispatch_once_per_rank": "false"}),
     (2, {"overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2}),
     (4, {"overlap.moe_token_slices": 2}),
-], ids=["ep2", "ep2_chunks2_delay_wgrad_copies", "ep2_paired_chunks2", "ep4_slices2_bounded"])
+    (4, {"parallel.pipeline_model_parallel_size": 2, "model.num_layers": 4, "model.moe_layer_freq": "[1,0,1,1]"}),
+    (2, {"overlap.moe_dispatch_dtype": "fp8", "overlap.moe_dispatch_once_per_rank": "true"}),
+], ids=["ep2", "ep2_chunks2_delay_wgrad_copies", "ep2_paired_chunks2", "ep4_slices2_bounded", "pp2_ep2",
+        "ep2_fp8_wire"])
 def test_paged_stash_steps_equal_host_planned(rank_pool, tmp_path, world, both):
     """A pool of twice the balanced rows (forced balance routes exactly them: nothing overflows): every step's
     losses and gradients are the host-planned run's (fp32, 1e-5), the backward reading each chunk's tensors back
     out of the pages (the twin poisons the rows past the count, so none of them is read)."""
     both = {**BALANCED, **both}
-    bounded = {PAGED: 2.0, **({"overlap.moe_expert_rank_capacity_factor": 2.0} if world == 4 else {})}
-    _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, bounded, both), False)
+    ep = world // int(both.get("parallel.pipeline_model_parallel_size", 1))
+    bounded = {PAGED: 2.0, **({"overlap.moe_expert_rank_capacity_factor": 2.0} if ep == 4 else {})}
+    _check(rank_pool(world).run(overflow_case, str(tmp_path), ep, 2, bounded, both), False)
 
 
 def test_paged_stash_overflow_runs_again_and_equals_host_planned(rank_pool, tmp_path):
@@ -193,3 +197,10 @@ def test_paged_stash_triton_on_gpu_keeps_the_counted_rows():
             else:
                 assert torch.equal(got[:n], want[:n])
     assert int(pool.top) == pool.pages
+
+
+def test_paged_stash_keeps_fp8_rows_as_they_crossed(rank_pool, tmp_path):
+    """FP8 on the wire feeding emulated FP8 GEMMs: the experts' rows stay FP8 with their scales (layers/fp8.Fp8Rows),
+    and the pool keeps them so (bytes and scales side by side); the steps equal the host-planned FP8 run's."""
+    both = {**BALANCED, "overlap.moe_dispatch_dtype": "fp8", "overlap.moe_dispatch_once_per_rank": "true"}
+    _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {PAGED: 2.0}, both, fp8=True), False)
