@@ -1591,6 +1591,16 @@ PY
       --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
       | cut -c1-400
     ;;
+  moe_tests2)  # the GPU tests of the MoE exchange's paths on 2 GPUs (this session's change moved what each chunk
+    # keeps for its backward): every planning and transport, each token once per rank, paired micro-batches, the
+    # master layouts, the FP8 layouts, the row kernels
+    log=$out/gpu_tests_moe_paths_2x$gpu.txt
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+      tests/test_push_rows.py tests/test_gpu_moe.py tests/test_gpu_dispatch_once_per_rank.py \
+      tests/test_gpu_microbatch_overlap.py tests/test_gpu_master.py tests/test_gpu_fp8_layouts.py 2>&1 | tail -n 8 \
+      | tee "$log"
+    cp "$log" $res/
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
