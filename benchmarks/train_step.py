@@ -28,7 +28,8 @@ train.peak_tflops, beside this GPU's measured bf16 GEMM rate), ``vs_ep1`` (per-G
 marked ``not_a_limit``), the maximum over ranks of peak memory (torch's allocator peak
 plus symmetric-memory regions, which that allocator does not see), exposed communication per kind (every wait of
 the compute stream or host for another rank, CUDA-graph replays included: median over steps, per rank and its
-maximum), routing imbalance per MoE layer (copies on the most loaded EP rank over the mean, and on the most
+maximum), the pipelined exchange's bytes to other ranks per step (``moe_exchange_gib``: the most any rank sent), routing
+imbalance per MoE layer (copies on the most loaded EP rank over the mean, and on the most
 loaded expert over the mean; median over steps; and per micro-batch, which is what each exchange waits for), the
 profiled steps' compute-stream time by kind of work per rank, and ``resolved``: the settings the run used once
 ``auto`` was resolved. A timeline PNG per row (rank 0).
@@ -189,6 +190,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         # past the bound, over the timed steps (their step_time_s counts the wasted attempt)
         "moe_overflow_reruns": sum(m.get("moe_overflow_reruns", 0) for m in timed),
         "moe_overflow_rows": sum(m.get("moe_overflow_rows", 0) for m in timed),
+        # the pipelined exchange's bytes to other ranks per step, the most any rank sent (median over the timed steps)
+        "moe_exchange_gib": (median_of(timed, "moe_exchange_gib") if "moe_exchange_gib" in timed[0] else None),
     }
     if "profile" in parts[0]:
         row["profile_per_rank"] = [p.get("profile") for p in parts]

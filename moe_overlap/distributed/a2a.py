@@ -69,6 +69,11 @@ class TransportSelector:
         # rows the device-planned layers could not receive within their bound since the trainer last zeroed it:
         # made before any CUDA graph is captured, so that the replays add into this very tensor
         self.overflow_rows = torch.zeros((), dtype=torch.int64, device=device)
+        # bytes the exchanges sent from this rank to other ranks since the trainer last zeroed it (every layer call
+        # and both directions, the backward's too; the host-planned re-run's selector adds into it as well)
+        self.bytes_sent = torch.zeros((), dtype=torch.int64, device=device)
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self.peer_index = group_ranks.index(me) if me in group_ranks else 0
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info("MoE pipeline: %s-planned sizes over %s (moe_planning=%s, moe_transport=%s: %s)",
                      self.planning, self.name, planning, transport, why)
@@ -84,6 +89,7 @@ class TransportSelector:
             self._host_planned = TransportSelector("host", "nccl" if self.device.type == "cuda" else "gloo",
                                                    self.group, self.group_ranks, self.device, self.max_chunks,
                                                    self.timeout_s)
+            self._host_planned.bytes_sent = self.bytes_sent
         self._host_planned.compute_only = self.compute_only  # a compute-only reference runs again as one
         return self._host_planned
 
@@ -96,6 +102,7 @@ class TransportSelector:
                 current = None
         if current is None:
             current = self._transport = self._make(worst_case_bytes)
+            current.bytes_sent, current.peer_index = self.bytes_sent, self.peer_index
         current.compute_only = self.compute_only
         return current
 

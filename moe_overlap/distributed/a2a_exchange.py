@@ -152,11 +152,24 @@ class Transport:
     compute_only: bool  # overlap.moe_compute_only: the rows that would land are made from this rank's own
     to_class: type[ToExperts]
     from_class: type[FromExperts]
+    # the bytes this rank sends to other ranks (a2a.TransportSelector's counter, on the device), and its index
+    # among them; None: not counted
+    bytes_sent: torch.Tensor | None = None
+    peer_index: int = 0
 
     def to_experts(self, send_RH: torch.Tensor | GatheredRows, routes, sms: int) -> ToExperts:
         if isinstance(send_RH, GatheredRows) and not self.gathers:
             send_RH = send_RH.write()
+        width, dtype = ((send_RH.width, send_RH.rest_RM.dtype) if isinstance(send_RH, GatheredRows)
+                        else (send_RH.shape[1], send_RH.dtype))
+        self._count(routes.remote_rows(self.peer_index)[0], width * dtype.itemsize)
         return self.to_class(self, send_RH, routes, sms)
 
     def from_experts(self, routes, width: int, like: torch.Tensor, sms: int) -> FromExperts:
+        self._count(routes.remote_rows(self.peer_index)[1], width * like.element_size())
         return self.from_class(self, routes, width, like, sms)
+
+    def _count(self, rows: torch.Tensor | int, row_bytes: int) -> None:
+        """An exchange's rows to other ranks (none cross in a compute-only reference), in bytes."""
+        if self.bytes_sent is not None and not self.compute_only:
+            self.bytes_sent.add_(rows * row_bytes)

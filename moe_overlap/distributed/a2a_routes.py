@@ -10,7 +10,7 @@ the compact receive buffer's rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,11 @@ class ExchangeLayout:
 
     def recv_range(self, chunk: int) -> tuple[int, int]:
         return self.recv_offsets[chunk][0], self.recv_offsets[chunk][0] + sum(self.recv_rows[chunk])
+
+    def remote_rows(self, rank: int) -> tuple[int, int]:
+        """The rows this rank (``rank``, its index among the peers) sends to other ranks: to the experts, and back."""
+        return (self.send_total - sum(rows[rank] for rows in self.send_rows),
+                self.recv_total - sum(rows[rank] for rows in self.recv_rows))
 
     def reversed(self) -> ExchangeLayout:
         """The same rows travelling back (combine after dispatch, or the gradients of either)."""
@@ -75,6 +80,9 @@ class HostRoutes:
     regroup: list[torch.Tensor]
     ungroup: list[torch.Tensor]
 
+    def remote_rows(self, rank: int) -> tuple[int, int]:
+        return self.layout.remote_rows(rank)
+
 
 @dataclass
 class DeviceRoutes:
@@ -97,3 +105,20 @@ class DeviceRoutes:
     send_rows: int  # static rows of a permuted buffer
     recv_rows: int  # static rows of the compact receive buffer, the spare row for rows past the bound last
     chunk_rows: list[int]  # static rows of each chunk's grouped tensor
+    _remote: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def remote_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows this rank (``rank``, its index among the peers) sends to other ranks, on the device: its permuted
+        rows to the experts (those past a bound too, which land in the spare row), and the received rows that fit
+        back. Made once per layer call; the four exchanges of a call (and its backward) share them."""
+        if self._remote is None:
+            self._remote = (_remote(self.send_start_C, self.send_rows_C, self.dst_rank_R, rank),
+                            _remote(self.recv_start_C, self.recv_rows_C, self.back_rank_W, rank))
+        return self._remote
+
+
+def _remote(start_C: torch.Tensor, rows_C: torch.Tensor, rank_R: torch.Tensor, me: int) -> torch.Tensor:
+    """Rows within the chunks' ranges [start, start + rows) whose rank is not ``me``."""
+    r = torch.arange(rank_R.shape[0], device=rank_R.device)
+    inside_R = ((r >= start_C[:, None]) & (r < (start_C + rows_C)[:, None])).any(0)
+    return (inside_R & (rank_R != me)).sum()

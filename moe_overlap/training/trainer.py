@@ -116,6 +116,9 @@ class Trainer:
         self._moe_layers = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
         self._exchange = next((m.transports for m in self._moe_layers if m.transports is not None), None)
         self._bounded = bounded_exchange(cfg)  # from the config alone: every rank joins the reduction
+        # the pipelined exchange counts the bytes it sends (moe_exchange_gib); from the config, as _bounded
+        self._counted = (cfg.model.num_moe_experts is not None and bool(cfg.overlap.moe_pipeline)
+                         and cfg.parallel.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1)
         self._rerun_pending = torch.zeros((), dtype=torch.bool, device=device)
         self.is_logger = mesh.rank == 0
         self.dead_experts = DeadExperts(warn=self.is_logger)
@@ -220,6 +223,7 @@ class Trainer:
         lr = 0.0 if self.cfg.overlap.moe_compute_only else lr_at(self.step, self.cfg.train)
         if self._exchange is not None:
             self._exchange.overflow_rows.zero_()
+            self._exchange.bytes_sent.zero_()
         if self._stash is not None:  # every page free (an overflowed attempt's backward returned its pages too)
             self._stash.reset()
         with measuring_exposed_comm(self.device) as exposed:
@@ -254,8 +258,8 @@ class Trainer:
         nonfinite = values[4:4 + len(self.optimizer.norm_names)]
         experts, layers = self.cfg.model.num_moe_experts or 0, len(pending.moe_layers)  # none: a dense model
         loads = values[4 + len(nonfinite):4 + len(nonfinite) + layers * experts]
-        micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-2]  # (mean, max) per layer, or none
-        overflow_rows, peak_bytes = values[-2:]
+        micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-3]  # (mean, max) per layer, or none
+        overflow_rows, peak_bytes, exchange_bytes = values[-3:]
         if not applied and not overflow_rows:  # an overflowed step runs again (train_step, fit)
             check_nonfinite(grad_norm, pending.step - 1, self.cfg.train,
                             [name for name, bad in zip(self.optimizer.norm_names, nonfinite) if bad])
@@ -271,6 +275,8 @@ class Trainer:
         if self.device.type == "cuda":  # symmetric memory is allocated beside torch's allocator: added
             metrics["peak_memory_gib"] = peak_bytes / 2**30  # the most on any rank
             metrics["symmetric_memory_gib"] = symmetric_memory_bytes() / 2**30  # this rank's
+        if self._counted:  # the pipelined exchange's transports count what they send
+            metrics["moe_exchange_gib"] = exchange_bytes / 2**30
         if self._bounded:
             metrics.update(moe_overflow_rows=int(overflow_rows), moe_overflow_reruns=0)
         if pending.moe_layers:
@@ -319,19 +325,21 @@ class Trainer:
 
     def _world_stats(self) -> torch.Tensor:
         """(rows past the device-planned exchange's bound summed over the ranks and MoE layers of this step, the most
-        memory any rank holds: torch's allocator peak plus symmetric memory, which it does not see), fp64 on the
-        device: one small all-gather over the world where either needs it, no host sync."""
-        overflow = (self._exchange.overflow_rows if self._exchange is not None
-                    else torch.zeros((), dtype=torch.int64, device=self.device))
+        memory any rank holds: torch's allocator peak plus symmetric memory, which it does not see, and the most bytes
+        any rank's pipelined MoE exchange sent to other ranks), fp64 on the device: one small all-gather over the
+        world where any needs it, no host sync."""
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        exchange = self._exchange
+        overflow, sent = (zero, zero) if exchange is None else (exchange.overflow_rows, exchange.bytes_sent)
         peak = 0
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) + symmetric_memory_bytes()
         mine = torch.cat([overflow.view(1).double(), to_device_async(torch.tensor([float(peak)]), self.device)
-                          .double()])
-        if self.mesh.world_size == 1 or not (self._bounded or self.device.type == "cuda"):
+                          .double(), sent.view(1).double()])
+        if self.mesh.world_size == 1 or not (self._bounded or self.device.type == "cuda" or self._counted):
             return mine
-        every = all_gather_into(mine.new_empty(self.mesh.world_size * 2), mine, dist.group.WORLD).view(-1, 2)
-        return torch.stack([every[:, 0].sum(), every[:, 1].max()])
+        every = all_gather_into(mine.new_empty(self.mesh.world_size * 3), mine, dist.group.WORLD).view(-1, 3)
+        return torch.stack([every[:, 0].sum(), every[:, 1].max(), every[:, 2].max()])
 
     def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
         all_reduce_(values, self.mesh.dp.group)
