@@ -204,3 +204,16 @@ def test_paged_stash_keeps_fp8_rows_as_they_crossed(rank_pool, tmp_path):
     and the pool keeps them so (bytes and scales side by side); the steps equal the host-planned FP8 run's."""
     both = {**BALANCED, "overlap.moe_dispatch_dtype": "fp8", "overlap.moe_dispatch_once_per_rank": "true"}
     _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {PAGED: 2.0}, both, fp8=True), False)
+
+
+def test_paged_stash_factor_rules_are_one_line():
+    from moe_overlap.config import ConfigError, load_config
+
+    for extra, fragment in ((["overlap.moe_paged_stash_factor=0.5"], "must be >= 1.0"),
+                            (["overlap.moe_planning=host", "overlap.moe_paged_stash_factor=1.5"],
+                             "pages the device-planned exchange's stash only")):
+        with pytest.raises(ConfigError, match=fragment) as err:
+            load_config(None, ["overlap.moe_pipeline=true", *extra])
+        assert str(err.value).startswith(f"{PAGED}=") and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="needs overlap.moe_pipeline=true"):
+        load_config(None, [f"{PAGED}=1.25", "overlap.moe_pipeline=false"])

@@ -105,20 +105,19 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                 "sizes and the process group's own all-to-all)")
     refuse(sizes_refusal(o.moe_planning, o.moe_transport)
            or expert_tp_refusal(o.moe_planning, p.expert_tensor_parallel_size or p.tensor_model_parallel_size))
-    factor = o.moe_expert_rank_capacity_factor
-    if factor is not None:
-        require(math.isfinite(factor) and factor >= 1.0, "overlap.moe_expert_rank_capacity_factor", factor,
-                "must be >= 1.0 (a rank receives its balanced share at least) or null (the worst case)")
-        require(o.moe_planning != "host", "overlap.moe_expert_rank_capacity_factor", factor,
-                "bounds the device-planned exchange only; with overlap.moe_planning=host every buffer is sized "
-                "exactly (use overlap.moe_planning=device or auto)")
-    factor = o.moe_paged_stash_factor
-    if factor is not None:
-        require(math.isfinite(factor) and factor >= 1.0, "overlap.moe_paged_stash_factor", factor,
-                "must be >= 1.0 (the pool holds the balanced rows at least) or null (no pages)")
-        require(o.moe_planning != "host", "overlap.moe_paged_stash_factor", factor,
-                "pages the device-planned exchange's stash only; with overlap.moe_planning=host it is sized exactly "
-                "(use overlap.moe_planning=device or auto)")
+    # the device-planned exchange's factors of the balanced rows: what each holds at least, what null means, and what
+    # it sizes (host planning sizes that exactly)
+    for name, least, null, sizes in (
+            ("moe_expert_rank_capacity_factor", "a rank receives its balanced share", "the worst case",
+             "bounds the device-planned exchange only; with overlap.moe_planning=host every buffer is sized exactly"),
+            ("moe_paged_stash_factor", "the pool holds the balanced rows", "no pages",
+             "pages the device-planned exchange's stash only; with overlap.moe_planning=host it is sized exactly")):
+        factor = getattr(o, name)
+        if factor is not None:
+            require(math.isfinite(factor) and factor >= 1.0, f"overlap.{name}", factor,
+                    f"must be >= 1.0 ({least} at least) or null ({null})")
+            require(o.moe_planning != "host", f"overlap.{name}", factor,
+                    f"{sizes} (use overlap.moe_planning=device or auto)")
     if o.moe_compute_only:
         require(p.expert_model_parallel_size > 1, "overlap.moe_compute_only", True,
                  "needs parallel.expert_model_parallel_size > 1 (one EP rank exchanges nothing)")
