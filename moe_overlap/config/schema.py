@@ -208,7 +208,8 @@ class OverlapConfig:
     # bound, and a layer's excess takes the pages another left. The pool holds factor x the balanced rows (T x K)
     # of every MoE layer call in flight; a chunk that does not fit counts its rows as overflow rows (the step runs
     # again planned on the host, as past the receive bound). >= 1.0; null (the default): each call keeps its bounded
-    # tensors (no copies).
+    # tensors (no copies). Measured at EP=2 on 2xH200 (README, "The paged stash"): 87.5 -> 50.1 GiB with 4 chunks
+    # eagerly, no re-runs where per-chunk bounds re-ran every step, but 9-10% slower on the default graphed path.
     moe_paged_stash_factor: Optional[float] = None
     # Each token crosses to an EP rank once per chunk (as DeepEP): dispatch sends its hidden state once to each
     # (chunk, rank) holding any of its k experts, with their grouped rows and probs beside it; the receiver expands it
