@@ -416,8 +416,7 @@ def _moe_calls_in_flight(cfg: Config, world_size: int) -> int:
     name = cfg.train.pipeline_schedule or default_schedule(stages.vpp)
     units = in_flight_bound(name, stages.pp, stages.vpp, cfg.num_micro_batches(world_size), 0,
                             cfg.overlap.overlap_moe_expert_parallel_comm)
-    return units * max(sum(map(cfg.model.is_moe_layer, stages.layers[stages.stage(0, chunk)]))
-                       for chunk in range(stages.vpp))
+    return units * stages.most_moe_layers(0, cfg.model)
 
 
 def _print_schedule(cfg: Config, world_size: int, given: dict[str, float] | None, png: str | None) -> None:

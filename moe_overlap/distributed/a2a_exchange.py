@@ -162,14 +162,15 @@ class Transport:
             send_RH = send_RH.write()
         width, dtype = ((send_RH.width, send_RH.rest_RM.dtype) if isinstance(send_RH, GatheredRows)
                         else (send_RH.shape[1], send_RH.dtype))
-        self._count(routes.remote_rows(self.peer_index)[0], width * dtype.itemsize)
+        self._count(routes, 0, width * dtype.itemsize)
         return self.to_class(self, send_RH, routes, sms)
 
     def from_experts(self, routes, width: int, like: torch.Tensor, sms: int) -> FromExperts:
-        self._count(routes.remote_rows(self.peer_index)[1], width * like.element_size())
+        self._count(routes, 1, width * like.element_size())
         return self.from_class(self, routes, width, like, sms)
 
-    def _count(self, rows: torch.Tensor | int, row_bytes: int) -> None:
-        """An exchange's rows to other ranks (none cross in a compute-only reference), in bytes."""
+    def _count(self, routes, direction: int, row_bytes: int) -> None:
+        """An exchange's rows to other ranks (``direction`` 0: to the experts, 1: back), in bytes; none cross in a
+        compute-only reference."""
         if self.bytes_sent is not None and not self.compute_only:
-            self.bytes_sent.add_(rows * row_bytes)
+            self.bytes_sent.add_(routes.remote_rows(self.peer_index)[direction] * row_bytes)

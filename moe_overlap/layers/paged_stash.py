@@ -92,6 +92,7 @@ class PagedStash:
         # made at the first stash (eager: a graph's warm-up), so that a capture replays them
         self._ranges: dict[int, torch.Tensor] = {}
         self._bases: dict[int, torch.Tensor] = {}  # a column's address in the pool
+        self._ranks: dict[int, torch.Tensor] = {}  # zeros: every row's destination is the pool
         self._zero = torch.zeros(1, dtype=torch.int64, device=device)
         self.reset()
 
@@ -172,9 +173,10 @@ class PagedStash:
         if use_triton(bytes_RB, "paged stash"):
             if column not in self._bases:
                 self._bases[column] = torch.tensor([self.rows_NB.data_ptr() + column], device=self.top.device)
-            ranks = torch.zeros_like(pooled_R, dtype=torch.int32)  # one destination: the pool
-            push_rows(bytes_RB, self._zero, rows, ranks, pooled_R, self._zero, self._bases[column],
-                      dst_row_stride=self.row_bytes)
+            if pooled_R.shape[0] not in self._ranks:  # one destination: the pool
+                self._ranks[pooled_R.shape[0]] = torch.zeros_like(pooled_R, dtype=torch.int32)
+            push_rows(bytes_RB, self._zero, rows, self._ranks[pooled_R.shape[0]], pooled_R, self._zero,
+                      self._bases[column], dst_row_stride=self.row_bytes)
         else:  # the twin: the count read on the host
             n = int(rows.reshape(-1)[0])
             self.rows_NB[pooled_R[:n], column:column + width] = bytes_RB[:n]

@@ -67,6 +67,10 @@ class PipelineStages:
     def rank_layers(self, rank: int) -> list[int]:
         return [index for chunk in range(self.vpp) for index in self.layers[self.stage(rank, chunk)]]
 
+    def most_moe_layers(self, rank: int, model: ModelConfig) -> int:
+        """The most MoE layers in one of this pipeline rank's model chunks (a unit in flight holds one chunk's)."""
+        return max(sum(map(model.is_moe_layer, self.layers[self.stage(rank, chunk)])) for chunk in range(self.vpp))
+
     def model_kwargs(self, rank: int) -> dict:
         """What build_model needs to build this pipeline rank's part."""
         return {"layers": self.rank_layers(rank), "pre_process": rank == 0, "post_process": rank == self.pp - 1}

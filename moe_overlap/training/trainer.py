@@ -193,9 +193,7 @@ class Trainer:
         if self.cfg.overlap.moe_paged_stash_factor is None or exchange is None or exchange.planning != "device":
             return None
         rank = self.mesh.pp.rank
-        per_chunk = max(sum(map(self.cfg.model.is_moe_layer, stages.layers[stages.stage(rank, chunk)]))
-                        for chunk in range(stages.vpp))
-        calls = in_flight(self.pipeline.schedule.ranks[rank]) * per_chunk
+        calls = in_flight(self.pipeline.schedule.ranks[rank]) * stages.most_moe_layers(rank, self.cfg.model)
         rows, stashes, row_bytes, page_rows = paged_stash_size(self.cfg, calls)
         stash = PagedStash(rows, stashes, row_bytes, self.device, exchange.count_overflow, page_rows)
         for layer in moe_layers:
