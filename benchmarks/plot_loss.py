@@ -89,6 +89,10 @@ def below_by_layer(records: list[dict], min_share: float) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
+def most(records: list[dict], key: str) -> float | None:
+    return max((record[key] for record in records if key in record), default=None)
+
+
 def summarize(records: list[dict], from_step: int, min_share: float, skip: int) -> dict:
     last = records[-1]
     timed = [record for record in records if record["step"] > skip] or records
@@ -121,8 +125,8 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
         "max_ep_imbalance_micro_batch": max((v["max"] for record in records
                                              for v in record.get("ep_imbalance_micro_batch", {}).values()),
                                             default=None),
-        "peak_memory_gib": max((record["peak_memory_gib"] for record in records if "peak_memory_gib" in record),
-                               default=None),
+        "peak_memory_gib": most(records, "peak_memory_gib"),
+        "reserved_memory_gib": most(records, "reserved_memory_gib"),  # graph pools and the allocator's cache too
         "max_dead_experts": max((record.get("moe_dead_experts", 0) for record in records), default=0),
         "balance_from_step": from_step, "balance_min_share": min_share, "balance_steps_checked": len(checked),
         "below_by_layer": below_by_layer(records, min_share),
@@ -162,7 +166,8 @@ def report(label: str, summary: dict) -> str:
         f"{summary['last_step']}{val}",
         f"  tokens/s {number(summary['median_tokens_per_s'], ',.0f')}, MFU {number(summary['median_mfu'], '.3f')} "
         f"({number(summary['median_tflops_per_gpu'], '.0f')} TFLOP/s per GPU; medians after step "
-        f"{summary['medians_after_step']}), peak memory {number(summary['peak_memory_gib'], '.1f')} GiB, at most "
+        f"{summary['medians_after_step']}), peak memory {number(summary['peak_memory_gib'], '.1f')} GiB (reserved "
+        f"{number(summary['reserved_memory_gib'], '.1f')}), at most "
         f"{summary['max_dead_experts']} dead experts in a step",
         f"  step {number(summary['median_step_time_s'], '.3f')} s, exposed EP "
         f"{number(summary['median_exposed_ep_ms'], '.0f')} ms; EP imbalance "

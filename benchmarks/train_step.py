@@ -137,6 +137,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
     mine = {  # this rank's part
         "rank": mesh.rank,
         "peak_memory_gib": rank_peak_gib(device),  # the metrics' peak_memory_gib is the maximum over ranks already
+        "reserved_memory_gib": rank_peak_gib(device, reserved=True),
         "symmetric_memory_gib": max((m.get("symmetric_memory_gib", 0.0) for m in history), default=0.0),
         "exposed_comm_ms": {kind: round(statistics.median(m["exposed_comm_ms"][kind] for m in timed), 3)
                             for kind in timed[0]["exposed_comm_ms"]},
@@ -171,6 +172,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "gemm_tflops_measured": measured_gemm_tflops(device) if device.type == "cuda" else None,
         "peak_memory_gib": max(p["peak_memory_gib"] for p in parts),
         "peak_memory_gib_per_rank": [round(p["peak_memory_gib"], 3) for p in parts],
+        # the allocator's reserved peak plus symmetric memory: graph pools and the allocator's cache included
+        "reserved_memory_gib": max(p["reserved_memory_gib"] for p in parts),
         "symmetric_memory_gib": max(p["symmetric_memory_gib"] for p in parts),
         "exposed_comm_ms": {kind: max(p["exposed_comm_ms"][kind] for p in parts) for kind in parts[0]["exposed_comm_ms"]},
         "exposed_comm_ms_per_rank": [p["exposed_comm_ms"] for p in parts],
@@ -199,15 +202,17 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
     return row
 
 
-def rank_peak_gib(device) -> float:
-    """This rank's peak: torch's allocator peak plus the symmetric memory it does not see."""
+def rank_peak_gib(device, reserved: bool = False) -> float:
+    """This rank's peak: torch's allocator peak (allocated, or ``reserved``: what it holds, graph pools included) plus
+    the symmetric memory it does not see."""
     import torch
 
     from moe_overlap.distributed.symm import symmetric_memory_bytes
 
     if device.type != "cuda":
         return 0.0
-    return (torch.cuda.max_memory_allocated(device) + symmetric_memory_bytes()) / 2**30
+    peak = torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)
+    return (peak + symmetric_memory_bytes()) / 2**30
 
 
 def copy_timeline(args, name: str, timeline: Path) -> None:
@@ -298,7 +303,8 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 save()
                 print(json.dumps({k: row[k] for k in ("variant", "tokens_per_s", "tflops_per_gpu", "mfu",
-                                                      "peak_memory_gib", "exposed_comm_ms", "moe_overflow_reruns")}),
+                                                      "peak_memory_gib", "reserved_memory_gib", "exposed_comm_ms",
+                                                      "moe_overflow_reruns")}),
                       flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -4,7 +4,8 @@ each step's update is skipped on the device and the step runs again planned on t
 bf16 rule against an fp32 single-process run (the loss curve over STEPS steps, every gradient of the first), with
 the MoE layers replayed from CUDA graphs (one chunk) and eager (2 chunks, delayed weight gradients); and a bound
 that is never passed (factor = EP: the worst case) queues a graphed step without one host sync
-(``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it). The paged
+(``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it, their reserved
+memory at least their allocated peak). The paged
 stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a pool of the worst case (never past) and of the
 balanced rows (past on the most loaded rank, run again); its pages in the sync check too.
 
@@ -78,7 +79,11 @@ def gpu_case(output_dir: str) -> dict:
                                        **{FACTOR: float(world), PAGED: float(world), "train.moe_cuda_graph": "true"}),
                           mesh, device)
         bounded.train_step()  # the first step sizes what later steps reuse
-        report["syncs_checked"] = step_queued_without_host_sync(bounded)["moe_overflow_rows"] == 0
+        metrics = step_queued_without_host_sync(bounded)
+        report["syncs_checked"] = metrics["moe_overflow_rows"] == 0
+        # the allocator's reserved peak holds the graph pools: never below the allocated peak (both with symmetric)
+        report["memory_gib"] = [metrics[key] for key in ("symmetric_memory_gib", "peak_memory_gib",
+                                                          "reserved_memory_gib")]
     mesh.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -95,6 +100,8 @@ def test_overflow_runs_again_and_equals_single_process_bf16_on_every_gpu(tmp_pat
                                                                    "paged_graphed", "paged_overflow_graphed"}
         assert all((reruns > 0) == ("overflow" in name) for name, reruns in report["reruns"].items()), report
         assert report["syncs_checked"], report
+        symmetric, peak, reserved = report["memory_gib"]
+        assert 0 < symmetric < peak <= reserved, report["memory_gib"]
 
 
 @pytest.mark.slow  # the dry-run, not in CI

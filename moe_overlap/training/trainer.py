@@ -256,8 +256,8 @@ class Trainer:
         nonfinite = values[4:4 + len(self.optimizer.norm_names)]
         experts, layers = self.cfg.model.num_moe_experts or 0, len(pending.moe_layers)  # none: a dense model
         loads = values[4 + len(nonfinite):4 + len(nonfinite) + layers * experts]
-        micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-3]  # (mean, max) per layer, or none
-        overflow_rows, peak_bytes, exchange_bytes = values[-3:]
+        micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-4]  # (mean, max) per layer, or none
+        overflow_rows, peak_bytes, reserved_bytes, exchange_bytes = values[-4:]
         if not applied and not overflow_rows:  # an overflowed step runs again (train_step, fit)
             check_nonfinite(grad_norm, pending.step - 1, self.cfg.train,
                             [name for name, bad in zip(self.optimizer.norm_names, nonfinite) if bad])
@@ -272,6 +272,9 @@ class Trainer:
             metrics["exposed_comm_by_stage_ms"] = pending.exposed.by_stage_ms()
         if self.device.type == "cuda":  # symmetric memory is allocated beside torch's allocator: added
             metrics["peak_memory_gib"] = peak_bytes / 2**30  # the most on any rank
+            # what the allocator holds, graph pools and its cache included: what a graphed layer's static
+            # tensors cost once its backward is captured (the allocated peak sees them as freed then)
+            metrics["reserved_memory_gib"] = reserved_bytes / 2**30
             metrics["symmetric_memory_gib"] = symmetric_memory_bytes() / 2**30  # this rank's
         if self._counted:  # the pipelined exchange's transports count what they send
             metrics["moe_exchange_gib"] = exchange_bytes / 2**30
@@ -323,21 +326,23 @@ class Trainer:
 
     def _world_stats(self) -> torch.Tensor:
         """(rows past the device-planned exchange's bound summed over the ranks and MoE layers of this step, the most
-        memory any rank holds: torch's allocator peak plus symmetric memory, which it does not see, and the most bytes
-        any rank's pipelined MoE exchange sent to other ranks), fp64 on the device: one small all-gather over the
-        world where any needs it, no host sync."""
+        memory any rank holds: torch's allocator peak plus symmetric memory, which it does not see, then its reserved
+        peak plus symmetric memory, and the most bytes any rank's pipelined MoE exchange sent to other ranks), fp64
+        on the device: one small all-gather over the world where any needs it, no host sync."""
         zero = torch.zeros((), dtype=torch.int64, device=self.device)
         exchange = self._exchange
         overflow, sent = (zero, zero) if exchange is None else (exchange.overflow_rows, exchange.bytes_sent)
-        peak = 0
+        peaks = [0.0, 0.0]
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) + symmetric_memory_bytes()
-        mine = torch.cat([overflow.view(1).double(), to_device_async(torch.tensor([float(peak)]), self.device)
-                          .double(), sent.view(1).double()])
+            symmetric = symmetric_memory_bytes()
+            peaks = [float(torch.cuda.max_memory_allocated(self.device) + symmetric),
+                     float(torch.cuda.max_memory_reserved(self.device) + symmetric)]
+        mine = torch.cat([overflow.view(1).double(), to_device_async(torch.tensor(peaks, dtype=torch.float64),
+                                                                     self.device), sent.view(1).double()])
         if self.mesh.world_size == 1 or not (self._bounded or self.device.type == "cuda" or self._counted):
             return mine
-        every = all_gather_into(mine.new_empty(self.mesh.world_size * 3), mine, dist.group.WORLD).view(-1, 3)
-        return torch.stack([every[:, 0].sum(), every[:, 1].max(), every[:, 2].max()])
+        every = all_gather_into(mine.new_empty(self.mesh.world_size * 4), mine, dist.group.WORLD).view(-1, 4)
+        return torch.cat([every[:, 0].sum().view(1), every[:, 1:].amax(dim=0)])
 
     def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
         all_reduce_(values, self.mesh.dp.group)
@@ -547,8 +552,8 @@ class StepInFlight:
     step: int  # 1-based, as the metrics count
     lr: float
     values: HostCopy  # fp64: data-parallel mean LM loss and auxiliary loss, gradient norm, applied, the non-finite
-    # flags, the copies per expert of each MoE layer, then the rows past the exchange's bound and the memory peak
-    # (Trainer._world_stats)
+    # flags, the copies per expert of each MoE layer, then the rows past the exchange's bound, the memory peaks and
+    # the exchange's bytes (Trainer._world_stats)
     moe_layers: list[int]
     exposed: ExposedComm
     start: Event  # the step's work starts after this (the previous step's end) ...
