@@ -11,8 +11,7 @@ into main_grad). Variants, milliseconds (median of the rounds):
                in the time), the weights' FP8 copies already made this step
   fp8_requant  the same with the weights quantized again every call (their once-per-step cost on every call:
                the bound for one micro-batch per step)
-  fp8_fast_grads  fp8 with the experts' dgrad GEMMs in fast accumulation too (what the exact one costs; not a
-               setting; the dense case's GEMMs are not patched: its row is fp8 again)
+  fp8_fast_grads  fp8 with the dgrad GEMMs in fast accumulation too (train.fp8_dgrad_accumulation=fast)
   blockwise    train.fp8_recipe=blockwise as a micro-batch runs it (1x128 activation tiles quantized per call, the
                128x128 weight blocks made this step; the Triton blockwise GEMM)
   fp8_bf16_wgrad, blockwise_bf16_wgrad  the same with train.fp8_wgrad=false: the weight gradients in bf16
@@ -82,24 +81,10 @@ class Case:
     def variants(self) -> dict:
         return {"bf16": lambda: self.step(None), "fp8": lambda: self.step(Fp8()),
                 "fp8_requant": lambda: self.step(Fp8(), requantize=True),
-                "fp8_fast_grads": lambda: self.fast_grads(lambda: self.step(Fp8())),
+                "fp8_fast_grads": lambda: self.step(Fp8(fast_dgrad=True)),
                 "blockwise": lambda: self.step(BLOCKWISE),
                 "fp8_bf16_wgrad": lambda: self.step(BF16_WGRAD["fp8"]),
                 "blockwise_bf16_wgrad": lambda: self.step(BF16_WGRAD["blockwise"])}
-
-    @staticmethod
-    def fast_grads(run):
-        """A measurement, not a setting: the dgrad GEMMs with cuBLAS's fast FP8 accumulation too (the forward's;
-        Transformer Engine and torchao keep the gradients' exact), patched in for the call."""
-        from moe_overlap.layers import fp8 as fp8_module
-
-        matmul = fp8_module.fp8_matmul
-        fp8_module.fp8_matmul = (lambda a, w, contract_last, fp8, offsets=None, fast_accum=False:
-                                 matmul(a, w, contract_last, fp8, offsets, True))  # the grouped GEMMs' calls
-        try:
-            return run()
-        finally:
-            fp8_module.fp8_matmul = matmul
 
     def check(self) -> dict[str, float]:
         """Each recipe against bf16: output, input gradient and each main_grad (one forward+backward each, from

@@ -487,6 +487,50 @@ def test_fp8_gemm_min_dim_field(caplog):
     assert load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_gemm_min_dim=0"]).train.fp8_gemm_min_dim == 0
 
 
+def test_fp8_dgrad_accumulation_field():
+    """train.fp8_dgrad_accumulation: refused without a recipe and with blockwise (which sums every 128-deep slice
+    exactly), kept with rowwise."""
+    with pytest.raises(ConfigError, match=r"^train\.fp8_dgrad_accumulation='fast': has no effect without"):
+        load_config(None, ["train.fp8_dgrad_accumulation=fast"])
+    fp8 = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=blockwise", "model.hidden_size=256",
+           "model.ffn_hidden_size=512", "model.num_attention_heads=4", "model.num_query_groups=2"]
+    with pytest.raises(ConfigError, match=r"^train\.fp8_dgrad_accumulation='fast': not implemented yet for"):
+        load_config(None, [*fp8, "train.fp8_dgrad_accumulation=fast"])
+    assert load_config(None, []).train.fp8_dgrad_accumulation == "exact"
+    rowwise = load_config("configs/bench_fine_8l.yaml", ["train.device=cuda", "train.precision=bf16",
+                                                         "train.fp8_recipe=rowwise",
+                                                         "train.fp8_dgrad_accumulation=fast"])
+    assert rowwise.train.fp8_dgrad_accumulation == "fast"
+
+
+@pytest.mark.parametrize("fast_dgrad", [False, True], ids=["exact", "fast"])
+def test_fp8_dgrad_accumulation_reaches_the_scaled_gemms(monkeypatch, fast_dgrad):
+    """The accumulation torch's scaled GEMMs are asked for (recorded in place of the GEMMs, which need a GPU):
+    an expert layer's and a linear's forwards always fast; their input gradients fast only under
+    ``Fp8(fast_dgrad=True)`` (train.fp8_dgrad_accumulation=fast)."""
+    asked = []
+
+    def record(name):
+        def gemm(a, b, *args, use_fast_accum, **kwargs):
+            asked.append((name, use_fast_accum))
+            return torch.zeros(a.shape[0], b.shape[-1], dtype=kwargs["out_dtype"])
+        return gemm
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", record("grouped"))
+    monkeypatch.setattr(torch, "_scaled_mm", record("dense"))
+    fp8 = Fp8(fast_dgrad=fast_dgrad)
+    torch.manual_seed(0)
+    rows = [16, 32]
+    offsets = expert_offsets(torch.tensor(rows))
+    x, w = torch.randn(sum(rows), 32), torch.randn(2, 32, 48)
+    grouped_mm(x, w, offsets, fp8, fast_accum=True)  # a forward
+    grouped_mm(torch.randn(sum(rows), 48), w, offsets, fp8, transpose_w=True)  # its input gradient
+    weight = torch.randn(48, 32)
+    fp8_matmul(x, weight, True, fp8, fast_accum=True)
+    fp8_matmul(torch.randn(sum(rows), 48), weight, False, fp8)
+    assert asked == [("grouped", True), ("grouped", fast_dgrad), ("dense", True), ("dense", fast_dgrad)]
+
+
 def test_fp8_fused_quantizations_change_no_bit_of_an_expert_step(monkeypatch):
     """The FP8 kernels fused for speed compute what they replace, bit for bit, through an expert layer's forward and
     backward over two optimizer steps (the weights' copies refreshed between them): the along-token quantization of

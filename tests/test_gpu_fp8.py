@@ -1,10 +1,12 @@
 """The FP8 recipes on one GPU (`pytest -m gpu`; needs FP8 tensor cores: H100/H200): the Triton quantize
 kernels equal their torch twins bit for bit (a weight's two copies in one call, the two kernels'); each FP8
-GEMM (forward, dgrad; torch._scaled_mm and torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same
-inputs and within 1e-2 of the emulated path;
+GEMM (forward, dgrad, and the rowwise dgrad in fast accumulation: train.fp8_dgrad_accumulation=fast;
+torch._scaled_mm and torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same inputs and within 1e-2 of
+the emulated path;
 the weight gradients (FP8 by train.fp8_wgrad, and bf16) into the fp32 main_grad; the experts' layer and a linear
 whole against the emulated path; a small model's training steps with each train.fp8_recipe (eager, and with its MoE layers
-replayed from CUDA graphs) with finite losses close to bf16's, the graphed run equal to the eager one, and every
+replayed from CUDA graphs; rowwise with fast input gradients too) with finite losses close to bf16's, the graphed
+run equal to the eager one, and every
 replay reading FP8 weights that the pre-hook refreshed after the last optimizer step. The train-step test needs
 train.fp8_recipe wired into the trainer (MixtralModel.use_fp8).
 
@@ -13,6 +15,7 @@ train.fp8_recipe wired into the trainer (MixtralModel.use_fp8).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -172,9 +175,13 @@ def test_fp8_dense_gemms_against_fp32_and_emulated(recipe):
     x = torch.randn(1000, 1024, device="cuda", generator=g).bfloat16()  # rows need not be a multiple of 16
     w = (torch.randn(768, 1024, device="cuda", generator=g) * 0.02).bfloat16()
     grad_y = torch.randn(1000, 768, device="cuda", generator=g).bfloat16()
-    for name, a, contract_last, fast, want in (("forward x @ W^T", x, True, True, x.float() @ w.float().t()),
-                                               ("dgrad grad_y @ W", grad_y, False, False, grad_y.float() @ w.float())):
-        got = fp8_matmul(a, w, contract_last, real_fp8, fast_accum=fast)
+    fast_dgrad = dataclasses.replace(real_fp8, fast_dgrad=True)  # train.fp8_dgrad_accumulation=fast (rowwise)
+    cases = [("forward x @ W^T", x, True, True, real_fp8, x.float() @ w.float().t()),
+             ("dgrad grad_y @ W", grad_y, False, False, real_fp8, grad_y.float() @ w.float())]
+    if recipe == "rowwise":
+        cases.append(("fast dgrad grad_y @ W", grad_y, False, False, fast_dgrad, grad_y.float() @ w.float()))
+    for name, a, contract_last, fast, fp8, want in cases:
+        got = fp8_matmul(a, w, contract_last, fp8, fast_accum=fast)
         assert got.dtype == torch.bfloat16 and rel(got, want) < FP8_TOL, (name, rel(got, want))
         assert rel(got, fp8_matmul(a, w, contract_last, emulated_fp8)) < EMULATED_TOL, name
 
@@ -206,9 +213,13 @@ def test_fp8_grouped_gemms_against_fp32_and_emulated(recipe):
     x, w13, w2, offsets, rows, total = grouped_inputs()
     g = torch.Generator(device="cuda").manual_seed(3)
     grad_y = torch.randn(total + 40, w2.shape[-1], device="cuda", generator=g).bfloat16()
-    for name, a, w, transposed, fast in (("forward fc1 x @ w13[e]", x, w13, False, True),
-                                         ("dgrad fc2 grad_y @ w2[e]^T", grad_y, w2, True, False)):
-        got = grouped_mm(a, w, offsets, real_fp8, transpose_w=transposed, fast_accum=fast)[:total]
+    cases = [("forward fc1 x @ w13[e]", x, w13, False, True, real_fp8),
+             ("dgrad fc2 grad_y @ w2[e]^T", grad_y, w2, True, False, real_fp8)]
+    if recipe == "rowwise":  # train.fp8_dgrad_accumulation=fast
+        cases.append(("fast dgrad fc2 grad_y @ w2[e]^T", grad_y, w2, True, False,
+                      dataclasses.replace(real_fp8, fast_dgrad=True)))
+    for name, a, w, transposed, fast, fp8 in cases:
+        got = grouped_mm(a, w, offsets, fp8, transpose_w=transposed, fast_accum=fast)[:total]
         assert torch.isfinite(got).all(), name  # the NaN tail reached no valid row
         want = loop_reference(a, w, rows, transposed)
         assert rel(got, want) < FP8_TOL, (name, rel(got, want))
@@ -329,7 +340,7 @@ def test_gpu_adamw_step_leaves_the_bf16_maxima(shape):
 
 
 def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str = "rowwise",
-                 held: bool = True, distributed: bool = False) -> list[float]:
+                 held: bool = True, distributed: bool = False, dgrad: str = "exact") -> list[float]:
     from moe_overlap.config import load_config
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training.trainer import Trainer
@@ -347,7 +358,7 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
     if fp8:  # every GEMM and the experts' weight gradients in FP8 (auto leaves this narrow model's in bf16)
         overrides.update({"train.fp8_recipe": recipe, "train.num_layers_at_start_in_bf16": 1,
                           "train.fp8_wgrad": "true", "train.fp8_gemm_min_dim": 0,
-                          "train.fp8_param": str(held).lower()})
+                          "train.fp8_param": str(held).lower(), "train.fp8_dgrad_accumulation": dgrad})
     trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), Mesh.single(),
                       torch.device("cuda"))
     experts = trainer.model.layers["1"].mlp.experts
@@ -366,8 +377,9 @@ def train_losses(tmp_path, fp8: bool, graphed: bool, steps: int = 6, recipe: str
         trainer.model.layers["1"].mlp.register_forward_pre_hook(check_fresh)
     losses = [trainer.train_step()["loss"] for _ in range(steps)]
     assert (experts.fp8 is not None) == fp8, "train.fp8_recipe did not reach the model (the trainer's wiring)"
-    assert experts.fp8 is None or (experts.fp8.wgrad and experts.fp8.min_dim == 0), \
-        "train.fp8_wgrad or train.fp8_gemm_min_dim did not reach the model"
+    assert experts.fp8 is None or (experts.fp8.wgrad and experts.fp8.min_dim == 0
+                                   and experts.fp8.fast_dgrad == (dgrad == "fast")), \
+        "train.fp8_wgrad, train.fp8_gemm_min_dim or train.fp8_dgrad_accumulation did not reach the model"
     assert bool(getattr(experts.w13, "fp8_cache", None)) == fp8  # the FP8 path ran
     assert len(replays_checked) == (4 * steps if graphed and fp8 else 0)  # 4 micro-batches a step
     assert trainer.model.layers["0"].mlp.linear_fc1.fp8 is None  # the first layer stayed bf16
@@ -384,6 +396,19 @@ def test_fp8_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path, recipe
     print("losses bf16", bf16, "fp8", eager, "fp8 graphed", graphed)
     assert all(torch.isfinite(torch.tensor(losses)).all() for losses in (bf16, eager, graphed))
     assert bf16[-1] < bf16[0] and eager[-1] < eager[0]  # both learn
+    assert max(abs(f - b) / b for f, b in zip(eager, bf16)) < 0.02
+    assert max(abs(g - e) / e for g, e in zip(graphed, eager)) < 2e-3
+
+
+def test_fp8_fast_dgrad_train_steps_close_to_bf16_and_graphed_equals_eager(tmp_path):
+    """train.fp8_dgrad_accumulation=fast (rowwise): the model's steps as close to bf16's as the exact input
+    gradients' (test above), graphed as eager."""
+    bf16 = train_losses(tmp_path / "bf16", fp8=False, graphed=False)
+    eager = train_losses(tmp_path / "eager", fp8=True, graphed=False, dgrad="fast")
+    graphed = train_losses(tmp_path / "graphed", fp8=True, graphed=True, dgrad="fast")
+    print("losses bf16", bf16, "fp8 fast dgrad", eager, "graphed", graphed)
+    assert all(torch.isfinite(torch.tensor(losses)).all() for losses in (eager, graphed))
+    assert eager[-1] < eager[0]
     assert max(abs(f - b) / b for f, b in zip(eager, bf16)) < 0.02
     assert max(abs(g - e) / e for g, e in zip(graphed, eager)) < 2e-3
 

@@ -274,6 +274,10 @@ class TrainConfig:
     # wide; narrower ones (e.g. a fine-grained expert's fc2) stay bf16. auto: where measured faster
     # (tuning.FP8_GEMM_MIN_DIM); 0: every GEMM of the FP8 layers.
     fp8_gemm_min_dim: Union[int, Literal["auto"]] = "auto"
+    # How the rowwise input-gradient FP8 GEMMs accumulate (the forward's always run cuBLAS's fast accumulation):
+    # exact, as Transformer Engine's dgrad; fast, as torchao's rowwise FP8 grouped GEMM (torchtitan's MoE FP8) runs
+    # its forward and both gradients. Blockwise sums every 128-deep slice exactly: exact only.
+    fp8_dgrad_accumulation: Literal["exact", "fast"] = "exact"
     # The weights whose GEMMs run in FP8 kept only as their FP8 copies, in the memory of their bf16 values (2 bytes a
     # weight less), quantized from the fp32 masters as the bf16 values would have been (Megatron's fp8_param). auto:
     # on with the plain optimizer (config/defaults.py); the distributed optimizer: not implemented yet.

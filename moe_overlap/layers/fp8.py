@@ -89,6 +89,7 @@ class Fp8:
     recipe: Literal["rowwise", "blockwise"] = "rowwise"
     wgrad: bool = True  # train.fp8_wgrad: the experts' weight gradients in FP8 too (False: bf16 GEMMs)
     min_dim: int = 0  # train.fp8_gemm_min_dim: narrower forward / dgrad GEMMs stay bf16 (0: none)
+    fast_dgrad: bool = False  # train.fp8_dgrad_accumulation=fast: rowwise input gradients accumulate as the forward
     # expert-TP (set by GroupedExperts): the group each expert's FFN dimension is split over, along which fc2's
     # forward and fc1's dgrad contract, so their rowwise scales are shared over it (as tensor parallelism's)
     expert_tp: GroupHandle | None = field(default=None, compare=False)
@@ -371,7 +372,8 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
     ``offsets_E`` (int32 end offsets of each group's rows; w (E, ., .)): group e's rows times B[e]; rows past the
     last offset are neither quantized nor computed. ``a`` as :class:`Fp8Rows`: taken as it is. ``fast_accum``
     (rowwise): cuBLAS's faster, less exact FP8 accumulation (the forward's, as Transformer Engine and torchao; the
-    gradients accumulate exactly; blockwise always sums each 128-deep slice exactly). ``split_over``: the ranks
+    input gradients accumulate exactly unless ``fp8.fast_dgrad``; blockwise always sums each 128-deep slice
+    exactly). ``split_over``: the ranks
     that each hold part of the contraction (a tensor-parallel linear's partial product): a's and B's rowwise
     scales are shared over them, so the partial products sum to the one process's."""
     if not fp8.covers(a_MK.shape[-1], _out_width(w, contract_last)):
@@ -391,6 +393,7 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
         return torch.empty((0, b_q.shape[-2]), dtype=dtype, device=a_q.device)
     if fp8.emulate:
         return _emulated(a_q, a_scale, b_q, b_scale, offsets_E).to(dtype)
+    fast_accum = fast_accum or fp8.fast_dgrad
     if offsets_E is None:
         return torch._scaled_mm(a_q, b_q.t(), a_scale[:, None], b_scale[None, :], out_dtype=dtype,
                                 use_fast_accum=fast_accum)

@@ -78,7 +78,8 @@ class Trainer:
         if t.expert_wgrad_micro_batches > 1:
             self.model.group_expert_wgrads(t.expert_wgrad_micro_batches)
         if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
-            self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad, min_dim=fp8_gemm_min_dim(t)),
+            self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad, min_dim=fp8_gemm_min_dim(t),
+                                   fast_dgrad=t.fp8_dgrad_accumulation == "fast"),
                                t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
@@ -321,6 +322,7 @@ class Trainer:
             "overlap_param_sync": o.overlap_param_sync, "expert_wgrad_micro_batches": t.expert_wgrad_micro_batches,
             "fp8_recipe": t.fp8_recipe, "fp8_wgrad": t.fp8_wgrad if t.fp8_recipe else None,
             "fp8_gemm_min_dim": fp8_gemm_min_dim(t) if t.fp8_recipe else None,
+            "fp8_dgrad_accumulation": t.fp8_dgrad_accumulation if t.fp8_recipe else None,
             "fp8_param": fp8_param(t) if t.fp8_recipe else None,
         }
 
