@@ -102,6 +102,7 @@
 #   bash benchmarks/evidence_gpu.sh wgrad_eights1 OUT # one GPU: 8 against 4
 #   bash benchmarks/evidence_gpu.sh fp8_param1 OUT # one GPU: train.fp8_param's GPU tests, held against kept copies
 #   bash benchmarks/evidence_gpu.sh fp8_fast1 OUT  # one GPU: train.fp8_dgrad_accumulation=fast (tests, GEMMs, fine)
+#   bash benchmarks/evidence_gpu.sh fp8_fast1b OUT # one GPU: its convergence (two seeds), then the Mixtral-like rows
 #   bash benchmarks/evidence_gpu.sh fp8_maxima1 OUT # the same with the optimizer's step leaving the maxima
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
@@ -1614,6 +1615,36 @@ PY
     timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
       --profile-steps 0 --variant rowwise:$R --variant fast:$R,train.fp8_dgrad_accumulation=fast \
       --variant fast_all:$R,train.fp8_dgrad_accumulation=fast,train.fp8_gemm_min_dim=0 \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
+  fp8_fast1b)  # issue 39: convergence with train.fp8_dgrad_accumulation=fast (auto then puts every GEMM in FP8, the
+    # experts' fc2 too), both seeds side by side on the one GPU, against converge4's bf16 runs (the same config and
+    # seeds, 1xH100: committed); then the Mixtral-like bench model in bf16 (the config), rowwise and rowwise fast
+    export CUDA_VISIBLE_DEVICES=0
+    conv="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
+    conv+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
+    conv+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
+    conv+=" train.fp8_recipe=rowwise train.fp8_dgrad_accumulation=fast"
+    for name in a b; do
+      seed=$([ $name = a ] && echo 1234 || echo 4321)
+      timeout -k 10 "$(left)" python -m moe_overlap train $conv train.seed=$seed \
+        train.output_dir=/tmp/converge_fp8_fast_$name > "$out/converge_fp8_fast_$name.log" 2>&1 &
+    done
+    wait
+    for name in a b; do
+      tail -n 1 "$out/converge_fp8_fast_$name.log"
+      gzip -c "/tmp/converge_fp8_fast_$name/metrics.jsonl" > $res/fp8_fast_convergence_fp8_${name}_1x${gpu}_metrics.jsonl.gz
+    done
+    python benchmarks/fp8_convergence.py --bf16 $res/fp8_convergence_bf16_{a,b}_1xh100_metrics.jsonl.gz \
+      --fp8 $res/fp8_fast_convergence_fp8_{a,b}_1x${gpu}_metrics.jsonl.gz --png $res/fp8_fast_convergence_1x$gpu.png \
+      --json $res/fp8_fast_convergence_1x$gpu.json \
+      --machine "1x ${gpu^^}, both seeds on one GPU (bf16 runs: converge4's, 1x H100 each)"
+    pack
+    R=train.fp8_recipe=rowwise
+    name=train_step_fp8_fast_mixtral_2l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 3 --steps 8 \
+      --profile-steps 0 --variant rowwise:$R --variant fast:$R,train.fp8_dgrad_accumulation=fast \
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;

@@ -142,3 +142,7 @@ FP8_WGRAD_MIN_ROWS = 2048
 # Those are torch's exact accumulation, which the dgrad runs; the forward's fast one ran fc2 at 0.323 against bf16's
 # 0.428, its dgrad 0.794 exact against 0.395 (1xH200, step_kernels_fp8_rowwise_1xh200.json): slower together still.
 FP8_GEMM_MIN_DIM = 2048
+# With train.fp8_dgrad_accumulation=fast the input gradients run the forward's fast accumulation, so the narrow
+# GEMMs pay in FP8 too: the fine-grained bench model on one H200 (2026-11-28, train_step_fp8_fast_fine_8l_1xh200.json,
+# one launch): bf16 0.603 MFU, rowwise exact 0.644, fast at 2,048 0.651, fast with every GEMM in FP8 0.663.
+FP8_GEMM_MIN_DIM_FAST = 0

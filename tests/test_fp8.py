@@ -26,7 +26,7 @@ from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 from moe_overlap.layers.wire_rows import copies_rows
 from moe_overlap.training.trainer import Trainer
-from moe_overlap.tuning import FP8_GEMM_MIN_DIM
+from moe_overlap.tuning import FP8_GEMM_MIN_DIM, FP8_GEMM_MIN_DIM_FAST
 from tests.test_master import CPU, small_config, world_and_mesh
 
 EMULATED = Fp8(emulate=True)
@@ -485,6 +485,11 @@ def test_fp8_gemm_min_dim_field(caplog):
         load_config("configs/bench_mixtral_2l.yaml", fp8)
     assert "measured slower in FP8 (tuning.py): none here" in caplog.text
     assert load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_gemm_min_dim=0"]).train.fp8_gemm_min_dim == 0
+    caplog.clear()
+    with caplog.at_level("INFO"):  # fast input gradients: the narrow GEMMs measured faster in FP8 too
+        fast = load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_dgrad_accumulation=fast"])
+    assert fast.train.fp8_gemm_min_dim == FP8_GEMM_MIN_DIM_FAST == 0
+    assert "fp8_gemm_min_dim=auto -> 0: every GEMM of the FP8 layers in FP8" in caplog.text
 
 
 def test_fp8_dgrad_accumulation_field():

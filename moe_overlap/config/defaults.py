@@ -40,7 +40,8 @@ a switch the user set needs to run.
                                 rowwise, wide experts, many rows per expert (tuning.py); bf16 elsewhere
     train.fp8_param=auto        with train.fp8_recipe, on: the FP8 weights held only as their FP8 copies (with the
                                 distributed optimizer, those whose shard is whole: not implemented for the others)
-    train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM: the forward and input-gradient
+    train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM (FP8_GEMM_MIN_DIM_FAST with
+                                train.fp8_dgrad_accumulation=fast): the forward and input-gradient
                                 GEMMs narrower than that in the contraction or the output stay bf16 (measured
                                 slower in FP8)
 
@@ -50,7 +51,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig
-from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS, FP8_WGRAD_RECIPES,
+from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_GEMM_MIN_DIM_FAST, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS, FP8_WGRAD_RECIPES,
                                 ONCE_PER_RANK_MIN_TOPK)
 
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
@@ -277,11 +278,12 @@ def resolve_defaults(cfg: Config) -> list[str]:
                        "group of one rank); the others keep their bf16 values beside the copies (not implemented "
                        "yet)" if t.use_distributed_optimizer else ""))
     if t.fp8_gemm_min_dim == "auto" and t.fp8_recipe is not None:
-        t.fp8_gemm_min_dim = FP8_GEMM_MIN_DIM
-        narrow = narrow_gemms(cfg, FP8_GEMM_MIN_DIM)
-        choices.append(f"train.fp8_gemm_min_dim=auto -> {FP8_GEMM_MIN_DIM}: GEMMs narrower in the contraction or the "
-                       f"output stay bf16, measured slower in FP8 (tuning.py): "
-                       f"{', '.join(narrow) if narrow else 'none here'}")
+        t.fp8_gemm_min_dim = fp8_gemm_min_dim(t)
+        narrow = narrow_gemms(cfg, t.fp8_gemm_min_dim)
+        choices.append(f"train.fp8_gemm_min_dim=auto -> {t.fp8_gemm_min_dim}: " + (
+            "every GEMM of the FP8 layers in FP8, measured fastest with fast input gradients (tuning.py)"
+            if t.fp8_gemm_min_dim == 0 else "GEMMs narrower in the contraction or the output stay bf16, measured "
+            f"slower in FP8 (tuning.py): {', '.join(narrow) if narrow else 'none here'}"))
     return choices
 
 
@@ -291,8 +293,11 @@ def fp8_param(t: TrainConfig) -> bool:
 
 
 def fp8_gemm_min_dim(t: TrainConfig) -> int:
-    """``train.fp8_gemm_min_dim`` as the layers take it (auto, if not resolved yet: the measured default)."""
-    return FP8_GEMM_MIN_DIM if t.fp8_gemm_min_dim == "auto" else t.fp8_gemm_min_dim
+    """``train.fp8_gemm_min_dim`` as the layers take it (auto, if not resolved yet: the measured default for the
+    input gradients' accumulation)."""
+    if t.fp8_gemm_min_dim != "auto":
+        return t.fp8_gemm_min_dim
+    return FP8_GEMM_MIN_DIM_FAST if t.fp8_dgrad_accumulation == "fast" else FP8_GEMM_MIN_DIM
 
 
 def narrow_gemms(cfg: Config, min_dim: int) -> list[str]:

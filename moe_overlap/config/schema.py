@@ -272,7 +272,8 @@ class TrainConfig:
     fp8_wgrad: Union[bool, Literal["auto"]] = "auto"
     # The forward and input-gradient GEMMs run in FP8 only where their contraction and output are both at least this
     # wide; narrower ones (e.g. a fine-grained expert's fc2) stay bf16. auto: where measured faster
-    # (tuning.FP8_GEMM_MIN_DIM); 0: every GEMM of the FP8 layers.
+    # (tuning.FP8_GEMM_MIN_DIM; with fp8_dgrad_accumulation=fast, FP8_GEMM_MIN_DIM_FAST); 0: every GEMM of the FP8
+    # layers.
     fp8_gemm_min_dim: Union[int, Literal["auto"]] = "auto"
     # How the rowwise input-gradient FP8 GEMMs accumulate (the forward's always run cuBLAS's fast accumulation):
     # exact, as Transformer Engine's dgrad; fast, as torchao's rowwise FP8 grouped GEMM (torchtitan's MoE FP8) runs
