@@ -102,7 +102,8 @@
 #   bash benchmarks/evidence_gpu.sh wgrad_eights1 OUT # one GPU: 8 against 4
 #   bash benchmarks/evidence_gpu.sh fp8_param1 OUT # one GPU: train.fp8_param's GPU tests, held against kept copies
 #   bash benchmarks/evidence_gpu.sh fp8_fast1 OUT  # one GPU: train.fp8_dgrad_accumulation=fast (tests, GEMMs, fine)
-#   bash benchmarks/evidence_gpu.sh fp8_fast1b OUT # one GPU: its convergence (two seeds), then the Mixtral-like rows
+#   bash benchmarks/evidence_gpu.sh fp8_fast1b OUT # one GPU: its convergence (two seeds; data/stdlib carried), then
+#                                                  #   the Mixtral-like rows (CONVERGE_ONLY=1: not)
 #   bash benchmarks/evidence_gpu.sh fp8_maxima1 OUT # the same with the optimizer's step leaving the maxima
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
@@ -1641,6 +1642,7 @@ PY
       --json $res/fp8_fast_convergence_1x$gpu.json \
       --machine "1x ${gpu^^}, both seeds on one GPU (bf16 runs: converge4's, 1x H100 each)"
     pack
+    [ -n "${CONVERGE_ONLY:-}" ] && exit 0
     R=train.fp8_recipe=rowwise
     name=train_step_fp8_fast_mixtral_2l_1x$gpu
     timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 3 --steps 8 \
