@@ -105,6 +105,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_fast1b OUT # one GPU: its convergence (two seeds; data/stdlib carried), then
 #                                                  #   the Mixtral-like rows (CONVERGE_ONLY=1: not)
 #   bash benchmarks/evidence_gpu.sh fp8_acc1 OUT   # one GPU: fast accumulation's error per contraction, the GPU suite
+#   bash benchmarks/evidence_gpu.sh fp8_fast1c OUT # one GPU: the FP8 tests and the fine model profiled, fast default
 #   bash benchmarks/evidence_gpu.sh fp8_maxima1 OUT # the same with the optimizer's step leaving the maxima
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad4 OUT # 4 GPUs: the FP8 layouts test, EP=4 rows with the FP8 wgrad
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tests OUT # 4 GPUs: the FP8 model and layouts tests with the FP8 wgrad
@@ -1657,6 +1658,16 @@ PY
       --json $res/fp8_accumulation_1x$gpu.json 2>&1 | tail -n 8
     pack
     suite 1x 0 "$(left)"
+    pack
+    ;;
+  fp8_fast1c)  # issue 39: after rowwise's input gradients went fast by default: the one-GPU FP8 GPU tests, then
+    # the fine-grained bench model in bf16 (the config) and rowwise as shipped now, each step profiled once
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests fp8_fast_default tests/test_gpu_fp8.py tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8_blockwise.py
+    name=train_step_fp8_fast_profile_fine_8l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
+      --profile-steps 1 --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2

@@ -466,9 +466,10 @@ def test_fp8_gemm_min_dim_leaves_narrow_gemms_in_bf16():
 
 
 def test_fp8_gemm_min_dim_field(caplog):
-    """train.fp8_gemm_min_dim: refused without a recipe or below 0; auto resolves to the measured bound and logs
-    which GEMMs stay bf16 (the fine-grained bench model's experts' and shared expert's fc2, ffn 1,024; none of the
-    Mixtral-like one's); a value set is kept."""
+    """train.fp8_gemm_min_dim: refused without a recipe or below 0; auto resolves to the measured bound for the input
+    gradients' accumulation: with exact ones it logs which GEMMs stay bf16 (the fine-grained bench model's experts'
+    and shared expert's fc2, ffn 1,024; none of the Mixtral-like one's), with fast ones (rowwise's default) every GEMM
+    runs in FP8; a value set is kept."""
     for value in ("0", "4096"):
         with pytest.raises(ConfigError, match=r"^train\.fp8_gemm_min_dim=\d+: has no effect without train\.fp8_rec"):
             load_config(None, [f"train.fp8_gemm_min_dim={value}"])
@@ -476,36 +477,40 @@ def test_fp8_gemm_min_dim_field(caplog):
         load_config(None, ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise",
                            "train.fp8_gemm_min_dim=-1"])
     assert load_config(None, []).train.fp8_gemm_min_dim == "auto"
-    fp8 = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise"]
+    exact = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise",
+             "train.fp8_dgrad_accumulation=exact"]
     with caplog.at_level("INFO"):
-        assert load_config("configs/bench_fine_8l.yaml", fp8).train.fp8_gemm_min_dim == FP8_GEMM_MIN_DIM
+        assert load_config("configs/bench_fine_8l.yaml", exact).train.fp8_gemm_min_dim == FP8_GEMM_MIN_DIM
     assert "stay bf16, measured slower in FP8 (tuning.py): experts' fc2, shared expert fc2" in caplog.text
     caplog.clear()
     with caplog.at_level("INFO"):
-        load_config("configs/bench_mixtral_2l.yaml", fp8)
+        load_config("configs/bench_mixtral_2l.yaml", exact)
     assert "measured slower in FP8 (tuning.py): none here" in caplog.text
-    assert load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_gemm_min_dim=0"]).train.fp8_gemm_min_dim == 0
+    assert load_config("configs/bench_fine_8l.yaml", [*exact, "train.fp8_gemm_min_dim=0"]).train.fp8_gemm_min_dim == 0
     caplog.clear()
-    with caplog.at_level("INFO"):  # fast input gradients: the narrow GEMMs measured faster in FP8 too
-        fast = load_config("configs/bench_fine_8l.yaml", [*fp8, "train.fp8_dgrad_accumulation=fast"])
+    with caplog.at_level("INFO"):  # fast input gradients (auto's, rowwise): the narrow GEMMs measured faster in FP8
+        fast = load_config("configs/bench_fine_8l.yaml", exact[:-1])
     assert fast.train.fp8_gemm_min_dim == FP8_GEMM_MIN_DIM_FAST == 0
     assert "fp8_gemm_min_dim=auto -> 0: every GEMM of the FP8 layers in FP8" in caplog.text
 
 
-def test_fp8_dgrad_accumulation_field():
-    """train.fp8_dgrad_accumulation: refused without a recipe and with blockwise (which sums every 128-deep slice
-    exactly), kept with rowwise."""
-    with pytest.raises(ConfigError, match=r"^train\.fp8_dgrad_accumulation='fast': has no effect without"):
-        load_config(None, ["train.fp8_dgrad_accumulation=fast"])
-    fp8 = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=blockwise", "model.hidden_size=256",
-           "model.ffn_hidden_size=512", "model.num_attention_heads=4", "model.num_query_groups=2"]
+def test_fp8_dgrad_accumulation_field(caplog):
+    """train.fp8_dgrad_accumulation: auto (the default) resolves to fast with rowwise and exact with blockwise, and
+    says so; refused when set without a recipe, and fast with blockwise (which sums every 128-deep slice exactly);
+    a value set is kept."""
+    with pytest.raises(ConfigError, match=r"^train\.fp8_dgrad_accumulation='exact': has no effect without"):
+        load_config(None, ["train.fp8_dgrad_accumulation=exact"])
+    gpu = ["train.device=cuda", "train.precision=bf16", "model.hidden_size=256", "model.ffn_hidden_size=512",
+           "model.num_attention_heads=4", "model.num_query_groups=2"]
     with pytest.raises(ConfigError, match=r"^train\.fp8_dgrad_accumulation='fast': not implemented yet for"):
-        load_config(None, [*fp8, "train.fp8_dgrad_accumulation=fast"])
-    assert load_config(None, []).train.fp8_dgrad_accumulation == "exact"
-    rowwise = load_config("configs/bench_fine_8l.yaml", ["train.device=cuda", "train.precision=bf16",
-                                                         "train.fp8_recipe=rowwise",
-                                                         "train.fp8_dgrad_accumulation=fast"])
-    assert rowwise.train.fp8_dgrad_accumulation == "fast"
+        load_config(None, [*gpu, "train.fp8_recipe=blockwise", "train.fp8_dgrad_accumulation=fast"])
+    assert load_config(None, []).train.fp8_dgrad_accumulation == "auto"
+    with caplog.at_level("INFO"):
+        assert load_config(None, [*gpu, "train.fp8_recipe=rowwise"]).train.fp8_dgrad_accumulation == "fast"
+    assert "train.fp8_dgrad_accumulation=auto -> fast: the input gradients in the forward's fast" in caplog.text
+    assert load_config(None, [*gpu, "train.fp8_recipe=blockwise"]).train.fp8_dgrad_accumulation == "exact"
+    assert load_config(None, [*gpu, "train.fp8_recipe=rowwise",
+                              "train.fp8_dgrad_accumulation=exact"]).train.fp8_dgrad_accumulation == "exact"
 
 
 @pytest.mark.parametrize("fast_dgrad", [False, True], ids=["exact", "fast"])

@@ -40,8 +40,12 @@ a switch the user set needs to run.
                                 rowwise, wide experts, many rows per expert (tuning.py); bf16 elsewhere
     train.fp8_param=auto        with train.fp8_recipe, on: the FP8 weights held only as their FP8 copies (with the
                                 distributed optimizer, those whose shard is whole: not implemented for the others)
-    train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM (FP8_GEMM_MIN_DIM_FAST with
-                                train.fp8_dgrad_accumulation=fast): the forward and input-gradient
+    train.fp8_dgrad_accumulation=auto
+                                with train.fp8_recipe=rowwise, fast: the input gradients in cuBLAS's fast FP8
+                                accumulation (measured faster, convergence within the bound: tuning.py); exact
+                                with blockwise
+    train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM (FP8_GEMM_MIN_DIM_FAST with fast
+                                input gradients): the forward and input-gradient
                                 GEMMs narrower than that in the contraction or the output stay bf16 (measured
                                 slower in FP8)
 
@@ -277,6 +281,12 @@ def resolve_defaults(cfg: Config) -> list[str]:
                        "weight less)" + (", where the distributed optimizer's shard of them is whole (a data-parallel "
                        "group of one rank); the others keep their bf16 values beside the copies (not implemented "
                        "yet)" if t.use_distributed_optimizer else ""))
+    if t.fp8_dgrad_accumulation == "auto" and t.fp8_recipe is not None:
+        t.fp8_dgrad_accumulation = "fast" if fp8_fast_dgrad(t) else "exact"
+        choices.append(f"train.fp8_dgrad_accumulation=auto -> {t.fp8_dgrad_accumulation}: " + (
+            "the input gradients in the forward's fast FP8 accumulation, measured faster with its convergence within "
+            "the bound (tuning.py)" if t.fp8_dgrad_accumulation == "fast" else
+            "the blockwise GEMM sums every 128-deep slice exactly"))
     if t.fp8_gemm_min_dim == "auto" and t.fp8_recipe is not None:
         t.fp8_gemm_min_dim = fp8_gemm_min_dim(t)
         narrow = narrow_gemms(cfg, t.fp8_gemm_min_dim)
@@ -297,7 +307,15 @@ def fp8_gemm_min_dim(t: TrainConfig) -> int:
     input gradients' accumulation)."""
     if t.fp8_gemm_min_dim != "auto":
         return t.fp8_gemm_min_dim
-    return FP8_GEMM_MIN_DIM_FAST if t.fp8_dgrad_accumulation == "fast" else FP8_GEMM_MIN_DIM
+    return FP8_GEMM_MIN_DIM_FAST if fp8_fast_dgrad(t) else FP8_GEMM_MIN_DIM
+
+
+def fp8_fast_dgrad(t: TrainConfig) -> bool:
+    """Whether the input-gradient FP8 GEMMs run the fast accumulation (``train.fp8_dgrad_accumulation``; auto, if not
+    resolved yet: as resolved)."""
+    if t.fp8_dgrad_accumulation == "auto":
+        return t.fp8_recipe == "rowwise"
+    return t.fp8_recipe is not None and t.fp8_dgrad_accumulation == "fast"
 
 
 def narrow_gemms(cfg: Config, min_dim: int) -> list[str]:

@@ -179,11 +179,11 @@ def _validate_fp8(cfg: Config) -> None:
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     require(t.fp8_recipe is not None or t.fp8_param == "auto", "train.fp8_param", t.fp8_param,
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
-    require(t.fp8_recipe is not None or t.fp8_dgrad_accumulation == "exact", "train.fp8_dgrad_accumulation",
-            t.fp8_dgrad_accumulation, "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at exact")
-    require(t.fp8_recipe != "blockwise" or t.fp8_dgrad_accumulation == "exact", "train.fp8_dgrad_accumulation",
+    require(t.fp8_recipe is not None or t.fp8_dgrad_accumulation == "auto", "train.fp8_dgrad_accumulation",
+            t.fp8_dgrad_accumulation, "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
+    require(t.fp8_recipe != "blockwise" or t.fp8_dgrad_accumulation != "fast", "train.fp8_dgrad_accumulation",
             t.fp8_dgrad_accumulation, "not implemented yet for train.fp8_recipe=blockwise (its GEMM sums every "
-            "128-deep slice exactly): exact, or the rowwise recipe")
+            "128-deep slice exactly): auto or exact, or the rowwise recipe")
     require(t.fp8_gemm_min_dim == "auto" or t.fp8_gemm_min_dim >= 0, "train.fp8_gemm_min_dim", t.fp8_gemm_min_dim,
             "must be >= 0 (0: every GEMM in FP8), or auto")
     if t.fp8_recipe is None:

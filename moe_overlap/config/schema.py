@@ -272,13 +272,14 @@ class TrainConfig:
     fp8_wgrad: Union[bool, Literal["auto"]] = "auto"
     # The forward and input-gradient GEMMs run in FP8 only where their contraction and output are both at least this
     # wide; narrower ones (e.g. a fine-grained expert's fc2) stay bf16. auto: where measured faster
-    # (tuning.FP8_GEMM_MIN_DIM; with fp8_dgrad_accumulation=fast, FP8_GEMM_MIN_DIM_FAST); 0: every GEMM of the FP8
+    # (tuning.FP8_GEMM_MIN_DIM; with fast input gradients, FP8_GEMM_MIN_DIM_FAST); 0: every GEMM of the FP8
     # layers.
     fp8_gemm_min_dim: Union[int, Literal["auto"]] = "auto"
     # How the rowwise input-gradient FP8 GEMMs accumulate (the forward's always run cuBLAS's fast accumulation):
     # exact, as Transformer Engine's dgrad; fast, as torchao's rowwise FP8 grouped GEMM (torchtitan's MoE FP8) runs
-    # its forward and both gradients. Blockwise sums every 128-deep slice exactly: exact only.
-    fp8_dgrad_accumulation: Literal["exact", "fast"] = "exact"
+    # its forward and both gradients. auto: fast with rowwise (measured faster, its convergence within the bound:
+    # tuning.py), exact with blockwise, whose GEMM sums every 128-deep slice exactly (fast: not implemented there).
+    fp8_dgrad_accumulation: Literal["auto", "exact", "fast"] = "auto"
     # The weights whose GEMMs run in FP8 kept only as their FP8 copies, in the memory of their bf16 values (2 bytes a
     # weight less), quantized from the fp32 masters as the bf16 values would have been (Megatron's fp8_param). auto:
     # on with the plain optimizer (config/defaults.py); the distributed optimizer: not implemented yet.
