@@ -52,7 +52,8 @@ def test_fp8_copies_count_what_the_recipe_caches(tmp_path):
     for the config against the caches a trainer's step leaves on the parameters (the recipe emulated: the same
     copies), the first layer in bf16 (train.num_layers_at_start_in_bf16=1: none of its own), every GEMM in FP8
     (train.fp8_gemm_min_dim=0), the copies apart from the weights (train.fp8_param=false; held in them:
-    tests/test_fp8_param.py); with auto's bound, wider than this model, none."""
+    tests/test_fp8_param.py); with auto's bound and exact input gradients, wider than this model, none; with auto's
+    bound and fast ones (rowwise's default), every GEMM's."""
     cfg = small_config(str(tmp_path), 1, 4, **{"train.device": "cpu", "train.precision": "bf16"})
     trainer = Trainer(cfg, Mesh.single(), CPU)
     trainer.model.use_fp8(Fp8(emulate=True), bf16_at_start=1)
@@ -68,7 +69,9 @@ def test_fp8_copies_count_what_the_recipe_caches(tmp_path):
     assert state_bytes(every_layer, Mesh.single()).fp8_copies > cached
     assert " + FP8 copies " in describe_state_memory(fp8, mesh_layout(fp8, 1))[0]
     auto = dataclasses.replace(fp8, train=dataclasses.replace(fp8.train, fp8_gemm_min_dim="auto"))
-    assert state_bytes(auto, Mesh.single()).fp8_copies == 0
+    assert state_bytes(auto, Mesh.single()).fp8_copies == cached
+    exact = dataclasses.replace(auto, train=dataclasses.replace(auto.train, fp8_dgrad_accumulation="exact"))
+    assert state_bytes(exact, Mesh.single()).fp8_copies == 0
 
 
 LAYOUTS = {
