@@ -136,6 +136,10 @@ md5sum $res/* > "$before"
 
 BAL="model.moe_router_force_load_balancing=true"
 TEXT="data.path=data/stdlib/stdlib.bin"
+# issue 39's convergence runs: ~0.5B configs/small_gpu.yaml on one GPU, 1,000 steps of 7 sequences of 1,024 tokens
+CONVERGE="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
+CONVERGE+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
+CONVERGE+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
 DISTOPT="train.use_distributed_optimizer=true overlap.overlap_grad_sync=true overlap.overlap_param_sync=true"
 GRAPHED="overlap.moe_pipeline=true overlap.moe_planning=device train.moe_cuda_graph=true train.expert_wgrad_micro_batches=1"
 SERIAL="serial:overlap.moe_pipeline=false,overlap.moe_planning=auto,train.moe_cuda_graph=false"
@@ -223,6 +227,27 @@ example() {  # GPUs, then overrides: configs/gpu<N>_<EXAMPLE_FAMILY: fine>.yaml,
   python benchmarks/plot_loss.py "$out/$name" --labels "${ROUTING_NAME:-default}" --png $res/$name.png \
     --json $res/$name.json --machine "${n}x ${gpu^^}" | tail -n 4
   gzip -c "$out/$name/metrics.jsonl" > $res/${name}_metrics.jsonl.gz  # gzipped: the tree a device call copies stays small
+}
+
+converge_fp8() {  # tag, the GPUs of seeds a and b, the machine's words, then overrides: rowwise FP8 at both seeds
+  # (1234, 4321) side by side, against converge4's bf16 runs (the same config and seeds, 1xH100: committed)
+  local tag=$1 gpus=($2) machine=$3 name index=0
+  shift 3
+  for name in a b; do
+    CUDA_VISIBLE_DEVICES=${gpus[$index]} timeout -k 10 "$(left)" python -m moe_overlap train $CONVERGE \
+      train.fp8_recipe=rowwise "$@" train.seed=$([ $name = a ] && echo 1234 || echo 4321) \
+      train.output_dir=/tmp/converge_fp8_${tag}_$name > "$out/converge_fp8_${tag}_$name.log" 2>&1 &
+    index=$((index + 1))
+  done
+  wait
+  for name in a b; do
+    tail -n 1 "$out/converge_fp8_${tag}_$name.log"
+    gzip -c "/tmp/converge_fp8_${tag}_$name/metrics.jsonl" > $res/fp8_${tag}_convergence_fp8_${name}_1x${gpu}_metrics.jsonl.gz
+  done
+  python benchmarks/fp8_convergence.py --bf16 $res/fp8_convergence_bf16_{a,b}_1xh100_metrics.jsonl.gz \
+    --fp8 $res/fp8_${tag}_convergence_fp8_{a,b}_1x${gpu}_metrics.jsonl.gz --png $res/fp8_${tag}_convergence_1x$gpu.png \
+    --json $res/fp8_${tag}_convergence_1x$gpu.json --machine "$machine"
+  pack
 }
 
 gpu0_tests() {  # log name, then test files: pytest -m gpu on the visible GPU(s), the log's tail kept under $res
@@ -984,31 +1009,13 @@ model.moe_router_bias_update_rate=1e-3" ROUTING_NAME=mb2_sigmoid_bias1e-3_aux1e-
   converge_wgrad2)  # issue 39's convergence with the experts' weight gradients in FP8 too (train.fp8_wgrad=true:
     # auto keeps this model's narrow experts in bf16), FP8 at both seeds on GPUs 0-1, against converge4's bf16 runs
     # (the same config and seeds; committed under benchmarks/results/)
-    conv="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
-    conv+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
-    conv+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
-    conv+=" train.fp8_recipe=rowwise train.fp8_wgrad=true"
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python -m moe_overlap train $conv train.seed=1234 \
-      train.output_dir=/tmp/converge_fp8_wgrad_a > "$out/converge_fp8_wgrad_a.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout -k 10 "$(left)" python -m moe_overlap train $conv train.seed=4321 \
-      train.output_dir=/tmp/converge_fp8_wgrad_b > "$out/converge_fp8_wgrad_b.log" 2>&1 &
-    wait
-    for name in a b; do
-      tail -n 1 "$out/converge_fp8_wgrad_$name.log"
-      gzip -c "/tmp/converge_fp8_wgrad_$name/metrics.jsonl" > $res/fp8_wgrad_convergence_fp8_${name}_1x${gpu}_metrics.jsonl.gz
-    done
-    python benchmarks/fp8_convergence.py --bf16 $res/fp8_convergence_bf16_{a,b}_1xh100_metrics.jsonl.gz \
-      --fp8 $res/fp8_wgrad_convergence_fp8_{a,b}_1x${gpu}_metrics.jsonl.gz --png $res/fp8_wgrad_convergence_1x$gpu.png \
-      --json $res/fp8_wgrad_convergence_1x$gpu.json --machine "1x ${gpu^^} each (GPUs 0-1 of a 2-GPU host; bf16 runs: converge4's)"
-    pack
+    converge_fp8 wgrad "0 1" "1x ${gpu^^} each (GPUs 0-1 of a 2-GPU host; bf16 runs: converge4's)" train.fp8_wgrad=true
     ;;
   converge4)  # issue 39's convergence (~0.5B configs/small_gpu.yaml on one GPU each, 1,000 steps of 7 sequences of
     # 1,024 tokens of real text: 7.2M tokens, under one epoch of the corpus's 7.57M, so nothing repeats): bf16 at two
     # seeds and FP8 at both, side by side on GPUs 0-3; then issue 41's fine 4-GPU example as shipped today (the shared
     # expert beside the combine) after its family's ep1 row on GPU 0
-    conv="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
-    conv+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
-    conv+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
+    conv=$CONVERGE
     gpu_of=0
     for run in "bf16_a train.seed=1234" "bf16_b train.seed=4321" "fp8_a train.seed=1234 train.fp8_recipe=rowwise" \
                "fp8_b train.seed=4321 train.fp8_recipe=rowwise"; do
@@ -1625,25 +1632,8 @@ PY
     # experts' fc2 too), both seeds side by side on the one GPU, against converge4's bf16 runs (the same config and
     # seeds, 1xH100: committed); then the Mixtral-like bench model in bf16 (the config), rowwise and rowwise fast
     export CUDA_VISIBLE_DEVICES=0
-    conv="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
-    conv+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
-    conv+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
-    conv+=" train.fp8_recipe=rowwise train.fp8_dgrad_accumulation=fast"
-    for name in a b; do
-      seed=$([ $name = a ] && echo 1234 || echo 4321)
-      timeout -k 10 "$(left)" python -m moe_overlap train $conv train.seed=$seed \
-        train.output_dir=/tmp/converge_fp8_fast_$name > "$out/converge_fp8_fast_$name.log" 2>&1 &
-    done
-    wait
-    for name in a b; do
-      tail -n 1 "$out/converge_fp8_fast_$name.log"
-      gzip -c "/tmp/converge_fp8_fast_$name/metrics.jsonl" > $res/fp8_fast_convergence_fp8_${name}_1x${gpu}_metrics.jsonl.gz
-    done
-    python benchmarks/fp8_convergence.py --bf16 $res/fp8_convergence_bf16_{a,b}_1xh100_metrics.jsonl.gz \
-      --fp8 $res/fp8_fast_convergence_fp8_{a,b}_1x${gpu}_metrics.jsonl.gz --png $res/fp8_fast_convergence_1x$gpu.png \
-      --json $res/fp8_fast_convergence_1x$gpu.json \
-      --machine "1x ${gpu^^}, both seeds on one GPU (bf16 runs: converge4's, 1x H100 each)"
-    pack
+    converge_fp8 fast "0 0" "1x ${gpu^^}, both seeds on one GPU (bf16 runs: converge4's, 1x H100 each)" \
+      train.fp8_dgrad_accumulation=fast
     [ -n "${CONVERGE_ONLY:-}" ] && exit 0
     R=train.fp8_recipe=rowwise
     name=train_step_fp8_fast_mixtral_2l_1x$gpu
