@@ -373,9 +373,8 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
     last offset are neither quantized nor computed. ``a`` as :class:`Fp8Rows`: taken as it is. ``fast_accum``
     (rowwise): cuBLAS's faster, less exact FP8 accumulation (the forward's, as Transformer Engine and torchao; the
     input gradients accumulate exactly unless ``fp8.fast_dgrad``; blockwise always sums each 128-deep slice
-    exactly). ``split_over``: the ranks
-    that each hold part of the contraction (a tensor-parallel linear's partial product): a's and B's rowwise
-    scales are shared over them, so the partial products sum to the one process's."""
+    exactly). ``split_over``: the ranks that each hold part of the contraction (a tensor-parallel linear's partial
+    product): a's and B's rowwise scales are shared over them, so the partial products sum to the one process's."""
     if not fp8.covers(a_MK.shape[-1], _out_width(w, contract_last)):
         return _bf16_matmul(a_MK, w, contract_last, offsets_E)
     if fp8.recipe == "blockwise":
