@@ -484,6 +484,7 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
     for name, (rows, ffn) in {"mixtral": (8192, 14336), "fine": (65536, 1024)}.items():
         h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16) * 3
         fns = {"fused_fp8": lambda: S.swiglu_forward_fp8(h),
+               "fused_fp8_two_pass": lambda: S.swiglu_forward_fp8(h, one_block=False),  # before 2026-11-28 afternoon
                "swiglu_then_quantize_rows": lambda: quantize_rows(S.swiglu_forward(h)),
                "swiglu_bf16_alone": lambda: S.swiglu_forward(h)}
         for per_sm in (2, 4, 16, 32):

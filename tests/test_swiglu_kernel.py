@@ -68,8 +68,9 @@ def fp8_matches(q, scale, q_want, scale_want) -> None:
 
 @pytest.mark.parametrize("rows,ffn", [(0, 8), (1, 8), (7, 24), (33, 72), (5, 2100)])
 def test_fp8_forward_is_the_quantized_activation_in_the_interpreter(monkeypatch, rows, ffn):
-    """swiglu_forward_fp8: a's rows quantized as quantize_rows would (several column blocks a row at 2100); rows
-    past the count are left unwritten; without the interpreter on CPU it is the twin itself."""
+    """swiglu_forward_fp8: a's rows quantized as quantize_rows would, a row read once in registers where it fits a
+    block, twice where it does not (several column blocks a row at 2100, or asked: one_block=False); rows past the
+    count are left unwritten; without the interpreter on CPU it is the twin itself."""
     from moe_overlap.kernels.fp8_quant import quantize_rows_torch
 
     g = torch.Generator().manual_seed(rows + ffn)
@@ -80,6 +81,7 @@ def test_fp8_forward_is_the_quantized_activation_in_the_interpreter(monkeypatch,
     assert all(torch.equal(a, b) for a, b in zip(S.swiglu_forward_fp8(h), want))  # the twin (no interpreter)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     fp8_matches(*S.swiglu_forward_fp8(h), *want)
+    fp8_matches(*S.swiglu_forward_fp8(h, one_block=False), *want)  # a row read twice, as rows past a block are
     if rows > 2:
         h[rows - 2:] = float("nan")
         q, scale = S.swiglu_forward_fp8(h, torch.tensor([rows - 2]))

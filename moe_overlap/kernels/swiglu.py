@@ -52,28 +52,39 @@ if HAVE_TRITON:
             tl.store(grad_h_ptr + row * 2 * FF + FF + col, (grad * silu).to(out_ty), mask=mask)
             tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
-    # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding), each row by one program at a time: a in the
-    # activations' dtype from the first pass over the row's blocks gives its amax, the second (h from L2) the values.
-    def _swiglu_fwd_fp8_kernel(h_ptr, q_ptr, scale_ptr, rows_ptr, FF, BLOCK: tl.constexpr):
+    # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding), each row by one program at a time. A row in
+    # one block (ONE_BLOCK: FF <= BLOCK) stays in registers: one read of h. A longer one: a in the activations' dtype
+    # from the first pass over the row's blocks gives its amax, the second (h from L2) the values.
+    def _swiglu_fwd_fp8_kernel(h_ptr, q_ptr, scale_ptr, rows_ptr, FF, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
             amax = tl.full((BLOCK,), 0.0, tl.float32)
-            inverse = 0.0
-            for second in tl.static_range(2):
-                if second == 1:
-                    row_amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
-                    tl.store(scale_ptr + row, tl.math.div_rn(row_amax, _FP8_MAX))
-                    inverse = tl.math.div_rn(_FP8_MAX, row_amax)
-                for start in range(0, FF, BLOCK):
-                    mask = start + cols < FF
-                    gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
-                    if second == 0:
-                        amax = tl.maximum(amax, tl.abs(a))
-                    else:
-                        q = tl.minimum(tl.maximum(a * inverse, -_FP8_MAX), _FP8_MAX)
-                        tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            if ONE_BLOCK:
+                mask = cols < FF
+                gate = tl.load(h_ptr + row * 2 * FF + cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(h_ptr + row * 2 * FF + FF + cols, mask=mask, other=0.0).to(tl.float32)
+                a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
+                row_amax = tl.maximum(tl.reduce(tl.maximum(amax, tl.abs(a)), 0, max_combine), _FP8_FLOOR)
+                tl.store(scale_ptr + row, tl.math.div_rn(row_amax, _FP8_MAX))
+                q = tl.minimum(tl.maximum(a * tl.math.div_rn(_FP8_MAX, row_amax), -_FP8_MAX), _FP8_MAX)
+                tl.store(q_ptr + row * FF + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            else:
+                inverse = 0.0
+                for second in tl.static_range(2):
+                    if second == 1:
+                        row_amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
+                        tl.store(scale_ptr + row, tl.math.div_rn(row_amax, _FP8_MAX))
+                        inverse = tl.math.div_rn(_FP8_MAX, row_amax)
+                    for start in range(0, FF, BLOCK):
+                        mask = start + cols < FF
+                        gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                        up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                        a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
+                        if second == 0:
+                            amax = tl.maximum(amax, tl.abs(a))
+                        else:
+                            q = tl.minimum(tl.maximum(a * inverse, -_FP8_MAX), _FP8_MAX)
+                            tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     # The backward, and fc1's output gradient as FP8 rows too (for its rowwise dgrad), each row by one program at a
     # time: the first pass writes grad_h and a as the backward does and takes grad_h's amax, the second reads the
@@ -188,11 +199,13 @@ def _fp8_programs_per_sm(device: torch.device, row_bytes: int) -> int:
 
 
 def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None,
-                       programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       programs_per_sm: int | None = None, one_block: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_TF E4M3, scale_T float32): a = silu(gate) * up in the activations' dtype, quantized per row as
     kernels/fp8_quant.quantize_rows does, in one kernel that writes no bf16 a. ``valid_rows``: rows from it on are
     left unwritten by the kernel (the twin computes them all). ``programs_per_sm``: a benchmark's sweep (None: by
-    the row's bytes against L2)."""
+    the row's bytes against L2). ``one_block``: whether a row is read once, in registers (None: where it fits one
+    block; False: the two passes longer rows take, for a benchmark or a test)."""
     if not use_triton(h_TF2, "swiglu"):
         return quantize_rows_torch(swiglu_forward_torch(h_TF2))
     h_TF2 = h_TF2.contiguous()
@@ -203,7 +216,8 @@ def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = No
     if rows and ffn:
         _fwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm),), h_TF2.device](
             h_TF2, q_TF, scale_T, _row_count(valid_rows, h_TF2), ffn,
-            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), num_warps=8)
+            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)),
+            ONE_BLOCK=ffn <= _FP8_BLOCK if one_block is None else one_block and ffn <= _FP8_BLOCK, num_warps=8)
     return q_TF, scale_T
 
 
