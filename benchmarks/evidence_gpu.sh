@@ -272,6 +272,10 @@ tree_before() {  # a copy of the tree at /tmp/NAME with edits that undo a change
 FUSIONS_OFF=("moe_overlap/kernels/fp8_wgrad.py|s/one_pass: bool = True/one_pass: bool = False/"
              "moe_overlap/layers/fp8.py|s/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/")
 
+# 2026-11-28 late: the permutation's FP8 rows handed to the experts, and the one-read FP8 SwiGLU forward, undone
+HANDOFF_OFF=("moe_overlap/layers/experts.py|s/return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None/return None/"
+             "moe_overlap/kernels/swiglu.py|s/ONE_BLOCK=ffn <= _FP8_BLOCK if one_block is None else/ONE_BLOCK=False and/")
+
 fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0 (FP8_PARAM_EXTRA: overrides of
   # every run)
   local label=$1 launch name held kept order
@@ -294,16 +298,17 @@ fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU
     | grep -E '^\{"variant"|Error' | cut -c1-300
 }
 
-mixtral_fp8_runs() {  # result name, the undone tree's dir (tree_before), then the launches' trees, in order: a name
+fp8_runs() {  # result name, the undone tree's dir (tree_before), then the launches' trees, in order: a name
   # "before" or "before_again" runs the copy, any other this tree; each launch bf16 then rowwise FP8 on the
-  # Mixtral-like bench model, 3 warm-up + 8 steps; PROFILE=TREE: that launch's steps profiled too
-  local label=$1 old=$2 tree dir name profile
+  # bench model FP8_MODEL (mixtral_2l by default, or fine_8l), 3 warm-up + 8 steps; PROFILE=TREE: that launch's
+  # steps profiled too
+  local label=$1 old=$2 model=${FP8_MODEL:-mixtral_2l} tree dir name profile
   shift 2
   for tree in "$@"; do
     dir=$PWD; [ "${tree%_again}" = before ] && dir=$old
-    name=train_step_${label}_${tree}_mixtral_2l_1x$gpu
+    name=train_step_${label}_${tree}_${model}_1x$gpu
     profile="--profile-steps 0"; [ "$tree" = "${PROFILE:-}" ] && profile="--profile-steps 1 --timeline $PWD/$res/$name.png"
-    PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+    PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_$model.yaml \
       --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 $profile \
       --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
@@ -1278,14 +1283,14 @@ PY
       --json $res/step_kernels_fp8_fuse_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-900
     pack
     tree_before fp8_before "${FUSIONS_OFF[@]}"
-    PROFILE=fused mixtral_fp8_runs fp8_fuse /tmp/fp8_before fused before fused_again
+    PROFILE=fused fp8_runs fp8_fuse /tmp/fp8_before fused before fused_again
     ;;
   fp8_fuse1b)  # the same model runs with the one-launch quantization at 64 columns a program (the sweep's fastest),
     # alternating with the tree without both fusions, after the along-token quantizer's GPU tests
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests fp8_fuse64 tests/test_gpu_fp8_wgrad.py
     tree_before fp8_before "${FUSIONS_OFF[@]}"
-    mixtral_fp8_runs fp8_fuse64 /tmp/fp8_before fused before fused_again before_again
+    fp8_runs fp8_fuse64 /tmp/fp8_before fused before fused_again before_again
     ;;
   fp8_tiles1)  # the FP8 weight gradient's 64 x 128 tiles at 2,048 rows per expert and call and fewer: its GPU
     # tests, then the Mixtral-like model (two micro-batches of 1,024 rows per expert a call) with them and without.
@@ -1293,7 +1298,7 @@ PY
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests fp8_tiles tests/test_gpu_fp8_wgrad.py
     tree_before fp8_tiles_before "moe_overlap/kernels/fp8_wgrad.py|s/^_FEW_ROWS = 2560/_FEW_ROWS = 0/"
-    mixtral_fp8_runs fp8_tiles /tmp/fp8_tiles_before tiles before
+    fp8_runs fp8_tiles /tmp/fp8_tiles_before tiles before
     ;;
   fp8_wgrad_pairs1)  # the FP8 weight gradient's tile configs on the calls the Mixtral-like step makes (two
     # micro-batches' segments of 1,024 rows per expert: expert_wgrad_pairs) and at one segment of 2,048, beside the
@@ -1318,7 +1323,7 @@ PY
       --rows 2048 --segments 2 --rounds 10 --json $res/step_kernels_fp8_wgrad_tma_1x$gpu.json 2>&1 | tail -n 2 | cut -c1-1200
     pack
     tree_before tma_before "moe_overlap/kernels/grouped_wgrad.py|s/if addressable and tma is not False:/if False:/"
-    PROFILE=tma mixtral_fp8_runs tma /tmp/tma_before tma before tma_again before_again
+    PROFILE=tma fp8_runs tma /tmp/tma_before tma before tma_again before_again
     ;;
   wgrad_groups1)  # the experts' weight gradients of 4 micro-batches per read-modify-write of main_grad against 2
     # (one GPU): the kernels' GPU tests at 1, 2 and 4 segments, then the Mixtral-like model, bf16 and rowwise, pairs
@@ -1659,6 +1664,19 @@ PY
       --profile-steps 1 --variant rowwise:train.fp8_recipe=rowwise --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  fp8_handoff1)  # issue 39, the fine-grained model at one GPU: the permutation around the experts writes their FP8
+    # rows in its own pass (fc1's input, fc2's output gradient; kernels/permute.Fp8Handoff) and the FP8 SwiGLU
+    # forward reads a row once: their GPU tests, the SwiGLU kernels, then the model alternating with the tree
+    # without both (HANDOFF_LAUNCHES: the launches, "handoff before" by default)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests fp8_handoff tests/test_kernels.py tests/test_swiglu_kernel.py tests/test_gpu_fp8.py \
+      -k "fp8 or swiglu"
+    timeout -k 10 150 python benchmarks/step_kernels.py --sections swiglu_fp8,permute_fp8 --rounds 10 \
+      --json $res/step_kernels_swiglu_fp8_one_read_1x$gpu.json 2>&1 | tail -n 4 | cut -c1-600
+    pack
+    tree_before fp8_handoff_before "${HANDOFF_OFF[@]}"
+    FP8_MODEL=fine_8l fp8_runs fp8_handoff /tmp/fp8_handoff_before ${HANDOFF_LAUNCHES:-handoff before}
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

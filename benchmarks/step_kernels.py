@@ -26,6 +26,9 @@
              rows, ffn 1,024) expert shapes: the fused kernels writing FP8 rows (kernels/swiglu.py swiglu_forward_fp8,
              swiglu_backward_fp8: fc1's output gradient) against SwiGLU then quantize_rows (two passes), and
              SwiGLU alone (bf16); row programs per SM swept
+  permute_fp8 the permutation around rowwise FP8 experts at one EP rank (fine and Mixtral-like shapes): permute
+             and unpermute_backward writing the rows' FP8 copies in the same pass (kernels/permute.py ``fp8_out``)
+             against each then quantize_rows, and each alone
   weight_fp8 a weight's two rowwise FP8 copies (the forward's per row, the dgrad's per column, written transposed:
              kernels/fp8_quant.py), refreshed once per optimizer step, at the Mixtral-like expert weights and a fine
              one: quantize_rows and quantize_columns (two passes over the weight each) against
@@ -510,6 +513,45 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
     return out
 
 
+def permute_fp8_rows(rounds: int) -> list[dict]:
+    """The permutation around rowwise FP8 experts at one EP rank, at the fine-grained shape (8,192 tokens, hidden
+    2,048, top-8 of 64: 65,536 rows) and the Mixtral-like one (8,192 tokens, hidden 4,096, top-2 of 8): the forward's permute and
+    the backward's unpermute_backward writing the rows' FP8 copies in the same pass (``fp8_out``) against each then
+    quantize_rows over the rows written (what the expert GEMMs did), and each alone (bf16)."""
+    import torch
+
+    from moe_overlap.kernels import copy_rows as CR
+    from moe_overlap.kernels import permute as P
+    from moe_overlap.kernels.fp8_quant import quantize_rows
+
+    out = []
+    for name, (tokens, hidden, topk, experts) in {"fine": (8192, 2048, 8, 64), "mixtral": (8192, 4096, 2, 8)}.items():
+        chosen = torch.rand(tokens, experts, device="cuda").topk(topk, dim=1).indices
+        rows_TK = CR.copy_rows(chosen, experts)[0]
+        num_rows = tokens * topk
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) * 3
+        probs = torch.rand(tokens, topk, device="cuda")
+        fwd, bwd = P.fp8_buffers(num_rows, hidden, x.device), P.fp8_buffers(num_rows, hidden, x.device)
+        fns = {"permute_fp8_out": lambda: P.permute(x, rows_TK, num_rows, True, fp8_out=fwd),
+               "permute_then_quantize_rows": lambda: quantize_rows(P.permute(x, rows_TK, num_rows, True)),
+               "permute_bf16_alone": lambda: P.permute(x, rows_TK, num_rows, True),
+               "bwd_fp8_out": lambda: P.unpermute_backward(x, None, rows_TK, probs, True, num_rows=num_rows,
+                                                           fp8_out=bwd),
+               "bwd_then_quantize_rows": lambda: quantize_rows(
+                   P.unpermute_backward(x, None, rows_TK, probs, True, num_rows=num_rows)[0]),
+               "bwd_bf16_alone": lambda: P.unpermute_backward(x, None, rows_TK, probs, True, num_rows=num_rows)}
+        fns["permute_fp8_out"]()
+        fns["bwd_fp8_out"]()
+        same = all(torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(scale, scale_want)
+                   for (q, scale), (q_want, scale_want) in ((fwd, fns["permute_then_quantize_rows"]()),
+                                                             (bwd, fns["bwd_then_quantize_rows"]())))
+        ms = timed(fns, rounds, reps=5)
+        out.append({"section": "permute_fp8", "shape": name, "tokens": tokens, "hidden": hidden, "topk": topk,
+                    "experts": experts, "ms": ms, "bit_for_bit": same})
+        print(name, {k: round(v, 4) for k, v in ms.items()}, "bit for bit" if same else "DIFFERS", flush=True)
+    return out
+
+
 def weight_fp8_rows(rounds: int) -> list[dict]:
     """Per expert weight (E, M, K) bf16: its rows and columns FP8 copies made by the two kernels one after the
     other, and by the one function that makes both, each into the same preallocated copies (as the weight cache
@@ -633,7 +675,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
-                        help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, weight_fp8, "
+                        help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, permute_fp8, "
+                             "weight_fp8, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
@@ -649,6 +692,7 @@ def main(argv=None) -> None:
         row_kernel_rows(args.rounds) if "rows" in sections else []) + (
         push_rows_rows(args.rounds) if "push" in sections else []) + (
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
+        permute_fp8_rows(args.rounds) if "permute_fp8" in sections else []) + (
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
         fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (
         fp8_param_rows(args.rounds) if "fp8_param" in sections else []) + (

@@ -587,6 +587,47 @@ def test_fp8_fused_quantizations_change_no_bit_of_an_expert_step(monkeypatch):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fp8, ffn, handed", [(EMULATED, 64, 2), (Fp8(emulate=True, min_dim=100), 64, 1),
+                                               (Fp8(emulate=True, recipe="blockwise"), 128, 0)])
+def test_fp8_moe_permutation_hands_its_experts_fp8_rows(monkeypatch, fp8, ffn, handed):
+    """At one EP rank under rowwise FP8, the permutation around the experts writes their rows in FP8 too, in the
+    same pass (kernels/permute.Fp8Handoff): fc1's forward and fc2's input gradient take them instead of quantizing
+    the rows again (``handed``: the row quantizations the GEMMs skip; fc1's alone where the min-dim rule keeps fc2
+    (64 wide) bf16; none under blockwise). The same bytes, so the layer's output and every gradient are bit for bit those of
+    the path without the handoff. The Triton kernels under the interpreter (fp32); the GEMMs emulated."""
+    from moe_overlap.config import ModelConfig, OverlapConfig
+    from moe_overlap.layers.experts import GroupedExperts
+    from moe_overlap.layers.moe import MoELayer
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(hidden_size=256, ffn_hidden_size=ffn, num_moe_experts=4, moe_router_topk=2)
+    quantized = []
+    monkeypatch.setattr(fp8_layers, "quantize_rows",
+                        lambda x, *a, real=fp8_layers.quantize_rows, **k: quantized.append(x.shape) or real(x, *a, **k))
+
+    def step() -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        layer = MoELayer(cfg, OverlapConfig(moe_pipeline=False), Mesh.single().ep)
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.normal_(0.0, 0.1)
+        layer.experts.fp8 = fp8
+        fp8_layers.weights_updated()
+        x = torch.randn(1, 37, 256, requires_grad=True)
+        out, _, _ = layer(x)
+        out.backward(torch.randn_like(out))
+        return [out.detach(), x.grad, layer.router.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad]
+
+    handed_off = step()
+    rows_quantized = quantized.count(torch.Size([37 * 2, 256]))
+    monkeypatch.setattr(GroupedExperts, "fp8_handoff", lambda self: None)
+    quantized.clear()
+    alone = step()
+    assert quantized.count(torch.Size([37 * 2, 256])) - rows_quantized == handed
+    for got, want in zip(handed_off, alone):
+        assert torch.equal(got, want)
+
+
 def test_fp8_experts_with_no_rows():
     w13, w2 = torch.nn.Parameter(torch.randn(2, 32, 64)), torch.nn.Parameter(torch.randn(2, 32, 32))
     x = torch.zeros(0, 32, requires_grad=True)

@@ -34,13 +34,15 @@ from typing import Optional
 
 import torch
 
+from moe_overlap.kernels.fp8_quant import FP8, quantize_rows_torch
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, check_2d, require_triton, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moe_overlap.kernels.launch import sum_combine as _sum_combine
+    from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _AMAX_FLOOR, TL_FP8_MAX as _FP8_MAX
+    from moe_overlap.kernels.launch import max_combine, sum_combine as _sum_combine
 
 __all__ = [
     "HAVE_TRITON",
@@ -48,7 +50,7 @@ __all__ = [
     "permute_backward", "permute_backward_torch", "permute_backward_triton",
     "unpermute", "unpermute_torch", "unpermute_triton",
     "unpermute_backward", "unpermute_backward_torch", "unpermute_backward_triton",
-    "Permute", "Unpermute",
+    "Fp8Handoff", "Permute", "Unpermute",
 ]
 
 def _check_copies(row_of_copy_TK: torch.Tensor, num_tokens: int, name: str = "row_of_copy_TK") -> None:
@@ -73,13 +75,16 @@ def _check_probs(probs_TK: torch.Tensor, row_of_copy_TK: torch.Tensor) -> None:
 
 if HAVE_TRITON:
 
-    def _scatter_rows_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, y_ptr, dot_ptr,
-                             stride_src, stride_out, stride_y, H, K, R,
-                             HAS_PROBS: tl.constexpr, DOT: tl.constexpr,
+    def _scatter_rows_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, y_ptr, dot_ptr, q_ptr, scale_ptr,
+                             stride_src, stride_out, stride_y, stride_q, H, K, R,
+                             HAS_PROBS: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr,
                              K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
         # One program per token t: src row t is read once (BLOCK_H at a time) and written to the rows of its
         # K copies, scaled by probs[t, k] when HAS_PROBS (unpermute backward). DOT: also dot[t, k] =
-        # <y[row of (t, k)], src[t]> in fp32 (the probs gradient).
+        # <y[row of (t, k)], src[t]> in fp32 (the probs gradient). QUANT: each written row also as E4M3 with its
+        # scale (kernels/fp8_quant.quantize_rows of the written row, bit for bit), from the token row's amax (a first
+        # pass; the second reads the row from L2): a copy row is probs[t, k] * src[t] rounded to out's dtype, and
+        # both roundings are monotone, so its amax is that of the token's amax times probs[t, k], rounded alike.
         t = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
@@ -89,6 +94,17 @@ if HAVE_TRITON:
         if DOT:
             dot = tl.full((K_PAD,), 0.0, tl.float32)
         hh0 = tl.arange(0, BLOCK_H)
+        if QUANT:
+            amax_H = tl.full((BLOCK_H,), 0.0, tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                v = tl.load(src_ptr + t * stride_src + h0 + hh0, mask=h0 + hh0 < H, other=0.0)
+                amax_H = tl.maximum(amax_H, tl.abs(v.to(tl.float32)))
+            amax_K = tl.full((K_PAD,), 0.0, tl.float32) + tl.reduce(amax_H, 0, max_combine)
+            if HAS_PROBS:
+                amax_K = (w * amax_K).to(out_ptr.dtype.element_ty).to(tl.float32)
+            amax_K = tl.maximum(amax_K, _AMAX_FLOOR)
+            tl.store(scale_ptr + rows, tl.math.div_rn(amax_K, _FP8_MAX), mask=valid)
+            inverse_K = tl.math.div_rn(_FP8_MAX, amax_K)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + hh0
             hm = hh < H
@@ -99,6 +115,9 @@ if HAVE_TRITON:
             else:
                 tile = tl.broadcast_to(v[None, :], (K_PAD, BLOCK_H)).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], tile, mask=m)
+            if QUANT:
+                q = tl.minimum(tl.maximum(tile.to(tl.float32) * inverse_K[:, None], -_FP8_MAX), _FP8_MAX)
+                tl.store(q_ptr + rows[:, None] * stride_q + hh[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
             if DOT:
                 yv = tl.load(y_ptr + rows[:, None] * stride_y + hh[None, :], mask=m, other=0.0).to(tl.float32)
                 dot += tl.reduce(yv * v.to(tl.float32)[None, :], 1, _sum_combine)
@@ -209,6 +228,27 @@ def _check_out(out: Optional[torch.Tensor], num_rows: int, x_TH: torch.Tensor) -
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
 
 
+Fp8Out = tuple[torch.Tensor, torch.Tensor]  # (q_RH E4M3, scale_R float32): rows quantized as quantize_rows does
+
+
+def fp8_buffers(num_rows: int, H: int, device: torch.device) -> Fp8Out:
+    """Empty buffers for ``fp8_out``: (q (num_rows, H) E4M3, scales (num_rows,) float32)."""
+    return (torch.empty((num_rows, H), dtype=FP8, device=device),
+            torch.empty(num_rows, dtype=torch.float32, device=device))
+
+
+def _check_fp8_out(fp8_out: Optional[Fp8Out], num_rows: int, H: int, all_rows_mapped: bool) -> None:
+    if fp8_out is None:
+        return
+    q, scale = fp8_out
+    if not all_rows_mapped:
+        raise ValueError("fp8_out needs all_rows_mapped=True (an unmapped row's FP8 copy would be left unwritten)")
+    if q.shape != (num_rows, H) or q.dtype != FP8 or q.stride(1) != 1 or scale.shape != (num_rows,) \
+            or scale.dtype != torch.float32 or scale.stride(0) != 1:
+        raise ValueError(f"fp8_out must be a ({num_rows}, {H}) E4M3 tensor with contiguous rows and ({num_rows},) "
+                         f"contiguous float32 scales, got {tuple(q.shape)} {q.dtype}, {tuple(scale.shape)} {scale.dtype}")
+
+
 def _copy_index(row_of_copy_TK: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid copies (T*K,), row index (T*K,) int64 with uncounted copies sent to the spare row num_rows)."""
     rows = row_of_copy_TK.reshape(-1).long()
@@ -229,28 +269,34 @@ def _gather_copies(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> tuple[
 
 def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
                   all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
-                  zero_below: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None) -> torch.Tensor:
     """Twin of `permute`: index_copy_ of the expanded copies into num_rows + 1 rows (the spare row takes -1);
-    every unmapped row zero, also past ``zero_below``."""
+    every unmapped row zero, also past ``zero_below``; then ``fp8_out`` quantized from the result."""
     check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
+    _check_fp8_out(fp8_out, num_rows, x_TH.shape[1], all_rows_mapped)
     T, H = x_TH.shape
     K = row_of_copy_TK.shape[1]
     buf = x_TH.new_zeros((num_rows + 1, H))
     _, index = _copy_index(row_of_copy_TK, num_rows)
     buf.index_copy_(0, index, x_TH.unsqueeze(1).expand(T, K, H).reshape(T * K, H))
-    return buf[:num_rows] if out is None else out.copy_(buf[:num_rows])
+    out = buf[:num_rows] if out is None else out.copy_(buf[:num_rows])
+    if fp8_out is not None:
+        quantize_rows_torch(out, *fp8_out)
+    return out
 
 
 def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
                    all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
-                   zero_below: Optional[torch.Tensor] = None, block_h: Optional[int] = None) -> torch.Tensor:
+                   zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None,
+                   block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute`: one program per token; its row read once, written to its K rows BLOCK_H at a time."""
     require_triton("the *_triton permute kernels")
     check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
+    _check_fp8_out(fp8_out, num_rows, x_TH.shape[1], all_rows_mapped)
     if out is None:
         out = _new_rows(num_rows, x_TH, all_rows_mapped, zero_below)
     elif not all_rows_mapped and zero_below is not None:
@@ -264,21 +310,26 @@ def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: i
     x = _rows_2d(x_TH)
     rows = row_of_copy_TK.contiguous()
     k_pad, bh, warps = _row_tile(K, H, block_h)
-    _scatter_rows[(T,), x.device](x, rows, x, out, x, x, x.stride(0), out.stride(0), 0, H, K, num_rows,
-                                  HAS_PROBS=False, DOT=False, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
+    q, scale = (out, out) if fp8_out is None else fp8_out
+    _scatter_rows[(T,), x.device](x, rows, x, out, x, x, q, scale, x.stride(0), out.stride(0), 0, q.stride(0), H, K,
+                                  num_rows, HAS_PROBS=False, DOT=False, QUANT=fp8_out is not None, K_PAD=k_pad,
+                                  BLOCK_H=bh, num_warps=warps)
     return out
 
 
 def permute(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
             all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
-            zero_below: Optional[torch.Tensor] = None) -> torch.Tensor:
+            zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None) -> torch.Tensor:
     """x_RH (num_rows, H): row row_of_copy_TK[t, k] = x_TH[t]; rows no copy maps to are zero (unless
     all_rows_mapped; only those below ``zero_below``, when given); -1 copies are skipped. num_rows comes from the
     caller (no host sync here). ``out``: written into (and returned) instead of a new tensor, e.g. the first H
-    columns of a wider buffer (rows may be strided)."""
+    columns of a wider buffer (rows may be strided). ``fp8_out`` (q (num_rows, H) E4M3, scales (num_rows,) fp32;
+    every row mapped): the rows also as kernels/fp8_quant.quantize_rows makes them, bit for bit, in the same pass."""
     if use_triton(x_TH, "permute"):
-        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below)
-    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below)
+        return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below,
+                              fp8_out=fp8_out)
+    return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below,
+                         fp8_out=fp8_out)
 
 
 def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
@@ -395,10 +446,12 @@ def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_ro
 
 def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                              probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
-                             num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None
-                             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Twin of `unpermute_backward` (every unmapped row zero, also past ``zero_below``)."""
+                             num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None,
+                             fp8_out: Optional[Fp8Out] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Twin of `unpermute_backward` (every unmapped row zero, also past ``zero_below``; ``fp8_out`` quantized from
+    grad_y)."""
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
+    _check_fp8_out(fp8_out, num_rows, grad_out_TH.shape[1], all_rows_mapped)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]
     g32 = grad_out_TH.float()
@@ -410,17 +463,21 @@ def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Ten
     if y_RH is not None:
         ycopies, _ = _gather_copies(y_RH, row_of_copy_TK)
         grad_probs = (ycopies * g32.unsqueeze(1)).sum(-1)
+    if fp8_out is not None:
+        quantize_rows_torch(buf[:num_rows], *fp8_out)
     return buf[:num_rows], grad_probs
 
 
 def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor],
                               row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor, all_rows_mapped: bool = False,
                               *, num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None,
-                              block_h: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                              fp8_out: Optional[Fp8Out] = None, block_h: Optional[int] = None
+                              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Triton `unpermute_backward`: one program per token reads grad_out[t] once, writes probs * grad_out to its
     K rows and (with y_RH) accumulates the K dot products in fp32, BLOCK_H at a time."""
     require_triton("the *_triton permute kernels")
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
+    _check_fp8_out(fp8_out, num_rows, grad_out_TH.shape[1], all_rows_mapped)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]
     grad_y = _new_rows(num_rows, grad_out_TH, all_rows_mapped, zero_below)
@@ -432,76 +489,112 @@ def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Te
     rows = row_of_copy_TK.contiguous()
     probs = probs_TK.contiguous()
     k_pad, bh, warps = _row_tile(K, H, block_h)
-    _scatter_rows[(T,), g.device](g, rows, probs, grad_y, y, g if dot is None else dot,
-                                  g.stride(0), grad_y.stride(0), y.stride(0), H, K, num_rows,
-                                  HAS_PROBS=True, DOT=dot is not None, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
+    q, scale = (g, g) if fp8_out is None else fp8_out
+    _scatter_rows[(T,), g.device](g, rows, probs, grad_y, y, g if dot is None else dot, q, scale,
+                                  g.stride(0), grad_y.stride(0), y.stride(0), q.stride(0), H, K, num_rows,
+                                  HAS_PROBS=True, DOT=dot is not None, QUANT=fp8_out is not None, K_PAD=k_pad,
+                                  BLOCK_H=bh, num_warps=warps)
     return grad_y, dot
 
 
 def unpermute_backward(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                        probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
-                       num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None,
+                       fp8_out: Optional[Fp8Out] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(grad_y_RH, grad_probs_TK) of `unpermute`.
 
     grad_y_RH[row_of_copy_TK[t, k]] = probs_TK[t, k] * grad_out_TH[t] (grad_out's dtype); rows no copy maps to
     are zero unless all_rows_mapped (only those below ``zero_below``, when given). grad_probs_TK[t, k] =
     <y_RH[row], grad_out_TH[t]> in fp32, 0 for -1 copies; computed only when y_RH is given (pass y_RH=None and
-    num_rows when probs need no gradient).
+    num_rows when probs need no gradient). ``fp8_out``: grad_y's rows also as quantize_rows makes them (as
+    :func:`permute`'s).
     """
     if use_triton(grad_out_TH, "permute"):
         return unpermute_backward_triton(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                         num_rows=num_rows, zero_below=zero_below)
+                                         num_rows=num_rows, zero_below=zero_below, fp8_out=fp8_out)
     return unpermute_backward_torch(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                    num_rows=num_rows, zero_below=zero_below)
+                                    num_rows=num_rows, zero_below=zero_below, fp8_out=fp8_out)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Autograd Functions
 # ----------------------------------------------------------------------------------------------------------
 
+class Fp8Handoff:
+    """The rows Permute and Unpermute write, also in FP8 for the rowwise FP8 GEMM that reads them next (the
+    experts' fc1 forward, fc2's input gradient: layers/experts.py), quantized in the same pass (``fp8_out``) instead
+    of a second pass over every row. ``forward``: the permuted rows' (q, scales), left by Permute's forward;
+    ``backward``: (grad_y, q, scales), left by Unpermute's backward. Each is taken once."""
+
+    def __init__(self, forward: bool, backward: bool):
+        self.wants_forward, self.wants_backward = forward, backward
+        self.forward: Optional[Fp8Out] = None
+        self.backward: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    def take_forward(self) -> Optional[Fp8Out]:
+        rows, self.forward = self.forward, None
+        return rows
+
+    def take_backward(self, grad_y_RH: torch.Tensor) -> Optional[Fp8Out]:
+        """The FP8 rows of ``grad_y_RH``, if Unpermute left them for this very tensor (autograd passed it on as
+        it was made: not summed with another gradient, not cast)."""
+        rows, self.backward = self.backward, None
+        return rows[1:] if rows is not None and rows[0] is grad_y_RH else None
+
+
 class Permute(torch.autograd.Function):
     """x_RH = permute(x_TH, row_of_copy_TK, num_rows); backward = permute_backward.
-    apply(x_TH, row_of_copy_TK, num_rows, all_rows_mapped=False) (positional)."""
+    apply(x_TH, row_of_copy_TK, num_rows, all_rows_mapped=False, fp8=None) (positional); ``fp8`` (every row
+    mapped): a :class:`Fp8Handoff` that wants the rows in FP8 too."""
 
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
-                all_rows_mapped: bool = False) -> torch.Tensor:
+                all_rows_mapped: bool = False, fp8: Optional[Fp8Handoff] = None) -> torch.Tensor:
         ctx.save_for_backward(row_of_copy_TK)
         ctx.x_dtype = x_TH.dtype
-        return permute(x_TH, row_of_copy_TK, num_rows, all_rows_mapped)
+        fp8_out = fp8_buffers(num_rows, x_TH.shape[1], x_TH.device) if fp8 is not None and fp8.wants_forward else None
+        out = permute(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, fp8_out=fp8_out)
+        if fp8_out is not None:
+            fp8.forward = fp8_out
+        return out
 
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):
         (row_of_copy_TK,) = ctx.saved_tensors
         grad_TH = permute_backward(grad_RH, row_of_copy_TK)
-        return grad_TH.to(ctx.x_dtype), None, None, None
+        return grad_TH.to(ctx.x_dtype), None, None, None, None
 
 
 class Unpermute(torch.autograd.Function):
     """out_TH = unpermute(y_RH, row_of_copy_TK, probs_TK); backward = unpermute_backward.
-    apply(y_RH, row_of_copy_TK, probs_TK, all_rows_mapped=False) (positional); all_rows_mapped skips zeroing
-    the unmapped rows of grad_y. y_RH is saved only when probs_TK needs a gradient."""
+    apply(y_RH, row_of_copy_TK, probs_TK, all_rows_mapped=False, fp8=None) (positional); all_rows_mapped skips
+    zeroing the unmapped rows of grad_y; ``fp8`` (every row mapped): a :class:`Fp8Handoff` that wants grad_y in FP8
+    too. y_RH is saved only when probs_TK needs a gradient."""
 
     @staticmethod
     def forward(ctx, y_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor,
-                all_rows_mapped: bool = False) -> torch.Tensor:
+                all_rows_mapped: bool = False, fp8: Optional[Fp8Handoff] = None) -> torch.Tensor:
         need_probs_grad = ctx.needs_input_grad[2]
         ctx.save_for_backward(y_RH if need_probs_grad else None, row_of_copy_TK, probs_TK)
         ctx.num_rows = y_RH.shape[0]
         ctx.y_dtype = y_RH.dtype
         ctx.all_rows_mapped = all_rows_mapped
+        ctx.fp8 = fp8 if fp8 is not None and fp8.wants_backward else None
         return unpermute(y_RH, row_of_copy_TK, probs_TK)
 
     @staticmethod
     def backward(ctx, grad_out_TH: torch.Tensor):
         y_RH, row_of_copy_TK, probs_TK = ctx.saved_tensors
+        handoff = ctx.fp8 if ctx.needs_input_grad[0] and grad_out_TH.dtype == ctx.y_dtype else None
+        fp8_out = None if handoff is None else fp8_buffers(ctx.num_rows, grad_out_TH.shape[1], grad_out_TH.device)
         grad_y, grad_probs = unpermute_backward(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, ctx.all_rows_mapped,
-                                                num_rows=ctx.num_rows)
+                                                num_rows=ctx.num_rows, fp8_out=fp8_out)
         if not ctx.needs_input_grad[0]:
             grad_y = None
         elif grad_y.dtype != ctx.y_dtype:
             grad_y = grad_y.to(ctx.y_dtype)
+        if fp8_out is not None:
+            handoff.backward = (grad_y, *fp8_out)
         if grad_probs is not None:
             grad_probs = grad_probs.to(probs_TK.dtype)
-        return grad_y, None, grad_probs, None
+        return grad_y, None, grad_probs, None, None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe_overlap.kernels.permute import Fp8Handoff
 from moe_overlap.kernels.swiglu import (swiglu_backward, swiglu_backward_fp8, swiglu_forward, swiglu_forward_fp8,
                                         swiglu_forward_torch)
 
@@ -47,11 +48,13 @@ def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_E
 
 
 def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
-                  w2_EFH: torch.Tensor, fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  w2_EFH: torch.Tensor, fp8: Fp8 | None = None, grad_y_fp8: Fp8Rows | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input gradient; also fc1's output gradient and the SwiGLU activation, which the weight gradients need
     (the fused backward rebuilds the activation in the same pass, so the forward need not keep it). A rowwise FP8
-    fc1 dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel."""
-    grad_a_TF = grouped_mm(grad_y_TH, w2_EFH, offsets_E, fp8, transpose_w=True)
+    fc1 dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel; fc2's takes ``grad_y_fp8``, grad_y's
+    rows already in FP8, where given."""
+    grad_a_TF = grouped_mm(grad_y_TH if grad_y_fp8 is None else grad_y_fp8, w2_EFH, offsets_E, fp8, transpose_w=True)
     if _rowwise_fp8(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
         grad_h_TF2, a_TF, *rows = swiglu_backward_fp8(h_TF2, grad_a_TF, offsets_E[-1:])
         return (grouped_mm(Fp8Rows(*rows, grad_h_TF2.dtype), w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2,
@@ -142,28 +145,38 @@ class ExpertWgradGroups:
 
 
 class GroupedSwiGLU(torch.autograd.Function):
+    """``handoff``: the permutation around the experts also writes their rows in FP8 (kernels/permute.Fp8Handoff):
+    fc1's input, and in the backward fc2's output gradient, reach their rowwise FP8 GEMMs so, with no pass of
+    their own to quantize them (the weight gradients still read the bf16 rows)."""
+
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
-                groups: ExpertWgradGroups | None = None, fp8: Fp8 | None = None) -> torch.Tensor:
-        y_TH, h_TF2 = experts_forward(x_TH, offsets_E, w13_EHF2, w2_EFH, fp8)
+                groups: ExpertWgradGroups | None = None, fp8: Fp8 | None = None,
+                handoff: Fp8Handoff | None = None) -> torch.Tensor:
+        x_rows = handoff.take_forward() if handoff is not None else None
+        y_TH, h_TF2 = experts_forward(x_TH if x_rows is None else Fp8Rows(*x_rows, x_TH.dtype), offsets_E, w13_EHF2,
+                                      w2_EFH, fp8)
         ctx.save_for_backward(x_TH, offsets_E, h_TF2)
         ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad), also under recomputation
-        ctx.fp8 = fp8
+        ctx.fp8, ctx.handoff = fp8, handoff
         ctx.groups = groups if main_grad_of(w13_EHF2) is not None else None
         return y_TH
 
     @staticmethod
     def backward(ctx, grad_y_TH: torch.Tensor):
         (x_TH, offsets_E, h_TF2), (w13_EHF2, w2_EFH) = ctx.saved_tensors, ctx.weights
+        grad_y_rows = ctx.handoff.take_backward(grad_y_TH) if ctx.handoff is not None else None
         if x_TH.shape[0] == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
             grad_x_TH, inputs = torch.zeros_like(x_TH), None
         else:
             grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
-            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8)
+            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(
+                grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8,
+                None if grad_y_rows is None else Fp8Rows(*grad_y_rows, grad_y_TH.dtype))
             inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         ready = ctx.groups.take(inputs) if ctx.groups is not None else [i for i in (inputs,) if i is not None]
         grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready, ctx.fp8), ctx.weights)
-        return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None, None
+        return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None, None, None
 
 
 def grouped_swiglu_reference(x_TH: torch.Tensor, rows_per_expert: list[int], w13_EHF2: torch.Tensor,
@@ -207,5 +220,11 @@ class GroupedExperts(nn.Module):
         """The recipe, with the expert-TP group the split GEMMs share their scales over (Fp8.expert_tp)."""
         self._fp8 = fp8 if fp8 is None or self.expert_tp is None else dataclasses.replace(fp8, expert_tp=self.expert_tp)
 
-    def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_groups, self.fp8)
+    def fp8_handoff(self) -> Fp8Handoff | None:
+        """A handoff for the permutation around these experts (every row mapped), where their rowwise FP8 GEMMs
+        would quantize its rows: fc1's forward, fc2's input gradient."""
+        fc1, fc2 = _rowwise_fp8(self.fp8, self.w13), _rowwise_fp8(self.fp8, self.w2)
+        return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None
+
+    def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor, handoff: Fp8Handoff | None = None) -> torch.Tensor:
+        return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_groups, self.fp8, handoff)

@@ -154,9 +154,11 @@ class MoELayer(nn.Module):
                                                          routing.keep_TK)
         num_rows = routing.experts_TK.numel() if capacity is None else self.num_experts * capacity
         all_rows_mapped = routing.keep_TK is None
-        permuted_RH = Permute.apply(x_TH, row_of_copy_TK, num_rows, all_rows_mapped)
-        expert_out_RH = self.experts(permuted_RH, expert_offsets(rows_per_expert_E))
-        return Unpermute.apply(expert_out_RH, row_of_copy_TK, routing.probs_TK, all_rows_mapped)
+        # rowwise FP8 experts: their rows quantized as the permutation writes them (each row mapped, unpadded)
+        handoff = self.experts.fp8_handoff() if all_rows_mapped and capacity is None else None
+        permuted_RH = Permute.apply(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, handoff)
+        expert_out_RH = self.experts(permuted_RH, expert_offsets(rows_per_expert_E), handoff)
+        return Unpermute.apply(expert_out_RH, row_of_copy_TK, routing.probs_TK, all_rows_mapped, handoff)
 
     def _serial(self, x_TH: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The reference: one all-to-all each way over the EP process group, sizes from the host."""
