@@ -272,9 +272,10 @@ tree_before() {  # a copy of the tree at /tmp/NAME with edits that undo a change
 FUSIONS_OFF=("moe_overlap/kernels/fp8_wgrad.py|s/one_pass: bool = True/one_pass: bool = False/"
              "moe_overlap/layers/fp8.py|s/^_ROWWISE_PARTNER = {.*}/_ROWWISE_PARTNER = {}/")
 
-# 2026-11-28 late: the permutation's FP8 rows handed to the experts, and the one-read FP8 SwiGLU forward, undone
+# 2026-11-28 late: the permutation's FP8 rows handed to the experts, and the FP8 SwiGLU kernels keeping a row in
+# registers, undone
 HANDOFF_OFF=("moe_overlap/layers/experts.py|s/return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None/return None/"
-             "moe_overlap/kernels/swiglu.py|s/ONE_BLOCK=ffn <= _FP8_BLOCK if one_block is None else/ONE_BLOCK=False and/")
+             "moe_overlap/kernels/swiglu.py|s/return ffn <= _FP8_BLOCK and asked is not False/return False/")
 
 fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0 (FP8_PARAM_EXTRA: overrides of
   # every run)
@@ -1667,8 +1668,8 @@ PY
     ;;
   fp8_handoff1)  # issue 39, the fine-grained model at one GPU: the permutation around the experts writes their FP8
     # rows in its own pass (fc1's input, fc2's output gradient; kernels/permute.Fp8Handoff) and the FP8 SwiGLU
-    # forward reads a row once: their GPU tests, the SwiGLU kernels, then the model alternating with the tree
-    # without both (HANDOFF_LAUNCHES: the launches, "handoff before" by default)
+    # kernels keep a row in registers: their GPU tests, the kernels, then the model alternating with the tree
+    # without them (HANDOFF_LAUNCHES: the launches, "handoff before" by default)
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests fp8_handoff tests/test_kernels.py tests/test_swiglu_kernel.py tests/test_gpu_fp8.py \
       -k "fp8 or swiglu"

@@ -494,6 +494,7 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
             fns[f"fused_fp8_{per_sm}_per_sm"] = lambda per_sm=per_sm: S.swiglu_forward_fp8(h, programs_per_sm=per_sm)
         grad_a = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
         fns["bwd_fused_fp8"] = lambda: S.swiglu_backward_fp8(h, grad_a)
+        fns["bwd_fused_fp8_two_pass"] = lambda: S.swiglu_backward_fp8(h, grad_a, one_block=False)  # before 11-28 late
         fns["bwd_then_quantize_rows"] = lambda: quantize_rows(S.swiglu_backward(h, grad_a)[0])
         fns["bwd_bf16_alone"] = lambda: S.swiglu_backward(h, grad_a)
         for per_sm in (2, 8, 32):

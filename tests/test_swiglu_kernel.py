@@ -91,8 +91,9 @@ def test_fp8_forward_is_the_quantized_activation_in_the_interpreter(monkeypatch,
 @pytest.mark.parametrize("rows,ffn", [(0, 8), (1, 8), (7, 24), (33, 72), (5, 2100)])
 def test_fp8_backward_adds_the_quantized_gradient_in_the_interpreter(monkeypatch, rows, ffn):
     """swiglu_backward_fp8: the backward's grad_h and a as swiglu_backward gives them, and grad_h's rows quantized
-    as quantize_rows would (both halves of a row under one scale); rows past the count left unwritten; the twin
-    without the interpreter."""
+    as quantize_rows would (both halves of a row under one scale), from registers where a row fits a block, read
+    back where it does not (2100, or asked: one_block=False); rows past the count left unwritten; the twin without
+    the interpreter."""
     from moe_overlap.kernels.fp8_quant import quantize_rows_torch
 
     g = torch.Generator().manual_seed(rows + ffn + 1)
@@ -102,9 +103,10 @@ def test_fp8_backward_adds_the_quantized_gradient_in_the_interpreter(monkeypatch
     assert all(torch.equal(x, y) for x, y in zip(got, (grad_h, a, *quantize_rows_torch(grad_h))))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     grad_h, a = S.swiglu_backward_triton(h, grad_a)
-    got = S.swiglu_backward_fp8(h, grad_a)
-    assert torch.equal(got[0], grad_h) and torch.equal(got[1], a)
-    fp8_matches(*got[2:], *quantize_rows_torch(grad_h))
+    for one_block in (None, False):
+        got = S.swiglu_backward_fp8(h, grad_a, one_block=one_block)
+        assert torch.equal(got[0], grad_h) and torch.equal(got[1], a)
+        fp8_matches(*got[2:], *quantize_rows_torch(grad_h))
     if rows > 2:
         h[rows - 2:] = float("nan")
         got = S.swiglu_backward_fp8(h, grad_a, torch.tensor([rows - 2]))

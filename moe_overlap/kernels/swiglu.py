@@ -87,37 +87,61 @@ if HAVE_TRITON:
                             tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     # The backward, and fc1's output gradient as FP8 rows too (for its rowwise dgrad), each row by one program at a
-    # time: the first pass writes grad_h and a as the backward does and takes grad_h's amax, the second reads the
-    # row of grad_h back (from L2; after a barrier: other threads wrote it) and quantizes it.
+    # time: grad_h and a written as the backward does, grad_h's amax taken, then grad_h quantized. A row in one block
+    # (ONE_BLOCK: FF <= BLOCK) is quantized from registers. A longer one is read back (from L2; after a barrier:
+    # other threads wrote it) in a second pass.
     def _swiglu_bwd_fp8_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, q_ptr, scale_ptr, rows_ptr, FF,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         out_ty = grad_h_ptr.dtype.element_ty
+        q_ty = q_ptr.dtype.element_ty
         for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
             amax = tl.full((BLOCK,), 0.0, tl.float32)
-            for start in range(0, FF, BLOCK):
-                mask = start + cols < FF
-                gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                grad = tl.load(grad_a_ptr + row * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if ONE_BLOCK:
+                mask = cols < FF
+                gate = tl.load(h_ptr + row * 2 * FF + cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(h_ptr + row * 2 * FF + FF + cols, mask=mask, other=0.0).to(tl.float32)
+                grad = tl.load(grad_a_ptr + row * FF + cols, mask=mask, other=0.0).to(tl.float32)
                 sig = 1.0 / (1.0 + tl.exp(-gate))
                 silu = gate * sig
-                grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty)
-                grad_up = (grad * silu).to(out_ty)
-                tl.store(grad_h_ptr + row * 2 * FF + start + cols, grad_gate, mask=mask)
-                tl.store(grad_h_ptr + row * 2 * FF + FF + start + cols, grad_up, mask=mask)
-                tl.store(a_ptr + row * FF + start + cols, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
-                amax = tl.maximum(amax, tl.maximum(tl.abs(grad_gate.to(tl.float32)), tl.abs(grad_up.to(tl.float32))))
-            amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
-            tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
-            inverse = tl.math.div_rn(_FP8_MAX, amax)
-            tl.debug_barrier()
-            for start in range(0, 2 * FF, BLOCK):
-                mask = start + cols < 2 * FF
-                v = tl.load(grad_h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                q = tl.minimum(tl.maximum(v * inverse, -_FP8_MAX), _FP8_MAX)
-                tl.store(q_ptr + row * 2 * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.debug_barrier()  # the next row's first pass must not overtake this row's reads
+                grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty).to(tl.float32)
+                grad_up = (grad * silu).to(out_ty).to(tl.float32)
+                tl.store(grad_h_ptr + row * 2 * FF + cols, grad_gate.to(out_ty), mask=mask)
+                tl.store(grad_h_ptr + row * 2 * FF + FF + cols, grad_up.to(out_ty), mask=mask)
+                tl.store(a_ptr + row * FF + cols, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+                amax = tl.maximum(amax, tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)))
+                amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
+                tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
+                inverse = tl.math.div_rn(_FP8_MAX, amax)
+                q_gate = tl.minimum(tl.maximum(grad_gate * inverse, -_FP8_MAX), _FP8_MAX)
+                q_up = tl.minimum(tl.maximum(grad_up * inverse, -_FP8_MAX), _FP8_MAX)
+                tl.store(q_ptr + row * 2 * FF + cols, q_gate.to(q_ty), mask=mask)
+                tl.store(q_ptr + row * 2 * FF + FF + cols, q_up.to(q_ty), mask=mask)
+            else:
+                for start in range(0, FF, BLOCK):
+                    mask = start + cols < FF
+                    gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    grad = tl.load(grad_a_ptr + row * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    sig = 1.0 / (1.0 + tl.exp(-gate))
+                    silu = gate * sig
+                    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty)
+                    grad_up = (grad * silu).to(out_ty)
+                    tl.store(grad_h_ptr + row * 2 * FF + start + cols, grad_gate, mask=mask)
+                    tl.store(grad_h_ptr + row * 2 * FF + FF + start + cols, grad_up, mask=mask)
+                    tl.store(a_ptr + row * FF + start + cols, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+                    amax = tl.maximum(amax, tl.maximum(tl.abs(grad_gate.to(tl.float32)),
+                                                       tl.abs(grad_up.to(tl.float32))))
+                amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
+                tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
+                inverse = tl.math.div_rn(_FP8_MAX, amax)
+                tl.debug_barrier()
+                for start in range(0, 2 * FF, BLOCK):
+                    mask = start + cols < 2 * FF
+                    v = tl.load(grad_h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    q = tl.minimum(tl.maximum(v * inverse, -_FP8_MAX), _FP8_MAX)
+                    tl.store(q_ptr + row * 2 * FF + start + cols, q.to(q_ty), mask=mask)
+                tl.debug_barrier()  # the next row's first pass must not overtake this row's reads
 
     _fwd = Kernel(_swiglu_fwd_kernel)
     _bwd = Kernel(_swiglu_bwd_kernel)
@@ -217,8 +241,13 @@ def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = No
         _fwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm),), h_TF2.device](
             h_TF2, q_TF, scale_T, _row_count(valid_rows, h_TF2), ffn,
             BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)),
-            ONE_BLOCK=ffn <= _FP8_BLOCK if one_block is None else one_block and ffn <= _FP8_BLOCK, num_warps=8)
+            ONE_BLOCK=_one_block(ffn, one_block), num_warps=8)
     return q_TF, scale_T
+
+
+def _one_block(ffn: int, asked: bool | None) -> bool:
+    """Whether the FP8 kernels keep a row in registers: where it fits one block, unless asked not to."""
+    return ffn <= _FP8_BLOCK and asked is not False
 
 
 def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None) -> int:
@@ -231,11 +260,11 @@ def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None) -
 
 
 def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows: torch.Tensor | None = None,
-                        programs_per_sm: int | None = None
+                        programs_per_sm: int | None = None, one_block: bool | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, a, q, scale): :func:`swiglu_backward`'s two, and grad_h quantized per row as
-    kernels/fp8_quant.quantize_rows does (the rowwise FP8 dgrad's operand), in one kernel. ``valid_rows`` and
-    ``programs_per_sm`` as for :func:`swiglu_forward_fp8`."""
+    kernels/fp8_quant.quantize_rows does (the rowwise FP8 dgrad's operand), in one kernel. ``valid_rows``,
+    ``programs_per_sm`` and ``one_block`` as for :func:`swiglu_forward_fp8`."""
     if not use_triton(h_TF2, "swiglu"):
         grad_h_TF2, a_TF = swiglu_backward_torch(h_TF2, grad_a_TF)
         return grad_h_TF2, a_TF, *quantize_rows_torch(grad_h_TF2)
@@ -248,7 +277,7 @@ def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows
     if rows and ffn:
         _bwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm),), h_TF2.device](
             h_TF2, grad_a_TF, grad_h_TF2, a_TF, q_TF2, scale_T, _row_count(valid_rows, h_TF2), ffn,
-            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), num_warps=8)
+            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=_one_block(ffn, one_block), num_warps=8)
     return grad_h_TF2, a_TF, q_TF2, scale_T
 
 
