@@ -1061,6 +1061,19 @@ model.moe_router_bias_update_rate=1e-3" ROUTING_NAME=mb2_sigmoid_bias1e-3_aux1e-
       --variant "fp8_wire:$FP8,overlap.moe_dispatch_dtype=fp8" \
       --variant "fp8_compute_only:$FP8,overlap.moe_pipeline=true,overlap.moe_compute_only=true"
     ;;
+  fp8_4b)  # issue 39 at EP=4 with rowwise's fast input gradients (the default since 2026-11-28) and the handoff:
+    # fp8_4's rows without its tests first, then the FP8 layouts at 4 ranks in what time is left
+    FP8="train.fp8_recipe=rowwise"
+    train_step 4 fine_8l balanced_fp8_fast "$BAL" --profile-steps 0 --variant "fp8:$FP8" \
+      --variant "fp8_wire:$FP8,overlap.moe_dispatch_dtype=fp8" \
+      --variant "fp8_wire_compute_only:$FP8,overlap.moe_dispatch_dtype=fp8,overlap.moe_pipeline=true,overlap.moe_compute_only=true"
+    pack
+    log=$out/gpu_tests_fp8_layouts_fast_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py" > "$log"
+    timeout -k 10 $(( $(left) - 15 )) python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py \
+      2>&1 | tail -n 25 | tee -a "$log"
+    cp "$log" $res/
+    ;;
   fp8_mixtral4)  # issue 39 at EP=4 on wide GEMMs: the Mixtral-like bench model balanced, bf16 (the default,
     # compute_only, ep1) beside train.fp8_recipe=rowwise, each token once per rank in bf16, and FP8 on the wire
     FP8="train.fp8_recipe=rowwise"
