@@ -250,11 +250,13 @@ converge_fp8() {  # tag, the GPUs of seeds a and b, the machine's words, then ov
   pack
 }
 
-gpu0_tests() {  # log name, then test files: pytest -m gpu on the visible GPU(s), the log's tail kept under $res
+gpu0_tests() {  # log name, then test files: pytest -m gpu on the visible GPU(s), the log's tail kept under $res and
+  # the whole output under $out (a failure's traceback comes back with the call's files)
   local log=$out/gpu_tests_$1_1x$gpu.txt
   shift
   echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $*" > "$log"
-  timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tail -n 6 | tee -a "$log"
+  timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tee "${log%.txt}_full.log" \
+    | tail -n 6 | tee -a "$log"
   cp "$log" $res/
 }
 
