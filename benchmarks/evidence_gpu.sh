@@ -68,6 +68,11 @@
 #                                                  #   the GPU tests they touch
 #   bash benchmarks/evidence_gpu.sh slicesx4 OUT   # token slices at carve-out auto, 0, 16, 64; the shared expert again
 #   bash benchmarks/evidence_gpu.sh shared2  OUT   # the shared expert beside the combine against after it, EP=2
+#   bash benchmarks/evidence_gpu.sh fp8_handoff1 OUT # one GPU: the permutation's FP8 rows and the SwiGLU kernels'
+#                                                  #   rows in registers: GPU tests, kernels, the fine model with and
+#                                                  #   without them (fp8_handoff2: again, profiled; Mixtral-like)
+#   bash benchmarks/evidence_gpu.sh fp8_4b   OUT   # EP=4 fine, rowwise with fast input gradients, FP8 on the wire,
+#                                                  #   compute_only, ep1; then the FP8 layouts at 4 ranks
 #   bash benchmarks/evidence_gpu.sh now4     OUT   # the fine ep1 row on text, the fine 4-GPU example, the slow fabric
 #                                                  #   fine row with forced routing that spreads
 #   bash benchmarks/evidence_gpu.sh spread2  OUT   # the same at EP=2 (GPUs 0-1) beside the fine 2-GPU example at
