@@ -18,6 +18,10 @@ Rows that no copy maps to are zero in every output (capacity padding), unless th
 one-element device count) bounds the fill instead: only rows below it are read (a static buffer sized for the
 worst case, used up to its grouped offsets), so only they are zeroed and the fill costs the rows in use.
 
+`fp8_out` (permute, unpermute_backward; every row mapped): the rows written also as E4M3 with one float32 scale
+each, bit for bit what kernels/fp8_quant.quantize_rows makes of them, in the same pass; `Fp8Handoff` carries them
+from Permute and Unpermute to the rowwise FP8 GEMMs that read those rows next (layers/experts.py).
+
 Every public function dispatches: the Triton kernel when the tensors live on CUDA, or when TRITON_INTERPRET=1
 is set (CPU tests; read at call time), the torch twin otherwise. `*_triton` and `*_torch` name each side
 explicitly. No function here syncs with the host: sizes the host needs (num_rows) come from the caller.
