@@ -94,6 +94,8 @@ class Trainer:
             log.warning("overlap.moe_compute_only: every rank's MoE rows stay in its own memory (a benchmark's "
                         "reference without the exchange's transfers); its learning rate is held at 0 and its loss "
                         "means nothing")
+        self._moe_layers = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
+        self._exchange = next((m.transports for m in self._moe_layers if m.transports is not None), None)
         self._stash = self._paged_stash(stages)  # before the graphs capture the MoE layers' stash
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired,
@@ -114,8 +116,6 @@ class Trainer:
         # The device-planned exchange's receive bound (overlap.moe_expert_rank_capacity_factor): a step in which any
         # rank's rows overflowed it is skipped on the device and run again planned on the host (_run_again); the
         # step queued behind it (fit queues one ahead) ran on the same weights and is skipped too, by this flag
-        self._moe_layers = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
-        self._exchange = next((m.transports for m in self._moe_layers if m.transports is not None), None)
         self._bounded = bounded_exchange(cfg)  # from the config alone: every rank joins the reduction
         # the pipelined exchange counts the bytes it sends (moe_exchange_gib); from the config, as _bounded
         self._counted = (cfg.model.num_moe_experts is not None and bool(cfg.overlap.moe_pipeline)
@@ -189,15 +189,14 @@ class Trainer:
         """``overlap.moe_paged_stash_factor``: one pool of pages for every device-planned MoE layer call in flight on
         this rank (its schedule's units in flight x the most MoE layers of one of its model chunks), which every MoE
         layer keeps its backward's tensors in; None without the factor or a device-planned exchange."""
-        moe_layers = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
-        exchange = next((layer.transports for layer in moe_layers if layer.transports is not None), None)
+        exchange = self._exchange
         if self.cfg.overlap.moe_paged_stash_factor is None or exchange is None or exchange.planning != "device":
             return None
         rank = self.mesh.pp.rank
         calls = in_flight(self.pipeline.schedule.ranks[rank]) * stages.most_moe_layers(rank, self.cfg.model)
         rows, stashes, row_bytes, page_rows = paged_stash_size(self.cfg, calls)
         stash = PagedStash(rows, stashes, row_bytes, self.device, exchange.count_overflow, page_rows)
-        for layer in moe_layers:
+        for layer in self._moe_layers:
             layer.stash = stash
         if self.mesh.rank == 0:
             log.info("MoE paged stash: %d pages of %d rows x %d bytes (%.2f GiB a rank) for %d layer calls in flight "
