@@ -553,6 +553,67 @@ def permute_fp8_rows(rounds: int) -> list[dict]:
     return out
 
 
+def quantize_rows_rows(rounds: int) -> list[dict]:
+    """quantize_rows at the dense linears' activations (8,192 tokens; the fine model's 1,024 to 3,072 wide, the
+    Mixtral-like's 4,096) and the expert rows (65,536 x 2,048): a row read once, in registers, against read twice
+    (the limit lowered below the width), bit for bit the same."""
+    import torch
+
+    from moe_overlap.kernels import fp8_quant
+
+    out = []
+    limit = fp8_quant._ROW_ONE_BLOCK_MAX
+    for rows, width in ((8192, 1024), (8192, 2048), (8192, 3072), (8192, 4096), (65536, 2048)):
+        x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3
+        q, scale = fp8_quant.quantize_rows(x)
+
+        def two_passes():
+            fp8_quant._ROW_ONE_BLOCK_MAX = width - 1
+            try:
+                return fp8_quant.quantize_rows(x, q, scale)
+            finally:
+                fp8_quant._ROW_ONE_BLOCK_MAX = limit
+
+        want_q, want_scale = two_passes()
+        want_q, want_scale = want_q.clone(), want_scale.clone()
+        got_q, got_scale = fp8_quant.quantize_rows(x)
+        same = torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_scale, want_scale)
+        ms = timed({"one_block": lambda: fp8_quant.quantize_rows(x, q, scale), "two_passes": two_passes}, rounds,
+                   reps=20)
+        out.append({"section": "quantize_rows", "rows": rows, "width": width, "ms": ms, "bit_for_bit": same,
+                    "hbm_tb_per_s": {k: rows * width * 3 / v / 1e9 for k, v in ms.items()}})
+        print(rows, width, {k: round(v, 4) for k, v in ms.items()}, "bit for bit" if same else "DIFFERS", flush=True)
+    return out
+
+
+def router_logits_rows(rounds: int) -> list[dict]:
+    """The router's logits forward + backward at the bench models' shapes (8,192 tokens; the fine model's hidden
+    2,048 and 64 experts, the Mixtral-like's 4,096 and 8): bf16 tokens and weight on the tensor cores
+    (layers/router.Bf16Logits) against the fp32 GEMMs of the values cast up (the path before)."""
+    import torch
+    import torch.nn.functional as F
+
+    from moe_overlap.layers.router import Bf16Logits
+
+    out = []
+    for name, (tokens, hidden, experts) in {"fine": (8192, 2048, 64), "mixtral": (8192, 4096, 8)}.items():
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(experts, hidden, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+        grad = torch.randn(tokens, experts, device="cuda") * 1e-4
+
+        def run(logits_of):
+            x.grad = w.grad = None
+            logits_of().backward(grad)
+
+        fns = {"bf16_tensor_cores": lambda: run(lambda: Bf16Logits.apply(x, w)),
+               "fp32_cast_up": lambda: run(lambda: F.linear(x.float(), w.float()))}
+        ms = timed(fns, rounds, reps=10)
+        out.append({"section": "router_logits", "shape": name, "tokens": tokens, "hidden": hidden,
+                    "experts": experts, "ms": ms})
+        print(name, {k: round(v, 4) for k, v in ms.items()}, flush=True)
+    return out
+
+
 def weight_fp8_rows(rounds: int) -> list[dict]:
     """Per expert weight (E, M, K) bf16: its rows and columns FP8 copies made by the two kernels one after the
     other, and by the one function that makes both, each into the same preallocated copies (as the weight cache
@@ -677,7 +738,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, permute_fp8, "
-                             "weight_fp8, "
+                             "weight_fp8, quantize_rows, router_logits, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
@@ -695,6 +756,8 @@ def main(argv=None) -> None:
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         permute_fp8_rows(args.rounds) if "permute_fp8" in sections else []) + (
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
+        quantize_rows_rows(args.rounds) if "quantize_rows" in sections else []) + (
+        router_logits_rows(args.rounds) if "router_logits" in sections else []) + (
         fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (
         fp8_param_rows(args.rounds) if "fp8_param" in sections else []) + (
         fp8_blockwise_rows(args.rounds, args.shapes.split(",")) if "fp8_blockwise" in sections else []) + (

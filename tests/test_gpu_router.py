@@ -1,6 +1,7 @@
 """The merged router kernel compiled for the GPU (`pytest -m gpu`; tests/test_router.py runs it interpreted on CPU)
 against its torch twin at the bench models' shapes, the router choosing and forced: the same experts and counts,
-the weights within 1e-6; forced, every expert exactly its share.
+the weights within 1e-6; forced, every expert exactly its share. The bf16 router's logits on the tensor cores
+against the fp64 products and the fp32 GEMM they replace.
 
     CUDA_VISIBLE_DEVICES=0 python -m pytest -m gpu tests/test_gpu_router.py
 """
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from moe_overlap.kernels.router import forced_expert_orders, topk_route, topk_route_torch
+from moe_overlap.layers.router import Bf16Logits
+from tests.test_router import bf16_rounded_sums
 
 pytestmark = pytest.mark.gpu
 
@@ -33,3 +36,23 @@ def test_router_kernel_equals_its_twin_on_the_gpu(shape, pre_softmax, forced):
     assert float((probs_TK - want_probs_TK).abs().max()) < 1e-6
     if forced:
         assert torch.equal(copies_E, torch.full_like(copies_E, tokens * k // experts))
+
+
+@pytest.mark.parametrize("shape", [(8192, 2048, 64), (4096, 4096, 8)], ids=["fine", "mixtral"])
+def test_bf16_router_logits_on_tensor_cores_are_the_fp32_gemms(shape):
+    """Bf16Logits on the GPU (cuBLAS, bf16 in, fp32 out): the logits within fp32 round-off of the fp64 products and of
+    the fp32 GEMM of the values cast up (the router's path before); both gradients within half a bf16 step (plus the
+    fp32 sums' error) of fp64's."""
+    T, H, E = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    logits = Bf16Logits.apply(x, w)
+    want = x.detach().double() @ w.detach().double().t()
+    scale = want.abs().max()
+    assert (logits.double() - want).abs().max() <= 2e-6 * scale
+    fp32 = torch.nn.functional.linear(x.detach().float(), w.detach().float())
+    assert (logits - fp32).abs().max() <= 2e-6 * scale
+    grad = torch.randn(T, E, device="cuda", generator=g) * 1e-4
+    logits.backward(grad)
+    assert bf16_rounded_sums(x.grad, grad, w.detach()) and bf16_rounded_sums(w.grad, grad.t(), x.detach())

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moe_overlap.config import ConfigError, load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.kernels.router import FORCED_ORDERS, forced_expert_orders, forced_experts
-from moe_overlap.layers.router import Router
+from moe_overlap.layers.router import Bf16Logits, Router, bf16_parts
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.trainer import Trainer
 from tests.test_dist_optimizer import parameters
@@ -210,6 +210,41 @@ def test_router_math_is_fp32_under_bf16():
     routing = router(tokens(dtype=torch.bfloat16))
     assert router.expert_bias.dtype == torch.float32
     assert {routing.probs_TK.dtype, routing.aux_loss.dtype, routing.z_loss.dtype} == {torch.float32}
+
+
+def test_bf16_parts_hold_every_bit_of_the_fp32_gradient():
+    g = torch.randn(64, 24, dtype=torch.float64).mul(torch.logspace(-20, 20, 24, dtype=torch.float64)).float()
+    parts = bf16_parts(g)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (64, 72)
+    hi, mid, lo = parts.float().split(24, dim=1)
+    assert torch.equal((hi + mid) + lo, g)
+
+
+def bf16_rounded_sums(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether got (bf16) is a @ b (fp64 from the bf16 a, b) rounded once to bf16 after fp32 sums: within half a bf16
+    step of it (relative 2^-8) plus the fp32 sums' error bound (2^-20 of the sum of the products' magnitudes)."""
+    want, magnitudes = a.double() @ b.double(), a.double().abs() @ b.double().abs()
+    return bool(((got.double() - want).abs() <= 0.51 * 2.0 ** -7 * want.abs() + 2.0 ** -20 * magnitudes).all())
+
+
+def test_bf16_router_logits_are_the_fp32_gemms_products():
+    """Bf16Logits (bf16 tokens and weight): the logits are exact products summed in fp32, as the fp32 GEMM of the
+    values cast up; the gradients, through the fp32 gradient's three bf16 parts, are the exact products rounded
+    once to bf16 (within half a bf16 step of the fp64 result, plus the fp32 sum's own error)."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 256).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(16, 256) * 0.02).to(torch.bfloat16).requires_grad_()
+    logits = Bf16Logits.apply(x, w)
+    want = x.detach().double() @ w.detach().double().t()
+    assert logits.dtype == torch.float32
+    assert (logits.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    g = torch.randn(96, 16) * 1e-3
+    logits.backward(g)
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert bf16_rounded_sums(x.grad, g, w.detach()) and bf16_rounded_sums(w.grad, g.t(), x.detach())
+    assert not bf16_rounded_sums(x.grad, g.to(torch.bfloat16).float() * (1 + 2.0 ** -6), w.detach())
+    reference = F.linear(x.detach().float().requires_grad_(), w.detach().float())  # the fp32 GEMM they replace
+    assert torch.allclose(logits, reference, rtol=1e-6, atol=1e-6)
 
 
 def test_group_limited_never_picks_a_masked_group():

@@ -79,6 +79,45 @@ def count_copies(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, num_exp
     return counts_E.scatter_add_(0, experts_TK.flatten(), ones.flatten())
 
 
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 matrices summed and returned in fp32: on CUDA the tensor cores' GEMM with an fp32 output, on
+    the CPU its twin in fp32 (a bf16 product is exact in fp32, so both are the fp32 GEMM's sums, in their order)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def bf16_parts(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 x (rows, cols) as three bf16 parts side by side (rows, 3 * cols): hi + mid + lo hold its 24 bits, so a
+    GEMM over them is the fp32 GEMM's exact products."""
+    hi = x.to(torch.bfloat16)
+    rest = x - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.cat([hi, mid, (rest - mid.float()).to(torch.bfloat16)], dim=1)
+
+
+class Bf16Logits(torch.autograd.Function):
+    """The fp32 router logits of bf16 tokens and weight, x_TH @ w_EH^T, on the tensor cores: every product is exact
+    in fp32 and summed in fp32, as the fp32 GEMM of the tokens and weight cast up (Megatron's fp32 router) computes
+    them, but for the order of the sums (the fp32 GEMMs ran on the CUDA cores: 13 ms of the fine bench model's step
+    on an H200). The backward splits the logits' fp32 gradient into three bf16 parts (:func:`bf16_parts`), so both
+    gradients are again exact products summed in fp32, rounded once to the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx, x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TH, w_EH)
+        return mm_fp32(x_TH, w_EH.t())
+
+    @staticmethod
+    def backward(ctx, grad_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_TH, w_EH = ctx.saved_tensors
+        E = w_EH.shape[0]
+        grad_T3E = bf16_parts(grad_TE.float())
+        grad_x = mm_fp32(grad_T3E, w_EH.repeat(3, 1)).to(x_TH.dtype)
+        grad_w = mm_fp32(grad_T3E.t(), x_TH).view(3, E, -1).sum(0).to(w_EH.dtype)
+        return grad_x, grad_w
+
+
 class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, topk: int, pre_softmax: bool, load_balancing_type: str,
                  aux_loss_coeff: float, z_loss_coeff: float, device=None, dtype=None, *,
@@ -120,6 +159,8 @@ class Router(nn.Module):
         return self.route(self.logits(x_TH))
 
     def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        if x_TH.dtype == self.weight.dtype == torch.bfloat16:
+            return Bf16Logits.apply(x_TH, self.weight)
         compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
         return F.linear(x_TH.to(compute_dtype), self.weight.to(compute_dtype))
 
