@@ -330,17 +330,22 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
             raise ValueError(str(refusal))
     weight = moe_layers[0].experts.w13
     prepare_device_clock(weight.device)  # the graphs time their waits for peers on it (streams.exposed_wait)
-    samples = tuple((torch.randn(input_shape, device=weight.device, dtype=weight.dtype, requires_grad=True),)
-                    for _ in moe_layers)
+
+    def samples() -> tuple[tuple[torch.Tensor], ...]:
+        """Each set's own static inputs: a replay copies its input there, and a layer may save its input for the
+        backward (the router's logits do), so a set's must outlive the next set's forward."""
+        return tuple((torch.randn(input_shape, device=weight.device, dtype=weight.dtype, requires_grad=True),)
+                     for _ in moe_layers)
+
     # NCCL's watchdog thread queries events during a capture, which the default "global" capture mode
     # counts as an illegal call from another thread: capture in "thread_local" mode.
     graph = torch.cuda.graph
     torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")
     try:
         sets = [tuple(_GraphCopy(layer) for layer in moe_layers) for _ in range(copies - 1)]
-        torch.cuda.make_graphed_callables(moe_layers, samples)
+        torch.cuda.make_graphed_callables(moe_layers, samples())
         for graph_set in sets:
-            torch.cuda.make_graphed_callables(graph_set, samples)  # its own call: its own memory pool
+            torch.cuda.make_graphed_callables(graph_set, samples())  # its own call: its own memory pool
     finally:
         torch.cuda.graph = graph
     for index, layer in enumerate(moe_layers):  # not submodules: the parameters stay the layer's
