@@ -71,8 +71,8 @@
 #   bash benchmarks/evidence_gpu.sh fp8_handoff1 OUT # one GPU: the permutation's FP8 rows and the SwiGLU kernels'
 #                                                  #   rows in registers: GPU tests, kernels, the fine model with and
 #                                                  #   without them (fp8_handoff2: again, profiled; Mixtral-like)
-#   bash benchmarks/evidence_gpu.sh router_rows2 OUT # 2 GPUs: the suite, then the router's tensor-core logits and
-#                                                  #   quantize_rows' one-read rows against what they replace
+#   bash benchmarks/evidence_gpu.sh router_rows2 OUT # 2 GPUs: the suite, then the router's tensor-core logits
+#                                                  #   against the fp32 GEMMs they replace
 #   bash benchmarks/evidence_gpu.sh router_rows1 OUT # one GPU: both bench models with and without them, alternating
 #   bash benchmarks/evidence_gpu.sh fp8_4b   OUT   # EP=4 fine, rowwise with fast input gradients, FP8 on the wire,
 #                                                  #   compute_only, ep1; then the FP8 layouts at 4 ranks
@@ -287,10 +287,9 @@ FUSIONS_OFF=("moe_overlap/kernels/fp8_wgrad.py|s/one_pass: bool = True/one_pass:
 HANDOFF_OFF=("moe_overlap/layers/experts.py|s/return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None/return None/"
              "moe_overlap/kernels/swiglu.py|s/return ffn <= _FP8_BLOCK and asked is not False/return False/")
 
-# 2026-11-28 evening: the bf16 router's logits on the tensor cores (layers/router.Bf16Logits) and quantize_rows' rows
-# read once, in registers, undone
-ROUTER_ROWS_OFF=("moe_overlap/layers/router.py|s/if x_TH.dtype == self.weight.dtype == torch.bfloat16:/if False:/"
-                 "moe_overlap/kernels/fp8_quant.py|s/one_block = K <= _ROW_ONE_BLOCK_MAX/one_block = False/")
+# 2026-11-28 evening: the bf16 router's logits on the tensor cores (layers/router.Bf16Logits) undone. (router_rows1 ran
+# at b51f9bf, where this also undid quantize_rows reading a row once, in registers: it gained nothing, and was reverted)
+ROUTER_ROWS_OFF=("moe_overlap/layers/router.py|s/if x_TH.dtype == self.weight.dtype == torch.bfloat16:/if False:/")
 
 fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0 (FP8_PARAM_EXTRA: overrides of
   # every run)
@@ -1716,15 +1715,15 @@ PY
     PROFILE=handoff_again FP8_MODEL=fine_8l fp8_runs fp8_handoff /tmp/fp8_handoff_before handoff_again before_again
     fp8_runs fp8_handoff /tmp/fp8_handoff_before handoff
     ;;
-  router_rows2)  # the bf16 router's logits on the tensor cores and quantize_rows' one-read rows: the GPU suite at 2
-    # GPUs (every layout's bf16 rule runs the new router), then both kernels against what they replace
+  router_rows2)  # the bf16 router's logits on the tensor cores: the GPU suite at 2 GPUs (every layout's bf16 rule
+    # runs the new router), then the logits' kernels against the fp32 GEMMs they replace
     suite 2x 0,1 440
     export CUDA_VISIBLE_DEVICES=0
-    timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections quantize_rows,router_logits --rounds 10 \
+    timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections router_logits --rounds 10 \
       --json $res/step_kernels_router_rows_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-300
     ;;
   router_rows1)  # the same on the models, one GPU: each launch bf16 then rowwise FP8, alternating with the tree
-    # without the two (ROUTER_LAUNCHES: the fine model's launches; then the Mixtral-like model's "new before")
+    # without it (ROUTER_LAUNCHES: the fine model's launches; then the Mixtral-like model's "new before")
     export CUDA_VISIBLE_DEVICES=0
     tree_before router_rows_before "${ROUTER_ROWS_OFF[@]}"
     PROFILE=new FP8_MODEL=fine_8l fp8_runs router_rows /tmp/router_rows_before ${ROUTER_LAUNCHES:-new before before_again new_again}

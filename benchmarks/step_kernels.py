@@ -553,39 +553,6 @@ def permute_fp8_rows(rounds: int) -> list[dict]:
     return out
 
 
-def quantize_rows_rows(rounds: int) -> list[dict]:
-    """quantize_rows at the dense linears' activations (8,192 tokens; the fine model's 1,024 to 3,072 wide, the
-    Mixtral-like's 4,096) and the expert rows (65,536 x 2,048): a row read once, in registers, against read twice
-    (the limit lowered below the width), bit for bit the same."""
-    import torch
-
-    from moe_overlap.kernels import fp8_quant
-
-    out = []
-    limit = fp8_quant._ROW_ONE_BLOCK_MAX
-    for rows, width in ((8192, 1024), (8192, 2048), (8192, 3072), (8192, 4096), (65536, 2048)):
-        x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3
-        q, scale = fp8_quant.quantize_rows(x)
-
-        def two_passes():
-            fp8_quant._ROW_ONE_BLOCK_MAX = width - 1
-            try:
-                return fp8_quant.quantize_rows(x, q, scale)
-            finally:
-                fp8_quant._ROW_ONE_BLOCK_MAX = limit
-
-        want_q, want_scale = two_passes()
-        want_q, want_scale = want_q.clone(), want_scale.clone()
-        got_q, got_scale = fp8_quant.quantize_rows(x)
-        same = torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_scale, want_scale)
-        ms = timed({"one_block": lambda: fp8_quant.quantize_rows(x, q, scale), "two_passes": two_passes}, rounds,
-                   reps=20)
-        out.append({"section": "quantize_rows", "rows": rows, "width": width, "ms": ms, "bit_for_bit": same,
-                    "hbm_tb_per_s": {k: rows * width * 3 / v / 1e9 for k, v in ms.items()}})
-        print(rows, width, {k: round(v, 4) for k, v in ms.items()}, "bit for bit" if same else "DIFFERS", flush=True)
-    return out
-
-
 def router_logits_rows(rounds: int) -> list[dict]:
     """The router's logits forward + backward at the bench models' shapes (8,192 tokens; the fine model's hidden
     2,048 and 64 experts, the Mixtral-like's 4,096 and 8): bf16 tokens and weight on the tensor cores
@@ -738,7 +705,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, permute_fp8, "
-                             "weight_fp8, quantize_rows, router_logits, "
+                             "weight_fp8, router_logits, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
@@ -756,7 +723,6 @@ def main(argv=None) -> None:
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         permute_fp8_rows(args.rounds) if "permute_fp8" in sections else []) + (
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
-        quantize_rows_rows(args.rounds) if "quantize_rows" in sections else []) + (
         router_logits_rows(args.rounds) if "router_logits" in sections else []) + (
         fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (
         fp8_param_rows(args.rounds) if "fp8_param" in sections else []) + (

@@ -15,7 +15,6 @@ from moe_overlap.config import ConfigError, load_config, validate_for_world
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm
 from moe_overlap.kernels.swiglu import swiglu_backward
-from moe_overlap.kernels import fp8_quant
 from moe_overlap.kernels.fp8_quant import (AMAX_FLOOR, FP8, FP8_MAX, column_amax, dequantize, dequantize_rows,
                                            quantize_along_torch, quantize_columns, quantize_columns_torch,
                                            quantize_rows, quantize_rows_and_columns, quantize_rows_torch, row_amax)
@@ -112,14 +111,10 @@ def assert_twin_but_interpreter_faults(q: torch.Tensor, q_twin: torch.Tensor) ->
     assert differs.float().mean() < 0.2
 
 
-@pytest.mark.parametrize("row_path", ["one_block", "two_passes"])
-def test_fp8_triton_kernels_under_the_interpreter(monkeypatch, row_path):
+def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
     """TRITON_INTERPRET=1 runs the kernels' indexing, masking and scales on CPU; q may be off by the interpreter's
-    own E4M3 cast (:func:`assert_twin_but_interpreter_faults`). On GPU the kernels must equal the twin exactly. The
-    row kernel's two paths: a row read once, in registers, and (rows longer than the limit) read twice."""
+    own E4M3 cast (:func:`assert_twin_but_interpreter_faults`). On GPU the kernels must equal the twin exactly."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if row_path == "two_passes":
-        monkeypatch.setattr(fp8_quant, "_ROW_ONE_BLOCK_MAX", 64)
     torch.manual_seed(2)
     x = torch.randn(3, 37, 72) * 3
     x[0, 4] = 0
@@ -136,7 +131,7 @@ def test_fp8_triton_kernels_under_the_interpreter(monkeypatch, row_path):
     assert torch.equal(scale_out[:20], quantize_rows_torch(x[1, :20])[1])
 
 
-@pytest.mark.parametrize("dim", [-1, -2, "rows_two_passes"], ids=["rows", "columns", "rows_two_passes"])
+@pytest.mark.parametrize("dim", [-1, -2], ids=["rows", "columns"])
 def test_fp8_scales_from_a_shared_amax_under_the_interpreter(monkeypatch, dim):
     """The row and column kernels' passes apart, for the scales ranks share (tensor and expert-TP): row_amax /
     column_amax is each row's / column's absolute maximum exactly; quantize_rows / quantize_columns from a given
@@ -144,9 +139,6 @@ def test_fp8_scales_from_a_shared_amax_under_the_interpreter(monkeypatch, dim):
     twin's quantization with that amax (scales exactly; q but for the interpreter's E4M3 faults), on a 2-D x and on
     a weight's matrices."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if dim == "rows_two_passes":  # rows longer than the one-block limit
-        dim = -1
-        monkeypatch.setattr(fp8_quant, "_ROW_ONE_BLOCK_MAX", 64)
     torch.manual_seed(3)
     amax_of, quantize, twin = ((row_amax, quantize_rows, quantize_rows_torch) if dim == -1 else
                                (column_amax, quantize_columns, quantize_columns_torch))

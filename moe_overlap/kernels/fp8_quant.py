@@ -69,15 +69,14 @@ if HAVE_TRITON:
 
     tile_maxima = DeviceFunction(_tile_maxima)
 
-    # One program per row. A row that fits one block (ONE_BLOCK) is read once and quantized from registers; a longer
-    # one is read twice (its amax, then the quantized values), the second time from L2.
+    # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
     # A row at or past the bound is masked off whole (no early return: every program runs the same code). AMAX: 0
     # the row's own; 1 the row's amax stored in amax_ptr and nothing else (ranks that each hold part of the row
     # share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass). ROUND (here and in the column, rows-and-
     # columns and blocks kernels, at every load of x): :func:`_as_stored`'s.
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, bound_ptr, n_rows, K, stride_x, stride_q,
                               stride_scale, HAS_BOUND: tl.constexpr, AMAX: tl.constexpr, ROUND: tl.constexpr,
-                              BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr):
         row = tl.program_id(0)
         limit = n_rows
         if HAS_BOUND:
@@ -85,21 +84,7 @@ if HAVE_TRITON:
         live = row < limit
         row = row.to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        if ONE_BLOCK:
-            mask = (cols < K) & live
-            x = as_stored(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32), ROUND)
-            if AMAX == 2:
-                amax = tl.load(amax_ptr + row, mask=live, other=0.0)
-            else:
-                amax = tl.reduce(tl.abs(x), 0, max_combine)
-            if AMAX == 1:
-                tl.store(amax_ptr + row, amax, mask=live)
-            else:
-                amax = tl.maximum(amax, _FLOOR)
-                tl.store(scale_ptr + row * stride_scale, tl.math.div_rn(amax, _MAX), mask=live)
-                q = tl.minimum(tl.maximum(x * tl.math.div_rn(_MAX, amax), -_MAX), _MAX)
-                tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        elif AMAX == 2:
+        if AMAX == 2:
             amax = tl.load(amax_ptr + row, mask=live, other=0.0)
         else:
             amax_B = tl.full((BLOCK,), 0.0, tl.float32)
@@ -297,8 +282,7 @@ def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, s
     return q, scale
 
 
-_ROW_BLOCK = 1024  # a longer row's blocks
-_ROW_ONE_BLOCK_MAX = 8192  # a row up to this long is read once, in registers (32 fp32 values a thread at 8 warps)
+_ROW_BLOCK = 1024
 _COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
 
 
@@ -340,13 +324,11 @@ def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: in
     if x_rows.stride(1) != 1:
         x_rows = x_rows.contiguous()
     stride_q, stride_scale = (q.stride(0), scale.stride(0)) if x.dim() == 2 and mode != 1 else (K, 1)
-    one_block = K <= _ROW_ONE_BLOCK_MAX
-    block = triton.next_power_of_2(K) if one_block else min(_ROW_BLOCK, triton.next_power_of_2(K))
+    block = min(_ROW_BLOCK, triton.next_power_of_2(K))
     _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if amax is None else amax.reshape(-1),
                                         x_rows if rows_bound is None else rows_bound, x_rows.shape[0], K,
                                         x_rows.stride(0), stride_q, stride_scale, HAS_BOUND=rows_bound is not None,
-                                        AMAX=mode, ROUND=round_, BLOCK=block, ONE_BLOCK=one_block,
-                                        num_warps=8 if block >= 4096 else 4)
+                                        AMAX=mode, ROUND=round_, BLOCK=block)
 
 
 def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
