@@ -12,6 +12,7 @@ from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
 from moe_overlap.layers.experts import GroupedSwiGLU, expert_offsets, grouped_swiglu_reference
+from moe_overlap.layers import moe as moe_module
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.mlp import swiglu
 from moe_overlap.layers.router import Routing
@@ -240,6 +241,24 @@ def test_for_micro_batch_picks_the_graphed_copies_in_turn():
     copies = (torch.nn.Identity(), torch.nn.Identity())
     object.__setattr__(layer, "graph_copies", copies)
     assert [layer.for_micro_batch(i) for i in range(7)] == [layer, *copies, layer, *copies, layer]
+
+
+def test_each_graphed_copy_gets_its_own_static_inputs(monkeypatch):
+    """capture_moe_layers(copies=n) hands every set of graphs its own sample inputs: a replay copies its input into
+    them and a layer may save its input for the backward (the router's logits do), so a set's inputs must outlive
+    the next set's forward (one shared set failed the bf16 rule on 4xH200 under pairing and 1F1B). CUDA graphs
+    themselves are recorded here, not captured."""
+    one_rank = GroupHandle(ranks=[0], group=None, rank=0, size=1)
+    layers = tuple(MoELayer(ModelConfig(hidden_size=16, ffn_hidden_size=16, num_moe_experts=4, moe_router_topk=2),
+                            OverlapConfig(moe_pipeline=False), one_rank) for _ in range(2))
+    calls = []
+    monkeypatch.setattr(moe_module, "prepare_device_clock", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda callables, samples: calls.append(samples))
+    moe_module.capture_moe_layers(layers, (4, 16), copies=3)
+    inputs = [sample[0] for samples in calls for sample in samples]
+    assert len(calls) == 3 and len(inputs) == 6
+    assert len({t.data_ptr() for t in inputs}) == 6, "two sets of graphs share a static input"
+    assert all(len(layer.graph_copies) == 2 for layer in layers)
 
 
 @pytest.mark.parametrize("routing", ["random", "first_rank_only", "last_rank_only", "sparse"])
