@@ -58,6 +58,7 @@
 #   bash benchmarks/evidence_gpu.sh fused4   OUT   # the same after the fused FP8 packing, the vector
 #                                                  #   zero fill; two chunks at three push widths
 #   bash benchmarks/evidence_gpu.sh fused2   OUT   # EP=2: default, compute_only, ep1, FP8 dispatch
+#   bash benchmarks/evidence_gpu.sh row_tiles1 OUT # 1 GPU: the FP8 row kernels' tiles swept, the fine model profiled
 #   bash benchmarks/evidence_gpu.sh gather4  OUT   # wire rows pushed straight from their tokens' rows
 #   bash benchmarks/evidence_gpu.sh plan4    OUT   # the wire rows' plan in fewer kernels; EP=4, with the serial row
 #   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
@@ -1728,6 +1729,16 @@ PY
     tree_before router_rows_before "${ROUTER_ROWS_OFF[@]}"
     PROFILE=new FP8_MODEL=fine_8l fp8_runs router_rows /tmp/router_rows_before ${ROUTER_LAUNCHES:-new before before_again new_again}
     fp8_runs router_rows /tmp/router_rows_before new before
+    ;;
+  row_tiles1)  # several rows a program in quantize_rows and the FP8 SwiGLU kernels: their GPU tests, the tiles' sweep
+    # (each tile checked bit for bit against the default), then the fine model's bf16 and rowwise steps profiled on
+    # the tree as it is, for the part of the idle time the host causes (profile "host_late")
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests row_tiles tests/test_swiglu_kernel.py tests/test_gpu_fp8.py tests/test_kernels.py -k "fp8 or swiglu"
+    timeout -k 10 200 python benchmarks/step_kernels.py --sections fp8_row_tiles --rounds 10 \
+      --json $res/step_kernels_fp8_row_tiles_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-900
+    pack
+    PROFILE=now FP8_MODEL=fine_8l fp8_runs row_tiles /tmp/none now
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

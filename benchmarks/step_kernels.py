@@ -514,6 +514,57 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
     return out
 
 
+def fp8_row_tiles_rows(rounds: int) -> list[dict]:
+    """The row kernels' tiles: quantize_rows (the dense linears' FP8 rows: the fine-grained model's 8,192 rows of
+    1,024 / 2,048 / 3,072, the Mixtral-like one's of 4,096 and 14,336) and the FP8 SwiGLU kernels (the fine experts'
+    65,536 rows and its shared expert's 8,192, ffn 1,024), each tile against the default, which is also the bytes
+    every tile must give (checked bit for bit)."""
+    import torch
+
+    from moe_overlap.kernels import swiglu as S
+    from moe_overlap.kernels.fp8_quant import quantize_rows
+
+    def same(got, want) -> bool:
+        return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn
+                   else torch.equal(a, b) for a, b in zip(got, want))
+
+    out = []
+    for rows, k in ((8192, 1024), (8192, 2048), (8192, 3072), (8192, 4096), (8192, 14336)):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 3
+        whole = 1 << (k - 1).bit_length()
+        tiles = [(1, 1024, False, 4), (1, 1024, False, 8)] + [(r, 1024, False, w) for r in (2, 4) for w in (4, 8)] + [
+            (r, whole, True, w) for r in (1, 2, 4, 8) for w in (4, 8) if r * whole <= 32768]
+        fns = {"x".join(map(str, t)): (lambda t=t: quantize_rows(x, tile=t)) for t in tiles}
+        want = quantize_rows(x)
+        checked = {name: same(fn(), want) for name, fn in fns.items()}
+        ms = timed(fns, rounds, reps=5)
+        out.append({"section": "fp8_row_tiles", "kernel": "quantize_rows", "rows": rows, "k": k, "ms": ms,
+                    "gb_per_s": {n: (3 * rows * k + 4 * rows) / v / 1e6 for n, v in ms.items()},
+                    "bit_for_bit": checked})
+        print("quantize_rows", rows, k, {n: round(v, 4) for n, v in ms.items()},
+              "all bit for bit" if all(checked.values()) else f"DIFFERS {checked}", flush=True)
+    for name, (rows, ffn) in {"fine_experts": (65536, 1024), "fine_shared": (8192, 1024)}.items():
+        h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16) * 3
+        grad_a = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
+        fns = {}
+        for tile in ((1, 8), (1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)):
+            for per_sm in (None, 4, 8):
+                label = f"{tile[0]}x{tile[1]}_{per_sm or 'auto'}"
+                fns[f"fwd_{label}"] = lambda t=tile, p=per_sm: S.swiglu_forward_fp8(h, programs_per_sm=p, tile=t)
+                fns[f"bwd_{label}"] = lambda t=tile, p=per_sm: S.swiglu_backward_fp8(h, grad_a, programs_per_sm=p,
+                                                                                     tile=t)
+        fns["fwd_bf16_alone"], fns["bwd_bf16_alone"] = lambda: S.swiglu_forward(h), lambda: S.swiglu_backward(h, grad_a)
+        want_fwd, want_bwd = fns["fwd_1x8_auto"](), fns["bwd_1x8_auto"]()
+        checked = {n: same(fn(), want_fwd if n.startswith("fwd") else want_bwd) for n, fn in fns.items()
+                   if "bf16" not in n}
+        ms = timed(fns, rounds, reps=5)
+        out.append({"section": "fp8_row_tiles", "kernel": "swiglu_fp8", "shape": name, "rows": rows, "ffn": ffn,
+                    "ms": ms, "bit_for_bit": checked})
+        print("swiglu_fp8", name, {n: round(v, 4) for n, v in ms.items()},
+              "all bit for bit" if all(checked.values()) else f"DIFFERS {checked}", flush=True)
+    return out
+
+
 def permute_fp8_rows(rounds: int) -> list[dict]:
     """The permutation around rowwise FP8 experts at one EP rank, at the fine-grained shape (8,192 tokens, hidden
     2,048, top-8 of 64: 65,536 rows) and the Mixtral-like one (8,192 tokens, hidden 4,096, top-2 of 8): the forward's permute and
@@ -705,7 +756,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, permute_fp8, "
-                             "weight_fp8, router_logits, "
+                             "fp8_row_tiles, weight_fp8, router_logits, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
@@ -722,6 +773,7 @@ def main(argv=None) -> None:
         push_rows_rows(args.rounds) if "push" in sections else []) + (
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         permute_fp8_rows(args.rounds) if "permute_fp8" in sections else []) + (
+        fp8_row_tiles_rows(args.rounds) if "fp8_row_tiles" in sections else []) + (
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
         router_logits_rows(args.rounds) if "router_logits" in sections else []) + (
         fp8_tokens_rows(args.rounds) if "fp8_tokens" in sections else []) + (

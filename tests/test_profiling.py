@@ -10,7 +10,7 @@ import torch
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.streams import EXPOSED_KINDS
-from moe_overlap.training.profiling import kernel_kind, step_breakdown, stream_summary
+from moe_overlap.training.profiling import host_late_idle, kernel_kind, step_breakdown, stream_summary
 from moe_overlap.training.trainer import Trainer
 
 COMPUTE, NCCL = 7, 9
@@ -34,6 +34,34 @@ def test_stream_summary_names_the_kernel_after_each_gap_in_a_long_step():
     gaps = stream_summary(spans, steps=1)["longest_compute_gaps"]
     assert [g["next"] for g in gaps[:3]] == ["kernel_99001", "kernel_98001", "kernel_97001"]  # after the 1-us ones
     assert all(g["ms"] == 0.009 for g in gaps[:3])
+
+
+def test_host_late_idle_counts_the_gap_before_the_launch_call_only():
+    """A Chrome trace's kernels joined to their launch calls by correlation id: in a gap, the time before the host
+    queued the next kernel is the host's; the rest (the launch in flight, a graph's own gaps) is not. Kernel 2
+    is queued 3 us into its 5-us gap; kernel 3 well before its gap (the device's wait); kernels 4 and 5 come from
+    one graph launch, long before."""
+    def kernel(name, ts, dur, corr, stream=7):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr, "stream": stream}}
+
+    def call(name, ts, dur, corr):
+        return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        call("cudaLaunchKernel", 0, 2, 1), kernel("gemm_a", 10, 10, 1),
+        call("cudaLaunchKernel", 22, 1, 2), kernel("_quantize_rows_kernel", 25, 5, 2),  # gap 20-25, queued at 23
+        call("cudaLaunchKernel", 24, 1, 3), kernel("_rope_kernel", 40, 10, 3),  # gap 30-40, queued at 25
+        call("cudaGraphLaunch", 26, 4, 4), kernel("graph_gemm", 50, 20, 4), kernel("graph_sum", 80, 10, 4),
+        call("cudaMemcpyAsync", 100, 1, 5), {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 104, "dur": 2,
+                                            "args": {"correlation": 5, "stream": 7}},  # gap 90-104, queued at 101
+        kernel("ncclDevKernel_AllReduce", 0, 200, 6, stream=9), call("cudaLaunchKernel", 0, 1, 6)]}
+    report = host_late_idle(trace, steps=1)
+    assert report["kernels"] == 6 and report["launches_joined"] == 6
+    assert report["compute_idle_ms"] == 0.039  # 5 + 10 + 10 + 14 us
+    assert report["host_late_ms"] == 0.014  # 3 (quantize) + 11 (the copy)
+    assert [(g["next"], g["gaps"]) for g in report["host_late_before"]] == [("Memcpy HtoD", 1),
+                                                                           ("_quantize_rows_kernel", 1)]
+    assert host_late_idle({"traceEvents": []}, 1) == {"skipped": "the trace holds no device events"}
 
 
 def test_step_breakdown_by_kind_of_work():

@@ -115,6 +115,27 @@ def test_fp8_backward_adds_the_quantized_gradient_in_the_interpreter(monkeypatch
         fp8_matches(got[2][:n], got[3][:n], *quantize_rows_torch(grad_h[:n]))
 
 
+@pytest.mark.parametrize("tile", [(2, 4), (4, 8), (8, 4)])
+def test_fp8_kernels_rows_at_once_give_one_row_at_a_times_bytes(monkeypatch, tile):
+    """Several rows a program at a time (``tile``: rows, warps; chosen by measurement) give the bytes of one row at
+    a time, forward and backward, under the interpreter: row counts that leave a last tile part-filled, a count
+    below the rows (the rest left unwritten), and rows past a block (read twice, a row at a time whatever the
+    tile)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rows, ffn in ((13, 24), (5, 2100)):
+        g = torch.Generator().manual_seed(rows)
+        h, grad_a = torch.randn(rows, 2 * ffn, generator=g) * 3, torch.randn(rows, ffn, generator=g)
+        h[1, :ffn] = 0
+        for valid in (None, torch.tensor([rows - 3])):
+            got = (*S.swiglu_forward_fp8(h, valid, tile=tile), *S.swiglu_backward_fp8(h, grad_a, valid, tile=tile))
+            want = (*S.swiglu_forward_fp8(h, valid, tile=(1, 8)), *S.swiglu_backward_fp8(h, grad_a, valid, tile=(1, 8)))
+            n = rows if valid is None else rows - 3
+            for a, b in zip(got, want):
+                a, b = a[:n], b[:n]
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn \
+                    else torch.equal(a, b)
+
+
 @pytest.mark.gpu
 def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu():
     """On the GPU the fused kernels give quantize_rows(swiglu_forward(h)) and swiglu_backward with

@@ -52,23 +52,32 @@ if HAVE_TRITON:
             tl.store(grad_h_ptr + row * 2 * FF + FF + col, (grad * silu).to(out_ty), mask=mask)
             tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
-    # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding), each row by one program at a time. A row in
-    # one block (ONE_BLOCK: FF <= BLOCK) stays in registers: one read of h. A longer one: a in the activations' dtype
-    # from the first pass over the row's blocks gives its amax, the second (h from L2) the values.
-    def _swiglu_fwd_fp8_kernel(h_ptr, q_ptr, scale_ptr, rows_ptr, FF, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding). A row in one block (ONE_BLOCK: FF <= BLOCK)
+    # stays in registers: one read of h, ROWS rows a program at a time (a tile, its maxima along the columns). A
+    # longer one, a row a program at a time: a in the activations' dtype from the first pass over the row's blocks
+    # gives its amax, the second (h from L2) the values.
+    def _swiglu_fwd_fp8_kernel(h_ptr, q_ptr, scale_ptr, rows_ptr, FF, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                               ROWS: tl.constexpr):
         cols = tl.arange(0, BLOCK)
-        for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
-            amax = tl.full((BLOCK,), 0.0, tl.float32)
-            if ONE_BLOCK:
-                mask = cols < FF
-                gate = tl.load(h_ptr + row * 2 * FF + cols, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(h_ptr + row * 2 * FF + FF + cols, mask=mask, other=0.0).to(tl.float32)
+        n_rows = tl.load(rows_ptr)
+        if ONE_BLOCK:
+            in_row = cols < FF
+            fp8_max = tl.full((ROWS,), _FP8_MAX, tl.float32)
+            for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
+                rows = first + tl.arange(0, ROWS)
+                live = rows < n_rows
+                mask = live[:, None] & in_row[None, :]
+                at = rows[:, None] * 2 * FF + cols[None, :]
+                gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(h_ptr + at + FF, mask=mask, other=0.0).to(tl.float32)
                 a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
-                row_amax = tl.maximum(tl.reduce(tl.maximum(amax, tl.abs(a)), 0, max_combine), _FP8_FLOOR)
-                tl.store(scale_ptr + row, tl.math.div_rn(row_amax, _FP8_MAX))
-                q = tl.minimum(tl.maximum(a * tl.math.div_rn(_FP8_MAX, row_amax), -_FP8_MAX), _FP8_MAX)
-                tl.store(q_ptr + row * FF + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-            else:
+                row_amax = tl.maximum(tl.reduce(tl.abs(a), 1, max_combine), _FP8_FLOOR)
+                tl.store(scale_ptr + rows, tl.math.div_rn(row_amax, fp8_max), mask=live)
+                q = tl.minimum(tl.maximum(a * tl.math.div_rn(fp8_max, row_amax)[:, None], -_FP8_MAX), _FP8_MAX)
+                tl.store(q_ptr + rows[:, None] * FF + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        else:
+            for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+                amax = tl.full((BLOCK,), 0.0, tl.float32)
                 inverse = 0.0
                 for second in tl.static_range(2):
                     if second == 1:
@@ -86,38 +95,45 @@ if HAVE_TRITON:
                             q = tl.minimum(tl.maximum(a * inverse, -_FP8_MAX), _FP8_MAX)
                             tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
-    # The backward, and fc1's output gradient as FP8 rows too (for its rowwise dgrad), each row by one program at a
-    # time: grad_h and a written as the backward does, grad_h's amax taken, then grad_h quantized. A row in one block
-    # (ONE_BLOCK: FF <= BLOCK) is quantized from registers. A longer one is read back (from L2; after a barrier:
-    # other threads wrote it) in a second pass.
+    # The backward, and fc1's output gradient as FP8 rows too (for its rowwise dgrad): grad_h and a written as the
+    # backward does, grad_h's amax taken, then grad_h quantized. Rows in one block (ONE_BLOCK: FF <= BLOCK), ROWS a
+    # program at a time, are quantized from registers. A longer row, one a program at a time, is read back (from L2;
+    # after a barrier: other threads wrote it) in a second pass.
     def _swiglu_bwd_fp8_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, q_ptr, scale_ptr, rows_ptr, FF,
-                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         out_ty = grad_h_ptr.dtype.element_ty
         q_ty = q_ptr.dtype.element_ty
-        for row in range(tl.program_id(0).to(tl.int64), tl.load(rows_ptr), tl.num_programs(0)):
-            amax = tl.full((BLOCK,), 0.0, tl.float32)
-            if ONE_BLOCK:
-                mask = cols < FF
-                gate = tl.load(h_ptr + row * 2 * FF + cols, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(h_ptr + row * 2 * FF + FF + cols, mask=mask, other=0.0).to(tl.float32)
-                grad = tl.load(grad_a_ptr + row * FF + cols, mask=mask, other=0.0).to(tl.float32)
+        n_rows = tl.load(rows_ptr)
+        if ONE_BLOCK:
+            in_row = cols < FF
+            fp8_max = tl.full((ROWS,), _FP8_MAX, tl.float32)
+            for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
+                rows = first + tl.arange(0, ROWS)
+                live = rows < n_rows
+                mask = live[:, None] & in_row[None, :]
+                at = rows[:, None] * 2 * FF + cols[None, :]
+                gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(h_ptr + at + FF, mask=mask, other=0.0).to(tl.float32)
+                grad = tl.load(grad_a_ptr + rows[:, None] * FF + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 sig = 1.0 / (1.0 + tl.exp(-gate))
                 silu = gate * sig
                 grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty).to(tl.float32)
                 grad_up = (grad * silu).to(out_ty).to(tl.float32)
-                tl.store(grad_h_ptr + row * 2 * FF + cols, grad_gate.to(out_ty), mask=mask)
-                tl.store(grad_h_ptr + row * 2 * FF + FF + cols, grad_up.to(out_ty), mask=mask)
-                tl.store(a_ptr + row * FF + cols, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
-                amax = tl.maximum(amax, tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)))
-                amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
-                tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
-                inverse = tl.math.div_rn(_FP8_MAX, amax)
+                tl.store(grad_h_ptr + at, grad_gate.to(out_ty), mask=mask)
+                tl.store(grad_h_ptr + at + FF, grad_up.to(out_ty), mask=mask)
+                tl.store(a_ptr + rows[:, None] * FF + cols[None, :], (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+                amax = tl.reduce(tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)), 1, max_combine)
+                amax = tl.maximum(amax, _FP8_FLOOR)
+                tl.store(scale_ptr + rows, tl.math.div_rn(amax, fp8_max), mask=live)
+                inverse = tl.math.div_rn(fp8_max, amax)[:, None]
                 q_gate = tl.minimum(tl.maximum(grad_gate * inverse, -_FP8_MAX), _FP8_MAX)
                 q_up = tl.minimum(tl.maximum(grad_up * inverse, -_FP8_MAX), _FP8_MAX)
-                tl.store(q_ptr + row * 2 * FF + cols, q_gate.to(q_ty), mask=mask)
-                tl.store(q_ptr + row * 2 * FF + FF + cols, q_up.to(q_ty), mask=mask)
-            else:
+                tl.store(q_ptr + at, q_gate.to(q_ty), mask=mask)
+                tl.store(q_ptr + at + FF, q_up.to(q_ty), mask=mask)
+        else:
+            for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+                amax = tl.full((BLOCK,), 0.0, tl.float32)
                 for start in range(0, FF, BLOCK):
                     mask = start + cols < FF
                     gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -210,6 +226,7 @@ def swiglu_forward(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None) 
 
 
 _FP8_BLOCK = 2048  # columns per step of the FP8 forward's row program
+_FP8_ROWS, _FP8_WARPS = 1, 8  # rows a program takes at a time where a row fits one block; warps a program
 
 
 def _fp8_programs_per_sm(device: torch.device, row_bytes: int) -> int:
@@ -223,13 +240,14 @@ def _fp8_programs_per_sm(device: torch.device, row_bytes: int) -> int:
 
 
 def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None,
-                       programs_per_sm: int | None = None, one_block: bool | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       programs_per_sm: int | None = None, one_block: bool | None = None,
+                       tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_TF E4M3, scale_T float32): a = silu(gate) * up in the activations' dtype, quantized per row as
     kernels/fp8_quant.quantize_rows does, in one kernel that writes no bf16 a. ``valid_rows``: rows from it on are
     left unwritten by the kernel (the twin computes them all). ``programs_per_sm``: a benchmark's sweep (None: by
     the row's bytes against L2). ``one_block``: whether a row is read once, in registers (None: where it fits one
-    block; False: the two passes longer rows take, for a benchmark or a test)."""
+    block; False: the two passes longer rows take, for a benchmark or a test). ``tile``: (rows a program takes at
+    a time where a row fits one block, warps a program), a benchmark's sweep (None: the measured default)."""
     if not use_triton(h_TF2, "swiglu"):
         return quantize_rows_torch(swiglu_forward_torch(h_TF2))
     h_TF2 = h_TF2.contiguous()
@@ -238,10 +256,11 @@ def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = No
     scale_T = torch.empty(h_TF2.shape[:-1], dtype=torch.float32, device=h_TF2.device)
     rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
     if rows and ffn:
-        _fwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm),), h_TF2.device](
+        one, (rows_at_once, warps) = _one_block(ffn, one_block), tile or (_FP8_ROWS, _FP8_WARPS)
+        rows_at_once = rows_at_once if one else 1
+        _fwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
             h_TF2, q_TF, scale_T, _row_count(valid_rows, h_TF2), ffn,
-            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)),
-            ONE_BLOCK=_one_block(ffn, one_block), num_warps=8)
+            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, num_warps=warps)
     return q_TF, scale_T
 
 
@@ -250,21 +269,23 @@ def _one_block(ffn: int, asked: bool | None) -> bool:
     return ffn <= _FP8_BLOCK and asked is not False
 
 
-def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None) -> int:
+def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None, rows_at_once: int) -> int:
     """The FP8 kernels' row programs: per SM as given or by the row's bytes against L2 (a few in the
-    interpreter), at most one per row."""
+    interpreter), at most one per ``rows_at_once`` rows."""
+    needed = triton.cdiv(rows, rows_at_once)
     if not h_TF2.is_cuda:
-        return min(rows, 4)
+        return min(needed, 4)
     per_sm = programs_per_sm or _fp8_programs_per_sm(h_TF2.device, h_TF2.shape[-1] * h_TF2.element_size())
-    return min(rows, per_sm * torch.cuda.get_device_properties(h_TF2.device).multi_processor_count)
+    return min(needed, per_sm * torch.cuda.get_device_properties(h_TF2.device).multi_processor_count)
 
 
 def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows: torch.Tensor | None = None,
-                        programs_per_sm: int | None = None, one_block: bool | None = None
+                        programs_per_sm: int | None = None, one_block: bool | None = None,
+                        tile: tuple[int, int] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, a, q, scale): :func:`swiglu_backward`'s two, and grad_h quantized per row as
     kernels/fp8_quant.quantize_rows does (the rowwise FP8 dgrad's operand), in one kernel. ``valid_rows``,
-    ``programs_per_sm`` and ``one_block`` as for :func:`swiglu_forward_fp8`."""
+    ``programs_per_sm``, ``one_block`` and ``tile`` as for :func:`swiglu_forward_fp8`."""
     if not use_triton(h_TF2, "swiglu"):
         grad_h_TF2, a_TF = swiglu_backward_torch(h_TF2, grad_a_TF)
         return grad_h_TF2, a_TF, *quantize_rows_torch(grad_h_TF2)
@@ -275,9 +296,11 @@ def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows
     scale_T = torch.empty(h_TF2.shape[:-1], dtype=torch.float32, device=h_TF2.device)
     rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
     if rows and ffn:
-        _bwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm),), h_TF2.device](
+        one, (rows_at_once, warps) = _one_block(ffn, one_block), tile or (_FP8_ROWS, _FP8_WARPS)
+        rows_at_once = rows_at_once if one else 1
+        _bwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
             h_TF2, grad_a_TF, grad_h_TF2, a_TF, q_TF2, scale_T, _row_count(valid_rows, h_TF2), ffn,
-            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=_one_block(ffn, one_block), num_warps=8)
+            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, num_warps=warps)
     return grad_h_TF2, a_TF, q_TF2, scale_T
 
 

@@ -4,7 +4,8 @@ writes, per profiled rank (``train.profile_ranks``), under ``<output_dir>/profil
   trace_rank{r}.json      the Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev)
   timeline_rank{r}.png    one lane per CUDA stream: kernels, copies, NCCL; the compute stream's gaps show
   breakdown_rank{r}.json  per step: the compute stream's time by kind (GEMMs, grouped GEMMs, attention,
-                          elementwise, copies, optimizer, communication, idle) and its longest gaps
+                          elementwise, copies, optimizer, communication, idle), its longest gaps, and the part
+                          of its idle time the host caused (kernels launched after the stream ran dry)
 
 The same summaries serve the benchmarks (benchmarks/train_step.py, dp_overlap.py, moe_layer.py).
 """
@@ -134,6 +135,50 @@ def stream_summary(spans, steps: int, gaps_listed: int = 8) -> dict:
     }
 
 
+_LAUNCH_CALL = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchCooperativeKernel|GraphLaunch|Memcpy|Memset)", re.IGNORECASE)
+
+
+def host_late_idle(trace: dict, steps: int, listed: int = 10) -> dict:
+    """How much of the compute stream's idle time the host caused, from a Chrome trace (``export_chrome_trace``):
+    per gap, the part before the host had queued the kernel that ends it (the launch call's end, joined to the
+    kernel by its correlation id; a graph's kernels by their graph launch, so a replay's inner gaps are not the
+    host's). Per step: that time, the idle time it is part of, and the kernels that waited longest for their
+    launch (by name, summed)."""
+    calls, spans = {}, []
+    for event in trace.get("traceEvents", []):
+        args, cat = event.get("args") or {}, event.get("cat", "")
+        if "dur" not in event or "correlation" not in args:
+            continue
+        if cat in ("cuda_runtime", "cuda_driver") and _LAUNCH_CALL.match(event.get("name", "")):
+            calls[args["correlation"]] = event["ts"] + event["dur"]
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset") and event["dur"] > 0:
+            spans.append((args.get("stream", -1), event["name"], event["ts"], event["ts"] + event["dur"],
+                          args["correlation"]))
+    compute_stream = compute_stream_of([span[:4] for span in spans])
+    if compute_stream is None:
+        return {"skipped": "the trace holds no device events"}
+    kernels = sorted((start, end, name, corr) for stream, name, start, end, corr in spans if stream == compute_stream)
+    late_by_next: dict[str, list[float]] = {}
+    idle = late = 0.0
+    busy_until = kernels[0][1]
+    for start, end, name, corr in kernels[1:]:
+        if start > busy_until:
+            gap = start - busy_until
+            queued = calls.get(corr)
+            waited = 0.0 if queued is None else min(max(queued - busy_until, 0.0), gap)
+            idle, late = idle + gap, late + waited
+            if waited > 0:
+                entry = late_by_next.setdefault(name[:80], [0.0, 0])
+                entry[0] += waited
+                entry[1] += 1
+        busy_until = max(busy_until, end)
+    per_step = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
+    return {"compute_idle_ms": per_step(idle), "host_late_ms": per_step(late),
+            "launches_joined": sum(corr in calls for *_, corr in kernels), "kernels": len(kernels),
+            "host_late_before": [{"next": name, "ms": per_step(us), "gaps": count // steps}
+                                 for name, (us, count) in sorted(late_by_next.items(), key=lambda kv: -kv[1][0])[:listed]]}
+
+
 def step_breakdown(spans, steps: int, top_kernels: int = 25) -> dict:
     """Per step, the compute stream's time by kind of work (ms), idle time, the window, and the kernels that
     took the most; communication on other streams is listed beside (it overlaps, it does not add)."""
@@ -239,7 +284,8 @@ class StepProfiler:
         prof.export_chrome_trace(str(trace))
         spans = device_spans(prof)
         report = {"steps": [self.first, self.last], "breakdown": step_breakdown(spans, steps),
-                  "streams": stream_summary(spans, steps)}
+                  "streams": stream_summary(spans, steps),
+                  "host_late": host_late_idle(json.loads(trace.read_text()), steps)}
         (self.out_dir / f"breakdown_rank{self.rank}.json").write_text(json.dumps(report, indent=2) + "\n")
         if spans:
             draw_timeline(prof, str(self.out_dir / f"timeline_rank{self.rank}.png"),
