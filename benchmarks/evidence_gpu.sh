@@ -59,6 +59,8 @@
 #                                                  #   zero fill; two chunks at three push widths
 #   bash benchmarks/evidence_gpu.sh fused2   OUT   # EP=2: default, compute_only, ep1, FP8 dispatch
 #   bash benchmarks/evidence_gpu.sh row_tiles1 OUT # 1 GPU: the FP8 row kernels' tiles swept, the fine model profiled
+#   bash benchmarks/evidence_gpu.sh row_tiles2 OUT # 1 GPU: the sweep from CUDA graphs, the fine model with the tile
+#   bash benchmarks/evidence_gpu.sh router_ep4 OUT # EP=4 fine, spread forcing: default, compute_only, ep1 today
 #   bash benchmarks/evidence_gpu.sh gather4  OUT   # wire rows pushed straight from their tokens' rows
 #   bash benchmarks/evidence_gpu.sh plan4    OUT   # the wire rows' plan in fewer kernels; EP=4, with the serial row
 #   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
@@ -291,6 +293,9 @@ HANDOFF_OFF=("moe_overlap/layers/experts.py|s/return Fp8Handoff(fc1, fc2) if fc1
 # 2026-11-28 evening: the bf16 router's logits on the tensor cores (layers/router.Bf16Logits) undone. (router_rows1 ran
 # at b51f9bf, where this also undid quantize_rows reading a row once, in registers: it gained nothing, and was reverted)
 ROUTER_ROWS_OFF=("moe_overlap/layers/router.py|s/if x_TH.dtype == self.weight.dtype == torch.bfloat16:/if False:/")
+
+# 2026-11-28 night: the FP8 SwiGLU forward two rows a program at 4 warps undone (one row at 8 warps, as before)
+TILE_OFF=("moe_overlap/kernels/swiglu.py|s/^_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (2, 4)/_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (1, 8)/")
 
 fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0 (FP8_PARAM_EXTRA: overrides of
   # every run)
@@ -1739,6 +1744,21 @@ PY
       --json $res/step_kernels_fp8_row_tiles_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-900
     pack
     PROFILE=now FP8_MODEL=fine_8l fp8_runs row_tiles /tmp/none now
+    ;;
+  row_tiles2)  # after row_tiles1: the FP8 SwiGLU forward two rows a program at 4 warps (the default since), its GPU
+    # test; the tiles' sweep again timed from CUDA graphs (row_tiles1's eager timing of 8,192-row calls measured the
+    # host); the fine model with it (profiled) and without (TILE_OFF)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests row_tiles2 tests/test_swiglu_kernel.py
+    timeout -k 10 200 python benchmarks/step_kernels.py --sections fp8_row_tiles --rounds 10 \
+      --json $res/step_kernels_fp8_row_tiles_graphed_1x$gpu.json 2>&1 | tail -n 8 | cut -c1-900
+    pack
+    tree_before row_tiles_before "${TILE_OFF[@]}"
+    PROFILE=tiles FP8_MODEL=fine_8l fp8_runs row_tiles /tmp/row_tiles_before tiles before
+    ;;
+  router_ep4)  # the fine bench model at EP=4 (forced routing that spreads) on the tree with the router's tensor-core
+    # logits and the FP8 SwiGLU forward's tile: the default beside compute_only and ep1 (the last EP=4 rows predate both)
+    train_step 4 fine_8l balanced_spread_router "$BAL"
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

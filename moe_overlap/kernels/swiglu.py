@@ -226,7 +226,11 @@ def swiglu_forward(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None) 
 
 
 _FP8_BLOCK = 2048  # columns per step of the FP8 forward's row program
-_FP8_ROWS, _FP8_WARPS = 1, 8  # rows a program takes at a time where a row fits one block; warps a program
+# (rows a program takes at a time, warps a program) where a row fits one block; longer rows: (1, 8). Measured on an
+# H200 at the fine-grained experts' 65,536 rows of ffn 1,024 (step_kernels_fp8_row_tiles_1xh200.json): the forward
+# 0.105 ms at (2, 4) against 0.129 at (1, 8), bf16's own forward 0.114; the backward 0.259-0.262 at (1, 8), (2, 8)
+# and (1, 4), slower with more rows at once (0.31 at (4, 8)).
+_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (2, 4), (1, 8), (1, 8)
 
 
 def _fp8_programs_per_sm(device: torch.device, row_bytes: int) -> int:
@@ -247,7 +251,7 @@ def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = No
     left unwritten by the kernel (the twin computes them all). ``programs_per_sm``: a benchmark's sweep (None: by
     the row's bytes against L2). ``one_block``: whether a row is read once, in registers (None: where it fits one
     block; False: the two passes longer rows take, for a benchmark or a test). ``tile``: (rows a program takes at
-    a time where a row fits one block, warps a program), a benchmark's sweep (None: the measured default)."""
+    a time, warps a program) where a row fits one block, a benchmark's sweep (None: the measured default)."""
     if not use_triton(h_TF2, "swiglu"):
         return quantize_rows_torch(swiglu_forward_torch(h_TF2))
     h_TF2 = h_TF2.contiguous()
@@ -256,8 +260,8 @@ def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = No
     scale_T = torch.empty(h_TF2.shape[:-1], dtype=torch.float32, device=h_TF2.device)
     rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
     if rows and ffn:
-        one, (rows_at_once, warps) = _one_block(ffn, one_block), tile or (_FP8_ROWS, _FP8_WARPS)
-        rows_at_once = rows_at_once if one else 1
+        one = _one_block(ffn, one_block)
+        rows_at_once, warps = (tile or _FP8_FORWARD_TILE) if one else _FP8_LONG_ROW_TILE
         _fwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
             h_TF2, q_TF, scale_T, _row_count(valid_rows, h_TF2), ffn,
             BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, num_warps=warps)
@@ -296,8 +300,8 @@ def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows
     scale_T = torch.empty(h_TF2.shape[:-1], dtype=torch.float32, device=h_TF2.device)
     rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
     if rows and ffn:
-        one, (rows_at_once, warps) = _one_block(ffn, one_block), tile or (_FP8_ROWS, _FP8_WARPS)
-        rows_at_once = rows_at_once if one else 1
+        one = _one_block(ffn, one_block)
+        rows_at_once, warps = (tile or _FP8_BACKWARD_TILE) if one else _FP8_LONG_ROW_TILE
         _bwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
             h_TF2, grad_a_TF, grad_h_TF2, a_TF, q_TF2, scale_T, _row_count(valid_rows, h_TF2), ffn,
             BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, num_warps=warps)
