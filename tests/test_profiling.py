@@ -21,6 +21,9 @@ SPANS = [(COMPUTE, "nvjet_hsh_256x128_gemm_a", 0.0, 6000.0), (COMPUTE, "nvjet_ge
 def test_stream_summary_splits_busy_idle_and_beside():
     summary = stream_summary(SPANS, steps=2)
     assert summary["window_ms"] == 10.0 and summary["compute_busy_ms"] == 9.0 and summary["compute_idle_ms"] == 1.0
+    assert summary["device_idle_ms"] == 0.0  # NCCL runs through the compute stream's gap
+    gap = stream_summary(SPANS + [(NCCL, "ncclDevKernel_AllGather", 24000.0, 26000.0)], steps=2)
+    assert gap["window_ms"] == 13.0 and gap["device_idle_ms"] == 2.0  # 20-24 us of 26, nothing running
     assert summary["nccl_busy_ms"] == 5.0 and summary["nccl_beside_compute_ms"] == 4.0  # (5-10) + (12-15), halved
     assert summary["longest_compute_gaps"] == [{"at_ms": 10.0, "ms": 2.0, "next": "_rms_norm_fwd_kernel"}]
 

@@ -111,8 +111,9 @@ def compute_stream_of(spans) -> int | None:
 
 
 def stream_summary(spans, steps: int, gaps_listed: int = 8) -> dict:
-    """Per step: the profiled window, the compute stream's busy and idle time, NCCL's busy time and the part
-    of it beside compute, and the compute stream's longest idle gaps (where, how long, what ran next)."""
+    """Per step: the profiled window, the compute stream's busy and idle time, the time no stream runs anything,
+    NCCL's busy time and the part of it beside compute, and the compute stream's longest idle gaps (where, how
+    long, what ran next)."""
     compute_stream = compute_stream_of(spans)
     if compute_stream is None:
         return {"skipped": "the profiler recorded no device events"}
@@ -126,9 +127,12 @@ def stream_summary(spans, steps: int, gaps_listed: int = 8) -> dict:
         following = compute_events[bisect.bisect_left(starts, start)][2]  # (a scan per gap took hours at 100K)
         gaps.append((start - end, end - t0, following))
     per_step = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
+    any_stream = length(union((b, e) for _, _, b, e in spans))
     return {
         "window_ms": per_step(t1 - t0), "compute_busy_ms": per_step(length(compute)),
-        "compute_idle_ms": per_step(t1 - t0 - length(compute)), "nccl_busy_ms": per_step(length(nccl)),
+        "compute_idle_ms": per_step(t1 - t0 - length(compute)),
+        # the GPU's own idle time: no stream runs anything (a graph's forked branches run on streams of their own)
+        "device_idle_ms": per_step(t1 - t0 - any_stream), "nccl_busy_ms": per_step(length(nccl)),
         "nccl_beside_compute_ms": per_step(length(intersection(compute, nccl))),
         "longest_compute_gaps": [{"at_ms": round(at / 1e3, 3), "ms": round(gap / 1e3, 3), "next": following[:80]}
                                  for gap, at, following in sorted(gaps, reverse=True)[:gaps_listed]],
