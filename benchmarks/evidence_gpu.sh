@@ -62,6 +62,7 @@
 #   bash benchmarks/evidence_gpu.sh row_tiles2 OUT # 1 GPU: the sweep from CUDA graphs, the fine model with the tile
 #   bash benchmarks/evidence_gpu.sh router_ep4 OUT # EP=4 fine, spread forcing: default, compute_only, ep1 today
 #   bash benchmarks/evidence_gpu.sh router_ep4b OUT # the same again, the GPU's own idle time, and rowwise FP8
+#   bash benchmarks/evidence_gpu.sh router_ep2 OUT # the same at EP=2 on a 2-GPU host
 #   bash benchmarks/evidence_gpu.sh gather4  OUT   # wire rows pushed straight from their tokens' rows
 #   bash benchmarks/evidence_gpu.sh plan4    OUT   # the wire rows' plan in fewer kernels; EP=4, with the serial row
 #   bash benchmarks/evidence_gpu.sh plan2    OUT   # the same at EP=2
@@ -1764,6 +1765,9 @@ PY
   router_ep4b)  # router_ep4 again (a second sample), its profiles with the time no stream runs anything (a graph's
     # forked branches run on streams of their own: the compute stream's idle time overstates the GPU's), and rowwise FP8
     train_step 4 fine_8l balanced_spread_router2 "$BAL" --variant "rowwise:train.fp8_recipe=rowwise"
+    ;;
+  router_ep2)  # router_ep4b at EP=2 on a 2-GPU host: the default, compute_only and ep1, with the GPU's own idle time
+    train_step 2 fine_8l balanced_spread_router "$BAL"
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
