@@ -1769,6 +1769,11 @@ PY
   router_ep2)  # router_ep4b at EP=2 on a 2-GPU host: the default, compute_only and ep1, with the GPU's own idle time
     train_step 2 fine_8l balanced_spread_router "$BAL"
     ;;
+  tiles_check1)  # the FP8 SwiGLU kernels' tile prologue as a device function (after the 4-GPU suite): their GPU tests
+    # and the FP8 model steps' (eager and graphed), on one GPU
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests tiles_check tests/test_swiglu_kernel.py tests/test_gpu_fp8.py -k "swiglu or train_steps or handoff or permutation"
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac

@@ -541,35 +541,21 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
 
 
 def fp8_row_tiles_rows(rounds: int) -> list[dict]:
-    """The row kernels' tiles: quantize_rows (the dense linears' FP8 rows: the fine-grained model's 8,192 rows of
-    1,024 / 2,048 / 3,072, the Mixtral-like one's of 4,096 and 14,336) and the FP8 SwiGLU kernels (the fine experts'
-    65,536 rows and its shared expert's 8,192, ffn 1,024), each tile against the default, which is also the bytes
-    every tile must give (checked bit for bit). Timed from CUDA graphs (:func:`timed_graphed`): the launches of
-    8,192-row calls take the host longer than the GPU (their first sweep, timed eagerly, measured the host)."""
+    """The FP8 SwiGLU kernels' tiles (rows a program at a time, warps, programs per SM) at the fine-grained model's
+    shapes (its experts' 65,536 rows and its shared expert's 8,192, ffn 1,024), each against one row a program at
+    8 warps (the default before 2026-11-28 night), whose bytes every tile must give (checked bit for bit). Timed
+    from CUDA graphs (:func:`timed_graphed`). (At 54342dd this section also swept quantize_rows' tiles: every tile
+    within 1% of one row a program, at HBM speed, so that kernel kept its one path:
+    step_kernels_fp8_row_tiles_graphed_1xh200.json.)"""
     import torch
 
     from moe_overlap.kernels import swiglu as S
-    from moe_overlap.kernels.fp8_quant import quantize_rows
 
     def same(got, want) -> bool:
         return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn
                    else torch.equal(a, b) for a, b in zip(got, want))
 
     out = []
-    for rows, k in ((8192, 1024), (8192, 2048), (8192, 3072), (8192, 4096), (8192, 14336)):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 3
-        whole = 1 << (k - 1).bit_length()
-        tiles = [(1, 1024, False, 4), (1, 1024, False, 8)] + [(r, 1024, False, w) for r in (2, 4) for w in (4, 8)] + [
-            (r, whole, True, w) for r in (1, 2, 4, 8) for w in (4, 8) if r * whole <= 32768]
-        fns = {"x".join(map(str, t)): (lambda t=t: quantize_rows(x, tile=t)) for t in tiles}
-        want = quantize_rows(x)
-        checked = {name: same(fn(), want) for name, fn in fns.items()}
-        ms = timed_graphed(fns, rounds)
-        out.append({"section": "fp8_row_tiles", "kernel": "quantize_rows", "rows": rows, "k": k, "ms": ms,
-                    "gb_per_s": {n: (3 * rows * k + 4 * rows) / v / 1e6 for n, v in ms.items()},
-                    "bit_for_bit": checked})
-        print("quantize_rows", rows, k, {n: round(v, 4) for n, v in ms.items()},
-              "all bit for bit" if all(checked.values()) else f"DIFFERS {checked}", flush=True)
     for name, (rows, ffn) in {"fine_experts": (65536, 1024), "fine_shared": (8192, 1024)}.items():
         h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16) * 3
         grad_a = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)

@@ -131,37 +131,6 @@ def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
     assert torch.equal(scale_out[:20], quantize_rows_torch(x[1, :20])[1])
 
 
-@pytest.mark.parametrize("tile", [(4, 32, False, 4), (4, 128, True, 4), (8, 128, True, 8), (2, 64, True, 4)],
-                         ids=["4_rows_two_reads", "4_rows_one_read", "8_rows_8_warps", "2_rows_past_a_block"])
-def test_fp8_row_kernel_tiles_give_the_default_tiles_bytes(monkeypatch, tile):
-    """quantize_rows' kernel, several rows a program and a row read once where it fits a block (``tile``, chosen by
-    measurement), gives the bytes and scales of one row a program read twice, under the interpreter: with the rows'
-    own maxima, a bound (rows past it, and a last tile part past the rows, left unwritten), given maxima, the maxima
-    alone, and an fp32 tensor quantized as its bf16 copy. (2, 64, True, 4): a 72-wide row does not fit, so it is
-    read twice.)"""
-    import moe_overlap.kernels.fp8_quant as Q
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(37, 72, generator=g) * torch.logspace(-2, 2, 37).unsqueeze(-1)
-    x[5] = 0
-    bound = torch.tensor([30], dtype=torch.int32)
-    amax = x.abs().amax(-1) * 1.5
-
-    def runs(tile_):
-        q_out, scale_out = torch.zeros(37, 72, dtype=FP8), torch.full((37,), -1.0)
-        quantize_rows(x, q_out, scale_out, rows_bound=bound, tile=tile_)
-        maxima = torch.full((37,), -1.0)
-        Q._launch_rows(x, x, x, 1, maxima, None, 0, tile_)
-        return (*quantize_rows(x, tile=tile_), q_out, scale_out, *quantize_rows(x, amax=amax, tile=tile_), maxima,
-                *quantize_rows(x, as_dtype=torch.bfloat16, tile=tile_))
-
-    got, want = runs(tile), runs(None)
-    for a, b in zip(got, want):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
-    assert (want[3][30:] == -1).all() and torch.equal(want[6], x.abs().amax(-1))
-
-
 @pytest.mark.parametrize("dim", [-1, -2], ids=["rows", "columns"])
 def test_fp8_scales_from_a_shared_amax_under_the_interpreter(monkeypatch, dim):
     """The row and column kernels' passes apart, for the scales ranks share (tensor and expert-TP): row_amax /

@@ -69,54 +69,43 @@ if HAVE_TRITON:
 
     tile_maxima = DeviceFunction(_tile_maxima)
 
-    # ROWS rows a program (a tile; a row's amax is the tile's maximum along its columns). With ONE_READ (K <= BLOCK)
-    # a row is read once and quantized from registers; else twice (its amax, then the quantized values), the second
-    # time from L2. Rows at or past the bound are masked off whole (no early return: every program runs the same
-    # code). AMAX: 0 the row's own; 1 the row's amax stored in amax_ptr and nothing else (ranks that each hold part of
-    # the row share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass). ROUND (here and in the column,
-    # rows-and-columns and blocks kernels, at every load of x): :func:`_as_stored`'s.
+    # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
+    # A row at or past the bound is masked off whole (no early return: every program runs the same code). AMAX: 0
+    # the row's own; 1 the row's amax stored in amax_ptr and nothing else (ranks that each hold part of the row
+    # share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass). ROUND (here and in the column, rows-and-
+    # columns and blocks kernels, at every load of x): :func:`_as_stored`'s.
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, bound_ptr, n_rows, K, stride_x, stride_q,
                               stride_scale, HAS_BOUND: tl.constexpr, AMAX: tl.constexpr, ROUND: tl.constexpr,
-                              ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_READ: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+                              BLOCK: tl.constexpr):
+        row = tl.program_id(0)
         limit = n_rows
         if HAS_BOUND:
             limit = tl.minimum(tl.load(bound_ptr), n_rows)
-        live = rows < limit
-        rows = rows.to(tl.int64)
+        live = row < limit
+        row = row.to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        x_at = x_ptr + rows[:, None] * stride_x + cols[None, :]
-        q_at = q_ptr + rows[:, None] * stride_q + cols[None, :]
-        x = tl.full((ROWS, BLOCK), 0.0, tl.float32)
-        if ONE_READ:
-            x = as_stored(tl.load(x_at, mask=live[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32), ROUND)
         if AMAX == 2:
-            amax = tl.load(amax_ptr + rows, mask=live, other=0.0)
-        elif ONE_READ:
-            amax = tl.reduce(tl.abs(x), 1, max_combine)
+            amax = tl.load(amax_ptr + row, mask=live, other=0.0)
         else:
-            amax_RB = tl.full((ROWS, BLOCK), 0.0, tl.float32)
+            amax_B = tl.full((BLOCK,), 0.0, tl.float32)
             for start in range(0, K, BLOCK):
-                mask = live[:, None] & (start + cols < K)[None, :]
-                x = as_stored(tl.load(x_at + start, mask=mask, other=0.0).to(tl.float32), ROUND)
-                amax_RB = tl.maximum(amax_RB, tl.abs(x))
-            amax = tl.reduce(amax_RB, 1, max_combine)
+                mask = (start + cols < K) & live
+                x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = as_stored(x, ROUND)
+                amax_B = tl.maximum(amax_B, tl.abs(x))
+            amax = tl.reduce(amax_B, 0, max_combine)
         if AMAX == 1:
-            tl.store(amax_ptr + rows, amax, mask=live)
+            tl.store(amax_ptr + row, amax, mask=live)
         else:
             amax = tl.maximum(amax, _FLOOR)
-            fp8_max = tl.full((ROWS,), _MAX, tl.float32)
-            tl.store(scale_ptr + rows * stride_scale, tl.math.div_rn(amax, fp8_max), mask=live)
-            inverse = tl.math.div_rn(fp8_max, amax)[:, None]
-            if ONE_READ:
+            tl.store(scale_ptr + row * stride_scale, tl.math.div_rn(amax, _MAX), mask=live)
+            inverse = tl.math.div_rn(_MAX, amax)
+            for start in range(0, K, BLOCK):
+                mask = (start + cols < K) & live
+                x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = as_stored(x, ROUND)
                 q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
-                tl.store(q_at, q.to(q_ptr.dtype.element_ty), mask=live[:, None] & (cols < K)[None, :])
-            else:
-                for start in range(0, K, BLOCK):
-                    mask = live[:, None] & (start + cols < K)[None, :]
-                    x = as_stored(tl.load(x_at + start, mask=mask, other=0.0).to(tl.float32), ROUND)
-                    q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
-                    tl.store(q_at + start, q.to(q_ptr.dtype.element_ty), mask=mask)
+                tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     # One program per block of rows: q * scale in fp32, rounded once to the output's dtype. Rows at or past the
     # bound are left unwritten.
@@ -293,14 +282,13 @@ def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, s
     return q, scale
 
 
-_ROW_TILE = (1, 1024, False, 4)  # the row kernel's (ROWS, BLOCK columns, ONE_READ where K <= BLOCK, warps)
+_ROW_BLOCK = 1024
 _COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
 
 
 def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
                   rows_bound: torch.Tensor | None = None, amax: torch.Tensor | None = None, *,
-                  as_dtype: torch.dtype | None = None, tile: tuple[int, int, bool, int] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  as_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): x (..., K) quantized per row of its last dimension, q contiguous like x, scales (...) float32;
     for a 2-D x, given outputs may be strided (q's rows apart, scales at a stride). ``rows_bound``: rows from it on
     (of x viewed as (rows, K)) are left unwritten (the twin writes them). ``amax`` (float32 (...)): each row's
@@ -329,20 +317,18 @@ def row_amax(x: torch.Tensor, *, as_dtype: torch.dtype | None = None) -> torch.T
 
 
 def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: int, amax: torch.Tensor | None,
-                 rows_bound: torch.Tensor | None, round_: int, tile: tuple[int, int, bool, int] | None = None) -> None:
-    """The row kernel over x's rows (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``; ROUND ``round_``;
-    ``tile`` as :func:`quantize_rows`')."""
+                 rows_bound: torch.Tensor | None, round_: int) -> None:
+    """The row kernel over x's rows (AMAX ``mode``: 0 own, 1 amax only, 2 from ``amax``; ROUND ``round_``)."""
     K = x.shape[-1]
     x_rows = x.reshape(-1, K)
     if x_rows.stride(1) != 1:
         x_rows = x_rows.contiguous()
     stride_q, stride_scale = (q.stride(0), scale.stride(0)) if x.dim() == 2 and mode != 1 else (K, 1)
-    rows_at_once, block, one_read, warps = tile or _ROW_TILE
-    block = min(block, triton.next_power_of_2(K))
-    _rows[(triton.cdiv(x_rows.shape[0], rows_at_once),), x.device](
-        x_rows, q, scale, x_rows if amax is None else amax.reshape(-1), x_rows if rows_bound is None else rows_bound,
-        x_rows.shape[0], K, x_rows.stride(0), stride_q, stride_scale, HAS_BOUND=rows_bound is not None, AMAX=mode,
-        ROUND=round_, ROWS=rows_at_once, BLOCK=block, ONE_READ=one_read and K <= block, num_warps=warps)
+    block = min(_ROW_BLOCK, triton.next_power_of_2(K))
+    _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if amax is None else amax.reshape(-1),
+                                        x_rows if rows_bound is None else rows_bound, x_rows.shape[0], K,
+                                        x_rows.stride(0), stride_q, stride_scale, HAS_BOUND=rows_bound is not None,
+                                        AMAX=mode, ROUND=round_, BLOCK=block)
 
 
 def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,

@@ -23,6 +23,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FP8_FLOOR, TL_FP8_MAX as _FP8_MAX
+    from moe_overlap.kernels.launch import DeviceFunction
 
     # Programs stride over the rows below the device count, each on one block of FF columns: a static worst-case
     # buffer costs what its counted rows cost (one program per buffer row ran 2x that, 3 in 4 returning at once:
@@ -52,6 +53,19 @@ if HAVE_TRITON:
             tl.store(grad_h_ptr + row * 2 * FF + FF + col, (grad * silu).to(out_ty), mask=mask)
             tl.store(a_ptr + row * FF + col, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
+    def _gate_up_rows(h_ptr, first, n_rows, cols, FF, ROWS: tl.constexpr):
+        """ROWS rows of h (T, 2 FF) from row ``first``, the block ``cols`` of each: (the rows, which are below
+        ``n_rows``, the tile's mask, its offsets in h's gate half, gate and up in fp32)."""
+        rows = first + tl.arange(0, ROWS)
+        live = rows < n_rows
+        mask = live[:, None] & (cols < FF)[None, :]
+        at = rows[:, None] * 2 * FF + cols[None, :]
+        gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + at + FF, mask=mask, other=0.0).to(tl.float32)
+        return rows, live, mask, at, gate, up
+
+    gate_up_rows = DeviceFunction(_gate_up_rows)
+
     # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding). A row in one block (ONE_BLOCK: FF <= BLOCK)
     # stays in registers: one read of h, ROWS rows a program at a time (a tile, its maxima along the columns). A
     # longer one, a row a program at a time: a in the activations' dtype from the first pass over the row's blocks
@@ -61,15 +75,9 @@ if HAVE_TRITON:
         cols = tl.arange(0, BLOCK)
         n_rows = tl.load(rows_ptr)
         if ONE_BLOCK:
-            in_row = cols < FF
             fp8_max = tl.full((ROWS,), _FP8_MAX, tl.float32)
             for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
-                rows = first + tl.arange(0, ROWS)
-                live = rows < n_rows
-                mask = live[:, None] & in_row[None, :]
-                at = rows[:, None] * 2 * FF + cols[None, :]
-                gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(h_ptr + at + FF, mask=mask, other=0.0).to(tl.float32)
+                rows, live, mask, at, gate, up = gate_up_rows(h_ptr, first, n_rows, cols, FF, ROWS)
                 a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
                 row_amax = tl.maximum(tl.reduce(tl.abs(a), 1, max_combine), _FP8_FLOOR)
                 tl.store(scale_ptr + rows, tl.math.div_rn(row_amax, fp8_max), mask=live)
@@ -106,15 +114,9 @@ if HAVE_TRITON:
         q_ty = q_ptr.dtype.element_ty
         n_rows = tl.load(rows_ptr)
         if ONE_BLOCK:
-            in_row = cols < FF
             fp8_max = tl.full((ROWS,), _FP8_MAX, tl.float32)
             for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
-                rows = first + tl.arange(0, ROWS)
-                live = rows < n_rows
-                mask = live[:, None] & in_row[None, :]
-                at = rows[:, None] * 2 * FF + cols[None, :]
-                gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(h_ptr + at + FF, mask=mask, other=0.0).to(tl.float32)
+                rows, live, mask, at, gate, up = gate_up_rows(h_ptr, first, n_rows, cols, FF, ROWS)
                 grad = tl.load(grad_a_ptr + rows[:, None] * FF + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 sig = 1.0 / (1.0 + tl.exp(-gate))
                 silu = gate * sig
