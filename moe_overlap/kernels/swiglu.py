@@ -229,9 +229,9 @@ def swiglu_forward(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None) 
 
 _FP8_BLOCK = 2048  # columns per step of the FP8 forward's row program
 # (rows a program takes at a time, warps a program) where a row fits one block; longer rows: (1, 8). Measured on an
-# H200 at the fine-grained experts' 65,536 rows of ffn 1,024 (step_kernels_fp8_row_tiles_1xh200.json): the forward
-# 0.105 ms at (2, 4) against 0.129 at (1, 8), bf16's own forward 0.114; the backward 0.259-0.262 at (1, 8), (2, 8)
-# and (1, 4), slower with more rows at once (0.31 at (4, 8)).
+# H200 at the fine-grained experts' 65,536 rows of ffn 1,024, timed from CUDA graphs
+# (step_kernels_fp8_row_tiles_graphed_1xh200.json): the forward 0.088 ms at (2, 4) against 0.112 at (1, 8); the
+# backward 0.2425 at (1, 8), none faster (0.2435 at (2, 8), 0.29-0.38 with 4-8 rows at once).
 _FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (2, 4), (1, 8), (1, 8)
 
 

@@ -4,8 +4,9 @@ writes, per profiled rank (``train.profile_ranks``), under ``<output_dir>/profil
   trace_rank{r}.json      the Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev)
   timeline_rank{r}.png    one lane per CUDA stream: kernels, copies, NCCL; the compute stream's gaps show
   breakdown_rank{r}.json  per step: the compute stream's time by kind (GEMMs, grouped GEMMs, attention,
-                          elementwise, copies, optimizer, communication, idle), its longest gaps, and the part
-                          of its idle time the host caused (kernels launched after the stream ran dry)
+                          elementwise, copies, optimizer, communication, idle), its longest gaps, the time no
+                          stream runs anything, and the part of the compute stream's idle time the host caused
+                          (kernels launched after the stream ran dry)
 
 The same summaries serve the benchmarks (benchmarks/train_step.py, dp_overlap.py, moe_layer.py).
 """
