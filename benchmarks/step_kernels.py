@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 import sys
 from pathlib import Path
 
@@ -96,10 +97,12 @@ TOKEN_QUANTIZE_SHAPES = {  # name: (experts, rows per expert, the four operands'
 
 
 def timed(fns: dict, rounds: int, reps: int) -> dict[str, float]:
-    """Median ms per call of every variant, round-robin."""
+    """Median ms per call of every variant, round-robin. A variant whose calls take the host about as long to
+    launch as the GPU to run is named on stderr: its time is the host's (:func:`timed_graphed` times the GPU)."""
     import torch
 
     samples = {name: [] for name in fns}
+    host = {name: [] for name in fns}
     for fn in fns.values():  # warm-up (compiles, autotunes, allocates)
         fn()
     torch.cuda.synchronize()
@@ -107,12 +110,19 @@ def timed(fns: dict, rounds: int, reps: int) -> dict[str, float]:
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            launched = time.perf_counter()
             for _ in range(reps):
                 fn()
+            host[name].append((time.perf_counter() - launched) * 1e3 / reps)
             end.record()
             end.synchronize()
             samples[name].append(start.elapsed_time(end) / reps)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    ms = {name: statistics.median(values) for name, values in samples.items()}
+    for name, gpu_ms in ms.items():
+        if statistics.median(host[name]) >= 0.9 * gpu_ms:
+            print(f"host-bound: {name} takes the host {statistics.median(host[name]):.4f} ms a call to launch against "
+                  f"{gpu_ms:.4f} ms measured: that is the host's time (timed_graphed times the GPU's)", file=sys.stderr)
+    return ms
 
 
 def timed_graphed(fns: dict, rounds: int, calls: int = 20) -> dict[str, float]:
