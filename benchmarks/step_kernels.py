@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
