@@ -299,6 +299,10 @@ ROUTER_ROWS_OFF=("moe_overlap/layers/router.py|s/if x_TH.dtype == self.weight.dt
 # 2026-11-28 night: the FP8 SwiGLU forward two rows a program at 4 warps undone (one row at 8 warps, as before)
 TILE_OFF=("moe_overlap/kernels/swiglu.py|s/^_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (2, 4)/_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (1, 8)/")
 
+# 2026-11-28 night: the optimizer step's maxima from strips of 64 rows (maxima1's trial, 4-row tiles at 4 warps) undone:
+# a strip of one tile, as before
+STRIPS_OFF=("moe_overlap/kernels/adamw.py|s/^_MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = (4, 1024, 64)/_MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = (4, 1024, 4)/")
+
 fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU 0 (FP8_PARAM_EXTRA: overrides of
   # every run)
   local label=$1 launch name held kept order
@@ -1773,6 +1777,48 @@ PY
     # and the FP8 model steps' (eager and graphed), on one GPU
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests tiles_check tests/test_swiglu_kernel.py tests/test_gpu_fp8.py -k "swiglu or train_steps or handoff or permutation"
+    ;;
+  maxima1)  # issue 39, the fine model's FP8 step: the optimizer step leaving the held weights' maxima ran at 66% of HBM
+    # on H200 against the flat step's 82% (row_tiles1's profile): its column maxima an atomic per 4 rows. Strips of
+    # rows keep them in registers. Its GPU tests; the sweep of tiles and strips on the fine and Mixtral weights; the
+    # fine model bf16 + rowwise with strips of 64 rows (profiled), then without (STRIPS_OFF)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests maxima tests/test_gpu_fp8.py tests/test_fused_kernels.py -k "adamw or maxima or train_steps"
+    timeout -k 10 200 python benchmarks/step_kernels.py --sections fp8_param --rounds 10 \
+      --json $res/step_kernels_fp8_param_strips_1x$gpu.json 2>&1 | tail -n 6 | cut -c1-1500
+    pack
+    tree_before strips_before "${STRIPS_OFF[@]}"
+    PROFILE=strips FP8_MODEL=fine_8l fp8_runs strips /tmp/strips_before strips before
+    ;;
+  maxima2)  # maxima1's strips lost (64 rows, 4 warps: 2.66 against 2.34 ms on the fine fc1 weight); the step's registers
+    # are the likelier limit (a 4 x 1024 tile at 4 warps holds 32 values of each of 4 tensors a thread). The sweep
+    # again with 8-warp tiles and 1-row strips (the flat step's registers, one atomic maximum per 1,024 elements for
+    # the rows and one per column a strip); the fine model with the fastest on the fine weights, before (as
+    # committed), and unfused (no maxima from the step: the flat step, then the refresh's two passes)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 200 python benchmarks/step_kernels.py --sections fp8_param --rounds 10 \
+      --json $res/step_kernels_fp8_param_strips2_1x$gpu.json 2>&1 | tail -n 6 | cut -c1-1800
+    pack
+    best=$(python - "$res/step_kernels_fp8_param_strips2_1x$gpu.json" <<'PY'
+import json, re, sys
+rows = {r["shape"]: r["ms"] for r in json.load(open(sys.argv[1]))["rows"]}
+keys = [k for k in rows["fine"] if re.fullmatch(r"held_adamw_\d+x\d+x\d+_\d+w_\d+", k)]
+key = min(keys, key=lambda k: rows["fine"][k] + rows["fine_w2"][k])
+m, k, s, w, p = map(int, re.findall(r"\d+", key))
+print(f"({m}, {k}, {s}), {w}, {p}")
+PY
+)
+    echo "fastest on the fine weights: $best"
+    tree_before maxima_best "moe_overlap/kernels/adamw.py|s/^_MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = .*/_MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = $best/"
+    tree_before maxima_unfused "moe_overlap/layers/fp8.py|s/^    if not param_info(param).holds_fp8 or not any(/    if True or not any(/"
+    for tree in best before unfused; do
+      dir=/tmp/maxima_$tree; [ $tree = before ] && dir=$PWD
+      name=train_step_maxima_${tree}_fine_8l_1x$gpu
+      PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_fine_8l.yaml \
+        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
+        --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+      pack
+    done
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

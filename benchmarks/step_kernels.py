@@ -86,7 +86,8 @@ FP8_WGRAD_CONFIGS = [(64, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3)]
 BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (128, 128, 128, 8, 3, False),
                      (128, 128, 128, 8, 4, False), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
                      (128, 128, 128, 8, 3, True)]
-WEIGHT_FP8_SHAPES = {"mixtral_w13": (8, 4096, 28672), "mixtral_w2": (8, 14336, 4096), "fine": (64, 2048, 2048)}
+WEIGHT_FP8_SHAPES = {"mixtral_w13": (8, 4096, 28672), "mixtral_w2": (8, 14336, 4096), "fine": (64, 2048, 2048),
+                     "fine_w2": (64, 1024, 2048)}
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim
 TOKEN_QUANTIZE_SHAPES = {  # name: (experts, rows per expert, the four operands' widths: x, grad_y, a, grad_h)
     "mixtral_1gpu": (8, 1024, (4096, 4096, 14336, 2 * 14336)),
@@ -689,8 +690,9 @@ def weight_fp8_rows(rounds: int) -> list[dict]:
 def fp8_param_rows(rounds: int) -> list[dict]:
     """What an optimizer step and the refresh of a weight's two rowwise FP8 copies cost per weight, kept apart from
     the bf16 weight (the flat AdamW writing the bf16 copy, then quantize_rows_and_columns' two passes over it)
-    against held in it (train.fp8_param: the tiled AdamW leaving the row and column maxima, per tile config, then
-    the second pass alone over the fp32 master; and that pass's two over the master without the maxima)."""
+    against held in it (train.fp8_param: the tiled AdamW leaving the row and column maxima, per tile and strip
+    config, each checked against torch's maxima; then the second pass alone over the fp32 master; and that pass's
+    two over the master without the maxima); the flat step without a copy is the bytes' floor."""
     import torch
 
     from moe_overlap.kernels.adamw import AdamWHyper, WeightMaxima, adamw_maxima_triton, adamw_update_triton
@@ -714,22 +716,36 @@ def fp8_param_rows(rounds: int) -> list[dict]:
                                                                  amax=amax),
                "held_refresh_two_passes": lambda: quantize_rows_and_columns(master, rows, cols,
                                                                             as_dtype=torch.bfloat16)}
-        for (block_m, block_k), warps, per_sm in (
-                ((64, 128), 8, None), ((32, 256), 8, None), ((8, 1024), 8, 4), ((16, 512), 8, 4), ((4, 1024), 4, 8),
-                ((32, 256), 8, 4), ((64, 128), 8, 4), ((8, 512), 4, 8), ((8, 1024), 8, 2), ((2, 1024), 4, 8)):
-            fns[f"held_adamw_{block_m}x{block_k}x{warps}_{per_sm or 'all'}"] = (
-                lambda blocks=(block_m, block_k), warps=warps, per_sm=per_sm: adamw_maxima_triton(
+        fns["flat_no_copy"] = lambda: adamw_update_triton(master, grad, exp_avg, exp_avg_sq, None, control, hyper)
+        for blocks, warps, per_sm in (  # (BLOCK_M, BLOCK_K, SPAN_M): a tile, and the rows of a program's strip
+                ((4, 1024, 4), 4, 8), ((8, 512, 64), 4, 8), ((4, 1024, 4), 8, 4), ((8, 512, 8), 8, 4),
+                ((8, 512, 64), 8, 4), ((4, 512, 64), 8, 4), ((2, 1024, 64), 8, 4), ((2, 512, 64), 4, 8),
+                ((1, 1024, 16), 8, 4), ((1, 1024, 32), 8, 4), ((1, 1024, 64), 8, 4), ((1, 1024, 128), 8, 4),
+                ((1, 1024, 64), 8, 8), ((1, 1024, 64), 4, 8), ((1, 2048, 64), 8, 4), ((1, 512, 64), 4, 8),
+                ((2, 1024, 32), 8, 4), ((1, 1024, 32), 4, 8)):
+            fns["held_adamw_{}x{}x{}_{}w_{}".format(*blocks, warps, per_sm)] = (
+                lambda blocks=blocks, warps=warps, per_sm=per_sm: adamw_maxima_triton(
                     master, grad, exp_avg, exp_avg_sq, control, hyper, maxima, blocks, warps, per_sm))
         fns["held_adamw_default"] = lambda: adamw_maxima_triton(master, grad, exp_avg, exp_avg_sq, control, hyper,
                                                                 maxima)
+        exact = {}
+        for key, fn in fns.items():  # each strip config's maxima against torch's of the master it leaves
+            if key.startswith("held_adamw"):
+                fn()
+                weights = master.to(torch.bfloat16).float().abs()
+                exact[key] = bool(torch.equal(maxima.rows_BM, weights.amax(-1).reshape(-1))
+                                  and torch.equal(maxima.columns_BK, weights.amax(-2).reshape(-1)))
         ms = timed(fns, rounds, reps=2)
         ms["kept_total"] = ms["kept_adamw"] + ms["kept_refresh"]
         ms["held_total_default"] = ms["held_adamw_default"] + ms["held_refresh"]
-        print(name, {key: round(v, 3) for key, v in ms.items()}, flush=True)
-        return {"section": "fp8_param", "shape": name, "experts": experts, "m": m, "k": k, "ms": ms}
+        ms["held_total_unfused"] = ms["flat_no_copy"] + ms["held_refresh_two_passes"]  # no maxima from the step
+        print(name, {key: round(v, 3) for key, v in ms.items()}, "maxima exact" if all(exact.values()) else
+              f"maxima DIFFER: {[key for key, ok in exact.items() if not ok]}", flush=True)
+        return {"section": "fp8_param", "shape": name, "experts": experts, "m": m, "k": k, "ms": ms,
+                "maxima_exact": exact}
 
     out = []
-    for name in ("mixtral_w13", "mixtral_w2"):
+    for name in ("fine", "fine_w2", "mixtral_w13", "mixtral_w2"):
         out.append(one_weight(name))
         torch.cuda.empty_cache()
     return out

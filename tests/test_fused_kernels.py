@@ -63,14 +63,17 @@ def test_adamw_kernel_matches_twin_writes_the_copy_and_skips(interpret, apply):
 
 @pytest.mark.parametrize("apply", [1.0, 0.0])
 @pytest.mark.parametrize("shape", [(3, 70, 200), (130, 96)], ids=["experts", "matrix"])
-def test_adamw_maxima_kernel_steps_as_the_flat_one_and_leaves_the_bf16_maxima(interpret, apply, shape):
+@pytest.mark.parametrize("blocks", [None, (2, 64, 8)], ids=["default", "strips"])
+def test_adamw_maxima_kernel_steps_as_the_flat_one_and_leaves_the_bf16_maxima(interpret, apply, shape, blocks):
     """With maxima (train.fp8_param): the tiled step writes the master and moments the flat kernel writes, bit for
     bit, and each matrix's row and column maxima of the new weights read as bf16 (the rowwise FP8 copies' first
-    pass: quantize_rows_and_columns with them equals it without), also where the step does not apply; the twin
-    agrees."""
+    pass: quantize_rows_and_columns with them equals it without), also where the step does not apply, with strips
+    of several tiles that end past the rows and columns too; the twin agrees."""
     n = torch.Size(shape).numel()
     control = torch.tensor([0.5, 3.0, apply])
-    for update, flat_update in ((A.adamw_update, A.adamw_update_triton), (A.adamw_update_torch, A.adamw_update_torch)):
+    tiled_update = A.adamw_update if blocks is None else (
+        lambda *args: A.adamw_maxima_triton(*args[:4], *args[5:], blocks=blocks))
+    for update, flat_update in ((tiled_update, A.adamw_update_triton), (A.adamw_update_torch, A.adamw_update_torch)):
         flat = adam_state(n)
         flat_update(*flat, None, control, HYPER)
         tiled = [t.view(shape) for t in adam_state(n)]
@@ -78,10 +81,10 @@ def test_adamw_maxima_kernel_steps_as_the_flat_one_and_leaves_the_bf16_maxima(in
         B = n // (M * K)
         maxima = A.WeightMaxima(torch.full((B * M,), 7.0), torch.full((B * K,), 7.0), torch.bfloat16)
         update(*tiled, None, control, HYPER, maxima)
-        assert all(torch.equal(t.reshape(-1), f) for t, f in zip(tiled, flat)), update.__name__
+        assert all(torch.equal(t.reshape(-1), f) for t, f in zip(tiled, flat)), update
         weights = tiled[0].view(B, M, K).to(torch.bfloat16).float().abs()
-        assert torch.equal(maxima.rows_BM, weights.amax(-1).reshape(-1)), update.__name__
-        assert torch.equal(maxima.columns_BK, weights.amax(-2).reshape(-1)), update.__name__
+        assert torch.equal(maxima.rows_BM, weights.amax(-1).reshape(-1)), update
+        assert torch.equal(maxima.columns_BK, weights.amax(-2).reshape(-1)), update
         given = Q.quantize_rows_and_columns(tiled[0], as_dtype=torch.bfloat16, amax=(
             maxima.rows_BM.view(*shape[:-1]), maxima.columns_BK.view(*shape[:-2], K)))
         made = Q.quantize_rows_and_columns(tiled[0], as_dtype=torch.bfloat16)

@@ -30,8 +30,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moe_overlap.kernels.fp8_quant import tile_maxima
-    from moe_overlap.kernels.launch import DeviceFunction
+    from moe_overlap.kernels.fp8_quant import as_stored
+    from moe_overlap.kernels.launch import DeviceFunction, max_combine
 
     def _factors(control_ptr, lr, beta1, beta2):
         """(grad_scale, step_size, sqrt_bias_correction2) of the step the control tensor describes."""
@@ -71,47 +71,60 @@ if HAVE_TRITON:
                 if HAS_COPY:
                     tl.store(copy_ptr + offs, master.to(copy_ptr.dtype.element_ty), mask=mask)
 
-    # With maxima (train.fp8_param): (BLOCK_M, BLOCK_K) tiles of the matrices (master (B, M, K)), each program
-    # walking tiles PROGRAMS apart as the flat kernel walks blocks: a tile's step, then its new values' row and column
-    # maxima (as ROUND stores them) into the rowwise FP8 copies' buffers, also where the step does not apply (the
+    # With maxima (train.fp8_param): strips of SPAN_M rows and BLOCK_K columns of the matrices (master (B, M, K)),
+    # each program walking strips PROGRAMS apart as the flat kernel walks blocks, and each strip in (BLOCK_M, BLOCK_K)
+    # tiles: a tile's step, then its new values' row maxima (as ROUND stores them) into the rowwise FP8 copies'
+    # buffer by atomic maxima; the column maxima are kept in registers down the strip and leave it as one atomic
+    # maximum per column (a tile's own would be one per BLOCK_M elements). Also where the step does not apply (the
     # copies are made again all the same).
     def _adamw_maxima_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, control_ptr, amax_rows_ptr,
-                             amax_cols_ptr, M, K, tiles, lr, beta1, beta2, eps, weight_decay, ROUND: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
+                             amax_cols_ptr, M, K, strips, lr, beta1, beta2, eps, weight_decay, ROUND: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPAN_M: tl.constexpr,
+                             PROGRAMS: tl.constexpr):
         apply = tl.load(control_ptr + 2) != 0.0
         grad_scale, step_size, sqrt_bias_correction2 = factors(control_ptr, lr, beta1, beta2)
-        tiles_k = (K + BLOCK_K - 1) // BLOCK_K
-        tiles_per_matrix = (M + BLOCK_M - 1) // BLOCK_M * tiles_k
-        for tile in range(tl.program_id(0), tiles, PROGRAMS):
-            matrix = (tile // tiles_per_matrix).to(tl.int64)
-            rm = (tile % tiles_per_matrix // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-            rk = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-            in_m, in_k = rm < M, rk < K
-            mask = in_m[:, None] & in_k[None, :]
-            offs = matrix * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
-            master = tl.load(master_ptr + offs, mask=mask, other=0.0)
-            if apply:
-                grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
-                master, exp_avg, exp_avg_sq = adamw_values(
-                    master, grad, tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
-                    tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr,
-                    beta1, beta2, eps, weight_decay)
-                tl.store(master_ptr + offs, master, mask=mask)
-                tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-                tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
-            tile_maxima(master, amax_rows_ptr + matrix * M, amax_cols_ptr + matrix * K, rm, rk, in_m, in_k, ROUND)
+        strips_k = (K + BLOCK_K - 1) // BLOCK_K
+        strips_per_matrix = (M + SPAN_M - 1) // SPAN_M * strips_k
+        for strip in range(tl.program_id(0), strips, PROGRAMS):
+            matrix = (strip // strips_per_matrix).to(tl.int64)
+            first_m = (strip % strips_per_matrix // strips_k) * SPAN_M
+            rk = (strip % strips_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+            in_k = rk < K
+            columns_max = tl.full((BLOCK_K,), 0.0, tl.float32)
+            for m0 in range(0, SPAN_M, BLOCK_M):
+                rm = first_m + m0 + tl.arange(0, BLOCK_M)
+                in_m = rm < M
+                mask = in_m[:, None] & in_k[None, :]
+                offs = matrix * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+                master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+                if apply:
+                    grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
+                    master, exp_avg, exp_avg_sq = adamw_values(
+                        master, grad, tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
+                        tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr,
+                        beta1, beta2, eps, weight_decay)
+                    tl.store(master_ptr + offs, master, mask=mask)
+                    tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
+                    tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+                x_abs = tl.where(mask, tl.abs(as_stored(master, ROUND)), 0.0)
+                tl.atomic_max(amax_rows_ptr + matrix * M + rm, tl.reduce(x_abs, 1, max_combine), mask=in_m,
+                              sem="relaxed")
+                columns_max = tl.maximum(columns_max, tl.reduce(x_abs, 0, max_combine))
+            tl.atomic_max(amax_cols_ptr + matrix * K + rk, columns_max, mask=in_k, sem="relaxed")
 
     _adamw = Kernel(_adamw_kernel, do_not_specialize=["n", "lr"])
-    _adamw_maxima = Kernel(_adamw_maxima_kernel, do_not_specialize=["tiles", "lr"])
+    _adamw_maxima = Kernel(_adamw_maxima_kernel, do_not_specialize=["strips", "lr"])
 
 # 1024 elements a block, 8 warps, 4 programs an SM walking the blocks: the best of benchmarks/step_kernels.py on an
 # H200 (3.8 TB/s counting every byte; torch's fused AdamW and then the copy: 3.2).
 _BLOCK, _WARPS, _PROGRAMS_PER_SM = 1024, 8, 4
 
 
-# (BLOCK_M, BLOCK_K), warps, programs an SM: the best of benchmarks/step_kernels.py fp8_param on an H100 (Mixtral fc1
-# weight: 9.76 ms, against 10.20 for the flat step writing the bf16 copy; step_kernels_fp8_param_b_1xh100.json)
-_MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = (4, 1024), 4, 8
+# (BLOCK_M, BLOCK_K, SPAN_M), warps, programs an SM: the best of benchmarks/step_kernels.py fp8_param on an H200
+# (step_kernels_fp8_param_strips2_1xh200.json): strips of 32 one-row tiles at 8 warps hold the flat step's registers
+# (4 values of each tensor a thread) and ran every weight at or under the flat step without a copy (fine fc1 1.91 ms
+# against 1.96; Mixtral fc1 6.57 against 6.80), where 4 x 1,024 tiles at 4 warps (32 values a thread) ran 2.36 / 8.10
+_MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = (1, 1024, 32), 8, 4
 
 
 @dataclass(frozen=True)
@@ -186,20 +199,23 @@ def _programs(work: int, programs_per_sm: int | None, device: torch.device) -> i
 
 def adamw_maxima_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         control: torch.Tensor, hyper: AdamWHyper, maxima: WeightMaxima,
-                        blocks: tuple[int, int] = _MAXIMA_BLOCKS, warps: int = _MAXIMA_WARPS,
+                        blocks: tuple[int, int, int] = _MAXIMA_BLOCKS, warps: int = _MAXIMA_WARPS,
                         programs_per_sm: int | None = _MAXIMA_PROGRAMS_PER_SM) -> None:
+    """``blocks``: (BLOCK_M, BLOCK_K, SPAN_M), a tile and the rows of a program's strip (a multiple of BLOCK_M)."""
     if not all(t.is_contiguous() and t.shape == master.shape for t in (grad, exp_avg, exp_avg_sq)):
         raise ValueError("adamw_update needs contiguous tensors of one shape")
     M, K = master.shape[-2:]
-    block_m, block_k = blocks
-    tiles = master.numel() // (M * K) * triton.cdiv(M, block_m) * triton.cdiv(K, block_k)
-    programs = _programs(tiles, programs_per_sm, master.device)
-    maxima.rows_BM.zero_()  # the tiles' atomic maxima start from zeros
+    block_m, block_k, span_m = blocks
+    if span_m % block_m:
+        raise ValueError(f"a strip of {span_m} rows is not a multiple of {block_m}-row tiles")
+    strips = master.numel() // (M * K) * triton.cdiv(M, span_m) * triton.cdiv(K, block_k)
+    programs = _programs(strips, programs_per_sm, master.device)
+    maxima.rows_BM.zero_()  # the atomic maxima start from zeros
     maxima.columns_BK.zero_()
     _adamw_maxima[(programs,), master.device](
-        master, grad, exp_avg, exp_avg_sq, control, maxima.rows_BM, maxima.columns_BK, M, K, tiles, hyper.lr,
+        master, grad, exp_avg, exp_avg_sq, control, maxima.rows_BM, maxima.columns_BK, M, K, strips, hyper.lr,
         hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, ROUND=round_mode(master, maxima.as_dtype),
-        BLOCK_M=block_m, BLOCK_K=block_k, PROGRAMS=programs, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_K=block_k, SPAN_M=span_m, PROGRAMS=programs, num_warps=warps)
 
 
 def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -62,7 +62,7 @@ if HAVE_TRITON:
     def _tile_maxima(x, amax_rows_ptr, amax_cols_ptr, rm, rk, in_m, in_k, ROUND: tl.constexpr):
         """A tile x (rows rm, columns rk of a matrix; fp32, read as ROUND stores it) into its matrix's row and column
         maxima (buffers of zeros at first) by atomic maxima: a maximum is exact in any order, so any tiling gives
-        the one-program kernels' amax bit for bit (quantize_rows_and_columns' first pass; kernels/adamw.py's)."""
+        the one-program kernels' amax bit for bit (quantize_rows_and_columns' first pass)."""
         x_abs = tl.abs(as_stored(x, ROUND))
         tl.atomic_max(amax_rows_ptr + rm, tl.reduce(x_abs, 1, max_combine), mask=in_m, sem="relaxed")
         tl.atomic_max(amax_cols_ptr + rk, tl.reduce(x_abs, 0, max_combine), mask=in_k, sem="relaxed")
