@@ -1820,6 +1820,26 @@ PY
       pack
     done
     ;;
+  shipped4b)  # the optimizer step's maxima from one-row strips (maxima2) under its GPU test on GPU 0; then shipped4 on
+    # this tree (issue 41's 4-GPU example against its family's ep1 row; the router's tensor-core logits since)
+    (export CUDA_VISIBLE_DEVICES=0; gpu0_tests maxima_default tests/test_gpu_fp8.py -k "adamw or train_steps")
+    pack
+    name=train_step_fine_8l_ep1_text_shipped4b_1x$gpu
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python benchmarks/train_step.py configs/bench_fine_8l.yaml $TEXT $STEPS \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ROUTING_NAME=shipped_f175b example 4
+    ;;
+  maxima3)  # the fast one-row strips left exp_avg_sq 1 ulp off the flat step's (the GPU test, shipped4b): ptxas fused
+    # its multiply-adds by the tiles' layout. Both steps now compile without fused multiply-adds: the GPU tests, then
+    # the sweep again (what the unfused arithmetic costs)
+    export CUDA_VISIBLE_DEVICES=0
+    # (FMA=fma: the same once the step's multiply-adds are written out as fused ones, none other)
+    gpu0_tests maxima_${FMA:-nofma} tests/test_gpu_fp8.py -k "adamw or train_steps"
+    pack
+    timeout -k 10 200 python benchmarks/step_kernels.py --sections fp8_param --rounds 10 \
+      --json $res/step_kernels_fp8_param_${FMA:-nofma}_1x$gpu.json 2>&1 | tail -n 6 | cut -c1-1800
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac

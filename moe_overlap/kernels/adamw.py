@@ -40,14 +40,18 @@ if HAVE_TRITON:
         bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
         return grad_scale, lr / bias_correction1, tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
 
-    def _adamw_values(master, grad, exp_avg, exp_avg_sq, step_size, sqrt_bias_correction2, lr, beta1, beta2, eps,
-                      weight_decay):
-        """One AdamW step of loaded values (the gradient already scaled): (master, exp_avg, exp_avg_sq)."""
-        master = master * (1.0 - lr * weight_decay)
-        exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
-        exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
+    def _adamw_values(master, grad, grad_scale, exp_avg, exp_avg_sq, step_size, sqrt_bias_correction2, lr, beta1,
+                      beta2, eps, weight_decay):
+        """One AdamW step of loaded values (the gradient before its scale): (master, exp_avg, exp_avg_sq). Every
+        multiply an add or subtract takes is written as a fused multiply-add, so the compiler has none left to fuse
+        or not: ptxas chooses by how a tile is laid out over the threads, and left the moments of one-row tiles at 4
+        values a thread 1 ulp off the flat step's (2026-11-28, 1xH200). Compiling with no fusion at all made the
+        same rounding but ran the flat step 10-15% slower (step_kernels_fp8_param_nofma_1xh200.json)."""
+        exp_avg = tl.fma(tl.fma(grad, grad_scale, -exp_avg), 1.0 - beta1, exp_avg)
+        grad = grad * grad_scale
+        exp_avg_sq = tl.fma(exp_avg_sq, beta2, (1.0 - beta2) * grad * grad)
         denom = tl.sqrt(exp_avg_sq) / sqrt_bias_correction2 + eps
-        return master - step_size * exp_avg / denom, exp_avg, exp_avg_sq
+        return tl.fma(master, 1.0 - lr * weight_decay, -(step_size * exp_avg / denom)), exp_avg, exp_avg_sq
 
     factors, adamw_values = DeviceFunction(_factors), DeviceFunction(_adamw_values)
 
@@ -59,10 +63,9 @@ if HAVE_TRITON:
             for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < n
-                grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
                 master, exp_avg, exp_avg_sq = adamw_values(
-                    tl.load(master_ptr + offs, mask=mask, other=0.0), grad,
-                    tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
+                    tl.load(master_ptr + offs, mask=mask, other=0.0), tl.load(grad_ptr + offs, mask=mask, other=0.0),
+                    grad_scale, tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
                     tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr,
                     beta1, beta2, eps, weight_decay)
                 tl.store(master_ptr + offs, master, mask=mask)
@@ -98,9 +101,9 @@ if HAVE_TRITON:
                 offs = matrix * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
                 master = tl.load(master_ptr + offs, mask=mask, other=0.0)
                 if apply:
-                    grad = tl.load(grad_ptr + offs, mask=mask, other=0.0) * grad_scale
                     master, exp_avg, exp_avg_sq = adamw_values(
-                        master, grad, tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
+                        master, tl.load(grad_ptr + offs, mask=mask, other=0.0), grad_scale,
+                        tl.load(exp_avg_ptr + offs, mask=mask, other=0.0),
                         tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0), step_size, sqrt_bias_correction2, lr,
                         beta1, beta2, eps, weight_decay)
                     tl.store(master_ptr + offs, master, mask=mask)
@@ -121,9 +124,10 @@ _BLOCK, _WARPS, _PROGRAMS_PER_SM = 1024, 8, 4
 
 
 # (BLOCK_M, BLOCK_K, SPAN_M), warps, programs an SM: the best of benchmarks/step_kernels.py fp8_param on an H200
-# (step_kernels_fp8_param_strips2_1xh200.json): strips of 32 one-row tiles at 8 warps hold the flat step's registers
-# (4 values of each tensor a thread) and ran every weight at or under the flat step without a copy (fine fc1 1.91 ms
-# against 1.96; Mixtral fc1 6.57 against 6.80), where 4 x 1,024 tiles at 4 warps (32 values a thread) ran 2.36 / 8.10
+# (step_kernels_fp8_param_strips2_1xh200.json; again with the multiply-adds written out, ..._fma2_1xh200.json): strips
+# of 32 one-row tiles at 8 warps hold the flat step's registers (4 values of each tensor a thread): fine fc1 1.98 ms and
+# Mixtral fc1 6.71 against 2.24 / 7.33 for 4 x 1,024 tiles at 4 warps (32 values a thread), the flat step writing the
+# bf16 copy 2.10 / 7.21
 _MAXIMA_BLOCKS, _MAXIMA_WARPS, _MAXIMA_PROGRAMS_PER_SM = (1, 1024, 32), 8, 4
 
 
