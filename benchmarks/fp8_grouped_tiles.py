@@ -79,7 +79,6 @@ def main() -> None:
             rows_out.append(row)
             print(f"{shape:12s} {gemm:10s} exact {ms['exact']:.3f} ms, doubled {ms['doubled']:.3f} ms, same kernel "
                   f"{row['same_kernel']}, difference {difference:.2e}", flush=True)
-            del a_q, w_q, results
     write_json(args.json, run_header(1), rows_out)
 
 
