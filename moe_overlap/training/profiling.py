@@ -184,7 +184,7 @@ def host_late_idle(trace: dict, steps: int, listed: int = 10) -> dict:
                                  for name, (us, count) in sorted(late_by_next.items(), key=lambda kv: -kv[1][0])[:listed]]}
 
 
-def step_breakdown(spans, steps: int, top_kernels: int = 25) -> dict:
+def step_breakdown(spans, steps: int, top_kernels: int = 45) -> dict:
     """Per step, the compute stream's time by kind of work (ms), idle time, the window, and the kernels that
     took the most; communication on other streams is listed beside (it overlaps, it does not add)."""
     compute_stream = compute_stream_of(spans)
