@@ -1860,12 +1860,28 @@ PY
   fp8_split4)  # issue 39: why FP8 gains 1.045x at EP=4 with nothing crossing (compute_only) against 1.145x at one GPU:
     # the bf16 default and rowwise FP8 on the wire, each with its compute_only row, every row's step profiled
     FP8="train.fp8_recipe=rowwise,overlap.moe_dispatch_dtype=fp8"
-    name=train_step_fine_8l_ep4_balanced_fp8_split_4x$gpu
+    name=train_step_fine_8l_ep4_balanced_fp8_split${TAG:-}_4x$gpu  # (TAG=_bounded: fp8_bound4's run)
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
       parallel.expert_model_parallel_size=4 $BAL $DISTOPT $GRAPHED --warmup 3 --steps 5 --profile-steps 1 --compute-only \
       --variant "fp8_wire:$FP8" --variant "fp8_wire_compute_only:$FP8,overlap.moe_pipeline=true,overlap.moe_compute_only=true" \
       --json $res/$name.json --timeline $res/$name.png 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
       | cut -c1-300
+    pack
+    ;;
+  fp8_bound4)  # fp8_split4 found the FP8 path's row kernels over a worst-case buffer's whole tail: quantize_rows of
+    # the fc2 dgrad's rows (~0.38 ms a layer and micro-batch) and the received output gradient's dequantize (~0.2).
+    # Bounded launches now stride over the counted rows. The kernels' GPU tests on GPU 0, the MoE layer's (FP8 wire
+    # bit for bit included) at 4 ranks, then fp8_split4's rows again
+    (export CUDA_VISIBLE_DEVICES=0; gpu0_tests fp8_bound tests/test_gpu_fp8.py -k "quantize_equals_twin or packed")
+    pack
+    log=$out/gpu_tests_fp8_bound_moe_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 8 \
+      | tee -a "$log"
+    cp "$log" $res/
+    pack
+    TAG=_bounded bash "$0" fp8_split4 "$out" | tail -n 6
+    tar xzf "$out/fp8_split4.tgz" 2>/dev/null
     pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2

@@ -128,7 +128,14 @@ def test_fp8_triton_kernels_under_the_interpreter(monkeypatch):
     scale_out = torch.full((37,), -1.0)
     quantize_rows(x[1], q_out, scale_out, rows_bound=bound)
     assert (scale_out[20:] == -1).all() and (q_out[20:].float() == 0).all()
-    assert torch.equal(scale_out[:20], quantize_rows_torch(x[1, :20])[1])
+    q_twin, scale_twin = quantize_rows_torch(x[1, :20])
+    assert torch.equal(scale_out[:20], scale_twin)  # 3 programs striding over the 20 rows (kernels/fp8_quant.py)
+    assert_twin_but_interpreter_faults(q_out[:20], q_twin)
+    # dequantize_rows bounded: the rows below the bound (blocks of rows, 3 programs striding), the rest unwritten
+    # (fp32 out: the interpreter's fp32 -> bf16 cast truncates)
+    out = dequantize_rows(q_twin.repeat(3, 1), scale_twin.repeat(3), torch.float32,
+                          rows_bound=torch.tensor([45], dtype=torch.int32))
+    assert torch.equal(out[:45], dequantize(q_twin.repeat(3, 1)[:45], scale_twin.repeat(3)[:45]))
 
 
 @pytest.mark.parametrize("dim", [-1, -2], ids=["rows", "columns"])

@@ -101,6 +101,17 @@ def test_fp8_triton_quantize_equals_twin(dtype):
     want_q, want_scale = quantize_rows_torch(x[0, :100])
     assert same_fp8(q[:100], want_q) and torch.equal(scale[:100], want_scale)
     assert (scale[100:] == -1).all() and (q[100:].float() == 0).all()
+    # a worst-case buffer's counted rows: more rows than a bounded launch has programs, so each strides
+    rows = (torch.randn(30000, 256, device="cuda", generator=g) * 4).to(dtype)
+    bound = torch.tensor([25000], dtype=torch.int32, device="cuda")
+    q, scale = torch.zeros(30000, 256, dtype=torch.float8_e4m3fn, device="cuda"), torch.full((30000,), -1.0,
+                                                                                               device="cuda")
+    quantize_rows(rows, q, scale, rows_bound=bound)
+    want_q, want_scale = quantize_rows_torch(rows[:25000])
+    assert same_fp8(q[:25000], want_q) and torch.equal(scale[:25000], want_scale)
+    assert (scale[25000:] == -1).all() and (q[25000:].float() == 0).all()
+    got = dequantize_rows(q, scale.clamp(min=0), torch.bfloat16, rows_bound=bound)
+    assert torch.equal(got[:25000], dequantize(want_q, want_scale).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

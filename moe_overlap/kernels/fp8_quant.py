@@ -69,62 +69,62 @@ if HAVE_TRITON:
 
     tile_maxima = DeviceFunction(_tile_maxima)
 
-    # One program per row; the row is read twice (its amax, then the quantized values), the second time from L2.
-    # A row at or past the bound is masked off whole (no early return: every program runs the same code). AMAX: 0
-    # the row's own; 1 the row's amax stored in amax_ptr and nothing else (ranks that each hold part of the row
-    # share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass). ROUND (here and in the column, rows-and-
-    # columns and blocks kernels, at every load of x): :func:`_as_stored`'s.
+    # A row per step, read twice (its amax, then the quantized values), the second time from L2. Programs stride
+    # over the rows below the bound (n_rows, or the device count at bound_ptr): unbounded one program a row; bounded
+    # a few programs an SM (:func:`_row_programs`), so a static worst-case buffer's unused tail launches nothing (one
+    # program per buffer row: 0.38 ms for 65,536 rows of a 262,144-row buffer, H200, where the rows take 0.1; the
+    # SwiGLU kernels' measurement too). AMAX: 0 the row's own; 1 the row's amax stored in amax_ptr and nothing else
+    # (ranks that each hold part of the row share it: layers/fp8.py); 2 the amax read from amax_ptr (one pass).
+    # ROUND (here and in the column, rows-and-columns and blocks kernels, at every load of x): :func:`_as_stored`'s.
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, bound_ptr, n_rows, K, stride_x, stride_q,
                               stride_scale, HAS_BOUND: tl.constexpr, AMAX: tl.constexpr, ROUND: tl.constexpr,
                               BLOCK: tl.constexpr):
-        row = tl.program_id(0)
         limit = n_rows
         if HAS_BOUND:
             limit = tl.minimum(tl.load(bound_ptr), n_rows)
-        live = row < limit
-        row = row.to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        if AMAX == 2:
-            amax = tl.load(amax_ptr + row, mask=live, other=0.0)
-        else:
-            amax_B = tl.full((BLOCK,), 0.0, tl.float32)
-            for start in range(0, K, BLOCK):
-                mask = (start + cols < K) & live
-                x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-                x = as_stored(x, ROUND)
-                amax_B = tl.maximum(amax_B, tl.abs(x))
-            amax = tl.reduce(amax_B, 0, max_combine)
-        if AMAX == 1:
-            tl.store(amax_ptr + row, amax, mask=live)
-        else:
-            amax = tl.maximum(amax, _FLOOR)
-            tl.store(scale_ptr + row * stride_scale, tl.math.div_rn(amax, _MAX), mask=live)
-            inverse = tl.math.div_rn(_MAX, amax)
-            for start in range(0, K, BLOCK):
-                mask = (start + cols < K) & live
-                x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-                x = as_stored(x, ROUND)
-                q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
-                tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        for row in range(tl.program_id(0).to(tl.int64), limit, tl.num_programs(0)):
+            if AMAX == 2:
+                amax = tl.load(amax_ptr + row)
+            else:
+                amax_B = tl.full((BLOCK,), 0.0, tl.float32)
+                for start in range(0, K, BLOCK):
+                    mask = start + cols < K
+                    x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    x = as_stored(x, ROUND)
+                    amax_B = tl.maximum(amax_B, tl.abs(x))
+                amax = tl.reduce(amax_B, 0, max_combine)
+            if AMAX == 1:
+                tl.store(amax_ptr + row, amax)
+            else:
+                amax = tl.maximum(amax, _FLOOR)
+                tl.store(scale_ptr + row * stride_scale, tl.math.div_rn(amax, _MAX))
+                inverse = tl.math.div_rn(_MAX, amax)
+                for start in range(0, K, BLOCK):
+                    mask = start + cols < K
+                    x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    x = as_stored(x, ROUND)
+                    q = tl.minimum(tl.maximum(x * inverse, -_MAX), _MAX)
+                    tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
-    # One program per block of rows: q * scale in fp32, rounded once to the output's dtype. Rows at or past the
-    # bound are left unwritten.
+    # q * scale in fp32, rounded once to the output's dtype, a block of rows per step; programs stride over the
+    # blocks below the bound as the row kernel's. Rows at or past the bound are left unwritten.
     def _dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, bound_ptr, n_rows, K, stride_q, stride_scale, stride_out,
                                 HAS_BOUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         limit = n_rows
         if HAS_BOUND:
             limit = tl.minimum(tl.load(bound_ptr), n_rows)
-        live = rows < limit
-        rows = rows.to(tl.int64)
         cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-        scale = tl.load(scale_ptr + rows * stride_scale, mask=live, other=0.0)
-        for start in range(0, K, BLOCK_K):
-            mask = live[:, None] & (start + cols < K)[None, :]
-            q = tl.load(q_ptr + rows[:, None] * stride_q + start + cols[None, :], mask=mask, other=0.0)
-            v = q.to(tl.float32) * scale[:, None]
-            tl.store(out_ptr + rows[:, None] * stride_out + start + cols[None, :], v.to(out_ptr.dtype.element_ty),
-                     mask=mask)
+        for first in range(tl.program_id(0).to(tl.int64) * BLOCK_R, limit, tl.num_programs(0) * BLOCK_R):
+            rows = first + tl.arange(0, BLOCK_R)
+            live = rows < limit
+            scale = tl.load(scale_ptr + rows * stride_scale, mask=live, other=0.0)
+            for start in range(0, K, BLOCK_K):
+                mask = live[:, None] & (start + cols < K)[None, :]
+                q = tl.load(q_ptr + rows[:, None] * stride_q + start + cols[None, :], mask=mask, other=0.0)
+                v = q.to(tl.float32) * scale[:, None]
+                tl.store(out_ptr + rows[:, None] * stride_out + start + cols[None, :], v.to(out_ptr.dtype.element_ty),
+                         mask=mask)
 
     # One program per (block of columns, matrix): the columns' amax down all M rows, then each (BLOCK_M, BLOCK_K)
     # tile quantized and stored transposed into q (K, M). AMAX as the row kernel's: 0 own, 1 the amax stored alone
@@ -283,6 +283,19 @@ def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, s
 
 
 _ROW_BLOCK = 1024
+# Programs an SM of a row kernel bounded by a device count (each strides over the rows below it): as many as run at
+# once (4 warps a quantize program, 8 a dequantize one), so a bounded launch moves as fast as one program a row.
+_ROW_PROGRAMS_PER_SM = 16
+_DEQUANTIZE_PROGRAMS_PER_SM = 8
+
+
+def _row_programs(work: int, bounded: bool, device: torch.device, per_sm: int) -> int:
+    """Programs of a row kernel over ``work`` rows (or blocks of rows): one each, or, ``bounded`` by a count on the
+    device, at most ``per_sm`` an SM (3 in the interpreter, so that its tests stride)."""
+    if not bounded:
+        return work
+    most = per_sm * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+    return max(1, min(work, most))
 _COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
 
 
@@ -325,7 +338,8 @@ def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: in
         x_rows = x_rows.contiguous()
     stride_q, stride_scale = (q.stride(0), scale.stride(0)) if x.dim() == 2 and mode != 1 else (K, 1)
     block = min(_ROW_BLOCK, triton.next_power_of_2(K))
-    _rows[(x_rows.shape[0],), x.device](x_rows, q, scale, x_rows if amax is None else amax.reshape(-1),
+    programs = _row_programs(x_rows.shape[0], rows_bound is not None, x.device, _ROW_PROGRAMS_PER_SM)
+    _rows[(programs,), x.device](x_rows, q, scale, x_rows if amax is None else amax.reshape(-1),
                                         x_rows if rows_bound is None else rows_bound, x_rows.shape[0], K,
                                         x_rows.stride(0), stride_q, stride_scale, HAS_BOUND=rows_bound is not None,
                                         AMAX=mode, ROUND=round_, BLOCK=block)
@@ -449,7 +463,9 @@ def dequantize_rows(q_RK: torch.Tensor, scale_R: torch.Tensor, dtype: torch.dtyp
     if out_RK.numel():
         block_k = min(1024, triton.next_power_of_2(K))
         block_r = max(1, 8192 // block_k)
-        _dequantize_rows[(triton.cdiv(R, block_r),), q_RK.device](
+        programs = _row_programs(triton.cdiv(R, block_r), rows_bound is not None, q_RK.device,
+                                 _DEQUANTIZE_PROGRAMS_PER_SM)
+        _dequantize_rows[(programs,), q_RK.device](
             q_RK, scale_R, out_RK, q_RK if rows_bound is None else rows_bound, R, K, q_RK.stride(0),
             scale_R.stride(0), out_RK.stride(0), HAS_BOUND=rows_bound is not None, BLOCK_R=block_r, BLOCK_K=block_k,
             num_warps=8)

@@ -138,13 +138,20 @@ def _grouped_rows_mapped(plan: Plan) -> bool:
     return plan.grouped_rows_mapped and not plan.transport.compute_only
 
 
+def _received_count(chunk: int, state: PipelineState) -> torch.Tensor | None:
+    """The wire rows a chunk receives, on the device (device-planned: its buffer is static, rows past the count
+    were never written), or None (host-planned: every row of the buffer arrived). The backward's output-gradient
+    rows come back into the forward's rows, so the same count holds."""
+    routes = state.plan.routes
+    return routes.recv_rows_C[chunk] if isinstance(routes, DeviceRoutes) else None
+
+
 def _arrived(rows_WX: torch.Tensor, chunk: int, state: PipelineState, hidden: int) -> ArrivedRows:
     """A chunk's wire rows split into hidden states and their copies (device-planned: rows past the count
     carry none). FP8 rows stay FP8 for FP8 GEMMs (layers/fp8.Fp8Rows)."""
     plan = state.plan
-    count = plan.routes.recv_rows_C[chunk] if isinstance(plan.routes, DeviceRoutes) else None
-    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], count, state.fp8_wire,
-                        keep_fp8=state.fp8 is not None)
+    return arrived_rows(rows_WX, hidden, plan.wire.copies, plan.offsets[chunk], _received_count(chunk, state),
+                        state.fp8_wire, keep_fp8=state.fp8 is not None)
 
 
 def _keep(state: PipelineState, chunk: int, tensors: list) -> list | Stashed:
@@ -303,7 +310,7 @@ class Experts(torch.autograd.Function):
             wire = copies is not None
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
                 grouped_row_WJ, probs_WJ = copies
-                grad_WH = hidden_states(rows_RH, hidden, state.fp8_wire)
+                grad_WH = hidden_states(rows_RH, hidden, state.fp8_wire, _received_count(chunk, state))
                 grad_y_RH, grad_probs_WJ = unpermute_backward(grad_WH, y_RH, grouped_row_WJ, probs_WJ,
                                                               _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0],
                                                               zero_below=plan.offsets[chunk][-1:])

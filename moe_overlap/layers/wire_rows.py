@@ -103,13 +103,15 @@ def _packed_parts(rows_RX: torch.Tensor, hidden: int) -> tuple[torch.Tensor, tor
     return bytes_RB[:, :hidden].view(FP8), bytes_RB[:, hidden:hidden + WORD].view(torch.float32)[:, 0]
 
 
-def hidden_states(rows_WX: torch.Tensor, hidden: int, fp8: bool) -> torch.Tensor:
+def hidden_states(rows_WX: torch.Tensor, hidden: int, fp8: bool, count: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """The hidden states of received rows (a view), or with ``fp8`` dequantized from their bytes and scale into
-    the rows' dtype (rows never written dequantize to anything: no copy of theirs is read)."""
+    the rows' dtype: the rows below ``count`` (on the device; None: all), the others left unwritten (rows past the
+    count were never received: no copy of theirs is read; a worst-case buffer's tail costs no pass)."""
     if not fp8:
         return rows_WX[:, :hidden]
     q_WH, scale_W = _packed_parts(rows_WX[:, :hidden_columns(hidden, rows_WX.dtype, True)], hidden)
-    return dequantize_rows(q_WH, scale_W, rows_WX.dtype)
+    return dequantize_rows(q_WH, scale_W, rows_WX.dtype, None if count is None else count.reshape(1))
 
 
 def _words(values_RW: torch.Tensor) -> torch.Tensor:
@@ -195,7 +197,7 @@ def arrived_rows(rows_WX: torch.Tensor, hidden: int, copies: int, offsets: torch
     if fp8 and keep_fp8:
         q_WH, scale_W = _packed_parts(rows_WX[:, :hidden_columns(hidden, rows_WX.dtype, True)], hidden)
         return ArrivedRows(Fp8Rows(q_WH, scale_W, rows_WX.dtype), grouped_WJ, probs_WJ)
-    return ArrivedRows(hidden_states(rows_WX, hidden, fp8), grouped_WJ, probs_WJ)
+    return ArrivedRows(hidden_states(rows_WX, hidden, fp8, count), grouped_WJ, probs_WJ)
 
 
 def copies_rows(x_WH: torch.Tensor | Fp8Rows, grouped_row_WJ: torch.Tensor, num_rows: int, all_rows_mapped: bool,
