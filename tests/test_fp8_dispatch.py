@@ -117,50 +117,6 @@ def test_fp8_dispatch_feeds_the_fp8_gemm_the_rows_as_they_crossed(rank_pool, rou
         assert error < 1e-6, error
 
 
-def backward_handoff_case(routing: str) -> tuple[float, list[bool]]:
-    """The largest difference between the layer's output and gradients with fc2's dgrad fed its rows in FP8 by
-    the combine's backward (unpermute_backward's ``fp8_out``) and with them quantized by the GEMM (the handoff off),
-    and per planning whether each run's backward calls handed them over."""
-    mesh = Mesh.create(MeshLayout(dist.get_world_size(), ep=dist.get_world_size()), timeout_s=60)
-    takes, unpermute_backward = dispatch_pipeline.takes_fp8_rows, dispatch_pipeline.unpermute_backward
-    handed = []
-
-    def recording(*args, fp8_out=None, **kwargs):
-        handed[-1].append(fp8_out is not None)
-        return unpermute_backward(*args, fp8_out=fp8_out, **kwargs)
-
-    try:
-        errors, used = [], []
-        for planning in ("host", "device"):
-            selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), E, 60)
-            runs = []
-            for handoff in (True, False):
-                handed.append([])
-                dispatch_pipeline.takes_fp8_rows = takes if handoff else (lambda *_: False)
-                dispatch_pipeline.unpermute_backward = recording
-                try:
-                    runs.append(fp8_recipe_layer_run(mesh, selector, routing, 1, True)[0])
-                finally:
-                    dispatch_pipeline.takes_fp8_rows, dispatch_pipeline.unpermute_backward = takes, unpermute_backward
-            errors += [rel_err(a, b) for a, b in zip(*runs) if b.norm() > 0]
-            used.append((handed[-2], handed[-1]))  # per run, each chunk's backward (none on a rank without rows)
-        return max(errors), used
-    finally:
-        mesh.destroy()
-
-
-@pytest.mark.parametrize("routing", ["sparse", "first_rank_only"])
-def test_fp8_dispatch_backward_hands_fc2_dgrad_its_rows_in_fp8(rank_pool, routing):
-    """With FP8 on the wire and rowwise FP8 experts, the combine's backward writes the output gradient's rows also
-    in FP8 in the same pass (as the permutation does at one EP rank), and fc2's dgrad takes them: the same output
-    and gradients bit for bit as quantizing them in the GEMM, host and device planning, 2 gloo ranks."""
-    results = rank_pool(2).run(backward_handoff_case, routing)
-    for error, used in results:
-        assert all(all(on) and not any(off) for on, off in used), used
-        assert error == 0, error
-    assert any(on for _, used in results for on, _ in used)  # some rank had rows
-
-
 @pytest.mark.parametrize("overrides,fragment", [
     (["model.moe_router_topk=2", "overlap.moe_dispatch_once_per_rank=false"], "without each token once per rank"),
     (["overlap.moe_pipeline=false"], "needs overlap.moe_pipeline=true"),

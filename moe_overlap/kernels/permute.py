@@ -54,7 +54,7 @@ __all__ = [
     "permute_backward", "permute_backward_torch", "permute_backward_triton",
     "unpermute", "unpermute_torch", "unpermute_triton",
     "unpermute_backward", "unpermute_backward_torch", "unpermute_backward_triton",
-    "Fp8Handoff", "Permute", "Unpermute", "fp8_buffers",
+    "Fp8Handoff", "Permute", "Unpermute",
 ]
 
 def _check_copies(row_of_copy_TK: torch.Tensor, num_tokens: int, name: str = "row_of_copy_TK") -> None:
@@ -93,9 +93,6 @@ if HAVE_TRITON:
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < R)
-        # a row with no copy to write is not read: a static worst-case buffer's unreceived tail (most of its rows
-        # at EP=4) costs no traffic
-        live = tl.reduce(valid.to(tl.int32), 0, max_combine) > 0
         if HAS_PROBS:
             w = tl.load(probs_ptr + t * K + kk, mask=valid, other=0.0).to(tl.float32)
         if DOT:
@@ -104,7 +101,7 @@ if HAVE_TRITON:
         if QUANT:
             amax_H = tl.full((BLOCK_H,), 0.0, tl.float32)
             for h0 in range(0, H, BLOCK_H):
-                v = tl.load(src_ptr + t * stride_src + h0 + hh0, mask=(h0 + hh0 < H) & live, other=0.0)
+                v = tl.load(src_ptr + t * stride_src + h0 + hh0, mask=h0 + hh0 < H, other=0.0)
                 amax_H = tl.maximum(amax_H, tl.abs(v.to(tl.float32)))
             amax_K = tl.full((K_PAD,), 0.0, tl.float32) + tl.reduce(amax_H, 0, max_combine)
             if HAS_PROBS:
@@ -116,7 +113,7 @@ if HAVE_TRITON:
             hh = h0 + hh0
             hm = hh < H
             m = valid[:, None] & hm[None, :]
-            v = tl.load(src_ptr + t * stride_src + hh, mask=hm & live, other=0.0)
+            v = tl.load(src_ptr + t * stride_src + hh, mask=hm, other=0.0)
             if HAS_PROBS:
                 tile = (w[:, None] * v.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
             else:

@@ -53,13 +53,13 @@ import torch
 from moe_overlap.distributed.a2a_exchange import FromExperts, ToExperts
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.streams import Event, gemm_sm_carveout
-from moe_overlap.kernels.permute import fp8_buffers, permute, permute_backward, unpermute, unpermute_backward
+from moe_overlap.kernels.permute import permute, permute_backward, unpermute, unpermute_backward
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
 from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.fp8 import Fp8, Fp8Rows
 from moe_overlap.layers.paged_stash import PagedStash, Stashed
-from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad, takes_fp8_rows,
+from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
 from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, copies_rows, dgrad_rows, dispatch_rows,
                                           extra_columns, hidden_states, packed_hidden, token_grads, token_rows)
@@ -306,25 +306,20 @@ class Experts(torch.autograd.Function):
             grouped_RH, h_RF2, y_RH = _kept(state, kept)
             if grouped_RH.shape[0] == 0:  # grouped_mm rejects empty gradients; no rows (on every expert-TP peer)
                 return rows_RH.new_empty((0, width)), None
-            grad_probs_WJ = grad_y_fp8 = None
+            grad_probs_WJ = None
             wire = copies is not None
             if wire:  # each copy's output gradient: its prob times its wire row's; the prob's: <output, that row>
                 grouped_row_WJ, probs_WJ = copies
                 grad_WH = hidden_states(rows_RH, hidden, state.fp8_wire, _received_count(chunk, state))
-                mapped = _grouped_rows_mapped(plan)
-                # fc2's rowwise FP8 dgrad takes the rows in FP8 from the same pass, as at one EP rank
-                fp8_out = (fp8_buffers(grouped_RH.shape[0], hidden, rows_RH.device)
-                           if mapped and takes_fp8_rows(state.fp8, w2_EFH) else None)
-                grad_y_RH, grad_probs_WJ = unpermute_backward(grad_WH, y_RH, grouped_row_WJ, probs_WJ, mapped,
-                                                              num_rows=grouped_RH.shape[0],
-                                                              zero_below=plan.offsets[chunk][-1:], fp8_out=fp8_out)
-                grad_y_fp8 = None if fp8_out is None else Fp8Rows(*fp8_out, grad_y_RH.dtype)
+                grad_y_RH, grad_probs_WJ = unpermute_backward(grad_WH, y_RH, grouped_row_WJ, probs_WJ,
+                                                              _grouped_rows_mapped(plan), num_rows=grouped_RH.shape[0],
+                                                              zero_below=plan.offsets[chunk][-1:])
                 offsets = plan.offsets[chunk]
             else:
                 grad_y_RH, offsets = _rows_for_experts(rows_RH, chunk, state)
             with state.carveout():
                 grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, w13_EHF2[first:last],
-                                                            w2_EFH[first:last], state.fp8, grad_y_fp8)
+                                                            w2_EFH[first:last], state.fp8)
             jobs[chunk] = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
                            slice(first, last), state.fp8)
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back

@@ -40,7 +40,7 @@ def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_E
     (:class:`Fp8Rows`, under ``fp8``) go to fc1 as they are; a rowwise FP8 fc2 gets SwiGLU's output as FP8 rows
     straight from the SwiGLU kernel (no bf16 pass written and quantized after)."""
     h_TF2 = grouped_mm(x_TH, w13_EHF2, offsets_E, fp8, fast_accum=True)
-    if takes_fp8_rows(fp8, w2_EFH):
+    if _rowwise_fp8(fp8, w2_EFH):
         a_TF = Fp8Rows(*swiglu_forward_fp8(h_TF2, offsets_E[-1:]), h_TF2.dtype)
     else:
         a_TF = swiglu_forward(h_TF2, offsets_E[-1:])
@@ -55,7 +55,7 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
     fc1 dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel; fc2's takes ``grad_y_fp8``, grad_y's
     rows already in FP8, where given."""
     grad_a_TF = grouped_mm(grad_y_TH if grad_y_fp8 is None else grad_y_fp8, w2_EFH, offsets_E, fp8, transpose_w=True)
-    if takes_fp8_rows(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
+    if _rowwise_fp8(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
         grad_h_TF2, a_TF, *rows = swiglu_backward_fp8(h_TF2, grad_a_TF, offsets_E[-1:])
         return (grouped_mm(Fp8Rows(*rows, grad_h_TF2.dtype), w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2,
                 a_TF)
@@ -63,10 +63,10 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
     return grouped_mm(grad_h_TF2, w13_EHF2, offsets_E, fp8, transpose_w=True, split=True), grad_h_TF2, a_TF
 
 
-def takes_fp8_rows(fp8: Fp8 | None, w: torch.Tensor) -> bool:
-    """Whether a GEMM with weight ``w`` runs rowwise FP8 with its left operand fed as FP8 rows (by the SwiGLU
-    kernels, or the permutation's ``fp8_out`` around the experts): not under expert-TP, where those rows are the FFN
-    dimension's part on this rank and their scales are shared over the group (layers/fp8.py) instead."""
+def _rowwise_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
+    """Whether a GEMM with weight ``w`` runs rowwise FP8 with its left operand fed as FP8 rows by the SwiGLU kernels:
+    not under expert-TP, where those rows are the FFN dimension's part on this rank and their scales are shared over
+    the group (layers/fp8.py) instead."""
     return fp8 is not None and fp8.recipe == "rowwise" and fp8.expert_tp is None and fp8.covers(*w.shape[-2:])
 
 
@@ -223,7 +223,7 @@ class GroupedExperts(nn.Module):
     def fp8_handoff(self) -> Fp8Handoff | None:
         """A handoff for the permutation around these experts (every row mapped), where their rowwise FP8 GEMMs
         would quantize its rows: fc1's forward, fc2's input gradient."""
-        fc1, fc2 = takes_fp8_rows(self.fp8, self.w13), takes_fp8_rows(self.fp8, self.w2)
+        fc1, fc2 = _rowwise_fp8(self.fp8, self.w13), _rowwise_fp8(self.fp8, self.w2)
         return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor, handoff: Fp8Handoff | None = None) -> torch.Tensor:
