@@ -1884,7 +1884,9 @@ PY
     tar xzf "$out/fp8_split4.tgz" 2>/dev/null
     pack
     ;;
-  scatter4)  # the permutation no longer reads rows with no copy to write (a static buffer's unreceived tail), and
+  scatter4)  # (what it measured was reverted after, 5f9b7fe: the handoff's pass cost more than it saved, and the
+    # skipped reads saved nothing measurable.) The permutation no longer reads rows with no copy to write (a static
+    # buffer's unreceived tail), and
     # with FP8 on the wire the combine's backward hands fc2's FP8 dgrad its rows in FP8: the kernels' GPU tests on
     # GPU 0, the MoE layer's at 4 ranks, then fp8_split4's rows again (bf16 gains too)
     (export CUDA_VISIBLE_DEVICES=0; gpu0_tests scatter tests/test_kernels.py tests/test_gpu_fp8.py \
