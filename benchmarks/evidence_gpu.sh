@@ -1903,10 +1903,11 @@ PY
     pack
     ;;
   example4_prof2)  # issue 41: the fine 4-GPU example as shipped (4 micro-batches of 4, bounded at 1.75) beside its
-    # compute_only row, both steps profiled at 4 ranks on the corpus: where the 0.886x of the ep1 row goes
+    # compute_only row, both steps profiled at 4 ranks on the corpus: where the 0.886x of the ep1 row goes. (The
+    # corpus's first 10 MB, data/stdlib_head: the whole with the tree passed what a device call carries.)
     name=train_step_gpu4_fine_prof2_4x$gpu
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
-      --no-scale-batch --warmup 3 --steps 5 --profile-steps 1 --compute-only --json $res/$name.json \
+      data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 5 --profile-steps 1 --compute-only --json $res/$name.json \
       --timeline $res/$name.png 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     pack
     ;;
