@@ -191,6 +191,20 @@ def fp8_wire_case(mesh, x, grad, report) -> None:
         report[f"{key}_rel"] = [rel(a.float(), b.float()) for a, b in zip(*results)]
         report[f"{key}_fed_fp8"], fed[:] = list(fed), []
     report["fp8_wire_vs_rows_as_they_are"] = rel(crossed(x).float(), x.float())
+    # The FP8-wire layer's expert weight gradients into fp32 main_grad (as under an optimizer): the grouped kernel
+    # reads the rows as they crossed (kernels/grouped_wgrad.ScaledRows); against the bf16 gradients above
+    from moe_overlap.layers.param_info import param_info
+
+    experts = (fp8.experts.w13, fp8.experts.w2)
+    for param in experts:
+        param_info(param).main_grad = torch.zeros_like(param, dtype=torch.float32)
+    fp8.zero_grad()
+    x_in = x.clone().requires_grad_(True)
+    fp8(x_in)[0].backward(grad)
+    report["fp8_feed_main_grad_rel"] = [rel(param_info(param).main_grad, g.float())
+                                        for param, g in zip(experts, results[0][2:])]
+    for param in experts:
+        param_info(param).main_grad = None
 
 
 def sync_case(mesh, x, grad, report, planning: str, transport: str) -> None:
@@ -355,6 +369,16 @@ def test_fp8_dispatch_feeds_the_fp8_gemms_the_rows_as_they_crossed(reports):
         assert fed and any(fed) and not all(fed), fed  # the FP8-wire layer's chunks only
         assert not any(report["fp8_wire_fed_fp8"]), report["fp8_wire_fed_fp8"]  # bf16 GEMMs: dequantized on arrival
         assert max(report["fp8_feed_rel"]) < 1e-2, report["fp8_feed_rel"]
+
+
+@pytest.mark.gpu
+def test_fp8_dispatch_rows_reach_the_weight_gradient_kernel_as_they_crossed(reports):
+    """The FP8-wire layer's expert weight gradients accumulated into fp32 main_grad (the grouped kernel dequantizing
+    the crossed rows tile by tile) against its bf16 gradients without main_grad (the rows dequantized, then
+    torch's grouped GEMM), within bf16's rounding of the latter."""
+    for report in reports:
+        assert not _errors(report, "fp8_wire_case"), _errors(report, "fp8_wire_case")
+        assert max(report["fp8_feed_main_grad_rel"]) < 1e-2, report["fp8_feed_main_grad_rel"]
 
 
 @pytest.mark.gpu
