@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_overlap.kernels.fp8_quant import dequantize_rows, quantize_rows
-from moe_overlap.kernels.grouped_wgrad import ScaledRows, grouped_wgrad_accumulate_triton
+from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_triton
 from tests.test_gpu_fp8_blockwise import offsets_of, rel
 from tests.test_gpu_fp8_wgrad import rows_of
 
@@ -34,20 +33,3 @@ def test_grouped_wgrad_kernel_against_fp64(segments):
         want += torch.stack([a[s:e].double().t() @ b[s:e].double() for s, e in zip(ends, ends[1:])])
     assert torch.equal(got[1], start[1])  # no rows: untouched
     assert rel(got - start, want - start) < 1e-5
-
-
-@pytest.mark.parametrize("segments", [1, 2])
-def test_grouped_wgrad_kernel_on_fp8_rows_equals_it_on_their_dequantized_rows(segments):
-    """a as E4M3 rows with their scales (the FP8 dispatch's rows): the kernel dequantizing each tile as it loads it
-    adds the same bits into main_grad as the kernel reading the rows kernels/fp8_quant.dequantize_rows wrote."""
-    fp8_parts, bf16_parts = [], []
-    for s in range(segments):
-        q, scale = quantize_rows(rows_of(M, 2 * s, rows=ROWS[s]))
-        b, offsets = rows_of(N, 2 * s + 1, rows=ROWS[s]), offsets_of(ROWS[s])
-        fp8_parts.append((ScaledRows(q, scale), b, offsets))
-        bf16_parts.append((dequantize_rows(q, scale, torch.bfloat16), b, offsets))
-    start = torch.randn(len(ROWS[0]), M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
-    got, want = start.clone(), start.clone()
-    grouped_wgrad_accumulate_triton(fp8_parts, got)
-    grouped_wgrad_accumulate_triton(bf16_parts, want)
-    assert torch.equal(got, want)

@@ -9,11 +9,6 @@ expert's rows in fp32 on the tensor cores and adds the tile into ``out`` (the pa
 once, so the bf16 gradient and the separate pass that added it never exist. torch._grouped_mm cannot do this
 on torch 2.11 (it refuses an fp32 output for bf16 operands).
 
-``a`` may also be rows in E4M3 with one float32 scale each (:class:`ScaledRows`: the FP8 dispatch's rows, which
-the experts' FP8 GEMMs took as they crossed): the kernel dequantizes each tile as it loads it, q * scale in fp32
-rounded once to b's dtype, the values a separate pass (kernels/fp8_quant.dequantize_rows) would have written, so
-the sum is the same bits without that pass or its copy of the rows.
-
 The torch twin (CPU, or without triton) is the grouped GEMM followed by the sum.
 """
 
@@ -21,19 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from dataclasses import dataclass
-
-from moe_overlap.kernels.fp8_quant import dequantize_rows
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, interpreter_requested, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    # Per segment (a micro-batch's rows), one element of each tuple: a, b, their end offsets and row strides, and
-    # with A_SCALED a's row scales (a in E4M3: each tile dequantized to b's dtype as it is loaded).
-    def _grouped_wgrad_kernel(a_ptrs, a_scale_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, M, N,
-                              stride_oe, stride_om, SEGMENTS: tl.constexpr, A_SCALED: tl.constexpr,
+    # Per segment (a micro-batch's rows), one element of each tuple: a, b, their end offsets and row strides.
+    def _grouped_wgrad_kernel(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, M, N, stride_oe, stride_om,
+                              SEGMENTS: tl.constexpr,
                               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
@@ -61,19 +52,12 @@ if HAVE_TRITON:
             # arithmetic of a [BLOCK_K, BLOCK_M] tile otherwise competes with the tensor cores.
             a_KM = a_base + start.to(tl.int64) * step_a + rk[:, None] * step_a + rm[None, :]
             b_KN = b_base + start.to(tl.int64) * step_b + rk[:, None] * step_b + rn[None, :]
-            if A_SCALED:
-                scale_K = a_scale_ptrs[segment] + start.to(tl.int64) + rk
             for k in range(0, end - start, BLOCK_K):
                 in_rows = rk[:, None] < end - start - k
                 mask_a = in_rows if EVEN_M else in_rows & (rm[None, :] < M)
                 mask_b = in_rows if EVEN_N else in_rows & (rn[None, :] < N)
-                a = tl.load(a_KM, mask=mask_a, other=0.0)
-                b = tl.load(b_KN, mask=mask_b, other=0.0)
-                if A_SCALED:
-                    scale = tl.load(scale_K, mask=rk < end - start - k, other=0.0)
-                    a = (a.to(tl.float32) * scale[:, None]).to(b.dtype)
-                    scale_K += BLOCK_K
-                acc = tl.dot(tl.trans(a), b, acc)
+                acc = tl.dot(tl.trans(tl.load(a_KM, mask=mask_a, other=0.0)), tl.load(b_KN, mask=mask_b, other=0.0),
+                             acc)
                 a_KM += BLOCK_K * step_a
                 b_KN += BLOCK_K * step_b
         if rows_seen > 0:  # an expert without rows adds nothing
@@ -89,34 +73,12 @@ if HAVE_TRITON:
 _CONFIG = (128, 128, 32, 4, 5)
 
 
-@dataclass
-class ScaledRows:
-    """Rows in E4M3 (or any dtype holding E4M3 values, the interpreter's tests) with one float32 scale each."""
-
-    q_TM: torch.Tensor
-    scale_T: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q_TM.shape
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """q * scale in fp32, rounded once to ``dtype`` (kernels/fp8_quant.dequantize_rows)."""
-        return dequantize_rows(self.q_TM, self.scale_T, dtype)
-
-
-Segment = tuple[torch.Tensor | ScaledRows, torch.Tensor, torch.Tensor]  # (a_TM, b_TN, int32 end offsets per expert)
-
-
-def _plain(segment: Segment) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    a, b, offsets = segment
-    return (a.dequantized(b.dtype) if isinstance(a, ScaledRows) else a), b, offsets
+Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (a_TM, b_TN, int32 end offsets per expert)
 
 
 def grouped_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -> None:
-    """Twin: each segment's grouped GEMM in the operands' dtype (scaled rows dequantized first), then the fp32
-    sum."""
-    for a_TM, b_TN, offsets_E in map(_plain, segments):
+    """Twin: each segment's grouped GEMM in the operands' dtype, then the fp32 sum."""
+    for a_TM, b_TN, offsets_E in segments:
         if a_TM.shape[0]:
             out_EMN.add_(torch._grouped_mm(a_TM.t(), b_TN, offs=offsets_E).float())
 
@@ -128,34 +90,26 @@ def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tens
         return
     if not segments:
         raise ValueError("grouped_wgrad_accumulate sums one or more segments, got none")
-    scaled = [isinstance(a, ScaledRows) for a, _, _ in segments]
-    if any(scaled) and not all(scaled):  # one launch reads every segment's a alike
-        segments = list(map(_plain, segments))
-        scaled = [False]
-    if any(scaled) and any(a.scale_T.stride(0) != 1 for a, _, _ in segments):
-        raise ValueError("grouped_wgrad_accumulate needs scaled rows' scales contiguous")
-    a_all = [a.q_TM if isinstance(a, ScaledRows) else a for a, _, _ in segments]
-    _, b_all, offsets_all = zip(*segments)
-    if any(x.stride(1) != 1 for x in (*a_all, *b_all)) or out_EMN.stride(2) != 1:
+    if any(a.stride(1) != 1 or b.stride(1) != 1 for a, b, _ in segments) or out_EMN.stride(2) != 1:
         raise ValueError("grouped_wgrad_accumulate needs unit column strides (rows may be strided)")
-    a = a_all[0]
+    a = segments[0][0]
     block_m, block_n, block_k, warps, stages = config
     if not a.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n, block_k = min(block_m, 32), min(block_n, 32), min(block_k, 16)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), experts)
-    scales = tuple(a.scale_T for a, _, _ in segments) if scaled[0] else tuple(a_all)  # (unread without scales)
+    a_all, b_all, offsets_all = zip(*segments)
     _grouped_wgrad[grid, a.device](
-        tuple(a_all), scales, b_all, offsets_all, tuple(x.stride(0) for x in a_all), tuple(x.stride(0) for x in b_all),
-        out_EMN, M, N, out_EMN.stride(0), out_EMN.stride(1), SEGMENTS=len(segments), A_SCALED=scaled[0],
-        EVEN_M=M % block_m == 0, EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        num_warps=warps, num_stages=stages)
+        a_all, b_all, offsets_all, tuple(x.stride(0) for x in a_all), tuple(x.stride(0) for x in b_all), out_EMN, M, N,
+        out_EMN.stride(0), out_EMN.stride(1), SEGMENTS=len(segments), EVEN_M=M % block_m == 0,
+        EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
+        num_stages=stages)
 
 
 def grouped_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor) -> None:
     """out_EMN[e] += sum over segments of a_TM[rows of e]^T @ b_TN[rows of e], in fp32 (``out_EMN`` fp32; a
     segment's rows of e between its int32 end offsets[e-1] and offsets[e]; one segment, or several: as many
-    micro-batches' rows summed in registers, one add into ``out_EMN``). ``a_TM`` may be :class:`ScaledRows`."""
-    if use_triton(segments[0][1], "grouped_wgrad"):
+    micro-batches' rows summed in registers, one add into ``out_EMN``)."""
+    if use_triton(segments[0][0], "grouped_wgrad"):
         grouped_wgrad_accumulate_triton(segments, out_EMN)
     else:
         grouped_wgrad_accumulate_torch(segments, out_EMN)

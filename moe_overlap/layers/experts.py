@@ -74,7 +74,7 @@ def _rowwise_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
 class WgradInputs:
     """What the experts' weight gradients of one micro-batch (or one chunk of it) need."""
 
-    x_TH: torch.Tensor | Fp8Rows  # FP8 rows: dequantized as the weight gradients' kernel loads them
+    x_TH: torch.Tensor | Fp8Rows  # FP8 rows: dequantized when the weight gradients run (only those need them so)
     a_TF: torch.Tensor
     grad_h_TF2: torch.Tensor
     grad_y_TH: torch.Tensor
@@ -87,8 +87,12 @@ def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[Wgr
     """Weight gradients of the local experts ``experts`` from one or two micro-batches' inputs (separate from
     dgrad so a pipeline can defer them into communication gaps): added into the parameters' fp32 main_grad
     inside the grouped kernel (returns Nones), or returned where the parameters have none. ``fp8``: in FP8 under
-    train.fp8_wgrad. FP8 rows (the FP8 dispatch's) go to the kernel as they are (layers/wgrad.grouped_wgrad)."""
-    return (grouped_wgrad(w13_EHF2, [(i.x_TH, i.grad_h_TF2, i.offsets_E) for i in inputs], experts, fp8),
+    train.fp8_wgrad."""
+    def rows(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor) -> torch.Tensor:
+        return x_TH.dequantized(offsets_E[-1:]) if isinstance(x_TH, Fp8Rows) else x_TH
+
+    return (grouped_wgrad(w13_EHF2, [(rows(i.x_TH, i.offsets_E), i.grad_h_TF2, i.offsets_E) for i in inputs],
+                          experts, fp8),
             grouped_wgrad(w2_EFH, [(i.a_TF, i.grad_y_TH, i.offsets_E) for i in inputs], experts, fp8))
 
 

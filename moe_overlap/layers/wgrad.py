@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.grouped_wgrad import ScaledRows, grouped_wgrad_accumulate
-from moe_overlap.layers.fp8 import Fp8, Fp8Rows, fp8_wgrad
+from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate
+from moe_overlap.layers.fp8 import Fp8, fp8_wgrad
 from moe_overlap.layers.param_info import param_info
 
 def mark_own_grad(*params: torch.Tensor) -> None:
@@ -65,34 +65,22 @@ def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Ten
     return placeholder(param)
 
 
-WgradSegment = tuple[torch.Tensor | Fp8Rows, torch.Tensor, torch.Tensor]  # (x_TM, grad_TN, int32 end offsets)
-
-
-def _dequantized(segments: list[WgradSegment]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The segments with FP8 rows dequantized up to their last offset."""
-    return [(x.dequantized(offsets[-1:]) if isinstance(x, Fp8Rows) else x, grad, offsets)
-            for x, grad, offsets in segments]
-
-
-def grouped_wgrad(param: torch.Tensor, segments: list[WgradSegment], experts: slice = slice(None),
-                  fp8: Fp8 | None = None) -> torch.Tensor | None:
+def grouped_wgrad(param: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  experts: slice = slice(None), fp8: Fp8 | None = None) -> torch.Tensor | None:
     """The gradient of an expert weight (E, M, N) from one or two micro-batches' rows (``segments``: (x_TM,
     grad_TN, int32 end offsets per expert); rows past the last offset are skipped), per expert the sum of
     x_e^T @ grad_e: accumulated into ``main_grad[experts]`` in fp32 inside the grouped kernel (returns None: the
     caller returns :func:`placeholder` once for the whole parameter), or returned in the parameter's dtype
-    (``experts``: the run of local experts this call covers). ``fp8`` (train.fp8_wgrad): in FP8. x may be FP8
-    rows (:class:`Fp8Rows`, the FP8 dispatch's): the grouped kernel dequantizes them as it loads them, the same
-    values a dequantizing pass would write; the other paths take them dequantized."""
+    (``experts``: the run of local experts this call covers). ``fp8`` (train.fp8_wgrad): in FP8."""
     main_grad = main_grad_of(param)
     if fp8 is not None and fp8.wgrad:
         out = main_grad[experts] if main_grad is not None else torch.zeros(
             param[experts].shape, dtype=torch.float32, device=param.device)
-        fp8_wgrad(_dequantized(segments), out, fp8)
+        fp8_wgrad(segments, out, fp8)
         return None if main_grad is not None else out.to(param.dtype)
     if main_grad is None:
-        return sum(torch._grouped_mm(x.t(), grad, offs=offsets) for x, grad, offsets in _dequantized(segments))
-    grouped_wgrad_accumulate([(ScaledRows(x.q_RK, x.scale_R) if isinstance(x, Fp8Rows) else x, grad, offsets)
-                              for x, grad, offsets in segments], main_grad[experts])
+        return sum(torch._grouped_mm(x.t(), grad, offs=offsets) for x, grad, offsets in segments)
+    grouped_wgrad_accumulate(segments, main_grad[experts])
     return None
 
 
