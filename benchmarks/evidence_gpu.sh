@@ -1911,6 +1911,28 @@ PY
       --timeline $res/$name.png 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
     pack
     ;;
+  fp8rows4)  # (what it measured was reverted after, d771908: the kernel ran twice as long.) The experts' bf16 weight
+    # gradient read the FP8 dispatch's rows as they are (dequantized tile by tile in the kernel), not a dequantized
+    # copy of them (fp8_bound4's profile: 5.8 ms a step): the wgrad kernel's GPU tests on GPU 0, the MoE layer's at
+    # 4 ranks, fp8_split4's rows again, then the FP8 layouts at 2 and 4 ranks in what time is left
+    (export CUDA_VISIBLE_DEVICES=0; gpu0_tests fp8rows tests/test_gpu_wgrad.py)
+    pack
+    log=$out/gpu_tests_fp8rows_moe_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 8 \
+      | tee -a "$log"
+    cp "$log" $res/
+    pack
+    TAG=_fp8rows bash "$0" fp8_split4 "$out" | tail -n 6
+    tar xzf "$out/fp8_split4.tgz" 2>/dev/null
+    pack
+    log=$out/gpu_tests_fp8rows_layouts_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py" > "$log"
+    timeout -k 10 $(( $(left) - 15 )) python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py \
+      2>&1 | tail -n 12 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac

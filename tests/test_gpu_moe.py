@@ -191,8 +191,8 @@ def fp8_wire_case(mesh, x, grad, report) -> None:
         report[f"{key}_rel"] = [rel(a.float(), b.float()) for a, b in zip(*results)]
         report[f"{key}_fed_fp8"], fed[:] = list(fed), []
     report["fp8_wire_vs_rows_as_they_are"] = rel(crossed(x).float(), x.float())
-    # The FP8-wire layer's expert weight gradients into fp32 main_grad (as under an optimizer): the grouped kernel
-    # reads the rows as they crossed (kernels/grouped_wgrad.ScaledRows); against the bf16 gradients above
+    # The FP8-wire layer's expert weight gradients into fp32 main_grad (as under an optimizer: the crossed rows
+    # dequantized up to the last offset, then the grouped kernel into main_grad); against the bf16 gradients above
     from moe_overlap.layers.param_info import param_info
 
     experts = (fp8.experts.w13, fp8.experts.w2)
@@ -373,9 +373,9 @@ def test_fp8_dispatch_feeds_the_fp8_gemms_the_rows_as_they_crossed(reports):
 
 @pytest.mark.gpu
 def test_fp8_dispatch_rows_reach_the_weight_gradient_kernel_as_they_crossed(reports):
-    """The FP8-wire layer's expert weight gradients accumulated into fp32 main_grad (the grouped kernel dequantizing
-    the crossed rows tile by tile) against its bf16 gradients without main_grad (the rows dequantized, then
-    torch's grouped GEMM), within bf16's rounding of the latter."""
+    """The FP8-wire layer's expert weight gradients accumulated into fp32 main_grad (the crossed rows dequantized,
+    then our grouped kernel) against its bf16 gradients without main_grad (torch's grouped GEMM), within bf16's
+    rounding of the latter."""
     for report in reports:
         assert not _errors(report, "fp8_wire_case"), _errors(report, "fp8_wire_case")
         assert max(report["fp8_feed_main_grad_rel"]) < 1e-2, report["fp8_feed_main_grad_rel"]
