@@ -273,6 +273,21 @@ gpu0_tests() {  # log name, then test files: pytest -m gpu on the visible GPU(s)
   cp "$log" $res/
 }
 
+moe_tests4() {  # log name: the MoE layer's GPU tests at 4 ranks (tests/test_gpu_moe.py), then the split rows again
+  # (fp8_split4) under TAG=_NAME unless NO_SPLIT is set
+  local log=$out/gpu_tests_$1_moe_4x$gpu.txt
+  echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py" > "$log"
+  timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 8 \
+    | tee -a "$log"
+  cp "$log" $res/
+  pack
+  if [ -z "${NO_SPLIT:-}" ]; then
+    TAG=_$1 bash "$0" fp8_split4 "$out" | tail -n 6
+    tar xzf "$out/fp8_split4.tgz" 2>/dev/null
+    pack
+  fi
+}
+
 tree_before() {  # a copy of the tree at /tmp/NAME with edits that undo a change, each "FILE|SED EXPRESSION"
   local old=/tmp/$1
   shift
@@ -1874,15 +1889,7 @@ PY
     # bit for bit included) at 4 ranks, then fp8_split4's rows again
     (export CUDA_VISIBLE_DEVICES=0; gpu0_tests fp8_bound tests/test_gpu_fp8.py -k "quantize_equals_twin or packed")
     pack
-    log=$out/gpu_tests_fp8_bound_moe_4x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 8 \
-      | tee -a "$log"
-    cp "$log" $res/
-    pack
-    TAG=_bounded bash "$0" fp8_split4 "$out" | tail -n 6
-    tar xzf "$out/fp8_split4.tgz" 2>/dev/null
-    pack
+    moe_tests4 fp8_bound  # (its split rows were named _bounded: train_step_..._fp8_split_bounded_4x*.json)
     ;;
   scatter4)  # (what it measured was reverted after, 5f9b7fe: the handoff's pass cost more than it saved, and the
     # skipped reads saved nothing measurable.) The permutation no longer reads rows with no copy to write (a static
@@ -1892,15 +1899,7 @@ PY
     (export CUDA_VISIBLE_DEVICES=0; gpu0_tests scatter tests/test_kernels.py tests/test_gpu_fp8.py \
       -k "gpu_bf16_kernels or fp8_out_rows or zero_fill or quantize_equals_twin or packed or hands")
     pack
-    log=$out/gpu_tests_scatter_moe_4x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 8 \
-      | tee -a "$log"
-    cp "$log" $res/
-    pack
-    TAG=_scatter bash "$0" fp8_split4 "$out" | tail -n 6
-    tar xzf "$out/fp8_split4.tgz" 2>/dev/null
-    pack
+    moe_tests4 scatter
     ;;
   example4_prof2)  # issue 41: the fine 4-GPU example as shipped (4 micro-batches of 4, bounded at 1.75) beside its
     # compute_only row, both steps profiled at 4 ranks on the corpus: where the 0.886x of the ep1 row goes. (The
@@ -1917,15 +1916,7 @@ PY
     # 4 ranks, fp8_split4's rows again, then the FP8 layouts at 2 and 4 ranks in what time is left
     (export CUDA_VISIBLE_DEVICES=0; gpu0_tests fp8rows tests/test_gpu_wgrad.py)
     pack
-    log=$out/gpu_tests_fp8rows_moe_4x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 8 \
-      | tee -a "$log"
-    cp "$log" $res/
-    pack
-    TAG=_fp8rows bash "$0" fp8_split4 "$out" | tail -n 6
-    tar xzf "$out/fp8_split4.tgz" 2>/dev/null
-    pack
+    moe_tests4 fp8rows
     log=$out/gpu_tests_fp8rows_layouts_4x$gpu.txt
     echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py" > "$log"
     timeout -k 10 $(( $(left) - 15 )) python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_fp8_layouts.py \
@@ -1937,12 +1928,7 @@ PY
     # and rowwise on GPU 0 (the row kernels' unbounded launches, one program a row, now a loop of one row), then the
     # MoE layer's GPU tests at 4 ranks (the FP8-wire layer's weight gradients into main_grad among them)
     (export CUDA_VISIBLE_DEVICES=0; FP8_MODEL=fine_8l fp8_runs final4 /nonexistent final)
-    log=$out/gpu_tests_final_moe_4x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); 4 GPUs: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 8 \
-      | tee -a "$log"
-    cp "$log" $res/
-    pack
+    NO_SPLIT=1 moe_tests4 final
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
