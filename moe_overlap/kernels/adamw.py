@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.kernels.fp8_quant import amax_along, round_mode
-from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, use_triton
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, strided_programs, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -196,9 +196,7 @@ def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch
 
 def _programs(work: int, programs_per_sm: int | None, device: torch.device) -> int:
     """Programs of a kernel that walks ``work`` blocks or tiles: one each, or at most that many an SM (CUDA)."""
-    if programs_per_sm is None or device.type != "cuda":
-        return work
-    return min(work, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    return work if programs_per_sm is None else strided_programs(work, programs_per_sm, device, off_gpu=work)
 
 
 def adamw_maxima_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

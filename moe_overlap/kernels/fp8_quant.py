@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, max_combine, use_triton
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, max_combine, strided_programs, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -283,6 +283,7 @@ def quantize_columns_torch(x: torch.Tensor, q_out: torch.Tensor | None = None, s
 
 
 _ROW_BLOCK = 1024
+_COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
 # Programs an SM of a row kernel bounded by a device count (each strides over the rows below it): as many as run at
 # once (4 warps a quantize program, 8 a dequantize one), so a bounded launch moves as fast as one program a row.
 _ROW_PROGRAMS_PER_SM = 16
@@ -291,12 +292,8 @@ _DEQUANTIZE_PROGRAMS_PER_SM = 8
 
 def _row_programs(work: int, bounded: bool, device: torch.device, per_sm: int) -> int:
     """Programs of a row kernel over ``work`` rows (or blocks of rows): one each, or, ``bounded`` by a count on the
-    device, at most ``per_sm`` an SM (3 in the interpreter, so that its tests stride)."""
-    if not bounded:
-        return work
-    most = per_sm * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
-    return max(1, min(work, most))
-_COLUMN_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_K)
+    device, strided (3 in the interpreter, so that its tests stride)."""
+    return strided_programs(work, per_sm, device, off_gpu=3) if bounded else work
 
 
 def quantize_rows(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
@@ -340,9 +337,9 @@ def _launch_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: in
     block = min(_ROW_BLOCK, triton.next_power_of_2(K))
     programs = _row_programs(x_rows.shape[0], rows_bound is not None, x.device, _ROW_PROGRAMS_PER_SM)
     _rows[(programs,), x.device](x_rows, q, scale, x_rows if amax is None else amax.reshape(-1),
-                                        x_rows if rows_bound is None else rows_bound, x_rows.shape[0], K,
-                                        x_rows.stride(0), stride_q, stride_scale, HAS_BOUND=rows_bound is not None,
-                                        AMAX=mode, ROUND=round_, BLOCK=block)
+                                 x_rows if rows_bound is None else rows_bound, x_rows.shape[0], K, x_rows.stride(0),
+                                 stride_q, stride_scale, HAS_BOUND=rows_bound is not None, AMAX=mode, ROUND=round_,
+                                 BLOCK=block)
 
 
 def quantize_columns(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,

@@ -60,6 +60,14 @@ def require_triton(what: str) -> None:
                            "*_torch twins)")
 
 
+def strided_programs(work: int, per_sm: int, device: torch.device, off_gpu: int) -> int:
+    """Programs of a kernel whose programs stride over ``work`` rows, blocks or tiles: at most ``per_sm`` an SM on
+    CUDA, ``off_gpu`` elsewhere (the interpreter: a few, so that its tests stride), never more than the work."""
+    if device.type != "cuda":
+        return min(work, off_gpu)
+    return min(work, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def check_2d(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")

@@ -16,7 +16,7 @@ import math
 import torch
 
 from moe_overlap.kernels.fp8_quant import FP8, quantize_rows_torch
-from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, max_combine, use_triton
+from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, max_combine, strided_programs, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -186,10 +186,8 @@ def swiglu_backward_torch(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor) -> tuple
 
 def _grid(a_TF: torch.Tensor) -> tuple[int, int]:
     """Row programs (at most the buffer's rows; a few in the interpreter) x blocks of FF columns."""
-    most = 4
-    if a_TF.is_cuda:
-        most = _PROGRAMS_PER_SM * torch.cuda.get_device_properties(a_TF.device).multi_processor_count
-    return min(a_TF.numel() // a_TF.shape[-1], most), triton.cdiv(a_TF.shape[-1], _BLOCK)
+    return (strided_programs(a_TF.numel() // a_TF.shape[-1], _PROGRAMS_PER_SM, a_TF.device, off_gpu=4),
+            triton.cdiv(a_TF.shape[-1], _BLOCK))
 
 
 def _row_count(valid_rows: torch.Tensor | None, h_TF2: torch.Tensor) -> torch.Tensor:
@@ -282,7 +280,7 @@ def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None, r
     if not h_TF2.is_cuda:
         return min(needed, 4)
     per_sm = programs_per_sm or _fp8_programs_per_sm(h_TF2.device, h_TF2.shape[-1] * h_TF2.element_size())
-    return min(needed, per_sm * torch.cuda.get_device_properties(h_TF2.device).multi_processor_count)
+    return strided_programs(needed, per_sm, h_TF2.device, off_gpu=4)
 
 
 def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows: torch.Tensor | None = None,
