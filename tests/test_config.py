@@ -470,6 +470,10 @@ def test_defaults_load():
                          train=TrainConfig(moe_cuda_graph=False))
 
 
+CUDA = ["train.device=cuda"]
+BF16 = ["train.precision=bf16"]
+
+
 @pytest.mark.parametrize("overrides, pipeline, planning, graphed", [
     ([], True, "auto", False),  # TINY exchanges (EP=2): the fastest measured path (fp32: eager, below)
     (["train.precision=bf16"], True, "auto", "auto"),  # graphs where the fabric plans on the device
@@ -481,7 +485,9 @@ def test_defaults_load():
     (["train.moe_cuda_graph=true", "train.precision=bf16"], True, "device", True),  # the plan a graph replays
     # paired micro-batches turn on what they need: the pipeline and eager layers; planning is the transport's choice
     # (device planning where sm_push runs, its pushes beside the other micro-batch: faster there), at any PP
-    (["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"], True, "auto", False),
+    (["overlap.overlap_moe_expert_parallel_comm=true"], True, "auto", False),
+    # graphed layers asked for: each pair's halves run whole on two streams, planned on the device
+    (BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"], True, "device", True),
     (["overlap.overlap_moe_expert_parallel_comm=true", "overlap.moe_planning=host"], True, "host", False),
     (["train.moe_cuda_graph=false", "overlap.overlap_moe_expert_parallel_comm=true",
       "parallel.pipeline_model_parallel_size=2"], True, "auto", False),
@@ -492,8 +498,16 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
                                                                                                 graphed)
 
 
-CUDA = ["train.device=cuda"]
-BF16 = ["train.precision=bf16"]
+@pytest.mark.parametrize("extra, field", [
+    (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
+    (["overlap.moe_paged_stash_factor=1.5"], "overlap.moe_paged_stash_factor"),
+])
+def test_pairs_on_streams_refuse_what_they_do_not_implement(extra, field):
+    """Paired micro-batches with graphed MoE layers run each pair's halves on two streams: PP and the paged stash are
+    not implemented there, each refused in one line naming its field."""
+    streams = BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"]
+    with pytest.raises(ConfigError, match=f"{field}=.*not implemented yet.*two streams"):
+        load_config(TINY, streams + extra)
 
 
 @pytest.mark.parametrize("overrides, delayed", [

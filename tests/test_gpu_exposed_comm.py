@@ -29,6 +29,11 @@ CASES = {
                          "overlap.moe_transport": "sm_push", "overlap.moe_pipeline_chunks": 2},
     "pipeline_sm_push_graphed": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
                                  "overlap.moe_transport": "sm_push", "train.moe_cuda_graph": "true"},
+    # paired micro-batches on two streams: the graphs' clock is added to by both at once (atomically); rank 1 is held
+    # back before the first graphed copy's layers only (the hook is the layer's), the even micro-batches
+    "paired_streams_graphed": {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
+                               "overlap.moe_transport": "sm_push", "train.moe_cuda_graph": "true",
+                               "overlap.overlap_moe_expert_parallel_comm": "true"},
 }
 
 

@@ -1,9 +1,10 @@
 """``overlap_moe_expert_parallel_comm`` on GPUs in bf16 (`pytest -m gpu`), the bf16 rule: each run's error
 against an fp32 single-process run is at most 2x the single-process bf16 run's own, per gradient of the first
-step (normwise) and for the loss curve. On one GPU (EP=1: no exchange, each layer attention | MLP, eager and with
-graphed MoE layers), and with EP = every GPU (2 or 4; skipped on one: the host-planned pipeline over NCCL with
-its CTA cap and carve-out, and the device-planned one over SM pushes in 2 chunks, each layer cut at its
-exchanges). The per-rank work is `gpu_case`, launched once under torchrun per test; under MOE_GPU_TEST_DRYRUN=1
+step (normwise) and for the loss curve. On one GPU (EP=1: no exchange, each layer attention | MLP, eager; and with
+graphed MoE layers, each pair's halves whole on two streams), and with EP = every GPU (2 or 4; skipped on one: the
+host-planned pipeline over NCCL with its CTA cap and carve-out, and the device-planned one over SM pushes in 2
+chunks, each layer cut at its exchanges; and the device-planned one chunk graphed, the pairs on two streams, each
+copy of the graphs exchanging through its own regions). The per-rank work is `gpu_case`, launched once under torchrun per test; under MOE_GPU_TEST_DRYRUN=1
 (tests/gpu_launch.py) it runs on CPU gloo ranks, skipping what only CUDA runs (`-m slow`: the dry-run tests).
 """
 
@@ -47,8 +48,9 @@ def gpu_case(output_dir: str) -> dict:
                 "overlap.ep_comm_ctas": 4, "overlap.gemm_sm_carveout": 8}
         device_planned = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
                           "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"}
+        graphed = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "train.moe_cuda_graph": "true"}
         layouts = {"off_host_nccl": host, "on_host_nccl": host, "off_device_push": device_planned,
-                   "on_device_push": device_planned}
+                   "on_device_push": device_planned, "off_graphed": graphed, "on_graphed": graphed}
     runs, skipped = {}, {}
     meshes = {(None, None): mesh}  # by the CTA caps (dp_comm_ctas, ep_comm_ctas) its communicators are made with
     for name, extra in layouts.items():
@@ -75,6 +77,7 @@ def gpu_case(output_dir: str) -> dict:
     tensors, violations = bf16_rule(layouts, grads, losses)
     report = {"rank": mesh.rank, "world": world, "losses": losses, "violations": violations, "tensors": tensors,
               "orders": {name: sorted({name for _, _, name in runs[name].stage_order}) for name in layouts},
+              "sequences": {name: [f"{d}{mb}" for d, mb, _ in runs[name].stage_order] for name in layouts},
               "skipped": {name: why for name, why in skipped.items() if why}}
     for each in meshes.values():
         each.destroy()
@@ -90,7 +93,10 @@ def check(reports: list[dict], split: bool, skipped: set[str] = frozenset()) -> 
         for name, stages in report["orders"].items():
             # the switch ran the stages (off: none), a MoE layer cut at its exchanges when there are any
             assert bool(stages) == name.startswith("on"), (name, stages)
-            if stages:
+            if stages and name == "on_graphed":  # graphed: each half of a pair whole, on its micro-batch's stream
+                assert stages == ["stage0"], stages
+                assert report["sequences"][name] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], report["sequences"]
+            elif stages:
                 assert ("0.experts" in stages) == split and "1.mlp" in stages, stages
 
 
@@ -111,7 +117,7 @@ def test_on_equals_off_bf16_ep_over_every_gpu(tmp_path):
 def test_dry_run_on_cpu_gloo(tmp_path, world):
     """What the CPU can run of each world's cases (gloo, bf16), under the same checks; it skips the graphed MoE
     layers on one rank, the host-planned pipeline over NCCL (CTA cap, carve-out) on more."""
-    cuda_only = {"off_graphed", "on_graphed"} if world == 1 else {"off_host_nccl", "on_host_nccl"}
+    cuda_only = {"off_graphed", "on_graphed"} | (set() if world == 1 else {"off_host_nccl", "on_host_nccl"})
     check(launch_ranks(__file__, tmp_path, timeout_s=600, world=world, dry_run=True), world > 1, cuda_only)
 
 

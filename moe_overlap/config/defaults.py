@@ -15,8 +15,8 @@ a switch the user set needs to run.
                                 turns the pipeline on (auto), leaves moe_planning auto to the transport (device
                                 planning where sm_push runs, its pushes on the side stream beside the other
                                 micro-batch under gemm_sm_carveout auto: the fastest measured, tuning.py) and runs
-                                the MoE layers eager
-                                (train.moe_cuda_graph: a graph cannot hold a layer split into stages)
+                                the MoE layers eager, as stages (train.moe_cuda_graph auto stays off); with
+                                train.moe_cuda_graph=true each pair's halves run whole on two CUDA streams
     train.moe_cuda_graph=auto   off where the config alone rules graphs out (one expert rank, the CPU, pairing,
                                 host-planned sizes, what graphs are not implemented with); otherwise the fabric
                                 decides when the ranks start (:func:`graphs_by_planning`): graphed where the
@@ -220,9 +220,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
             o.moe_pipeline, why = True, "the fastest measured with an exchange (tuning.py)"
         choices.append(f"overlap.moe_pipeline=auto -> {str(o.moe_pipeline).lower()}: {why}")
     if paired and o.moe_pipeline and t.moe_cuda_graph is True:
-        t.moe_cuda_graph = False
-        choices.append(f"{GRAPH}=true -> false: overlap_moe_expert_parallel_comm runs each MoE layer as stages beside "
-                       "another micro-batch, which a graph cannot hold")
+        choices.append(f"{PAIRED}=true with {GRAPH}=true: each pair's forward and backward run whole, side by side on "
+                       "two CUDA streams, their MoE layers from graphs (not as stages, which a graph cannot hold)")
     if m.moe_shared_expert_overlap == "auto" and m.num_moe_experts is not None:  # dense: MoE fields stay as given
         m.moe_shared_expert_overlap = bool(exchanging and o.moe_pipeline and m.moe_shared_expert_intermediate_size)
         if exchanging and m.moe_shared_expert_intermediate_size:

@@ -11,6 +11,7 @@ a2a_push.py.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -66,6 +67,7 @@ class TransportSelector:
         self._transport: Transport | None = None
         self._retired: list[Transport] = []  # outgrown ones (the first micro-batches only)
         self._host_planned: TransportSelector | None = None
+        self.twins: list[TransportSelector] = []  # twin(): selectors whose exchanges run beside this one's
         # rows the device-planned layers could not receive within their bound since the trainer last zeroed it:
         # made before any CUDA graph is captured, so that the replays add into this very tensor
         self.overflow_rows = torch.zeros((), dtype=torch.int64, device=device)
@@ -77,6 +79,30 @@ class TransportSelector:
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info("MoE pipeline: %s-planned sizes over %s (moe_planning=%s, moe_transport=%s: %s)",
                      self.planning, self.name, planning, transport, why)
+
+    def twin(self) -> TransportSelector:
+        """A selector of the same choice over the same group with regions and counters of its own, for exchanges
+        that run at the same time as this one's (a graphed copy of the MoE layers replayed on another stream:
+        training/microbatch_overlap.PairStreams). Two streams cannot share regions: a region's signals say that a
+        region is free or filled, not for which exchange. Its counters add into :meth:`counters`."""
+        twin = copy.copy(self)
+        twin._transport, twin._retired, twin._host_planned, twin.twins = None, [], None, []
+        twin.overflow_rows, twin.bytes_sent = torch.zeros_like(self.overflow_rows), torch.zeros_like(self.bytes_sent)
+        self.twins.append(twin)
+        return twin
+
+    def counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows past the bound, bytes sent) since :meth:`zero_counters`, this selector's and its twins', on the
+        device."""
+        if not self.twins:
+            return self.overflow_rows, self.bytes_sent
+        return (sum((t.overflow_rows for t in self.twins), self.overflow_rows),
+                sum((t.bytes_sent for t in self.twins), self.bytes_sent))
+
+    def zero_counters(self) -> None:
+        for selector in (self, *self.twins):
+            selector.overflow_rows.zero_()
+            selector.bytes_sent.zero_()
 
     def count_overflow(self, rows: torch.Tensor) -> None:
         """A device-planned layer call's rows past its bound (on the device, no host sync)."""

@@ -303,17 +303,25 @@ def host_planned_rerun(moe_layers: list[MoELayer]) -> Iterator[None]:
 
 class _GraphCopy(nn.Module):
     """A further graphed copy of a MoE layer (its own static buffers, the same parameters), for a further
-    micro-batch in flight: capture_moe_layers(copies=n)."""
+    micro-batch in flight: capture_moe_layers(copies=n). ``transports``: its exchange's own regions (copies that
+    run side by side on streams of their own), else the layer's."""
 
-    def __init__(self, layer: MoELayer):
+    def __init__(self, layer: MoELayer, transports: TransportSelector | None = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.transports = layer, transports
 
     def forward(self, x_BSH: torch.Tensor):
-        return MoELayer.forward(self.layer, x_BSH)  # the eager forward: the layer's own is the first copy's replay
+        if self.transports is None:
+            return MoELayer.forward(self.layer, x_BSH)  # the eager forward: the layer's own is the first copy's replay
+        shared, self.layer.transports = self.layer.transports, self.transports  # its planners key on it (_planner)
+        try:
+            return MoELayer.forward(self.layer, x_BSH)
+        finally:
+            self.layer.transports = shared
 
 
-def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...], copies: int = 1) -> None:
+def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...], copies: int = 1,
+                       own_regions: bool = False) -> None:
     """Capture each layer's forward and backward in CUDA graphs (torch.cuda.make_graphed_callables, one
     memory pool, forward in order and backward in reverse, as training runs them); from then on a
     training-mode call replays them. Needs layers without a host sync or a collective (the device-planned
@@ -323,7 +331,9 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
     A graph holds one call's activations until its backward replays, so with n micro-batches in flight (paired
     micro-batches, or a pipeline stage's 1F1B) ``copies=n`` captures n - 1 further sets, each in its own pool:
     ``layer.for_micro_batch(i)`` picks set i mod n. Each set still runs its forwards in order and backwards in
-    reverse, as long as micro-batch i's backward comes before micro-batch i + n's forward."""
+    reverse, as long as micro-batch i's backward comes before micro-batch i + n's forward. ``own_regions``: each
+    further set exchanges through regions of its own (TransportSelector.twin), so that sets may replay on
+    different streams at the same time."""
     for layer in moe_layers:
         refusal = graph_refusal(layer.pipelined, layer.planning, exchanging=not layer.local)
         if refusal is not None:
@@ -342,7 +352,13 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
     graph = torch.cuda.graph
     torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")
     try:
-        sets = [tuple(_GraphCopy(layer) for layer in moe_layers) for _ in range(copies - 1)]
+        sets = []
+        for _ in range(copies - 1):
+            twins = {}  # one twin per selector the layers share
+            if own_regions:
+                twins = {id(layer.transports): layer.transports.twin() for layer in moe_layers
+                         if layer.transports is not None}
+            sets.append(tuple(_GraphCopy(layer, twins.get(id(layer.transports))) for layer in moe_layers))
         torch.cuda.make_graphed_callables(moe_layers, samples())
         for graph_set in sets:
             torch.cuda.make_graphed_callables(graph_set, samples())  # its own call: its own memory pool

@@ -128,7 +128,7 @@ class ModelChunk:
     def whole(self) -> list[tuple[str, Segment]]:
         def forward(carry: dict) -> dict:
             if self.first and self.last:
-                out = self.model(carry["input_ids"], carry["labels"])
+                out = self.model(carry["input_ids"], carry["labels"], micro_batch=carry["micro_batch"])
                 return {"output": _scaled(out, carry["loss_scale"])}
             x_BSH = self.model.embedding(carry["input_ids"]) if self.first else carry["x"]
             return {"output": self._tail(*self.model.run_layers(x_BSH, self.layers, carry["micro_batch"]), carry)}

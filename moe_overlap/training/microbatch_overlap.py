@@ -17,14 +17,20 @@ issued in between: B's combine-backward exchange runs beside F's attention, F's 
 backward, B's dispatch-backward beside F's expert GEMMs, F's combine beside B's attention backward. Activations
 in flight stay about one micro-batch's per pair: F holds the lower layers while B still holds the upper ones.
 The losses and gradients are those of unpaired runs (tests/test_microbatch_overlap.py).
+
+With graphed MoE layers (``train.moe_cuda_graph=true``) a layer is one graph, which no segment can cut, so the pair
+runs on two CUDA streams instead (:class:`PairStreams`): micro-batch i's forward and backward on stream i mod 2,
+each whole, so the GPU runs one micro-batch's kernels while the other's exchange waits for its peers.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 
+from moe_overlap.config import Config
 from moe_overlap.distributed.streams import stage_label
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.pipeline_stages import ChunkOutput, Segment
@@ -101,3 +107,42 @@ def run_pair(forward: ChunkRun, backward: ChunkRun) -> None:
             backward.backward(count_b - 1 - k)
         if k < count_f:
             forward.forward(k)
+
+
+def pairs_on_streams(cfg: Config) -> bool:
+    """Paired micro-batches with graphed MoE layers: each pair's forward and backward run whole, side by side on
+    two streams (:class:`PairStreams`), not as segments."""
+    return cfg.overlap.overlap_moe_expert_parallel_comm is True and cfg.train.moe_cuda_graph is True
+
+
+class PairStreams:
+    """Micro-batch i's forward and backward on stream i mod 2 (autograd runs a backward on its forward's streams),
+    so that a pair's forward (i + 1) and backward (i) run side by side on the GPU; the graphed copy i mod 2 of
+    every MoE layer (MoELayer.for_micro_batch), with its own regions (capture_moe_layers(own_regions=True)), runs
+    them. Forwards still follow forwards and backwards backwards, as on one stream (events): what a forward
+    shares with the next (the routers' counts, the loss sums) and a backward with the next (the gradients)
+    stays ordered. A step's streams start after the work queued before it and end before the work after it."""
+
+    def __init__(self, device: torch.device):
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self.done: dict[bool, torch.cuda.Event | None] = {}
+
+    def begin(self) -> None:
+        for stream in self.streams:
+            stream.wait_stream(torch.cuda.current_stream())
+        self.done = {True: None, False: None}
+
+    @contextlib.contextmanager
+    def running(self, micro_batch: int, forward: bool) -> Iterator[None]:
+        """Queue on micro-batch ``micro_batch``'s stream, after the last forward (``forward``) or backward."""
+        stream = self.streams[micro_batch % 2]
+        if self.done[forward] is not None:
+            stream.wait_event(self.done[forward])
+        with torch.cuda.stream(stream):
+            yield
+        self.done[forward] = torch.cuda.Event()
+        self.done[forward].record(stream)
+
+    def end(self) -> None:
+        for stream in self.streams:
+            torch.cuda.current_stream().wait_stream(stream)

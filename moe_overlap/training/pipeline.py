@@ -8,7 +8,8 @@ last stage: from its loss) and leaves the gradient of its input to send; I does 
 gradients of the linears and experts deferred (layers/deferred_wgrad.py), and W computes them; a Pair runs one
 micro-batch's F and another's B or I segment by segment in turn (training/microbatch_overlap.py). A chunk runs
 as one segment (its plain forward: no graph cut) unless the schedule pairs; then every training forward runs as
-the chunk's segments, the autograd graph cut between them. Post and Wait start and finish the transfers
+the chunk's segments, the autograd graph cut between them; with graphed MoE layers a pair's forward and backward
+run whole instead, side by side on two CUDA streams (microbatch_overlap.PairStreams). Post and Wait start and finish the transfers
 (distributed/p2p.py); receive buffers have the static activation shape (micro-batch, sequence block, hidden), so
 no shape is ever exchanged.
 
@@ -47,7 +48,7 @@ from moe_overlap.distributed.streams import exposed_wait, gemm_sm_carveout, to_d
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages, model_chunks
-from moe_overlap.training.microbatch_overlap import ChunkRun, run_pair
+from moe_overlap.training.microbatch_overlap import ChunkRun, PairStreams, pairs_on_streams, run_pair
 from moe_overlap.training.schedules import (ACTIVATION, FORWARD, GRADIENT, INPUT_GRAD, WEIGHT_GRAD, Action, Compute,
                                             Message, P2POp, Pair, Post, Schedule, Wait, build_schedule,
                                             default_schedule)
@@ -93,6 +94,7 @@ class _Run:
     split: bool  # chunks run as their segments (the schedule pairs)
     lm_sum: torch.Tensor
     aux_sum: torch.Tensor
+    streams: PairStreams | None  # pairs side by side on two streams (graphed MoE layers)
     units: dict[tuple[int, int], ChunkRun] = field(default_factory=dict)  # forward run, backward not yet
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # received activations
     received: dict[Message, torch.Tensor] = field(default_factory=dict)
@@ -120,6 +122,11 @@ class PipelineExecutor:
         self.schedule_name = t.pipeline_schedule or default_schedule(stages.vpp)
         self.schedule = self.build(cfg.num_micro_batches(mesh.world_size))
         self._eval_schedules: dict[int, Schedule] = {}
+        # paired micro-batches with graphed MoE layers: each pair's halves whole, on their micro-batches' streams
+        self.pair_streams = PairStreams(device) if pairs_on_streams(cfg) else None
+        # a step run again (the trainer's overflow re-run: eager, host-planned, recomputed): the halves one after
+        # the other on the current stream, as an unpaired 1F1B would run them
+        self.one_stream = False
 
     def build(self, micro_batches: int, forward_only: bool = False) -> Schedule:
         o = self.cfg.overlap
@@ -148,8 +155,13 @@ class PipelineExecutor:
         if len(batches) != schedule.micro_batches:
             raise ValueError(f"the schedule runs {schedule.micro_batches} micro-batches; got {len(batches)}")
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        run = _Run(batches, loss_scale, schedule.paired, zero, zero.clone(), trace=[] if measure else None)
+        whole_pairs = schedule.paired and self.pair_streams is not None
+        streams = self.pair_streams if whole_pairs and not self.one_stream else None
+        run = _Run(batches, loss_scale, schedule.paired and not whole_pairs, zero, zero.clone(), streams,
+                   trace=[] if measure else None)
         actions = schedule.ranks[self.rank]
+        if streams is not None:
+            streams.begin()
         sms = _carveout_sms(actions, schedule.micro_batches, carveouts) if carveouts else None
         ledger = _MemoryLedger(self.model.parameters()) if measure else None
         clock = _Clock(self.device) if measure else None
@@ -167,6 +179,8 @@ class PipelineExecutor:
                 self._compute(action, run, schedule, ledger)
             if clock:
                 run.trace.append((action, start, clock.mark()))
+        if streams is not None:
+            streams.end()
         losses = torch.stack([run.lm_sum, run.aux_sum]) / schedule.micro_batches
         all_reduce_(losses, self.mesh.pp.group)  # the loss from the last stage, auxiliary losses from all
         return PipelineResult(losses, self._share_tokens(run.tokens, schedule.micro_batches),
@@ -174,25 +188,30 @@ class PipelineExecutor:
 
     # ----------------------------------------------------------------------------------------- compute
     def _compute(self, action: Compute | Pair, run: _Run, schedule: Schedule, ledger) -> None:
-        if isinstance(action, Pair):
+        if isinstance(action, Pair) and not run.split:  # each half whole, on its own stream (or one after the other)
+            self._compute(action.forward, run, schedule, ledger)
+            self._compute(action.backward, run, schedule, ledger)
+        elif isinstance(action, Pair):
             forward = self._start_forward(action.forward, run)
             backward = self._start_backward(action.backward, run, schedule)
             run_pair(forward, backward)
             self._finish_forward(action.forward, forward, run, ledger)
             self._finish_backward(action.backward, backward, run, ledger)
         elif action.kind == FORWARD:
-            unit = self._start_forward(action, run)
-            unit.forward_all()
-            self._finish_forward(action, unit, run, ledger)
+            with _on_stream(run, action):
+                unit = self._start_forward(action, run)
+                unit.forward_all()
+                self._finish_forward(action, unit, run, ledger)
         elif action.kind == WEIGHT_GRAD:
             self._arm_backward(action, schedule)
             key = (action.micro_batch, action.chunk)
             run.deferred.pop(key).run()
             _release(ledger, run, ("deferred", key))
         else:
-            unit = self._start_backward(action, run, schedule)
-            unit.backward_all()
-            self._finish_backward(action, unit, run, ledger)
+            with _on_stream(run, action):
+                unit = self._start_backward(action, run, schedule)
+                unit.backward_all()
+                self._finish_backward(action, unit, run, ledger)
 
     def _start_forward(self, action: Compute, run: _Run) -> ChunkRun:
         chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
@@ -206,7 +225,8 @@ class PipelineExecutor:
         carry = chunk.carry(x, labels, action.micro_batch, run.loss_scale, run.split)
         if run.split:
             return ChunkRun(chunk.split, carry, run.order)
-        return ChunkRun(chunk.whole, carry)
+        # on streams: the pair's order recorded too, each half one segment
+        return ChunkRun(chunk.whole, carry, run.order if run.streams is not None else None)
 
     def _finish_forward(self, action: Compute, unit: ChunkRun, run: _Run, ledger) -> None:
         chunk, key = self.chunks[action.chunk], (action.micro_batch, action.chunk)
@@ -218,6 +238,9 @@ class PipelineExecutor:
         if torch.is_grad_enabled():
             run.units[key] = unit
             _hold(ledger, run, ("output", key), [out.output])
+        if run.streams is not None:  # the sums so far came from the other stream: not reused before this one read them
+            for total in (run.lm_sum, run.aux_sum):
+                total.record_stream(torch.cuda.current_stream())
         if out.lm_loss is not None:
             run.lm_sum = run.lm_sum + out.lm_loss
         run.aux_sum = run.aux_sum + out.aux_loss
@@ -291,6 +314,13 @@ class PipelineExecutor:
             table[layer] = counts_ME
         all_reduce_(table, self.mesh.pp.group)
         return {layer: table[layer] for layer in moe_layers}
+
+
+def _on_stream(run: _Run, action: Compute):
+    """Where the action's work queues: its micro-batch's stream when pairs run on streams, else the current one."""
+    if run.streams is None:
+        return contextlib.nullcontext()
+    return run.streams.running(action.micro_batch, action.kind == FORWARD)
 
 
 def _carveout_sms(actions: Sequence[Action], micro_batches: int, carveouts: Carveouts) -> list[int]:

@@ -100,7 +100,9 @@ class Trainer:
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired,
             # or a pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
-            self.model.graph_moe_layers(t.micro_batch_size, graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank]))
+            # (pairs on two streams: each set with its own regions, pairs_on_streams)
+            self.model.graph_moe_layers(t.micro_batch_size, graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank]),
+                                        own_regions=self.pipeline.pair_streams is not None)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
@@ -172,11 +174,13 @@ class Trainer:
         self._last_step_end = attempt.start
         recompute = self.model.recompute
         self.model.recompute = recompute or self._rerun_recomputes()
+        self.pipeline.one_stream = True  # eager host-planned layers: no pair side by side on two streams
         try:
             with host_planned_rerun(self._moe_layers):
                 again = finish()
         finally:
             self.model.recompute = recompute
+            self.pipeline.one_stream = False
         again.update(moe_overflow_rows=metrics["moe_overflow_rows"], moe_overflow_reruns=1)
         if self.is_logger:
             log.info("step %d: %d MoE rows overflowed the device-planned exchange's bound "
@@ -209,8 +213,10 @@ class Trainer:
         that step): the attempt's graphs keep its static tensors in their pools, and the re-run's host-planned
         stash is at least the bound that overflowed, so holding it for every layer can run out of memory where the
         attempt fit (configs/gpu4_fine.yaml at 4 sequences a micro-batch on 4xH100, 2026-11-28); recomputed, it holds
-        one layer's. Not where recomputation is not implemented: paired micro-batches' stages, ZB-H1."""
-        return not self.cfg.overlap.overlap_moe_expert_parallel_comm and self.cfg.train.pipeline_schedule != "zb_h1"
+        one layer's. Not where recomputation is not implemented: paired micro-batches' stages (pairs on two streams
+        run whole), ZB-H1."""
+        staged = self.cfg.overlap.overlap_moe_expert_parallel_comm and self.pipeline.pair_streams is None
+        return not staged and self.cfg.train.pipeline_schedule != "zb_h1"
 
     def launch_step(self, inspect_grads: Callable[[Optimizer], None] | None = None) -> StepInFlight:
         """Queue one optimizer step's work; its numbers stay on the device until :meth:`finish_step`, so the
@@ -220,8 +226,7 @@ class Trainer:
         # routing then crashed a GPU run within 4 steps), so its optimizer does the same work at learning rate 0
         lr = 0.0 if self.cfg.overlap.moe_compute_only else lr_at(self.step, self.cfg.train)
         if self._exchange is not None:
-            self._exchange.overflow_rows.zero_()
-            self._exchange.bytes_sent.zero_()
+            self._exchange.zero_counters()
         if self._stash is not None:  # every page free (an overflowed attempt's backward returned its pages too)
             self._stash.reset()
         with measuring_exposed_comm(self.device) as exposed:
@@ -332,7 +337,7 @@ class Trainer:
         on the device: one small all-gather over the world where any needs it, no host sync."""
         zero = torch.zeros((), dtype=torch.int64, device=self.device)
         exchange = self._exchange
-        overflow, sent = (zero, zero) if exchange is None else (exchange.overflow_rows, exchange.bytes_sent)
+        overflow, sent = (zero, zero) if exchange is None else exchange.counters()
         peaks = [0.0, 0.0]
         if self.device.type == "cuda":
             symmetric = symmetric_memory_bytes()
