@@ -1937,6 +1937,42 @@ PY
       -k "swiglu or adamw or quantize_equals_twin or packed or handoff or permutation"
     pack
     ;;
+  streams2t)  # paired micro-batches with graphed MoE layers, each pair's halves whole on two CUDA streams (issues 36,
+    # 38): the GPU test of the switch on 1 GPU (EP=1) and at EP=2 (the graphed one-chunk layout among the others)
+    log=$out/gpu_tests_streams_2x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_microbatch_overlap.py" > "$log"
+    timeout -k 10 400 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_microbatch_overlap.py 2>&1 \
+      | tee "${log%.txt}_full.log" | tail -n 8 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    ;;
+  streams2)  # the fine bench model at EP=2, forced balancing: graphed unpaired (the default) against the pairs on two
+    # streams (delayed weight gradients off: paired's auto; on; on with 16 SMs carved out of every GEMM), the
+    # compute_only and ep1 rows; STREAM_STEPS overrides the steps
+    S="overlap.overlap_moe_expert_parallel_comm=true"
+    STEPS="--warmup 3 --steps ${STREAM_STEPS:-6} --profile-steps 1"
+    train_step 2 fine_8l balanced_streams "$BAL" --variant "streams:$S" \
+      --variant "streams_delay:$S,overlap.delay_wgrad_compute=true" \
+      --variant "streams_delay_carve16:$S,overlap.delay_wgrad_compute=true,overlap.gemm_sm_carveout=16"
+    ;;
+  streams2c)  # after streams2: the overflow re-run with pairs on two streams (one after the other, recomputed), the
+    # device clock's atomic adds (the exposed-communication test, a paired case added) and the switch's test again
+    log=$out/gpu_tests_streams_more_2x$gpu.txt
+    tests="tests/test_gpu_exposed_comm.py tests/test_gpu_overflow.py tests/test_gpu_microbatch_overlap.py"
+    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs $tests" > "$log"
+    timeout -k 10 540 python -m pytest -m gpu -p no:cacheprovider -rfEs $tests 2>&1 \
+      | tee "${log%.txt}_full.log" | tail -n 12 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    ;;
+  streams2b)  # the pairs on two streams again, in the order config, streams, config, streams (one launch), then the
+    # Mixtral-like bench model (4 layers, no expert wgrad pairs) unpaired and on streams; no profiled steps
+    S="overlap.overlap_moe_expert_parallel_comm=true"
+    STEPS="--warmup 3 --steps 6 --profile-steps 0"
+    train_step 2 fine_8l balanced_streams_again "$BAL" --variant "streams:$S" --variant "config_again:" \
+      --variant "streams_again:$S"
+    train_step 2 mixtral_2l balanced_streams "$BAL model.num_layers=4" --variant "streams:$S"
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
