@@ -499,12 +499,12 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
 
 
 @pytest.mark.parametrize("extra, field", [
-    (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
+    (["parallel.pipeline_model_parallel_size=2", "overlap.batch_p2p_comm=true"], "overlap.batch_p2p_comm"),
     (["overlap.moe_paged_stash_factor=1.5"], "overlap.moe_paged_stash_factor"),
 ])
 def test_pairs_on_streams_refuse_what_they_do_not_implement(extra, field):
-    """Paired micro-batches with graphed MoE layers run each pair's halves on two streams: PP and the paged stash are
-    not implemented there, each refused in one line naming its field."""
+    """Paired micro-batches with graphed MoE layers run each pair's halves on two streams: batched transfers between
+    pipeline stages and the paged stash are not implemented there, each refused in one line naming its field."""
     streams = BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"]
     with pytest.raises(ConfigError, match=f"{field}=.*not implemented yet.*two streams"):
         load_config(TINY, streams + extra)

@@ -88,6 +88,10 @@ LAYOUTS = {
         **DIST_OPT, "overlap.dp_comm_ctas": 2, "overlap.ep_comm_ctas": 4, "overlap.gemm_sm_carveout": 8,
         "overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "train.moe_cuda_graph": "true"}),
     "layout_bf16_pp2_1f1b_batched_p2p": Layout(2, 1, {**pp2(1), "overlap.batch_p2p_comm": "true"}),
+    # paired micro-batches with graphed (one-rank) MoE layers under PP: each pair's halves on two streams, the
+    # transfers between the stages on their micro-batches' streams
+    "layout_bf16_pp2_1f1b_cuda_graph_paired_streams": Layout(2, 1, {
+        **pp2(2), "train.moe_cuda_graph": "true", "overlap.overlap_moe_expert_parallel_comm": "true"}),
     "layout_bf16_pp2_zb_h1_overlapped_p2p": Layout(2, 1, {**pp2(1), "train.pipeline_schedule": "zb_h1",
                                                           "overlap.overlap_p2p_comm": "true"}),
     "layout_bf16_ep4": Layout(4, 4, {}),
@@ -100,6 +104,9 @@ LAYOUTS = {
     # graphed MoE layers under PP (1F1B): the first stage keeps two micro-batches in flight, each replaying its own
     # copy of the graphs
     "layout_bf16_pp2_ep2_1f1b_cuda_graph": Layout(4, 2, {**pp2(2), **GRAPHED_DEVICE_PIPELINE}),
+    # the same paired, on two streams: each stage's exchange of one micro-batch beside another's compute
+    "layout_bf16_pp2_ep2_1f1b_cuda_graph_paired_streams": Layout(4, 2, {
+        **pp2(2), **GRAPHED_DEVICE_PIPELINE, "overlap.overlap_moe_expert_parallel_comm": "true"}),
     "layout_bf16_cp2_ep2_dp2_overlap_distributed_optimizer": Layout(4, 2, {
         "parallel.context_parallel_size": 2, "overlap.cp_comm_overlap": "true", **DIST_OPT}),
     "layout_bf16_ep2_edp2_dp4_distributed_optimizer_overlap": Layout(4, 2, DIST_OPT),
@@ -341,7 +348,8 @@ def test_every_layout_builds_and_steps_on_cpu_gloo(tmp_path_factory, world):
 
 # What the dry-run skips: CUDA graphs, the copy-engine TP ring, NCCL CTA caps and the GEMM carve-out.
 CUDA_ONLY = ("layout_bf16_tp2_sp_etp2_all_overlaps_symm", "layout_bf16_device_planned_pipeline_cuda_graph",
-             CARVEOUT_LAYOUT, "layout_bf16_ep4_device_planned_pipeline_cuda_graph")
+             CARVEOUT_LAYOUT, "layout_bf16_ep4_device_planned_pipeline_cuda_graph",
+             "layout_bf16_pp2_1f1b_cuda_graph_paired_streams", "layout_bf16_pp2_ep2_1f1b_cuda_graph_paired_streams")
 
 
 if __name__ == "__main__":  # one rank under torchrun (PYTHONPATH = the repository)

@@ -189,9 +189,9 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
                               "with overlap_moe_expert_parallel_comm, whose stages run a layer's steps apart")
     if o.overlap_moe_expert_parallel_comm is True and t.moe_cuda_graph is True:  # pairs side by side on two streams
         streams = "with overlap_moe_expert_parallel_comm and train.moe_cuda_graph, whose pairs run on two streams"
-        if p.pipeline_model_parallel_size > 1:
-            raise not_implemented("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1,
-                                  f"{streams}: their transfers' order across the stages")
+        if o.batch_p2p_comm:
+            raise not_implemented("overlap.batch_p2p_comm", True, False,
+                                  f"{streams}: each transfer queues on its own micro-batch's stream")
         if o.moe_paged_stash_factor is not None:
             raise not_implemented("overlap.moe_paged_stash_factor", o.moe_paged_stash_factor, None,
                                   f"{streams}: both would take and return pages of one pool at once")

@@ -135,13 +135,18 @@ class PairStreams:
     @contextlib.contextmanager
     def running(self, micro_batch: int, forward: bool) -> Iterator[None]:
         """Queue on micro-batch ``micro_batch``'s stream, after the last forward (``forward``) or backward."""
-        stream = self.streams[micro_batch % 2]
+        stream = self.stream(micro_batch)
         if self.done[forward] is not None:
             stream.wait_event(self.done[forward])
         with torch.cuda.stream(stream):
             yield
         self.done[forward] = torch.cuda.Event()
         self.done[forward].record(stream)
+
+    def stream(self, micro_batch: int) -> torch.cuda.Stream:
+        """Micro-batch ``micro_batch``'s stream (its transfers between pipeline stages queue there too: a send after
+        what made its tensor, the consumer of a receive after its wait)."""
+        return self.streams[micro_batch % 2]
 
     def end(self) -> None:
         for stream in self.streams:

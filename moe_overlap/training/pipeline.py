@@ -280,18 +280,27 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------------------------------ transfers
     def _post(self, action: Post, run: _Run, ledger) -> None:
+        if run.streams is None:
+            self._post_ops(action.ops, run, ledger)
+            return
+        for op in action.ops:  # each on its micro-batch's stream (pairs on streams: no batched transfers)
+            with torch.cuda.stream(run.streams.stream(op.message.micro_batch)):
+                self._post_ops((op,), run, ledger)
+
+    def _post_ops(self, ops: Sequence[P2POp], run: _Run, ledger) -> None:
         tensors = [run.to_send.pop(op.message) if op.send
-                   else torch.empty(self.shape, dtype=self.dtype, device=self.device) for op in action.ops]
-        works = self.p2p.post([(op.send, t, op.peer) for op, t in zip(action.ops, tensors)],
+                   else torch.empty(self.shape, dtype=self.dtype, device=self.device) for op in ops]
+        works = self.p2p.post([(op.send, t, op.peer) for op, t in zip(ops, tensors)],
                               batch=self.cfg.overlap.batch_p2p_comm)
-        for op, tensor, work in zip(action.ops, tensors, works):
+        for op, tensor, work in zip(ops, tensors, works):
             run.in_flight[op] = (work, tensor)
             _hold(ledger, run, ("send" if op.send else "recv", tensor), [tensor])
 
     def _wait(self, action: Wait, run: _Run, ledger) -> None:
         for op in action.ops:
             works, tensor = run.in_flight.pop(op)
-            with exposed_wait("pp"):
+            stream = run.streams.stream(op.message.micro_batch) if run.streams is not None else None
+            with exposed_wait("pp"), torch.cuda.stream(stream):  # (None: the current stream)
                 for work in works:
                     work.wait()
             if op.send:

@@ -100,9 +100,12 @@ class Trainer:
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
             # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired,
             # or a pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
-            # (pairs on two streams: each set with its own regions, pairs_on_streams)
-            self.model.graph_moe_layers(t.micro_batch_size, graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank]),
-                                        own_regions=self.pipeline.pair_streams is not None)
+            # (pairs on two streams: each set with its own regions, and an even count of sets, so that a set's
+            # micro-batches i, i + n, ... all run on stream i mod 2, one after another: pairs_on_streams)
+            streams = self.pipeline.pair_streams is not None
+            copies = graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank])
+            self.model.graph_moe_layers(t.micro_batch_size, copies + copies % 2 if streams else copies,
+                                        own_regions=streams)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
