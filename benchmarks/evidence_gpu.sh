@@ -1994,6 +1994,28 @@ PY
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
+  streams4)  # pairs on two streams at 4 GPUs (issues 36, 38; written 2026-11-28, not run: no 4-GPU kind lent that
+    # session): the 4-rank GPU tests (the switch at EP=4; the master's PP=2 x EP=2 layouts, on streams among them),
+    # then the fine bench model at EP=4 unpaired against on streams with compute_only and ep1, profiled (the
+    # device's idle time is what the pairs should shrink; the exposed figure sums both streams' waits)
+    CUDA_VISIBLE_DEVICES=0,1,2,3 timeout -k 10 330 python -m pytest -m gpu -p no:cacheprovider -q \
+      tests/test_gpu_microbatch_overlap.py tests/test_gpu_master.py -k "ep_over_every_gpu or pp2_ep2" 2>&1 \
+      | tee "$out/gpu_tests_streams4.log" | tail -n 6
+    S="overlap.overlap_moe_expert_parallel_comm=true"
+    STEPS="--warmup 3 --steps 6 --profile-steps 1"
+    train_step 4 fine_8l balanced_streams "$BAL" --variant "streams:$S"
+    ;;
+  streams_pp4)  # issue 36's target: PP=2 x EP=2 (fine bench, balanced, 1F1B, graphed) unpaired against paired on two
+    # streams, twice each, profiled once
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2 overlap.moe_pipeline=true \
+      overlap.moe_planning=device train.moe_cuda_graph=true $BAL $DISTOPT --warmup 3 --steps 6 --profile-steps 1 \
+      --variant "streams:overlap.overlap_moe_expert_parallel_comm=true" --variant "config_again:" \
+      --variant "streams_again:overlap.overlap_moe_expert_parallel_comm=true" \
+      --json $res/train_step_fine_8l_pp2_ep2_streams_4x$gpu.json --timeline $res/train_step_fine_8l_pp2_ep2_streams_4x$gpu.png \
+      2>&1 | tee "$out/streams_pp4.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
