@@ -4,8 +4,9 @@ step (normwise) and for the loss curve. On one GPU (EP=1: no exchange, each laye
 graphed MoE layers, each pair's halves whole on two streams), and with EP = every GPU (2 or 4; skipped on one: the
 host-planned pipeline over NCCL with its CTA cap and carve-out, and the device-planned one over SM pushes in 2
 chunks, each layer cut at its exchanges; and the device-planned one chunk graphed, the pairs on two streams, each
-copy of the graphs exchanging through its own regions). The per-rank work is `gpu_case`, launched once under torchrun per test; under MOE_GPU_TEST_DRYRUN=1
-(tests/gpu_launch.py) it runs on CPU gloo ranks, skipping what only CUDA runs (`-m slow`: the dry-run tests).
+copy of the graphs exchanging through its own regions). The per-rank work is `gpu_case`, launched once under
+torchrun per test; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it runs on CPU gloo ranks, skipping what only
+CUDA runs (`-m slow`: the dry-run tests).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def check(reports: list[dict], split: bool, skipped: set[str] = frozenset()) -> 
             assert bool(stages) == name.startswith("on"), (name, stages)
             if stages and name == "on_graphed":  # graphed: each half of a pair whole, on its micro-batch's stream
                 assert stages == ["stage0"], stages
-                assert report["sequences"][name] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], report["sequences"]
+                assert report["sequences"][name] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], report
             elif stages:
                 assert ("0.experts" in stages) == split and "1.mlp" in stages, stages
 

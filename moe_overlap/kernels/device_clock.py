@@ -31,7 +31,8 @@ if HAVE_TRITON:
 
 
 def add_clock(acc_K: torch.Tensor, slot: int, sign: int) -> None:
-    """``acc_K[slot] += sign * now`` (atomically) on the current stream, ``now`` in nanoseconds of the GPU's global timer."""
+    """``acc_K[slot] += sign * now`` (atomically) on the current stream, ``now`` in nanoseconds of the GPU's global
+    timer."""
     if not (HAVE_TRITON and acc_K.is_cuda and acc_K.dtype == torch.int64):
         raise RuntimeError("add_clock reads the GPU's timer: it needs triton and an int64 CUDA tensor")
     _add_clock[(1,), acc_K.device](acc_K, slot, SIGN=sign, num_warps=1)
