@@ -355,9 +355,9 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
         sets = []
         for _ in range(copies - 1):
             twins = {}  # one twin per selector the layers share
-            if own_regions:
-                twins = {id(layer.transports): layer.transports.twin() for layer in moe_layers
-                         if layer.transports is not None}
+            for layer in moe_layers:
+                if own_regions and layer.transports is not None and id(layer.transports) not in twins:
+                    twins[id(layer.transports)] = layer.transports.twin()
             sets.append(tuple(_GraphCopy(layer, twins.get(id(layer.transports))) for layer in moe_layers))
         torch.cuda.make_graphed_callables(moe_layers, samples())
         for graph_set in sets:
