@@ -294,3 +294,49 @@ def test_pp2_ep2_paired_equals_unpaired(rank_pool, tmp_path):
             ("B", 0, names[-1 - k]), ("F", warm, names[k]))]
     assert any("+" in c for c in per_rank[0]["interleaved_vpp2_device"]["computes"])
     assert any(c.startswith("F") and "+I" in c for c in per_rank[2]["zb_h1_chunks2"]["computes"])
+
+
+# ------------------------------------------------------------------- pairs run whole (graphed MoE layers' path)
+
+
+def whole_pairs_case(output_dir: str) -> dict:
+    """PP=2 (1F1B, 4 micro-batches; EP=1 over 2 ranks): unpaired, then paired with each pair's halves whole
+    (PairStreams, as graphed MoE layers run pairs on two CUDA streams; on the CPU one stream: the executor's order,
+    its transfers posted and waited one by one on their micro-batches' streams, its loss sums). Every rank's
+    worst relative error of the paired run against the unpaired one (losses, every gradient) and its order."""
+    from moe_overlap.training.microbatch_overlap import PairStreams
+
+    runs = []
+    for extra in ({}, ON):
+        cfg = small_config(output_dir, 1, 8, **LAYERS, **pp_layout(2), **extra)
+        _, mesh = world_and_mesh(cfg)
+        try:
+            trainer = Trainer(cfg, mesh, CPU)
+            if extra:  # what graphed MoE layers choose on a GPU (train.moe_cuda_graph, CUDA only)
+                trainer.pipeline.pair_streams = PairStreams(CPU)
+            steps = []
+            for _ in range(2):
+                grads = {}
+                steps.append((trainer.train_step(lambda opt: grads.update(opt.logical_grads())), grads))
+            runs.append((steps, trainer.stage_order))
+        finally:
+            mesh.destroy()
+    (off, _), (on, order) = runs
+    worst = 0.0
+    for (m_off, g_off), (m_on, g_on) in zip(off, on):
+        assert sorted(g_on) == sorted(g_off)
+        worst = max(worst, *(abs(m_on[k] - m_off[k]) / abs(m_off[k]) for k in ("loss", "aux_loss", "grad_norm")),
+                    *(rel_err(g_on[k], g_off[k]) for k in g_off))
+    return {"worst": worst, "order": [f"{kind}{mb}" for kind, mb, _ in order], "names": {n for _, _, n in order}}
+
+
+def test_pairs_run_whole_equal_unpaired_under_pp(rank_pool, tmp_path):
+    """The executor's path for graphed MoE layers, paired: each pair's forward, then its backward, each whole (one
+    segment, named as the stage), in the paired 1F1B's order (stage 0 three forwards ahead, the last stage one),
+    with the same losses and gradients as unpaired 1F1B."""
+    first, last = rank_pool(2).run(whole_pairs_case, str(tmp_path))
+    for got in (first, last):
+        assert got["worst"] < TOL, got["worst"]
+    assert first["names"] == {"stage0"} and last["names"] == {"stage1"}
+    assert first["order"] == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    assert last["order"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]

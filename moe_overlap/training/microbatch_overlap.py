@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 
 from moe_overlap.config import Config
-from moe_overlap.distributed.streams import stage_label
+from moe_overlap.distributed.streams import Event, stage_label, use_stream, wait_stream
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.pipeline_stages import ChunkOutput, Segment
 
@@ -121,15 +121,22 @@ class PairStreams:
     every MoE layer (MoELayer.for_micro_batch; n even, so each copy's micro-batches share a stream), with its own
     regions (capture_moe_layers(own_regions=True)), runs them. Forwards still follow forwards and backwards backwards, as on one stream (events): what a forward
     shares with the next (the routers' counts, the loss sums) and a backward with the next (the gradients)
-    stays ordered. A step's streams start after the work queued before it and end before the work after it."""
+    stays ordered. A step's streams start after the work queued before it and end before the work after it. On
+    the CPU (one stream of execution) the same calls run the halves one after the other: the executor's path with
+    whole pairs, testable there."""
 
     def __init__(self, device: torch.device):
-        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        self.done: dict[bool, torch.cuda.Event | None] = {}
+        self.device = device
+        cuda = device.type == "cuda"
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+        self.done: dict[bool, Event | None] = {}
+
+    def _current(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def begin(self) -> None:
         for stream in self.streams:
-            stream.wait_stream(torch.cuda.current_stream())
+            wait_stream(stream, self._current())
         self.done = {True: None, False: None}
 
     @contextlib.contextmanager
@@ -137,17 +144,16 @@ class PairStreams:
         """Queue on micro-batch ``micro_batch``'s stream, after the last forward (``forward``) or backward."""
         stream = self.stream(micro_batch)
         if self.done[forward] is not None:
-            stream.wait_event(self.done[forward])
-        with torch.cuda.stream(stream):
+            self.done[forward].wait(stream)
+        with use_stream(stream):
             yield
-        self.done[forward] = torch.cuda.Event()
-        self.done[forward].record(stream)
+        self.done[forward] = Event(self.device).record(stream)
 
-    def stream(self, micro_batch: int) -> torch.cuda.Stream:
+    def stream(self, micro_batch: int) -> torch.cuda.Stream | None:
         """Micro-batch ``micro_batch``'s stream (its transfers between pipeline stages queue there too: a send after
-        what made its tensor, the consumer of a receive after its wait)."""
+        what made its tensor, the consumer of a receive after its wait); None on the CPU."""
         return self.streams[micro_batch % 2]
 
     def end(self) -> None:
         for stream in self.streams:
-            torch.cuda.current_stream().wait_stream(stream)
+            wait_stream(self._current(), stream)

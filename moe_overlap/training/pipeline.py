@@ -44,7 +44,7 @@ from moe_overlap.config import Config
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.p2p import PipelineP2P
-from moe_overlap.distributed.streams import exposed_wait, gemm_sm_carveout, to_device_async
+from moe_overlap.distributed.streams import exposed_wait, gemm_sm_carveout, to_device_async, use_stream
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages, model_chunks
@@ -238,8 +238,8 @@ class PipelineExecutor:
         if torch.is_grad_enabled():
             run.units[key] = unit
             _hold(ledger, run, ("output", key), [out.output])
-        if run.streams is not None:  # the sums so far came from the other stream: not reused before this one read them
-            for total in (run.lm_sum, run.aux_sum):
+        if run.streams is not None and self.device.type == "cuda":  # the sums so far came from the other stream: not
+            for total in (run.lm_sum, run.aux_sum):  # reused before this one read them
                 total.record_stream(torch.cuda.current_stream())
         if out.lm_loss is not None:
             run.lm_sum = run.lm_sum + out.lm_loss
@@ -284,7 +284,7 @@ class PipelineExecutor:
             self._post_ops(action.ops, run, ledger)
             return
         for op in action.ops:  # each on its micro-batch's stream (pairs on streams: no batched transfers)
-            with torch.cuda.stream(run.streams.stream(op.message.micro_batch)):
+            with use_stream(run.streams.stream(op.message.micro_batch)):
                 self._post_ops((op,), run, ledger)
 
     def _post_ops(self, ops: Sequence[P2POp], run: _Run, ledger) -> None:
@@ -300,7 +300,7 @@ class PipelineExecutor:
         for op in action.ops:
             works, tensor = run.in_flight.pop(op)
             stream = run.streams.stream(op.message.micro_batch) if run.streams is not None else None
-            with exposed_wait("pp"), torch.cuda.stream(stream):  # (None: the current stream)
+            with exposed_wait("pp"), use_stream(stream):  # (None: the current stream)
                 for work in works:
                     work.wait()
             if op.send:
