@@ -2016,6 +2016,17 @@ PY
       2>&1 | tee "$out/streams_pp4.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
+  streams_final2)  # the session's final tree (PairStreams through the streams helpers, one twin per selector): the
+    # switch's GPU test and the master test at 2 ranks
+    log=$out/gpu_tests_streams_final_2x$gpu.txt
+    tests="tests/test_gpu_microbatch_overlap.py tests/test_gpu_master.py"
+    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs $tests -k 'not ep4 and not pp2_ep2 and not tp2_sp_ep2 and not cp2_ep2 and not ep2_edp2 and not ep8 and not cp2_ep4'" > "$log"
+    timeout -k 10 560 python -m pytest -m gpu -p no:cacheprovider -rfEs $tests \
+      -k "not ep4 and not pp2_ep2 and not tp2_sp_ep2 and not cp2_ep2 and not ep2_edp2 and not ep8 and not cp2_ep4" 2>&1 \
+      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
