@@ -2037,6 +2037,16 @@ PY
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
     pack
     ;;
+  streams_example4)  # issue 41: the fine 4-GPU example's model (configs/gpu4_fine.yaml, bound 1.75, 4 sequences a
+    # micro-batch) on real text (carry data/stdlib_head: the corpus's first 5M tokens) as shipped against paired on
+    # two streams, beside compute_only (written 2026-11-28, not run)
+    name=train_step_gpu4_fine_streams_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 5 --profile-steps 0 --compute-only \
+      --variant "streams:overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true" \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
+    pack
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
