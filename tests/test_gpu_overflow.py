@@ -3,8 +3,8 @@ skipped on one). ``overlap.moe_expert_rank_capacity_factor=1.0`` with learned ro
 each step's update is skipped on the device and the step runs again planned on the host. The result follows the
 bf16 rule against an fp32 single-process run (the loss curve over STEPS steps, every gradient of the first), with
 the MoE layers replayed from CUDA graphs (one chunk; also with paired micro-batches on two streams) and eager (2
-chunks, delayed weight gradients); and a bound
-that is never passed (factor = EP: the worst case) queues a graphed step without one host sync
+chunks, delayed weight gradients); and a bound that is never passed (factor = EP: the worst case) queues a graphed
+step without one host sync
 (``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it, their reserved
 memory at least their allocated peak). The paged
 stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a pool of the worst case (never past) and of the
