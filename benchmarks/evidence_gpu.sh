@@ -357,6 +357,29 @@ fp8_runs() {  # result name, the undone tree's dir (tree_before), then the launc
   done
 }
 
+two_rank_tests() {  # log name, then test files: pytest -m gpu at 2 ranks, the 4- and 8-rank layouts deselected
+  local log=$out/gpu_tests_$1_2x$gpu.txt
+  shift
+  local k="not ep4 and not pp2_ep2 and not tp2_sp_ep2 and not cp2_ep2 and not ep2_edp2 and not ep8 and not cp2_ep4"
+  echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs $* -k '$k'" > "$log"
+  timeout -k 10 560 python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" -k "$k" 2>&1 \
+    | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
+  cp "$log" $res/
+  pack
+}
+
+streams_example() {  # GPUs, timed steps: configs/gpu<N>_fine.yaml on the corpus's first 5M tokens (carry
+  # data/stdlib_head; steps 4 on from initialisation, so routing is uneven) as shipped (graphed, unpaired) against
+  # paired on two streams, beside compute_only
+  local n=$1 steps=$2 name=train_step_gpu$1_fine_streams_$1x$gpu
+  timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node "$n" benchmarks/train_step.py \
+    configs/gpu${n}_fine.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps "$steps" \
+    --profile-steps 0 --compute-only \
+    --variant "streams:overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true" \
+    --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
+  pack
+}
+
 case $phase in
   suite)
     suite 4x 0,1,2,3 "$(left)"
@@ -1975,13 +1998,7 @@ PY
     ;;
   streams_pp2)  # pairs on two streams under PP (issue 36): the GPU master test at 2 ranks, every 2-rank layout in one
     # launch, among them PP=2 (1F1B) with graphed one-rank MoE layers, paired on streams
-    log=$out/gpu_tests_master_streams_2x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_master.py -k 'not ep4 and not pp2_ep2 and not tp2_sp_ep2 and not cp2_ep2 and not ep2_edp2 and not ep8 and not ep4 and not tp2_sp_ep4 and not cp2_ep4'" > "$log"
-    timeout -k 10 560 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_master.py \
-      -k "not ep4 and not pp2_ep2 and not tp2_sp_ep2 and not cp2_ep2 and not ep2_edp2 and not ep8 and not cp2_ep4" 2>&1 \
-      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
-    cp "$log" $res/
-    pack
+    two_rank_tests master_streams tests/test_gpu_master.py
     ;;
   streams1)  # pairs on two streams at one GPU (EP=1: nothing exchanged; each layer's graph whole): the fine bench
     # model bf16 and rowwise FP8, unpaired and paired on streams, in the order bf16, streams, rowwise,
@@ -2018,34 +2035,14 @@ PY
     ;;
   streams_final2)  # the session's final tree (PairStreams through the streams helpers, one twin per selector): the
     # switch's GPU test and the master test at 2 ranks
-    log=$out/gpu_tests_streams_final_2x$gpu.txt
-    tests="tests/test_gpu_microbatch_overlap.py tests/test_gpu_master.py"
-    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs $tests -k 'not ep4 and not pp2_ep2 and not tp2_sp_ep2 and not cp2_ep2 and not ep2_edp2 and not ep8 and not cp2_ep4'" > "$log"
-    timeout -k 10 560 python -m pytest -m gpu -p no:cacheprovider -rfEs $tests \
-      -k "not ep4 and not pp2_ep2 and not tp2_sp_ep2 and not cp2_ep2 and not ep2_edp2 and not ep8 and not cp2_ep4" 2>&1 \
-      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
-    cp "$log" $res/
-    pack
+    two_rank_tests streams_final tests/test_gpu_microbatch_overlap.py tests/test_gpu_master.py
     ;;
-  streams_text2)  # the fine 2-GPU example's model on real text (its first 5M tokens, carried as data/stdlib_head;
-    # steps 4-9 from initialisation, so routing is uneven): as shipped (graphed, unpaired) against paired on two
-    # streams, beside compute_only
-    name=train_step_gpu2_fine_streams_2x$gpu
-    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/gpu2_fine.yaml \
-      data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 6 --profile-steps 0 --compute-only \
-      --variant "streams:overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true" \
-      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
-    pack
+  streams_text2)  # the fine 2-GPU example's model on real text, as shipped against paired on two streams
+    streams_example 2 6
     ;;
-  streams_example4)  # issue 41: the fine 4-GPU example's model (configs/gpu4_fine.yaml, bound 1.75, 4 sequences a
-    # micro-batch) on real text (carry data/stdlib_head: the corpus's first 5M tokens) as shipped against paired on
-    # two streams, beside compute_only (written 2026-11-28, not run)
-    name=train_step_gpu4_fine_streams_4x$gpu
-    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
-      data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 5 --profile-steps 0 --compute-only \
-      --variant "streams:overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true" \
-      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
-    pack
+  streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
+    # (written 2026-11-28, not run)
+    streams_example 4 5
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
