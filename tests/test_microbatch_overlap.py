@@ -340,3 +340,16 @@ def test_pairs_run_whole_equal_unpaired_under_pp(rank_pool, tmp_path):
     assert first["names"] == {"stage0"} and last["names"] == {"stage1"}
     assert first["order"] == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
     assert last["order"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+
+
+def test_the_switch_is_read_at_each_step(tmp_path):
+    """``overlap_moe_expert_parallel_comm`` turned between steps of one trainer (as benchmarks/ep_microbatch_overlap.py
+    turns it) changes the schedule the next step runs: off records no paired segments and runs unpaired 1F1B."""
+    cfg = small_config(str(tmp_path), 1, 8, **LAYERS, **ON)  # 4 micro-batches of 2
+    trainer = Trainer(cfg, Mesh.single(), CPU)
+    for paired in (True, False, True):
+        cfg.overlap.overlap_moe_expert_parallel_comm = paired
+        trainer.train_step()
+        assert trainer.pipeline.schedule.paired is paired
+        assert bool(trainer.stage_order) is paired
+        assert any(isinstance(a, Pair) for a in trainer.pipeline.schedule.ranks[0]) is paired

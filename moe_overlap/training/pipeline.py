@@ -139,6 +139,10 @@ class PipelineExecutor:
         """One step's forward and backward over ``batches`` (every micro-batch; each rank reads what its
         chunks need): the gradients accumulate as gradient accumulation would accumulate them."""
         self.optimizer.start_micro_batch(is_last=False)  # forget last step's readiness; hooks disarmed
+        if self.schedule.paired != (self.cfg.overlap.overlap_moe_expert_parallel_comm is True):
+            # the switch, read at each step as the carve-outs read it (a benchmark turns it between steps of one
+            # trainer: benchmarks/ep_microbatch_overlap.py); graphed copies made for pairs serve unpaired too
+            self.schedule = self.build(self.schedule.micro_batches)
         return self._execute(self.schedule, batches, loss_scale, measure, carveouts)
 
     @torch.no_grad()
