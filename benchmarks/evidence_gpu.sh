@@ -2044,6 +2044,13 @@ PY
     # (written 2026-11-28, not run)
     streams_example 4 5
     ;;
+  streams_rr1)  # pairs on two streams against unpaired, round-robin on one trainer (benchmarks/ep_microbatch_overlap.py,
+    # whose off rows now run unpaired again): the fine bench model on one GPU, graphed, so "on" runs on two streams
+    name=ep_microbatch_overlap_streams_fine_8l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/ep_microbatch_overlap.py configs/bench_fine_8l.yaml --rounds 4 --block 3 \
+      --warmup 2 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
