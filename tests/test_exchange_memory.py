@@ -112,3 +112,13 @@ def test_info_exchange_memory_of_the_fine_model_matches_the_readme_table(factor,
     receive buffer (its rows and the spare one)."""
     size = exchange_memory(4, 2 * 4096 * 8, chunk_bounds(16, 4), factor, 2048, 1024, 2)
     assert size.stash_bytes == stash_gib * 2 ** 30 and size.region_bytes == (rows + 1) * 4096
+
+
+def test_info_says_pairs_on_streams_hold_the_regions_once_per_graphed_copy(capsys):
+    """Paired with graphed MoE layers, each graphed copy exchanges through regions of its own (TransportSelector.twin):
+    `info` says so under the table; unpaired it does not."""
+    for paired, said in (("true", True), ("false", False)):
+        assert main(["info", FINE, "--world-size", "2", "parallel.expert_model_parallel_size=2",
+                     f"overlap.overlap_moe_expert_parallel_comm={paired}", "train.moe_cuda_graph=true"]) == 0
+        out = capsys.readouterr().out
+        assert ("the symmetric regions above once per graphed copy of the MoE layers" in out) is said, out

@@ -165,6 +165,13 @@ def graphs_off_reason(cfg: Config, exchanging: bool, paired: bool) -> str | None
     return None if gap is None else f"not implemented: {gap}"
 
 
+def pairs_on_streams(cfg: Config) -> bool:
+    """Paired micro-batches with graphed MoE layers: each pair's forward and backward run whole, side by side on
+    two CUDA streams (training/microbatch_overlap.PairStreams), each graphed copy of the MoE layers exchanging
+    through symmetric regions of its own; not as stages, which a graph cannot hold."""
+    return cfg.overlap.overlap_moe_expert_parallel_comm is True and cfg.train.moe_cuda_graph is True
+
+
 def graphs_by_planning(planning: str, device_type: str, paired: bool) -> tuple[bool, str]:
     """``train.moe_cuda_graph: auto`` once the exchange's planning is known (the fabric): graphed where it is
     planned on the device (sm_push), unpaired; and why."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from moe_overlap.config.defaults import graph_gap, once_per_rank_gap, pipeline_fields_set
+from moe_overlap.config.defaults import graph_gap, once_per_rank_gap, pairs_on_streams, pipeline_fields_set
 from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
                                        not_implemented, refuse, require)
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal
@@ -187,7 +187,7 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
     if o.overlap_moe_expert_parallel_comm is True and o.moe_token_slices > 1:
         raise not_implemented("overlap.moe_token_slices", o.moe_token_slices, 1,
                               "with overlap_moe_expert_parallel_comm, whose stages run a layer's steps apart")
-    if o.overlap_moe_expert_parallel_comm is True and t.moe_cuda_graph is True:  # pairs side by side on two streams
+    if pairs_on_streams(cfg):
         streams = "with overlap_moe_expert_parallel_comm and train.moe_cuda_graph, whose pairs run on two streams"
         if o.batch_p2p_comm:
             raise not_implemented("overlap.batch_p2p_comm", True, False,

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from moe_overlap.config import Config
+from moe_overlap.config.defaults import pairs_on_streams
 from moe_overlap.distributed.a2a import REGIONS
 from moe_overlap.exchange_rules import choose_exchange
 from moe_overlap.layers.device_plan import chunk_bounds_rows, receive_rows, region_rows, wire_chunk_rows
@@ -144,6 +145,9 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
               f"{', and their outputs' if outputs else ''}, {_size(sizes[0].stash_row_bytes)} a row;",
               "  the receive buffer lies in a region); the regions are shared by "
               + (f"the {layers} MoE layers" if p.pipeline_model_parallel_size == 1 else "the stage's MoE layers")]
+    if pairs_on_streams(cfg):  # each graphed copy's exchange through its own regions (TransportSelector.twin)
+        lines.append("  paired on two streams (graphed): the symmetric regions above once per graphed copy of the MoE "
+                     "layers (2 at PP=1; under PP a stage's micro-batches in flight, rounded up to even)")
     if o.moe_paged_stash_factor is not None:
         pooled, stashes, row_bytes, page_rows = paged_stash_size(cfg, calls)
         pool_bytes = (stash_pages(pooled, stashes, page_rows) + 1) * page_rows * row_bytes

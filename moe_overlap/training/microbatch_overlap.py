@@ -30,7 +30,6 @@ from typing import Iterator
 
 import torch
 
-from moe_overlap.config import Config
 from moe_overlap.distributed.streams import Event, stage_label, use_stream, wait_stream
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.pipeline_stages import ChunkOutput, Segment
@@ -107,12 +106,6 @@ def run_pair(forward: ChunkRun, backward: ChunkRun) -> None:
             backward.backward(count_b - 1 - k)
         if k < count_f:
             forward.forward(k)
-
-
-def pairs_on_streams(cfg: Config) -> bool:
-    """Paired micro-batches with graphed MoE layers: each pair's forward and backward run whole, side by side on
-    two streams (:class:`PairStreams`), not as segments."""
-    return cfg.overlap.overlap_moe_expert_parallel_comm is True and cfg.train.moe_cuda_graph is True
 
 
 class PairStreams:

@@ -41,6 +41,7 @@ from typing import Sequence
 import torch
 
 from moe_overlap.config import Config
+from moe_overlap.config.defaults import pairs_on_streams
 from moe_overlap.distributed.collectives import all_reduce_
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.p2p import PipelineP2P
@@ -48,7 +49,7 @@ from moe_overlap.distributed.streams import exposed_wait, gemm_sm_carveout, to_d
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.mixtral import MixtralModel
 from moe_overlap.models.pipeline_stages import PipelineStages, model_chunks
-from moe_overlap.training.microbatch_overlap import ChunkRun, PairStreams, pairs_on_streams, run_pair
+from moe_overlap.training.microbatch_overlap import ChunkRun, PairStreams, run_pair
 from moe_overlap.training.schedules import (ACTIVATION, FORWARD, GRADIENT, INPUT_GRAD, WEIGHT_GRAD, Action, Compute,
                                             Message, P2POp, Pair, Post, Schedule, Wait, build_schedule,
                                             default_schedule)
