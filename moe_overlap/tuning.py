@@ -47,7 +47,8 @@ import math
 # it unpaired until then. On one NVLink host the unpaired pipeline (device-planned, graphed) measured fastest for
 # both (fine-grained EP=4: graphed 0.504, eager 0.305, paired eager 0.269, ..._ep4_balanced_spread_eager_4xh100.json),
 # so auto leaves it off there. Paired with graphed layers (each pair's halves on two CUDA streams, explicit
-# train.moe_cuda_graph=true) was faster there since (2xH200, 2026-11-28, train_step_*_ep2_balanced_streams*_2xh200.json):
+# train.moe_cuda_graph=true) was faster there since (2xH200, 2026-11-28,
+# train_step_*_ep2_balanced_streams*_2xh200.json):
 # fine-grained EP=2 0.5977 / 0.5816 / 0.5819 against 0.5819 / 0.5656 / 0.5665 unpaired graphed (+2.7%), Mixtral-like
 # 0.6535 against 0.6480 (+0.8%), one GPU +2.2% (train_step_streams_fine_8l_1xh200.json); but at +4.6 to +9.3 GiB peak
 # and +16 to +20 GiB reserved, and EP=4 not measured: auto does not choose it yet.

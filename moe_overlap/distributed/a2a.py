@@ -94,8 +94,6 @@ class TransportSelector:
     def counters(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows past the bound, bytes sent) since :meth:`zero_counters`, this selector's and its twins', on the
         device."""
-        if not self.twins:
-            return self.overflow_rows, self.bytes_sent
         return (sum((t.overflow_rows for t in self.twins), self.overflow_rows),
                 sum((t.bytes_sent for t in self.twins), self.bytes_sent))
 

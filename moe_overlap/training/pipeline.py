@@ -10,8 +10,8 @@ micro-batch's F and another's B or I segment by segment in turn (training/microb
 as one segment (its plain forward: no graph cut) unless the schedule pairs; then every training forward runs as
 the chunk's segments, the autograd graph cut between them; with graphed MoE layers a pair's forward and backward
 run whole instead, side by side on two CUDA streams (microbatch_overlap.PairStreams). Post and Wait start and
-finish the transfers (distributed/p2p.py); receive buffers have the static activation shape (micro-batch, sequence block, hidden), so
-no shape is ever exchanged.
+finish the transfers (distributed/p2p.py); receive buffers have the static activation shape (micro-batch, sequence
+block, hidden), so no shape is ever exchanged.
 
 Every hook of a step is armed here, from the action list:
 - the optimizer's gradient sync, before each backward action (B, I, W, a pair's B or I): armed on its chunk's
