@@ -14,7 +14,8 @@ import torch
 
 # NVLink multicast stays off on shared hosts: set before any process group exists.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-RECORDED_ENV = tuple(MULTICAST_OFF) + ("NCCL_P2P_DISABLE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+RECORDED_ENV = tuple(MULTICAST_OFF) + ("NCCL_P2P_DISABLE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+                                       "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def set_run_env(allow_multicast: bool = False, fabric: str = "nvlink") -> None:

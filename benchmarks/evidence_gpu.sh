@@ -2051,6 +2051,23 @@ PY
       --warmup 2 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
+  fp8_pairs1)  # issue 39's one-GPU fine-grained target (rowwise >= 1.15x bf16): bf16 and rowwise alternated three
+    # times in one launch (3 warm-up + 8 steps a row), so the ratio's spread within one lease is seen; then pairs on
+    # two streams with the allocator's expandable segments (a launch of its own: the allocator's setting is per
+    # process), as shipped against on streams, for what streams' reserved memory is then
+    name=train_step_fp8_pairs_fine_8l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise --variant bf16_b: --variant rowwise_b:train.fp8_recipe=rowwise \
+      --variant bf16_c: --variant rowwise_c:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    name=train_step_streams_expandable_fine_8l_1x$gpu
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$(left)" python benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml --variant "streams:overlap.overlap_moe_expert_parallel_comm=true" --warmup 3 \
+      --steps 8 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
