@@ -6,12 +6,13 @@ one-dimensional ``cp.async.bulk``, sm_90) instead of by its threads' loads and s
         dst_rank_Q int32, dst_bases int64 addresses), contiguous source rows of 16-byte multiples
 
 Why: a Triton push program moves about its bytes in flight per load latency, 12-14 GB/s per CTA into a peer at
-64 KiB a step (README, "The push's bytes in flight"), so a push beside a GEMM needs a carve-out of 16-32 SMs, which
-slows the GEMM by as much as the overlap hides. A bulk copy keeps whole stages in flight with no registers: one warp
-per CTA loads a step of source rows into shared memory with one bulk copy (completing on an mbarrier), each lane
-stores one row of it to its destination with another, and ``STAGES`` steps are in flight. If a few CTAs reach the
-link's rate this way, a push beside a GEMM costs the GEMM a few SMs. Measured by ``moe_layer.py --carveout-probe``
-(its ``bulk_*`` rows); compiled at first use by NVRTC (``torch.cuda._compile_kernel``), CUDA only.
+64 KiB a step (benchmarks/RESULTS.md, "The push's bytes in flight"), so a push beside a GEMM needs a carve-out of
+16-32 SMs, which slows the GEMM by as much as the overlap hides. A bulk copy keeps whole stages in flight with no
+registers: one warp per CTA loads a step of source rows into shared memory with one bulk copy (completing on an
+mbarrier), each lane stores one row of it to its destination with another, and ``STAGES`` steps are in flight. If a
+few CTAs reach the link's rate this way, a push beside a GEMM costs the GEMM a few SMs. Measured by
+``moe_layer.py --carveout-probe`` (its ``bulk_*`` rows); compiled at first use by NVRTC
+(``torch.cuda._compile_kernel``), CUDA only.
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ VARIANTS["mixtral_bias1e-2_aux1e-1_embed1.0"] = (  # configs/gpu*_mixtral.yaml's
     ["model.moe_router_bias_update_rate=1e-2", "model.moe_aux_loss_coeff=1e-1", "model.embedding_init_std=1.0"], 1.0)
 VARIANTS["mixtral_bias1e-2_aux1e-1_embed1.0" + CENTERED] = VARIANTS["mixtral_bias1e-2_aux1e-1_embed1.0"]
 # The fine examples' routing with the learning rate decayed over 100 steps after a 10-step warm-up (the 4-GPU
-# example's schedule) for a run of more steps: the 2-GPU example's dips follow its optimizer steps (README)
+# example's schedule) for a run of more steps: the 2-GPU example's dips follow its optimizer steps
+# (benchmarks/RESULTS.md, "Quick start on GPUs")
 VARIANTS["softmax_aux1e-1_embed1.0_decay100"] = (
     [*VARIANTS["softmax_aux1e-1_embed1.0"][0], "train.lr_decay_steps=100", "train.lr_warmup_steps=10"], 1.0)
 # A variant named mixtral_* starts from configs/gpu2_mixtral.yaml with these on top of PROBE_MODEL.

@@ -47,7 +47,8 @@
              (both operands quantized along the tokens inside the timing, the default kernel), and the quantize
              passes alone (64 and 128 columns a program); errors against fp32 normwise; ``--rows``: at those rows
              per expert; ``--segments N``: each call sums N micro-batches' shares (the calls of
-             train.expert_wgrad_micro_batches=N, which a one-segment sweep mistimed: README, section "FP8")
+             train.expert_wgrad_micro_batches=N, which a one-segment sweep mistimed: benchmarks/RESULTS.md,
+             section "FP8")
 
     python benchmarks/step_kernels.py --json benchmarks/results/step_kernels_h200.json
 """

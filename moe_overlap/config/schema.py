@@ -55,8 +55,8 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     # The token embedding's init std (1.0 in the fine GPU examples: a token's own vector then outweighs the context
-    # average that near-uniform attention adds at init, README "Quick start on GPUs"); None: init_method_std, as
-    # every other weight. A tied table is also the output layer's weight: its logits grow with it.
+    # average that near-uniform attention adds at init, benchmarks/RESULTS.md, "Quick start on GPUs"); None:
+    # init_method_std, as every other weight. A tied table is also the output layer's weight: its logits grow with it.
     embedding_init_std: Optional[float] = None
     share_embeddings_and_output_weights: bool = False
     kv_channels: Optional[int] = None  # channels per attention head; None: hidden_size / num_attention_heads
@@ -199,8 +199,8 @@ class OverlapConfig:
     # factor x the balanced share), so its buffers, symmetric regions and stashed activations do not grow with EP.
     # A step in which rows overflow the bound on any rank is skipped on the device and run again planned on the host:
     # training stays dropless. >= 1.0; null (the default): the worst case (EP x T x K rows), never exceeded: on
-    # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (README). Host planning is exact and
-    # needs no bound (with auto planning there, it has no effect).
+    # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (benchmarks/RESULTS.md). Host
+    # planning is exact and needs no bound (with auto planning there, it has no effect).
     moe_expert_rank_capacity_factor: Optional[float] = None
     # The device-planned exchange's backward stash in pages (layers/paged_stash.py): each chunk's tensors the backward
     # needs (its rows and their fc1 output) are copied after its GEMMs into one pool per rank, as many pages as the
@@ -208,8 +208,9 @@ class OverlapConfig:
     # bound, and a layer's excess takes the pages another left. The pool holds factor x the balanced rows (T x K)
     # of every MoE layer call in flight; a chunk that does not fit counts its rows as overflow rows (the step runs
     # again planned on the host, as past the receive bound). >= 1.0; null (the default): each call keeps its bounded
-    # tensors (no copies). Measured at EP=2 on 2xH200 (README, "The paged stash"): 87.5 -> 50.1 GiB with 4 chunks
-    # eagerly, no re-runs where per-chunk bounds re-ran every step, but 9-10% slower on the default graphed path.
+    # tensors (no copies). Measured at EP=2 on 2xH200 (benchmarks/RESULTS.md, "The paged stash"): 87.5 -> 50.1 GiB
+    # with 4 chunks eagerly, no re-runs where per-chunk bounds re-ran every step, but 9-10% slower on the default
+    # graphed path.
     moe_paged_stash_factor: Optional[float] = None
     # Each token crosses to an EP rank once per chunk (as DeepEP): dispatch sends its hidden state once to each
     # (chunk, rank) holding any of its k experts, with their grouped rows and probs beside it; the receiver expands it
