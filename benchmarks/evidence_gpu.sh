@@ -2092,6 +2092,24 @@ PY
       pack
     done
     ;;
+  routing1)  # issue 41 on ONE GPU: the fine 2-GPU example's own math at EP=1 (the same global batch, 16 micro-batches of
+    # 2; every layout is the single-process run's, tests/test_master.py), steps 1-STEPS of its 200-step schedule, as
+    # shipped, then with the auxiliary and z losses' gradients kept off the hidden states
+    # (model.moe_router_loss_detach_input): are the 8-9-step swings of one expert's load, in every fine run committed,
+    # driven by the rest of the model learning to balance? (carry data/stdlib: stdlib.bin, stdlib.json, manifest.json)
+    for variant in shipped detach; do
+      name=examples_gpu2_fine_ep1_${variant}_1x$gpu
+      extra=$([ $variant = detach ] && echo model.moe_router_loss_detach_input=true)
+      timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu2_fine.yaml --nproc 1 \
+        parallel.expert_model_parallel_size=1 train.max_steps=${STEPS:-100} train.lr_decay_steps=200 $extra \
+        train.output_dir="$out/$name" > "$out/$name.log" 2>&1
+      tail -n 2 "$out/$name.log"
+      python benchmarks/plot_loss.py "$out/$name" --labels $variant --png $res/$name.png --json $res/$name.json \
+        --machine "1x ${gpu^^}" | tail -n 4
+      gzip -c "$out/$name/metrics.jsonl" > $res/${name}_metrics.jsonl.gz
+      pack
+    done
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac

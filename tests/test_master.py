@@ -146,6 +146,8 @@ ROUTER_VARIANTS = {
     "global_aux_loss": {"model.moe_router_load_balancing_type": "global_aux_loss"},
     "pre_softmax": {"model.moe_router_pre_softmax": "true"},
     "capacity": {"model.moe_expert_capacity_factor": 1.0},  # per micro-batch: the same drops on every layout
+    # the losses' logits of detached tokens (a strong aux loss, so that what its gradient reaches matters)
+    "loss_detach_input": {"model.moe_router_loss_detach_input": "true", "model.moe_aux_loss_coeff": 0.1},
 }
 
 

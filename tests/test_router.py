@@ -461,6 +461,41 @@ def test_gradients_flow_to_router_weights(variant):
     assert weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("variant", ["softmax_aux", "pre_softmax_seq_aux", "global_aux"])
+def test_loss_detach_input_moves_the_router_weight_alone(variant):
+    """model.moe_router_loss_detach_input: the same routing, losses and router-weight gradient; the tokens get the
+    routing weights' gradient only, none from the auxiliary and z losses."""
+    def grads(detach: bool, with_losses: bool):
+        router = make_router(**GRAD_VARIANTS[variant], loss_detach_input=detach)
+        if router.previous_step_load is not None:
+            router.update_load(torch.arange(E))
+        x = tokens(2 * SEQ).requires_grad_(True)
+        routing = router(x)
+        probs_weights = torch.linspace(0.5, 1.5, routing.probs_TK.numel()).view_as(routing.probs_TK)
+        loss = (routing.probs_TK * probs_weights).sum()
+        if with_losses:
+            loss = loss + 10 * routing.aux_loss + 10 * routing.z_loss
+        loss.backward()
+        return routing, x.grad, router.weight.grad
+
+    plain, plain_x, plain_w = grads(False, True)
+    detached, detached_x, detached_w = grads(True, True)
+    _, probs_only_x, _ = grads(False, False)
+    assert torch.equal(plain.experts_TK, detached.experts_TK) and torch.equal(plain.probs_TK, detached.probs_TK)
+    assert torch.equal(plain.aux_loss, detached.aux_loss) and torch.equal(plain.z_loss, detached.z_loss)
+    torch.testing.assert_close(detached_w, plain_w, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(detached_x, probs_only_x, rtol=1e-6, atol=1e-7)
+    assert (plain_x - probs_only_x).abs().max() > 1e-3  # the losses do reach the tokens by default
+
+
+def test_loss_detach_input_matches_single_process_under_sequence_parallelism(rank_pool, tmp_path):
+    """TP=2 with sequence parallelism: the losses' logits are gathered as the routing's (layers/sp_router.py)."""
+    both = {"model.moe_router_loss_detach_input": "true", "model.moe_aux_loss_coeff": 0.1,
+            "model.num_query_groups": 4, "train.adam_eps": 1e-4}
+    worst = rank_pool(2).run(equivalence_case, 2, 2, str(tmp_path), router=both, layout=tp_layout(2))
+    assert all(max(w.values()) < TOL for w in worst)
+
+
 # ----------------------------------------------------------------------------------------- capacity
 
 
@@ -602,6 +637,8 @@ BAD_ROUTER = [
     (["model.moe_router_enable_expert_bias=true"], "model.moe_router_enable_expert_bias", "'sigmoid'"),
     (["model.moe_router_bias_update_rate=0"], "model.moe_router_bias_update_rate", "must be > 0"),
     (["model.moe_router_lr_scale=0"], "model.moe_router_lr_scale", "must be a finite number > 0"),
+    (["model.moe_router_loss_detach_input=true", "model.moe_aux_loss_coeff=0", "model.moe_z_loss_coeff=0"],
+     "model.moe_router_loss_detach_input", "needs model.moe_aux_loss_coeff or model.moe_z_loss_coeff > 0"),
     (["model.moe_router_lr_scale=-0.5"], "model.moe_router_lr_scale", "must be a finite number > 0"),
     (["model.num_moe_experts=null", "model.moe_router_lr_scale=0.1"], "model.moe_router_lr_scale",
      "has no effect on a dense model"),

@@ -235,6 +235,9 @@ def _validate_moe(m: ModelConfig) -> None:
                  m.moe_ffn_hidden_size, "must be a positive multiple of 8")
     require(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be >= 0")
     require(m.moe_z_loss_coeff >= 0, "model.moe_z_loss_coeff", m.moe_z_loss_coeff, "must be >= 0")
+    if m.moe_router_loss_detach_input:
+        require(m.moe_aux_loss_coeff > 0 or m.moe_z_loss_coeff > 0, "model.moe_router_loss_detach_input", True,
+                "needs model.moe_aux_loss_coeff or model.moe_z_loss_coeff > 0 (it changes what their gradients reach)")
     if m.moe_router_load_balancing_type == "none":
         require(m.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff,
                  "must be 0 when model.moe_router_load_balancing_type is 'none'")

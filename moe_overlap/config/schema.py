@@ -87,6 +87,9 @@ class ModelConfig:
     moe_router_force_load_balancing: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
+    # The auxiliary and z losses see the router's logits of detached tokens: their gradients move the routers'
+    # weights only, not the hidden states before them (the rest of the model does not learn to balance experts)
+    moe_router_loss_detach_input: bool = False
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless
     moe_token_drop_policy: Literal["probs", "position"] = "probs"
     moe_pad_expert_input_to_capacity: bool = False

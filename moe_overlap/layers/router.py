@@ -113,7 +113,7 @@ class Bf16Logits(torch.autograd.Function):
         x_TH, w_EH = ctx.saved_tensors
         E = w_EH.shape[0]
         grad_T3E = bf16_parts(grad_TE.float())
-        grad_x = mm_fp32(grad_T3E, w_EH.repeat(3, 1)).to(x_TH.dtype)
+        grad_x = mm_fp32(grad_T3E, w_EH.repeat(3, 1)).to(x_TH.dtype) if ctx.needs_input_grad[0] else None
         grad_w = mm_fp32(grad_T3E.t(), x_TH).view(3, E, -1).sum(0).to(w_EH.dtype)
         return grad_x, grad_w
 
@@ -124,7 +124,8 @@ class Router(nn.Module):
                  score_function: str = "softmax", num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                  enable_expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  capacity_factor: Optional[float] = None, drop_policy: str = "probs",
-                 seq_length: Optional[int] = None, force_load_balancing: bool = False, lr_scale: float = 1.0):
+                 seq_length: Optional[int] = None, force_load_balancing: bool = False, lr_scale: float = 1.0,
+                 loss_detach_input: bool = False):
         super().__init__()
         self.num_experts, self.topk, self.pre_softmax = num_experts, topk, pre_softmax
         self.force_load_balancing = force_load_balancing
@@ -133,6 +134,7 @@ class Router(nn.Module):
         self.load_balancing_type, self.seq_length = load_balancing_type, seq_length
         self.aux_loss_coeff = aux_loss_coeff if load_balancing_type != "none" else 0.0
         self.z_loss_coeff = z_loss_coeff
+        self.loss_detach_input = loss_detach_input  # the losses' logits from detached tokens: see loss_logits
         self.weight = make_param((num_experts, hidden_size), NORMAL, device, dtype)
         param_info(self.weight).lr_scale = lr_scale  # the optimizers read it
         # Buffers, not parameters: the optimizer never sees them; the trainer checkpoints them by logical name.
@@ -152,11 +154,18 @@ class Router(nn.Module):
                    group_topk=cfg.moe_router_group_topk, enable_expert_bias=cfg.moe_router_enable_expert_bias,
                    bias_update_rate=cfg.moe_router_bias_update_rate, capacity_factor=cfg.moe_expert_capacity_factor,
                    drop_policy=cfg.moe_token_drop_policy, seq_length=cfg.seq_length,
-                   force_load_balancing=cfg.moe_router_force_load_balancing, lr_scale=cfg.moe_router_lr_scale)
+                   force_load_balancing=cfg.moe_router_force_load_balancing, lr_scale=cfg.moe_router_lr_scale,
+                   loss_detach_input=cfg.moe_router_loss_detach_input)
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
         """Route the tokens of one micro-batch; ``x_TH`` is (batch, seq) flattened sequence-major."""
-        return self.route(self.logits(x_TH))
+        return self.route(self.logits(x_TH), self.loss_logits(x_TH))
+
+    def loss_logits(self, x_TH: torch.Tensor) -> torch.Tensor | None:
+        """model.moe_router_loss_detach_input: the logits the auxiliary and z losses see, of the tokens detached, so
+        that their gradients reach this router's weight only (the same values as :meth:`logits`: a second GEMM of
+        the tokens by the experts' few rows); else None (the losses see the routing's own logits)."""
+        return self.logits(x_TH.detach()) if self.loss_detach_input else None
 
     def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         if x_TH.dtype == self.weight.dtype == torch.bfloat16:
@@ -164,9 +173,10 @@ class Router(nn.Module):
         compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
         return F.linear(x_TH.to(compute_dtype), self.weight.to(compute_dtype))
 
-    def route(self, logits_TE: torch.Tensor) -> Routing:
+    def route(self, logits_TE: torch.Tensor, loss_logits_TE: torch.Tensor | None = None) -> Routing:
         """Routing from the logits of one micro-batch's tokens (a separate step so that, under sequence
-        parallelism, the logits of the whole micro-batch can be gathered first: layers/sp_router.py)."""
+        parallelism, the logits of the whole micro-batch can be gathered first: layers/sp_router.py); the auxiliary
+        and z losses from ``loss_logits_TE`` where given (:meth:`loss_logits`)."""
         probs_TK, experts_TK, copies_E = self._choose(logits_TE)
         keep_TK = capacity = None
         if self.capacity_factor is not None:
@@ -178,10 +188,12 @@ class Router(nn.Module):
         else:
             tokens_per_expert_E = count_copies(experts_TK, keep_TK, self.num_experts)
         zero = logits_TE.new_zeros(())
-        aux_loss = (self._aux_loss(logits_TE, experts_TK if self.force_load_balancing else None)
+        if loss_logits_TE is None:
+            loss_logits_TE = logits_TE
+        aux_loss = (self._aux_loss(loss_logits_TE, experts_TK if self.force_load_balancing else None)
                     if self.aux_loss_coeff > 0 else zero)
-        z_loss = (self.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean() if self.z_loss_coeff > 0
-                  else zero)
+        z_loss = (self.z_loss_coeff * torch.logsumexp(loss_logits_TE, dim=-1).square().mean()
+                  if self.z_loss_coeff > 0 else zero)
         return Routing(probs_TK, experts_TK, tokens_per_expert_E, aux_loss, z_loss, keep_TK, capacity)
 
     @torch.no_grad()

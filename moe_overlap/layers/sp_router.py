@@ -42,8 +42,14 @@ class SequenceParallelRouter(Router):
             raise ValueError(f"sequence-parallel routing: {x_TH.shape[0]} rows are not whole sequence blocks of "
                              f"seq_length / (TP x CP) = {block}")
         batch = x_TH.shape[0] // block
-        local_logits = batch_major(GatherReplicated.apply(self.logits(x_TH), self.comm), batch, self.comm)
-        full = self.route(GatherSequence.apply(local_logits, batch, self.cp))
+
+        def whole(local_logits: torch.Tensor | None) -> torch.Tensor | None:  # the micro-batch's, in token order
+            if local_logits is None:
+                return None
+            gathered = batch_major(GatherReplicated.apply(local_logits, self.comm), batch, self.comm)
+            return GatherSequence.apply(gathered, batch, self.cp)
+
+        full = self.route(whole(self.logits(x_TH)), whole(self.loss_logits(x_TH)))
         mine = {name: None if value is None else local_of_batch_major(local_rows(value, batch, self.cp), batch,
                                                                       self.comm)
                 for name, value in (("probs_TK", full.probs_TK), ("experts_TK", full.experts_TK),
