@@ -2093,17 +2093,19 @@ PY
     done
     ;;
   routing1)  # issue 41 on ONE GPU: the fine 2-GPU example's own math at EP=1 (the same global batch, 16 micro-batches of
-    # 2; every layout is the single-process run's, tests/test_master.py), steps 1-STEPS of its 200-step schedule, as
-    # shipped (ROUTING_STEPS: 100), then with the auxiliary and z losses' gradients kept off the hidden states
-    # (model.moe_router_loss_detach_input): are the 8-9-step swings of one expert's load, in every fine run committed,
-    # driven by the rest of the model learning to balance? On the corpus's first 5M tokens (carry data/stdlib_head,
-    # as streams_example: the whole corpus and the tree pass a device call's 64 MiB)
-    for variant in shipped detach; do
+    # 2; every layout is the single-process run's, tests/test_master.py), steps 1-ROUTING_STEPS (100) of its 200-step
+    # schedule, one run per ROUTING_VARIANTS entry ("name:overrides;..."; default: as shipped, then with the auxiliary
+    # and z losses' gradients kept off the hidden states, model.moe_router_loss_detach_input): are the 8-9-step
+    # swings of one expert's load, in every fine run committed, driven by the rest of the model learning to balance?
+    # On the corpus's first 5M tokens (carry data/stdlib_head, as streams_example: the whole corpus and the tree pass
+    # a device call's 64 MiB)
+    IFS=';' read -ra variants <<< "${ROUTING_VARIANTS:-shipped:;detach:model.moe_router_loss_detach_input=true}"
+    for entry in "${variants[@]}"; do
+      variant=${entry%%:*}
       name=examples_gpu2_fine_ep1_${variant}_1x$gpu
-      extra=$([ $variant = detach ] && echo model.moe_router_loss_detach_input=true)
       timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu2_fine.yaml --nproc 1 \
-        parallel.expert_model_parallel_size=1 data.path=data/stdlib_head/stdlib.bin train.max_steps=${ROUTING_STEPS:-100} \
-        train.lr_decay_steps=200 $extra \
+        parallel.expert_model_parallel_size=1 data.path=data/stdlib_head/stdlib.bin \
+        train.max_steps=${ROUTING_STEPS:-100} train.lr_decay_steps=200 ${entry#*:} \
         train.output_dir="$out/$name" > "$out/$name.log" 2>&1
       tail -n 2 "$out/$name.log"
       python benchmarks/plot_loss.py "$out/$name" --labels $variant --png $res/$name.png --json $res/$name.json \
