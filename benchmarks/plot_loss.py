@@ -10,8 +10,9 @@ it at 1 for the check to see every step) or the metrics file itself. Per run it 
 and validation loss at the last step, the medians of tokens/s, per-GPU TFLOP/s and MFU over the steps after
 ``--skip`` (start-up and CUDA-graph capture), the highest peak memory, the most dead experts in a step (experts
 that received no token, summed over the MoE layers) and the balance check: over the steps from ``--from-step`` on,
-the lowest load of any expert in any MoE layer as a share of that layer's mean, and where it was. Exit status 1 if
-a run fails the check (or has no MoE load to check), else 0.
+the lowest load of any expert in any MoE layer as a share of that layer's mean, and where it was; and how the loads
+swing over those steps (:func:`load_swing`: the autocorrelation of each expert's log share, whose first trough is
+about half the swing's period). Exit status 1 if a run fails the check (or has no MoE load to check), else 0.
 
 The PNG (matplotlib: `pip install -e '.[plot]'`; without it the PNG is skipped with a message and the rest stands):
 the loss (and validation loss) per step of every run, and below it each step's lowest expert share of the mean.
@@ -25,6 +26,7 @@ import datetime
 import gzip
 import importlib.util
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -89,6 +91,33 @@ def below_by_layer(records: list[dict], min_share: float) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
+def load_swing(records: list[dict], from_step: int, max_lag: int = 12) -> dict | None:
+    """How each expert's load swings from step to step, from ``from_step`` on: the autocorrelation, lag by lag, of the
+    log of its share of its layer's mean load (shares under 2% taken as 2%), pooled over every expert of every MoE
+    layer; its first trough (a negative minimum: about half the swing's period) and the log shares' spread. None
+    with fewer than 2 x ``max_lag`` steps of loads."""
+    series: dict[tuple[str, int], list[float]] = {}
+    steps = [record for record in records if record["step"] >= from_step and record.get("tokens_per_expert")]
+    if len(steps) < 2 * max_lag:
+        return None
+    for record in steps:
+        for layer, loads in record["tokens_per_expert"].items():
+            mean = sum(loads) / len(loads)
+            for expert, load in enumerate(loads):
+                series.setdefault((layer, expert), []).append(math.log(max(load / mean, 0.02)) if mean > 0 else 0.0)
+    centred = [[value - statistics.fmean(values) for value in values] for values in series.values()]
+    energy = sum(value * value for values in centred for value in values)
+    if energy == 0:
+        return None
+    correlation = [sum(values[i] * values[i + lag] for values in centred for i in range(len(values) - lag)) / energy
+                   for lag in range(max_lag + 1)]
+    trough = next((lag for lag in range(1, max_lag) if correlation[lag] < 0
+                   and correlation[lag] <= min(correlation[lag - 1], correlation[lag + 1])), None)
+    return {"from_step": from_step, "autocorrelation": [round(value, 3) for value in correlation],
+            "trough_lag": trough, "trough": None if trough is None else round(correlation[trough], 3),
+            "log_share_std": math.sqrt(energy / sum(len(values) for values in centred))}
+
+
 def most(records: list[dict], key: str) -> float | None:
     return max((record[key] for record in records if key in record), default=None)
 
@@ -130,6 +159,7 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
         "max_dead_experts": max((record.get("moe_dead_experts", 0) for record in records), default=0),
         "balance_from_step": from_step, "balance_min_share": min_share, "balance_steps_checked": len(checked),
         "below_by_layer": below_by_layer(records, min_share),
+        "load_swing": load_swing(records, from_step),
     }
     if checked:
         step, (share, layer, expert) = min(checked, key=lambda item: item[1][0])
@@ -175,7 +205,18 @@ def report(label: str, summary: dict) -> str:
         f"{number(summary['median_ep_imbalance_micro_batch'], '.2f')} per micro-batch (mean over layers, median over "
         f"steps; the worst micro-batch of the run {number(summary['max_ep_imbalance_micro_batch'], '.2f')})",
         f"  {balance_line(summary)}",
+        f"  {swing_line(summary['load_swing'])}",
     ])
+
+
+def swing_line(swing: dict | None) -> str:
+    if swing is None:
+        return "expert loads' swing: not measured (too few steps of loads)"
+    where = ("no trough" if swing["trough_lag"] is None else
+             f"autocorrelation {swing['trough']:+.2f} at lag {swing['trough_lag']} (a swing of about "
+             f"{2 * swing['trough_lag']} steps)")
+    return (f"expert loads' swing from step {swing['from_step']}: {where}; log share std "
+            f"{swing['log_share_std']:.2f}")
 
 
 def plot(runs: list[tuple[str, list[dict]]], path: str, from_step: int, min_share: float) -> None:
