@@ -2098,13 +2098,14 @@ PY
     # and z losses' gradients kept off the hidden states, model.moe_router_loss_detach_input): are the 8-9-step
     # swings of one expert's load, in every fine run committed, driven by the rest of the model learning to balance?
     # On the corpus's first 5M tokens (carry data/stdlib_head, as streams_example: the whole corpus and the tree pass
-    # a device call's 64 MiB)
+    # a device call's 64 MiB), or ROUTING_DATA (a longer head: `head -c BYTES data/stdlib/stdlib.bin`, its .json's
+    # tokens set to BYTES / 2). 200 steps take about 400 s: one variant a call
     IFS=';' read -ra variants <<< "${ROUTING_VARIANTS:-shipped:;detach:model.moe_router_loss_detach_input=true}"
     for entry in "${variants[@]}"; do
       variant=${entry%%:*}
       name=examples_gpu2_fine_ep1_${variant}_1x$gpu
       timeout -k 10 "$(left)" python -m moe_overlap train configs/gpu2_fine.yaml --nproc 1 \
-        parallel.expert_model_parallel_size=1 data.path=data/stdlib_head/stdlib.bin \
+        parallel.expert_model_parallel_size=1 data.path=${ROUTING_DATA:-data/stdlib_head/stdlib.bin} \
         train.max_steps=${ROUTING_STEPS:-100} train.lr_decay_steps=200 ${entry#*:} \
         train.output_dir="$out/$name" > "$out/$name.log" 2>&1
       tail -n 2 "$out/$name.log"
