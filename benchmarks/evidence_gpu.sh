@@ -133,6 +133,8 @@
 #   bash benchmarks/evidence_gpu.sh pp_graph_more4 OUT # the same with the distributed optimizer, and Mixtral-like
 #   bash benchmarks/evidence_gpu.sh pp2      OUT   # pp_schedule.py at PP=2 on NVLink; every rank's Python stacks
 #                                                  #   dumped to its log if it is still running after 240 s
+#   bash benchmarks/evidence_gpu.sh routing1 OUT   # one GPU: the fine 2-GPU example's own math, ROUTING_VARIANTS
+#                                                  #   (ROUTING_STEPS, ROUTING_DATA; carry data/stdlib_xz)
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
 # runs with NVLink multicast off. Rows of one train_step launch compare with each other (the same machine, one
 # after another); the ep1 row runs the config on rank 0's GPU first.
