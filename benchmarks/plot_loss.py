@@ -91,6 +91,13 @@ def below_by_layer(records: list[dict], min_share: float) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
+def last_starved_step(records: list[dict], share: float = 0.01) -> int | None:
+    """The last step at which some expert received under ``share`` of its layer's mean load, from the first step: when
+    an early routing collapse ended (None if no expert ever starved)."""
+    starved = [record["step"] for record in records if (lowest := lowest_share(record)) and lowest[0] < share]
+    return max(starved, default=None)
+
+
 def load_swing(records: list[dict], from_step: int, max_lag: int = 12) -> dict | None:
     """How each expert's load swings from step to step, from ``from_step`` on: the autocorrelation, lag by lag, of the
     log of its share of its layer's mean load (shares under 2% taken as 2%), pooled over every expert of every MoE
@@ -157,6 +164,7 @@ def summarize(records: list[dict], from_step: int, min_share: float, skip: int) 
         "peak_memory_gib": most(records, "peak_memory_gib"),
         "reserved_memory_gib": most(records, "reserved_memory_gib"),  # graph pools and the allocator's cache too
         "max_dead_experts": max((record.get("moe_dead_experts", 0) for record in records), default=0),
+        "last_starved_step": last_starved_step(records),
         "balance_from_step": from_step, "balance_min_share": min_share, "balance_steps_checked": len(checked),
         "below_by_layer": below_by_layer(records, min_share),
         "load_swing": load_swing(records, from_step),
@@ -198,7 +206,8 @@ def report(label: str, summary: dict) -> str:
         f"({number(summary['median_tflops_per_gpu'], '.0f')} TFLOP/s per GPU; medians after step "
         f"{summary['medians_after_step']}), peak memory {number(summary['peak_memory_gib'], '.1f')} GiB (reserved "
         f"{number(summary['reserved_memory_gib'], '.1f')}), at most "
-        f"{summary['max_dead_experts']} dead experts in a step",
+        f"{summary['max_dead_experts']} dead experts in a step; the last step with an expert under 1% of its "
+        f"layer's mean: {number(summary['last_starved_step'], 'd')}",
         f"  step {number(summary['median_step_time_s'], '.3f')} s, exposed EP "
         f"{number(summary['median_exposed_ep_ms'], '.0f')} ms; EP imbalance "
         f"{number(summary['median_ep_imbalance'], '.2f')} pooled over a step, "

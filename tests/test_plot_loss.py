@@ -35,7 +35,7 @@ def test_a_balanced_run_passes_and_reports_the_table_numbers(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "60 steps logged, loss 4.000 after step 60 (val 9.000 at step 50)" in text
     assert "tokens/s 1,010, MFU 0.400 (300 TFLOP/s per GPU; medians after step 5), peak memory 51.0 GiB" in text
-    assert "at most 1 dead experts in a step" in text
+    assert "at most 1 dead experts in a step; the last step with an expert under 1% of its layer's mean: 10" in text
     assert ("step 0.500 s, exposed EP 133 ms; EP imbalance 1.05 pooled over a step, 1.30 per micro-batch (mean over "
             "layers, median over steps; the worst micro-batch of the run 3.00)" in text)
     assert "no expert below 25% of mean load from step 50 on: PASS (11 steps;" in text
@@ -52,6 +52,8 @@ def test_an_expert_below_the_share_after_step_50_fails_naming_where(tmp_path, ca
             "layer 2 expert 3 at step 55)" in text)
     # where the dips sit, from the first step: step 10's (before the check) and 55's and 57's, all in layer 2
     assert json.loads(out.read_text())["runs"]["bias"]["below_by_layer"] == {"2": 3}
+    # the early collapse's end: step 10 starved the expert (0%); 55's 10% is a dip, not starvation
+    assert json.loads(out.read_text())["runs"]["bias"]["last_starved_step"] == 10
     assert main([str(tmp_path / "run"), "--min-share", "0.05"]) == 0  # the share is a parameter
 
 
@@ -69,6 +71,8 @@ def test_a_gzipped_metrics_file_reads_as_the_plain_one(tmp_path, capsys):
 def test_the_png_or_a_clear_message_without_matplotlib(tmp_path, capsys):
     write_run(tmp_path / "a", {})
     write_run(tmp_path / "b", {})
+    assert main([str(tmp_path / "a")]) == 0
+    assert "the last step with an expert under 1% of its layer's mean: -" in capsys.readouterr().out
     png = tmp_path / "loss.png"
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--labels", "a,b", "--png", str(png)]) == 0
     text = capsys.readouterr().out
