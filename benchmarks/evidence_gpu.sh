@@ -149,13 +149,14 @@ start=${CALL_START:-$(date +%s)}  # when the device call began (phases chained i
 before=$(mktemp)  # the results' checksums before the phase (the copy to this machine gives every file a new mtime)
 md5sum $res/* > "$before"
 
-# The whole corpus travels to a device host xz-compressed (4.3 MB; raw, it and the tree pass a call's 64 MiB): carry
-# data/stdlib_xz, made here by `mkdir -p data/stdlib_xz && xz -k -c data/stdlib/stdlib.bin > data/stdlib_xz/stdlib.bin.xz
-# && cp data/stdlib/{stdlib.json,manifest.json} data/stdlib_xz/`; unpacked to data/stdlib, its checksum checked, and
-# its first 10 MB (5M tokens) written to data/stdlib_head where no head was carried.
+# The whole corpus travels to a device host xz-compressed (4.3 MB; raw, it and the tree pass a call's 64 MiB):
+# carry data/stdlib_xz, made here by `mkdir -p data/stdlib_xz && xz -k -c data/stdlib/stdlib.bin >
+# data/stdlib_xz/stdlib.bin.xz && cp data/stdlib/{stdlib.json,manifest.json} data/stdlib_xz/`; unpacked to
+# data/stdlib, its checksum checked, and its first 10 MB (5M tokens) written to data/stdlib_head where no head was
+# carried.
 if [ -f data/stdlib_xz/stdlib.bin.xz ] && [ ! -f data/stdlib/stdlib.bin ]; then
   mkdir -p data/stdlib && cp data/stdlib_xz/{stdlib.json,manifest.json} data/stdlib/
-  python - <<'PY' || { rm -f data/stdlib/stdlib.bin; echo "data/stdlib_xz: unpacked corpus fails its checksum" >&2; exit 2; }
+  python - <<'PY' || { rm -f data/stdlib/stdlib.bin; echo "data/stdlib_xz: the corpus fails its checksum" >&2; exit 2; }
 import hashlib, json, lzma, pathlib
 raw = lzma.decompress(pathlib.Path("data/stdlib_xz/stdlib.bin.xz").read_bytes())
 pathlib.Path("data/stdlib/stdlib.bin").write_bytes(raw)
