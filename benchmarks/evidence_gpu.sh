@@ -2137,6 +2137,43 @@ PY
       pack
     done
     ;;
+  rowmem1)  # one GPU: what outlives a train_step.py row (the fine model's peak rose 0.07 GiB a row in fp8_pairs1):
+    # the fine bench model three times in one process, 1 + 2 steps each, the memory left allocated after each row's
+    # release and the live blocks' Python stacks; then the GPU suite on GPU 0 (the current tree)
+    log=$res/train_step_row_memory_1x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); 1x ${gpu^^}; evidence_gpu.sh rowmem1 (benchmarks/train_step.run_row three times)" > "$log"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python - >> "$log" 2>&1 <<'PY'
+import collections
+from pathlib import Path
+
+import torch
+
+from benchmarks import train_step as ts
+
+torch.cuda.memory._record_memory_history(stacks="python", max_entries=500000)
+args = ts.parse_args(["configs/bench_fine_8l.yaml", "--warmup", "1", "--steps", "2", "--profile-steps", "0"])
+for i in range(3):
+    row = ts.run_row(f"row{i}", [], args, Path("/tmp/rowmem"))
+    print(f"row {i}: peak {row['peak_memory_gib']:.3f} GiB (left allocated at its start {row['left_allocated_gib']:.4f}); "
+          f"after its release: allocated {torch.cuda.memory_allocated() / 2**30:.4f} GiB, "
+          f"reserved {torch.cuda.memory_reserved() / 2**30:.4f}", flush=True)
+live = collections.Counter()
+for segment in torch.cuda.memory._snapshot()["segments"]:
+    for block in segment["blocks"]:
+        if block["state"] == "active_allocated":
+            frames = [f for f in block.get("frames") or [] if f["filename"].endswith(".py")]
+            key = " <- ".join(f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in frames[:8])
+            live[key or "(no Python frame)"] += block["size"]
+for key, size in live.most_common(12):
+    print(f"{size / 2**20:9.1f} MiB live: {key}")
+clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+if clear is not None:
+    clear()
+    print(f"after clearing cuBLAS's workspaces: allocated {torch.cuda.memory_allocated() / 2**30:.4f} GiB")
+PY
+    tail -n 20 "$log"
+    suite 1x 0 "$(( $(left) - 10 ))"
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac
