@@ -135,6 +135,7 @@
 #                                                  #   dumped to its log if it is still running after 240 s
 #   bash benchmarks/evidence_gpu.sh routing1 OUT   # one GPU: the fine 2-GPU example's own math, ROUTING_VARIANTS
 #                                                  #   (ROUTING_STEPS, ROUTING_DATA; carry data/stdlib_xz)
+#   bash benchmarks/evidence_gpu.sh rowmem1 OUT    # one GPU: what a train_step.py row leaves allocated, then suite1
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
 # runs with NVLink multicast off. Rows of one train_step launch compare with each other (the same machine, one
 # after another); the ep1 row runs the config on rank 0's GPU first.
