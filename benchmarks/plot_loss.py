@@ -101,8 +101,8 @@ def last_starved_step(records: list[dict], share: float = 0.01) -> int | None:
 def load_swing(records: list[dict], from_step: int, max_lag: int = 12) -> dict | None:
     """How each expert's load swings from step to step, from ``from_step`` on: the autocorrelation, lag by lag, of the
     log of its share of its layer's mean load (shares under 2% taken as 2%), pooled over every expert of every MoE
-    layer; its first trough (a negative minimum: about half the swing's period) and the log shares' spread. None
-    with fewer than 2 x ``max_lag`` steps of loads."""
+    layer; its first trough (a negative minimum: about half the swing's period) and the log shares' spread (loads
+    that never move: no autocorrelation, a spread of 0). None with fewer than 2 x ``max_lag`` steps of loads."""
     series: dict[tuple[str, int], list[float]] = {}
     steps = [record for record in records if record["step"] >= from_step and record.get("tokens_per_expert")]
     if len(steps) < 2 * max_lag:
@@ -115,7 +115,8 @@ def load_swing(records: list[dict], from_step: int, max_lag: int = 12) -> dict |
     centred = [[value - statistics.fmean(values) for value in values] for values in series.values()]
     energy = sum(value * value for values in centred for value in values)
     if energy == 0:
-        return None
+        return {"from_step": from_step, "autocorrelation": None, "trough_lag": None, "trough": None,
+                "log_share_std": 0.0}
     correlation = [sum(values[i] * values[i + lag] for values in centred for i in range(len(values) - lag)) / energy
                    for lag in range(max_lag + 1)]
     trough = next((lag for lag in range(1, max_lag) if correlation[lag] < 0
@@ -221,7 +222,8 @@ def report(label: str, summary: dict) -> str:
 def swing_line(swing: dict | None) -> str:
     if swing is None:
         return "expert loads' swing: not measured (too few steps of loads)"
-    where = ("no trough" if swing["trough_lag"] is None else
+    where = ("the loads never moved" if swing["autocorrelation"] is None else
+             "no trough" if swing["trough_lag"] is None else
              f"autocorrelation {swing['trough']:+.2f} at lag {swing['trough_lag']} (a swing of about "
              f"{2 * swing['trough_lag']} steps)")
     return (f"expert loads' swing from step {swing['from_step']}: {where}; log share std "

@@ -85,10 +85,10 @@ def test_the_png_or_a_clear_message_without_matplotlib(tmp_path, capsys):
 
 def test_the_loads_swing_is_measured_by_its_autocorrelation(tmp_path, capsys):
     """An expert whose share swings with a period of 8 steps (and its partner the other way, so the layer's mean
-    holds) shows a trough at lag 4; steady loads show none; too few steps measure nothing."""
+    holds) shows a trough at lag 4; loads that never move are said to; too few steps measure nothing."""
     import math
 
-    from benchmarks.plot_loss import load_swing
+    from benchmarks.plot_loss import load_swing, swing_line
 
     def records(shares: list[float]) -> list[dict]:
         return [{"step": step, "tokens_per_expert": {"1": [round(100 * share), round(100 * (2 - share)), 100, 100]}}
@@ -97,7 +97,9 @@ def test_the_loads_swing_is_measured_by_its_autocorrelation(tmp_path, capsys):
     swinging = records([1 + 0.6 * math.sin(2 * math.pi * step / 8) for step in range(1, 101)])
     swing = load_swing(swinging, from_step=50)
     assert swing["trough_lag"] == 4 and swing["trough"] < -0.8 and swing["log_share_std"] > 0.2
-    assert load_swing(records([1.0] * 100), from_step=50) is None  # nothing moves: nothing to correlate
+    steady = load_swing(records([1.0] * 100), from_step=50)  # nothing moves: nothing to correlate
+    assert steady["autocorrelation"] is None and steady["log_share_std"] == 0.0
+    assert swing_line(steady) == "expert loads' swing from step 50: the loads never moved; log share std 0.00"
     assert load_swing(swinging[:60], from_step=50) is None
     write_run(tmp_path / "run", {})
     main([str(tmp_path / "run")])
