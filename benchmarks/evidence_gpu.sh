@@ -136,6 +136,7 @@
 #   bash benchmarks/evidence_gpu.sh routing1 OUT   # one GPU: the fine 2-GPU example's own math, ROUTING_VARIANTS
 #                                                  #   (ROUTING_STEPS, ROUTING_DATA; carry data/stdlib_xz)
 #   bash benchmarks/evidence_gpu.sh rowmem1 OUT    # one GPU: what a train_step.py row leaves allocated, then suite1
+#   bash benchmarks/evidence_gpu.sh rowmem2 OUT    # one GPU: the same rows after clearing cuBLAS's workspaces
 # Results land in benchmarks/results/ (named by GPU count and type) and, packed, in OUT/PHASE.tgz. Every command
 # runs with NVLink multicast off. Rows of one train_step launch compare with each other (the same machine, one
 # after another); the ep1 row runs the config on rank 0's GPU first.
@@ -2174,6 +2175,14 @@ if clear is not None:
 PY
     tail -n 20 "$log"
     suite 1x 0 "$(( $(left) - 10 ))"
+    ;;
+  rowmem2)  # one GPU: train_step.py's rows after the fix rowmem1 found (cuBLAS's workspaces cleared between rows): the
+    # fine bench model three times in one launch, each row's left_allocated_gib (0 expected) and peak memory
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 1 \
+      --steps 2 --profile-steps 0 --variant again: --variant third: \
+      --json $res/train_step_row_memory_cleared_fine_8l_1x$gpu.json 2>&1 | grep -v Warning | tail -n 8
+    python -c "import json, sys; [print(r['variant'], 'left', r['left_allocated_gib'], 'GiB; peak', round(r['peak_memory_gib'], 3), 'GiB; MFU', round(r['mfu'], 4)) for r in json.load(open(sys.argv[1]))['rows']]" \
+      $res/train_step_row_memory_cleared_fine_8l_1x$gpu.json
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
