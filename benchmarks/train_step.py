@@ -154,6 +154,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         parts = [None] * world
         dist.all_gather_object(parts, mine)
     resolved, losses = trainer.resolved_settings(), (history[0]["loss"], history[-1]["loss"])
+    # before the release: its GEMM's cuBLAS workspace goes with the row's
+    gemm_tflops = measured_gemm_tflops(device) if device.type == "cuda" and mesh.rank == 0 else None
     del trainer, history
     release_memory()
     if dist.is_initialized():  # the next row builds its own groups; this one's communicators go
@@ -172,7 +174,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "step_time_s": median_of(timed, "step_time_s"), "step_time_s_per_rank": [p["step_time_s"] for p in parts],
         "tflops_per_gpu": median_of(timed, "tflops_per_gpu"), "mfu": median_of(timed, "mfu"),
         "peak_tflops": cfg.train.peak_tflops,
-        "gemm_tflops_measured": measured_gemm_tflops(device) if device.type == "cuda" else None,
+        "gemm_tflops_measured": gemm_tflops,
         "peak_memory_gib": max(p["peak_memory_gib"] for p in parts),
         "peak_memory_gib_per_rank": [round(p["peak_memory_gib"], 3) for p in parts],
         # the allocator's reserved peak plus symmetric memory: graph pools and the allocator's cache included
