@@ -26,6 +26,9 @@
 #                                                  #   (graphed), 4 chunks' memory unbounded / 2.0 / 1.25 (eager)
 #   bash benchmarks/evidence_gpu.sh bound4   OUT   # the bounded exchange at EP=4: 2.0 / 1.5 / null on real text and
 #                                                  #   balanced (1 chunk, graphed); 4 chunks bounded beside serial
+#   bash benchmarks/evidence_gpu.sh gather1  OUT   # one GPU: train.fp8_gather_wgrad's GPU tests, kernels, the fine
+#                                                  #   model bf16 / gathering / not, alternated twice
+#   bash benchmarks/evidence_gpu.sh gather_sweep1 OUT # its weight-gradient kernel's tiles and scale side swept
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
 #   bash benchmarks/evidence_gpu.sh routing2x OUT  # the fine 2-GPU example with aux 0.2 beside a 100-step decay
@@ -2183,6 +2186,32 @@ PY
       --json $res/train_step_row_memory_cleared_fine_8l_1x$gpu.json 2>&1 | grep -v Warning | tail -n 8
     python -c "import json, sys; [print(r['variant'], 'left', r['left_allocated_gib'], 'GiB; peak', round(r['peak_memory_gib'], 3), 'GiB; MFU', round(r['mfu'], 4)) for r in json.load(open(sys.argv[1]))['rows']]" \
       $res/train_step_row_memory_cleared_fine_8l_1x$gpu.json
+    ;;
+  gather1)  # issue 39: train.fp8_gather_wgrad (at one EP rank the experts' rows written only in FP8, the bf16 weight
+    # gradients gathering the token rows): its GPU tests and those of the kernels it changed, the kernels timed
+    # (permute_fp8, gather_wgrad), then the fine model bf16 / rowwise (gathering: auto) / rowwise with it off,
+    # alternated twice in one launch (3 warm-up + 8 steps a row)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests gather tests/test_gpu_fp8.py tests/test_wgrad.py tests/test_kernels.py
+    pack
+    timeout -k 10 150 python benchmarks/step_kernels.py --sections permute_fp8,gather_wgrad --rounds 10 \
+      --json $res/step_kernels_gather_wgrad_1x$gpu.json 2>&1 | tail -n 6
+    pack
+    name=train_step_fp8_gather_fine_8l_1x$gpu
+    R=train.fp8_recipe=rowwise
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      --variant gather:$R --variant written:$R,train.fp8_gather_wgrad=false --variant bf16_b: \
+      --variant gather_b:$R --variant written_b:$R,train.fp8_gather_wgrad=false --warmup 3 --steps 8 \
+      --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
+  gather_sweep1)  # issue 39: gather1 had the gathering weight gradient 1.5-2x the written rows' (the index load
+    # takes two of the pipeline's five stages; fc2's scales round-trip b's tile through registers): the tile
+    # configs and the side the scales apply on, swept (step_kernels.py --sections gather_wgrad)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections gather_wgrad --rounds 10 \
+      --json $res/step_kernels_gather_sweep_1x$gpu.json 2>&1 | tail -n 6
+    pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
