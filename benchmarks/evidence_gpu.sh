@@ -26,9 +26,9 @@
 #                                                  #   (graphed), 4 chunks' memory unbounded / 2.0 / 1.25 (eager)
 #   bash benchmarks/evidence_gpu.sh bound4   OUT   # the bounded exchange at EP=4: 2.0 / 1.5 / null on real text and
 #                                                  #   balanced (1 chunk, graphed); 4 chunks bounded beside serial
-#   bash benchmarks/evidence_gpu.sh gather1  OUT   # one GPU: train.fp8_gather_wgrad's GPU tests, kernels, the fine
-#                                                  #   model bf16 / gathering / not, alternated twice
-#   bash benchmarks/evidence_gpu.sh gather_sweep1 OUT # its weight-gradient kernel's tiles and scale side swept
+#   bash benchmarks/evidence_gpu.sh gather1  OUT   # (at d31e7e5, reverted) one GPU: train.fp8_gather_wgrad's GPU
+#                                                  #   tests, kernels, the fine model bf16 / gathering / not
+#   bash benchmarks/evidence_gpu.sh gather_sweep1 OUT # (at d31e7e5) its weight-gradient kernel's tiles swept
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
 #   bash benchmarks/evidence_gpu.sh routing2x OUT  # the fine 2-GPU example with aux 0.2 beside a 100-step decay
@@ -2190,7 +2190,8 @@ PY
   gather1)  # issue 39: train.fp8_gather_wgrad (at one EP rank the experts' rows written only in FP8, the bf16 weight
     # gradients gathering the token rows): its GPU tests and those of the kernels it changed, the kernels timed
     # (permute_fp8, gather_wgrad), then the fine model bf16 / rowwise (gathering: auto) / rowwise with it off,
-    # alternated twice in one launch (3 warm-up + 8 steps a row)
+    # alternated twice in one launch (3 warm-up + 8 steps a row). Ran at commit d31e7e5 (13% slower: reverted; the
+    # field, the tests and the kernels' sections no longer exist)
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests gather tests/test_gpu_fp8.py tests/test_wgrad.py tests/test_kernels.py
     pack
@@ -2207,7 +2208,8 @@ PY
     ;;
   gather_sweep1)  # issue 39: gather1 had the gathering weight gradient 1.5-2x the written rows' (the index load
     # takes two of the pipeline's five stages; fc2's scales round-trip b's tile through registers): the tile
-    # configs and the side the scales apply on, swept (step_kernels.py --sections gather_wgrad)
+    # configs and the side the scales apply on, swept (step_kernels.py --sections gather_wgrad). Ran at d31e7e5
+    # (none near the written rows': reverted)
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections gather_wgrad --rounds 10 \
       --json $res/step_kernels_gather_sweep_1x$gpu.json 2>&1 | tail -n 6

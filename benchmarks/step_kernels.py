@@ -28,13 +28,7 @@
              SwiGLU alone (bf16); row programs per SM swept
   permute_fp8 the permutation around rowwise FP8 experts at one EP rank (fine and Mixtral-like shapes): permute
              and unpermute_backward writing the rows' FP8 copies in the same pass (kernels/permute.py ``fp8_out``)
-             against each then quantize_rows, each alone, and each writing only the FP8 rows
-             (train.fp8_gather_wgrad)
-  gather_wgrad the experts' bf16 weight gradients into main_grad at one EP rank (fine and Mixtral-like shapes),
-             fc1's and fc2's: the operands the permutation wrote against the same rows gathered from the token
-             rows as the kernel reads them (kernels/grouped_wgrad.TokenRows: train.fp8_gather_wgrad), per
-             gathering tile config and the side fc2's scales apply on; each sum's difference from the written
-             rows' sum
+             against each then quantize_rows, and each alone
   weight_fp8 a weight's two rowwise FP8 copies (the forward's per row, the dgrad's per column, written transposed:
              kernels/fp8_quant.py), refreshed once per optimizer step, at the Mixtral-like expert weights and a fine
              one: quantize_rows and quantize_columns (two passes over the weight each) against
@@ -622,13 +616,7 @@ def permute_fp8_rows(rounds: int) -> list[dict]:
                                                            fp8_out=bwd),
                "bwd_then_quantize_rows": lambda: quantize_rows(
                    P.unpermute_backward(x, None, rows_TK, probs, True, num_rows=num_rows)[0]),
-               "bwd_bf16_alone": lambda: P.unpermute_backward(x, None, rows_TK, probs, True, num_rows=num_rows),
-               # train.fp8_gather_wgrad: the FP8 rows only (and, forward, each row's copy index)
-               "permute_fp8_only": lambda: P.permute(x, rows_TK, num_rows, True, fp8_out=fwd, write_rows=False,
-                                                     copy_out=copy_R),
-               "bwd_fp8_only": lambda: P.unpermute_backward(x, None, rows_TK, probs, True, num_rows=num_rows,
-                                                            fp8_out=bwd, write_rows=False)}
-        copy_R = torch.empty(num_rows, dtype=torch.int32, device="cuda")
+               "bwd_bf16_alone": lambda: P.unpermute_backward(x, None, rows_TK, probs, True, num_rows=num_rows)}
         fns["permute_fp8_out"]()
         fns["bwd_fp8_out"]()
         same = all(torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(scale, scale_want)
@@ -638,59 +626,6 @@ def permute_fp8_rows(rounds: int) -> list[dict]:
         out.append({"section": "permute_fp8", "shape": name, "tokens": tokens, "hidden": hidden, "topk": topk,
                     "experts": experts, "ms": ms, "bit_for_bit": same})
         print(name, {k: round(v, 4) for k, v in ms.items()}, "bit for bit" if same else "DIFFERS", flush=True)
-    return out
-
-
-GATHER_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 32, 4, 7), (128, 128, 32, 4, 9), (128, 128, 64, 4, 4),
-                  (128, 128, 64, 4, 5), (128, 128, 64, 8, 4), (128, 64, 64, 4, 6)]
-
-
-def gather_wgrad_rows(rounds: int) -> list[dict]:
-    """The experts' bf16 weight gradients into main_grad, operands written against gathered (see the docstring):
-    each gathering tile config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of GATHER_CONFIGS, fc2's scales applied on
-    b's side (bit for bit the rows written) and on a's; the sums' largest difference from the written rows'."""
-    import torch
-
-    from moe_overlap.kernels.grouped_wgrad import TokenRows, grouped_wgrad_accumulate_triton
-
-    out = []
-    for name, (tokens, hidden, ffn, topk, experts) in {"fine": (8192, 2048, 1024, 8, 64),
-                                                       "mixtral": (8192, 4096, 14336, 2, 8)}.items():
-        experts_C = torch.rand(tokens, experts, device="cuda").topk(topk, dim=1).indices.reshape(-1)
-        copy_R = torch.sort(experts_C, stable=True).indices.to(torch.int32)  # rows in expert order
-        offsets = torch.cumsum(torch.bincount(experts_C, minlength=experts), 0).to(torch.int32)
-        x_TH = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        grad_TH = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        probs_C = torch.rand(tokens * topk, device="cuda")
-        rows = tokens * topk
-        grad_h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16)
-        a = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
-        x_rows, grad_rows = TokenRows(x_TH, copy_R, topk), TokenRows(grad_TH, copy_R, topk, probs_C)
-        x_RH, grad_y_RH = x_rows.rows(), grad_rows.rows()
-        main_grad = {"fc1": torch.zeros(experts, hidden, 2 * ffn, device="cuda"),
-                     "fc2": torch.zeros(experts, ffn, hidden, device="cuda")}
-        operands = {"fc1": ((x_RH, grad_h), (x_rows, grad_h)), "fc2": ((a, grad_y_RH), (a, grad_rows))}
-        fns, differs = {}, {}
-        for which, ((a_w, b_w), (a_g, b_g)) in operands.items():
-            out_EMN = main_grad[which]
-            fns[f"{which}_written"] = lambda a_w=a_w, b_w=b_w, o=out_EMN: grouped_wgrad_accumulate_triton(
-                [(a_w, b_w, offsets)], o)
-            out_EMN.zero_()
-            fns[f"{which}_written"]()
-            want = out_EMN.clone()
-            for config in GATHER_CONFIGS:
-                for side in ("b", "a") if which == "fc2" else ("b",):
-                    key = f"{which}_gathered_{side}_" + "x".join(map(str, config))
-                    fns[key] = lambda a_g=a_g, b_g=b_g, o=out_EMN, c=config, side=side: \
-                        grouped_wgrad_accumulate_triton([(a_g, b_g, offsets)], o, c, side)
-                    out_EMN.zero_()
-                    fns[key]()
-                    differs[key] = float((out_EMN - want).abs().max() / want.abs().max())
-        ms = timed(fns, rounds, reps=3)
-        out.append({"section": "gather_wgrad", "shape": name, "tokens": tokens, "hidden": hidden, "ffn": ffn,
-                    "topk": topk, "experts": experts, "ms": ms, "max_rel_difference": differs})
-        print(name, {k: round(v, 4) for k, v in ms.items()}, flush=True)
-        print(name, "differs", {k: v for k, v in differs.items() if v}, flush=True)
     return out
 
 
@@ -861,7 +796,6 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
                         help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, permute_fp8, "
-                             "gather_wgrad, "
                              "fp8_row_tiles, weight_fp8, router_logits, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
@@ -879,7 +813,6 @@ def main(argv=None) -> None:
         push_rows_rows(args.rounds) if "push" in sections else []) + (
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         permute_fp8_rows(args.rounds) if "permute_fp8" in sections else []) + (
-        gather_wgrad_rows(args.rounds) if "gather_wgrad" in sections else []) + (
         fp8_row_tiles_rows(args.rounds) if "fp8_row_tiles" in sections else []) + (
         weight_fp8_rows(args.rounds) if "weight_fp8" in sections else []) + (
         router_logits_rows(args.rounds) if "router_logits" in sections else []) + (

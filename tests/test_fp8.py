@@ -520,28 +520,6 @@ def test_fp8_dgrad_accumulation_field(caplog):
                               "train.fp8_dgrad_accumulation=exact"]).train.fp8_dgrad_accumulation == "exact"
 
 
-def test_fp8_gather_wgrad_field(caplog):
-    """train.fp8_gather_wgrad: auto resolves to true where it acts (rowwise, one EP rank, the experts' weight
-    gradients in bf16: the fine bench model) and false elsewhere, saying why; true where it cannot act is refused in
-    one line naming the field; set without a recipe, refused too."""
-    fine = ["train.device=cuda", "train.precision=bf16", "train.fp8_recipe=rowwise"]
-    with pytest.raises(ConfigError, match=r"^train\.fp8_gather_wgrad=False: has no effect without train\.fp8_rec"):
-        load_config(None, ["train.fp8_gather_wgrad=false"])
-    with caplog.at_level("INFO"):
-        assert load_config("configs/bench_fine_8l.yaml", fine).train.fp8_gather_wgrad is True
-    assert "train.fp8_gather_wgrad=auto -> true: the experts' rows written only in FP8" in caplog.text
-    assert load_config("configs/bench_fine_8l.yaml", [*fine, "train.fp8_gather_wgrad=false"]
-                       ).train.fp8_gather_wgrad is False
-    for extra, why in ((["train.fp8_wgrad=true"], "with the experts' weight gradients in FP8"),
-                       (["parallel.expert_model_parallel_size=2"], "at more than one EP or expert-TP rank"),
-                       (["model.moe_expert_capacity_factor=1.0"], "with model.moe_expert_capacity_factor")):
-        assert load_config("configs/bench_fine_8l.yaml", [*fine, *extra]).train.fp8_gather_wgrad is False
-        with pytest.raises(ConfigError, match=rf"^train\.fp8_gather_wgrad=True: not implemented yet {why}"):
-            load_config("configs/bench_fine_8l.yaml", [*fine, *extra, "train.fp8_gather_wgrad=true"])
-    blockwise = load_config("configs/bench_fine_8l.yaml", [*fine[:2], "train.fp8_recipe=blockwise"])
-    assert blockwise.train.fp8_gather_wgrad is False
-
-
 @pytest.mark.parametrize("fast_dgrad", [False, True], ids=["exact", "fast"])
 def test_fp8_dgrad_accumulation_reaches_the_scaled_gemms(monkeypatch, fast_dgrad):
     """The accumulation torch's scaled GEMMs are asked for (recorded in place of the GEMMs, which need a GPU):
@@ -655,50 +633,6 @@ def test_fp8_moe_permutation_hands_its_experts_fp8_rows(monkeypatch, fp8, ffn, h
     assert quantized.count(torch.Size([37 * 2, 256])) - rows_quantized == handed
     for got, want in zip(handed_off, alone):
         assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("with_main_grad", [True, False], ids=["main_grad", "grad"])
-def test_fp8_gather_wgrad_writes_the_rows_only_in_fp8_and_changes_no_bit(monkeypatch, with_main_grad):
-    """train.fp8_gather_wgrad: at one EP rank, rowwise FP8, bf16 expert weight gradients, the permutation and the
-    combine's backward write the experts' rows only in FP8; the weight gradients gather the bf16 rows from the token
-    rows (kernels/grouped_wgrad.TokenRows). The layer's output, the input's, the router's and the experts' gradients
-    are bit for bit those of the handoff that writes them (into main_grad through the gathering kernel, under the
-    interpreter; into .grad through the twin), and neither row-sized bf16 output is written."""
-    from moe_overlap.config import ModelConfig, OverlapConfig
-    from moe_overlap.kernels import permute as P
-    from moe_overlap.layers.moe import MoELayer
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = ModelConfig(hidden_size=64, ffn_hidden_size=32, num_moe_experts=4, moe_router_topk=2)
-    written = []
-    for name in ("permute", "unpermute_backward"):
-        real = getattr(P, name)
-        monkeypatch.setattr(P, name, lambda *a, real=real, name=name, **k: written.append(
-            (name, k.get("write_rows", True))) or real(*a, **k))
-
-    def step(gather: bool) -> list[torch.Tensor]:
-        torch.manual_seed(5)
-        layer = MoELayer(cfg, OverlapConfig(moe_pipeline=False), Mesh.single().ep)
-        with torch.no_grad():
-            for param in layer.parameters():
-                param.normal_(0.0, 0.1)
-        experts = (layer.experts.w13, layer.experts.w2)
-        for param in experts if with_main_grad else ():
-            param_info(param).main_grad = torch.zeros_like(param)
-        layer.experts.fp8 = Fp8(emulate=True, wgrad=False, min_dim=0, gather_wgrad=gather)
-        fp8_layers.weights_updated()
-        x = torch.randn(1, 37, 64, requires_grad=True)
-        out, _, _ = layer(x)
-        out.backward(torch.randn_like(out))
-        grads = [param_info(p).main_grad if with_main_grad else p.grad for p in experts]
-        return [out.detach(), x.grad, layer.router.weight.grad, *grads]
-
-    gathered = step(True)
-    assert written == [("permute", False), ("unpermute_backward", False)]
-    written.clear()
-    assert all(torch.equal(got, want) for got, want in zip(gathered, step(False)))
-    assert written == [("permute", True), ("unpermute_backward", True)]
-    assert gathered[3].abs().sum() > 0 and gathered[4].abs().sum() > 0
 
 
 def test_fp8_experts_with_no_rows():

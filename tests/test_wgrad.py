@@ -7,8 +7,7 @@ import torch
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.kernels.grouped_wgrad import (TokenRows, grouped_wgrad_accumulate_torch,
-                                              grouped_wgrad_accumulate_triton)
+from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_torch, grouped_wgrad_accumulate_triton
 from moe_overlap.layers.param_info import param_info
 from moe_overlap.layers.wgrad import adds_own_grad
 from moe_overlap.models.mixtral import build_model
@@ -57,53 +56,6 @@ def test_grouped_wgrad_kernel_sums_micro_batches(monkeypatch, segments):
     for part in parts:
         grouped_wgrad_accumulate_torch([part], want)
     assert rel_err(got - start, want - start) < 1e-6
-
-
-def token_rows_segment(g: torch.Generator, tokens: int, copies: int, m: int, n: int, experts: int,
-                       device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[tuple, tuple]:
-    """One micro-batch's weight-gradient operands both ways: gathered from token rows (TokenRows: a the tokens'
-    rows, b each copy's probability times its token's gradient) and written out, rows sorted by expert."""
-    x_TH = torch.randn(tokens, m, generator=g, device=device).to(dtype)
-    grad_TH = torch.randn(tokens, n, generator=g, device=device).to(dtype)
-    probs_C = torch.rand(tokens * copies, generator=g, device=device)
-    experts_C = torch.randint(0, experts, (tokens * copies,), generator=g, device=device)
-    copy_R = torch.sort(experts_C, stable=True).indices.to(torch.int32)  # rows in expert order
-    offsets = torch.cumsum(torch.bincount(experts_C, minlength=experts), 0).to(torch.int32)
-    gathered = (TokenRows(x_TH, copy_R, copies), TokenRows(grad_TH, copy_R, copies, probs_C), offsets)
-    return gathered, (gathered[0].rows(), gathered[1].rows(), offsets)
-
-
-def test_token_rows_are_the_rows_permute_and_unpermute_backward_write():
-    """TokenRows' twin: a's rows are kernels/permute.permute's rows, b's what unpermute_backward writes."""
-    from moe_overlap.kernels.permute import permute_torch, unpermute_backward_torch
-    g = torch.Generator().manual_seed(4)
-    (a, b, _), _ = token_rows_segment(g, 10, 3, 8, 6, 4, dtype=torch.bfloat16)
-    row_of_copy = torch.empty(30, dtype=torch.int64)
-    row_of_copy[a.copy_R.long()] = torch.arange(30)
-    row_of_copy_TK = row_of_copy.view(10, 3)
-    assert torch.equal(a.rows(), permute_torch(a.tokens_TH, row_of_copy_TK, 30, True))
-    want, _ = unpermute_backward_torch(b.tokens_TH, None, row_of_copy_TK, b.scale_C.view(10, 3), True, num_rows=30)
-    assert torch.equal(b.rows(), want)
-
-
-@pytest.mark.parametrize("scale_side", ["b", "a"])
-@pytest.mark.parametrize("segments", [1, 2])
-def test_grouped_wgrad_kernel_gathers_token_rows(monkeypatch, segments, scale_side):
-    """Operands given as TokenRows (gathered as the kernel reads them, b's scaled per copy: on b's rows, or on a's,
-    the same product) add what their rows written out add."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    g = torch.Generator().manual_seed(2)
-    parts = [token_rows_segment(g, 13, 3, 24, 40, 4) for _ in range(segments)]
-    start = torch.randn(4, 24, 40, generator=g)
-    got, want = start.clone(), start.clone()
-    grouped_wgrad_accumulate_triton([gathered for gathered, _ in parts], got, scale_side=scale_side)
-    grouped_wgrad_accumulate_triton([written for _, written in parts], want)
-    assert rel_err(got - start, want - start) < 1e-6
-    twin = start.clone()
-    grouped_wgrad_accumulate_torch([gathered for gathered, _ in parts], twin)
-    assert rel_err(twin - start, want - start) < 1e-5
-    with pytest.raises(ValueError, match="gathered in some segments"):
-        grouped_wgrad_accumulate_triton([parts[0][0], parts[0][1]], start.clone())
 
 
 def model_grads(with_optimizer: bool, group: int = 1, distributed: bool = False,
@@ -168,19 +120,3 @@ def test_gpu_grouped_wgrad_bf16_matches_twin(rows, m, n, experts):
     grouped_wgrad_accumulate_torch([(a[:rows], b[:rows], offsets)], want)
     assert torch.isfinite(got).all() and torch.equal(got[0], start[0])
     assert rel_err(got - start, want - start) < 5e-3  # the twin rounds its product to bf16 first
-
-
-@pytest.mark.gpu
-def test_gpu_grouped_wgrad_gathers_token_rows_bit_for_bit():
-    """The fine model's fc1 and fc2 weight gradients at one EP rank (8,192 tokens, 8 copies, 64 experts), operands
-    gathered from token rows: bit for bit the kernel on the rows written out (the same products in the same order)."""
-    if not torch.cuda.is_available():
-        pytest.fail("needs CUDA")
-    g = torch.Generator(device="cuda").manual_seed(3)
-    for m, n in ((2048, 2048), (1024, 2048)):
-        gathered, written = token_rows_segment(g, 8192, 8, m, n, 64, "cuda", torch.bfloat16)
-        start = torch.randn(64, m, n, device="cuda", generator=g)
-        got, want = start.clone(), start.clone()
-        grouped_wgrad_accumulate_triton([gathered], got)
-        grouped_wgrad_accumulate_triton([written], want)
-        assert torch.equal(got, want)

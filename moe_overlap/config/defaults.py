@@ -44,9 +44,6 @@ a switch the user set needs to run.
                                 with train.fp8_recipe=rowwise, fast: the input gradients in cuBLAS's fast FP8
                                 accumulation (measured faster, convergence within the bound: tuning.py); exact
                                 with blockwise
-    train.fp8_gather_wgrad=auto with train.fp8_recipe=rowwise at one EP rank and the experts' weight gradients in
-                                bf16, on: the experts' rows written only in FP8, the bf16 weight gradients
-                                gathering them from the token rows; off where it cannot act
     train.fp8_gemm_min_dim=auto with train.fp8_recipe, tuning.FP8_GEMM_MIN_DIM (FP8_GEMM_MIN_DIM_FAST with fast
                                 input gradients): the forward and input-gradient
                                 GEMMs narrower than that in the contraction or the output stay bf16 (measured
@@ -283,13 +280,6 @@ def resolve_defaults(cfg: Config) -> list[str]:
             why = "measured faster there" if off is None else f"measured slower {off}"
             choices.append(f"train.fp8_wgrad=auto -> {str(t.fp8_wgrad).lower()}: the experts' weight gradients in "
                            f"{'FP8' if t.fp8_wgrad else 'bf16'}, {why} (tuning.py)")
-    if t.fp8_gather_wgrad == "auto" and t.fp8_recipe is not None:
-        gap = fp8_gather_wgrad_gap(cfg)
-        t.fp8_gather_wgrad = gap is None
-        if m.num_moe_experts is not None:
-            choices.append(f"train.fp8_gather_wgrad=auto -> {str(t.fp8_gather_wgrad).lower()}: " + (
-                "the experts' rows written only in FP8, their bf16 weight gradients gathering the token rows (measured "
-                "faster, benchmarks/RESULTS.md)" if gap is None else f"it does not act {gap}"))
     if t.fp8_param == "auto" and t.fp8_recipe is not None:
         # with the distributed optimizer it stays auto: true would ask for every weight (validate_for_world)
         t.fp8_param = "auto" if t.use_distributed_optimizer else True
@@ -355,29 +345,6 @@ def narrow_gemms(cfg: Config, min_dim: int) -> list[str]:
             weights.update({"shared expert fc1": (m.hidden_size, 2 * shared),
                             "shared expert fc2": (shared, m.hidden_size)})
     return [name for name, dims in weights.items() if min(dims) < min_dim]
-
-
-def fp8_gather_wgrad_gap(cfg: Config) -> str | None:
-    """Why ``train.fp8_gather_wgrad`` cannot act in this config, or None: it needs rowwise FP8 GEMMs handed the
-    permuted rows, bf16 expert weight gradients (the gathering kernel's), and the local path's token rows (one EP
-    and expert-TP rank, every copy kept, no padding)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if t.fp8_recipe != "rowwise":
-        return f"with train.fp8_recipe={t.fp8_recipe} (rowwise only: the GEMMs the permuted rows are handed to)"
-    if m.num_moe_experts is None:
-        return "without experts (model.num_moe_experts)"
-    if t.fp8_wgrad is True or (t.fp8_wgrad == "auto" and fp8_wgrad_off_reason(cfg) is None):
-        return "with the experts' weight gradients in FP8 (train.fp8_wgrad), which quantize written rows"
-    if p.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1:
-        return "at more than one EP or expert-TP rank (the rows a rank computes on are not its own tokens')"
-    if m.moe_expert_capacity_factor is not None:
-        return "with model.moe_expert_capacity_factor (dropped copies, padded rows)"
-    return None
-
-
-def fp8_gather_wgrad(cfg: Config) -> bool:
-    """``train.fp8_gather_wgrad`` as the layers take it (auto, if not resolved yet: as resolved)."""
-    return cfg.train.fp8_gather_wgrad is not False and fp8_gather_wgrad_gap(cfg) is None
 
 
 def fp8_wgrad_off_reason(cfg: Config) -> str | None:

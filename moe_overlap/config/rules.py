@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import math
 
-from moe_overlap.config.defaults import fp8_gather_wgrad_gap, resolve_defaults
+from moe_overlap.config.defaults import resolve_defaults
 from moe_overlap.config.overlap_rules import validate_overlaps
 from moe_overlap.config.schema import (Config, ConfigError, DataConfig, ModelConfig, OverlapConfig, ParallelConfig,
                                        not_implemented, refuse, require, synthetic_source)
@@ -179,10 +179,6 @@ def _validate_fp8(cfg: Config) -> None:
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     require(t.fp8_recipe is not None or t.fp8_param == "auto", "train.fp8_param", t.fp8_param,
             "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
-    require(t.fp8_recipe is not None or t.fp8_gather_wgrad == "auto", "train.fp8_gather_wgrad", t.fp8_gather_wgrad,
-            "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
-    gap = fp8_gather_wgrad_gap(cfg) if t.fp8_gather_wgrad is True and t.fp8_recipe is not None else None
-    require(gap is None, "train.fp8_gather_wgrad", True, f"not implemented yet {gap}: leave it at auto")
     require(t.fp8_recipe is not None or t.fp8_dgrad_accumulation == "auto", "train.fp8_dgrad_accumulation",
             t.fp8_dgrad_accumulation, "has no effect without train.fp8_recipe (every GEMM is bf16): leave it at auto")
     require(t.fp8_recipe != "blockwise" or t.fp8_dgrad_accumulation != "fast", "train.fp8_dgrad_accumulation",

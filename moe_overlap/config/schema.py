@@ -288,11 +288,6 @@ class TrainConfig:
     # weight less), quantized from the fp32 masters as the bf16 values would have been (Megatron's fp8_param). auto:
     # on with the plain optimizer (config/defaults.py); the distributed optimizer: not implemented yet.
     fp8_param: Union[bool, Literal["auto"]] = "auto"
-    # At one EP rank with rowwise FP8 and the experts' weight gradients in bf16: the permutation and the combine's
-    # backward write the experts' rows only in FP8 (what their FP8 GEMMs read), and the bf16 weight gradients gather
-    # the bf16 rows from the token rows as they read them: two of a layer's row-sized bf16 writes a micro-batch
-    # fewer, and no bf16 copy of the permuted rows kept for the backward. auto: on wherever it acts.
-    fp8_gather_wgrad: Union[bool, Literal["auto"]] = "auto"
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
     # MFU's denominator, TFLOP/s per GPU: an H200's (and H100's) measured bf16 GEMM rate.

@@ -39,7 +39,6 @@ from typing import Optional
 import torch
 
 from moe_overlap.kernels.fp8_quant import FP8, quantize_rows_torch
-from moe_overlap.kernels.grouped_wgrad import Operand, TokenRows
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, check_2d, require_triton, use_triton
 
 if HAVE_TRITON:
@@ -80,10 +79,9 @@ def _check_probs(probs_TK: torch.Tensor, row_of_copy_TK: torch.Tensor) -> None:
 
 if HAVE_TRITON:
 
-    def _scatter_rows_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, y_ptr, dot_ptr, q_ptr, scale_ptr, copy_ptr,
+    def _scatter_rows_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, y_ptr, dot_ptr, q_ptr, scale_ptr,
                              stride_src, stride_out, stride_y, stride_q, H, K, R,
                              HAS_PROBS: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr,
-                             WRITE_ROWS: tl.constexpr, COPY_INDEX: tl.constexpr,
                              K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
         # One program per token t: src row t is read once (BLOCK_H at a time) and written to the rows of its
         # K copies, scaled by probs[t, k] when HAS_PROBS (unpermute backward). DOT: also dot[t, k] =
@@ -91,13 +89,10 @@ if HAVE_TRITON:
         # scale (kernels/fp8_quant.quantize_rows of the written row, bit for bit), from the token row's amax (a first
         # pass; the second reads the row from L2): a copy row is probs[t, k] * src[t] rounded to out's dtype, and
         # both roundings are monotone, so its amax is that of the token's amax times probs[t, k], rounded alike.
-        # WRITE_ROWS false: only the FP8 rows (and the dot); COPY_INDEX: copy[row of (t, k)] = t * K + k.
         t = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < R)
-        if COPY_INDEX:
-            tl.store(copy_ptr + rows, (t * K + kk).to(copy_ptr.dtype.element_ty), mask=valid)
         if HAS_PROBS:
             w = tl.load(probs_ptr + t * K + kk, mask=valid, other=0.0).to(tl.float32)
         if DOT:
@@ -123,8 +118,7 @@ if HAVE_TRITON:
                 tile = (w[:, None] * v.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
             else:
                 tile = tl.broadcast_to(v[None, :], (K_PAD, BLOCK_H)).to(out_ptr.dtype.element_ty)
-            if WRITE_ROWS:
-                tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], tile, mask=m)
+            tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], tile, mask=m)
             if QUANT:
                 q = tl.minimum(tl.maximum(tile.to(tl.float32) * inverse_K[:, None], -_FP8_MAX), _FP8_MAX)
                 tl.store(q_ptr + rows[:, None] * stride_q + hh[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
@@ -259,24 +253,6 @@ def _check_fp8_out(fp8_out: Optional[Fp8Out], num_rows: int, H: int, all_rows_ma
                          f"contiguous float32 scales, got {tuple(q.shape)} {q.dtype}, {tuple(scale.shape)} {scale.dtype}")
 
 
-def _check_rows_only(write_rows: bool, copy_out: Optional[torch.Tensor], fp8_out: Optional[Fp8Out], num_rows: int,
-                     all_rows_mapped: bool) -> None:
-    if not write_rows and fp8_out is None:
-        raise ValueError("write_rows=False writes only the FP8 rows: pass fp8_out")
-    if copy_out is not None and (not all_rows_mapped or copy_out.shape != (num_rows,) or copy_out.stride(0) != 1
-                                 or copy_out.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"copy_out must be a contiguous ({num_rows},) int32 or int64 tensor, every row mapped; got "
-                         f"{tuple(copy_out.shape)} {copy_out.dtype}, all_rows_mapped={all_rows_mapped}")
-
-
-def _copy_of_row_torch(row_of_copy_TK: torch.Tensor, copy_out: torch.Tensor) -> None:
-    """copy_out[row of (t, k)] = t * K + k (the twins of the kernels' COPY_INDEX)."""
-    _, index = _copy_index(row_of_copy_TK, copy_out.shape[0])
-    spare = copy_out.new_empty(copy_out.shape[0] + 1)
-    spare.index_copy_(0, index, torch.arange(index.shape[0], dtype=copy_out.dtype, device=copy_out.device))
-    copy_out.copy_(spare[:-1])
-
-
 def _copy_index(row_of_copy_TK: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid copies (T*K,), row index (T*K,) int64 with uncounted copies sent to the spare row num_rows)."""
     rows = row_of_copy_TK.reshape(-1).long()
@@ -297,44 +273,35 @@ def _gather_copies(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> tuple[
 
 def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
                   all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
-                  zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None,
-                  write_rows: bool = True, copy_out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                  zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None) -> torch.Tensor:
     """Twin of `permute`: index_copy_ of the expanded copies into num_rows + 1 rows (the spare row takes -1);
     every unmapped row zero, also past ``zero_below``; then ``fp8_out`` quantized from the result."""
     check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
     _check_fp8_out(fp8_out, num_rows, x_TH.shape[1], all_rows_mapped)
-    _check_rows_only(write_rows, copy_out, fp8_out, num_rows, all_rows_mapped)
-    if copy_out is not None:
-        _copy_of_row_torch(row_of_copy_TK, copy_out)
     T, H = x_TH.shape
     K = row_of_copy_TK.shape[1]
     buf = x_TH.new_zeros((num_rows + 1, H))
     _, index = _copy_index(row_of_copy_TK, num_rows)
     buf.index_copy_(0, index, x_TH.unsqueeze(1).expand(T, K, H).reshape(T * K, H))
+    out = buf[:num_rows] if out is None else out.copy_(buf[:num_rows])
     if fp8_out is not None:
-        quantize_rows_torch(buf[:num_rows], *fp8_out)
-    if not write_rows:
-        return None
-    return buf[:num_rows] if out is None else out.copy_(buf[:num_rows])
+        quantize_rows_torch(out, *fp8_out)
+    return out
 
 
 def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
                    all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
                    zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None,
-                   write_rows: bool = True, copy_out: Optional[torch.Tensor] = None,
-                   block_h: Optional[int] = None) -> Optional[torch.Tensor]:
+                   block_h: Optional[int] = None) -> torch.Tensor:
     """Triton `permute`: one program per token; its row read once, written to its K rows BLOCK_H at a time."""
     require_triton("the *_triton permute kernels")
     check_2d("x_TH", x_TH)
     _check_copies(row_of_copy_TK, x_TH.shape[0])
     _check_out(out, num_rows, x_TH)
     _check_fp8_out(fp8_out, num_rows, x_TH.shape[1], all_rows_mapped)
-    _check_rows_only(write_rows, copy_out, fp8_out, num_rows, all_rows_mapped)
-    if not write_rows:
-        out = None
-    elif out is None:
+    if out is None:
         out = _new_rows(num_rows, x_TH, all_rows_mapped, zero_below)
     elif not all_rows_mapped and zero_below is not None:
         _zero_rows_below(out, zero_below)
@@ -347,31 +314,26 @@ def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: i
     x = _rows_2d(x_TH)
     rows = row_of_copy_TK.contiguous()
     k_pad, bh, warps = _row_tile(K, H, block_h)
-    rows_out = x if out is None else out  # (an unused pointer of the rows' dtype without them)
-    q, scale = (rows_out, rows_out) if fp8_out is None else fp8_out
-    _scatter_rows[(T,), x.device](x, rows, x, rows_out, x, x, q, scale, x if copy_out is None else copy_out,
-                                  x.stride(0), rows_out.stride(0), 0, q.stride(0), H, K, num_rows, HAS_PROBS=False,
-                                  DOT=False, QUANT=fp8_out is not None, WRITE_ROWS=out is not None,
-                                  COPY_INDEX=copy_out is not None, K_PAD=k_pad, BLOCK_H=bh, num_warps=warps)
+    q, scale = (out, out) if fp8_out is None else fp8_out
+    _scatter_rows[(T,), x.device](x, rows, x, out, x, x, q, scale, x.stride(0), out.stride(0), 0, q.stride(0), H, K,
+                                  num_rows, HAS_PROBS=False, DOT=False, QUANT=fp8_out is not None, K_PAD=k_pad,
+                                  BLOCK_H=bh, num_warps=warps)
     return out
 
 
 def permute(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
             all_rows_mapped: bool = False, out: Optional[torch.Tensor] = None, *,
-            zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None,
-            write_rows: bool = True, copy_out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+            zero_below: Optional[torch.Tensor] = None, fp8_out: Optional[Fp8Out] = None) -> torch.Tensor:
     """x_RH (num_rows, H): row row_of_copy_TK[t, k] = x_TH[t]; rows no copy maps to are zero (unless
     all_rows_mapped; only those below ``zero_below``, when given); -1 copies are skipped. num_rows comes from the
     caller (no host sync here). ``out``: written into (and returned) instead of a new tensor, e.g. the first H
     columns of a wider buffer (rows may be strided). ``fp8_out`` (q (num_rows, H) E4M3, scales (num_rows,) fp32;
-    every row mapped): the rows also as kernels/fp8_quant.quantize_rows makes them, bit for bit, in the same pass;
-    with ``write_rows=False`` only those (returns None). ``copy_out`` ((num_rows,) int32 or int64, every row mapped):
-    each row's copy t * K + k, in the same pass (what kernels/grouped_wgrad.TokenRows gathers by)."""
+    every row mapped): the rows also as kernels/fp8_quant.quantize_rows makes them, bit for bit, in the same pass."""
     if use_triton(x_TH, "permute"):
         return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below,
-                              fp8_out=fp8_out, write_rows=write_rows, copy_out=copy_out)
+                              fp8_out=fp8_out)
     return permute_torch(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below,
-                         fp8_out=fp8_out, write_rows=write_rows, copy_out=copy_out)
+                         fp8_out=fp8_out)
 
 
 def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) -> torch.Tensor:
@@ -489,13 +451,11 @@ def _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_ro
 def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                              probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
                              num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None,
-                             fp8_out: Optional[Fp8Out] = None, write_rows: bool = True
-                             ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                             fp8_out: Optional[Fp8Out] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Twin of `unpermute_backward` (every unmapped row zero, also past ``zero_below``; ``fp8_out`` quantized from
     grad_y)."""
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
     _check_fp8_out(fp8_out, num_rows, grad_out_TH.shape[1], all_rows_mapped)
-    _check_rows_only(write_rows, None, fp8_out, num_rows, all_rows_mapped)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]
     g32 = grad_out_TH.float()
@@ -509,23 +469,22 @@ def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Ten
         grad_probs = (ycopies * g32.unsqueeze(1)).sum(-1)
     if fp8_out is not None:
         quantize_rows_torch(buf[:num_rows], *fp8_out)
-    return buf[:num_rows] if write_rows else None, grad_probs
+    return buf[:num_rows], grad_probs
 
 
 def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor],
                               row_of_copy_TK: torch.Tensor, probs_TK: torch.Tensor, all_rows_mapped: bool = False,
                               *, num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None,
-                              fp8_out: Optional[Fp8Out] = None, write_rows: bool = True,
-                              block_h: Optional[int] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                              fp8_out: Optional[Fp8Out] = None, block_h: Optional[int] = None
+                              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Triton `unpermute_backward`: one program per token reads grad_out[t] once, writes probs * grad_out to its
     K rows and (with y_RH) accumulates the K dot products in fp32, BLOCK_H at a time."""
     require_triton("the *_triton permute kernels")
     num_rows = _unpermute_backward_args(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, num_rows)
     _check_fp8_out(fp8_out, num_rows, grad_out_TH.shape[1], all_rows_mapped)
-    _check_rows_only(write_rows, None, fp8_out, num_rows, all_rows_mapped)
     T, K = row_of_copy_TK.shape
     H = grad_out_TH.shape[1]
-    grad_y = _new_rows(num_rows, grad_out_TH, all_rows_mapped, zero_below) if write_rows else None
+    grad_y = _new_rows(num_rows, grad_out_TH, all_rows_mapped, zero_below)
     dot = None if y_RH is None else torch.zeros((T, K), dtype=torch.float32, device=grad_out_TH.device)
     if T == 0 or H == 0 or K == 0 or num_rows == 0:
         return grad_y, dot
@@ -534,35 +493,31 @@ def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Te
     rows = row_of_copy_TK.contiguous()
     probs = probs_TK.contiguous()
     k_pad, bh, warps = _row_tile(K, H, block_h)
-    rows_out = g if grad_y is None else grad_y  # (an unused pointer of the rows' dtype without them)
     q, scale = (g, g) if fp8_out is None else fp8_out
-    _scatter_rows[(T,), g.device](g, rows, probs, rows_out, y, g if dot is None else dot, q, scale, g,
-                                  g.stride(0), rows_out.stride(0), y.stride(0), q.stride(0), H, K, num_rows,
-                                  HAS_PROBS=True, DOT=dot is not None, QUANT=fp8_out is not None,
-                                  WRITE_ROWS=grad_y is not None, COPY_INDEX=False, K_PAD=k_pad, BLOCK_H=bh,
-                                  num_warps=warps)
+    _scatter_rows[(T,), g.device](g, rows, probs, grad_y, y, g if dot is None else dot, q, scale,
+                                  g.stride(0), grad_y.stride(0), y.stride(0), q.stride(0), H, K, num_rows,
+                                  HAS_PROBS=True, DOT=dot is not None, QUANT=fp8_out is not None, K_PAD=k_pad,
+                                  BLOCK_H=bh, num_warps=warps)
     return grad_y, dot
 
 
 def unpermute_backward(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], row_of_copy_TK: torch.Tensor,
                        probs_TK: torch.Tensor, all_rows_mapped: bool = False, *,
                        num_rows: Optional[int] = None, zero_below: Optional[torch.Tensor] = None,
-                       fp8_out: Optional[Fp8Out] = None, write_rows: bool = True
-                       ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                       fp8_out: Optional[Fp8Out] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(grad_y_RH, grad_probs_TK) of `unpermute`.
 
     grad_y_RH[row_of_copy_TK[t, k]] = probs_TK[t, k] * grad_out_TH[t] (grad_out's dtype); rows no copy maps to
     are zero unless all_rows_mapped (only those below ``zero_below``, when given). grad_probs_TK[t, k] =
     <y_RH[row], grad_out_TH[t]> in fp32, 0 for -1 copies; computed only when y_RH is given (pass y_RH=None and
     num_rows when probs need no gradient). ``fp8_out``: grad_y's rows also as quantize_rows makes them (as
-    :func:`permute`'s; with ``write_rows=False`` only those: grad_y_RH None).
+    :func:`permute`'s).
     """
     if use_triton(grad_out_TH, "permute"):
         return unpermute_backward_triton(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                         num_rows=num_rows, zero_below=zero_below, fp8_out=fp8_out,
-                                         write_rows=write_rows)
+                                         num_rows=num_rows, zero_below=zero_below, fp8_out=fp8_out)
     return unpermute_backward_torch(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, all_rows_mapped,
-                                    num_rows=num_rows, zero_below=zero_below, fp8_out=fp8_out, write_rows=write_rows)
+                                    num_rows=num_rows, zero_below=zero_below, fp8_out=fp8_out)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -573,42 +528,22 @@ class Fp8Handoff:
     """The rows Permute and Unpermute write, also in FP8 for the rowwise FP8 GEMM that reads them next (the
     experts' fc1 forward, fc2's input gradient: layers/experts.py), quantized in the same pass (``fp8_out``) instead
     of a second pass over every row. ``forward``: the permuted rows' (q, scales), left by Permute's forward;
-    ``backward``: (grad_y, q, scales, grad_y's rows for the weight gradient), left by Unpermute's backward. Each is
-    taken once.
+    ``backward``: (grad_y, q, scales), left by Unpermute's backward. Each is taken once."""
 
-    ``gather`` (train.fp8_gather_wgrad): the rows handed over in FP8 are written only so; their bf16 values, which
-    only the experts' bf16 weight gradients would read, are gathered from the token rows when those run
-    (kernels/grouped_wgrad.TokenRows, by ``copy_R``, each row's copy, which Permute writes). The autograd edges carry
-    placeholders in their place (expanded, no memory)."""
-
-    def __init__(self, forward: bool, backward: bool, gather: bool = False):
-        self.wants_forward, self.wants_backward, self.gather = forward, backward, gather
+    def __init__(self, forward: bool, backward: bool):
+        self.wants_forward, self.wants_backward = forward, backward
         self.forward: Optional[Fp8Out] = None
-        self.tokens: Optional[TokenRows] = None  # the permuted rows as token rows (gather)
-        self.copy_R: Optional[torch.Tensor] = None
-        self.backward: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Operand]] = None
+        self.backward: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
-    def take_forward(self) -> tuple[Optional[Fp8Out], Optional[TokenRows]]:
-        """The permuted rows in FP8 (None: not handed over) and, where they were not written, the same rows as
-        token rows."""
-        rows, tokens, self.forward, self.tokens = self.forward, self.tokens, None, None
-        return rows, tokens
+    def take_forward(self) -> Optional[Fp8Out]:
+        rows, self.forward = self.forward, None
+        return rows
 
-    def take_backward(self, grad_y_RH: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, Operand]]:
-        """(q, scales, the rows as the weight gradient reads them) of ``grad_y_RH``, if Unpermute left them for
-        this very tensor (autograd passed it on as it was made: not summed with another gradient, not cast)."""
+    def take_backward(self, grad_y_RH: torch.Tensor) -> Optional[Fp8Out]:
+        """The FP8 rows of ``grad_y_RH``, if Unpermute left them for this very tensor (autograd passed it on as
+        it was made: not summed with another gradient, not cast)."""
         rows, self.backward = self.backward, None
-        if rows is not None and rows[0] is grad_y_RH:
-            return rows[1:]
-        if rows is not None and self.gather:  # its values were never written: nothing else could stand in for them
-            raise RuntimeError("the experts' output gradient reached them changed (summed or cast) after the "
-                               "combine's backward, whose rows were handed over in FP8 only (train.fp8_gather_wgrad)")
-        return None
-
-
-def _placeholder(num_rows: int, like: torch.Tensor) -> torch.Tensor:
-    """What an autograd edge carries for rows never written (Fp8Handoff.gather): their shape and dtype, no memory."""
-    return like.new_empty((1, like.shape[1])).expand(num_rows, like.shape[1])
+        return rows[1:] if rows is not None and rows[0] is grad_y_RH else None
 
 
 class Permute(torch.autograd.Function):
@@ -622,18 +557,9 @@ class Permute(torch.autograd.Function):
         ctx.save_for_backward(row_of_copy_TK)
         ctx.x_dtype = x_TH.dtype
         fp8_out = fp8_buffers(num_rows, x_TH.shape[1], x_TH.device) if fp8 is not None and fp8.wants_forward else None
-        gather = fp8 is not None and fp8.gather
-        copy_out = torch.empty(num_rows, dtype=torch.int32, device=x_TH.device) if gather else None
-        write_rows = fp8_out is None or not gather
-        out = permute(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, fp8_out=fp8_out, write_rows=write_rows,
-                      copy_out=copy_out)
+        out = permute(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, fp8_out=fp8_out)
         if fp8_out is not None:
             fp8.forward = fp8_out
-        if gather:
-            fp8.copy_R = copy_out
-        if not write_rows:
-            fp8.tokens = TokenRows(x_TH, copy_out, row_of_copy_TK.shape[1])
-            return _placeholder(num_rows, x_TH)
         return out
 
     @staticmethod
@@ -665,20 +591,14 @@ class Unpermute(torch.autograd.Function):
         y_RH, row_of_copy_TK, probs_TK = ctx.saved_tensors
         handoff = ctx.fp8 if ctx.needs_input_grad[0] and grad_out_TH.dtype == ctx.y_dtype else None
         fp8_out = None if handoff is None else fp8_buffers(ctx.num_rows, grad_out_TH.shape[1], grad_out_TH.device)
-        write_rows = handoff is None or not handoff.gather
         grad_y, grad_probs = unpermute_backward(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, ctx.all_rows_mapped,
-                                                num_rows=ctx.num_rows, fp8_out=fp8_out, write_rows=write_rows)
+                                                num_rows=ctx.num_rows, fp8_out=fp8_out)
         if not ctx.needs_input_grad[0]:
             grad_y = None
-        elif not write_rows:
-            grad_TH = _rows_2d(grad_out_TH)
-            rows = TokenRows(grad_TH, handoff.copy_R, row_of_copy_TK.shape[1], probs_TK.reshape(-1))
-            grad_y = _placeholder(ctx.num_rows, grad_TH)
-            handoff.backward = (grad_y, *fp8_out, rows)
         elif grad_y.dtype != ctx.y_dtype:
             grad_y = grad_y.to(ctx.y_dtype)
-        if fp8_out is not None and write_rows:
-            handoff.backward = (grad_y, *fp8_out, grad_y)
+        if fp8_out is not None:
+            handoff.backward = (grad_y, *fp8_out)
         if grad_probs is not None:
             grad_probs = grad_probs.to(probs_TK.dtype)
         return grad_y, None, grad_probs, None, None

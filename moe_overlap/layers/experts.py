@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_overlap.kernels.grouped_wgrad import TokenRows
 from moe_overlap.kernels.permute import Fp8Handoff
 from moe_overlap.kernels.swiglu import (swiglu_backward, swiglu_backward_fp8, swiglu_forward, swiglu_forward_fp8,
                                         swiglu_forward_torch)
@@ -75,11 +74,10 @@ def _rowwise_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
 class WgradInputs:
     """What the experts' weight gradients of one micro-batch (or one chunk of it) need."""
 
-    x_TH: torch.Tensor | Fp8Rows | TokenRows  # FP8 rows: dequantized when the weight gradients run (only those
-    # need them so); token rows: gathered as they run (train.fp8_gather_wgrad)
+    x_TH: torch.Tensor | Fp8Rows  # FP8 rows: dequantized when the weight gradients run (only those need them so)
     a_TF: torch.Tensor
     grad_h_TF2: torch.Tensor
-    grad_y_TH: torch.Tensor | TokenRows
+    grad_y_TH: torch.Tensor
     offsets_E: torch.Tensor
 
 
@@ -90,7 +88,7 @@ def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[Wgr
     dgrad so a pipeline can defer them into communication gaps): added into the parameters' fp32 main_grad
     inside the grouped kernel (returns Nones), or returned where the parameters have none. ``fp8``: in FP8 under
     train.fp8_wgrad."""
-    def rows(x_TH: torch.Tensor | Fp8Rows | TokenRows, offsets_E: torch.Tensor) -> torch.Tensor | TokenRows:
+    def rows(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor) -> torch.Tensor:
         return x_TH.dequantized(offsets_E[-1:]) if isinstance(x_TH, Fp8Rows) else x_TH
 
     return (grouped_wgrad(w13_EHF2, [(rows(i.x_TH, i.offsets_E), i.grad_h_TF2, i.offsets_E) for i in inputs],
@@ -149,22 +147,16 @@ class ExpertWgradGroups:
 class GroupedSwiGLU(torch.autograd.Function):
     """``handoff``: the permutation around the experts also writes their rows in FP8 (kernels/permute.Fp8Handoff):
     fc1's input, and in the backward fc2's output gradient, reach their rowwise FP8 GEMMs so, with no pass of
-    their own to quantize them. The weight gradients read the bf16 rows, or under ``handoff.gather`` the token rows
-    they are copies of (x and grad_y then arrive as placeholders)."""
+    their own to quantize them (the weight gradients still read the bf16 rows)."""
 
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
                 groups: ExpertWgradGroups | None = None, fp8: Fp8 | None = None,
                 handoff: Fp8Handoff | None = None) -> torch.Tensor:
-        x_rows, tokens = handoff.take_forward() if handoff is not None else (None, None)
+        x_rows = handoff.take_forward() if handoff is not None else None
         y_TH, h_TF2 = experts_forward(x_TH if x_rows is None else Fp8Rows(*x_rows, x_TH.dtype), offsets_E, w13_EHF2,
                                       w2_EFH, fp8)
-        if tokens is None:
-            ctx.save_for_backward(x_TH, offsets_E, h_TF2)
-        else:  # the weight gradient gathers x's rows from the tokens' (x_TH: a placeholder)
-            ctx.save_for_backward(tokens.tokens_TH, offsets_E, h_TF2, tokens.copy_R)
-            ctx.copies = tokens.copies
-        ctx.rows, ctx.x_dtype = x_TH.shape[0], x_TH.dtype
+        ctx.save_for_backward(x_TH, offsets_E, h_TF2)
         ctx.weights = w13_EHF2, w2_EFH  # the parameters themselves (their main_grad), also under recomputation
         ctx.fp8, ctx.handoff = fp8, handoff
         ctx.groups = groups if main_grad_of(w13_EHF2) is not None else None
@@ -172,21 +164,16 @@ class GroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_TH: torch.Tensor):
-        (x_TH, offsets_E, h_TF2, *copy_R), (w13_EHF2, w2_EFH) = ctx.saved_tensors, ctx.weights
-        if copy_R:
-            x_TH = TokenRows(x_TH, copy_R[0], ctx.copies)
-        handed = ctx.handoff.take_backward(grad_y_TH) if ctx.handoff is not None else None
-        if ctx.rows == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
-            grad_x_TH, inputs = torch.zeros((0, x_TH.shape[1]), dtype=ctx.x_dtype, device=h_TF2.device), None
+        (x_TH, offsets_E, h_TF2), (w13_EHF2, w2_EFH) = ctx.saved_tensors, ctx.weights
+        grad_y_rows = ctx.handoff.take_backward(grad_y_TH) if ctx.handoff is not None else None
+        if x_TH.shape[0] == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
+            grad_x_TH, inputs = torch.zeros_like(x_TH), None
         else:
-            grad_y_fp8, grad_y_rows = None, None
-            if handed is None:
-                grad_y_TH = grad_y_rows = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
-            else:
-                grad_y_fp8, grad_y_rows = Fp8Rows(*handed[:2], grad_y_TH.dtype), handed[2]
-            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8,
-                                                        grad_y_fp8)
-            inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_rows, offsets_E)
+            grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
+            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(
+                grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8,
+                None if grad_y_rows is None else Fp8Rows(*grad_y_rows, grad_y_TH.dtype))
+            inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         ready = ctx.groups.take(inputs) if ctx.groups is not None else [i for i in (inputs,) if i is not None]
         grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready, ctx.fp8), ctx.weights)
         return grad_x_TH, None, grad_w13_EHF2, grad_w2_EFH, None, None, None
@@ -237,7 +224,7 @@ class GroupedExperts(nn.Module):
         """A handoff for the permutation around these experts (every row mapped), where their rowwise FP8 GEMMs
         would quantize its rows: fc1's forward, fc2's input gradient."""
         fc1, fc2 = _rowwise_fp8(self.fp8, self.w13), _rowwise_fp8(self.fp8, self.w2)
-        return Fp8Handoff(fc1, fc2, self.fp8.gather_wgrad) if fc1 or fc2 else None
+        return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor, handoff: Fp8Handoff | None = None) -> torch.Tensor:
         return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_groups, self.fp8, handoff)

@@ -90,9 +90,6 @@ class Fp8:
     wgrad: bool = True  # train.fp8_wgrad: the experts' weight gradients in FP8 too (False: bf16 GEMMs)
     min_dim: int = 0  # train.fp8_gemm_min_dim: narrower forward / dgrad GEMMs stay bf16 (0: none)
     fast_dgrad: bool = False  # train.fp8_dgrad_accumulation=fast: rowwise input gradients accumulate as the forward
-    # train.fp8_gather_wgrad: at one EP rank the experts' rows handed to rowwise FP8 GEMMs are written only in FP8;
-    # their bf16 weight gradients gather the bf16 rows from the tokens' (kernels/permute.Fp8Handoff)
-    gather_wgrad: bool = False
     # expert-TP (set by GroupedExperts): the group each expert's FFN dimension is split over, along which fc2's
     # forward and fc1's dgrad contract, so their rowwise scales are shared over it (as tensor parallelism's)
     expert_tp: GroupHandle | None = field(default=None, compare=False)

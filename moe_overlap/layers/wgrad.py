@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.kernels.grouped_wgrad import Segment, grouped_wgrad_accumulate, written
+from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate
 from moe_overlap.layers.fp8 import Fp8, fp8_wgrad
 from moe_overlap.layers.param_info import param_info
 
@@ -65,22 +65,21 @@ def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Ten
     return placeholder(param)
 
 
-def grouped_wgrad(param: torch.Tensor, segments: list[Segment], experts: slice = slice(None),
-                  fp8: Fp8 | None = None) -> torch.Tensor | None:
+def grouped_wgrad(param: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  experts: slice = slice(None), fp8: Fp8 | None = None) -> torch.Tensor | None:
     """The gradient of an expert weight (E, M, N) from one or two micro-batches' rows (``segments``: (x_TM,
-    grad_TN, int32 end offsets per expert); rows past the last offset are skipped; either may be token rows that
-    the bf16 kernel gathers, kernels/grouped_wgrad.TokenRows), per expert the sum of x_e^T @ grad_e: accumulated
-    into ``main_grad[experts]`` in fp32 inside the grouped kernel (returns None: the caller returns
-    :func:`placeholder` once for the whole parameter), or returned in the parameter's dtype (``experts``: the run of
-    local experts this call covers). ``fp8`` (train.fp8_wgrad): in FP8."""
+    grad_TN, int32 end offsets per expert); rows past the last offset are skipped), per expert the sum of
+    x_e^T @ grad_e: accumulated into ``main_grad[experts]`` in fp32 inside the grouped kernel (returns None: the
+    caller returns :func:`placeholder` once for the whole parameter), or returned in the parameter's dtype
+    (``experts``: the run of local experts this call covers). ``fp8`` (train.fp8_wgrad): in FP8."""
     main_grad = main_grad_of(param)
     if fp8 is not None and fp8.wgrad:
         out = main_grad[experts] if main_grad is not None else torch.zeros(
             param[experts].shape, dtype=torch.float32, device=param.device)
-        fp8_wgrad([(written(x), written(grad), offsets) for x, grad, offsets in segments], out, fp8)
+        fp8_wgrad(segments, out, fp8)
         return None if main_grad is not None else out.to(param.dtype)
     if main_grad is None:
-        return sum(torch._grouped_mm(written(x).t(), written(grad), offs=offsets) for x, grad, offsets in segments)
+        return sum(torch._grouped_mm(x.t(), grad, offs=offsets) for x, grad, offsets in segments)
     grouped_wgrad_accumulate(segments, main_grad[experts])
     return None
 

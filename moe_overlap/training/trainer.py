@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moe_overlap.config import Config, ConfigError, TrainConfig, config_yaml, validate_for_world
-from moe_overlap.config.defaults import fp8_fast_dgrad, fp8_gather_wgrad, fp8_gemm_min_dim, fp8_param
+from moe_overlap.config.defaults import fp8_fast_dgrad, fp8_gemm_min_dim, fp8_param
 from moe_overlap.distributed.collectives import all_gather_into, all_reduce_
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.monitor import RankMonitor
@@ -79,7 +79,7 @@ class Trainer:
             self.model.group_expert_wgrads(t.expert_wgrad_micro_batches)
         if t.fp8_recipe is not None:  # before the MoE layers' graphs capture them
             self.model.use_fp8(Fp8(recipe=t.fp8_recipe, wgrad=t.fp8_wgrad, min_dim=fp8_gemm_min_dim(t),
-                                   fast_dgrad=fp8_fast_dgrad(t), gather_wgrad=fp8_gather_wgrad(cfg)),
+                                   fast_dgrad=fp8_fast_dgrad(t)),
                                t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
         self.optimizer = (DistributedOptimizer(self.model, mesh, t, cfg.overlap) if t.use_distributed_optimizer
                           else MixedPrecisionAdamW(self.model, mesh, t, cfg.overlap.grad_sync_dtype))
@@ -331,7 +331,6 @@ class Trainer:
             "fp8_gemm_min_dim": fp8_gemm_min_dim(t) if t.fp8_recipe else None,
             "fp8_dgrad_accumulation": ("fast" if fp8_fast_dgrad(t) else "exact") if t.fp8_recipe else None,
             "fp8_param": fp8_param(t) if t.fp8_recipe else None,
-            "fp8_gather_wgrad": fp8_gather_wgrad(self.cfg) if t.fp8_recipe else None,
         }
 
     def _world_stats(self) -> torch.Tensor:
