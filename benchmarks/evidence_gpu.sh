@@ -29,6 +29,8 @@
 #   bash benchmarks/evidence_gpu.sh gather1  OUT   # (at d31e7e5, reverted) one GPU: train.fp8_gather_wgrad's GPU
 #                                                  #   tests, kernels, the fine model bf16 / gathering / not
 #   bash benchmarks/evidence_gpu.sh gather_sweep1 OUT # (at d31e7e5) its weight-gradient kernel's tiles swept
+#   bash benchmarks/evidence_gpu.sh wgrad_groups_fine1 OUT # one GPU: the fine model's wgrad summed over 2 / 4
+#                                                  #   micro-batches (eager) against the graphed default
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
 #   bash benchmarks/evidence_gpu.sh routing2x OUT  # the fine 2-GPU example with aux 0.2 beside a 100-step decay
@@ -2213,6 +2215,20 @@ PY
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections gather_wgrad --rounds 10 \
       --json $res/step_kernels_gather_sweep_1x$gpu.json 2>&1 | tail -n 6
+    pack
+    ;;
+  wgrad_groups_fine1)  # the fine model at one GPU: what the experts' weight gradients summed over 2 and 4
+    # micro-batches per read-modify-write of main_grad (train.expert_wgrad_micro_batches, eager only) gain against
+    # the graphed default, bf16 and rowwise FP8 (3 warm-up + 8 steps a row, one launch)
+    export CUDA_VISIBLE_DEVICES=0
+    name=train_step_wgrad_groups_fine_8l_1x$gpu
+    R=train.fp8_recipe=rowwise E=train.moe_cuda_graph=false
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      --variant rowwise:$R --variant eager:$E --variant eager_rowwise:$E,$R \
+      --variant eager_w2:$E,train.expert_wgrad_micro_batches=2 --variant eager_w2_rowwise:$E,$R,train.expert_wgrad_micro_batches=2 \
+      --variant eager_w4:$E,train.expert_wgrad_micro_batches=4 --variant eager_w4_rowwise:$E,$R,train.expert_wgrad_micro_batches=4 \
+      --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
