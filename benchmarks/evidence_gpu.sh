@@ -31,6 +31,8 @@
 #   bash benchmarks/evidence_gpu.sh gather_sweep1 OUT # (at d31e7e5) its weight-gradient kernel's tiles swept
 #   bash benchmarks/evidence_gpu.sh wgrad_groups_fine1 OUT # one GPU: the fine model's wgrad summed over 2 / 4
 #                                                  #   micro-batches (eager) against the graphed default
+#   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # one GPU: the fused FP8 SwiGLU MLP's GPU tests, the fine model
+#                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
 #   bash benchmarks/evidence_gpu.sh routing2x OUT  # the fine 2-GPU example with aux 0.2 beside a 100-step decay
@@ -340,6 +342,9 @@ HANDOFF_OFF=("moe_overlap/layers/experts.py|s/return Fp8Handoff(fc1, fc2) if fc1
 # 2026-11-28 evening: the bf16 router's logits on the tensor cores (layers/router.Bf16Logits) undone. (router_rows1 ran
 # at b51f9bf, where this also undid quantize_rows reading a row once, in registers: it gained nothing, and was reverted)
 ROUTER_ROWS_OFF=("moe_overlap/layers/router.py|s/if x_TH.dtype == self.weight.dtype == torch.bfloat16:/if False:/")
+
+# 2026-11-29: the dense SwiGLU MLP's fused rowwise FP8 Function (layers/mlp.Fp8SwiGLUMLP) undone: the two linears
+MLP_FUSION_OFF=("moe_overlap/layers/mlp.py|s/        fp8 = self.fused_fp8()/        fp8 = None/")
 
 # 2026-11-28 night: the FP8 SwiGLU forward two rows a program at 4 warps undone (one row at 8 warps, as before)
 TILE_OFF=("moe_overlap/kernels/swiglu.py|s/^_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (2, 4)/_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (1, 8)/")
@@ -2230,6 +2235,16 @@ PY
       --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
       | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  mlp_fp8_1)  # issue 39: the dense SwiGLU MLP (the fine model's shared expert) as one Function under rowwise FP8
+    # (layers/mlp.Fp8SwiGLUMLP: SwiGLU's FP8 kernels feeding fc2's forward and fc1's input gradient): the FP8 and
+    # SwiGLU GPU tests, then the fine model with it and without (MLP_FUSION_OFF), alternated, each launch bf16 then
+    # rowwise (3 warm-up + 8 steps a row)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests mlp_fp8 tests/test_gpu_fp8.py tests/test_swiglu_kernel.py
+    pack
+    tree_before mlp_fp8_before "${MLP_FUSION_OFF[@]}"
+    FP8_MODEL=fine_8l fp8_runs mlp_fp8 /tmp/mlp_fp8_before fused before fused_again before_again
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
