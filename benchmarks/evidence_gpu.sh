@@ -31,7 +31,7 @@
 #   bash benchmarks/evidence_gpu.sh gather_sweep1 OUT # (at d31e7e5) its weight-gradient kernel's tiles swept
 #   bash benchmarks/evidence_gpu.sh wgrad_groups_fine1 OUT # one GPU: the fine model's wgrad summed over 2 / 4
 #                                                  #   micro-batches (eager) against the graphed default
-#   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # one GPU: the fused FP8 SwiGLU MLP's GPU tests, the fine model
+#   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
 #   bash benchmarks/evidence_gpu.sh examples2x OUT # both 2-GPU examples as shipped, side by side (GPUs 0-1, 2-3)
@@ -2239,7 +2239,7 @@ PY
   mlp_fp8_1)  # issue 39: the dense SwiGLU MLP (the fine model's shared expert) as one Function under rowwise FP8
     # (layers/mlp.Fp8SwiGLUMLP: SwiGLU's FP8 kernels feeding fc2's forward and fc1's input gradient): the FP8 and
     # SwiGLU GPU tests, then the fine model with it and without (MLP_FUSION_OFF), alternated, each launch bf16 then
-    # rowwise (3 warm-up + 8 steps a row)
+    # rowwise (3 warm-up + 8 steps a row). Ran at commit cad4b62 (no gain measured: reverted; the sed finds nothing now)
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests mlp_fp8 tests/test_gpu_fp8.py tests/test_swiglu_kernel.py
     pack

@@ -635,49 +635,6 @@ def test_fp8_moe_permutation_hands_its_experts_fp8_rows(monkeypatch, fp8, ffn, h
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("with_main_grad", [True, False], ids=["main_grad", "grad"])
-def test_fp8_swiglu_mlp_fused_changes_no_bit_and_quantizes_half(monkeypatch, with_main_grad):
-    """Under rowwise FP8 on one TP rank the dense SwiGLU MLP (the shared expert, the dense layers' MLP) runs as one
-    Function (layers/mlp.Fp8SwiGLUMLP): SwiGLU's kernels hand fc2's forward and fc1's input gradient their FP8 rows,
-    so only x and the output gradient are quantized by the GEMMs (2 of 4 calls); the output, the input's gradient
-    and both weights' gradients (into main_grad, or returned) are bit for bit the two linears'. Blockwise, and a linear
-    left bf16 by the min-dim rule, keep the two linears."""
-    from moe_overlap.layers.mlp import SwiGLUMLP
-
-    quantized = []
-    real = fp8_layers.quantize_rows
-    monkeypatch.setattr(fp8_layers, "quantize_rows", lambda x, *a, **k: quantized.append(x.shape) or real(x, *a, **k))
-
-    def run(fused: bool) -> list[torch.Tensor]:
-        torch.manual_seed(3)
-        mlp = SwiGLUMLP(64, 48)
-        for linear in (mlp.linear_fc1, mlp.linear_fc2):
-            torch.nn.init.normal_(linear.weight, std=0.2)
-            linear.fp8 = Fp8(emulate=True, min_dim=0)
-            if with_main_grad:
-                param_info(linear.weight).main_grad = torch.zeros_like(linear.weight)
-        assert (mlp.fused_fp8() is not None) is True
-        if not fused:
-            mlp.fused_fp8 = lambda: None
-        fp8_layers.weights_updated()
-        x = torch.randn(2, 9, 64, requires_grad=True)
-        y = mlp(x)
-        y.backward(torch.randn_like(y))
-        weights = (mlp.linear_fc1.weight, mlp.linear_fc2.weight)
-        return [y.detach(), x.grad, *(param_info(w).main_grad if with_main_grad else w.grad for w in weights)]
-
-    fused = run(True)
-    assert len(quantized) == 2
-    quantized.clear()
-    assert all(torch.equal(got, want) for got, want in zip(fused, run(False)))
-    assert len(quantized) == 4
-
-    mlp = SwiGLUMLP(64, 48)
-    for fp8 in (Fp8(emulate=True, recipe="blockwise"), Fp8(emulate=True, min_dim=64)):
-        mlp.linear_fc1.fp8 = mlp.linear_fc2.fp8 = fp8
-        assert mlp.fused_fp8() is None
-
-
 def test_fp8_experts_with_no_rows():
     w13, w2 = torch.nn.Parameter(torch.randn(2, 32, 64)), torch.nn.Parameter(torch.randn(2, 32, 32))
     x = torch.zeros(0, 32, requires_grad=True)
