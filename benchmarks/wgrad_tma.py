@@ -1,0 +1,240 @@
+"""Where the experts' bf16 weight gradient into fp32 main_grad (kernels/grouped_wgrad.py) spends its time, and
+whether TMA-fed loops shorten it; one CUDA GPU, every variant that adds checked against the shipped kernel on
+uneven experts (one without rows), timed round-robin from CUDA graphs, one JSON row per shape:
+
+    PYTHONPATH=. python benchmarks/wgrad_tma.py --json OUT.json [--rounds 10] [--shapes fine_fc1,...]
+
+Why: compiled for sm_90 the shipped kernel's loop is not pipelined (plain loads into registers, then shared
+memory; no asynchronous copies) and it spills 1.6 KB a thread (its [BLOCK_K, BLOCK_M] pointer tensors and the
+epilogue's 64-bit addresses). Variants (one segment: one micro-batch's rows per call):
+  shipped           the package's kernel (pointer loads, masked rows, atomic adds into main_grad)
+  mainloop_only     the same loop, the tile's add skipped (a runtime flag the compiler cannot fold): the GEMM alone
+  epilogue_only     no loop, a zero tile added: main_grad's read-modify-write alone through the atomics
+  tma_<tile>_*      each expert's rows read by the TMA through a ragged descriptor (rows past the expert read as
+                    zero by the hardware, no masks), pipelined; ``_atomic``: the shipped element-wise adds;
+                    ``_reduce``: the TMA's bulk reduction of the tile through shared memory (no per-element
+                    addresses: no spills); ``_persistent<n>``: n programs an SM looping over every (expert, tile),
+                    flattened by the compiler unless ``_unflattened``; ``_mainloop_only``: no add
+  grouped_mm_alone  torch's bf16 grouped GEMM of the same rows, bf16 out (no accumulation): the GEMM's own limit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from benchmarks.common import run_header, write_json  # noqa: E402
+from benchmarks.step_kernels import WGRAD_SHAPES, timed_graphed, wgrad_operands  # noqa: E402
+from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_triton  # noqa: E402
+
+
+@triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_of_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_of_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_of_group
+    return pid_m, pid_n
+
+
+@triton.jit
+def _add_tile(acc, out_ptr, expert, pid_m, pid_n, M, N, stride_oe, stride_om, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = out_ptr + expert.to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.atomic_add(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N), sem="relaxed")
+
+
+@triton.jit
+def _ptr_kernel(a_ptr, b_ptr, offsets, out_ptr, M, N, step_a, step_b, stride_oe, stride_om, add_flag,
+                LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    expert = tl.program_id(1)
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(offsets + expert)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    if LOOP:
+        a_KM = a_ptr + start.to(tl.int64) * step_a + rk[:, None] * step_a + rm[None, :]
+        b_KN = b_ptr + start.to(tl.int64) * step_b + rk[:, None] * step_b + rn[None, :]
+        for k in range(0, end - start, BLOCK_K):
+            in_rows = rk[:, None] < end - start - k
+            acc = tl.dot(tl.trans(tl.load(a_KM, mask=in_rows, other=0.0)), tl.load(b_KN, mask=in_rows, other=0.0),
+                         acc)
+            a_KM += BLOCK_K * step_a
+            b_KN += BLOCK_K * step_b
+    if add_flag != 0:
+        _add_tile(acc, out_ptr, expert, pid_m, pid_n, M, N, stride_oe, stride_om, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _tma_tile(a_desc, b_desc, offsets, out_ptr, out_desc, expert, pid_m, pid_n, M, N, stride_oe, stride_om, add_flag,
+              REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              STAGES: tl.constexpr):
+    start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
+    rows = tl.load(offsets + expert) - start
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k in tl.range(0, rows, BLOCK_K, num_stages=STAGES):
+        a_KM = load_ragged(a_desc, start, rows, [k, pid_m * BLOCK_M])
+        b_KN = load_ragged(b_desc, start, rows, [k, pid_n * BLOCK_N])
+        acc = tl.dot(tl.trans(a_KM), b_KN, acc)
+    if (add_flag != 0) & (rows > 0):
+        if REDUCE:  # the TMA's bulk reduction: the tile leaves through shared memory, no per-element addresses
+            out_desc.atomic_add([expert, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            _add_tile(acc, out_ptr, expert, pid_m, pid_n, M, N, stride_oe, stride_om, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _tma_kernel(a_desc, b_desc, offsets, out_ptr, out_desc, M, N, stride_oe, stride_om, add_flag,
+                REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    _tma_tile(a_desc, b_desc, offsets, out_ptr, out_desc, tl.program_id(1), pid_m, pid_n, M, N, stride_oe, stride_om,
+              add_flag, REDUCE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+@triton.jit
+def _tma_persistent_kernel(a_desc, b_desc, offsets, out_ptr, out_desc, M, N, experts, stride_oe, stride_om, add_flag,
+                           PROGRAMS: tl.constexpr, REDUCE: tl.constexpr, FLATTEN: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    tiles = ((M + BLOCK_M - 1) // BLOCK_M) * ((N + BLOCK_N - 1) // BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles * experts, PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_of(tile % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _tma_tile(a_desc, b_desc, offsets, out_ptr, out_desc, tile // tiles, pid_m, pid_n, M, N, stride_oe,
+                  stride_om, add_flag, REDUCE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+def ptr_call(a, b, offsets, out, config, loop: bool, add: bool):
+    block_m, block_n, block_k, warps, stages = config
+    experts, M, N = out.shape
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), experts)
+    _ptr_kernel[grid](a, b, offsets, out, M, N, a.stride(0), b.stride(0), out.stride(0), out.stride(1), int(add),
+                      LOOP=loop, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
+                      num_stages=stages)
+
+
+_DESCS: dict = {}
+
+
+def descriptors(a, b, out, block_m, block_n, block_k):
+    """Host TMA descriptors, made once per buffer and tile (a graph replays the launch's parameters)."""
+    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in (a, b, out)) + (block_m, block_n, block_k)
+    if key not in _DESCS:
+        _DESCS[key] = (create_ragged_descriptor(a, [block_k, block_m]), create_ragged_descriptor(b, [block_k, block_n]),
+                       TensorDescriptor(out, list(out.shape), list(out.stride()), [1, block_m, block_n]))
+    return _DESCS[key]
+
+
+def tma_call(a, b, offsets, out, config, reduce: bool, persistent: int = 0, flatten: bool = True, add: bool = True):
+    block_m, block_n, block_k, warps, stages = config
+    experts, M, N = out.shape
+    a_desc, b_desc, out_desc = descriptors(a, b, out, block_m, block_n, block_k)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    common = dict(REDUCE=reduce, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, STAGES=stages,
+                  num_warps=warps)
+    if persistent:
+        programs = min(tiles * experts, persistent * torch.cuda.get_device_properties(a.device).multi_processor_count)
+        _tma_persistent_kernel[(programs,)](a_desc, b_desc, offsets, out, out_desc, M, N, experts, out.stride(0),
+                                           out.stride(1), int(add), PROGRAMS=programs, FLATTEN=flatten, **common)
+    else:
+        _tma_kernel[(tiles, experts)](a_desc, b_desc, offsets, out, out_desc, M, N, out.stride(0), out.stride(1),
+                                      int(add), **common)
+
+
+SHIPPED = (128, 128, 32, 4, 5)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+TMA_CONFIGS = [(128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 64, 8, 4),
+               (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3)]
+
+
+def variants(a, b, offsets, out) -> dict:
+    fns = {
+        "shipped": lambda: grouped_wgrad_accumulate_triton([(a, b, offsets)], out, SHIPPED),
+        "mainloop_only": lambda: ptr_call(a, b, offsets, out, SHIPPED, loop=True, add=False),
+        "epilogue_only": lambda: ptr_call(a, b, offsets, out, SHIPPED, loop=False, add=True),
+        "grouped_mm_alone": lambda: torch._grouped_mm(a.t(), b, offs=offsets),
+    }
+    for config in TMA_CONFIGS:
+        tag = "x".join(map(str, config))
+        fns[f"tma_{tag}_mainloop_only"] = lambda config=config: tma_call(a, b, offsets, out, config, True, add=False)
+        fns[f"tma_{tag}_atomic"] = lambda config=config: tma_call(a, b, offsets, out, config, False)
+        fns[f"tma_{tag}_reduce"] = lambda config=config: tma_call(a, b, offsets, out, config, True)
+        for persistent in (1, 2):
+            fns[f"tma_{tag}_reduce_persistent{persistent}"] = (
+                lambda config=config, persistent=persistent: tma_call(a, b, offsets, out, config, True, persistent))
+        fns[f"tma_{tag}_reduce_persistent1_unflattened"] = (
+            lambda config=config: tma_call(a, b, offsets, out, config, True, 1, flatten=False))
+    return fns
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES))
+    parser.add_argument("--rows", type=int, default=None, help="rows per expert (default: the shape's)")
+    args = parser.parse_args()
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+    rows = []
+    for name in args.shapes.split(","):
+        experts, per_expert, m, n = WGRAD_SHAPES[name]
+        per_expert = args.rows or per_expert
+        a, b, offsets, main_grad = wgrad_operands(name, per_expert)
+        ragged = offsets.clone()
+        ragged[: experts // 2] -= 37  # uneven experts too: the first half 37 rows short, the next one 37 more,
+        ragged[1] = ragged[0]  # and the second none
+        # correctness: every variant that adds, once into zeros, against the shipped kernel on the same rows
+        reference = torch.zeros_like(main_grad)
+        grouped_wgrad_accumulate_triton([(a, b, ragged)], reference, SHIPPED)
+        errors, failed = {}, {}
+        fns = variants(a, b, offsets, main_grad)
+        for variant in list(fns):
+            if variant in ("mainloop_only", "epilogue_only", "grouped_mm_alone") or variant.endswith("mainloop_only"):
+                continue
+            got = torch.zeros_like(main_grad)
+            try:
+                variants(a, b, ragged, got)[variant]()
+                torch.cuda.synchronize()
+                errors[variant] = (got - reference).abs().max().item()
+            except Exception as e:  # a variant that does not compile is recorded and dropped
+                failed[variant] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                fns.pop(variant)
+                print(name, variant, "failed:", failed[variant], flush=True)
+        for variant in [v for v in fns if v.endswith("mainloop_only") and v != "mainloop_only"]:
+            try:
+                fns[variant]()
+                torch.cuda.synchronize()
+            except Exception as e:
+                failed[variant] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                fns.pop(variant)
+        ms = timed_graphed(fns, args.rounds, calls=10)
+        flops = 2 * experts * per_expert * m * n
+        rows.append({"shape": name, "experts": experts, "rows_per_expert": per_expert, "m": m, "n": n, "ms": ms,
+                     "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "max_abs_diff_vs_shipped": errors,
+                     "failed": failed, "fastest_adding": min((k for k in ms if k in errors or k == "shipped"),
+                                                             key=ms.get)})
+        print(name, {k: round(v, 3) for k, v in sorted(ms.items(), key=lambda kv: kv[1])}, flush=True)
+        print(name, "max |diff|", errors, flush=True)
+    write_json(args.json, run_header(1), rows)
+
+
+if __name__ == "__main__":
+    main()
