@@ -32,6 +32,7 @@
 #   bash benchmarks/evidence_gpu.sh wgrad_groups_fine1 OUT # one GPU: the fine model's wgrad summed over 2 / 4
 #                                                  #   micro-batches (eager) against the graphed default
 #   bash benchmarks/evidence_gpu.sh wgrad_tma1 OUT # one GPU: the experts' wgrad kernel against TMA-fed variants
+#   bash benchmarks/evidence_gpu.sh wgrad_tma2 OUT # the same with main_grad prefetched, and two micro-batches a call
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2249,10 +2250,18 @@ PY
     ;;
   wgrad_tma1)  # the experts' bf16 weight gradient into main_grad: the shipped kernel (its loop compiles for sm_90
     # unpipelined, plain loads, 1.6 KB a thread spilled) beside TMA-fed loops and the TMA's bulk reduction as the
-    # epilogue, per tile; the GEMM alone and the read-modify-write alone (benchmarks/wgrad_tma.py)
+    # epilogue, per tile; the GEMM alone and the read-modify-write alone (benchmarks/wgrad_tma.py as of the commit
+    # that added this phase; the script has moved on: wgrad_tma2)
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/wgrad_tma.py --rounds 10 \
       --json $res/wgrad_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/wgrad_tma1.log" | cut -c1-2500
+    pack
+    ;;
+  wgrad_tma2)  # wgrad_tma1 found the loop no slower than a TMA-fed one and main_grad's read-modify-write unhidden:
+    # main_grad's tile read before the loop (prefetch), and two micro-batches summed per call, each epilogue
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/wgrad_tma.py --rounds 10 \
+      --json $res/wgrad_tma2_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/wgrad_tma2.log" | cut -c1-3000
     pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2

@@ -6,15 +6,18 @@ uneven experts (one without rows), timed round-robin from CUDA graphs, one JSON 
 
 Why: compiled for sm_90 the shipped kernel's loop is not pipelined (plain loads into registers, then shared
 memory; no asynchronous copies) and it spills 1.6 KB a thread (its [BLOCK_K, BLOCK_M] pointer tensors and the
-epilogue's 64-bit addresses). Variants (one segment: one micro-batch's rows per call):
+epilogue's 64-bit addresses). Variants (one segment: one micro-batch's rows a call, unless ``_2seg``):
   shipped           the package's kernel (pointer loads, masked rows, atomic adds into main_grad)
   mainloop_only     the same loop, the tile's add skipped (a runtime flag the compiler cannot fold): the GEMM alone
   epilogue_only     no loop, a zero tile added: main_grad's read-modify-write alone through the atomics
   tma_<tile>_*      each expert's rows read by the TMA through a ragged descriptor (rows past the expert read as
                     zero by the hardware, no masks), pipelined; ``_atomic``: the shipped element-wise adds;
                     ``_reduce``: the TMA's bulk reduction of the tile through shared memory (no per-element
-                    addresses: no spills); ``_persistent<n>``: n programs an SM looping over every (expert, tile),
-                    flattened by the compiler unless ``_unflattened``; ``_mainloop_only``: no add
+                    addresses: no spills); ``_prefetch``: main_grad's tile read by the TMA before the loop and
+                    written back after it (one program owns a tile: no atomics); ``_mainloop_only``: no add.
+                    (wgrad_tma1's first sweep also had persistent forms, n programs an SM over every (expert, tile),
+                    flattened or not: all slower.)
+  *_2seg            two micro-batches' rows summed per call (train.expert_wgrad_micro_batches=2): ms per call
   grouped_mm_alone  torch's bf16 grouped GEMM of the same rows, bf16 out (no accumulation): the GEMM's own limit
 """
 
@@ -84,42 +87,45 @@ def _ptr_kernel(a_ptr, b_ptr, offsets, out_ptr, M, N, step_a, step_b, stride_oe,
 
 
 @triton.jit
-def _tma_tile(a_desc, b_desc, offsets, out_ptr, out_desc, expert, pid_m, pid_n, M, N, stride_oe, stride_om, add_flag,
-              REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              STAGES: tl.constexpr):
+def _segment_sum(acc, a_desc, b_desc, offsets, expert, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
     rows = tl.load(offsets + expert) - start
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k in tl.range(0, rows, BLOCK_K, num_stages=STAGES):
         a_KM = load_ragged(a_desc, start, rows, [k, pid_m * BLOCK_M])
         b_KN = load_ragged(b_desc, start, rows, [k, pid_n * BLOCK_N])
         acc = tl.dot(tl.trans(a_KM), b_KN, acc)
+    return acc, rows
+
+
+@triton.jit
+def _tma_tile(a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out_ptr, out_desc, expert, pid_m, pid_n, M, N,
+              stride_oe, stride_om, add_flag, SEGMENTS: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    if EPILOGUE == 2:  # main_grad's tile read first, while the loop runs; then added and written, not atomically
+        old = out_desc.load([expert, pid_m * BLOCK_M, pid_n * BLOCK_N])
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc, rows = _segment_sum(acc, a_desc, b_desc, offsets, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    if SEGMENTS == 2:
+        acc, rows2 = _segment_sum(acc, a2_desc, b2_desc, offsets2, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  STAGES)
+        rows += rows2
     if (add_flag != 0) & (rows > 0):
-        if REDUCE:  # the TMA's bulk reduction: the tile leaves through shared memory, no per-element addresses
+        if EPILOGUE == 1:  # the TMA's bulk reduction: the tile leaves through shared memory, no per-element addresses
             out_desc.atomic_add([expert, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.reshape(1, BLOCK_M, BLOCK_N))
+        elif EPILOGUE == 2:
+            out_desc.store([expert, pid_m * BLOCK_M, pid_n * BLOCK_N], old + acc.reshape(1, BLOCK_M, BLOCK_N))
         else:
             _add_tile(acc, out_ptr, expert, pid_m, pid_n, M, N, stride_oe, stride_om, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _tma_kernel(a_desc, b_desc, offsets, out_ptr, out_desc, M, N, stride_oe, stride_om, add_flag,
-                REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+def _tma_kernel(a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out_ptr, out_desc, M, N, stride_oe, stride_om,
+                add_flag, SEGMENTS: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    _tma_tile(a_desc, b_desc, offsets, out_ptr, out_desc, tl.program_id(1), pid_m, pid_n, M, N, stride_oe, stride_om,
-              add_flag, REDUCE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-
-
-@triton.jit
-def _tma_persistent_kernel(a_desc, b_desc, offsets, out_ptr, out_desc, M, N, experts, stride_oe, stride_om, add_flag,
-                           PROGRAMS: tl.constexpr, REDUCE: tl.constexpr, FLATTEN: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, STAGES: tl.constexpr):
-    tiles = ((M + BLOCK_M - 1) // BLOCK_M) * ((N + BLOCK_N - 1) // BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles * experts, PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_of(tile % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _tma_tile(a_desc, b_desc, offsets, out_ptr, out_desc, tile // tiles, pid_m, pid_n, M, N, stride_oe,
-                  stride_om, add_flag, REDUCE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    _tma_tile(a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out_ptr, out_desc, tl.program_id(1), pid_m, pid_n,
+              M, N, stride_oe, stride_om, add_flag, SEGMENTS, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
 
 def ptr_call(a, b, offsets, out, config, loop: bool, add: bool):
@@ -143,46 +149,66 @@ def descriptors(a, b, out, block_m, block_n, block_k):
     return _DESCS[key]
 
 
-def tma_call(a, b, offsets, out, config, reduce: bool, persistent: int = 0, flatten: bool = True, add: bool = True):
+EPILOGUES = {"atomic": 0, "reduce": 1, "prefetch": 2}
+
+
+def tma_call(segments, out, config, epilogue: str, add: bool = True):
     block_m, block_n, block_k, warps, stages = config
     experts, M, N = out.shape
+    (a, b, offsets), (a2, b2, offsets2) = segments[0], segments[-1]
     a_desc, b_desc, out_desc = descriptors(a, b, out, block_m, block_n, block_k)
+    a2_desc, b2_desc, _ = descriptors(a2, b2, out, block_m, block_n, block_k)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    common = dict(REDUCE=reduce, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, STAGES=stages,
-                  num_warps=warps)
-    if persistent:
-        programs = min(tiles * experts, persistent * torch.cuda.get_device_properties(a.device).multi_processor_count)
-        _tma_persistent_kernel[(programs,)](a_desc, b_desc, offsets, out, out_desc, M, N, experts, out.stride(0),
-                                           out.stride(1), int(add), PROGRAMS=programs, FLATTEN=flatten, **common)
-    else:
-        _tma_kernel[(tiles, experts)](a_desc, b_desc, offsets, out, out_desc, M, N, out.stride(0), out.stride(1),
-                                      int(add), **common)
+    _tma_kernel[(tiles, experts)](a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out, out_desc, M, N,
+                                  out.stride(0), out.stride(1), int(add), SEGMENTS=len(segments),
+                                  EPILOGUE=EPILOGUES[epilogue], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  GROUP_M=8, STAGES=stages, num_warps=warps)
 
 
 SHIPPED = (128, 128, 32, 4, 5)
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-TMA_CONFIGS = [(128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 64, 8, 4),
-               (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); wgrad_tma1 swept 8 (persistent forms too: all slower)
+TMA_CONFIGS = [(128, 128, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 64, 4, 3), (64, 128, 64, 4, 4),
+               (128, 256, 64, 8, 3)]
 
 
-def variants(a, b, offsets, out) -> dict:
-    fns = {
-        "shipped": lambda: grouped_wgrad_accumulate_triton([(a, b, offsets)], out, SHIPPED),
-        "mainloop_only": lambda: ptr_call(a, b, offsets, out, SHIPPED, loop=True, add=False),
-        "epilogue_only": lambda: ptr_call(a, b, offsets, out, SHIPPED, loop=False, add=True),
-        "grouped_mm_alone": lambda: torch._grouped_mm(a.t(), b, offs=offsets),
-    }
+def variants(segments, out) -> dict:
+    (a, b, offsets) = segments[0]
+    tag2 = "_2seg" if len(segments) == 2 else ""
+    fns = {"shipped" + tag2: lambda: grouped_wgrad_accumulate_triton(segments, out, SHIPPED)}
+    if not tag2:
+        fns.update({
+            "mainloop_only": lambda: ptr_call(a, b, offsets, out, SHIPPED, loop=True, add=False),
+            "epilogue_only": lambda: ptr_call(a, b, offsets, out, SHIPPED, loop=False, add=True),
+            "grouped_mm_alone": lambda: torch._grouped_mm(a.t(), b, offs=offsets),
+        })
     for config in TMA_CONFIGS:
         tag = "x".join(map(str, config))
-        fns[f"tma_{tag}_mainloop_only"] = lambda config=config: tma_call(a, b, offsets, out, config, True, add=False)
-        fns[f"tma_{tag}_atomic"] = lambda config=config: tma_call(a, b, offsets, out, config, False)
-        fns[f"tma_{tag}_reduce"] = lambda config=config: tma_call(a, b, offsets, out, config, True)
-        for persistent in (1, 2):
-            fns[f"tma_{tag}_reduce_persistent{persistent}"] = (
-                lambda config=config, persistent=persistent: tma_call(a, b, offsets, out, config, True, persistent))
-        fns[f"tma_{tag}_reduce_persistent1_unflattened"] = (
-            lambda config=config: tma_call(a, b, offsets, out, config, True, 1, flatten=False))
+        if not tag2:
+            fns[f"tma_{tag}_mainloop_only"] = lambda config=config: tma_call(segments, out, config, "reduce", False)
+        for epilogue in EPILOGUES:
+            fns[f"tma_{tag}_{epilogue}{tag2}"] = (lambda config=config, epilogue=epilogue:
+                                                  tma_call(segments, out, config, epilogue))
     return fns
+
+
+def check(fns: dict, segments, ragged_segments, main_grad, errors: dict, failed: dict) -> None:
+    """Every variant that adds, once into zeros on the uneven experts, against the shipped kernel; one that fails
+    (compiling, or out of shared memory) is recorded and dropped."""
+    reference = torch.zeros_like(main_grad)
+    grouped_wgrad_accumulate_triton(ragged_segments, reference, SHIPPED)
+    for variant in list(fns):
+        adds = not (variant in ("mainloop_only", "epilogue_only", "grouped_mm_alone") or variant.endswith("only"))
+        got = torch.zeros_like(main_grad)
+        try:
+            (variants(ragged_segments, got)[variant] if adds else fns[variant])()
+            torch.cuda.synchronize()
+            if adds:
+                errors[variant] = (got - reference).abs().max().item()
+        except Exception as e:
+            failed[variant] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            fns.pop(variant)
+            print(variant, "failed:", failed[variant], flush=True)
+        _DESCS.clear()  # they hold the tensors they describe
 
 
 def main() -> None:
@@ -190,52 +216,30 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES))
-    parser.add_argument("--rows", type=int, default=None, help="rows per expert (default: the shape's)")
     args = parser.parse_args()
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
     rows = []
     for name in args.shapes.split(","):
         experts, per_expert, m, n = WGRAD_SHAPES[name]
-        per_expert = args.rows or per_expert
         a, b, offsets, main_grad = wgrad_operands(name, per_expert)
+        a2, b2 = torch.randn_like(a), torch.randn_like(b)  # a second micro-batch's rows (train.expert_wgrad_micro_batches)
         ragged = offsets.clone()
-        ragged[: experts // 2] -= 37  # uneven experts too: the first half 37 rows short, the next one 37 more,
+        ragged[: experts // 2] -= 37  # uneven experts: the first half 37 rows short, the next one 37 more,
         ragged[1] = ragged[0]  # and the second none
-        # correctness: every variant that adds, once into zeros, against the shipped kernel on the same rows
-        reference = torch.zeros_like(main_grad)
-        grouped_wgrad_accumulate_triton([(a, b, ragged)], reference, SHIPPED)
-        errors, failed = {}, {}
-        fns = variants(a, b, offsets, main_grad)
-        for variant in list(fns):
-            if variant in ("mainloop_only", "epilogue_only", "grouped_mm_alone") or variant.endswith("mainloop_only"):
-                continue
-            got = torch.zeros_like(main_grad)
-            try:
-                variants(a, b, ragged, got)[variant]()
-                torch.cuda.synchronize()
-                errors[variant] = (got - reference).abs().max().item()
-                _DESCS.clear()  # they hold the tensors they describe
-            except Exception as e:  # a variant that does not compile is recorded and dropped
-                failed[variant] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                fns.pop(variant)
-                _DESCS.clear()
-                print(name, variant, "failed:", failed[variant], flush=True)
-        for variant in [v for v in fns if v.endswith("mainloop_only") and v != "mainloop_only"]:
-            try:
-                fns[variant]()
-                torch.cuda.synchronize()
-            except Exception as e:
-                failed[variant] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                fns.pop(variant)
+        errors, failed, fns = {}, {}, {}
+        for segments, ragged_segments in (([(a, b, offsets)], [(a, b, ragged)]),
+                                          ([(a, b, offsets), (a2, b2, offsets)], [(a, b, ragged), (a2, b2, ragged)])):
+            some = variants(segments, main_grad)
+            check(some, segments, ragged_segments, main_grad, errors, failed)
+            fns.update(some)
         ms = timed_graphed(fns, args.rounds, calls=10)
         flops = 2 * experts * per_expert * m * n
-        rows.append({"shape": name, "experts": experts, "rows_per_expert": per_expert, "m": m, "n": n, "ms": ms,
-                     "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "max_abs_diff_vs_shipped": errors,
-                     "failed": failed, "fastest_adding": min((k for k in ms if k in errors or k == "shipped"),
-                                                             key=ms.get)})
+        rows.append({"shape": name, "experts": experts, "rows_per_expert": per_expert, "m": m, "n": n,
+                     "ms_per_call": ms, "tflops_per_micro_batch": {k: flops * (2 if k.endswith("2seg") else 1) / v / 1e9
+                                                                   for k, v in ms.items()},
+                     "max_abs_diff_vs_shipped": errors, "failed": failed})
         print(name, {k: round(v, 3) for k, v in sorted(ms.items(), key=lambda kv: kv[1])}, flush=True)
-        print(name, "max |diff|", errors, flush=True)
-        del fns, a, b, main_grad, reference
+        print(name, "nonzero |diff|", {k: v for k, v in errors.items() if v}, flush=True)
+        del fns, some, a, b, a2, b2, main_grad
         _DESCS.clear()
     write_json(args.json, run_header(1), rows)
 
