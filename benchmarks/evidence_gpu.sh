@@ -33,6 +33,7 @@
 #                                                  #   micro-batches (eager) against the graphed default
 #   bash benchmarks/evidence_gpu.sh wgrad_tma1 OUT # one GPU: the experts' wgrad kernel against TMA-fed variants
 #   bash benchmarks/evidence_gpu.sh wgrad_tma2 OUT # the same with main_grad prefetched, and two micro-batches a call
+#   bash benchmarks/evidence_gpu.sh fp8_grouped_tma1 OUT # one GPU: a TMA-fed FP8 grouped GEMM against torch's
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2262,6 +2263,13 @@ PY
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/wgrad_tma.py --rounds 10 \
       --json $res/wgrad_tma2_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/wgrad_tma2.log" | cut -c1-3000
+    pack
+    ;;
+  fp8_grouped_tma1)  # issue 39: a TMA-fed Triton grouped GEMM in the rowwise FP8 recipe against torch's
+    # _scaled_grouped_mm (fast accumulation) and bf16 on the experts' fwd / dgrad shapes (benchmarks/fp8_grouped_tma.py)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/fp8_grouped_tma.py --rounds 10 \
+      --json $res/fp8_grouped_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_grouped_tma1.log" | cut -c1-3000
     pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2

@@ -1,0 +1,186 @@
+"""Whether a TMA-fed Triton grouped GEMM in the rowwise FP8 recipe beats torch's ``_scaled_grouped_mm`` on the
+experts' shapes (the forward and the input gradient of fc1 and fc2, 1,024 rows per expert); one CUDA GPU, every
+variant checked against torch's (normwise, and both against bf16), timed round-robin from CUDA graphs:
+
+    PYTHONPATH=. python benchmarks/fp8_grouped_tma.py --json OUT.json [--rounds 10]
+
+Why: the Triton grouped GEMMs tried before (kernels/fp8_blockwise.py's loop, its removed rowwise mode) read their
+operands through pointer tensors, and compiled for sm_90 such a loop is not pipelined (benchmarks/wgrad_tma.py's
+finding: plain loads, no asynchronous copies). Here each expert's rows come through a ragged TMA descriptor (rows
+past the expert read as zero, the output's rows past it never written) and the weight through a 3-D one; the
+tensor cores accumulate fast (as the experts' GEMMs ask torch: ``use_fast_accum``), the row and column scales
+applied once after the loop. A program finds its expert by walking the end offsets on the device (no host sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, store_ragged  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from benchmarks.common import run_header, write_json  # noqa: E402
+from benchmarks.step_kernels import timed_graphed  # noqa: E402
+
+# name: (experts, rows per expert, K contracted, N out)
+SHAPES = {
+    "fine_fc1_fwd": (64, 1024, 2048, 2048), "fine_fc1_dgrad": (64, 1024, 2048, 2048),
+    "fine_fc2_fwd": (64, 1024, 1024, 2048), "fine_fc2_dgrad": (64, 1024, 2048, 1024),
+    "mixtral_fc1_fwd": (8, 1024, 4096, 28672), "mixtral_fc1_dgrad": (8, 1024, 28672, 4096),
+    "mixtral_fc2_fwd": (8, 1024, 14336, 4096), "mixtral_fc2_dgrad": (8, 1024, 4096, 14336),
+}
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+CONFIGS = [(128, 128, 128, 4, 4), (128, 128, 128, 4, 3), (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
+           (64, 128, 128, 4, 5), (128, 128, 64, 4, 5), (256, 128, 128, 8, 3)]
+
+
+@triton.jit
+def _fp8_grouped_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_ptr, out_desc, N, K, E, tiles_m,
+                        stride_wse, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    width = GROUP_M * tiles_n
+    first_tile = pid // width * GROUP_M
+    rows_of_group = tl.minimum(tiles_m - first_tile, GROUP_M)
+    tile = first_tile + (pid % width) % rows_of_group
+    pid_n = (pid % width) // rows_of_group
+    # Expert e owns row tiles [before_e, before_e + cdiv(rows_e, BLOCK_M)); a tile past the last expert's is dead.
+    expert = tl.full((), -1, tl.int32)
+    start_row = tl.full((), 0, tl.int32)
+    end_row = tl.full((), 0, tl.int32)
+    local_row = tl.full((), 0, tl.int32)
+    before = tl.full((), 0, tl.int32)
+    start = tl.full((), 0, tl.int32)
+    for e in range(0, E):
+        end = tl.load(offsets_ptr + e)
+        tiles_e = (end - start + BLOCK_M - 1) // BLOCK_M
+        hit = (tile >= before) & (tile < before + tiles_e)
+        expert = tl.where(hit, e, expert)
+        start_row = tl.where(hit, start, start_row)
+        end_row = tl.where(hit, end, end_row)
+        local_row = tl.where(hit, (tile - before) * BLOCK_M, local_row)
+        before += tiles_e
+        start = end
+    if expert >= 0:
+        rows = end_row - start_row
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            a_MK = load_ragged(a_desc, start_row, rows, [local_row, k])
+            w_NK = w_desc.load([expert, pid_n * BLOCK_N, k]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(a_MK, tl.trans(w_NK), acc)
+        rm = start_row + local_row + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        scale_M = tl.load(a_scale_ptr + rm, mask=rm < end_row, other=0.0)
+        scale_N = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse + rn, mask=rn < N, other=0.0)
+        out = (acc * scale_M[:, None] * scale_N[None, :]).to(tl.bfloat16)
+        store_ragged(out_desc, start_row, rows, [local_row, pid_n * BLOCK_N], out)
+
+
+_DESCS: dict = {}
+
+
+def fp8_grouped_tma(a_q, a_scale, w_q, w_scale, offsets, out, config):
+    """out[rows of e] = (a_q[rows of e] @ w_q[e]^T) * a_scale[rows] * w_scale[e] in bf16; a_q (T, K), w_q (E, N, K)."""
+    block_m, block_n, block_k, warps, stages = config
+    (T, K), (E, N, _) = a_q.shape, w_q.shape
+    key = tuple((t.data_ptr(), t.shape) for t in (a_q, w_q, out)) + tuple(config)
+    if key not in _DESCS:
+        _DESCS[key] = (create_ragged_descriptor(a_q, [block_m, block_k]),
+                       TensorDescriptor(w_q, list(w_q.shape), list(w_q.stride()), [1, block_n, block_k]),
+                       create_ragged_descriptor(out, [block_m, block_n]))
+    a_desc, w_desc, out_desc = _DESCS[key]
+    tiles_m = triton.cdiv(T, block_m) + E
+    grid = (tiles_m * triton.cdiv(N, block_n),)
+    _fp8_grouped_kernel[grid](a_desc, a_scale, w_desc, w_scale, offsets, out_desc, N, K, E, tiles_m,
+                              w_scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                              STAGES=stages, num_warps=warps)
+    return out
+
+
+def operands(name: str, ragged: bool):
+    experts, per_expert, K, N = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(experts * per_expert, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(experts, N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
+    if ragged:  # uneven experts, one without rows, and the last rows past every offset
+        offsets[: experts // 2] -= 37
+        offsets[1] = offsets[0]
+        offsets[-1] -= 5
+    a_amax = a.float().abs().amax(1).clamp(min=1e-12)
+    a_scale = (a_amax / 448.0).float()
+    a_q = (a.float() / a_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w_amax = w.float().abs().amax(2).clamp(min=1e-12)
+    w_scale = (w_amax / 448.0).float()
+    w_q = (w.float() / w_scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return a, w, offsets, a_q, a_scale, w_q, w_scale
+
+
+def torch_fp8(a_q, a_scale, w_q, w_scale, offsets):
+    return torch._scaled_grouped_mm(a_q, w_q.transpose(-2, -1), a_scale, w_scale, offs=offsets,
+                                    out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
+def normwise(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
+    rows = []
+    for name in args.shapes.split(","):
+        experts, per_expert, K, N = SHAPES[name]
+        # correctness on uneven experts: rows past the last offset untouched, each against torch's and bf16's
+        a, w, offsets, a_q, a_scale, w_q, w_scale = operands(name, ragged=True)
+        rows_in = int(offsets[-1])
+        reference = torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)[:rows_in]
+        theirs = torch_fp8(a_q, a_scale, w_q, w_scale, offsets)[:rows_in]
+        checks, failed = {"torch_fp8_vs_bf16": normwise(theirs, reference)}, {}
+        for config in CONFIGS:
+            tag = "triton_" + "x".join(map(str, config))
+            out = torch.full((a.shape[0], N), 7.0, device="cuda", dtype=torch.bfloat16)
+            try:
+                fp8_grouped_tma(a_q, a_scale, w_q, w_scale, offsets, out, config)
+                torch.cuda.synchronize()
+                checks[tag] = {"vs_bf16": normwise(out[:rows_in], reference),
+                               "vs_torch_fp8": normwise(out[:rows_in], theirs),
+                               "rows_past_untouched": bool((out[rows_in:] == 7.0).all())}
+            except Exception as e:
+                failed[tag] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                print(name, tag, "failed:", failed[tag], flush=True)
+            _DESCS.clear()
+        # timing on even experts
+        a, w, offsets, a_q, a_scale, w_q, w_scale = operands(name, ragged=False)
+        out = torch.empty((a.shape[0], N), device="cuda", dtype=torch.bfloat16)
+        fns = {"torch_fp8_fast": lambda: torch_fp8(a_q, a_scale, w_q, w_scale, offsets),
+               "torch_bf16": lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)}
+        for config in CONFIGS:
+            tag = "triton_" + "x".join(map(str, config))
+            if tag not in failed:
+                fns[tag] = lambda config=config: fp8_grouped_tma(a_q, a_scale, w_q, w_scale, offsets, out, config)
+        ms = timed_graphed(fns, args.rounds, calls=10)
+        flops = 2 * experts * per_expert * K * N
+        best = min((k for k in ms if k.startswith("triton")), key=ms.get, default=None)
+        rows.append({"shape": name, "experts": experts, "rows_per_expert": per_expert, "k": K, "n": N, "ms": ms,
+                     "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "checks": checks, "failed": failed,
+                     "best_triton": best, "best_over_torch_fp8": ms["torch_fp8_fast"] / ms[best] if best else None})
+        print(name, {k: round(v, 4) for k, v in sorted(ms.items(), key=lambda kv: kv[1])}, flush=True)
+        print(name, "checks", checks, flush=True)
+        _DESCS.clear()
+    write_json(args.json, run_header(1), rows)
+
+
+if __name__ == "__main__":
+    main()
