@@ -34,6 +34,8 @@
 #   bash benchmarks/evidence_gpu.sh wgrad_tma1 OUT # one GPU: the experts' wgrad kernel against TMA-fed variants
 #   bash benchmarks/evidence_gpu.sh wgrad_tma2 OUT # the same with main_grad prefetched, and two micro-batches a call
 #   bash benchmarks/evidence_gpu.sh fp8_grouped_tma1 OUT # one GPU: a TMA-fed FP8 grouped GEMM against torch's
+#   bash benchmarks/evidence_gpu.sh fp8_tma1 OUT   # one GPU: the FP8 GPU tests, the fine model with the TMA-fed
+#                                                  #   FP8 grouped GEMM and without (fp8_tma2: Mixtral-like)
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -348,6 +350,9 @@ ROUTER_ROWS_OFF=("moe_overlap/layers/router.py|s/if x_TH.dtype == self.weight.dt
 
 # 2026-11-29: the dense SwiGLU MLP's fused rowwise FP8 Function (layers/mlp.Fp8SwiGLUMLP) undone: the two linears
 MLP_FUSION_OFF=("moe_overlap/layers/mlp.py|s/        fp8 = self.fused_fp8()/        fp8 = None/")
+
+# 2026-11-29: the experts' rowwise FP8 GEMMs through the TMA-fed Triton kernel (kernels/fp8_grouped.py) undone: torch's
+TMA_GEMM_OFF=("moe_overlap/layers/fp8.py|s/    if fast_accum and fp8_grouped_mm_applies(/    if False and fp8_grouped_mm_applies(/")
 
 # 2026-11-28 night: the FP8 SwiGLU forward two rows a program at 4 warps undone (one row at 8 warps, as before)
 TILE_OFF=("moe_overlap/kernels/swiglu.py|s/^_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (2, 4)/_FP8_FORWARD_TILE, _FP8_BACKWARD_TILE, _FP8_LONG_ROW_TILE = (1, 8)/")
@@ -2271,6 +2276,20 @@ PY
     timeout -k 10 "$(left)" python benchmarks/fp8_grouped_tma.py --rounds 10 \
       --json $res/fp8_grouped_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_grouped_tma1.log" | cut -c1-3000
     pack
+    ;;
+  fp8_tma1)  # issue 39: the experts' rowwise FP8 GEMMs through the TMA-fed Triton kernel (kernels/fp8_grouped.py,
+    # bit for bit torch's): the FP8 GPU tests, then the fine model with it and without (TMA_GEMM_OFF), alternated,
+    # each launch bf16 then rowwise (3 warm-up + 8 steps a row)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests fp8_tma tests/test_gpu_fp8.py
+    pack
+    tree_before fp8_tma_before "${TMA_GEMM_OFF[@]}"
+    FP8_MODEL=fine_8l fp8_runs fp8_tma /tmp/fp8_tma_before tma before tma_again before_again
+    ;;
+  fp8_tma2)  # the same for the Mixtral-like model (two launches each way)
+    export CUDA_VISIBLE_DEVICES=0
+    tree_before fp8_tma_before "${TMA_GEMM_OFF[@]}"
+    FP8_MODEL=mixtral_2l fp8_runs fp8_tma /tmp/fp8_tma_before tma before tma_again before_again
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
