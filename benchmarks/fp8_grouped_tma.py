@@ -1,5 +1,6 @@
 """Whether a TMA-fed Triton grouped GEMM in the rowwise FP8 recipe beats torch's ``_scaled_grouped_mm`` on the
-experts' shapes (the forward and the input gradient of fc1 and fc2, 1,024 rows per expert); one CUDA GPU, every
+experts' shapes (the forward and the input gradient of fc1 and fc2, 1,024 rows per expert on average, even and
+skewed); one CUDA GPU, every
 variant checked against torch's (normwise, and both against bf16), timed round-robin from CUDA graphs:
 
     PYTHONPATH=. python benchmarks/fp8_grouped_tma.py --json OUT.json [--rounds 10]
@@ -161,22 +162,30 @@ def main() -> None:
                 failed[tag] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 print(name, tag, "failed:", failed[tag], flush=True)
             _DESCS.clear()
-        # timing on even experts
-        a, w, offsets, a_q, a_scale, w_q, w_scale = operands(name, ragged=False)
+        # timing: even experts, then skewed (expert i's share of the same rows ~ 1 / (i + 1): the bench corpus's
+        # fresh routers crowd a few experts, benchmarks/RESULTS.md)
+        a, w, even, a_q, a_scale, w_q, w_scale = operands(name, ragged=False)
+        share = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+        skewed_rows = (share / share.sum() * a.shape[0]).floor().long()
+        skewed_rows[0] += a.shape[0] - int(skewed_rows.sum())
+        skewed = torch.cumsum(skewed_rows, 0).to(torch.int32).cuda()
         out = torch.empty((a.shape[0], N), device="cuda", dtype=torch.bfloat16)
-        fns = {"torch_fp8_fast": lambda: torch_fp8(a_q, a_scale, w_q, w_scale, offsets),
-               "torch_bf16": lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)}
-        for config in CONFIGS:
-            tag = "triton_" + "x".join(map(str, config))
-            if tag not in failed:
-                fns[tag] = lambda config=config: fp8_grouped_tma(a_q, a_scale, w_q, w_scale, offsets, out, config)
-        ms = timed_graphed(fns, args.rounds, calls=10)
-        flops = 2 * experts * per_expert * K * N
-        best = min((k for k in ms if k.startswith("triton")), key=ms.get, default=None)
-        rows.append({"shape": name, "experts": experts, "rows_per_expert": per_expert, "k": K, "n": N, "ms": ms,
-                     "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "checks": checks, "failed": failed,
-                     "best_triton": best, "best_over_torch_fp8": ms["torch_fp8_fast"] / ms[best] if best else None})
-        print(name, {k: round(v, 4) for k, v in sorted(ms.items(), key=lambda kv: kv[1])}, flush=True)
+        for routing, offsets in (("even", even), ("skewed", skewed)):
+            fns = {"torch_fp8_fast": lambda offsets=offsets: torch_fp8(a_q, a_scale, w_q, w_scale, offsets),
+                   "torch_bf16": lambda offsets=offsets: torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)}
+            for config in CONFIGS:
+                tag = "triton_" + "x".join(map(str, config))
+                if tag not in failed:
+                    fns[tag] = (lambda config=config, offsets=offsets:
+                                fp8_grouped_tma(a_q, a_scale, w_q, w_scale, offsets, out, config))
+            ms = timed_graphed(fns, args.rounds, calls=10)
+            flops = 2 * experts * per_expert * K * N
+            best = min((k for k in ms if k.startswith("triton")), key=ms.get, default=None)
+            rows.append({"shape": name, "routing": routing, "experts": experts, "rows_per_expert": per_expert,
+                         "k": K, "n": N, "ms": ms, "tflops": {k: flops / v / 1e9 for k, v in ms.items()},
+                         "checks": checks, "failed": failed, "best_triton": best,
+                         "best_over_torch_fp8": ms["torch_fp8_fast"] / ms[best] if best else None})
+            print(name, routing, {k: round(v, 4) for k, v in sorted(ms.items(), key=lambda kv: kv[1])}, flush=True)
         print(name, "checks", checks, flush=True)
         _DESCS.clear()
     write_json(args.json, run_header(1), rows)

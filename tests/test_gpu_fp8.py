@@ -238,7 +238,7 @@ def test_fp8_grouped_gemms_against_fp32_and_emulated(recipe):
         assert rel(got, emulated) < EMULATED_TOL, (name, rel(got, emulated))
 
 
-@pytest.mark.parametrize("experts,k,n", [(8, 272, 200), (64, 2048, 1024), (4, 1024, 2048)])
+@pytest.mark.parametrize("experts,k,n", [(8, 272, 208), (64, 2048, 1024), (4, 1024, 2048)])
 def test_fp8_grouped_tma_kernel_is_torchs_scaled_grouped_mm_bit_for_bit(experts, k, n):
     """kernels/fp8_grouped.py against torch._scaled_grouped_mm in fast accumulation on the same E4M3 operands:
     uneven experts (one without rows, some not a multiple of the tile), rows past the last offset (never written),
