@@ -66,21 +66,6 @@ def test_fp8_columns_twin_is_the_rows_twin_of_the_transpose():
     assert rel_err(dequantize(q, scale).transpose(-2, -1), x) < 0.04
 
 
-def test_fp8_grouped_tma_kernel_takes_only_what_the_tma_can_read():
-    """kernels/fp8_grouped.py's gate: CPU tensors go to torch; the TMA needs a unit last stride and the other strides
-    in multiples of 16 bytes."""
-    from moe_overlap.kernels.fp8_grouped import _tma_ready, fp8_grouped_mm_applies
-
-    a_q = torch.zeros(64, 48, dtype=torch.float8_e4m3fn)
-    w_q = torch.zeros(2, 32, 48, dtype=torch.float8_e4m3fn)
-    assert not fp8_grouped_mm_applies(a_q, torch.ones(64), w_q, torch.ones(2, 32), torch.bfloat16)
-    assert _tma_ready(a_q) and _tma_ready(w_q)
-    assert _tma_ready(a_q[:, :40])  # 40 of each row's 48 bytes: the rows are still 48 bytes apart
-    assert not _tma_ready(torch.zeros(64, 40, dtype=torch.float8_e4m3fn))  # rows 40 bytes apart
-    assert not _tma_ready(a_q.t())  # a column-major operand
-    assert not _tma_ready(a_q.view(-1)[8:8 + 62 * 48].view(62, 48))  # a base 8 bytes off 16
-
-
 def test_fp8_zero_rows_and_saturation():
     x = torch.randn(4, 32)
     x[1] = 0

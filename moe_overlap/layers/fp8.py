@@ -3,9 +3,7 @@
 - rowwise: one float32 scale per row of the left operand and per column of the right one (kernels/fp8_quant.py),
   through torch's scaled GEMMs: ``torch._scaled_mm`` for the dense linears, ``torch._scaled_grouped_mm`` for the
   experts (rows grouped by int32 end offsets). Both need the right operand column-major and every weight
-  dimension a multiple of 16. On Hopper the experts' GEMMs with fast accumulation (the forward's; the input
-  gradients' under ``fp8.fast_dgrad``) run a TMA-fed Triton kernel instead (kernels/fp8_grouped.py): the same
-  bits, 4-10% faster.
+  dimension a multiple of 16.
 - blockwise: one scale per 1x128 tile of an activation row and per 128x128 block of a weight
   (kernels/fp8_blockwise.py, its Triton GEMM for the experts and the linears). Every dimension a multiple of 128.
   The dgrad reads a transposed copy of the weight's blocks (the same values and scales, transposed): FP8 tensor
@@ -76,7 +74,6 @@ from moe_overlap.distributed.ring import Gemm, Pending
 from moe_overlap.distributed.streams import exposed_kind
 from moe_overlap.kernels.adamw import WeightMaxima
 from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
-from moe_overlap.kernels.fp8_grouped import fp8_grouped_mm, fp8_grouped_mm_applies
 from moe_overlap.kernels.fp8_quant import (FP8, column_amax, dequantize, dequantize_rows, quantize_columns,
                                            quantize_rows, quantize_rows_and_columns, row_amax)
 from moe_overlap.kernels.fp8_wgrad import fp8_wgrad_accumulate, fp8_wgrad_accumulate_torch, quantize_along_tokens
@@ -399,8 +396,6 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
     if offsets_E is None:
         return torch._scaled_mm(a_q, b_q.t(), a_scale[:, None], b_scale[None, :], out_dtype=dtype,
                                 use_fast_accum=fast_accum)
-    if fast_accum and fp8_grouped_mm_applies(a_q, a_scale, b_q, b_scale, dtype):
-        return fp8_grouped_mm(a_q, a_scale, b_q, b_scale, offsets_E)  # the same bits, faster (kernels/fp8_grouped.py)
     return torch._scaled_grouped_mm(a_q, b_q.transpose(-2, -1), a_scale, b_scale, offs=offsets_E, out_dtype=dtype,
                                     use_fast_accum=fast_accum)
 
