@@ -34,8 +34,9 @@
 #   bash benchmarks/evidence_gpu.sh wgrad_tma1 OUT # one GPU: the experts' wgrad kernel against TMA-fed variants
 #   bash benchmarks/evidence_gpu.sh wgrad_tma2 OUT # the same with main_grad prefetched, and two micro-batches a call
 #   bash benchmarks/evidence_gpu.sh fp8_grouped_tma1 OUT # one GPU: a TMA-fed FP8 grouped GEMM against torch's
-#   bash benchmarks/evidence_gpu.sh fp8_tma1 OUT   # one GPU: the FP8 GPU tests, the fine model with the TMA-fed
-#                                                  #   FP8 grouped GEMM and without (fp8_tma2: Mixtral-like)
+#   bash benchmarks/evidence_gpu.sh fp8_tma1 OUT   # (at 69ed253, reverted) one GPU: the FP8 GPU tests, the fine
+#                                                  #   model with the TMA-fed FP8 grouped GEMM and without
+#                                                  #   (fp8_tma2: Mixtral-like, the kernels skewed; fp8_tma3: profiled)
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2279,7 +2280,8 @@ PY
     ;;
   fp8_tma1)  # issue 39: the experts' rowwise FP8 GEMMs through the TMA-fed Triton kernel (kernels/fp8_grouped.py,
     # bit for bit torch's): the FP8 GPU tests, then the fine model with it and without (TMA_GEMM_OFF), alternated,
-    # each launch bf16 then rowwise (3 warm-up + 8 steps a row)
+    # each launch bf16 then rowwise (3 warm-up + 8 steps a row). Ran at 69ed253 (fp8_tma2 and fp8_tma3 at its
+    # successors): the fine model 0.6% slower with it, reverted at f126de0; the sed finds nothing now
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests fp8_tma tests/test_gpu_fp8.py
     pack
