@@ -37,6 +37,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_tma1 OUT   # (at 69ed253, reverted) one GPU: the FP8 GPU tests, the fine
 #                                                  #   model with the TMA-fed FP8 grouped GEMM and without
 #                                                  #   (fp8_tma2: Mixtral-like, the kernels skewed; fp8_tma3: profiled)
+#   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma1 OUT # one GPU: the FP8 wgrad kernel against TMA-fed loops
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2304,6 +2305,13 @@ PY
     tree_before fp8_tma_before "${TMA_GEMM_OFF[@]}"
     PROFILE=tma FP8_MODEL=fine_8l fp8_runs fp8_tma_prof /tmp/fp8_tma_before tma
     PROFILE=before FP8_MODEL=fine_8l fp8_runs fp8_tma_prof /tmp/fp8_tma_before before
+    ;;
+  fp8_wgrad_tma1)  # the experts' FP8 weight gradient (rowwise: per group, fast) against TMA-fed loops, Mixtral-like
+    # shapes at one and four micro-batches a call (benchmarks/fp8_wgrad_tma.py)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/fp8_wgrad_tma.py --rounds 10 \
+      --json $res/fp8_wgrad_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_wgrad_tma1.log" | cut -c1-1500
+    pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
