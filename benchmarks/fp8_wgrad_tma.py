@@ -35,8 +35,8 @@ CONFIGS = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3
 
 
 @triton.jit
-def _fp8_wgrad_tma_kernel(a_descs, a_scale_ptrs, b_descs, b_scale_ptrs, chunk_ends_ptrs, out_ptr, out_desc, M, N,
-                          stride_oe, stride_om, SEGMENTS: tl.constexpr, REDUCE: tl.constexpr,
+def _fp8_wgrad_tma_kernel(a0, a1, a2, a3, a_scale_ptrs, b0, b1, b2, b3, b_scale_ptrs, chunk_ends_ptrs, out_ptr,
+                          out_desc, M, N, stride_oe, stride_om, SEGMENTS: tl.constexpr, REDUCE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     group = tl.program_id(1)
@@ -51,7 +51,15 @@ def _fp8_wgrad_tma_kernel(a_descs, a_scale_ptrs, b_descs, b_scale_ptrs, chunk_en
     acc_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     chunks_seen = 0
     for segment in tl.static_range(SEGMENTS):
-        a_desc, b_desc = a_descs[segment], b_descs[segment]
+        # one descriptor argument each (triton 3.6's launcher takes no descriptors inside tuples)
+        if segment == 0:
+            a_desc, b_desc = a0, b0
+        elif segment == 1:
+            a_desc, b_desc = a1, b1
+        elif segment == 2:
+            a_desc, b_desc = a2, b2
+        else:
+            a_desc, b_desc = a3, b3
         chunk_ends = chunk_ends_ptrs[segment]
         first = tl.load(chunk_ends + group - 1, mask=group > 0, other=0)
         end = tl.load(chunk_ends + group)
@@ -81,7 +89,9 @@ def fp8_wgrad_tma(segments, out, config, reduce: bool):
     b_descs = tuple(TensorDescriptor(b.q_MP, list(b.q_MP.shape), list(b.q_MP.stride()), [block_n, 128]) for b in b_all)
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, block_m, block_n])
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
-    _fp8_wgrad_tma_kernel[grid](a_descs, tuple(a.scale_CM for a in a_all), b_descs, tuple(b.scale_CM for b in b_all),
+    assert len(segments) <= 4, "four descriptor arguments a side"
+    a_descs, b_descs = (a_descs + a_descs[:1] * 3)[:4], (b_descs + b_descs[:1] * 3)[:4]
+    _fp8_wgrad_tma_kernel[grid](*a_descs, tuple(a.scale_CM for a in a_all), *b_descs, tuple(b.scale_CM for b in b_all),
                                 tuple(a.chunk_ends_E for a in a_all), out, out_desc, M, N, out.stride(0),
                                 out.stride(1), SEGMENTS=len(segments), REDUCE=reduce, BLOCK_M=block_m,
                                 BLOCK_N=block_n, GROUP_M=8, STAGES=stages, num_warps=warps)
