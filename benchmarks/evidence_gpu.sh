@@ -2313,6 +2313,16 @@ PY
       --json $res/fp8_wgrad_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_wgrad_tma1.log" | cut -c1-1500
     pack
     ;;
+  fp8_wgrad_tma2)  # issue 39: the experts' FP8 weight gradient fed by the TMA (kernels/fp8_wgrad.py): its GPU tests,
+    # then the Mixtral-like model (FP8 wgrad, four micro-batches a call) with it and without (the kernel file before
+    # it, carried at build/before/fp8_wgrad.py), each launch bf16 then rowwise
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests fp8_wgrad_tma tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8.py -k wgrad
+    pack
+    tree_before fp8_wgrad_before
+    cp build/before/fp8_wgrad.py /tmp/fp8_wgrad_before/moe_overlap/kernels/fp8_wgrad.py
+    FP8_MODEL=mixtral_2l fp8_runs fp8_wgrad_tma /tmp/fp8_wgrad_before tma before
+    ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
 esac

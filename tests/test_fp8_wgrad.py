@@ -94,13 +94,14 @@ def as_float(t: W.TokenQuantized) -> W.TokenQuantized:
 
 @pytest.mark.parametrize("per_chunk, fast_accum, segments", [
     (True, False, 1), (True, False, 2), (False, False, 1), (False, False, 2), (False, True, 1), (False, True, 4),
-    (True, False, 3)],
+    (True, False, 3), (False, True, 6)],
     ids=["per-chunk", "per-chunk-pair", "per-group", "per-group-pair", "per-group-fast", "per-group-fast-four",
-         "per-chunk-three"])
+         "per-chunk-three", "per-group-fast-six"])
 def test_fp8_wgrad_kernel_under_the_interpreter(monkeypatch, per_chunk, fast_accum, segments):
     """The Triton GEMM against its twin (fp32 sums in another order): groups empty and uneven, output dimensions
-    not multiples of the tile, one to four segments (micro-batches' rows, each with its own chunks), added onto
-    what the output held; and against fp32 within an FP8 GEMM's tolerance."""
+    not multiples of the tile (the TMA's zero fill past them), one to six segments (micro-batches' rows, each with
+    its own chunks; past four, a second launch), added onto what the output held; and against fp32 within an FP8
+    GEMM's tolerance."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pairs, exact = [], torch.zeros(len(COUNTS), 40, 36)
     for seed in range(segments):

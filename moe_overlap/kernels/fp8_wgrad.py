@@ -49,6 +49,7 @@ CHUNK = 128  # tokens per chunk: a scale's span along the contraction, and one t
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX
 
@@ -128,16 +129,18 @@ if HAVE_TRITON:
 
     _quantize_groups = Kernel(_quantize_groups_kernel)
 
-    # One program per (BLOCK_M, BLOCK_N) tile of one group's output, the group's chunks in turn (one or more
-    # segments: micro-batches' rows, each with its own chunks and scales; per segment one element of each tuple:
-    # a, its scales, b, its scales, the chunks' ends per group, the width P). The tile is added into out (the
-    # fp32 main_grad) once, in L2 (an atomic add: the SM does not wait for the old value; one program per element,
-    # so the sum is deterministic), as kernels/grouped_wgrad.py's bf16 kernel.
-    def _fp8_wgrad_kernel(a_ptrs, a_scale_ptrs, b_ptrs, b_scale_ptrs, chunk_ends_ptrs, widths, out_ptr, M, N,
+    # One program per (BLOCK_M, BLOCK_N) tile of one group's output, the group's chunks in turn (one to four
+    # segments: micro-batches' rows, each with its own chunks and scales; per segment a and b as TMA descriptors,
+    # one argument each (triton 3.6's launcher takes none inside tuples), and one element of each tuple: a's
+    # scales, b's, the chunks' ends per group). The TMA reads the chunks' tiles, pipelined: loads through pointer
+    # tensors compile for sm_90 unpipelined and spilling (benchmarks/fp8_wgrad_tma.py: 12-14% slower at the
+    # Mixtral-like shapes), and it fills rows past M or N with zeros. The tile is added into out (the fp32
+    # main_grad) once, in L2 (an atomic add: the SM does not wait for the old value; one program per element, so
+    # the sum is deterministic), as kernels/grouped_wgrad.py's bf16 kernel.
+    def _fp8_wgrad_kernel(a0, a1, a2, a3, a_scale_ptrs, b0, b1, b2, b3, b_scale_ptrs, chunk_ends_ptrs, out_ptr, M, N,
                           stride_oe, stride_om,
                           SEGMENTS: tl.constexpr, PER_CHUNK: tl.constexpr, FAST_ACCUM: tl.constexpr,
-                          EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          GROUP_M: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         group = tl.program_id(1)
         tiles_m = (M + BLOCK_M - 1) // BLOCK_M
@@ -148,34 +151,31 @@ if HAVE_TRITON:
         pid_n = (pid % (GROUP_M * tiles_n)) // rows_of_group
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, 128)
         in_m = rm < M
         in_n = rn < N
         acc_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         chunks_seen = 0
         for segment in tl.static_range(SEGMENTS):
-            a_base, a_scale, b_base, b_scale = (a_ptrs[segment], a_scale_ptrs[segment], b_ptrs[segment],
-                                                b_scale_ptrs[segment])
-            chunk_ends, width = chunk_ends_ptrs[segment], widths[segment]
+            if segment == 0:
+                a_desc, b_desc = a0, b0
+            elif segment == 1:
+                a_desc, b_desc = a1, b1
+            elif segment == 2:
+                a_desc, b_desc = a2, b2
+            else:
+                a_desc, b_desc = a3, b3
+            a_scale, b_scale, chunk_ends = a_scale_ptrs[segment], b_scale_ptrs[segment], chunk_ends_ptrs[segment]
             first = tl.load(chunk_ends + group - 1, mask=group > 0, other=0)
             end = tl.load(chunk_ends + group)
             chunks_seen += end - first
-            # a (M, P) and b (N, P), the tokens contiguous: a's tile (BLOCK_M, 128), b's read as (128, BLOCK_N)
-            a_MK = a_base + rm[:, None].to(tl.int64) * width + first.to(tl.int64) * 128 + rk[None, :]
-            b_KN = b_base + rn[None, :].to(tl.int64) * width + first.to(tl.int64) * 128 + rk[:, None]
             scale_a_M = a_scale + first.to(tl.int64) * M + rm  # the first chunk's scales (the group's, per group)
             scale_b_N = b_scale + first.to(tl.int64) * N + rn
             chunk_a_M, chunk_b_N = scale_a_M, scale_b_N  # per chunk: stepped along the chunks
             segment_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for _ in range(first, end):
-                if EVEN_M:
-                    a = tl.load(a_MK)
-                else:
-                    a = tl.load(a_MK, mask=in_m[:, None], other=0.0)
-                if EVEN_N:
-                    b = tl.load(b_KN)
-                else:
-                    b = tl.load(b_KN, mask=in_n[None, :], other=0.0)
+            for chunk in tl.range(first, end):
+                # a (M, P) and b (N, P), the tokens contiguous: tiles (BLOCK_M, 128) and (BLOCK_N, 128)
+                a = a_desc.load([pid_m * BLOCK_M, chunk * 128])
+                b = tl.trans(b_desc.load([pid_n * BLOCK_N, chunk * 128]))
                 if PER_CHUNK:  # the chunk's product alone, times its scales, into the fp32 sum
                     scale_a = tl.load(chunk_a_M, mask=in_m, other=0.0)
                     scale_b = tl.load(chunk_b_N, mask=in_n, other=0.0)
@@ -186,8 +186,6 @@ if HAVE_TRITON:
                     segment_MN = tl.dot(a, b, segment_MN)
                 else:  # each chunk's product summed in fp32
                     segment_MN += tl.dot(a, b)
-                a_MK += 128
-                b_KN += 128
             if PER_CHUNK:
                 acc_MN += segment_MN
             elif end > first:  # the group's scales, the same in each of its chunks
@@ -316,7 +314,9 @@ def fp8_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -
 # per group with the tensor cores accumulating, 128 x 128 in two warp groups where FP8 pays (4,096 rows: 20-25%
 # below 64 x 128; at 1,024 rows 10% above it).
 _CONFIG_CHUNK = (64, 128, 4, 4)
-_CONFIG_GROUP = (128, 128, 8, 4)
+_CONFIG_GROUP = (128, 256, 8, 3)  # since the TMA feeds it: benchmarks/fp8_wgrad_tma.py on an H200, the fastest at
+# four micro-batches a call (Mixtral fc1 9.50 against 10.25 ms at 128 x 128) and within 4% of the fastest at one
+_SEGMENTS_A_LAUNCH = 4
 
 
 def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool,
@@ -340,13 +340,16 @@ def fp8_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor, 
     if not out_EMN.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n = min(block_m, 32), min(block_n, 32)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
-    a_all, b_all = zip(*segments)
-    _fp8_wgrad[grid, out_EMN.device](
-        tuple(a.q_MP for a in a_all), tuple(a.scale_CM for a in a_all), tuple(b.q_MP for b in b_all),
-        tuple(b.scale_CM for b in b_all), tuple(a.chunk_ends_E for a in a_all), tuple(a.q_MP.shape[1] for a in a_all),
-        out_EMN, M, N, out_EMN.stride(0), out_EMN.stride(1),
-        SEGMENTS=len(segments), PER_CHUNK=per_chunk, FAST_ACCUM=fast_accum, EVEN_M=M % block_m == 0,
-        EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages)
+    for first in range(0, len(segments), _SEGMENTS_A_LAUNCH):  # more segments: one more launch each four, adding
+        a_all, b_all = zip(*segments[first:first + _SEGMENTS_A_LAUNCH])
+        a_descs = [TensorDescriptor.from_tensor(a.q_MP, [block_m, CHUNK]) for a in a_all]
+        b_descs = [TensorDescriptor.from_tensor(b.q_MP, [block_n, CHUNK]) for b in b_all]
+        unused = _SEGMENTS_A_LAUNCH - len(a_descs)  # the kernel reads none of these
+        _fp8_wgrad[grid, out_EMN.device](
+            *a_descs, *a_descs[:1] * unused, tuple(a.scale_CM for a in a_all), *b_descs, *b_descs[:1] * unused,
+            tuple(b.scale_CM for b in b_all), tuple(a.chunk_ends_E for a in a_all), out_EMN, M, N, out_EMN.stride(0),
+            out_EMN.stride(1), SEGMENTS=len(a_descs), PER_CHUNK=per_chunk, FAST_ACCUM=fast_accum, BLOCK_M=block_m,
+            BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages)
 
 
 def fp8_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor, per_chunk: bool) -> None:
