@@ -37,7 +37,9 @@
 #   bash benchmarks/evidence_gpu.sh fp8_tma1 OUT   # (at 69ed253, reverted) one GPU: the FP8 GPU tests, the fine
 #                                                  #   model with the TMA-fed FP8 grouped GEMM and without
 #                                                  #   (fp8_tma2: Mixtral-like, the kernels skewed; fp8_tma3: profiled)
-#   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma1 OUT # one GPU: the FP8 wgrad kernel against TMA-fed loops
+#   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma1 OUT # (at b34f5c2) one GPU: the FP8 wgrad kernel against TMA-fed loops
+#   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma2 OUT # its GPU tests, the Mixtral-like model with it and without
+#                                                  #   (carry build/before: the kernel file before it)
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2307,7 +2309,8 @@ PY
     PROFILE=before FP8_MODEL=fine_8l fp8_runs fp8_tma_prof /tmp/fp8_tma_before before
     ;;
   fp8_wgrad_tma1)  # the experts' FP8 weight gradient (rowwise: per group, fast) against TMA-fed loops, Mixtral-like
-    # shapes at one and four micro-batches a call (benchmarks/fp8_wgrad_tma.py)
+    # shapes at one and four micro-batches a call (benchmarks/fp8_wgrad_tma.py, at b34f5c2: the kernel shipped in
+    # the next commit and the script was removed; step_kernels.py --sections fp8_wgrad sweeps its tiles)
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/fp8_wgrad_tma.py --rounds 10 \
       --json $res/fp8_wgrad_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_wgrad_tma1.log" | cut -c1-1500

@@ -81,9 +81,9 @@ TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)
 # 64 rows in one warp group fit two programs per SM (one scales its slice while the other multiplies), 128 in two
 # only one (registers: ptxas for sm_90).
 # (BLOCK_M, BLOCK_N, warps, stages) of the FP8 wgrad kernel (the depth is a 128-token chunk). Swept first on an
-# H100 with (128, 128, 8, 3), (128, 128, 4, 4) and (128, 256, 8, 3) too (step_kernels_fp8_wgrad_1xh100.json): none
-# the fastest anywhere.
-FP8_WGRAD_CONFIGS = [(64, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3)]
+# H100 with (128, 128, 8, 3) and (128, 128, 4, 4) too (step_kernels_fp8_wgrad_1xh100.json), when its loads went
+# through pointers; (128, 256, 8, 3), the per-group default since the TMA feeds it (fp8_wgrad_tma_1xh200.json).
+FP8_WGRAD_CONFIGS = [(64, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3)]
 BLOCKWISE_CONFIGS = [(64, 128, 128, 4, 4, False), (64, 128, 128, 4, 3, False), (128, 128, 128, 8, 3, False),
                      (128, 128, 128, 8, 4, False), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
                      (128, 128, 128, 8, 3, True)]

@@ -133,7 +133,7 @@ if HAVE_TRITON:
     # segments: micro-batches' rows, each with its own chunks and scales; per segment a and b as TMA descriptors,
     # one argument each (triton 3.6's launcher takes none inside tuples), and one element of each tuple: a's
     # scales, b's, the chunks' ends per group). The TMA reads the chunks' tiles, pipelined: loads through pointer
-    # tensors compile for sm_90 unpipelined and spilling (benchmarks/fp8_wgrad_tma.py: 12-14% slower at the
+    # tensors compile for sm_90 unpipelined and spilling (fp8_wgrad_tma_1xh200.json: 12-14% slower at the
     # Mixtral-like shapes), and it fills rows past M or N with zeros. The tile is added into out (the fp32
     # main_grad) once, in L2 (an atomic add: the SM does not wait for the old value; one program per element, so
     # the sum is deterministic), as kernels/grouped_wgrad.py's bf16 kernel.
@@ -308,14 +308,13 @@ def fp8_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tensor) -
             first = end
 
 
-# (BLOCK_M, BLOCK_N, warps, stages); the depth is a chunk's 128. The fastest of benchmarks/step_kernels.py
-# --sections fp8_wgrad on an H100 (step_kernels_fp8_wgrad_1xh100.json, step_kernels_fp8_wgrad_rows_1xh100.json):
-# per chunk, 64 x 128 in one warp group at every shape (5-10% below 128 x 128 in two, 15-50% below 256 x 128);
-# per group with the tensor cores accumulating, 128 x 128 in two warp groups where FP8 pays (4,096 rows: 20-25%
-# below 64 x 128; at 1,024 rows 10% above it).
+# (BLOCK_M, BLOCK_N, warps, stages); the depth is a chunk's 128. Per chunk (blockwise): 64 x 128 in one warp
+# group, the fastest of benchmarks/step_kernels.py --sections fp8_wgrad on an H100 while the loads went through
+# pointers (step_kernels_fp8_wgrad_1xh100.json; not swept again since). Per group: 128 x 256 in two warp groups, the
+# fastest at four micro-batches a call since the TMA feeds the loop (fp8_wgrad_tma_1xh200.json, an H200: Mixtral fc1
+# 9.50 ms against 10.25 at 128 x 128) and within 4% of the fastest at one.
 _CONFIG_CHUNK = (64, 128, 4, 4)
-_CONFIG_GROUP = (128, 256, 8, 3)  # since the TMA feeds it: benchmarks/fp8_wgrad_tma.py on an H200, the fastest at
-# four micro-batches a call (Mixtral fc1 9.50 against 10.25 ms at 128 x 128) and within 4% of the fastest at one
+_CONFIG_GROUP = (128, 256, 8, 3)
 _SEGMENTS_A_LAUNCH = 4
 
 
