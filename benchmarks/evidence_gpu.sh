@@ -2318,7 +2318,8 @@ PY
     ;;
   fp8_wgrad_tma2)  # issue 39: the experts' FP8 weight gradient fed by the TMA (kernels/fp8_wgrad.py): its GPU tests,
     # then the Mixtral-like model (FP8 wgrad, four micro-batches a call) with it and without (the kernel file before
-    # it, carried at build/before/fp8_wgrad.py), each launch bf16 then rowwise
+    # it, carried at build/before/fp8_wgrad.py: git show b34f5c2:moe_overlap/kernels/fp8_wgrad.py > that file, then
+    # run with carry ["build/before"]), each launch bf16 then rowwise
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests fp8_wgrad_tma tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8.py -k wgrad
     pack
