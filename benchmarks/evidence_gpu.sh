@@ -40,6 +40,7 @@
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma1 OUT # (at b34f5c2) one GPU: the FP8 wgrad kernel against TMA-fed loops
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma2 OUT # its GPU tests, the Mixtral-like model with it and without
 #                                                  #   (carry build/before: the kernel file before it)
+#   bash benchmarks/evidence_gpu.sh fp8_blockwise_tma1 OUT # one GPU: the blockwise GEMM against a TMA-fed loop
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2326,6 +2327,14 @@ PY
     tree_before fp8_wgrad_before
     cp build/before/fp8_wgrad.py /tmp/fp8_wgrad_before/moe_overlap/kernels/fp8_wgrad.py
     FP8_MODEL=mixtral_2l fp8_runs fp8_wgrad_tma /tmp/fp8_wgrad_before tma before
+    ;;
+  fp8_blockwise_tma1)  # the blockwise recipe's grouped GEMM (its slice loop unpipelined and spilling on sm_90)
+    # against a TMA-fed loop, the rowwise recipe's torch GEMM and bf16 (benchmarks/fp8_blockwise_tma.py; prepared
+    # 2026-11-29, not run yet)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/fp8_blockwise_tma.py --rounds 10 \
+      --json $res/fp8_blockwise_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_blockwise_tma1.log" | cut -c1-3000
+    pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

@@ -293,8 +293,9 @@ def _check_operands(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, paired). Each slice's product is waited for before it is scaled, so a
 # program leaves the tensor cores idle while it scales; two programs per SM overlap one's scaling with the other's
-# products. Compiled for sm_90 (ptxas, no GPU): 64 rows in one warp group take ~190 registers and 96 KiB of
-# shared memory in 4 stages, so two fit an SM; 128 rows in two warp groups (~196 registers each) fit only one.
+# products. Compiled for sm_90 by triton 3.6 (ptxas's resource usage of the cubin, read without a GPU, 2026-11-29)
+# the slice loop is not pipelined: 24-32 KiB of shared memory, no asynchronous copies, 255 registers and 1.4 KB a
+# thread spilled at both tiles (benchmarks/fp8_blockwise_tma.py has a TMA-fed loop to measure against it).
 # Measured on an H100 (step_kernels_fp8_blockwise_1xh100.json, step_kernels_fp8_blockwise_paired_1xh100.json; the
 # expert shapes): 64 rows unpaired are the fastest where the output is narrow (the fine experts' 2048 columns); from
 # 4096 columns on (the Mixtral-like experts) 128 rows with two slices in flight, 15% below 64 rows there (7.40
