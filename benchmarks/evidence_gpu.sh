@@ -41,6 +41,8 @@
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma2 OUT # its GPU tests, the Mixtral-like model with it and without
 #                                                  #   (carry build/before: the kernel file before it)
 #   bash benchmarks/evidence_gpu.sh fp8_blockwise_tma1 OUT # one GPU: the blockwise GEMM against a TMA-fed loop
+#   bash benchmarks/evidence_gpu.sh tma_next1 OUT  # one GPU, prepared: fp8_blockwise_tma1, then the bf16 wgrad at four
+#                                                  #   micro-batches a call against TMA-fed loops
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2269,7 +2271,8 @@ PY
     pack
     ;;
   wgrad_tma2)  # wgrad_tma1 found the loop no slower than a TMA-fed one and main_grad's read-modify-write unhidden:
-    # main_grad's tile read before the loop (prefetch), and two micro-batches summed per call, each epilogue
+    # main_grad's tile read before the loop (prefetch), and two micro-batches summed per call, each epilogue (the
+    # script's default --segments 1,2)
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/wgrad_tma.py --rounds 10 \
       --json $res/wgrad_tma2_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/wgrad_tma2.log" | cut -c1-3000
@@ -2334,6 +2337,17 @@ PY
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/fp8_blockwise_tma.py --rounds 10 \
       --json $res/fp8_blockwise_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_blockwise_tma1.log" | cut -c1-3000
+    pack
+    ;;
+  tma_next1)  # prepared 2026-11-29 for the next one-GPU lease (about 3 minutes): the blockwise GEMM against its
+    # TMA-fed loop (fp8_blockwise_tma1's run), then the bf16 weight gradient at four micro-batches a call, the
+    # Mixtral-like bench model's bf16 setting (train.expert_wgrad_micro_batches: 4), against TMA-fed loops
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 200 python benchmarks/fp8_blockwise_tma.py --rounds 10 \
+      --json $res/fp8_blockwise_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_blockwise_tma1.log" | cut -c1-3000
+    pack
+    timeout -k 10 "$(left)" python benchmarks/wgrad_tma.py --rounds 10 --shapes mixtral_fc1,mixtral_fc2 --segments 1,4 \
+      --json $res/wgrad_tma_four_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/wgrad_tma_four.log" | cut -c1-3000
     pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2

@@ -6,7 +6,7 @@ uneven experts (one without rows), timed round-robin from CUDA graphs, one JSON 
 
 Why: compiled for sm_90 the shipped kernel's loop is not pipelined (plain loads into registers, then shared
 memory; no asynchronous copies) and it spills 1.6 KB a thread (its [BLOCK_K, BLOCK_M] pointer tensors and the
-epilogue's 64-bit addresses). Variants (one segment: one micro-batch's rows a call, unless ``_2seg``):
+epilogue's 64-bit addresses). Variants (one segment: one micro-batch's rows a call, unless ``_<n>seg``):
   shipped           the package's kernel (pointer loads, masked rows, atomic adds into main_grad)
   mainloop_only     the same loop, the tile's add skipped (a runtime flag the compiler cannot fold): the GEMM alone
   epilogue_only     no loop, a zero tile added: main_grad's read-modify-write alone through the atomics
@@ -17,7 +17,8 @@ epilogue's 64-bit addresses). Variants (one segment: one micro-batch's rows a ca
                     written back after it (one program owns a tile: no atomics); ``_mainloop_only``: no add.
                     (wgrad_tma1's first sweep also had persistent forms, n programs an SM over every (expert, tile),
                     flattened or not: all slower.)
-  *_2seg            two micro-batches' rows summed per call (train.expert_wgrad_micro_batches=2): ms per call
+  *_<n>seg          n micro-batches' rows summed per call (train.expert_wgrad_micro_batches=n, ``--segments``):
+                    ms per call
   grouped_mm_alone  torch's bf16 grouped GEMM of the same rows, bf16 out (no accumulation): the GEMM's own limit
 """
 
@@ -99,17 +100,22 @@ def _segment_sum(acc, a_desc, b_desc, offsets, expert, pid_m, pid_n, BLOCK_M: tl
 
 
 @triton.jit
-def _tma_tile(a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out_ptr, out_desc, expert, pid_m, pid_n, M, N,
-              stride_oe, stride_om, add_flag, SEGMENTS: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+def _tma_tile(a0, b0, offsets0, a1, b1, offsets1, a2, b2, offsets2, a3, b3, offsets3, out_ptr, out_desc, expert,
+              pid_m, pid_n, M, N, stride_oe, stride_om, add_flag, SEGMENTS: tl.constexpr, EPILOGUE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     if EPILOGUE == 2:  # main_grad's tile read first, while the loop runs; then added and written, not atomically
         old = out_desc.load([expert, pid_m * BLOCK_M, pid_n * BLOCK_N])
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    acc, rows = _segment_sum(acc, a_desc, b_desc, offsets, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-    if SEGMENTS == 2:
-        acc, rows2 = _segment_sum(acc, a2_desc, b2_desc, offsets2, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  STAGES)
-        rows += rows2
+    acc, rows = _segment_sum(acc, a0, b0, offsets0, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    if SEGMENTS >= 2:
+        acc, more = _segment_sum(acc, a1, b1, offsets1, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        rows += more
+    if SEGMENTS >= 3:
+        acc, more = _segment_sum(acc, a2, b2, offsets2, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        rows += more
+    if SEGMENTS >= 4:
+        acc, more = _segment_sum(acc, a3, b3, offsets3, expert, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        rows += more
     if (add_flag != 0) & (rows > 0):
         if EPILOGUE == 1:  # the TMA's bulk reduction: the tile leaves through shared memory, no per-element addresses
             out_desc.atomic_add([expert, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.reshape(1, BLOCK_M, BLOCK_N))
@@ -120,12 +126,14 @@ def _tma_tile(a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out_ptr, out_
 
 
 @triton.jit
-def _tma_kernel(a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out_ptr, out_desc, M, N, stride_oe, stride_om,
-                add_flag, SEGMENTS: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+def _tma_kernel(a0, b0, offsets0, a1, b1, offsets1, a2, b2, offsets2, a3, b3, offsets3, out_ptr, out_desc, M, N,
+                stride_oe, stride_om, add_flag, SEGMENTS: tl.constexpr, EPILOGUE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                STAGES: tl.constexpr):
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    _tma_tile(a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out_ptr, out_desc, tl.program_id(1), pid_m, pid_n,
-              M, N, stride_oe, stride_om, add_flag, SEGMENTS, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    _tma_tile(a0, b0, offsets0, a1, b1, offsets1, a2, b2, offsets2, a3, b3, offsets3, out_ptr, out_desc,
+              tl.program_id(1), pid_m, pid_n, M, N, stride_oe, stride_om, add_flag, SEGMENTS, EPILOGUE, BLOCK_M,
+              BLOCK_N, BLOCK_K, STAGES)
 
 
 def ptr_call(a, b, offsets, out, config, loop: bool, add: bool):
@@ -153,16 +161,19 @@ EPILOGUES = {"atomic": 0, "reduce": 1, "prefetch": 2}
 
 
 def tma_call(segments, out, config, epilogue: str, add: bool = True):
+    """Up to four segments, each one (descriptor, descriptor, offsets) argument triple (triton 3.6's launcher takes
+    no descriptors inside tuples); the unused triples repeat the first, which the kernel never reads."""
     block_m, block_n, block_k, warps, stages = config
     experts, M, N = out.shape
-    (a, b, offsets), (a2, b2, offsets2) = segments[0], segments[-1]
-    a_desc, b_desc, out_desc = descriptors(a, b, out, block_m, block_n, block_k)
-    a2_desc, b2_desc, _ = descriptors(a2, b2, out, block_m, block_n, block_k)
+    triples = []
+    for a, b, offsets in segments:
+        a_desc, b_desc, out_desc = descriptors(a, b, out, block_m, block_n, block_k)
+        triples += [a_desc, b_desc, offsets]
+    triples += triples[:3] * (4 - len(segments))
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    _tma_kernel[(tiles, experts)](a_desc, b_desc, offsets, a2_desc, b2_desc, offsets2, out, out_desc, M, N,
-                                  out.stride(0), out.stride(1), int(add), SEGMENTS=len(segments),
-                                  EPILOGUE=EPILOGUES[epilogue], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  GROUP_M=8, STAGES=stages, num_warps=warps)
+    _tma_kernel[(tiles, experts)](*triples, out, out_desc, M, N, out.stride(0), out.stride(1), int(add),
+                                  SEGMENTS=len(segments), EPILOGUE=EPILOGUES[epilogue], BLOCK_M=block_m,
+                                  BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, STAGES=stages, num_warps=warps)
 
 
 SHIPPED = (128, 128, 32, 4, 5)
@@ -173,7 +184,7 @@ TMA_CONFIGS = [(128, 128, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 64, 4, 3),
 
 def variants(segments, out) -> dict:
     (a, b, offsets) = segments[0]
-    tag2 = "_2seg" if len(segments) == 2 else ""
+    tag2 = f"_{len(segments)}seg" if len(segments) > 1 else ""
     fns = {"shipped" + tag2: lambda: grouped_wgrad_accumulate_triton(segments, out, SHIPPED)}
     if not tag2:
         fns.update({
@@ -216,30 +227,36 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES))
+    parser.add_argument("--segments", default="1,2", help="micro-batches a call, comma-separated (up to 4)")
     args = parser.parse_args()
+    counts = [int(x) for x in args.segments.split(",")]
     rows = []
     for name in args.shapes.split(","):
         experts, per_expert, m, n = WGRAD_SHAPES[name]
         a, b, offsets, main_grad = wgrad_operands(name, per_expert)
-        a2, b2 = torch.randn_like(a), torch.randn_like(b)  # a second micro-batch's rows (train.expert_wgrad_micro_batches)
+        # further micro-batches' rows (train.expert_wgrad_micro_batches)
+        more = [(torch.randn_like(a), torch.randn_like(b)) for _ in range(max(counts) - 1)]
         ragged = offsets.clone()
         ragged[: experts // 2] -= 37  # uneven experts: the first half 37 rows short, the next one 37 more,
         ragged[1] = ragged[0]  # and the second none
         errors, failed, fns = {}, {}, {}
-        for segments, ragged_segments in (([(a, b, offsets)], [(a, b, ragged)]),
-                                          ([(a, b, offsets), (a2, b2, offsets)], [(a, b, ragged), (a2, b2, ragged)])):
+        for count in counts:
+            operands = [(a, b)] + more[:count - 1]
+            segments = [(x, y, offsets) for x, y in operands]
+            ragged_segments = [(x, y, ragged) for x, y in operands]
             some = variants(segments, main_grad)
             check(some, segments, ragged_segments, main_grad, errors, failed)
             fns.update(some)
         ms = timed_graphed(fns, args.rounds, calls=10)
         flops = 2 * experts * per_expert * m * n
         rows.append({"shape": name, "experts": experts, "rows_per_expert": per_expert, "m": m, "n": n,
-                     "ms_per_call": ms, "tflops_per_micro_batch": {k: flops * (2 if k.endswith("2seg") else 1) / v / 1e9
-                                                                   for k, v in ms.items()},
+                     "ms_per_call": ms, "tflops_per_micro_batch": {
+                         k: flops * (int(k.split("_")[-1][:-3]) if k.endswith("seg") else 1) / v / 1e9
+                         for k, v in ms.items()},
                      "max_abs_diff_vs_shipped": errors, "failed": failed})
         print(name, {k: round(v, 3) for k, v in sorted(ms.items(), key=lambda kv: kv[1])}, flush=True)
         print(name, "nonzero |diff|", {k: v for k, v in errors.items() if v}, flush=True)
-        del fns, some, a, b, a2, b2, main_grad
+        del fns, some, a, b, more, main_grad
         _DESCS.clear()
     write_json(args.json, run_header(1), rows)
 
