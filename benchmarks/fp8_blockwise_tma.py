@@ -28,7 +28,7 @@ from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, store
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from benchmarks.common import run_header, write_json  # noqa: E402
-from benchmarks.fp8_grouped_tma import SHAPES, normwise  # noqa: E402
+from benchmarks.fp8_grouped_tma import SHAPES, expert_tile, normwise  # noqa: E402
 from benchmarks.step_kernels import timed_graphed  # noqa: E402
 from moe_overlap.kernels.fp8_blockwise import blockwise_mm_triton, quantize_blocks, quantize_tiles  # noqa: E402
 from moe_overlap.kernels.fp8_quant import quantize_rows  # noqa: E402
@@ -41,29 +41,7 @@ CONFIGS = [(64, 4, 4), (64, 4, 6), (128, 8, 3), (128, 8, 4), (128, 4, 3)]
 def _blockwise_tma_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_ptr, out_desc, N, K, E, tiles_m,
                           stride_asm, stride_wse, stride_wsn, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
                           STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_n = N // 128
-    width = GROUP_M * tiles_n
-    first_tile = pid // width * GROUP_M
-    rows_of_group = tl.minimum(tiles_m - first_tile, GROUP_M)
-    tile = first_tile + (pid % width) % rows_of_group
-    pid_n = (pid % width) // rows_of_group
-    expert = tl.full((), -1, tl.int32)
-    start_row = tl.full((), 0, tl.int32)
-    end_row = tl.full((), 0, tl.int32)
-    local_row = tl.full((), 0, tl.int32)
-    before = tl.full((), 0, tl.int32)
-    start = tl.full((), 0, tl.int32)
-    for e in range(0, E):
-        end = tl.load(offsets_ptr + e)
-        tiles_e = (end - start + BLOCK_M - 1) // BLOCK_M
-        hit = (tile >= before) & (tile < before + tiles_e)
-        expert = tl.where(hit, e, expert)
-        start_row = tl.where(hit, start, start_row)
-        end_row = tl.where(hit, end, end_row)
-        local_row = tl.where(hit, (tile - before) * BLOCK_M, local_row)
-        before += tiles_e
-        start = end
+    expert, start_row, end_row, local_row, pid_n = expert_tile(offsets_ptr, N, E, tiles_m, BLOCK_M, 128, GROUP_M)
     if expert >= 0:
         rows = end_row - start_row
         rm = start_row + local_row + tl.arange(0, BLOCK_M)

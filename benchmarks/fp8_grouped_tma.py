@@ -43,9 +43,9 @@ CONFIGS = [(128, 128, 128, 4, 4), (128, 128, 128, 4, 3), (128, 256, 128, 8, 3), 
 
 
 @triton.jit
-def _fp8_grouped_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_ptr, out_desc, N, K, E, tiles_m,
-                        stride_wse, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+def expert_tile(offsets_ptr, N, E, tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (expert, its first row, its end row, the tile's first row within it, column tile); expert -1:
+    a tile past the last expert's. Programs in groups of GROUP_M row tiles share the weight's column tiles in L2."""
     pid = tl.program_id(0)
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     width = GROUP_M * tiles_n
@@ -70,6 +70,15 @@ def _fp8_grouped_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_ptr, o
         local_row = tl.where(hit, (tile - before) * BLOCK_M, local_row)
         before += tiles_e
         start = end
+    return expert, start_row, end_row, local_row, pid_n
+
+
+@triton.jit
+def _fp8_grouped_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_ptr, out_desc, N, K, E, tiles_m,
+                        stride_wse, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    expert, start_row, end_row, local_row, pid_n = expert_tile(offsets_ptr, N, E, tiles_m, BLOCK_M, BLOCK_N,
+                                                               GROUP_M)
     if expert >= 0:
         rows = end_row - start_row
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
