@@ -28,7 +28,7 @@ from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, store
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from benchmarks.common import run_header, write_json  # noqa: E402
-from benchmarks.fp8_grouped_tma import SHAPES, expert_tile, normwise  # noqa: E402
+from benchmarks.fp8_grouped_tma import SHAPES, bf16_operands, expert_tile, normwise  # noqa: E402
 from benchmarks.step_kernels import timed_graphed  # noqa: E402
 from moe_overlap.kernels.fp8_blockwise import blockwise_mm_triton, quantize_blocks, quantize_tiles  # noqa: E402
 from moe_overlap.kernels.fp8_quant import quantize_rows  # noqa: E402
@@ -73,19 +73,6 @@ def blockwise_tma(a_q, a_scale, w_q, w_scale, offsets, config):
     return out
 
 
-def operands(name: str, ragged: bool):
-    experts, per_expert, K, N = SHAPES[name]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(experts * per_expert, K, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(experts, N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
-    if ragged:
-        offsets[: experts // 2] -= 37
-        offsets[1] = offsets[0]
-        offsets[-1] -= 5
-    return a, w, offsets
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
@@ -97,7 +84,7 @@ def main() -> None:
         experts, per_expert, K, N = SHAPES[name]
         checks, failed, fns = {}, {}, {}
         for ragged in (True, False):
-            a, w, offsets = operands(name, ragged)
+            a, w, offsets = bf16_operands(name, ragged)
             a_q, a_scale = quantize_tiles(a)
             w_q, w_scale = quantize_blocks(w)
             if ragged:  # correctness: against the shipped kernel on the same operands

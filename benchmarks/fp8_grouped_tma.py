@@ -115,16 +115,23 @@ def fp8_grouped_tma(a_q, a_scale, w_q, w_scale, offsets, out, config):
     return out
 
 
-def operands(name: str, ragged: bool):
+def bf16_operands(name: str, ragged: bool):
+    """A shape's bf16 rows, weights (E, N, K) and int32 end offsets; ``ragged``: uneven experts, one without rows,
+    and the last rows past every offset."""
     experts, per_expert, K, N = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(experts * per_expert, K, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(experts, N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * per_expert
-    if ragged:  # uneven experts, one without rows, and the last rows past every offset
+    if ragged:
         offsets[: experts // 2] -= 37
         offsets[1] = offsets[0]
         offsets[-1] -= 5
+    return a, w, offsets
+
+
+def operands(name: str, ragged: bool):
+    a, w, offsets = bf16_operands(name, ragged)
     a_amax = a.float().abs().amax(1).clamp(min=1e-12)
     a_scale = (a_amax / 448.0).float()
     a_q = (a.float() / a_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
