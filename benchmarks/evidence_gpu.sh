@@ -41,8 +41,10 @@
 #   bash benchmarks/evidence_gpu.sh fp8_wgrad_tma2 OUT # its GPU tests, the Mixtral-like model with it and without
 #                                                  #   (carry build/before: the kernel file before it)
 #   bash benchmarks/evidence_gpu.sh fp8_blockwise_tma1 OUT # one GPU: the blockwise GEMM against a TMA-fed loop
-#   bash benchmarks/evidence_gpu.sh tma_next1 OUT  # one GPU, prepared: fp8_blockwise_tma1, then the bf16 wgrad at four
-#                                                  #   micro-batches a call against TMA-fed loops
+#   bash benchmarks/evidence_gpu.sh tma_next1 OUT  # one GPU (at 60dc0f1): fp8_blockwise_tma1, then the bf16 wgrad at
+#                                                  #   four micro-batches a call against TMA-fed loops
+#   bash benchmarks/evidence_gpu.sh blockwise_tma1 OUT # one GPU: the blockwise GEMM fed by the TMA, its GPU tests, both
+#                                                  #   bench models in blockwise FP8 with it and without
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -391,17 +393,17 @@ fp8_param_runs() {  # result name, then GPU test files: fp8_param1's runs on GPU
 }
 
 fp8_runs() {  # result name, the undone tree's dir (tree_before), then the launches' trees, in order: a name
-  # "before" or "before_again" runs the copy, any other this tree; each launch bf16 then rowwise FP8 on the
-  # bench model FP8_MODEL (mixtral_2l by default, or fine_8l), 3 warm-up + 8 steps; PROFILE=TREE: that launch's
-  # steps profiled too
-  local label=$1 old=$2 model=${FP8_MODEL:-mixtral_2l} tree dir name profile
+  # "before" or "before_again" runs the copy, any other this tree; each launch bf16 then FP8 (FP8_RECIPE: rowwise by
+  # default, or blockwise) on the bench model FP8_MODEL (mixtral_2l by default, or fine_8l), 3 warm-up + 8 steps;
+  # PROFILE=TREE: that launch's steps profiled too
+  local label=$1 old=$2 model=${FP8_MODEL:-mixtral_2l} recipe=${FP8_RECIPE:-rowwise} tree dir name profile
   shift 2
   for tree in "$@"; do
     dir=$PWD; [ "${tree%_again}" = before ] && dir=$old
     name=train_step_${label}_${tree}_${model}_1x$gpu
     profile="--profile-steps 0"; [ "$tree" = "${PROFILE:-}" ] && profile="--profile-steps 1 --timeline $PWD/$res/$name.png"
     PYTHONPATH=$dir timeout -k 10 "$(left)" python $dir/benchmarks/train_step.py configs/bench_$model.yaml \
-      --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 $profile \
+      --variant $recipe:train.fp8_recipe=$recipe --warmup 3 --steps 8 $profile \
       --json $PWD/$res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
   done
@@ -2331,7 +2333,8 @@ PY
     cp build/before/fp8_wgrad.py /tmp/fp8_wgrad_before/moe_overlap/kernels/fp8_wgrad.py
     FP8_MODEL=mixtral_2l fp8_runs fp8_wgrad_tma /tmp/fp8_wgrad_before tma before
     ;;
-  fp8_blockwise_tma1)  # the blockwise recipe's grouped GEMM (its slice loop unpipelined and spilling on sm_90)
+  fp8_blockwise_tma1)  # (at 60dc0f1; the lab since removed, its kernel shipped) the blockwise recipe's grouped GEMM
+    # (its slice loop unpipelined and spilling on sm_90)
     # against a TMA-fed loop, the rowwise recipe's torch GEMM and bf16 (benchmarks/fp8_blockwise_tma.py; prepared
     # 2026-11-29, not run yet)
     export CUDA_VISIBLE_DEVICES=0
@@ -2339,7 +2342,7 @@ PY
       --json $res/fp8_blockwise_tma_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_blockwise_tma1.log" | cut -c1-3000
     pack
     ;;
-  tma_next1)  # prepared 2026-11-29 for the next one-GPU lease (about 3 minutes): the blockwise GEMM against its
+  tma_next1)  # (at 60dc0f1, run 2026-11-29) for a one-GPU lease (about 3 minutes): the blockwise GEMM against its
     # TMA-fed loop (fp8_blockwise_tma1's run), then the bf16 weight gradient at four micro-batches a call, the
     # Mixtral-like bench model's bf16 setting (train.expert_wgrad_micro_batches: 4), against TMA-fed loops
     export CUDA_VISIBLE_DEVICES=0
@@ -2349,6 +2352,18 @@ PY
     timeout -k 10 "$(left)" python benchmarks/wgrad_tma.py --rounds 10 --shapes mixtral_fc1,mixtral_fc2 --segments 1,4 \
       --json $res/wgrad_tma_four_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/wgrad_tma_four.log" | cut -c1-3000
     pack
+    ;;
+  blockwise_tma1)  # issue 39: the blockwise recipe's GEMM fed by the TMA (kernels/fp8_blockwise.py): its GPU tests,
+    # then the Mixtral-like and the fine model in blockwise FP8 with it and without (the kernel file before it,
+    # carried at build/before/fp8_blockwise.py: git show 60dc0f1:moe_overlap/kernels/fp8_blockwise.py > that file,
+    # then run with carry ["build/before"]), each launch bf16 then blockwise
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests blockwise_tma tests/test_gpu_fp8_blockwise.py tests/test_gpu_fp8.py -k blockwise
+    pack
+    tree_before blockwise_before
+    cp build/before/fp8_blockwise.py /tmp/blockwise_before/moe_overlap/kernels/fp8_blockwise.py
+    FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_tma /tmp/blockwise_before tma before
+    FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_tma /tmp/blockwise_before tma before
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

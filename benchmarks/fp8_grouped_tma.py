@@ -29,6 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from benchmarks.common import run_header, write_json  # noqa: E402
 from benchmarks.step_kernels import timed_graphed  # noqa: E402
+from moe_overlap.kernels.fp8_blockwise import expert_tile  # noqa: E402
 
 # name: (experts, rows per expert, K contracted, N out)
 SHAPES = {
@@ -43,42 +44,11 @@ CONFIGS = [(128, 128, 128, 4, 4), (128, 128, 128, 4, 3), (128, 256, 128, 8, 3), 
 
 
 @triton.jit
-def expert_tile(offsets_ptr, N, E, tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (expert, its first row, its end row, the tile's first row within it, column tile); expert -1:
-    a tile past the last expert's. Programs in groups of GROUP_M row tiles share the weight's column tiles in L2."""
-    pid = tl.program_id(0)
-    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    width = GROUP_M * tiles_n
-    first_tile = pid // width * GROUP_M
-    rows_of_group = tl.minimum(tiles_m - first_tile, GROUP_M)
-    tile = first_tile + (pid % width) % rows_of_group
-    pid_n = (pid % width) // rows_of_group
-    # Expert e owns row tiles [before_e, before_e + cdiv(rows_e, BLOCK_M)); a tile past the last expert's is dead.
-    expert = tl.full((), -1, tl.int32)
-    start_row = tl.full((), 0, tl.int32)
-    end_row = tl.full((), 0, tl.int32)
-    local_row = tl.full((), 0, tl.int32)
-    before = tl.full((), 0, tl.int32)
-    start = tl.full((), 0, tl.int32)
-    for e in range(0, E):
-        end = tl.load(offsets_ptr + e)
-        tiles_e = (end - start + BLOCK_M - 1) // BLOCK_M
-        hit = (tile >= before) & (tile < before + tiles_e)
-        expert = tl.where(hit, e, expert)
-        start_row = tl.where(hit, start, start_row)
-        end_row = tl.where(hit, end, end_row)
-        local_row = tl.where(hit, (tile - before) * BLOCK_M, local_row)
-        before += tiles_e
-        start = end
-    return expert, start_row, end_row, local_row, pid_n
-
-
-@triton.jit
 def _fp8_grouped_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_ptr, out_desc, N, K, E, tiles_m,
                         stride_wse, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, STAGES: tl.constexpr):
-    expert, start_row, end_row, local_row, pid_n = expert_tile(offsets_ptr, N, E, tiles_m, BLOCK_M, BLOCK_N,
-                                                               GROUP_M)
+    expert, start_row, end_row, local_row, pid_n = expert_tile(offsets_ptr, 0, N, E, tiles_m, True, BLOCK_M,
+                                                               BLOCK_N, GROUP_M)
     if expert >= 0:
         rows = end_row - start_row
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)

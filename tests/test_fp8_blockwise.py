@@ -197,15 +197,15 @@ def test_fp8_blockwise_kernel_grouped_equals_twin(monkeypatch, contract_last, as
 
 
 @needs_triton
-@pytest.mark.parametrize("K", [256, 384], ids=["2-slices-paired", "3-slices-single"])
-def test_fp8_blockwise_kernel_paired_slices_equal_twin(monkeypatch, K):
-    """Two slices' products in flight per step of the loop (where the slices are even: else one at a time)."""
+@pytest.mark.parametrize("K", [128, 640], ids=["1-slice", "5-slices"])
+def test_fp8_blockwise_kernel_slices_equal_twin(monkeypatch, K):
+    """One 128-deep slice, and more slices than the loop's stages: each slice's product scaled into the sum."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     a_q, a_scale, w_q, w_scale = operands(100, K, (3, 256, K), seed=6)
     offsets = torch.tensor([41, 41, 97], dtype=torch.int32)
     want = B.blockwise_mm_torch(a_q, a_scale, w_q, w_scale, True, offsets)
     got = B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, True, offsets, out_dtype=torch.float32,
-                                config=(64, 128, 128, 4, 4, True))
+                                config=(64, 4, 2))
     assert_matches_twin(got[:97], want[:97])
 
 
@@ -225,6 +225,19 @@ def test_fp8_blockwise_kernel_stride0_row_scales_equal_twin(monkeypatch, grouped
 
 
 @needs_triton
+def test_fp8_blockwise_kernel_column_major_operands_equal_twin(monkeypatch):
+    """Operands whose columns are not contiguous (the TMA reads rows of contiguous columns): copied first."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a_q, a_scale, w_q, w_scale = operands(50, 256, (2, 128, 256), seed=8)
+    offsets = torch.tensor([20, 50], dtype=torch.int32)
+    want = B.blockwise_mm_torch(a_q, a_scale, w_q, w_scale, True, offsets)
+    a_cm, w_cm = a_q.float().t().contiguous().t(), w_q.float().transpose(-2, -1).contiguous().transpose(-2, -1)
+    assert a_cm.stride(1) != 1 and w_cm.stride(2) != 1
+    got = B.blockwise_mm_triton(a_cm, a_scale, w_cm, w_scale, True, offsets, out_dtype=torch.float32)
+    assert_matches_twin(got, want)
+
+
+@needs_triton
 def test_fp8_blockwise_kernel_bf16_out_and_empty_rows(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     a_q, a_scale, w_q, w_scale = operands(40, 128, (3, 128, 256), seed=6)
@@ -234,10 +247,13 @@ def test_fp8_blockwise_kernel_bf16_out_and_empty_rows(monkeypatch):
     assert got.dtype == torch.bfloat16 and rel_err(got, want) < 4e-3  # one rounding to bf16
     empty = B.blockwise_mm_triton(a_q[:0], a_scale[:0], w_q, w_scale, False, torch.zeros(3, dtype=torch.int32))
     assert empty.shape == (0, 256)
-    with pytest.raises(ValueError, match="BLOCK_N and BLOCK_K"):
-        B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, False, offsets, config=(64, 256, 128, 4, 4, False))
+    with pytest.raises(ValueError, match=r"config is \(BLOCK_M, warps, stages\)"):
+        B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, False, offsets, config=(64, 128, 128, 4, 4, False))
     with pytest.raises(ValueError, match="out must be"):
         B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, False, offsets, out=torch.empty(40, 256))
+    with pytest.raises(ValueError, match="unit column stride"):  # the TMA writes rows of contiguous columns
+        B.blockwise_mm_triton(a_q, a_scale, w_q, w_scale, False, offsets,
+                              out=torch.empty(256, 40, dtype=torch.bfloat16).t())
 
 
 @needs_triton

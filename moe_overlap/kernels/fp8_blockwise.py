@@ -16,12 +16,13 @@ flattened. Every quantized dimension must be a multiple of 128 (the config refus
 
 Its Triton kernel (:func:`blockwise_mm_triton`; CUDA, or TRITON_INTERPRET=1): one program per BLOCK_M rows of
 one group by 128 output columns, on a static grid (cdiv(M, BLOCK_M) + E row tiles; each program finds its group by
-walking the end offsets on the device, so it replays in CUDA graphs). Per 128-deep slice of the contraction, one
-tl.dot of the FP8 tiles into a fresh fp32 accumulator, times the rows' tile scales and the weight block's scale,
-added to the fp32 sum (DeepGEMM's promotion: the tensor cores' FP8 sum never spans more than one slice). The
-weight is read through strides in either orientation; FP8 wgmma reads only K-major operands from shared memory, so
-with ``contract_last=False`` Triton transposes each weight tile through registers (5-6x slower on an H100: the
-layers pass a transposed copy and ``contract_last=True`` instead).
+walking the end offsets on the device, so it replays in CUDA graphs). The operands come through TMA descriptors
+(the rows through a ragged one: rows past a group's end read as zeros, and are never written), so the loop over
+the 128-deep slices is pipelined. Per slice, one tl.dot of the FP8 tiles into a fresh fp32 accumulator, times
+the rows' tile scales and the weight block's scale, added to the fp32 sum (DeepGEMM's promotion: the tensor
+cores' FP8 sum never spans more than one slice). The weight is read in either orientation; FP8 wgmma reads only
+K-major operands from shared memory, so with ``contract_last=False`` each weight tile is transposed on chip (the
+layers pass a copy laid out along the contraction and ``contract_last=True`` instead).
 
 The quantize kernels run on CUDA (and under TRITON_INTERPRET=1), with the twins' arithmetic. The torch twins of the
 GEMM dequantize and multiply in fp32: they are the recipe's emulated path too (layers/fp8.py).
@@ -40,79 +41,95 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX, as_stored
+    from triton.tools.ragged_tma import create_ragged_descriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    # One program per (BLOCK_M rows of one group, BLOCK_N output columns). Programs along the flattened grid run in
-    # groups of GROUP_M row tiles, so neighbouring programs share b's column tiles and a's rows in L2. The operand
-    # b (K, N) is the weight read through strides, either orientation; its scales likewise.
-    def _blockwise_mm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, offsets_ptr, out_ptr, M, N, K, E, tiles_m,
-                             stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
-                             stride_bse, stride_bsk, stride_bsn, stride_om, stride_on, GROUPED: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, PAIRED: tl.constexpr):
+    from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX, as_stored
+    from moe_overlap.kernels.launch import DeviceFunction
+
+    # Ragged TMA (triton.tools.ragged_tma's scheme): a descriptor over rows (R, C) gets two leading dimensions whose
+    # strides wrap around 2**64, so that loading or storing at (BILLION, first + rows, BILLION - rows + row, col)
+    # addresses row first + row, and the hardware's bounds check on the third dimension stops at the group's end:
+    # rows past it read as zeros and are never written. Written here as device functions the interpreter can call.
+    _BILLION = tl.constexpr(2 ** 30)
+
+    def _load_rows(desc, first, rows, row, col):
+        """The (BLOCK_M, C) tile at row ``row`` of the group of ``rows`` rows from ``first``, column ``col``."""
+        tile = desc.load([_BILLION, first + rows, _BILLION - rows + row, col])
+        return tile.reshape(tile.shape[2], tile.shape[3])
+
+    def _store_rows(desc, first, rows, row, col, tile):
+        desc.store([_BILLION, first + rows, _BILLION - rows + row, col], tile.reshape(1, 1, tile.shape[0], tile.shape[1]))
+
+    load_rows, store_rows = DeviceFunction(_load_rows), DeviceFunction(_store_rows)
+
+    def _expert_tile(offsets_ptr, M, N, E, tiles_m, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """This program's (group, the group's first row, its end row, the tile's first row within the group, its
+        column tile) on a static grid of ``tiles_m`` row tiles by cdiv(N, BLOCK_N) column tiles; group -1: a tile
+        past the last group's (dead). Programs run in groups of GROUP_M row tiles, so that neighbouring programs
+        share the weight's column tiles in L2. Dense (not GROUPED): one group of M rows."""
         pid = tl.program_id(0)
-        tiles_n = N // BLOCK_N
-        width = GROUP_M * tiles_n
+        width = GROUP_M * ((N + BLOCK_N - 1) // BLOCK_N)
         first_tile = pid // width * GROUP_M
         rows_of_group = tl.minimum(tiles_m - first_tile, GROUP_M)
         tile = first_tile + (pid % width) % rows_of_group
         pid_n = (pid % width) // rows_of_group
         if GROUPED:
             # Group e owns row tiles [before_e, before_e + cdiv(rows_e, BLOCK_M)), found by walking the end offsets
-            # on the device (no host sync); a tile past the last group's is dead. Tiles never straddle groups.
-            expert = tl.full((), -1, tl.int32)
-            first_row = tl.full((), 0, tl.int32)
+            # on the device (no host sync). Tiles never straddle groups.
+            group = tl.full((), -1, tl.int32)
+            start_row = tl.full((), 0, tl.int32)
             end_row = tl.full((), 0, tl.int32)
+            local_row = tl.full((), 0, tl.int32)
             before = tl.full((), 0, tl.int32)
             start = tl.full((), 0, tl.int32)
             for e in range(0, E):
                 end = tl.load(offsets_ptr + e)
                 tiles_e = (end - start + BLOCK_M - 1) // BLOCK_M
                 hit = (tile >= before) & (tile < before + tiles_e)
-                expert = tl.where(hit, e, expert)
-                first_row = tl.where(hit, start + (tile - before) * BLOCK_M, first_row)
+                group = tl.where(hit, e, group)
+                start_row = tl.where(hit, start, start_row)
                 end_row = tl.where(hit, end, end_row)
+                local_row = tl.where(hit, (tile - before) * BLOCK_M, local_row)
                 before += tiles_e
                 start = end
-            live = expert >= 0
-            b_base = b_ptr + expert.to(tl.int64) * stride_be
-            b_scale = b_scale_ptr + expert.to(tl.int64) * stride_bse
         else:
-            live = True
-            first_row = tile * BLOCK_M
-            end_row = M
-            b_base = b_ptr
-            b_scale = b_scale_ptr
-        if live:
-            rm = first_row + tl.arange(0, BLOCK_M)
+            group = tl.full((), 0, tl.int32)
+            start_row = tl.full((), 0, tl.int32)
+            end_row = M + tl.full((), 0, tl.int32)
+            local_row = tile * BLOCK_M
+        return group, start_row, end_row, local_row, pid_n
+
+    expert_tile = DeviceFunction(_expert_tile)  # benchmarks/fp8_grouped_tma.py's too
+
+    # One program per (BLOCK_M rows of one group, 128 output columns). Per 128-deep slice of the contraction: a's
+    # tile through a ragged descriptor, w's block (E, N, K) or, CONTRACT_LAST off, (E, K, N) through a 3-D one, both
+    # pipelined by the TMA; the slice's product into a fresh fp32 accumulator, times the rows' tile scales and the
+    # block's scale, added to the fp32 sum (DeepGEMM's promotion: the tensor cores' FP8 sum spans one slice only).
+    def _blockwise_mm_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_ptr, out_desc, M, N, K, E, tiles_m,
+                             stride_asm, stride_ask, stride_wse, stride_wsk, stride_wsn, GROUPED: tl.constexpr,
+                             CONTRACT_LAST: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+                             STAGES: tl.constexpr):
+        group, start_row, end_row, local_row, pid_n = expert_tile(offsets_ptr, M, N, E, tiles_m, GROUPED, BLOCK_M,
+                                                                  128, GROUP_M)
+        if group >= 0:
+            rows = end_row - start_row
+            rm = start_row + local_row + tl.arange(0, BLOCK_M)
             rows_in = rm < end_row
-            rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-            rk = tl.arange(0, BLOCK_K)
-            # Pointers made once and stepped along the contraction (int64 for the rows and columns of big tensors).
-            a_MK = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
-            b_KN = b_base + rk[:, None] * stride_bk + rn[None, :] * stride_bn
             a_scale_M = a_scale_ptr + rm.to(tl.int64) * stride_asm
-            b_scale += pid_n * stride_bsn  # BLOCK_N = 128: one weight block scale per 128-deep slice
-            acc_MN = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for _ in range(0, K // (BLOCK_K * (1 + PAIRED))):
-                # The slice's product alone (a fresh accumulator: the tensor cores' reduced-precision FP8 sum spans
-                # 128 values only), then scaled into the fp32 sum: DeepGEMM's promotion. PAIRED: two slices'
-                # products issued before either is scaled, so the second runs while the first is scaled.
-                partial_MN = tl.dot(tl.load(a_MK, mask=rows_in[:, None], other=0.0), tl.load(b_KN))
-                if PAIRED:
-                    second_MN = tl.dot(tl.load(a_MK + BLOCK_K * stride_ak, mask=rows_in[:, None], other=0.0),
-                                       tl.load(b_KN + BLOCK_K * stride_bk))
-                scale_M = tl.load(a_scale_M, mask=rows_in, other=0.0) * tl.load(b_scale)
+            w_scale = w_scale_ptr + group.to(tl.int64) * stride_wse + pid_n * stride_wsn
+            acc_MN = tl.full((BLOCK_M, 128), 0.0, tl.float32)
+            for k in tl.range(0, K // 128, num_stages=STAGES):
+                a_MK = load_rows(a_desc, start_row, rows, local_row, k * 128)
+                if CONTRACT_LAST:
+                    w_KN = tl.trans(w_desc.load([group, pid_n * 128, k * 128]).reshape(128, 128))
+                else:
+                    w_KN = w_desc.load([group, k * 128, pid_n * 128]).reshape(128, 128)
+                partial_MN = tl.dot(a_MK, w_KN)
+                scale_M = tl.load(a_scale_M + k * stride_ask, mask=rows_in, other=0.0) * tl.load(w_scale + k * stride_wsk)
                 acc_MN += partial_MN * scale_M[:, None]
-                if PAIRED:
-                    scale_M = tl.load(a_scale_M + stride_ask, mask=rows_in, other=0.0) * tl.load(b_scale + stride_bsk)
-                    acc_MN += second_MN * scale_M[:, None]
-                a_MK += (1 + PAIRED) * BLOCK_K * stride_ak
-                b_KN += (1 + PAIRED) * BLOCK_K * stride_bk
-                a_scale_M += (1 + PAIRED) * stride_ask
-                b_scale += (1 + PAIRED) * stride_bsk
-            out_MN = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
-            tl.store(out_MN, acc_MN.to(out_ptr.dtype.element_ty), mask=rows_in[:, None])
+            store_rows(out_desc, start_row, rows, local_row, pid_n * 128, acc_MN.to(out_desc.dtype))
 
     _blockwise_mm = Kernel(_blockwise_mm_kernel, do_not_specialize=["M", "tiles_m"])
 
@@ -291,59 +308,56 @@ def _check_operands(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
     return M, K, P if contract_last else Q
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, paired). Each slice's product is waited for before it is scaled, so a
-# program leaves the tensor cores idle while it scales; two programs per SM overlap one's scaling with the other's
-# products. Compiled for sm_90 by triton 3.6 (ptxas's resource usage of the cubin, read without a GPU, 2026-11-29)
-# the slice loop is not pipelined: 24-32 KiB of shared memory, no asynchronous copies, 255 registers and 1.4 KB a
-# thread spilled at both tiles (benchmarks/fp8_blockwise_tma.py has a TMA-fed loop to measure against it).
-# Measured on an H100 (step_kernels_fp8_blockwise_1xh100.json, step_kernels_fp8_blockwise_paired_1xh100.json; the
-# expert shapes): 64 rows unpaired are the fastest where the output is narrow (the fine experts' 2048 columns); from
-# 4096 columns on (the Mixtral-like experts) 128 rows with two slices in flight, 15% below 64 rows there (7.40
-# against 8.73 ms over the four GEMMs, bf16's 7.54). 64 rows paired spill: slower everywhere.
-_CONFIG = (64, 128, 128, 4, 4, False)
-_CONFIG_WIDE = (128, 128, 128, 8, 3, True)  # outputs of at least WIDE columns
-WIDE = 4096
+# (BLOCK_M, warps, stages); BLOCK_N and BLOCK_K are the scale blocks' 128. Measured on an H200 against the
+# pointer-fed loop this kernel replaced (fp8_blockwise_tma_1xh200.json, 1,024 rows per expert, the experts' forward
+# and input-gradient shapes, bit for bit the same outputs): 64 rows, 4 warps, 4 stages was the fastest of five tiles
+# at all eight shapes, 4-12% below the old kernel's best tile (the fine fc1 forward 0.770 against 0.807 ms, the
+# Mixtral-like fc2 input gradient 1.075 against 1.215). The old loop, compiled for sm_90 by triton 3.6, was not
+# pipelined and spilled 1.4 KB a thread; this one is fed by the TMA.
+_CONFIG = (64, 4, 4)
 
 
-def _default_config(N: int) -> tuple[int, ...]:
-    return _CONFIG_WIDE if N >= WIDE else _CONFIG
+def _tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """t with unit column stride and 16-byte aligned rows, as a TMA descriptor reads it (a copy only where not)."""
+    aligned = t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) and \
+        t.data_ptr() % 16 == 0
+    return t if aligned else t.contiguous()
 
 
 def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                         contract_last: bool, offsets_E: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
-                        config: tuple[int, ...] | None = None) -> torch.Tensor:
+                        config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """:func:`blockwise_mm` in one Triton launch of a static grid (CUDA-graph replayable: the group sizes are read
-    on the device). Into ``out`` (M, N) of ``out_dtype`` when given; rows past the last offset are left unwritten
-    (their values in a new output are undefined). Operands of any dtype tl.dot takes (FP8 on Hopper; float32
-    holding E4M3 values in the CPU interpreter). ``config``: (BLOCK_M, 128, 128, warps, stages, paired), paired:
-    two slices' products in flight (where the contraction has an even number of slices); by default by the
-    output's width (N)."""
+    on the device). Into ``out`` (M, N) of ``out_dtype`` when given (unit column stride); rows past the last offset
+    are left unwritten (their values in a new output are undefined). Operands of any dtype tl.dot takes (FP8 on
+    Hopper; float32 holding E4M3 values in the CPU interpreter). ``config``: (BLOCK_M, warps, stages), for tests and
+    benchmarks."""
     M, K, N = _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
-    config = config or _default_config(N)
-    block_m, block_n, block_k, warps, stages, paired = config
-    if (block_n, block_k) != (BLOCK, BLOCK):
-        raise ValueError(f"blockwise_mm_triton's BLOCK_N and BLOCK_K are the scale blocks' {BLOCK}, got {config}")
+    if config is not None and len(config) != 3:
+        raise ValueError(f"blockwise_mm_triton's config is (BLOCK_M, warps, stages), got {config}")
+    block_m, warps, stages = config or _CONFIG
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
-    elif out.shape != (M, N) or out.dtype != out_dtype:
-        raise ValueError(f"out must be {out_dtype} {(M, N)}, got {out.dtype} {tuple(out.shape)}")
+    elif out.shape != (M, N) or out.dtype != out_dtype or _tma_rows(out) is not out:
+        raise ValueError(f"out must be {out_dtype} {(M, N)} with unit column stride and 16-byte aligned rows, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if M == 0:
         return out
     if not a_q.is_cuda or interpreter_requested():  # the interpreter: small row tiles keep the CPU tests quick
         block_m = min(block_m, 16)
     grouped = offsets_E is not None
-    experts = w_q.shape[0] if grouped else 1
+    w_EPQ = _tma_rows(w_q if grouped else w_q[None])
+    experts = w_EPQ.shape[0]
     tiles_m = triton.cdiv(M, block_m) + (experts if grouped else 0)  # a group's last tile may be partial
-    # b (K, N) is w (P, Q) transposed (contract_last) or as it is: strides swapped, no copy. Its block scales too.
+    # w's 128x128 block scales: (k, n) of b = w^T (contract_last) or w, by strides (no copy)
     w_k, w_n = (-1, -2) if contract_last else (-2, -1)
-    _blockwise_mm[(tiles_m * (N // block_n),), a_q.device](
-        a_q, a_scale, w_q, w_scale, offsets_E if grouped else a_scale, out, M, N, K, experts, tiles_m,
-        a_q.stride(0), a_q.stride(1), a_scale.stride(0), a_scale.stride(1), w_q.stride(0) if grouped else 0,
-        w_q.stride(w_k), w_q.stride(w_n), w_scale.stride(0) if grouped else 0, w_scale.stride(w_k),
-        w_scale.stride(w_n), out.stride(0), out.stride(1), GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8, PAIRED=bool(paired) and K // block_k % 2 == 0, num_warps=warps,
-        num_stages=stages)
+    _blockwise_mm[(tiles_m * (N // BLOCK),), a_q.device](
+        create_ragged_descriptor(_tma_rows(a_q), [block_m, BLOCK]), a_scale,
+        TensorDescriptor.from_tensor(w_EPQ, [1, BLOCK, BLOCK]), w_scale, offsets_E if grouped else a_scale,
+        create_ragged_descriptor(out, [block_m, BLOCK]), M, N, K, experts, tiles_m, a_scale.stride(0),
+        a_scale.stride(1), w_scale.stride(0) if grouped else 0, w_scale.stride(w_k), w_scale.stride(w_n),
+        GROUPED=grouped, CONTRACT_LAST=contract_last, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, num_warps=warps)
     return out
 
 
