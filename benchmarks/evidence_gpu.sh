@@ -45,6 +45,9 @@
 #                                                  #   four micro-batches a call against TMA-fed loops
 #   bash benchmarks/evidence_gpu.sh blockwise_tma1 OUT # one GPU: the blockwise GEMM fed by the TMA, its GPU tests, both
 #                                                  #   bench models in blockwise FP8 with it and without
+#   bash benchmarks/evidence_gpu.sh blockwise_tiles1 OUT # one GPU: that GEMM's tiles, then fp8_gemm.py (both recipes)
+#   bash benchmarks/evidence_gpu.sh blockwise_tiles2 OUT # one GPU: its 3 stages for short contractions: GPU tests,
+#                                                  #   fp8_gemm.py, the fine model in blockwise with and without
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2364,6 +2367,29 @@ PY
     cp build/before/fp8_blockwise.py /tmp/blockwise_before/moe_overlap/kernels/fp8_blockwise.py
     FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_tma /tmp/blockwise_before tma before
     FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_tma /tmp/blockwise_before tma before
+    ;;
+  blockwise_tiles1)  # issue 39: the TMA-fed blockwise GEMM's tiles (step_kernels.py's BLOCKWISE_CONFIGS: fewer
+    # stages for more programs an SM, 64 rows over two warp groups), then the layers' GEMMs in each recipe
+    # (fp8_gemm.py: the GEMMs target, after the TMA-fed FP8 weight gradient and blockwise GEMM)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 200 python benchmarks/step_kernels.py --sections fp8_blockwise --rounds 10 \
+      --json $res/step_kernels_fp8_blockwise_tma_1x$gpu.json 2>&1 | grep -v Warning | tail -n 8 | cut -c1-1500
+    pack
+    timeout -k 10 "$(left)" python benchmarks/fp8_gemm.py --check --rounds 10 \
+      --json $res/fp8_gemm_tma_1x$gpu.json 2>&1 | grep -E "^(experts|dense|wrote)" | cut -c1-1500
+    pack
+    ;;
+  blockwise_tiles2)  # issue 39: the blockwise GEMM at 3 stages where the contraction is at most 2,048 deep: its GPU
+    # tests, fp8_gemm.py again (its fp8_defaults row: the models' rowwise defaults), then the fine model in blockwise
+    # FP8 with it, with 4 stages everywhere (as blockwise_tma1 ran), and with it again, each bf16 then blockwise
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests blockwise_tiles tests/test_gpu_fp8_blockwise.py
+    pack
+    timeout -k 10 100 python benchmarks/fp8_gemm.py --check --rounds 10 \
+      --json $res/fp8_gemm_tma2_1x$gpu.json 2>&1 | grep -E "^(experts|dense|wrote)" | cut -c1-1500
+    pack
+    tree_before blockwise_4stages "moe_overlap/kernels/fp8_blockwise.py|s/^_CONFIG_SHORT = (64, 4, 3)/_CONFIG_SHORT = (64, 4, 4)/"
+    FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_stages /tmp/blockwise_4stages three before three_again
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

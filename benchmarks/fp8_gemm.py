@@ -12,10 +12,13 @@ into main_grad). Variants, milliseconds (median of the rounds):
   fp8_requant  the same with the weights quantized again every call (their once-per-step cost on every call:
                the bound for one micro-batch per step)
   fp8_fast_grads  fp8 with the dgrad GEMMs in fast accumulation too (train.fp8_dgrad_accumulation=fast)
+  fp8_defaults  rowwise as the config's defaults run these shapes: fast dgrads, the weight gradients in bf16
+               (train.fp8_wgrad=auto below 2,048 rows per expert a call)
   blockwise    train.fp8_recipe=blockwise as a micro-batch runs it (1x128 activation tiles quantized per call, the
                128x128 weight blocks made this step; the Triton blockwise GEMM)
   fp8_bf16_wgrad, blockwise_bf16_wgrad  the same with train.fp8_wgrad=false: the weight gradients in bf16
-``ratio`` is bf16 / fp8 (> 1: FP8 faster), ``ratio_blockwise`` bf16 / blockwise. In both recipes the forward, dgrad
+``ratio`` is bf16 / fp8 (> 1: FP8 faster), ``ratio_defaults`` bf16 / fp8_defaults, ``ratio_blockwise`` bf16 /
+blockwise. In both recipes the forward, dgrad
 and (train.fp8_wgrad, the default) wgrad GEMMs run in FP8 (kernels/fp8_wgrad.py for the wgrad).
 ``--check``: each recipe's outputs, input gradients and main_grads against bf16's, normwise (each under 0.1, or
 exit 1).
@@ -82,6 +85,7 @@ class Case:
         return {"bf16": lambda: self.step(None), "fp8": lambda: self.step(Fp8()),
                 "fp8_requant": lambda: self.step(Fp8(), requantize=True),
                 "fp8_fast_grads": lambda: self.step(Fp8(fast_dgrad=True)),
+                "fp8_defaults": lambda: self.step(Fp8(fast_dgrad=True, wgrad=False)),
                 "blockwise": lambda: self.step(BLOCKWISE),
                 "fp8_bf16_wgrad": lambda: self.step(BF16_WGRAD["fp8"]),
                 "blockwise_bf16_wgrad": lambda: self.step(BF16_WGRAD["blockwise"])}
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
         case = make()
         ms = round_robin(case.variants(), args.rounds, args.warmup, device)
         row = {"case": name, "ms": ms, "ratio": ms["bf16"] / ms["fp8"], "ratio_requant": ms["bf16"] / ms["fp8_requant"],
-               "ratio_blockwise": ms["bf16"] / ms["blockwise"]}
+               "ratio_defaults": ms["bf16"] / ms["fp8_defaults"], "ratio_blockwise": ms["bf16"] / ms["blockwise"]}
         if name == "dense":
             row["shape"] = dict(zip(("rows", "in", "out"), DENSE))
         else:
@@ -177,7 +181,8 @@ def main(argv=None) -> int:
             row["fp8_vs_bf16"] = errors = case.check()
             failed |= max(errors.values()) > CHECK_TOL
         print(f"{name:16s} " + "  ".join(f"{k} {v:8.3f} ms" for k, v in ms.items())
-              + f"  bf16/fp8 {row['ratio']:.2f}x (requant {row['ratio_requant']:.2f}x, blockwise "
+              + f"  bf16/fp8 {row['ratio']:.2f}x (requant {row['ratio_requant']:.2f}x, defaults "
+              f"{row['ratio_defaults']:.2f}x, blockwise "
               f"{row['ratio_blockwise']:.2f}x)"
               + (f"  fp8 vs bf16 {max(row['fp8_vs_bf16'].values()):.3f}" if args.check else ""), flush=True)
         rows.append(row)

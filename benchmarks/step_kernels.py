@@ -84,7 +84,9 @@ TILE_CONFIGS = [(128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)
 # H100 with (128, 128, 8, 3) and (128, 128, 4, 4) too (step_kernels_fp8_wgrad_1xh100.json), when its loads went
 # through pointers; (128, 256, 8, 3), the per-group default since the TMA feeds it (fp8_wgrad_tma_1xh200.json).
 FP8_WGRAD_CONFIGS = [(64, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3)]
-BLOCKWISE_CONFIGS = [(64, 4, 4), (64, 4, 6), (128, 8, 3), (128, 8, 4), (128, 4, 3)]  # (BLOCK_M, warps, stages)
+# (BLOCK_M, warps, stages): the shipped tile, fewer stages (2 or 3 programs an SM: one's scaling beside another's
+# products), 64 rows over two warp groups, 128 rows in 2 and 3 stages
+BLOCKWISE_CONFIGS = [(64, 4, 4), (64, 4, 3), (64, 4, 2), (64, 8, 4), (64, 8, 3), (128, 8, 2), (128, 8, 3)]
 WEIGHT_FP8_SHAPES = {"mixtral_w13": (8, 4096, 28672), "mixtral_w2": (8, 14336, 4096), "fine": (64, 2048, 2048),
                      "fine_w2": (64, 1024, 2048)}
 ATTENTION_SHAPES = {"mixtral": (1, 32, 8, 4096, 128), "fine": (2, 16, 4, 4096, 128)}  # batch, heads, kv, seq, dim

@@ -313,8 +313,16 @@ def _check_operands(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
 # and input-gradient shapes, bit for bit the same outputs): 64 rows, 4 warps, 4 stages was the fastest of five tiles
 # at all eight shapes, 4-12% below the old kernel's best tile (the fine fc1 forward 0.770 against 0.807 ms, the
 # Mixtral-like fc2 input gradient 1.075 against 1.215). The old loop, compiled for sm_90 by triton 3.6, was not
-# pipelined and spilled 1.4 KB a thread; this one is fed by the TMA.
+# pipelined and spilled 1.4 KB a thread; this one is fed by the TMA. A second sweep (step_kernels_fp8_blockwise_tma_
+# 1xh200.json; 2 stages, 8 warps, 128 rows all slower) had 3 stages 11-18% faster than 4 where the contraction is
+# at most 2,048 deep (the fine experts' four GEMMs), and 0-18% slower where it is 4,096 or more (Mixtral's).
+_CONFIG_SHORT = (64, 4, 3)  # contractions of at most SHORT
 _CONFIG = (64, 4, 4)
+SHORT = 2048
+
+
+def _default_config(K: int) -> tuple[int, int, int]:
+    return _CONFIG_SHORT if K <= SHORT else _CONFIG
 
 
 def _tma_rows(t: torch.Tensor) -> torch.Tensor:
@@ -331,12 +339,12 @@ def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Ten
     """:func:`blockwise_mm` in one Triton launch of a static grid (CUDA-graph replayable: the group sizes are read
     on the device). Into ``out`` (M, N) of ``out_dtype`` when given (unit column stride); rows past the last offset
     are left unwritten (their values in a new output are undefined). Operands of any dtype tl.dot takes (FP8 on
-    Hopper; float32 holding E4M3 values in the CPU interpreter). ``config``: (BLOCK_M, warps, stages), for tests and
-    benchmarks."""
+    Hopper; float32 holding E4M3 values in the CPU interpreter). ``config``: (BLOCK_M, warps, stages); by default by
+    the contraction's depth."""
     M, K, N = _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
     if config is not None and len(config) != 3:
         raise ValueError(f"blockwise_mm_triton's config is (BLOCK_M, warps, stages), got {config}")
-    block_m, warps, stages = config or _CONFIG
+    block_m, warps, stages = config or _default_config(K)
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
     elif out.shape != (M, N) or out.dtype != out_dtype or _tma_rows(out) is not out:
