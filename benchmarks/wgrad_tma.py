@@ -39,18 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from benchmarks.common import run_header, write_json  # noqa: E402
 from benchmarks.step_kernels import WGRAD_SHAPES, timed_graphed, wgrad_operands  # noqa: E402
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_triton  # noqa: E402
-
-
-@triton.jit
-def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
-    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    rows_of_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_of_group
-    pid_n = (pid % (GROUP_M * tiles_n)) // rows_of_group
-    return pid_m, pid_n
+from moe_overlap.kernels.launch import tile_in_groups  # noqa: E402
 
 
 @triton.jit
@@ -67,7 +56,7 @@ def _ptr_kernel(a_ptr, b_ptr, offsets, out_ptr, M, N, step_a, step_b, stride_oe,
                 LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr):
     expert = tl.program_id(1)
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_in_groups(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -130,7 +119,7 @@ def _tma_kernel(a0, b0, offsets0, a1, b1, offsets1, a2, b2, offsets2, a3, b3, of
                 stride_oe, stride_om, add_flag, SEGMENTS: tl.constexpr, EPILOGUE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 STAGES: tl.constexpr):
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_in_groups(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     _tma_tile(a0, b0, offsets0, a1, b1, offsets1, a2, b2, offsets2, a3, b3, offsets3, out_ptr, out_desc,
               tl.program_id(1), pid_m, pid_n, M, N, stride_oe, stride_om, add_flag, SEGMENTS, EPILOGUE, BLOCK_M,
               BLOCK_N, BLOCK_K, STAGES)

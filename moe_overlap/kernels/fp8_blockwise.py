@@ -45,7 +45,7 @@ if HAVE_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX, as_stored
-    from moe_overlap.kernels.launch import DeviceFunction
+    from moe_overlap.kernels.launch import DeviceFunction, tile_in_groups
 
     # Ragged TMA (triton.tools.ragged_tma's scheme): a descriptor over rows (R, C) gets two leading dimensions whose
     # strides wrap around 2**64, so that loading or storing at (BILLION, first + rows, BILLION - rows + row, col)
@@ -69,12 +69,7 @@ if HAVE_TRITON:
         column tile) on a static grid of ``tiles_m`` row tiles by cdiv(N, BLOCK_N) column tiles; group -1: a tile
         past the last group's (dead). Programs run in groups of GROUP_M row tiles, so that neighbouring programs
         share the weight's column tiles in L2. Dense (not GROUPED): one group of M rows."""
-        pid = tl.program_id(0)
-        width = GROUP_M * ((N + BLOCK_N - 1) // BLOCK_N)
-        first_tile = pid // width * GROUP_M
-        rows_of_group = tl.minimum(tiles_m - first_tile, GROUP_M)
-        tile = first_tile + (pid % width) % rows_of_group
-        pid_n = (pid % width) // rows_of_group
+        tile, pid_n = tile_in_groups(tl.program_id(0), tiles_m, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
         if GROUPED:
             # Group e owns row tiles [before_e, before_e + cdiv(rows_e, BLOCK_M)), found by walking the end offsets
             # on the device (no host sync). Tiles never straddle groups.

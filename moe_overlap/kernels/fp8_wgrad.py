@@ -52,6 +52,7 @@ if HAVE_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FLOOR, TL_FP8_MAX as _MAX
+    from moe_overlap.kernels.launch import tile_in_groups
 
     # One program per (chunk, BLOCK_C columns). MODE 0: the chunk's column amax into amax (C, M); 1: the chunk
     # quantized with its own amax; 2: with its group's (the max over the group's chunks, which mode 0 wrote).
@@ -143,12 +144,7 @@ if HAVE_TRITON:
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         group = tl.program_id(1)
-        tiles_m = (M + BLOCK_M - 1) // BLOCK_M
-        tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-        first_m = pid // (GROUP_M * tiles_n) * GROUP_M
-        rows_of_group = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_of_group
-        pid_n = (pid % (GROUP_M * tiles_n)) // rows_of_group
+        pid_m, pid_n = tile_in_groups(pid, (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         in_m = rm < M

@@ -22,6 +22,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from moe_overlap.kernels.launch import tile_in_groups
+
     # Per segment (a micro-batch's rows), one element of each tuple: a, b, their end offsets and row strides.
     def _grouped_wgrad_kernel(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, M, N, stride_oe, stride_om,
                               SEGMENTS: tl.constexpr,
@@ -29,14 +31,7 @@ if HAVE_TRITON:
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         expert = tl.program_id(1)
-        # Tiles in groups of GROUP_M rows of tiles, so neighbouring programs share a's and b's columns in L2.
-        tiles_m = (M + BLOCK_M - 1) // BLOCK_M
-        tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-        group = pid // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        rows_of_group = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_of_group
-        pid_n = (pid % (GROUP_M * tiles_n)) // rows_of_group
+        pid_m, pid_n = tile_in_groups(pid, (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)

@@ -29,6 +29,17 @@ try:
         def __call__(self, *args, **kwargs):
             return self.fn(*args, **kwargs)
 
+    def _tile_in_groups(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """Program ``pid``'s (row tile, column tile) of a tiles_m x tiles_n grid walked in groups of GROUP_M row
+        tiles, a group's column tiles in turn: neighbouring programs share the operands' row and column tiles in
+        L2 (the GEMM kernels' program order)."""
+        width = GROUP_M * tiles_n
+        first_m = pid // width * GROUP_M
+        rows_of_group = tl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (pid % width) % rows_of_group, (pid % width) // rows_of_group
+
+    tile_in_groups = DeviceFunction(_tile_in_groups)
+
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     HAVE_TRITON = False
