@@ -48,6 +48,7 @@
 #   bash benchmarks/evidence_gpu.sh blockwise_tiles1 OUT # one GPU: that GEMM's tiles, then fp8_gemm.py (both recipes)
 #   bash benchmarks/evidence_gpu.sh blockwise_tiles2 OUT # one GPU: its 3 stages for short contractions: GPU tests,
 #                                                  #   fp8_gemm.py, the fine model in blockwise with and without
+#   bash benchmarks/evidence_gpu.sh tile_order1 OUT # one GPU: the GPU tests of the kernels using tile_in_groups
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2390,6 +2391,11 @@ PY
     pack
     tree_before blockwise_4stages "moe_overlap/kernels/fp8_blockwise.py|s/^_CONFIG_SHORT = (64, 4, 3)/_CONFIG_SHORT = (64, 4, 4)/"
     FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_stages /tmp/blockwise_4stages three before three_again
+    ;;
+  tile_order1)  # the GEMM kernels' program order written once (kernels/launch.tile_in_groups): the GPU tests of the
+    # three kernels that use it (the bf16 and FP8 weight gradients, the blockwise GEMM)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests tile_order tests/test_gpu_wgrad.py tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8_blockwise.py
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
