@@ -49,6 +49,8 @@
 #   bash benchmarks/evidence_gpu.sh blockwise_tiles2 OUT # one GPU: its 3 stages for short contractions: GPU tests,
 #                                                  #   fp8_gemm.py, the fine model in blockwise with and without
 #   bash benchmarks/evidence_gpu.sh tile_order1 OUT # one GPU: the GPU tests of the kernels using tile_in_groups
+#   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
+#                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
 #                                                  #   with it and without, alternated
 #   bash benchmarks/evidence_gpu.sh example2 OUT   # configs/gpu2_fine.yaml, 200 steps, ROUTING=overrides
@@ -2396,6 +2398,16 @@ PY
     # three kernels that use it (the bf16 and FP8 weight gradients, the blockwise GEMM)
     export CUDA_VISIBLE_DEVICES=0
     gpu0_tests tile_order tests/test_gpu_wgrad.py tests/test_gpu_fp8_wgrad.py tests/test_gpu_fp8_blockwise.py
+    ;;
+  fine_balanced1)  # issue 39: the fine bench model's FP8 ratios with routing forced balanced (its bundled corpus
+    # sends every token to one expert per layer at least: expert_imbalance 8.0 = top-k), bf16 then rowwise then
+    # blockwise in one launch
+    export CUDA_VISIBLE_DEVICES=0
+    name=train_step_fp8_balanced_fine_8l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      model.moe_router_force_load_balancing=true --variant rowwise:train.fp8_recipe=rowwise \
+      --variant blockwise:train.fp8_recipe=blockwise --warmup 3 --steps 8 --profile-steps 0 \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
