@@ -49,6 +49,7 @@
 #   bash benchmarks/evidence_gpu.sh blockwise_tiles2 OUT # one GPU: its 3 stages for short contractions: GPU tests,
 #                                                  #   fp8_gemm.py, the fine model in blockwise with and without
 #   bash benchmarks/evidence_gpu.sh tile_order1 OUT # one GPU: the GPU tests of the kernels using tile_in_groups
+#   bash benchmarks/evidence_gpu.sh blockwise_tma2 OUT # one GPU: blockwise_tma1's Mixtral-like pair again, reversed
 #   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
 #                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
@@ -2408,6 +2409,13 @@ PY
       model.moe_router_force_load_balancing=true --variant rowwise:train.fp8_recipe=rowwise \
       --variant blockwise:train.fp8_recipe=blockwise --warmup 3 --steps 8 --profile-steps 0 \
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ;;
+  blockwise_tma2)  # blockwise_tma1's Mixtral-like pair again, in the other order (the file before first), carry
+    # ["build/before"] as there
+    export CUDA_VISIBLE_DEVICES=0
+    tree_before blockwise_before
+    cp build/before/fp8_blockwise.py /tmp/blockwise_before/moe_overlap/kernels/fp8_blockwise.py
+    FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_tma2 /tmp/blockwise_before before tma
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
