@@ -225,8 +225,9 @@ def test_fp8_blockwise_kernel_stride0_row_scales_equal_twin(monkeypatch, grouped
 
 
 @needs_triton
-def test_fp8_blockwise_kernel_column_major_operands_equal_twin(monkeypatch):
-    """Operands whose columns are not contiguous (the TMA reads rows of contiguous columns): copied first."""
+def test_fp8_blockwise_kernel_column_major_and_unaligned_operands_equal_twin(monkeypatch):
+    """Operands whose columns are not contiguous, or whose rows are not 16-byte aligned (the TMA reads aligned rows
+    of contiguous columns): copied first."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     a_q, a_scale, w_q, w_scale = operands(50, 256, (2, 128, 256), seed=8)
     offsets = torch.tensor([20, 50], dtype=torch.int32)
@@ -234,6 +235,11 @@ def test_fp8_blockwise_kernel_column_major_operands_equal_twin(monkeypatch):
     a_cm, w_cm = a_q.float().t().contiguous().t(), w_q.float().transpose(-2, -1).contiguous().transpose(-2, -1)
     assert a_cm.stride(1) != 1 and w_cm.stride(2) != 1
     got = B.blockwise_mm_triton(a_cm, a_scale, w_cm, w_scale, True, offsets, out_dtype=torch.float32)
+    assert_matches_twin(got, want)
+    # rows starting 4 bytes past a 16-byte boundary (the interpreter's descriptors check the base as the TMA does)
+    a_off = torch.empty(a_q.numel() + 4)[1:1 + a_q.numel()].view(a_q.shape).copy_(a_q.float())
+    assert a_off.data_ptr() % 16
+    got = B.blockwise_mm_triton(a_off, a_scale, w_q.float(), w_scale, True, offsets, out_dtype=torch.float32)
     assert_matches_twin(got, want)
 
 

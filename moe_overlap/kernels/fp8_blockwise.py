@@ -321,10 +321,11 @@ def _default_config(K: int) -> tuple[int, int, int]:
 
 
 def _tma_rows(t: torch.Tensor) -> torch.Tensor:
-    """t with unit column stride and 16-byte aligned rows, as a TMA descriptor reads it (a copy only where not)."""
+    """t with unit column stride and 16-byte aligned rows, as a TMA descriptor reads it (a copy only where not: a
+    fresh tensor, since a contiguous view past an aligned start would come back from .contiguous() as it is)."""
     aligned = t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) and \
         t.data_ptr() % 16 == 0
-    return t if aligned else t.contiguous()
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
 
 
 def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
