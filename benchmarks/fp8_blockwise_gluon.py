@@ -20,7 +20,6 @@ past the tensor); their products are computed with this group's weight and not s
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from benchmarks.common import run_header, write_json  # noqa: E402
-from benchmarks.fp8_grouped_tma import SHAPES, bf16_operands, normwise  # noqa: E402
+from benchmarks.fp8_grouped_tma import SHAPES, bf16_operands, lab_args, normwise  # noqa: E402
 from benchmarks.step_kernels import timed_graphed  # noqa: E402
 from moe_overlap.kernels.fp8_blockwise import blockwise_mm_triton, quantize_blocks, quantize_tiles  # noqa: E402
 from moe_overlap.kernels.fp8_quant import quantize_rows  # noqa: E402
@@ -149,11 +148,7 @@ def blockwise_gluon(a_q, a_scale, w_q, w_scale, offsets, config):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    args = parser.parse_args()
+    args = lab_args(__doc__)
     rows = []
     for name in args.shapes.split(","):
         experts, per_expert, K, N = SHAPES[name]

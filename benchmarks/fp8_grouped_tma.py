@@ -120,12 +120,17 @@ def normwise(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def lab_args(doc: str) -> argparse.Namespace:
+    """The FP8 GEMM labs' command line: --json, --rounds, --shapes (SHAPES' names, comma-separated)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = lab_args(__doc__)
     rows = []
     for name in args.shapes.split(","):
         experts, per_expert, K, N = SHAPES[name]
