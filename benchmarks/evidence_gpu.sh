@@ -50,8 +50,9 @@
 #                                                  #   fp8_gemm.py, the fine model in blockwise with and without
 #   bash benchmarks/evidence_gpu.sh tile_order1 OUT # one GPU: the GPU tests of the kernels using tile_in_groups
 #   bash benchmarks/evidence_gpu.sh blockwise_tma2 OUT # one GPU: blockwise_tma1's Mixtral-like pair again, reversed
-#   bash benchmarks/evidence_gpu.sh gluon_blockwise1 OUT # one GPU, prepared: the blockwise GEMM with the next slice's
-#                                                  #   product in flight while one is scaled (Gluon)
+#   bash benchmarks/evidence_gpu.sh blockwise_next1 OUT # one GPU, prepared: the blockwise GEMM with the next slice's
+#                                                  #   product in flight while one is scaled (Gluon), then cuBLAS's
+#                                                  #   blockwise GEMM on the dense linears
 #   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
 #                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
@@ -2419,12 +2420,16 @@ PY
     cp build/before/fp8_blockwise.py /tmp/blockwise_before/moe_overlap/kernels/fp8_blockwise.py
     FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_tma2 /tmp/blockwise_before before tma
     ;;
-  gluon_blockwise1)  # prepared 2026-11-29, not run: the blockwise GEMM with each slice's product issued before the
-    # previous one is scaled (benchmarks/fp8_blockwise_gluon.py, Gluon's explicit wgmma wait), against the shipped
-    # kernel, rowwise's torch GEMM and bf16, about a minute of one GPU
+  blockwise_next1)  # prepared 2026-11-29, not run (about 3 minutes of one GPU): the blockwise GEMM with each slice's
+    # product issued before the previous one is scaled (benchmarks/fp8_blockwise_gluon.py, Gluon's explicit wgmma
+    # wait), then cuBLAS's blockwise torch._scaled_mm on the dense linears (benchmarks/fp8_blockwise_cublas.py), each
+    # against the shipped Triton kernel, rowwise's torch GEMM and bf16
     export CUDA_VISIBLE_DEVICES=0
-    timeout -k 10 "$(left)" python benchmarks/fp8_blockwise_gluon.py --rounds 10 \
+    timeout -k 10 200 python benchmarks/fp8_blockwise_gluon.py --rounds 10 \
       --json $res/fp8_blockwise_gluon_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_blockwise_gluon1.log" | cut -c1-3000
+    pack
+    timeout -k 10 "$(left)" python benchmarks/fp8_blockwise_cublas.py --rounds 10 \
+      --json $res/fp8_blockwise_cublas_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_blockwise_cublas1.log" | cut -c1-3000
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

@@ -120,12 +120,12 @@ def normwise(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
 
 
-def lab_args(doc: str) -> argparse.Namespace:
-    """The FP8 GEMM labs' command line: --json, --rounds, --shapes (SHAPES' names, comma-separated)."""
+def lab_args(doc: str, shapes: dict = SHAPES) -> argparse.Namespace:
+    """The FP8 GEMM labs' command line: --json, --rounds, --shapes (names of ``shapes``, comma-separated)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(shapes))
     return parser.parse_args()
 
 
