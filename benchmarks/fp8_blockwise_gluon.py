@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,  # noqa: E402
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from benchmarks.common import run_header, write_json  # noqa: E402
@@ -115,7 +116,8 @@ def _blockwise_gluon_kernel(a_desc, a_scale_ptr, w_desc, w_scale_ptr, offsets_pt
             tma.async_copy_global_to_shared(w_desc, [w_row, (k - 1 + STAGES) * 128], ready.index(free),
                                             w_smem.index(free), pred=refill)
             last = product
-            last_scale = gl.load(a_scale_M + k * stride_ask, mask=rows_in, other=0.0) * gl.load(w_scale + k * stride_wsk)
+            last_scale = gl.load(a_scale_M + k * stride_ask, mask=rows_in, other=0.0) * \
+                gl.load(w_scale + k * stride_wsk)
         done = warpgroup_mma_wait(num_outstanding=0, deps=(last, ))
         acc += done * last_scale[:, None]
         for i in gl.static_range(STAGES):

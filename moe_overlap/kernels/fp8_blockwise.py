@@ -59,7 +59,8 @@ if HAVE_TRITON:
         return tile.reshape(tile.shape[2], tile.shape[3])
 
     def _store_rows(desc, first, rows, row, col, tile):
-        desc.store([_BILLION, first + rows, _BILLION - rows + row, col], tile.reshape(1, 1, tile.shape[0], tile.shape[1]))
+        desc.store([_BILLION, first + rows, _BILLION - rows + row, col],
+                   tile.reshape(1, 1, tile.shape[0], tile.shape[1]))
 
     load_rows, store_rows = DeviceFunction(_load_rows), DeviceFunction(_store_rows)
 
@@ -122,7 +123,8 @@ if HAVE_TRITON:
                 else:
                     w_KN = w_desc.load([group, k * 128, pid_n * 128]).reshape(128, 128)
                 partial_MN = tl.dot(a_MK, w_KN)
-                scale_M = tl.load(a_scale_M + k * stride_ask, mask=rows_in, other=0.0) * tl.load(w_scale + k * stride_wsk)
+                scale_M = tl.load(a_scale_M + k * stride_ask, mask=rows_in, other=0.0) * \
+                    tl.load(w_scale + k * stride_wsk)
                 acc_MN += partial_MN * scale_M[:, None]
             store_rows(out_desc, start_row, rows, local_row, pid_n * 128, acc_MN.to(out_desc.dtype))
 
