@@ -53,6 +53,8 @@
 #   bash benchmarks/evidence_gpu.sh blockwise_next1 OUT # one GPU, prepared: the blockwise GEMM with the next slice's
 #                                                  #   product in flight while one is scaled (Gluon), then cuBLAS's
 #                                                  #   blockwise GEMM on the dense linears
+#   bash benchmarks/evidence_gpu.sh blockwise_dense1 OUT # one GPU: cuBLAS's blockwise GEMM for the dense linears,
+#                                                  #   its GPU tests, then both bench models with it and without
 #   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
 #                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
@@ -2430,6 +2432,18 @@ PY
     pack
     timeout -k 10 "$(left)" python benchmarks/fp8_blockwise_cublas.py --rounds 10 \
       --json $res/fp8_blockwise_cublas_1x$gpu.json 2>&1 | grep -v Warning | tee "$out/fp8_blockwise_cublas1.log" | cut -c1-3000
+    ;;
+  blockwise_dense1)  # issue 39: the blockwise recipe's dense linears on cuBLAS's blockwise GEMM (kernels/
+    # fp8_blockwise.cublas_takes): the GPU tests, then the fine and the Mixtral-like model in blockwise FP8 with it
+    # and without (tree_before: cublas_takes off, the Triton kernel as before), alternated, each launch bf16 then
+    # blockwise
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests blockwise_dense tests/test_gpu_fp8_blockwise.py tests/test_gpu_fp8.py -k blockwise
+    pack
+    tree_before cublas_off "moe_overlap/kernels/fp8_blockwise.py|s/    return (offsets_E is None and contract_last/    return (False and contract_last/"
+    FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_dense /tmp/cublas_off cublas before cublas_again \
+      before_again
+    FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_dense /tmp/cublas_off cublas before
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

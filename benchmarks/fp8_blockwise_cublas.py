@@ -1,16 +1,22 @@
 """Whether cuBLAS's blockwise FP8 GEMM (torch._scaled_mm with 1x128 activation and 128x128 weight scales, which
 torch accepts on Hopper with CUDA 12.9 and later) beats our Triton kernel (kernels/fp8_blockwise.py) on the dense
 linears the blockwise recipe runs: QKV, the attention projection and the shared expert of the bench models, and a
-Mixtral-sized fc1; one CUDA GPU, prepared 2026-11-29, not run yet:
+Mixtral-sized fc1; one CUDA GPU:
 
     PYTHONPATH=. python benchmarks/fp8_blockwise_cublas.py --json OUT.json [--rounds 10]
 
-The scales' layout cuBLAS wants is not documented by torch's checks (they test sizes only), so each combination of
-the activation scales as quantize_tiles makes them (rows-major) or columns-major and the weight blocks' scales
-transposed as a view or copied is tried; what fails is reported, what runs is checked against the recipe's fp32
+The scales' layout cuBLAS wants is not documented by torch, so each combination of the activation scales row-major
+or column-major and the weight blocks' scales transposed as a view or copied is tried; what fails is reported,
+what runs is checked against the recipe's fp32
 twin (the dequantized operands' product, normwise under 1e-2 as tests/test_gpu_fp8_blockwise.py holds the Triton
 kernel) and timed round-robin from CUDA graphs beside the Triton kernel, the rowwise recipe's torch._scaled_mm and
 bf16. In the dense case (fp8_gemm.py's dense row, 1xH200) the Triton kernel ran 0.89x bf16 where rowwise ran 1.28x.
+
+Run 2026-11-29 (1xH200, torch 2.11+cu130, fp8_blockwise_cublas_1xh200.json): only column-major activation scales
+beside the weight scales' transposed view run ("Invalid scaling configuration" otherwise); that form was 18-27%
+faster than the Triton kernel at all seven shapes, at the kernel's distance from the twin. Since then the dense
+blockwise products run on cuBLAS (kernels/fp8_blockwise.cublas_takes) and quantize_tiles writes its scales
+column-major, so "rows" below is a copy made for the lab.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def main() -> None:
         a_q, a_scale = quantize_tiles(a)  # (M, K / 128)
         w_q, w_scale = quantize_blocks(w)  # (N / 128, K / 128)
         twin = blockwise_mm_torch(a_q, a_scale, w_q, w_scale, True)
-        scales_a = {"rows": a_scale, "cols": a_scale.t().contiguous().t()}
+        scales_a = {"rows": a_scale.contiguous(), "cols": a_scale.t().contiguous().t()}
         scales_b = {"view": w_scale.t(), "copy": w_scale.t().contiguous()}
         fns = {"triton": lambda: blockwise_mm_triton(a_q, a_scale, w_q, w_scale, True)}
         checks, failed = {"triton_vs_twin": normwise(fns["triton"](), twin)}, {}

@@ -108,8 +108,10 @@ def test_fp8_blockwise_quantize_kernels_under_the_interpreter(monkeypatch):
 
     x = w[0, :70]  # the tiles' kernel: 70 rows (not a multiple of its 32), rows from the bound on unwritten
     (q, scale), (q_twin, scale_twin) = B.quantize_tiles(x), B.quantize_tiles_torch(x)
-    assert torch.equal(scale, scale_twin)
+    assert torch.equal(scale, scale_twin) and scale.stride() == (1, 70)  # column-major, as cuBLAS reads them
     assert (q.float() != q_twin.float()).float().mean() < 0.2
+    (q3, scale3) = B.quantize_tiles(torch.stack([x, -x]))  # more than two dimensions: row-major
+    assert scale3.is_contiguous() and torch.equal(scale3[1], scale_twin)
     _, scale_bounded = B.quantize_tiles(x, rows_bound=torch.tensor([50], dtype=torch.int32))
     assert torch.equal(scale_bounded[:50], scale_twin[:50])
 
@@ -275,3 +277,4 @@ def test_fp8_blockwise_mm_runs_the_kernel_only_when_interpreted_or_on_cuda(monke
     interpreted = B.blockwise_mm(a_q, a_scale, w_q, w_scale, True, out_dtype=torch.float32)
     assert len(calls) == 1
     assert_matches_twin(interpreted, twin)
+    assert not B.cublas_takes(a_q, True, None, torch.bfloat16)  # cuBLAS's blockwise GEMM: CUDA only

@@ -1,7 +1,8 @@
 """The blockwise FP8 GEMM's Triton kernel on Hopper's FP8 tensor cores (`pytest -m gpu`; H100/H200): bf16 out
 within 1e-2 normwise of its torch twin (fp32 on the dequantized operands) and within 0.05 of fp32 on the
 unquantized inputs, dense and grouped (uneven groups, empty ones, rows past the last offset left unwritten), in
-both orientations of one weight copy, at Mixtral-like sizes; blockwise_mm runs it on CUDA; replayed from a CUDA
+both orientations of one weight copy, at Mixtral-like sizes; blockwise_mm runs it on CUDA, and the dense a @ w^T
+on cuBLAS's blockwise GEMM (within the twin's tolerance; what cuBLAS does not take stays on the kernel); replayed from a CUDA
 graph it equals the eager call, also after the group offsets changed in place on the device. The quantize kernels
 (tiles through the rows kernel, blocks as they are and transposed) equal their twins bit for bit. Times nothing: see
 benchmarks/step_kernels.py --sections fp8_blockwise.
@@ -11,10 +12,12 @@ benchmarks/step_kernels.py --sections fp8_blockwise.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from moe_overlap.kernels.fp8_blockwise import (blockwise_mm, blockwise_mm_torch, blockwise_mm_triton,
+from moe_overlap.kernels.fp8_blockwise import (blockwise_mm, blockwise_mm_torch, blockwise_mm_triton, cublas_takes,
                                                quantize_blocks, quantize_blocks_torch, quantize_tiles,
                                                quantize_tiles_torch)
 
@@ -62,7 +65,83 @@ def test_fp8_blockwise_kernel_against_twin_and_fp32(contract_last, grouped):
     else:
         want = a.float() @ (w.float().T if contract_last else w.float())
     assert rel(got[:rows], want) < FP8_TOL
-    assert torch.equal(blockwise_mm(*operands, contract_last, offsets)[:rows], got[:rows])  # the kernel on CUDA
+    if cublas_takes(operands[0], contract_last, offsets, torch.bfloat16):  # the dense a @ w^T: cuBLAS, next test
+        assert rel(blockwise_mm(*operands, contract_last, offsets), twin) < TWIN_TOL
+    else:
+        assert torch.equal(blockwise_mm(*operands, contract_last, offsets)[:rows], got[:rows])  # the kernel on CUDA
+
+
+@pytest.mark.parametrize("scales", ["as_quantized", "rows_major", "one_per_row"])
+def test_fp8_blockwise_dense_products_go_to_cublas(scales, monkeypatch):
+    """A dense a @ w^T whose contraction is a multiple of 512 runs on cuBLAS's blockwise GEMM, within the twin's
+    tolerance of the twin and of the Triton kernel, from the tile scales as quantize_tiles writes them
+    (column-major), row-major, or one per row (a stride-0 view, as rows that crossed the FP8 dispatch carry them);
+    what cuBLAS does not take stays on the Triton kernel, bit for bit."""
+    import moe_overlap.kernels.fp8_blockwise as B
+    a, w, (a_q, a_scale, w_q, w_scale) = inputs(True, False, seed=3)
+    assert a_scale.stride() == (1, M)  # quantize_tiles' layout, what cuBLAS reads
+    if scales == "rows_major":
+        a_scale = a_scale.contiguous()
+    elif scales == "one_per_row":
+        a_scale = a_scale[:, :1].expand(-1, a_scale.shape[1])
+    triton_out, twin = blockwise_mm_triton(a_q, a_scale, w_q, w_scale, True), blockwise_mm_torch(
+        a_q, a_scale, w_q, w_scale, True)
+    calls = []
+    monkeypatch.setattr(B, "blockwise_mm_triton", lambda *args: calls.append(args) or blockwise_mm_triton(*args))
+    assert cublas_takes(a_q, True, None, torch.bfloat16)
+    got = blockwise_mm(a_q, a_scale, w_q, w_scale, True)
+    assert not calls  # cuBLAS ran, not the kernel
+    assert got.dtype == torch.bfloat16 and rel(got, twin) < TWIN_TOL and rel(got, triton_out) < TWIN_TOL
+    if scales != "one_per_row":  # (those scales are not a's own)
+        assert rel(got, a.float() @ w.float().T) < FP8_TOL
+
+    offsets = torch.tensor([M], device="cuda", dtype=torch.int32)
+    declined = [(a_q[:, :640], a_scale[:, :5], w_q[:, :640], w_scale[:, :5], True, None),  # not a multiple of 512
+                (a_q, a_scale, w_q[None], w_scale[None], True, offsets),  # grouped
+                (a_q[:999], a_scale[:999], w_q, w_scale, True, None)]  # rows not a multiple of 16
+    for operands in declined:
+        assert not cublas_takes(operands[0], operands[4], operands[5], torch.bfloat16)
+        assert torch.equal(blockwise_mm(*operands), blockwise_mm_triton(*operands))
+    assert len(calls) == 3
+    assert not cublas_takes(a_q, True, None, torch.float32) and not cublas_takes(a_q, False, None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [4080, 4000, 272, 16])
+def test_fp8_blockwise_cublas_takes_rows_in_sixteens(rows):
+    """Row counts a multiple of 16 but not of 128 (a micro-batch's tokens need not be): cuBLAS takes them, at the
+    twin's distance. Which others it takes is reported as a warning (cublas_takes asks for sixteens)."""
+    _, _, (a_q, a_scale, w_q, w_scale) = inputs(True, False, seed=5)
+    a_q, a_scale = a_q[:rows].contiguous(), a_scale[:rows].t().contiguous().t()
+    assert cublas_takes(a_q, True, None, torch.bfloat16)
+    got = blockwise_mm(a_q, a_scale, w_q, w_scale, True)
+    assert rel(got, blockwise_mm_torch(a_q, a_scale, w_q, w_scale, True)) < TWIN_TOL
+    taken = {}
+    for other in (rows - 4, rows - 8, rows - 1):
+        q, sc = a_q[:other].contiguous(), a_scale[:other].t().contiguous().t()
+        try:
+            torch._scaled_mm(q, w_q.t(), scale_a=sc, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
+            taken[other] = True
+        except RuntimeError:
+            taken[other] = False
+    warnings.warn(f"cuBLAS's blockwise GEMM takes rows: {taken}")
+
+
+def test_fp8_blockwise_cublas_product_replays_in_a_cuda_graph():
+    """cuBLAS's dense product, scales copied to column-major inside the capture, replays to the eager result."""
+    _, _, (a_q, a_scale, w_q, w_scale) = inputs(True, False, seed=4)
+    a_scale = a_scale.contiguous()  # row-major: the capture holds the layout's copy too
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        blockwise_mm(a_q, a_scale, w_q, w_scale, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = blockwise_mm(a_q, a_scale, w_q, w_scale, True)
+    a_q.copy_(a_q.flip(0))
+    a_scale.copy_(a_scale.flip(0))
+    graph.replay()
+    assert torch.equal(out, blockwise_mm(a_q, a_scale, w_q, w_scale, True))
 
 
 def test_fp8_blockwise_kernel_ragged_dense_rows():

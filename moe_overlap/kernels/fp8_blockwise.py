@@ -156,8 +156,8 @@ if HAVE_TRITON:
 
     # One program per (BLOCK_R rows, one 128-wide tile column): each row's tile amax, scale and values, with the
     # twin's arithmetic. Rows at or past the bound are masked off.
-    def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, R, K, stride_x, HAS_BOUND: tl.constexpr,
-                               BLOCK_R: tl.constexpr):
+    def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, R, K, stride_x, stride_sr, stride_sk,
+                               HAS_BOUND: tl.constexpr, BLOCK_R: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         limit = R
         if HAS_BOUND:
@@ -167,7 +167,7 @@ if HAVE_TRITON:
         cols = tl.program_id(1) * 128 + tl.arange(0, 128)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.reduce(tl.abs(x), 1, max_combine), _FLOOR)
-        tl.store(scale_ptr + rows * (K // 128) + tl.program_id(1), tl.math.div_rn(amax, _MAX), mask=live)
+        tl.store(scale_ptr + rows * stride_sr + tl.program_id(1) * stride_sk, tl.math.div_rn(amax, _MAX), mask=live)
         q = tl.minimum(tl.maximum(x * tl.math.div_rn(_MAX, amax)[:, None], -_MAX), _MAX)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -188,7 +188,8 @@ def quantize_tiles_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_tiles(x: torch.Tensor, rows_bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): x (..., M, K) quantized per 1x128 tile of its last dimension; q contiguous like x, scales
-    (..., M, K / 128) float32. ``rows_bound`` (a device int tensor of one element): rows of x (viewed as (rows,
+    (..., M, K / 128) float32, by the kernel of a 2-D x laid out column-major (what cuBLAS's blockwise GEMM reads;
+    the Triton GEMM reads either). ``rows_bound`` (a device int tensor of one element): rows of x (viewed as (rows,
     K)) from it on are left unwritten on CUDA (the twin writes them)."""
     *lead, K = x.shape
     _check_multiple("the quantized rows' length", K)
@@ -198,12 +199,16 @@ def quantize_tiles(x: torch.Tensor, rows_bound: torch.Tensor | None = None) -> t
     if x_RK.stride(1) != 1:
         x_RK = x_RK.contiguous()
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
-    scale = torch.empty((*lead, K // BLOCK), dtype=torch.float32, device=x.device)
+    if x.dim() == 2:
+        scale = torch.empty((K // BLOCK, x.shape[0]), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((*lead, K // BLOCK), dtype=torch.float32, device=x.device)
     if x.numel():
         block_r = 32
+        scale_RK = scale if x.dim() == 2 else scale.view(-1, K // BLOCK)
         _tiles[(triton.cdiv(x_RK.shape[0], block_r), K // BLOCK), x.device](
-            x_RK, q, scale, x_RK if rows_bound is None else rows_bound, x_RK.shape[0], K, x_RK.stride(0),
-            HAS_BOUND=rows_bound is not None, BLOCK_R=block_r, num_warps=4)
+            x_RK, q, scale_RK, x_RK if rows_bound is None else rows_bound, x_RK.shape[0], K, x_RK.stride(0),
+            scale_RK.stride(0), scale_RK.stride(1), HAS_BOUND=rows_bound is not None, BLOCK_R=block_r, num_warps=4)
     return q, scale
 
 
@@ -367,6 +372,35 @@ def blockwise_mm_triton(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Ten
     return out
 
 
+def cublas_takes(a_q: torch.Tensor, contract_last: bool, offsets_E: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> bool:
+    """Whether :func:`blockwise_mm` hands this product to cuBLAS's blockwise FP8 GEMM: dense ``a @ w^T`` into bf16
+    on Hopper, with CUDA 12.9 or later (torch._scaled_mm's 1x128 by 128x128 scaling), and a contraction of a
+    multiple of 512 (torch versions disagree on whether the weight scales' rows are padded to four blocks; at a
+    multiple of four they agree). Measured on an H200 (fp8_blockwise_cublas_1xh200.json): 18-27% faster than the
+    Triton kernel on the bench models' dense linears; it has no grouped form. Rows a multiple of 16: cuBLAS found no
+    algorithm for 999 (the tile scales' column stride is the row count)."""
+    return (offsets_E is None and contract_last and out_dtype == torch.bfloat16 and a_q.is_cuda
+            and a_q.shape[1] % (4 * BLOCK) == 0 and a_q.shape[0] % 16 == 0 and a_q.shape[0] > 0
+            and not interpreter_requested()
+            and _cuda_at_least(12, 9) and torch.cuda.get_device_capability(a_q.device) == (9, 0))
+
+
+def _cuda_at_least(major: int, minor: int) -> bool:
+    version = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return version >= (major, minor)
+
+
+def blockwise_mm_cublas(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ w^T`` by cuBLAS (:func:`cublas_takes` says where): the tile scales column-major (a copy only where
+    they are not, as :func:`quantize_tiles` writes them), the block scales as a view of w's."""
+    if a_scale.stride(0) != 1 or a_scale.stride(1) != a_q.shape[0]:
+        a_scale = a_scale.t().contiguous().t()
+    return torch._scaled_mm(a_q.contiguous(), w_q.contiguous().t(), scale_a=a_scale,
+                            scale_b=w_scale.contiguous().t(), out_dtype=out_dtype)
+
+
 def blockwise_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                  contract_last: bool, offsets_E: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -374,7 +408,11 @@ def blockwise_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_
     (a view with stride 0 along the second dimension takes rows quantized with one scale each); w (P, Q), or
     (E, P, Q) with ``offsets_E`` (int32 end offsets of each group's rows, the last at most M), E4M3 with scales
     (..., P / 128, Q / 128). Out (M, P or Q) in ``out_dtype``; rows past the last offset are not computed (left
-    unwritten by the Triton kernel, zeros in the twin)."""
+    unwritten by the Triton kernel, zeros in the twin). Dense products go to cuBLAS where it takes them
+    (:func:`cublas_takes`)."""
+    if cublas_takes(a_q, contract_last, offsets_E, out_dtype):
+        _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
+        return blockwise_mm_cublas(a_q, a_scale, w_q, w_scale, out_dtype)
     if use_triton(a_q, "fp8 blockwise_mm"):  # it checks the operands itself
         return blockwise_mm_triton(a_q, a_scale, w_q, w_scale, contract_last, offsets_E, out_dtype)
     _check_operands(a_q, a_scale, w_q, w_scale, contract_last, offsets_E)
