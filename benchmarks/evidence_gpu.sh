@@ -50,11 +50,13 @@
 #                                                  #   fp8_gemm.py, the fine model in blockwise with and without
 #   bash benchmarks/evidence_gpu.sh tile_order1 OUT # one GPU: the GPU tests of the kernels using tile_in_groups
 #   bash benchmarks/evidence_gpu.sh blockwise_tma2 OUT # one GPU: blockwise_tma1's Mixtral-like pair again, reversed
-#   bash benchmarks/evidence_gpu.sh blockwise_next1 OUT # one GPU, prepared: the blockwise GEMM with the next slice's
+#   bash benchmarks/evidence_gpu.sh blockwise_next1 OUT # (run; Gluon lab removed) the blockwise GEMM with the next slice's
 #                                                  #   product in flight while one is scaled (Gluon), then cuBLAS's
 #                                                  #   blockwise GEMM on the dense linears
 #   bash benchmarks/evidence_gpu.sh blockwise_dense1 OUT # one GPU: cuBLAS's blockwise GEMM for the dense linears,
 #                                                  #   its GPU tests, then both bench models with it and without
+#   bash benchmarks/evidence_gpu.sh blockwise_dense2 OUT # its GPU tests again (999 rows now on the Triton kernel)
+#   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
 #                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
@@ -2422,7 +2424,7 @@ PY
     cp build/before/fp8_blockwise.py /tmp/blockwise_before/moe_overlap/kernels/fp8_blockwise.py
     FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_tma2 /tmp/blockwise_before before tma
     ;;
-  blockwise_next1)  # prepared 2026-11-29, not run (about 3 minutes of one GPU): the blockwise GEMM with each slice's
+  blockwise_next1)  # (at 5d81782, run 2026-11-29; the Gluon lab since removed) the blockwise GEMM with each slice's
     # product issued before the previous one is scaled (benchmarks/fp8_blockwise_gluon.py, Gluon's explicit wgmma
     # wait), then cuBLAS's blockwise torch._scaled_mm on the dense linears (benchmarks/fp8_blockwise_cublas.py), each
     # against the shipped Triton kernel, rowwise's torch GEMM and bf16
@@ -2444,6 +2446,28 @@ PY
     FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_dense /tmp/cublas_off cublas before cublas_again \
       before_again
     FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_dense /tmp/cublas_off cublas before
+    ;;
+  blockwise_dense2)  # blockwise_dense1's GPU tests again, the rows cuBLAS takes asked in sixteens (999 was refused)
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests blockwise_dense tests/test_gpu_fp8_blockwise.py tests/test_gpu_fp8.py -k blockwise
+    grep -h "cuBLAS's blockwise GEMM takes rows" "$out/gpu_tests_blockwise_dense_1x${gpu}_full.log" | sort -u \
+      | tee -a "$res/gpu_tests_blockwise_dense_1x$gpu.txt"
+    ;;
+  fine_wgrad1)  # issue 39: the blockwise GPU tests again (cuBLAS takes rows in fours), then the fine-grained bench
+    # model at one GPU, whose routing puts every token on the same eight experts of a layer (8,192 rows each): bf16,
+    # rowwise as configured (train.fp8_wgrad=auto: bf16 weight gradients, measured at EP=4 balanced) and rowwise with
+    # the experts' weight gradients in FP8, one launch, twice over
+    export CUDA_VISIBLE_DEVICES=0
+    gpu0_tests blockwise_rows tests/test_gpu_fp8_blockwise.py -k cublas
+    grep -h "cuBLAS's blockwise GEMM takes rows" "$out/gpu_tests_blockwise_rows_1x${gpu}_full.log" | sort -u \
+      | tee -a "$res/gpu_tests_blockwise_rows_1x$gpu.txt"
+    pack
+    name=train_step_fp8_fine_wgrad_fine_8l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 3 --steps 8 \
+      --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise \
+      --variant rowwise_wgrad:train.fp8_recipe=rowwise,train.fp8_wgrad=true --variant bf16_again:train.seed=1234 \
+      --variant rowwise_again:train.fp8_recipe=rowwise --variant rowwise_wgrad_again:train.fp8_recipe=rowwise,train.fp8_wgrad=true \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

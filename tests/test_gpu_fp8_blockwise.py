@@ -98,7 +98,7 @@ def test_fp8_blockwise_dense_products_go_to_cublas(scales, monkeypatch):
     offsets = torch.tensor([M], device="cuda", dtype=torch.int32)
     declined = [(a_q[:, :640], a_scale[:, :5], w_q[:, :640], w_scale[:, :5], True, None),  # not a multiple of 512
                 (a_q, a_scale, w_q[None], w_scale[None], True, offsets),  # grouped
-                (a_q[:999], a_scale[:999], w_q, w_scale, True, None)]  # rows not a multiple of 16
+                (a_q[:999], a_scale[:999], w_q, w_scale, True, None)]  # rows not a multiple of 4
     for operands in declined:
         assert not cublas_takes(operands[0], operands[4], operands[5], torch.bfloat16)
         assert torch.equal(blockwise_mm(*operands), blockwise_mm_triton(*operands))
@@ -106,23 +106,24 @@ def test_fp8_blockwise_dense_products_go_to_cublas(scales, monkeypatch):
     assert not cublas_takes(a_q, True, None, torch.float32) and not cublas_takes(a_q, False, None, torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [4080, 4000, 272, 16])
-def test_fp8_blockwise_cublas_takes_rows_in_sixteens(rows):
-    """Row counts a multiple of 16 but not of 128 (a micro-batch's tokens need not be): cuBLAS takes them, at the
-    twin's distance. Which others it takes is reported as a warning (cublas_takes asks for sixteens)."""
+@pytest.mark.parametrize("rows", [4080, 4076, 272, 12])
+def test_fp8_blockwise_cublas_takes_rows_in_fours(rows):
+    """Row counts a multiple of 4 but not of 128 (a micro-batch's tokens need not be): cuBLAS takes them, at the
+    twin's distance. Which others torch._scaled_mm takes is reported as a warning (cublas_takes asks for fours)."""
     _, _, (a_q, a_scale, w_q, w_scale) = inputs(True, False, seed=5)
     a_q, a_scale = a_q[:rows].contiguous(), a_scale[:rows].t().contiguous().t()
     assert cublas_takes(a_q, True, None, torch.bfloat16)
     got = blockwise_mm(a_q, a_scale, w_q, w_scale, True)
     assert rel(got, blockwise_mm_torch(a_q, a_scale, w_q, w_scale, True)) < TWIN_TOL
     taken = {}
-    for other in (rows - 4, rows - 8, rows - 1):
+    for other in (rows - 4, rows - 2, rows - 1):
         q, sc = a_q[:other].contiguous(), a_scale[:other].t().contiguous().t()
         try:
             torch._scaled_mm(q, w_q.t(), scale_a=sc, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
             taken[other] = True
         except RuntimeError:
             taken[other] = False
+    assert all(ok for other, ok in taken.items() if other % 4 == 0), taken
     warnings.warn(f"cuBLAS's blockwise GEMM takes rows: {taken}")
 
 

@@ -378,10 +378,11 @@ def cublas_takes(a_q: torch.Tensor, contract_last: bool, offsets_E: torch.Tensor
     on Hopper, with CUDA 12.9 or later (torch._scaled_mm's 1x128 by 128x128 scaling), and a contraction of a
     multiple of 512 (torch versions disagree on whether the weight scales' rows are padded to four blocks; at a
     multiple of four they agree). Measured on an H200 (fp8_blockwise_cublas_1xh200.json): 18-27% faster than the
-    Triton kernel on the bench models' dense linears; it has no grouped form. Rows a multiple of 16: cuBLAS found no
-    algorithm for 999 (the tile scales' column stride is the row count)."""
+    Triton kernel on the bench models' dense linears; it has no grouped form. Rows a multiple of 4: the tile scales'
+    column stride is the row count, and cuBLAS takes only 16-byte aligned ones (gpu_tests_blockwise_{dense,rows}_
+    1xh200.txt: 8, 12, 268, 3996, 4076 taken; 10, 270, 4074, 4078 and odd counts refused)."""
     return (offsets_E is None and contract_last and out_dtype == torch.bfloat16 and a_q.is_cuda
-            and a_q.shape[1] % (4 * BLOCK) == 0 and a_q.shape[0] % 16 == 0 and a_q.shape[0] > 0
+            and a_q.shape[1] % (4 * BLOCK) == 0 and a_q.shape[0] % 4 == 0 and a_q.shape[0] > 0
             and not interpreter_requested()
             and _cuda_at_least(12, 9) and torch.cuda.get_device_capability(a_q.device) == (9, 0))
 
