@@ -262,13 +262,13 @@ def test_fp8_rows_reach_their_copies_as_fp8(monkeypatch, interpreted):
     grouped_WJ = torch.tensor([[0, 3], [1, -1], [2, 5], [4, -1], [6, -1], [-1, -1]], dtype=torch.int32)
     bound = torch.tensor([8])
     grouped = copies_rows(rows, grouped_WJ, 10, False, bound)
-    assert grouped.q_RK.is_contiguous() and grouped.scale_R.is_contiguous() and grouped.q_RK.shape == (10, 32)
+    assert grouped.q_RK.is_contiguous() and grouped.scales.is_contiguous() and grouped.q_RK.shape == (10, 32)
     for w, row in ((w, row) for w, rows_J in enumerate(grouped_WJ.tolist()) for row in rows_J if row >= 0):
         assert torch.equal(grouped.q_RK[row].view(torch.uint8), q_W[w].view(torch.uint8))
-        assert grouped.scale_R[row] == scale_W[w]
-    assert not grouped.q_RK[7].float().any() and grouped.scale_R[7] == 0  # no copy: zero, below the bound
+        assert grouped.scales[row] == scale_W[w]
+    assert not grouped.q_RK[7].float().any() and grouped.scales[7] == 0  # no copy: zero, below the bound
     values = grouped.dequantized(bound)
-    assert torch.equal(values[:8], dequantize(grouped.q_RK[:8], grouped.scale_R[:8]))
+    assert torch.equal(values[:8], dequantize(grouped.q_RK[:8], grouped.scales[:8]))
 
 
 # ---------------------------------------------------------------------------------------------- weight cache
@@ -595,13 +595,14 @@ def test_fp8_fused_quantizations_change_no_bit_of_an_expert_step(monkeypatch):
 
 
 @pytest.mark.parametrize("fp8, ffn, handed", [(EMULATED, 64, 2), (Fp8(emulate=True, min_dim=100), 64, 1),
-                                               (Fp8(emulate=True, recipe="blockwise"), 128, 0)])
+                                               (Fp8(emulate=True, recipe="blockwise"), 128, 2)])
 def test_fp8_moe_permutation_hands_its_experts_fp8_rows(monkeypatch, fp8, ffn, handed):
-    """At one EP rank under rowwise FP8, the permutation around the experts writes their rows in FP8 too, in the
-    same pass (kernels/permute.Fp8Handoff): fc1's forward and fc2's input gradient take them instead of quantizing
-    the rows again (``handed``: the row quantizations the GEMMs skip; fc1's alone where the min-dim rule keeps fc2
-    (64 wide) bf16; none under blockwise). The same bytes, so the layer's output and every gradient are bit for bit those of
-    the path without the handoff. The Triton kernels under the interpreter (fp32); the GEMMs emulated."""
+    """At one EP rank under FP8, the permutation around the experts writes their rows in FP8 too, in the same pass
+    (kernels/permute.Fp8Handoff; per row, or under blockwise per 1x128 tile): fc1's forward and fc2's input
+    gradient take them instead of quantizing the rows again (``handed``: the quantizations of those rows the GEMMs
+    skip; fc1's alone where the min-dim rule keeps fc2 (64 wide) bf16). The same bytes, so the layer's output and
+    every gradient are bit for bit those of the path without the handoff. The Triton kernels under the interpreter
+    (fp32); the GEMMs emulated."""
     from moe_overlap.config import ModelConfig, OverlapConfig
     from moe_overlap.layers.experts import GroupedExperts
     from moe_overlap.layers.moe import MoELayer
@@ -609,8 +610,9 @@ def test_fp8_moe_permutation_hands_its_experts_fp8_rows(monkeypatch, fp8, ffn, h
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = ModelConfig(hidden_size=256, ffn_hidden_size=ffn, num_moe_experts=4, moe_router_topk=2)
     quantized = []
-    monkeypatch.setattr(fp8_layers, "quantize_rows",
-                        lambda x, *a, real=fp8_layers.quantize_rows, **k: quantized.append(x.shape) or real(x, *a, **k))
+    for name in ("quantize_rows", "quantize_tiles"):
+        monkeypatch.setattr(fp8_layers, name, lambda x, *a, real=getattr(fp8_layers, name), **k:
+                            quantized.append(x.shape) or real(x, *a, **k))
 
     def step() -> list[torch.Tensor]:
         torch.manual_seed(5)
@@ -644,12 +646,12 @@ def test_fp8_experts_with_no_rows():
 
 
 @pytest.mark.parametrize("fp8, fed_fp8_rows", [
-    (EMULATED, [False, True, False, True]), (Fp8(emulate=True, recipe="blockwise"), [False] * 4),
+    (EMULATED, [False, True, False, True]), (Fp8(emulate=True, recipe="blockwise"), [False, True, False, True]),
     (Fp8(emulate=True, min_dim=200), [False, False, False, True])])  # fc2 (128 wide) bf16, fc1 (256) FP8
-def test_fp8_swiglu_feeds_its_gemms_fp8_rows_under_rowwise(monkeypatch, fp8, fed_fp8_rows):
-    """Under the rowwise recipe SwiGLU's kernels hand fc2's forward and fc1's dgrad their operands as FP8 rows
-    (kernels/swiglu.py *_fp8), not bf16 tensors the GEMM quantizes again; the outputs are those of SwiGLU then the
-    FP8 GEMM quantizing them (the same bytes). Blockwise, or a GEMM the min-dim rule leaves bf16, takes bf16."""
+def test_fp8_swiglu_feeds_its_gemms_fp8_rows(monkeypatch, fp8, fed_fp8_rows):
+    """SwiGLU's kernels hand fc2's forward and fc1's dgrad their operands as FP8 rows (kernels/swiglu.py *_fp8;
+    under blockwise with one scale per 1x128 tile), not bf16 tensors the GEMM quantizes again; the outputs are those
+    of SwiGLU then the FP8 GEMM quantizing them (the same bytes). A GEMM the min-dim rule leaves bf16 takes bf16."""
     from moe_overlap.kernels import swiglu as S
     from moe_overlap.layers import experts as X
 

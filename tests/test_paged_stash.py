@@ -70,7 +70,7 @@ def test_paged_stash_fp8_rows_and_absent_tensors_come_back():
     got_rows, got_h, none, got_y = pool.take(stashed)
     assert none is None and isinstance(got_rows, Fp8Rows) and got_rows.dtype == torch.bfloat16
     assert torch.equal(got_rows.q_RK[:11].view(torch.uint8), q[:11].view(torch.uint8))
-    assert torch.equal(got_rows.scale_R[:11], rows.scale_R[:11])
+    assert torch.equal(got_rows.scales[:11], rows.scales[:11])
     assert torch.equal(got_h[:11], h[:11]) and torch.equal(got_y[:11], y[:11])
 
 
@@ -193,7 +193,7 @@ def test_paged_stash_triton_on_gpu_keeps_the_counted_rows():
                 assert got is None
             elif isinstance(want, Fp8Rows):
                 assert torch.equal(got.q_RK[:n].view(torch.uint8), want.q_RK[:n].view(torch.uint8))
-                assert torch.equal(got.scale_R[:n], want.scale_R[:n])
+                assert torch.equal(got.scales[:n], want.scales[:n])
             else:
                 assert torch.equal(got[:n], want[:n])
     assert int(pool.top) == pool.pages

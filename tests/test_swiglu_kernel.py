@@ -115,6 +115,44 @@ def test_fp8_backward_adds_the_quantized_gradient_in_the_interpreter(monkeypatch
         fp8_matches(got[2][:n], got[3][:n], *quantize_rows_torch(grad_h[:n]))
 
 
+@pytest.mark.parametrize("rows,ffn", [(0, 128), (7, 256), (5, 2176)])
+def test_fp8_tiles_are_quantize_tiles_of_the_kernels_rows_in_the_interpreter(monkeypatch, rows, ffn):
+    """``tiles`` (the blockwise recipe): a's rows, and in the backward grad_h's (gate's tiles, then up's), quantized
+    per 1x128 tile as quantize_tiles would quantize the rows the bf16 kernels write, scales (rows, width / 128);
+    from registers where a row fits a block, one pass a block where it does not (2176), rows past the count left
+    unwritten; the twins without the interpreter; a width not a multiple of 128 refused."""
+    from moe_overlap.kernels.fp8_blockwise import quantize_tiles_torch
+
+    g = torch.Generator().manual_seed(rows + ffn + 2)
+    h, grad_a = torch.randn(rows, 2 * ffn, generator=g) * 3, torch.randn(rows, ffn, generator=g)
+    if rows:
+        h[0, :128] = 0  # a tile of zeros: the floor's scale
+    a, (grad_h, _) = S.swiglu_forward_torch(h), S.swiglu_backward_torch(h, grad_a)
+    assert all(torch.equal(x, y) for x, y in zip(S.swiglu_forward_fp8(h, tiles=True), quantize_tiles_torch(a)))
+    assert all(torch.equal(x, y) for x, y in zip(S.swiglu_backward_fp8(h, grad_a, tiles=True)[2:],
+                                                 quantize_tiles_torch(grad_h)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a, (grad_h, a_again) = S.swiglu_forward_triton(h), S.swiglu_backward_triton(h, grad_a)
+    for one_block in (None, False):
+        q, scale = S.swiglu_forward_fp8(h, one_block=one_block, tiles=True)
+        assert scale.shape == (rows, ffn // 128)
+        fp8_matches(q, scale, *quantize_tiles_torch(a))
+        got = S.swiglu_backward_fp8(h, grad_a, one_block=one_block, tiles=True)
+        assert torch.equal(got[0], grad_h) and torch.equal(got[1], a_again) and got[3].shape == (rows, ffn // 64)
+        fp8_matches(*got[2:], *quantize_tiles_torch(grad_h))
+    if rows > 2:
+        n = rows - 2
+        h[n:] = float("nan")
+        fp8_matches(*(t[:n] for t in S.swiglu_forward_fp8(h, torch.tensor([n]), tiles=True)),
+                    *quantize_tiles_torch(a[:n]))
+        got = S.swiglu_backward_fp8(h, grad_a, torch.tensor([n]), tiles=True)
+        fp8_matches(got[2][:n], got[3][:n], *quantize_tiles_torch(grad_h[:n]))
+    with pytest.raises(ValueError, match="multiple of 128, got 200"):
+        S.swiglu_forward_fp8(torch.randn(2, 400), tiles=True)
+    with pytest.raises(ValueError, match="FFN width a multiple of 128, got 192"):
+        S.swiglu_backward_fp8(torch.randn(2, 384), torch.randn(2, 192), tiles=True)
+
+
 @pytest.mark.parametrize("tile", [(2, 4), (4, 8), (8, 4)])
 def test_fp8_kernels_rows_at_once_give_one_row_at_a_times_bytes(monkeypatch, tile):
     """Several rows a program at a time (``tile``: rows, warps; chosen by measurement) give the bytes of one row at
@@ -137,25 +175,28 @@ def test_fp8_kernels_rows_at_once_give_one_row_at_a_times_bytes(monkeypatch, til
 
 
 @pytest.mark.gpu
-def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu():
+@pytest.mark.parametrize("tiles", [False, True], ids=["rows", "tiles"])
+def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu(tiles):
     """On the GPU the fused kernels give quantize_rows(swiglu_forward(h)) and swiglu_backward with
-    quantize_rows(grad_h) bit for bit (all Triton, bf16)."""
+    quantize_rows(grad_h) bit for bit (all Triton, bf16); ``tiles``: quantize_tiles's."""
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA")
+    from moe_overlap.kernels.fp8_blockwise import quantize_tiles
     from moe_overlap.kernels.fp8_quant import quantize_rows
 
-    for rows, ffn in ((8192, 14336), (4096, 1024), (5, 24)):
+    quantize = quantize_tiles if tiles else quantize_rows
+    for rows, ffn in ((8192, 14336), (4096, 1024), (5, 128 if tiles else 24)):
         h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16) * 3
         valid = torch.tensor([max(rows - 3, 0)], device="cuda")
-        q, scale = S.swiglu_forward_fp8(h, valid)
-        q_want, scale_want = quantize_rows(S.swiglu_forward(h, valid), rows_bound=valid)
+        q, scale = S.swiglu_forward_fp8(h, valid, tiles=tiles)
+        q_want, scale_want = quantize(S.swiglu_forward(h, valid), rows_bound=valid)
         n = int(valid)
         assert torch.equal(scale[:n], scale_want[:n])
         assert torch.equal(q[:n].view(torch.uint8), q_want[:n].view(torch.uint8))
         grad_a = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
-        grad_h, a, q, scale = S.swiglu_backward_fp8(h, grad_a, valid)
+        grad_h, a, q, scale = S.swiglu_backward_fp8(h, grad_a, valid, tiles=tiles)
         grad_h_want, a_want = S.swiglu_backward(h, grad_a, valid)
-        q_want, scale_want = quantize_rows(grad_h_want, rows_bound=valid)
+        q_want, scale_want = quantize(grad_h_want, rows_bound=valid)
         assert torch.equal(grad_h[:n], grad_h_want[:n]) and torch.equal(a[:n], a_want[:n])
         assert torch.equal(scale[:n], scale_want[:n])
         assert torch.equal(q[:n].view(torch.uint8), q_want[:n].view(torch.uint8))

@@ -154,8 +154,19 @@ if HAVE_TRITON:
 
     _blocks = Kernel(_quantize_blocks_kernel)
 
-    # One program per (BLOCK_R rows, one 128-wide tile column): each row's tile amax, scale and values, with the
-    # twin's arithmetic. Rows at or past the bound are masked off.
+    def _tiles_fp8(x):
+        """x (R, C) fp32, C a multiple of 128: (its values as E4M3 before the cast, clamped; the scales (R, C / 128))
+        per 1x128 tile, the twin's arithmetic. The kernels that write FP8 tiles beside their own output (the
+        permutation's rows, SwiGLU's) call it too, so theirs are quantize_tiles's bit for bit."""
+        tiles = tl.reshape(x, (x.shape[0], x.shape[1] // 128, 128))
+        amax = tl.maximum(tl.reduce(tl.abs(tiles), 2, max_combine), _FLOOR)
+        q = tl.minimum(tl.maximum(tiles * tl.math.div_rn(_MAX, amax)[:, :, None], -_MAX), _MAX)
+        return tl.reshape(q, (x.shape[0], x.shape[1])), tl.math.div_rn(amax, _MAX)
+
+    tiles_fp8 = DeviceFunction(_tiles_fp8)
+
+    # One program per (BLOCK_R rows, one 128-wide tile column): each row's tile amax, scale and values. Rows at or
+    # past the bound are masked off.
     def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, bound_ptr, R, K, stride_x, stride_sr, stride_sk,
                                HAS_BOUND: tl.constexpr, BLOCK_R: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -166,9 +177,8 @@ if HAVE_TRITON:
         rows = rows.to(tl.int64)
         cols = tl.program_id(1) * 128 + tl.arange(0, 128)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.reduce(tl.abs(x), 1, max_combine), _FLOOR)
-        tl.store(scale_ptr + rows * stride_sr + tl.program_id(1) * stride_sk, tl.math.div_rn(amax, _MAX), mask=live)
-        q = tl.minimum(tl.maximum(x * tl.math.div_rn(_MAX, amax)[:, None], -_MAX), _MAX)
+        q, scale = tiles_fp8(x)
+        tl.store(scale_ptr + rows[:, None] * stride_sr + tl.program_id(1) * stride_sk, scale, mask=live[:, None])
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
 
     _tiles = Kernel(_quantize_tiles_kernel)

@@ -4,9 +4,10 @@ own dtype (bf16 on GPU): the torch twin's fp32 temporaries cost several full pas
 
 h_TF2 holds [gate | up] along its last dimension; a = silu(gate) * up.
 
-Under the rowwise FP8 recipe the forward writes a straight as the FP8 rows fc2 reads (:func:`swiglu_forward_fp8`:
-E4M3 values and one scale per row, the values of ``quantize_rows(swiglu_forward(h))``), so a is neither written in
-bf16 nor read back by a quantize pass; the backward rebuilds a itself.
+Under the FP8 recipes the forward writes a straight as the FP8 rows fc2 reads (:func:`swiglu_forward_fp8`: E4M3
+values and one scale per row, the values of ``quantize_rows(swiglu_forward(h))``, or with ``tiles`` one per 1x128
+tile, ``quantize_tiles``'s), so a is neither written in bf16 nor read back by a quantize pass; the backward
+rebuilds a itself, and writes fc1's output gradient in FP8 beside its bf16 values (:func:`swiglu_backward_fp8`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 
 import torch
 
+from moe_overlap.kernels.fp8_blockwise import BLOCK as TILE, quantize_tiles_torch
 from moe_overlap.kernels.fp8_quant import FP8, quantize_rows_torch
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, max_combine, strided_programs, use_triton
 
@@ -22,6 +24,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from moe_overlap.kernels.fp8_blockwise import tiles_fp8
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _FP8_FLOOR, TL_FP8_MAX as _FP8_MAX
     from moe_overlap.kernels.launch import DeviceFunction
 
@@ -66,12 +69,20 @@ if HAVE_TRITON:
 
     gate_up_rows = DeviceFunction(_gate_up_rows)
 
+    def _store_tile_scales(scale_row, start, scale, live, FF):
+        """The (rows, BLOCK / 128) tile scales of a block of columns from ``start`` (a multiple of 128) into their
+        rows' scales at ``scale_row``, the tiles past FF left out."""
+        tiles = start // 128 + tl.arange(0, scale.shape[1])
+        tl.store(scale_row + tiles[None, :], scale, mask=live[:, None] & (tiles < FF // 128)[None, :])
+
+    store_tile_scales = DeviceFunction(_store_tile_scales)
+
     # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding). A row in one block (ONE_BLOCK: FF <= BLOCK)
     # stays in registers: one read of h, ROWS rows a program at a time (a tile, its maxima along the columns). A
     # longer one, a row a program at a time: a in the activations' dtype from the first pass over the row's blocks
     # gives its amax, the second (h from L2) the values.
     def _swiglu_fwd_fp8_kernel(h_ptr, q_ptr, scale_ptr, rows_ptr, FF, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                               ROWS: tl.constexpr):
+                               ROWS: tl.constexpr, TILES: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         n_rows = tl.load(rows_ptr)
         if ONE_BLOCK:
@@ -79,10 +90,25 @@ if HAVE_TRITON:
             for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
                 rows, live, mask, at, gate, up = gate_up_rows(h_ptr, first, n_rows, cols, FF, ROWS)
                 a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
-                row_amax = tl.maximum(tl.reduce(tl.abs(a), 1, max_combine), _FP8_FLOOR)
-                tl.store(scale_ptr + rows, tl.math.div_rn(row_amax, fp8_max), mask=live)
-                q = tl.minimum(tl.maximum(a * tl.math.div_rn(fp8_max, row_amax)[:, None], -_FP8_MAX), _FP8_MAX)
+                if TILES:
+                    q, scale = tiles_fp8(a)
+                    store_tile_scales(scale_ptr + rows[:, None] * (FF // 128), 0, scale, live, FF)
+                else:
+                    row_amax = tl.maximum(tl.reduce(tl.abs(a), 1, max_combine), _FP8_FLOOR)
+                    tl.store(scale_ptr + rows, tl.math.div_rn(row_amax, fp8_max), mask=live)
+                    q = tl.minimum(tl.maximum(a * tl.math.div_rn(fp8_max, row_amax)[:, None], -_FP8_MAX), _FP8_MAX)
                 tl.store(q_ptr + rows[:, None] * FF + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        elif TILES:  # a tile's scale is its own: one pass over the row's blocks
+            for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+                for start in range(0, FF, BLOCK):
+                    mask = start + cols < FF
+                    gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    a = (gate * (1.0 / (1.0 + tl.exp(-gate))) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
+                    q, scale = tiles_fp8(tl.reshape(a, (1, BLOCK)))
+                    store_tile_scales(scale_ptr + row * (FF // 128), start, scale, tl.arange(0, 1) < 1, FF)
+                    tl.store(q_ptr + row * FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty),
+                             mask=mask)
         else:
             for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
                 amax = tl.full((BLOCK,), 0.0, tl.float32)
@@ -108,7 +134,7 @@ if HAVE_TRITON:
     # program at a time, are quantized from registers. A longer row, one a program at a time, is read back (from L2;
     # after a barrier: other threads wrote it) in a second pass.
     def _swiglu_bwd_fp8_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, q_ptr, scale_ptr, rows_ptr, FF,
-                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         out_ty = grad_h_ptr.dtype.element_ty
         q_ty = q_ptr.dtype.element_ty
@@ -125,14 +151,42 @@ if HAVE_TRITON:
                 tl.store(grad_h_ptr + at, grad_gate.to(out_ty), mask=mask)
                 tl.store(grad_h_ptr + at + FF, grad_up.to(out_ty), mask=mask)
                 tl.store(a_ptr + rows[:, None] * FF + cols[None, :], (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
-                amax = tl.reduce(tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)), 1, max_combine)
-                amax = tl.maximum(amax, _FP8_FLOOR)
-                tl.store(scale_ptr + rows, tl.math.div_rn(amax, fp8_max), mask=live)
-                inverse = tl.math.div_rn(fp8_max, amax)[:, None]
-                q_gate = tl.minimum(tl.maximum(grad_gate * inverse, -_FP8_MAX), _FP8_MAX)
-                q_up = tl.minimum(tl.maximum(grad_up * inverse, -_FP8_MAX), _FP8_MAX)
+                if TILES:  # gate's tiles, then up's: grad_h's row is [gate | up]
+                    q_gate, scale_gate = tiles_fp8(grad_gate)
+                    q_up, scale_up = tiles_fp8(grad_up)
+                    scale_row = scale_ptr + rows[:, None] * (2 * FF // 128)
+                    store_tile_scales(scale_row, 0, scale_gate, live, FF)
+                    store_tile_scales(scale_row + FF // 128, 0, scale_up, live, FF)
+                else:
+                    amax = tl.reduce(tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)), 1, max_combine)
+                    amax = tl.maximum(amax, _FP8_FLOOR)
+                    tl.store(scale_ptr + rows, tl.math.div_rn(amax, fp8_max), mask=live)
+                    inverse = tl.math.div_rn(fp8_max, amax)[:, None]
+                    q_gate = tl.minimum(tl.maximum(grad_gate * inverse, -_FP8_MAX), _FP8_MAX)
+                    q_up = tl.minimum(tl.maximum(grad_up * inverse, -_FP8_MAX), _FP8_MAX)
                 tl.store(q_ptr + at, q_gate.to(q_ty), mask=mask)
                 tl.store(q_ptr + at + FF, q_up.to(q_ty), mask=mask)
+        elif TILES:  # one pass: each block's tiles quantized as they are written
+            for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+                for start in range(0, FF, BLOCK):
+                    mask = start + cols < FF
+                    gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    grad = tl.load(grad_a_ptr + row * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    sig = 1.0 / (1.0 + tl.exp(-gate))
+                    silu = gate * sig
+                    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty)
+                    grad_up = (grad * silu).to(out_ty)
+                    tl.store(grad_h_ptr + row * 2 * FF + start + cols, grad_gate, mask=mask)
+                    tl.store(grad_h_ptr + row * 2 * FF + FF + start + cols, grad_up, mask=mask)
+                    tl.store(a_ptr + row * FF + start + cols, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+                    one_row = tl.arange(0, 1) < 1
+                    q, scale = tiles_fp8(tl.reshape(grad_gate.to(tl.float32), (1, BLOCK)))
+                    store_tile_scales(scale_ptr + row * (2 * FF // 128), start, scale, one_row, FF)
+                    tl.store(q_ptr + row * 2 * FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty), mask=mask)
+                    q, scale = tiles_fp8(tl.reshape(grad_up.to(tl.float32), (1, BLOCK)))
+                    store_tile_scales(scale_ptr + row * (2 * FF // 128) + FF // 128, start, scale, one_row, FF)
+                    tl.store(q_ptr + row * 2 * FF + FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty), mask=mask)
         else:
             for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
                 amax = tl.full((BLOCK,), 0.0, tl.float32)
@@ -245,27 +299,41 @@ def _fp8_programs_per_sm(device: torch.device, row_bytes: int) -> int:
 
 def swiglu_forward_fp8(h_TF2: torch.Tensor, valid_rows: torch.Tensor | None = None,
                        programs_per_sm: int | None = None, one_block: bool | None = None,
-                       tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       tile: tuple[int, int] | None = None, tiles: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_TF E4M3, scale_T float32): a = silu(gate) * up in the activations' dtype, quantized per row as
-    kernels/fp8_quant.quantize_rows does, in one kernel that writes no bf16 a. ``valid_rows``: rows from it on are
-    left unwritten by the kernel (the twin computes them all). ``programs_per_sm``: a benchmark's sweep (None: by
-    the row's bytes against L2). ``one_block``: whether a row is read once, in registers (None: where it fits one
-    block; False: the two passes longer rows take, for a benchmark or a test). ``tile``: (rows a program takes at
-    a time, warps a program) where a row fits one block, a benchmark's sweep (None: the measured default)."""
+    kernels/fp8_quant.quantize_rows does, in one kernel that writes no bf16 a; ``tiles``: per 1x128 tile as
+    kernels/fp8_blockwise.quantize_tiles does, scales (T, F / 128). ``valid_rows``: rows from it on are left
+    unwritten by the kernel (the twin computes them all). ``programs_per_sm``: a benchmark's sweep (None: by the
+    row's bytes against L2). ``one_block``: whether a row is read once, in registers (None: where it fits one
+    block; False: the passes longer rows take, for a benchmark or a test). ``tile``: (rows a program takes at a
+    time, warps a program) where a row fits one block, a benchmark's sweep (None: the measured default)."""
     if not use_triton(h_TF2, "swiglu"):
-        return quantize_rows_torch(swiglu_forward_torch(h_TF2))
+        return _quantized_torch(swiglu_forward_torch(h_TF2), tiles)
     h_TF2 = h_TF2.contiguous()
     ffn = h_TF2.shape[-1] // 2
     q_TF = torch.empty(h_TF2.shape[:-1] + (ffn,), dtype=FP8, device=h_TF2.device)
-    scale_T = torch.empty(h_TF2.shape[:-1], dtype=torch.float32, device=h_TF2.device)
+    scale_T = _fp8_scales(h_TF2, ffn, tiles)
     rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
     if rows and ffn:
         one = _one_block(ffn, one_block)
         rows_at_once, warps = (tile or _FP8_FORWARD_TILE) if one else _FP8_LONG_ROW_TILE
         _fwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
             h_TF2, q_TF, scale_T, _row_count(valid_rows, h_TF2), ffn,
-            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, num_warps=warps)
+            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, TILES=tiles,
+            num_warps=warps)
     return q_TF, scale_T
+
+
+def _fp8_scales(h_TF2: torch.Tensor, width: int, tiles: bool) -> torch.Tensor:
+    """The FP8 kernels' scales of rows ``width`` wide: one a row, or (``tiles``) one a 1x128 tile."""
+    if tiles and width % TILE:
+        raise ValueError(f"SwiGLU's FP8 tiles need the rows' width a multiple of {TILE}, got {width}")
+    return torch.empty(h_TF2.shape[:-1] + ((width // TILE,) if tiles else ()), dtype=torch.float32,
+                       device=h_TF2.device)
+
+
+def _quantized_torch(x: torch.Tensor, tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_tiles_torch(x) if tiles else quantize_rows_torch(x)
 
 
 def _one_block(ffn: int, asked: bool | None) -> bool:
@@ -285,26 +353,29 @@ def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None, r
 
 def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows: torch.Tensor | None = None,
                         programs_per_sm: int | None = None, one_block: bool | None = None,
-                        tile: tuple[int, int] | None = None
+                        tile: tuple[int, int] | None = None, tiles: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, a, q, scale): :func:`swiglu_backward`'s two, and grad_h quantized per row as
-    kernels/fp8_quant.quantize_rows does (the rowwise FP8 dgrad's operand), in one kernel. ``valid_rows``,
-    ``programs_per_sm``, ``one_block`` and ``tile`` as for :func:`swiglu_forward_fp8`."""
+    kernels/fp8_quant.quantize_rows does (the FP8 dgrad's operand), or per tile (``tiles``), in one kernel.
+    ``valid_rows``, ``programs_per_sm``, ``one_block`` and ``tile`` as for :func:`swiglu_forward_fp8`."""
     if not use_triton(h_TF2, "swiglu"):
         grad_h_TF2, a_TF = swiglu_backward_torch(h_TF2, grad_a_TF)
-        return grad_h_TF2, a_TF, *quantize_rows_torch(grad_h_TF2)
+        return grad_h_TF2, a_TF, *_quantized_torch(grad_h_TF2, tiles)
     h_TF2, grad_a_TF = h_TF2.contiguous(), grad_a_TF.contiguous()
     ffn = h_TF2.shape[-1] // 2
     grad_h_TF2, a_TF = torch.empty_like(h_TF2), h_TF2.new_empty(grad_a_TF.shape)
     q_TF2 = torch.empty(h_TF2.shape, dtype=FP8, device=h_TF2.device)
-    scale_T = torch.empty(h_TF2.shape[:-1], dtype=torch.float32, device=h_TF2.device)
+    if tiles and ffn % TILE:  # a tile must not straddle gate's and up's halves
+        raise ValueError(f"SwiGLU's FP8 tiles need the FFN width a multiple of {TILE}, got {ffn}")
+    scale_T = _fp8_scales(h_TF2, 2 * ffn, tiles)
     rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
     if rows and ffn:
         one = _one_block(ffn, one_block)
         rows_at_once, warps = (tile or _FP8_BACKWARD_TILE) if one else _FP8_LONG_ROW_TILE
         _bwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
             h_TF2, grad_a_TF, grad_h_TF2, a_TF, q_TF2, scale_T, _row_count(valid_rows, h_TF2), ffn,
-            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, num_warps=warps)
+            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, TILES=tiles,
+            num_warps=warps)
     return grad_h_TF2, a_TF, q_TF2, scale_T
 
 

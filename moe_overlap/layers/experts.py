@@ -37,11 +37,11 @@ def expert_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
 def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
                     w2_EFH: torch.Tensor, fp8: Fp8 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1 -> SwiGLU -> fc2; returns the output and fc1's output (kept for the backward). Rows already in FP8
-    (:class:`Fp8Rows`, under ``fp8``) go to fc1 as they are; a rowwise FP8 fc2 gets SwiGLU's output as FP8 rows
-    straight from the SwiGLU kernel (no bf16 pass written and quantized after)."""
+    (:class:`Fp8Rows`, under ``fp8``) go to fc1 as they are; an FP8 fc2 gets SwiGLU's output as FP8 rows straight
+    from the SwiGLU kernel (no bf16 pass written and quantized after)."""
     h_TF2 = grouped_mm(x_TH, w13_EHF2, offsets_E, fp8, fast_accum=True)
-    if _rowwise_fp8(fp8, w2_EFH):
-        a_TF = Fp8Rows(*swiglu_forward_fp8(h_TF2, offsets_E[-1:]), h_TF2.dtype)
+    if _fed_fp8(fp8, w2_EFH):
+        a_TF = Fp8Rows(*swiglu_forward_fp8(h_TF2, offsets_E[-1:], tiles=fp8.recipe == "blockwise"), h_TF2.dtype)
     else:
         a_TF = swiglu_forward(h_TF2, offsets_E[-1:])
     return grouped_mm(a_TF, w2_EFH, offsets_E, fp8, fast_accum=True, split=True), h_TF2
@@ -51,23 +51,25 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
                   w2_EFH: torch.Tensor, fp8: Fp8 | None = None, grad_y_fp8: Fp8Rows | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input gradient; also fc1's output gradient and the SwiGLU activation, which the weight gradients need
-    (the fused backward rebuilds the activation in the same pass, so the forward need not keep it). A rowwise FP8
-    fc1 dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel; fc2's takes ``grad_y_fp8``, grad_y's
+    (the fused backward rebuilds the activation in the same pass, so the forward need not keep it). An FP8 fc1
+    dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel; fc2's takes ``grad_y_fp8``, grad_y's
     rows already in FP8, where given."""
     grad_a_TF = grouped_mm(grad_y_TH if grad_y_fp8 is None else grad_y_fp8, w2_EFH, offsets_E, fp8, transpose_w=True)
-    if _rowwise_fp8(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
-        grad_h_TF2, a_TF, *rows = swiglu_backward_fp8(h_TF2, grad_a_TF, offsets_E[-1:])
+    if _fed_fp8(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
+        grad_h_TF2, a_TF, *rows = swiglu_backward_fp8(h_TF2, grad_a_TF, offsets_E[-1:],
+                                                      tiles=fp8.recipe == "blockwise")
         return (grouped_mm(Fp8Rows(*rows, grad_h_TF2.dtype), w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2,
                 a_TF)
     grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF, offsets_E[-1:])
     return grouped_mm(grad_h_TF2, w13_EHF2, offsets_E, fp8, transpose_w=True, split=True), grad_h_TF2, a_TF
 
 
-def _rowwise_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
-    """Whether a GEMM with weight ``w`` runs rowwise FP8 with its left operand fed as FP8 rows by the SwiGLU kernels:
-    not under expert-TP, where those rows are the FFN dimension's part on this rank and their scales are shared over
-    the group (layers/fp8.py) instead."""
-    return fp8 is not None and fp8.recipe == "rowwise" and fp8.expert_tp is None and fp8.covers(*w.shape[-2:])
+def _fed_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
+    """Whether a GEMM with weight ``w`` runs in FP8 with its left operand fed as FP8 rows by the SwiGLU kernels
+    or the permutation: per row (rowwise) or per 1x128 tile (blockwise). Not rowwise under expert-TP, where those
+    rows are the FFN dimension's part on this rank and their scales are shared over the group (layers/fp8.py)
+    instead; a tile lies on one rank."""
+    return fp8 is not None and fp8.covers(*w.shape[-2:]) and (fp8.recipe == "blockwise" or fp8.expert_tp is None)
 
 
 @dataclass
@@ -146,8 +148,8 @@ class ExpertWgradGroups:
 
 class GroupedSwiGLU(torch.autograd.Function):
     """``handoff``: the permutation around the experts also writes their rows in FP8 (kernels/permute.Fp8Handoff):
-    fc1's input, and in the backward fc2's output gradient, reach their rowwise FP8 GEMMs so, with no pass of
-    their own to quantize them (the weight gradients still read the bf16 rows)."""
+    fc1's input, and in the backward fc2's output gradient, reach their FP8 GEMMs so, with no pass of their own to
+    quantize them (the weight gradients still read the bf16 rows)."""
 
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
@@ -221,10 +223,10 @@ class GroupedExperts(nn.Module):
         self._fp8 = fp8 if fp8 is None or self.expert_tp is None else dataclasses.replace(fp8, expert_tp=self.expert_tp)
 
     def fp8_handoff(self) -> Fp8Handoff | None:
-        """A handoff for the permutation around these experts (every row mapped), where their rowwise FP8 GEMMs
-        would quantize its rows: fc1's forward, fc2's input gradient."""
-        fc1, fc2 = _rowwise_fp8(self.fp8, self.w13), _rowwise_fp8(self.fp8, self.w2)
-        return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None
+        """A handoff for the permutation around these experts (every row mapped), where their FP8 GEMMs would
+        quantize its rows: fc1's forward, fc2's input gradient."""
+        fc1, fc2 = _fed_fp8(self.fp8, self.w13), _fed_fp8(self.fp8, self.w2)
+        return Fp8Handoff(fc1, fc2, tiles=self.fp8.recipe == "blockwise") if fc1 or fc2 else None
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor, handoff: Fp8Handoff | None = None) -> torch.Tensor:
         return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_groups, self.fp8, handoff)

@@ -73,7 +73,8 @@ from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.ring import Gemm, Pending
 from moe_overlap.distributed.streams import exposed_kind
 from moe_overlap.kernels.adamw import WeightMaxima
-from moe_overlap.kernels.fp8_blockwise import BLOCK, blockwise_mm, blockwise_mm_torch, quantize_blocks, quantize_tiles
+from moe_overlap.kernels.fp8_blockwise import (BLOCK, blockwise_mm, blockwise_mm_torch, dequantize_tiles,
+                                               quantize_blocks, quantize_tiles)
 from moe_overlap.kernels.fp8_quant import (FP8, column_amax, dequantize, dequantize_rows, quantize_columns,
                                            quantize_rows, quantize_rows_and_columns, row_amax)
 from moe_overlap.kernels.fp8_wgrad import fp8_wgrad_accumulate, fp8_wgrad_accumulate_torch, quantize_along_tokens
@@ -101,13 +102,14 @@ class Fp8:
 
 @dataclass(frozen=True)
 class Fp8Rows:
-    """A GEMM's left operand already in E4M3 with one float32 scale per row (the FP8 dispatch's rows, expanded to
-    the experts' grouped rows: overlap.moe_dispatch_dtype=fp8), fed to the FP8 GEMM as they are, not dequantized
-    and quantized again. ``dtype``: the activations' (the GEMM's output, and what the weight gradient reads them
-    as: :meth:`dequantized`)."""
+    """A GEMM's left operand already in E4M3 with float32 scales, fed to the FP8 GEMM as it is, not dequantized and
+    quantized again: one scale per row (the FP8 dispatch's rows, expanded to the experts' grouped rows:
+    overlap.moe_dispatch_dtype=fp8; the rowwise recipe's rows from the permutation and SwiGLU), or one per 1x128
+    tile (the blockwise recipe's from the permutation and SwiGLU). ``dtype``: the activations' (the GEMM's output,
+    and what the weight gradient reads them as: :meth:`dequantized`)."""
 
     q_RK: torch.Tensor  # contiguous where a GEMM takes them (the received rows' views are strided)
-    scale_R: torch.Tensor
+    scales: torch.Tensor  # (R,) a row, or (R, K / 128) a tile
     dtype: torch.dtype
 
     @property
@@ -120,11 +122,14 @@ class Fp8Rows:
 
     def __getitem__(self, rows: slice) -> Fp8Rows:
         """A block of the rows with their scales (a TP ring multiplies them a block at a time)."""
-        return Fp8Rows(self.q_RK[rows], self.scale_R[rows], self.dtype)
+        return Fp8Rows(self.q_RK[rows], self.scales[rows], self.dtype)
 
     def dequantized(self, rows_bound: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows' values in ``dtype`` (rows from ``rows_bound`` on left unwritten: no GEMM reads them)."""
-        return dequantize_rows(self.q_RK, self.scale_R, self.dtype, rows_bound)
+        """The rows' values in ``dtype`` (rows from ``rows_bound`` on left unwritten: no GEMM reads them; with tile
+        scales, the twin's arithmetic, every row)."""
+        if self.scales.dim() == 2:
+            return dequantize_tiles(self.q_RK, self.scales).to(self.dtype)
+        return dequantize_rows(self.q_RK, self.scales, self.dtype, rows_bound)
 
 
 _generation = 0  # bumped by every optimizer step: every cached FP8 weight is stale
@@ -381,7 +386,7 @@ def fp8_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_last: boo
         return _blockwise_matmul(a_MK, w, contract_last, fp8, offsets_E)
     b_q, b_scale = weight_operand(w, contract_last, split_over)
     if isinstance(a_MK, Fp8Rows):
-        a_q, a_scale, dtype = a_MK.q_RK, a_MK.scale_R, a_MK.dtype
+        a_q, a_scale, dtype = a_MK.q_RK, a_MK.scales, a_MK.dtype
     elif split_over is not None:
         a_q, a_scale = _shared_quantization(a_MK, -1, split_over)
         dtype = a_MK.dtype
@@ -441,11 +446,12 @@ def _blockwise_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_la
                       offsets_E: torch.Tensor | None) -> torch.Tensor:
     """:func:`fp8_matmul` in the blockwise recipe, against the weight's copy laid out along the contraction. Rows
     that crossed the FP8 dispatch carry one scale per row: the GEMM reads it as each of the row's tiles' (a
-    stride-0 view, no copy)."""
+    stride-0 view, no copy); rows from the permutation or SwiGLU carry their tiles' own."""
     b_q, b_scale = weight_operand(w, contract_last, recipe="blockwise")
     if isinstance(a_MK, Fp8Rows):
-        a_q, dtype = a_MK.q_RK, a_MK.dtype
-        a_scale = a_MK.scale_R[:, None].expand(-1, a_q.shape[1] // BLOCK)
+        a_q, a_scale, dtype = a_MK.q_RK, a_MK.scales, a_MK.dtype
+        if a_scale.dim() == 1:
+            a_scale = a_scale[:, None].expand(-1, a_q.shape[1] // BLOCK)
     else:
         a_q, a_scale = quantize_tiles(a_MK, rows_bound=None if offsets_E is None else offsets_E[-1:])
         dtype = a_MK.dtype

@@ -127,7 +127,7 @@ class PagedStash:
             if t is None:
                 layout.append(None)
                 continue
-            for kind, part in (("fp8", t.q_RK), ("scale", t.scale_R)) if isinstance(t, Fp8Rows) else (("plain", t),):
+            for kind, part in (("fp8", t.q_RK), ("scale", t.scales)) if isinstance(t, Fp8Rows) else (("plain", t),):
                 bytes_RB = _bytes_2d(part)
                 layout.append((kind, tuple(part.shape), part.dtype, column, bytes_RB.shape[1],
                                t.dtype if kind == "fp8" else None))

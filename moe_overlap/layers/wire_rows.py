@@ -208,7 +208,7 @@ def copies_rows(x_WH: torch.Tensor | Fp8Rows, grouped_row_WJ: torch.Tensor, num_
     if not isinstance(x_WH, Fp8Rows):
         return permute(x_WH, grouped_row_WJ, num_rows, all_rows_mapped, zero_below=zero_below)
     words_RH = permute(x_WH.q_RK.view(torch.int32), grouped_row_WJ, num_rows, all_rows_mapped, zero_below=zero_below)
-    scales_R1 = permute(x_WH.scale_R[:, None], grouped_row_WJ, num_rows, all_rows_mapped, zero_below=zero_below)
+    scales_R1 = permute(x_WH.scales[:, None], grouped_row_WJ, num_rows, all_rows_mapped, zero_below=zero_below)
     return Fp8Rows(words_RH.view(FP8), scales_R1[:, 0], x_WH.dtype)
 
 
