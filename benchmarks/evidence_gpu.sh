@@ -59,7 +59,8 @@
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
-#   bash benchmarks/evidence_gpu.sh blockwise_handoff2 OUT # the same pair again, then the Mixtral-like pair
+#   bash benchmarks/evidence_gpu.sh blockwise_handoff2 OUT # the same pair again, then the kernels
+#   bash benchmarks/evidence_gpu.sh blockwise_handoff3 OUT # SwiGLU's tiles alone against neither; permute's tiles
 #   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
 #                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
@@ -2472,7 +2473,8 @@ PY
       --variant rowwise_again:train.fp8_recipe=rowwise --variant rowwise_wgrad_again:train.fp8_recipe=rowwise,train.fp8_wgrad=true \
       --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ;;
-  blockwise_handoff1)  # issue 39: the blockwise recipe's expert rows written in FP8 per 1x128 tile by the
+  blockwise_handoff1)  # (run 2026-11-29 at 17f56df; the permutation's tiles since removed) issue 39: the
+    # blockwise recipe's expert rows written in FP8 per 1x128 tile by the
     # permutation and SwiGLU's kernels (as rowwise's per row): the whole one-GPU suite, then the fine model in
     # blockwise FP8 with it and without (tree_before: the experts fed FP8 rows under rowwise only), each launch bf16
     # then blockwise
@@ -2482,11 +2484,22 @@ PY
     tree_before handoff_off "moe_overlap/layers/experts.py|s/(fp8.recipe == \"blockwise\" or fp8.expert_tp is None)/(fp8.recipe == \"rowwise\" and fp8.expert_tp is None)/"
     FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_handoff /tmp/handoff_off handoff before
     ;;
-  blockwise_handoff2)  # blockwise_handoff1's pair again in the other order, then the Mixtral-like model's pair
+  blockwise_handoff2)  # blockwise_handoff1's pair again in the other order, then the kernels: the tiles written
+    # in the same pass against the pass after (step_kernels.py's swiglu_fp8 and permute_fp8 sections)
     export CUDA_VISIBLE_DEVICES=0
     tree_before handoff_off "moe_overlap/layers/experts.py|s/(fp8.recipe == \"blockwise\" or fp8.expert_tp is None)/(fp8.recipe == \"rowwise\" and fp8.expert_tp is None)/"
     FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_handoff /tmp/handoff_off before_again handoff_again
-    FP8_RECIPE=blockwise FP8_MODEL=mixtral_2l fp8_runs blockwise_handoff /tmp/handoff_off handoff before
+    timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections swiglu_fp8,permute_fp8 --rounds 5 \
+      --json $res/step_kernels_fp8_tiles_handoff_1x$gpu.json 2>&1 | grep -v Warning | tail -n 8 | cut -c1-1500
+    ;;
+  blockwise_handoff3)  # (run; the permutation's tiles since removed: its kernel variants no longer exist) after
+    # blockwise_handoff2's kernels (the permutation's tiles no faster): SwiGLU's tiles
+    # only, against neither (tree_before as in blockwise_handoff1), then the permutation's tiles a 128 block at a time
+    export CUDA_VISIBLE_DEVICES=0
+    tree_before handoff_off "moe_overlap/layers/experts.py|s/(fp8.recipe == \"blockwise\" or fp8.expert_tp is None)/(fp8.recipe == \"rowwise\" and fp8.expert_tp is None)/"
+    FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_handoff /tmp/handoff_off swiglu_tiles before_third
+    timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections permute_fp8 --rounds 5 \
+      --json $res/step_kernels_fp8_tiles_permute_1x$gpu.json 2>&1 | grep -v Warning | tail -n 4 | cut -c1-1500
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

@@ -519,6 +519,7 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
     import torch
 
     from moe_overlap.kernels import swiglu as S
+    from moe_overlap.kernels.fp8_blockwise import quantize_tiles
     from moe_overlap.kernels.fp8_quant import quantize_rows
 
     out = []
@@ -538,6 +539,11 @@ def swiglu_fp8_rows(rounds: int) -> list[dict]:
         for per_sm in (2, 8, 32):
             fns[f"bwd_fused_fp8_{per_sm}_per_sm"] = (
                 lambda per_sm=per_sm: S.swiglu_backward_fp8(h, grad_a, programs_per_sm=per_sm))
+        # the blockwise recipe's: per 1x128 tile, fused and then quantize_tiles (what its GEMMs did before)
+        fns["fused_fp8_tiles"] = lambda: S.swiglu_forward_fp8(h, tiles=True)
+        fns["swiglu_then_quantize_tiles"] = lambda: quantize_tiles(S.swiglu_forward(h))
+        fns["bwd_fused_fp8_tiles"] = lambda: S.swiglu_backward_fp8(h, grad_a, tiles=True)
+        fns["bwd_then_quantize_tiles"] = lambda: quantize_tiles(S.swiglu_backward(h, grad_a)[0])
         q, scale = fns["fused_fp8"]()
         q_want, scale_want = fns["swiglu_then_quantize_rows"]()
         q_bwd, scale_bwd = fns["bwd_fused_fp8"]()[2:]

@@ -595,14 +595,14 @@ def test_fp8_fused_quantizations_change_no_bit_of_an_expert_step(monkeypatch):
 
 
 @pytest.mark.parametrize("fp8, ffn, handed", [(EMULATED, 64, 2), (Fp8(emulate=True, min_dim=100), 64, 1),
-                                               (Fp8(emulate=True, recipe="blockwise"), 128, 2)])
+                                               (Fp8(emulate=True, recipe="blockwise"), 128, 0)])
 def test_fp8_moe_permutation_hands_its_experts_fp8_rows(monkeypatch, fp8, ffn, handed):
-    """At one EP rank under FP8, the permutation around the experts writes their rows in FP8 too, in the same pass
-    (kernels/permute.Fp8Handoff; per row, or under blockwise per 1x128 tile): fc1's forward and fc2's input
-    gradient take them instead of quantizing the rows again (``handed``: the quantizations of those rows the GEMMs
-    skip; fc1's alone where the min-dim rule keeps fc2 (64 wide) bf16). The same bytes, so the layer's output and
-    every gradient are bit for bit those of the path without the handoff. The Triton kernels under the interpreter
-    (fp32); the GEMMs emulated."""
+    """At one EP rank under rowwise FP8, the permutation around the experts writes their rows in FP8 too, in the
+    same pass (kernels/permute.Fp8Handoff): fc1's forward and fc2's input gradient take them instead of quantizing
+    the rows again (``handed``: the quantizations of those rows the GEMMs skip; fc1's alone where the min-dim rule
+    keeps fc2 (64 wide) bf16; none under blockwise, where it measured no faster). The same bytes, so the layer's
+    output and every gradient are bit for bit those of the path without the handoff. The Triton kernels under the
+    interpreter (fp32); the GEMMs emulated."""
     from moe_overlap.config import ModelConfig, OverlapConfig
     from moe_overlap.layers.experts import GroupedExperts
     from moe_overlap.layers.moe import MoELayer

@@ -470,16 +470,12 @@ def _fp8_bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_triton
-@pytest.mark.parametrize("H,block_h,tiles", [(40, None, False), (300, 64, False), (256, None, True),
-                                             (384, 128, True)])
-def test_fp8_out_rows_are_quantize_rows_of_the_rows_written(H, block_h, tiles):
+@pytest.mark.parametrize("H,block_h", [(40, None), (300, 64)])
+def test_fp8_out_rows_are_quantize_rows_of_the_rows_written(H, block_h):
     """``fp8_out``: the rows permute and unpermute_backward write, also as E4M3 with their scales, bit for bit what
     kernels/fp8_quant.quantize_rows makes of them (the Triton kernels against Triton's quantize_rows, the interpreter
-    casting to E4M3 its own way; the twins against the twin), in one pass over each token row; ``tiles``: one scale
-    per 1x128 tile, bit for bit kernels/fp8_blockwise.quantize_tiles's (the blockwise recipe's), over one or several
-    column blocks a token. A copy whose prob is 0, a token of zeros and one of large values included; a layout with
-    unmapped rows is refused."""
-    from moe_overlap.kernels.fp8_blockwise import quantize_tiles, quantize_tiles_torch
+    casting to E4M3 its own way; the twins against the twin), in one pass over each token row. A copy whose prob is
+    0, a token of zeros and one of large values included; a layout with unmapped rows is refused."""
     from moe_overlap.kernels.fp8_quant import quantize_rows, quantize_rows_torch
 
     gen = torch.Generator().manual_seed(H)
@@ -491,17 +487,15 @@ def test_fp8_out_rows_are_quantize_rows_of_the_rows_written(H, block_h, tiles):
     x[4] *= 1e4
     probs = torch.rand((T, K), generator=gen)
     probs[0, 1] = 0.0
-    quantizers = (quantize_tiles, quantize_tiles_torch) if tiles else (quantize_rows, quantize_rows_torch)
-    for permute, backward, quantize in ((P.permute_triton, P.unpermute_backward_triton, quantizers[0]),
-                                        (P.permute_torch, P.unpermute_backward_torch, quantizers[1])):
+    for permute, backward, quantize in ((P.permute_triton, P.unpermute_backward_triton, quantize_rows),
+                                        (P.permute_torch, P.unpermute_backward_torch, quantize_rows_torch)):
         kwargs = {"block_h": block_h} if permute is P.permute_triton else {}
-        fp8_out = P.fp8_buffers(R, H, x.device, tiles)
+        fp8_out = P.fp8_buffers(R, H, x.device)
         out = permute(x, rows, R, True, fp8_out=fp8_out, **kwargs)
         assert torch.equal(out, P.permute_torch(x, rows, R))
         q, scale = quantize(out)
-        assert fp8_out[1].shape == ((R, H // 128) if tiles else (R,))
         assert _fp8_bytes_equal(fp8_out[0], q) and torch.equal(fp8_out[1], scale)
-        fp8_out = P.fp8_buffers(R, H, x.device, tiles)
+        fp8_out = P.fp8_buffers(R, H, x.device)
         grad_y, _ = backward(x, None, rows, probs, True, num_rows=R, fp8_out=fp8_out, **kwargs)
         q, scale = quantize(grad_y)
         assert _fp8_bytes_equal(fp8_out[0], q) and torch.equal(fp8_out[1], scale)
@@ -609,12 +603,10 @@ def test_gpu_bf16_kernels_match_twins(T, H, K, E, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [False, True], ids=["rows", "tiles"])
 @pytest.mark.parametrize("T,H,K,E", GPU_CASES)
-def test_gpu_fp8_out_rows_match_quantize_rows(T, H, K, E, tiles):
+def test_gpu_fp8_out_rows_match_quantize_rows(T, H, K, E):
     """In bf16 on the GPU: the E4M3 rows and scales that permute and unpermute_backward write beside their rows are
-    those quantize_rows (``tiles``: quantize_tiles) makes of the rows written, bit for bit, with no host sync."""
-    from moe_overlap.kernels.fp8_blockwise import quantize_tiles_torch
+    those quantize_rows makes of the rows written, bit for bit, with no host sync."""
     from moe_overlap.kernels.fp8_quant import quantize_rows_torch
 
     cuda_and_triton_or_fail()
@@ -622,7 +614,7 @@ def test_gpu_fp8_out_rows_match_quantize_rows(T, H, K, E, tiles):
     rows, R, mapped = _gpu_layout(T, K, E, "dropless", gen)
     x = (torch.randn((T, H), generator=gen) * torch.rand((T, 1), generator=gen) * 8).to("cuda", torch.bfloat16)
     probs = torch.rand((T, K), generator=gen).to("cuda")
-    fwd, bwd = P.fp8_buffers(R, H, x.device, tiles), P.fp8_buffers(R, H, x.device, tiles)
+    fwd, bwd = P.fp8_buffers(R, H, x.device), P.fp8_buffers(R, H, x.device)
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = P.permute_triton(x, rows, R, True, fp8_out=fwd)
@@ -630,7 +622,7 @@ def test_gpu_fp8_out_rows_match_quantize_rows(T, H, K, E, tiles):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for rows_RH, (q, scale) in ((out, fwd), (grad_y, bwd)):
-        want_q, want_scale = (quantize_tiles_torch if tiles else quantize_rows_torch)(rows_RH)
+        want_q, want_scale = quantize_rows_torch(rows_RH)
         assert _fp8_bytes_equal(q, want_q) and torch.equal(scale, want_scale)
 
 

@@ -156,8 +156,8 @@ if HAVE_TRITON:
 
     def _tiles_fp8(x):
         """x (R, C) fp32, C a multiple of 128: (its values as E4M3 before the cast, clamped; the scales (R, C / 128))
-        per 1x128 tile, the twin's arithmetic. The kernels that write FP8 tiles beside their own output (the
-        permutation's rows, SwiGLU's) call it too, so theirs are quantize_tiles's bit for bit."""
+        per 1x128 tile, the twin's arithmetic. SwiGLU's kernels, writing FP8 tiles beside their own output, call
+        it too, so theirs are quantize_tiles's bit for bit."""
         tiles = tl.reshape(x, (x.shape[0], x.shape[1] // 128, 128))
         amax = tl.maximum(tl.reduce(tl.abs(tiles), 2, max_combine), _FLOOR)
         q = tl.minimum(tl.maximum(tiles * tl.math.div_rn(_MAX, amax)[:, :, None], -_MAX), _MAX)

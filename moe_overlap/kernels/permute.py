@@ -19,9 +19,8 @@ one-element device count) bounds the fill instead: only rows below it are read (
 worst case, used up to its grouped offsets), so only they are zeroed and the fill costs the rows in use.
 
 `fp8_out` (permute, unpermute_backward; every row mapped): the rows written also as E4M3 with one float32 scale
-each, bit for bit what kernels/fp8_quant.quantize_rows makes of them, in the same pass, or one per 1x128 tile,
-bit for bit kernels/fp8_blockwise.quantize_tiles's; `Fp8Handoff` carries them from Permute and Unpermute to the
-FP8 GEMMs that read those rows next (layers/experts.py).
+each, bit for bit what kernels/fp8_quant.quantize_rows makes of them, in the same pass; `Fp8Handoff` carries them
+from Permute and Unpermute to the rowwise FP8 GEMMs that read those rows next (layers/experts.py).
 
 Every public function dispatches: the Triton kernel when the tensors live on CUDA, or when TRITON_INTERPRET=1
 is set (CPU tests; read at call time), the torch twin otherwise. `*_triton` and `*_torch` name each side
@@ -39,7 +38,6 @@ from typing import Optional
 
 import torch
 
-from moe_overlap.kernels.fp8_blockwise import BLOCK, quantize_tiles_torch
 from moe_overlap.kernels.fp8_quant import FP8, quantize_rows_torch
 from moe_overlap.kernels.launch import HAVE_TRITON, Kernel, check_2d, require_triton, use_triton
 
@@ -47,7 +45,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moe_overlap.kernels.fp8_blockwise import tiles_fp8
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _AMAX_FLOOR, TL_FP8_MAX as _FP8_MAX
     from moe_overlap.kernels.launch import max_combine, sum_combine as _sum_combine
 
@@ -84,7 +81,7 @@ if HAVE_TRITON:
 
     def _scatter_rows_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, y_ptr, dot_ptr, q_ptr, scale_ptr,
                              stride_src, stride_out, stride_y, stride_q, H, K, R,
-                             HAS_PROBS: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr, TILES: tl.constexpr,
+                             HAS_PROBS: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr,
                              K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
         # One program per token t: src row t is read once (BLOCK_H at a time) and written to the rows of its
         # K copies, scaled by probs[t, k] when HAS_PROBS (unpermute backward). DOT: also dot[t, k] =
@@ -92,8 +89,6 @@ if HAVE_TRITON:
         # scale (kernels/fp8_quant.quantize_rows of the written row, bit for bit), from the token row's amax (a first
         # pass; the second reads the row from L2): a copy row is probs[t, k] * src[t] rounded to out's dtype, and
         # both roundings are monotone, so its amax is that of the token's amax times probs[t, k], rounded alike.
-        # TILES (with QUANT): one scale per 1x128 tile instead (kernels/fp8_blockwise.quantize_tiles, bit for bit;
-        # scales (R, H / 128)), each tile's amax taken from the chunk in hand, so no first pass.
         t = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
@@ -103,7 +98,7 @@ if HAVE_TRITON:
         if DOT:
             dot = tl.full((K_PAD,), 0.0, tl.float32)
         hh0 = tl.arange(0, BLOCK_H)
-        if QUANT and not TILES:
+        if QUANT:
             amax_H = tl.full((BLOCK_H,), 0.0, tl.float32)
             for h0 in range(0, H, BLOCK_H):
                 v = tl.load(src_ptr + t * stride_src + h0 + hh0, mask=h0 + hh0 < H, other=0.0)
@@ -124,13 +119,7 @@ if HAVE_TRITON:
             else:
                 tile = tl.broadcast_to(v[None, :], (K_PAD, BLOCK_H)).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None] * stride_out + hh[None, :], tile, mask=m)
-            if QUANT and TILES:
-                q, scale_KN = tiles_fp8(tile.to(tl.float32))
-                nn = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                tl.store(scale_ptr + rows[:, None] * (H // 128) + nn[None, :], scale_KN,
-                         mask=valid[:, None] & (nn < H // 128)[None, :])
-                tl.store(q_ptr + rows[:, None] * stride_q + hh[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-            elif QUANT:
+            if QUANT:
                 q = tl.minimum(tl.maximum(tile.to(tl.float32) * inverse_K[:, None], -_FP8_MAX), _FP8_MAX)
                 tl.store(q_ptr + rows[:, None] * stride_q + hh[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
             if DOT:
@@ -243,18 +232,13 @@ def _check_out(out: Optional[torch.Tensor], num_rows: int, x_TH: torch.Tensor) -
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
 
 
-# (q_RH E4M3, scales float32): rows quantized as quantize_rows does (scales (R,)), or per 1x128 tile as
-# kernels/fp8_blockwise.quantize_tiles does (scales (R, H / 128), the blockwise recipe's)
-Fp8Out = tuple[torch.Tensor, torch.Tensor]
+Fp8Out = tuple[torch.Tensor, torch.Tensor]  # (q_RH E4M3, scale_R float32): rows quantized as quantize_rows does
 
 
-def fp8_buffers(num_rows: int, H: int, device: torch.device, tiles: bool = False) -> Fp8Out:
-    """Empty buffers for ``fp8_out``: (q (num_rows, H) E4M3, scales (num_rows,) float32, or with ``tiles``
-    (num_rows, H / 128))."""
-    if tiles and H % BLOCK:
-        raise ValueError(f"FP8 rows per 1x{BLOCK} tile need their length a multiple of {BLOCK}, got {H}")
+def fp8_buffers(num_rows: int, H: int, device: torch.device) -> Fp8Out:
+    """Empty buffers for ``fp8_out``: (q (num_rows, H) E4M3, scales (num_rows,) float32)."""
     return (torch.empty((num_rows, H), dtype=FP8, device=device),
-            torch.empty((num_rows, H // BLOCK) if tiles else (num_rows,), dtype=torch.float32, device=device))
+            torch.empty(num_rows, dtype=torch.float32, device=device))
 
 
 def _check_fp8_out(fp8_out: Optional[Fp8Out], num_rows: int, H: int, all_rows_mapped: bool) -> None:
@@ -263,22 +247,10 @@ def _check_fp8_out(fp8_out: Optional[Fp8Out], num_rows: int, H: int, all_rows_ma
     q, scale = fp8_out
     if not all_rows_mapped:
         raise ValueError("fp8_out needs all_rows_mapped=True (an unmapped row's FP8 copy would be left unwritten)")
-    scales = (num_rows, H // BLOCK) if scale.dim() == 2 else (num_rows,)
-    if q.shape != (num_rows, H) or q.dtype != FP8 or q.stride(1) != 1 or scale.shape != scales \
-            or scale.dtype != torch.float32 or not scale.is_contiguous() or (scale.dim() == 2 and H % BLOCK):
-        raise ValueError(f"fp8_out must be a ({num_rows}, {H}) E4M3 tensor with contiguous rows and {scales} "
-                         f"contiguous float32 scales, got {tuple(q.shape)} {q.dtype}, {tuple(scale.shape)} "
-                         f"{scale.dtype}")
-
-
-def _quantize_into(rows_RH: torch.Tensor, fp8_out: Fp8Out) -> None:
-    """The twins' ``fp8_out``: per row, or per tile where its scales have a column per tile."""
-    if fp8_out[1].dim() == 1:
-        quantize_rows_torch(rows_RH, *fp8_out)
-        return
-    q, scale = quantize_tiles_torch(rows_RH)
-    fp8_out[0].copy_(q)
-    fp8_out[1].copy_(scale)
+    if q.shape != (num_rows, H) or q.dtype != FP8 or q.stride(1) != 1 or scale.shape != (num_rows,) \
+            or scale.dtype != torch.float32 or scale.stride(0) != 1:
+        raise ValueError(f"fp8_out must be a ({num_rows}, {H}) E4M3 tensor with contiguous rows and ({num_rows},) "
+                         f"contiguous float32 scales, got {tuple(q.shape)} {q.dtype}, {tuple(scale.shape)} {scale.dtype}")
 
 
 def _copy_index(row_of_copy_TK: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,7 +287,7 @@ def permute_torch(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: in
     buf.index_copy_(0, index, x_TH.unsqueeze(1).expand(T, K, H).reshape(T * K, H))
     out = buf[:num_rows] if out is None else out.copy_(buf[:num_rows])
     if fp8_out is not None:
-        _quantize_into(out, fp8_out)
+        quantize_rows_torch(out, *fp8_out)
     return out
 
 
@@ -344,9 +316,8 @@ def permute_triton(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: i
     k_pad, bh, warps = _row_tile(K, H, block_h)
     q, scale = (out, out) if fp8_out is None else fp8_out
     _scatter_rows[(T,), x.device](x, rows, x, out, x, x, q, scale, x.stride(0), out.stride(0), 0, q.stride(0), H, K,
-                                  num_rows, HAS_PROBS=False, DOT=False, QUANT=fp8_out is not None,
-                                  TILES=fp8_out is not None and scale.dim() == 2, K_PAD=k_pad, BLOCK_H=bh,
-                                  num_warps=warps)
+                                  num_rows, HAS_PROBS=False, DOT=False, QUANT=fp8_out is not None, K_PAD=k_pad,
+                                  BLOCK_H=bh, num_warps=warps)
     return out
 
 
@@ -357,8 +328,7 @@ def permute(x_TH: torch.Tensor, row_of_copy_TK: torch.Tensor, num_rows: int,
     all_rows_mapped; only those below ``zero_below``, when given); -1 copies are skipped. num_rows comes from the
     caller (no host sync here). ``out``: written into (and returned) instead of a new tensor, e.g. the first H
     columns of a wider buffer (rows may be strided). ``fp8_out`` (q (num_rows, H) E4M3, scales (num_rows,) fp32;
-    every row mapped): the rows also as kernels/fp8_quant.quantize_rows makes them, bit for bit, in the same pass;
-    with scales (num_rows, H / 128), as kernels/fp8_blockwise.quantize_tiles makes them."""
+    every row mapped): the rows also as kernels/fp8_quant.quantize_rows makes them, bit for bit, in the same pass."""
     if use_triton(x_TH, "permute"):
         return permute_triton(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, out, zero_below=zero_below,
                               fp8_out=fp8_out)
@@ -498,7 +468,7 @@ def unpermute_backward_torch(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Ten
         ycopies, _ = _gather_copies(y_RH, row_of_copy_TK)
         grad_probs = (ycopies * g32.unsqueeze(1)).sum(-1)
     if fp8_out is not None:
-        _quantize_into(buf[:num_rows], fp8_out)
+        quantize_rows_torch(buf[:num_rows], *fp8_out)
     return buf[:num_rows], grad_probs
 
 
@@ -526,9 +496,8 @@ def unpermute_backward_triton(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Te
     q, scale = (g, g) if fp8_out is None else fp8_out
     _scatter_rows[(T,), g.device](g, rows, probs, grad_y, y, g if dot is None else dot, q, scale,
                                   g.stride(0), grad_y.stride(0), y.stride(0), q.stride(0), H, K, num_rows,
-                                  HAS_PROBS=True, DOT=dot is not None, QUANT=fp8_out is not None,
-                                  TILES=fp8_out is not None and scale.dim() == 2, K_PAD=k_pad, BLOCK_H=bh,
-                                  num_warps=warps)
+                                  HAS_PROBS=True, DOT=dot is not None, QUANT=fp8_out is not None, K_PAD=k_pad,
+                                  BLOCK_H=bh, num_warps=warps)
     return grad_y, dot
 
 
@@ -541,7 +510,7 @@ def unpermute_backward(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], 
     grad_y_RH[row_of_copy_TK[t, k]] = probs_TK[t, k] * grad_out_TH[t] (grad_out's dtype); rows no copy maps to
     are zero unless all_rows_mapped (only those below ``zero_below``, when given). grad_probs_TK[t, k] =
     <y_RH[row], grad_out_TH[t]> in fp32, 0 for -1 copies; computed only when y_RH is given (pass y_RH=None and
-    num_rows when probs need no gradient). ``fp8_out``: grad_y's rows also in FP8, per row or per tile (as
+    num_rows when probs need no gradient). ``fp8_out``: grad_y's rows also as quantize_rows makes them (as
     :func:`permute`'s).
     """
     if use_triton(grad_out_TH, "permute"):
@@ -556,14 +525,13 @@ def unpermute_backward(grad_out_TH: torch.Tensor, y_RH: Optional[torch.Tensor], 
 # ----------------------------------------------------------------------------------------------------------
 
 class Fp8Handoff:
-    """The rows Permute and Unpermute write, also in FP8 for the FP8 GEMM that reads them next (the experts' fc1
-    forward, fc2's input gradient: layers/experts.py), quantized in the same pass (``fp8_out``) instead of a second
-    pass over every row: per row (rowwise), or per 1x128 tile (``tiles``: blockwise). ``forward``: the permuted
-    rows' (q, scales), left by Permute's forward; ``backward``: (grad_y, q, scales), left by Unpermute's backward.
-    Each is taken once."""
+    """The rows Permute and Unpermute write, also in FP8 for the rowwise FP8 GEMM that reads them next (the
+    experts' fc1 forward, fc2's input gradient: layers/experts.py), quantized in the same pass (``fp8_out``) instead
+    of a second pass over every row. ``forward``: the permuted rows' (q, scales), left by Permute's forward;
+    ``backward``: (grad_y, q, scales), left by Unpermute's backward. Each is taken once."""
 
-    def __init__(self, forward: bool, backward: bool, tiles: bool = False):
-        self.wants_forward, self.wants_backward, self.tiles = forward, backward, tiles
+    def __init__(self, forward: bool, backward: bool):
+        self.wants_forward, self.wants_backward = forward, backward
         self.forward: Optional[Fp8Out] = None
         self.backward: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
@@ -588,8 +556,7 @@ class Permute(torch.autograd.Function):
                 all_rows_mapped: bool = False, fp8: Optional[Fp8Handoff] = None) -> torch.Tensor:
         ctx.save_for_backward(row_of_copy_TK)
         ctx.x_dtype = x_TH.dtype
-        fp8_out = (fp8_buffers(num_rows, x_TH.shape[1], x_TH.device, fp8.tiles)
-                   if fp8 is not None and fp8.wants_forward else None)
+        fp8_out = fp8_buffers(num_rows, x_TH.shape[1], x_TH.device) if fp8 is not None and fp8.wants_forward else None
         out = permute(x_TH, row_of_copy_TK, num_rows, all_rows_mapped, fp8_out=fp8_out)
         if fp8_out is not None:
             fp8.forward = fp8_out
@@ -623,8 +590,7 @@ class Unpermute(torch.autograd.Function):
     def backward(ctx, grad_out_TH: torch.Tensor):
         y_RH, row_of_copy_TK, probs_TK = ctx.saved_tensors
         handoff = ctx.fp8 if ctx.needs_input_grad[0] and grad_out_TH.dtype == ctx.y_dtype else None
-        fp8_out = None if handoff is None else fp8_buffers(ctx.num_rows, grad_out_TH.shape[1], grad_out_TH.device,
-                                                           handoff.tiles)
+        fp8_out = None if handoff is None else fp8_buffers(ctx.num_rows, grad_out_TH.shape[1], grad_out_TH.device)
         grad_y, grad_probs = unpermute_backward(grad_out_TH, y_RH, row_of_copy_TK, probs_TK, ctx.all_rows_mapped,
                                                 num_rows=ctx.num_rows, fp8_out=fp8_out)
         if not ctx.needs_input_grad[0]:

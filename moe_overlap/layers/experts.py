@@ -65,10 +65,10 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
 
 
 def _fed_fp8(fp8: Fp8 | None, w: torch.Tensor) -> bool:
-    """Whether a GEMM with weight ``w`` runs in FP8 with its left operand fed as FP8 rows by the SwiGLU kernels
-    or the permutation: per row (rowwise) or per 1x128 tile (blockwise). Not rowwise under expert-TP, where those
-    rows are the FFN dimension's part on this rank and their scales are shared over the group (layers/fp8.py)
-    instead; a tile lies on one rank."""
+    """Whether a GEMM with weight ``w`` runs in FP8 with its left operand fed as FP8 rows by the SwiGLU kernels:
+    per row (rowwise) or per 1x128 tile (blockwise). Not rowwise under expert-TP, where those rows are the FFN
+    dimension's part on this rank and their scales are shared over the group (layers/fp8.py) instead; a tile lies
+    on one rank."""
     return fp8 is not None and fp8.covers(*w.shape[-2:]) and (fp8.recipe == "blockwise" or fp8.expert_tp is None)
 
 
@@ -148,8 +148,8 @@ class ExpertWgradGroups:
 
 class GroupedSwiGLU(torch.autograd.Function):
     """``handoff``: the permutation around the experts also writes their rows in FP8 (kernels/permute.Fp8Handoff):
-    fc1's input, and in the backward fc2's output gradient, reach their FP8 GEMMs so, with no pass of their own to
-    quantize them (the weight gradients still read the bf16 rows)."""
+    fc1's input, and in the backward fc2's output gradient, reach their rowwise FP8 GEMMs so, with no pass of
+    their own to quantize them (the weight gradients still read the bf16 rows)."""
 
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor,
@@ -223,10 +223,14 @@ class GroupedExperts(nn.Module):
         self._fp8 = fp8 if fp8 is None or self.expert_tp is None else dataclasses.replace(fp8, expert_tp=self.expert_tp)
 
     def fp8_handoff(self) -> Fp8Handoff | None:
-        """A handoff for the permutation around these experts (every row mapped), where their FP8 GEMMs would
-        quantize its rows: fc1's forward, fc2's input gradient."""
+        """A handoff for the permutation around these experts (every row mapped), where their rowwise FP8 GEMMs
+        would quantize its rows: fc1's forward, fc2's input gradient. Rowwise only: a per-tile form for blockwise
+        ran no faster than quantize_tiles after the permutation on the fine shape (unpermute_backward 0.305 against
+        0.216 ms; step_kernels_fp8_tiles_handoff_1xh200.json) and was removed."""
+        if self.fp8 is None or self.fp8.recipe != "rowwise":
+            return None
         fc1, fc2 = _fed_fp8(self.fp8, self.w13), _fed_fp8(self.fp8, self.w2)
-        return Fp8Handoff(fc1, fc2, tiles=self.fp8.recipe == "blockwise") if fc1 or fc2 else None
+        return Fp8Handoff(fc1, fc2) if fc1 or fc2 else None
 
     def forward(self, x_TH: torch.Tensor, offsets_E: torch.Tensor, handoff: Fp8Handoff | None = None) -> torch.Tensor:
         return GroupedSwiGLU.apply(x_TH, offsets_E, self.w13, self.w2, self.wgrad_groups, self.fp8, handoff)

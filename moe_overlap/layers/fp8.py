@@ -105,8 +105,8 @@ class Fp8Rows:
     """A GEMM's left operand already in E4M3 with float32 scales, fed to the FP8 GEMM as it is, not dequantized and
     quantized again: one scale per row (the FP8 dispatch's rows, expanded to the experts' grouped rows:
     overlap.moe_dispatch_dtype=fp8; the rowwise recipe's rows from the permutation and SwiGLU), or one per 1x128
-    tile (the blockwise recipe's from the permutation and SwiGLU). ``dtype``: the activations' (the GEMM's output,
-    and what the weight gradient reads them as: :meth:`dequantized`)."""
+    tile (the blockwise recipe's from SwiGLU). ``dtype``: the activations' (the GEMM's output, and what the weight
+    gradient reads them as: :meth:`dequantized`)."""
 
     q_RK: torch.Tensor  # contiguous where a GEMM takes them (the received rows' views are strided)
     scales: torch.Tensor  # (R,) a row, or (R, K / 128) a tile
@@ -446,7 +446,7 @@ def _blockwise_matmul(a_MK: torch.Tensor | Fp8Rows, w: torch.Tensor, contract_la
                       offsets_E: torch.Tensor | None) -> torch.Tensor:
     """:func:`fp8_matmul` in the blockwise recipe, against the weight's copy laid out along the contraction. Rows
     that crossed the FP8 dispatch carry one scale per row: the GEMM reads it as each of the row's tiles' (a
-    stride-0 view, no copy); rows from the permutation or SwiGLU carry their tiles' own."""
+    stride-0 view, no copy); rows from SwiGLU carry their tiles' own."""
     b_q, b_scale = weight_operand(w, contract_last, recipe="blockwise")
     if isinstance(a_MK, Fp8Rows):
         a_q, a_scale, dtype = a_MK.q_RK, a_MK.scales, a_MK.dtype
