@@ -80,7 +80,8 @@ if HAVE_TRITON:
     # a's rows as FP8 (kernels/fp8_quant.py's row scale and rounding). A row in one block (ONE_BLOCK: FF <= BLOCK)
     # stays in registers: one read of h, ROWS rows a program at a time (a tile, its maxima along the columns). A
     # longer one, a row a program at a time: a in the activations' dtype from the first pass over the row's blocks
-    # gives its amax, the second (h from L2) the values.
+    # gives its amax, the second (h from L2) the values. TILES: one scale per 1x128 tile (kernels/fp8_blockwise.py's
+    # arithmetic), so a longer row takes one pass.
     def _swiglu_fwd_fp8_kernel(h_ptr, q_ptr, scale_ptr, rows_ptr, FF, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
                                ROWS: tl.constexpr, TILES: tl.constexpr):
         cols = tl.arange(0, BLOCK)
@@ -129,10 +130,11 @@ if HAVE_TRITON:
                             q = tl.minimum(tl.maximum(a * inverse, -_FP8_MAX), _FP8_MAX)
                             tl.store(q_ptr + row * FF + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
-    # The backward, and fc1's output gradient as FP8 rows too (for its rowwise dgrad): grad_h and a written as the
+    # The backward, and fc1's output gradient as FP8 rows too (for its FP8 dgrad): grad_h and a written as the
     # backward does, grad_h's amax taken, then grad_h quantized. Rows in one block (ONE_BLOCK: FF <= BLOCK), ROWS a
     # program at a time, are quantized from registers. A longer row, one a program at a time, is read back (from L2;
-    # after a barrier: other threads wrote it) in a second pass.
+    # after a barrier: other threads wrote it) in a second pass. TILES: one scale per 1x128 tile (gate's tiles,
+    # then up's), each block's tiles quantized as they are written.
     def _swiglu_bwd_fp8_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, q_ptr, scale_ptr, rows_ptr, FF,
                                BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr):
         cols = tl.arange(0, BLOCK)
@@ -166,27 +168,6 @@ if HAVE_TRITON:
                     q_up = tl.minimum(tl.maximum(grad_up * inverse, -_FP8_MAX), _FP8_MAX)
                 tl.store(q_ptr + at, q_gate.to(q_ty), mask=mask)
                 tl.store(q_ptr + at + FF, q_up.to(q_ty), mask=mask)
-        elif TILES:  # one pass: each block's tiles quantized as they are written
-            for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
-                for start in range(0, FF, BLOCK):
-                    mask = start + cols < FF
-                    gate = tl.load(h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    up = tl.load(h_ptr + row * 2 * FF + FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    grad = tl.load(grad_a_ptr + row * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    sig = 1.0 / (1.0 + tl.exp(-gate))
-                    silu = gate * sig
-                    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty)
-                    grad_up = (grad * silu).to(out_ty)
-                    tl.store(grad_h_ptr + row * 2 * FF + start + cols, grad_gate, mask=mask)
-                    tl.store(grad_h_ptr + row * 2 * FF + FF + start + cols, grad_up, mask=mask)
-                    tl.store(a_ptr + row * FF + start + cols, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
-                    one_row = tl.arange(0, 1) < 1
-                    q, scale = tiles_fp8(tl.reshape(grad_gate.to(tl.float32), (1, BLOCK)))
-                    store_tile_scales(scale_ptr + row * (2 * FF // 128), start, scale, one_row, FF)
-                    tl.store(q_ptr + row * 2 * FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty), mask=mask)
-                    q, scale = tiles_fp8(tl.reshape(grad_up.to(tl.float32), (1, BLOCK)))
-                    store_tile_scales(scale_ptr + row * (2 * FF // 128) + FF // 128, start, scale, one_row, FF)
-                    tl.store(q_ptr + row * 2 * FF + FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty), mask=mask)
         else:
             for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
                 amax = tl.full((BLOCK,), 0.0, tl.float32)
@@ -202,18 +183,29 @@ if HAVE_TRITON:
                     tl.store(grad_h_ptr + row * 2 * FF + start + cols, grad_gate, mask=mask)
                     tl.store(grad_h_ptr + row * 2 * FF + FF + start + cols, grad_up, mask=mask)
                     tl.store(a_ptr + row * FF + start + cols, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
-                    amax = tl.maximum(amax, tl.maximum(tl.abs(grad_gate.to(tl.float32)),
-                                                       tl.abs(grad_up.to(tl.float32))))
-                amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
-                tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
-                inverse = tl.math.div_rn(_FP8_MAX, amax)
-                tl.debug_barrier()
-                for start in range(0, 2 * FF, BLOCK):
-                    mask = start + cols < 2 * FF
-                    v = tl.load(grad_h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    q = tl.minimum(tl.maximum(v * inverse, -_FP8_MAX), _FP8_MAX)
-                    tl.store(q_ptr + row * 2 * FF + start + cols, q.to(q_ty), mask=mask)
-                tl.debug_barrier()  # the next row's first pass must not overtake this row's reads
+                    if TILES:  # a tile's scale is its own: quantized as it is written, no second pass
+                        one_row = tl.arange(0, 1) < 1
+                        q, scale = tiles_fp8(tl.reshape(grad_gate.to(tl.float32), (1, BLOCK)))
+                        store_tile_scales(scale_ptr + row * (2 * FF // 128), start, scale, one_row, FF)
+                        tl.store(q_ptr + row * 2 * FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty), mask=mask)
+                        q, scale = tiles_fp8(tl.reshape(grad_up.to(tl.float32), (1, BLOCK)))
+                        store_tile_scales(scale_ptr + row * (2 * FF // 128) + FF // 128, start, scale, one_row, FF)
+                        tl.store(q_ptr + row * 2 * FF + FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty),
+                                 mask=mask)
+                    else:
+                        amax = tl.maximum(amax, tl.maximum(tl.abs(grad_gate.to(tl.float32)),
+                                                           tl.abs(grad_up.to(tl.float32))))
+                if not TILES:  # the row's scale, then its values read back
+                    amax = tl.maximum(tl.reduce(amax, 0, max_combine), _FP8_FLOOR)
+                    tl.store(scale_ptr + row, tl.math.div_rn(amax, _FP8_MAX))
+                    inverse = tl.math.div_rn(_FP8_MAX, amax)
+                    tl.debug_barrier()
+                    for start in range(0, 2 * FF, BLOCK):
+                        mask = start + cols < 2 * FF
+                        v = tl.load(grad_h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
+                        q = tl.minimum(tl.maximum(v * inverse, -_FP8_MAX), _FP8_MAX)
+                        tl.store(q_ptr + row * 2 * FF + start + cols, q.to(q_ty), mask=mask)
+                    tl.debug_barrier()  # the next row's first pass must not overtake this row's reads
 
     _fwd = Kernel(_swiglu_fwd_kernel)
     _bwd = Kernel(_swiglu_bwd_kernel)
