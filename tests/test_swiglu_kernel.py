@@ -80,6 +80,8 @@ def test_fp8_forward_is_the_quantized_activation_in_the_interpreter(monkeypatch,
     want = quantize_rows_torch(S.swiglu_forward_torch(h))
     assert all(torch.equal(a, b) for a, b in zip(S.swiglu_forward_fp8(h), want))  # the twin (no interpreter)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # the bf16 kernel's rows: the interpreter's exp may differ from torch's silu in the last bit
+    want = quantize_rows_torch(S.swiglu_forward_triton(h))
     fp8_matches(*S.swiglu_forward_fp8(h), *want)
     fp8_matches(*S.swiglu_forward_fp8(h, one_block=False), *want)  # a row read twice, as rows past a block are
     if rows > 2:
