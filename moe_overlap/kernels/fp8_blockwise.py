@@ -30,6 +30,8 @@ GEMM dequantize and multiply in fp32: they are the recipe's emulated path too (l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moe_overlap.kernels.fp8_quant import FP8, fp8_outputs, quantize_along_torch, round_mode, rounded
@@ -393,13 +395,15 @@ def cublas_takes(a_q: torch.Tensor, contract_last: bool, offsets_E: torch.Tensor
     1xh200.txt: 8, 12, 268, 3996, 4076 taken; 10, 270, 4074, 4078 and odd counts refused)."""
     return (offsets_E is None and contract_last and out_dtype == torch.bfloat16 and a_q.is_cuda
             and a_q.shape[1] % (4 * BLOCK) == 0 and a_q.shape[0] % 4 == 0 and a_q.shape[0] > 0
-            and not interpreter_requested()
-            and _cuda_at_least(12, 9) and torch.cuda.get_device_capability(a_q.device) == (9, 0))
+            and not interpreter_requested() and _cublas_blockwise_on(a_q.device.index))
 
 
-def _cuda_at_least(major: int, minor: int) -> bool:
+@functools.cache
+def _cublas_blockwise_on(device_index: int | None) -> bool:
+    """Whether this CUDA build and GPU run cuBLAS's blockwise FP8 GEMM: CUDA 12.9 or later, Hopper (asked once per
+    GPU: every dense blockwise product asks)."""
     version = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
-    return version >= (major, minor)
+    return version >= (12, 9) and torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def blockwise_mm_cublas(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
