@@ -61,6 +61,10 @@
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff2 OUT # the same pair again, then the kernels
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff3 OUT # SwiGLU's tiles alone against neither; permute's tiles
+#   bash benchmarks/evidence_gpu.sh graph_pool1 OUT # one GPU: graphed MoE layers' memory with the paged stash and
+#                                                  #   without (benchmarks/graph_pool_memory.py), then the suite
+#   bash benchmarks/evidence_gpu.sh placeholder1 OUT # one GPU: graph_pool1's memory again with one placeholder a
+#                                                  #   weight shape; the fine model's peak with it and without
 #   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
 #                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
@@ -2500,6 +2504,25 @@ PY
     FP8_RECIPE=blockwise FP8_MODEL=fine_8l fp8_runs blockwise_handoff /tmp/handoff_off swiglu_tiles before_third
     timeout -k 10 "$(left)" python benchmarks/step_kernels.py --sections permute_fp8 --rounds 5 \
       --json $res/step_kernels_fp8_tiles_permute_1x$gpu.json 2>&1 | grep -v Warning | tail -n 4 | cut -c1-1500
+    ;;
+  graph_pool1)  # issue 37: where graphed MoE layers' memory goes with the paged stash and without (the fine model's
+    # layers at EP=1, the pipeline forced; allocator snapshots kept), then the whole one-GPU suite
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 200 python benchmarks/graph_pool_memory.py --snapshot-dir "$out" \
+      --json $res/graph_pool_memory_1x$gpu.json 2>&1 | tee "$out/graph_pool1.log" | grep -v Warning | tail -n 80 | cut -c1-400
+    suite 1x 0 "$(( $(left) - 10 ))"
+    pack
+    ;;
+  placeholder1)  # after graph_pool1: one shared placeholder per weight shape (layers/wgrad.placeholder) instead of one
+    # per graphed expert weight: graph_pool_memory.py again, then the fine model (bf16, then rowwise FP8) with it and
+    # without (tree_before: a placeholder of its own per call), for its peak memory and step time
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 150 python benchmarks/graph_pool_memory.py --variants none:copies,none:wire,1.25:wire \
+      --json $res/graph_pool_memory_shared_placeholder_1x$gpu.json 2>&1 | tee "$out/placeholder1.log" \
+      | grep -v Warning | grep -E '^\{|pool|placeholder' | cut -c1-400
+    pack
+    tree_before own_placeholder "moe_overlap/layers/wgrad.py|s/    return shared.detach()/    return torch.empty_like(param, memory_format=torch.contiguous_format)/"
+    FP8_MODEL=fine_8l fp8_runs placeholder /tmp/own_placeholder shared before
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

@@ -9,7 +9,7 @@ from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_torch, grouped_wgrad_accumulate_triton
 from moe_overlap.layers.param_info import param_info
-from moe_overlap.layers.wgrad import adds_own_grad
+from moe_overlap.layers.wgrad import adds_own_grad, linear_wgrad, mark_own_grad, placeholder
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
 from moe_overlap.training.optimizer import MixedPrecisionAdamW
@@ -99,6 +99,35 @@ def test_main_grad_holds_the_autograd_gradients_summed_over_micro_batches(group,
     assert fused.keys() == plain.keys()
     for name, grad in plain.items():
         assert rel_err(fused[name], grad) < 1e-6, name
+
+
+def test_placeholders_are_one_shared_tensor_that_autograd_keeps_without_a_copy():
+    """Two weights of one shape whose layers add their gradients into main_grad: autograd's gradient of each is an
+    alias of the one shared placeholder (taken as it is, not copied: a copy would be a fresh allocation, and a
+    graphed layer's static output), and main_grad still gets the gradient."""
+
+    class Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            x, w = ctx.saved_tensors
+            return grad_out @ w, linear_wgrad(w, grad_out, x)
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(5, 3, generator=g)) for _ in range(2)]
+    for w in weights:
+        param_info(w).main_grad = torch.zeros(5, 3)
+        mark_own_grad(w)
+    x = torch.randn(4, 3, generator=g)
+    (Linear.apply(x, weights[0]) * 2 + Linear.apply(x, weights[1])).sum().backward()
+    storage = {w.grad.untyped_storage().data_ptr() for w in weights}
+    assert storage == {placeholder(weights[0]).untyped_storage().data_ptr()}
+    for w, scale in zip(weights, (2.0, 1.0)):
+        assert torch.allclose(param_info(w).main_grad, scale * torch.ones(4, 5).t() @ x)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ out=main_grad)`` for dense weights on CUDA, the grouped kernel of kernels/groupe
 instead of returning a bf16 gradient that a hook adds in a second pass over every weight, every
 micro-batch. Such a parameter is marked at construction (:func:`mark_own_grad`) and the optimizers' hook
 (:func:`take_grad`) does not add it again. Autograd still receives a gradient-shaped placeholder (an
-uninitialised allocation, as Megatron's), so the hooks the distributed optimizer counts on still fire. A
+uninitialised tensor, as Megatron's, here one per shape: :func:`placeholder`), so the hooks the distributed optimizer counts on still fire. A
 parameter without ``main_grad`` (a model without an optimizer) gets
 its gradient returned the ordinary way.
 """
@@ -41,10 +41,21 @@ def take_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> the one uninitialised tensor
+
+
 def placeholder(param: torch.Tensor) -> torch.Tensor:
     """What a layer returns to autograd for a gradient it added into ``main_grad``: shaped and laid out like
-    ``param`` (so autograd keeps it instead of copying), never written or read; the hook drops it at once."""
-    return torch.empty_like(param, memory_format=torch.contiguous_format)
+    ``param`` (so autograd keeps it instead of copying), never written or read; the hook drops it at once.
+    One tensor per shape, shared by every parameter and call, each given a fresh alias (which autograd takes as
+    it is): a graphed layer's backward keeps what it returns as its graph's static output, so a placeholder of
+    its own would hold every graphed expert weight's size for the whole run (6 GiB in the fine bench model's 8
+    MoE layers at EP=1, one set of graphs)."""
+    key = (tuple(param.shape), param.dtype, param.device)
+    shared = _PLACEHOLDERS.get(key)
+    if shared is None:
+        shared = _PLACEHOLDERS[key] = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    return shared.detach()
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:
