@@ -51,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
+from benchmarks.memory_peak import peak_summary, recording  # noqa: E402
 
 # What torchrun sets for its ranks: the ep1 row's single process must not see them.
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
@@ -73,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="keep train.global_batch_size as given (default: times the data-parallel size)")
     parser.add_argument("--fabric", choices=("nvlink", "slow"), default="nvlink",
                         help="slow: NCCL through host memory (NCCL_P2P_DISABLE=1), an inter-node stand-in")
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="record the allocator's history and report what is live at each row's peak "
+                             "(benchmarks/memory_peak.py; the row's times then mean nothing)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeline", default=None, help="PNG of the profiled steps (per row: NAME inserted)")
     return parser.parse_args(argv)
@@ -133,6 +137,9 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
     if device.type == "cuda" and torch.cuda.is_initialized():  # an earlier row's peak is not this one's
         torch.cuda.reset_peak_memory_stats(device)
         left_gib = torch.cuda.memory_allocated(device) / 2**30
+    recorded = args.memory_peak and device.type == "cuda"
+    if recorded:
+        recording()
     trainer = Trainer(cfg, mesh, device)
     history = trainer.fit()
     timed = history[args.warmup:args.warmup + args.steps]
@@ -146,6 +153,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "step_time_s": median_of(timed, "step_time_s"),
         "left_allocated_gib": left_gib,
     }
+    if recorded:
+        mine["memory_peak"] = peak_summary(device)
     breakdown = Path(cfg.train.output_dir) / "profile" / f"breakdown_rank{mesh.rank}.json"
     if breakdown.is_file():
         mine["profile"] = json.loads(breakdown.read_text())
@@ -181,6 +190,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "reserved_memory_gib": max(p["reserved_memory_gib"] for p in parts),
         "symmetric_memory_gib": max(p["symmetric_memory_gib"] for p in parts),
         "left_allocated_gib": round(max(p["left_allocated_gib"] for p in parts), 4),
+        **({"memory_peak_per_rank": [p.get("memory_peak") for p in parts]} if args.memory_peak else {}),
         "exposed_comm_ms": {kind: max(p["exposed_comm_ms"][kind] for p in parts) for kind in parts[0]["exposed_comm_ms"]},
         "exposed_comm_ms_per_rank": [p["exposed_comm_ms"] for p in parts],
         "ep_imbalance": per_layer_median(timed, "ep_imbalance") if "ep_imbalance" in timed[0] else {},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate_torch, grouped_wgrad_accumulate_triton
 from moe_overlap.layers.param_info import param_info
+from moe_overlap.layers import wgrad
 from moe_overlap.layers.wgrad import adds_own_grad, linear_wgrad, mark_own_grad, placeholder
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.training.dist_optimizer import DistributedOptimizer
@@ -128,6 +131,11 @@ def test_placeholders_are_one_shared_tensor_that_autograd_keeps_without_a_copy()
     assert storage == {placeholder(weights[0]).untyped_storage().data_ptr()}
     for w, scale in zip(weights, (2.0, 1.0)):
         assert torch.allclose(param_info(w).main_grad, scale * torch.ones(4, 5).t() @ x)
+    key = ((5, 3), torch.float32, torch.device("cpu"))
+    assert key in wgrad._PLACEHOLDERS
+    del weights, w  # the last parameters of that shape: their placeholder goes with them
+    gc.collect()
+    assert key not in wgrad._PLACEHOLDERS
 
 
 @pytest.mark.gpu

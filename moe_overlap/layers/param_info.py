@@ -75,6 +75,9 @@ class ParamInfo:
     tied_copy: bool = False  # the last stage's copy of a tied embedding: not saved, counted once in the norm
     adds_own_grad: bool = False  # its layer adds the gradient into main_grad itself (layers/wgrad.py)
     main_grad: torch.Tensor | None = None  # the fp32 gradient the optimizer attaches and the step sums into
+    # layers/wgrad.placeholder's tensor for its shape, shared with every parameter of that shape (held here, so that
+    # it goes when the last of them does)
+    grad_placeholder: torch.Tensor | None = None
     lr_scale: float = 1.0  # its learning rate as a multiple of the schedule's (a router's: model.moe_router_lr_scale)
     # train.fp8_param: the fp32 master its FP8 copies are quantized from (the optimizer sets it), and whether its own
     # storage holds them now in place of its values (layers/fp8.py sets it; the optimizer then writes no values)

@@ -14,6 +14,8 @@ its gradient returned the ordinary way.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate
@@ -41,7 +43,8 @@ def take_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> the one uninitialised tensor
+# (shape, dtype, device) -> the one uninitialised tensor, while a parameter of that shape holds it (param_info)
+_PLACEHOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def placeholder(param: torch.Tensor) -> torch.Tensor:
@@ -51,11 +54,15 @@ def placeholder(param: torch.Tensor) -> torch.Tensor:
     it is): a graphed layer's backward keeps what it returns as its graph's static output, so a placeholder of
     its own would hold every graphed expert weight's size for the whole run (6 GiB in the fine bench model's 8
     MoE layers at EP=1, one set of graphs)."""
-    key = (tuple(param.shape), param.dtype, param.device)
-    shared = _PLACEHOLDERS.get(key)
-    if shared is None:
-        shared = _PLACEHOLDERS[key] = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-    return shared.detach()
+    info = param_info(param)
+    held = info.grad_placeholder
+    if held is None or (held.shape, held.dtype, held.device) != (param.shape, param.dtype, param.device):
+        key = (tuple(param.shape), param.dtype, param.device)
+        shared = _PLACEHOLDERS.get(key)
+        if shared is None:
+            shared = _PLACEHOLDERS[key] = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        info.grad_placeholder = shared
+    return info.grad_placeholder.detach()
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:

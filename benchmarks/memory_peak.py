@@ -1,0 +1,81 @@
+"""What is allocated at a run's peak: torch's allocator history (``torch.cuda.memory._record_memory_history``) walked
+to the moment the most bytes were allocated, and the blocks live then grouped by the code that made them.
+
+    recording()                 # before the run: the allocator records every allocation and free, with its stack
+    summary = peak_summary(device)   # after it: the peak and what held it (recording stops)
+
+``benchmarks/train_step.py --memory-peak`` reports it per row. Recording stacks slows the host's allocations, so a
+row measured this way has no meaningful times. The peak is torch's own (what ``max_memory_allocated`` counts): a
+CUDA graph's static tensors count while they are allocated during its capture; its replays allocate nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+GIB = 2**30
+MAX_ENTRIES = 3_000_000  # allocator events kept (the oldest go first): a fine bench model's row takes about 1M
+
+
+def recording() -> None:
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
+
+
+def where(frames: list[dict], depth: int = 3) -> str:
+    """The innermost ``depth`` frames of this project's code that made a block (file:line:function)."""
+    ours = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames
+            if "moe_overlap" in f["filename"] or "benchmarks" in f["filename"]]
+    return " < ".join(ours[:depth]) or "(no frame of ours)"
+
+
+def phase(frames: list[dict]) -> str:
+    """Which part of a training run made a block: the outermost frame of the trainer (its construction, the
+    graphs' capture included, or a step) or the optimizer."""
+    names = [f["name"] for f in frames if f["filename"].endswith(("trainer.py", "optimizer.py"))]
+    return names[-1] if names else "(outside the trainer)"
+
+
+def peak_of(trace: list[dict], top: int = 15) -> dict:
+    """The most bytes allocated at once over ``trace`` (one device's events, oldest first; a block freed whose
+    allocation fell out of the history is not counted), the event that reached it, and the blocks live then,
+    grouped by where and when they were made, largest first."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    peak_at = -1
+    for index, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, peak_at = total, index
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    live = {}
+    for event in trace[:peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for event in live.values():
+        group = groups.setdefault((phase(event.get("frames", [])), where(event.get("frames", []))), [0, 0])
+        group[0] += event["size"]
+        group[1] += 1
+    blocks = sorted(([round(size / GIB, 3), count, made_in, made_by]
+                     for (made_in, made_by), (size, count) in groups.items()), reverse=True)
+    last = trace[peak_at] if peak_at >= 0 else {}
+    return {"peak_gib": round(peak / GIB, 3), "events": len(trace), "peak_event": peak_at,
+            "peak_reached_by": [phase(last.get("frames", [])), where(last.get("frames", []), 6)],
+            "live_at_peak": blocks[:top], "live_groups": len(blocks)}
+
+
+def peak_summary(device, top: int = 15) -> dict:
+    """The recorded history's peak on ``device`` (:func:`peak_of`); recording stops."""
+    import torch
+
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snapshot["device_traces"]
+    return peak_of(traces[device.index if device.index is not None else torch.cuda.current_device()], top)
