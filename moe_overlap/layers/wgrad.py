@@ -49,8 +49,8 @@ _PLACEHOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def placeholder(param: torch.Tensor) -> torch.Tensor:
     """What a layer returns to autograd for a gradient it added into ``main_grad``: shaped and laid out like
-    ``param`` (so autograd keeps it instead of copying), never written or read; the hook drops it at once.
-    One tensor per shape, shared by every parameter and call, each given a fresh alias (which autograd takes as
+    ``param`` (so autograd keeps it instead of copying), never read (autograd may add two of them in place, a
+    tied weight's: garbage into garbage); the hook drops it at once. One tensor per shape, shared by every parameter and call, each given a fresh alias (which autograd takes as
     it is): a graphed layer's backward keeps what it returns as its graph's static output, so a placeholder of
     its own would hold every graphed expert weight's size for the whole run (6 GiB in the fine bench model's 8
     MoE layers at EP=1, one set of graphs)."""
