@@ -68,6 +68,7 @@
 #   bash benchmarks/evidence_gpu.sh memory_peak1 OUT # one GPU: what is live at the fine model's peak, bf16 and rowwise
 #   bash benchmarks/evidence_gpu.sh placeholder2 OUT # one GPU: the suite, the fine model bf16 / on two streams / rowwise
 #   bash benchmarks/evidence_gpu.sh paged_peak2 OUT # 2 GPUs (not run yet): what is live at the EP=2 peak, paged or not
+#   bash benchmarks/evidence_gpu.sh memory_peak2 OUT # the same, the 40 largest groups live at each peak
 #   bash benchmarks/evidence_gpu.sh fine_balanced1 OUT # one GPU: the fine model, routing forced balanced: bf16,
 #                                                  #   rowwise, blockwise in one launch
 #   bash benchmarks/evidence_gpu.sh mlp_fp8_1 OUT  # (at cad4b62, reverted) the fused FP8 SwiGLU MLP, the fine model
@@ -2566,6 +2567,13 @@ PY
       configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $DISTOPT $GRAPHED $BAL \
       --variant paged1.25:$P=1.25 --warmup 2 --steps 5 --profile-steps 0 --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
+    pack
+    ;;
+  memory_peak2)  # memory_peak1 again with the 40 largest groups live at each peak (why rowwise peaks above bf16)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 1 --steps 2 \
+      --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --memory-peak \
+      --json $res/memory_peak_fine_8l_top40_1x$gpu.json 2>&1 | tee "$out/memory_peak2.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2

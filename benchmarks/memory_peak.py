@@ -37,7 +37,7 @@ def phase(frames: list[dict]) -> str:
     return names[-1] if names else "(outside the trainer)"
 
 
-def peak_of(trace: list[dict], top: int = 15) -> dict:
+def peak_of(trace: list[dict], top: int = 40) -> dict:
     """The most bytes allocated at once over ``trace`` (one device's events, oldest first; a block freed whose
     allocation fell out of the history is not counted), the event that reached it, and the blocks live then,
     grouped by where and when they were made, largest first."""
@@ -71,7 +71,7 @@ def peak_of(trace: list[dict], top: int = 15) -> dict:
             "live_at_peak": blocks[:top], "live_groups": len(blocks)}
 
 
-def peak_summary(device, top: int = 15) -> dict:
+def peak_summary(device, top: int = 40) -> dict:
     """The recorded history's peak on ``device`` (:func:`peak_of`); recording stops."""
     import torch
 
