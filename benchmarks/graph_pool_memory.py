@@ -27,15 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
-
-GIB = 2**30
-
-
-def _frames(block: dict) -> str:
-    """The innermost frames of ours that made a block."""
-    ours = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in block.get("frames", [])
-            if "moe_overlap" in f["filename"]]
-    return " < ".join(ours[:4])
+from benchmarks.memory_peak import GIB, grouped, where  # noqa: E402
 
 
 def _pools(snapshot: dict) -> dict:
@@ -49,14 +41,9 @@ def _pools(snapshot: dict) -> dict:
         for block in seg["blocks"]:
             if block["state"] == "active_allocated":
                 pool["allocated_bytes"] += block["size"]
-                pool["blocks"].append((block["size"], _frames(block)))
+                pool["blocks"].append((block["size"], (where(block.get("frames", []), 4),)))
     for pool in pools.values():
-        sizes: dict = {}
-        for size, where in pool["blocks"]:
-            entry = sizes.setdefault(where, [0, 0])
-            entry[0] += size
-            entry[1] += 1
-        pool["blocks"] = sorted(([round(b / GIB, 3), n, where] for where, (b, n) in sizes.items()), reverse=True)[:12]
+        pool["blocks"] = grouped(pool["blocks"])[:12]
     return pools
 
 
@@ -97,8 +84,9 @@ def run_variant(args, stash_factor: float | None, once: bool) -> dict:
     if stash_factor is not None:
         rows = T * args.topk
         widths = [args.hidden, 2 * args.ffn] + ([args.hidden] if once else [])
-        stash = PagedStash(int(stash_factor * rows * args.layers), args.layers, sum(aligned_bytes(2 * w) for w in widths),
-                           torch.device("cuda"), transports.count_overflow, page_rows_for(rows))
+        stash = PagedStash(int(stash_factor * rows * args.layers), args.layers,
+                           sum(aligned_bytes(2 * w) for w in widths), torch.device("cuda"), transports.count_overflow,
+                           page_rows_for(rows))
         for layer in layers:
             layer.stash = stash
     torch.cuda.synchronize()
@@ -187,8 +175,8 @@ def main() -> None:
         for pool, info in row.get("pools", {}).items():
             print(f"  pool {pool}: segments {info['segment_bytes'] / GIB:.2f} GiB, allocated "
                   f"{info['allocated_bytes'] / GIB:.2f} GiB", flush=True)
-            for size, n, where in info["blocks"]:
-                print(f"    {size:7.3f} GiB x{n}  {where}", flush=True)
+            for size, n, made_by in info["blocks"]:
+                print(f"    {size:7.3f} GiB x{n}  {made_by}", flush=True)
         rows.append(row)
     write_json(args.json, run_header(1), rows)
 

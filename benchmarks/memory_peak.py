@@ -12,6 +12,7 @@ CUDA graph's static tensors count while they are allocated during its capture; i
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 GIB = 2**30
 MAX_ENTRIES = 3_000_000  # allocator events kept (the oldest go first): a fine bench model's row takes about 1M
@@ -37,6 +38,16 @@ def phase(frames: list[dict]) -> str:
     return names[-1] if names else "(outside the trainer)"
 
 
+def grouped(blocks: Iterable[tuple[int, tuple]]) -> list[list]:
+    """Blocks (bytes, key) summed per key: [GiB, blocks, *key], largest first."""
+    groups: dict[tuple, list[int]] = {}
+    for size, key in blocks:
+        group = groups.setdefault(key, [0, 0])
+        group[0] += size
+        group[1] += 1
+    return sorted(([round(size / GIB, 3), count, *key] for key, (size, count) in groups.items()), reverse=True)
+
+
 def peak_of(trace: list[dict], top: int = 40) -> dict:
     """The most bytes allocated at once over ``trace`` (one device's events, oldest first; a block freed whose
     allocation fell out of the history is not counted), the event that reached it, and the blocks live then,
@@ -58,13 +69,8 @@ def peak_of(trace: list[dict], top: int = 40) -> dict:
             live[event["addr"]] = event
         elif event["action"] == "free_completed":
             live.pop(event["addr"], None)
-    groups: dict[tuple[str, str], list[int]] = {}
-    for event in live.values():
-        group = groups.setdefault((phase(event.get("frames", [])), where(event.get("frames", []))), [0, 0])
-        group[0] += event["size"]
-        group[1] += 1
-    blocks = sorted(([round(size / GIB, 3), count, made_in, made_by]
-                     for (made_in, made_by), (size, count) in groups.items()), reverse=True)
+    blocks = grouped((event["size"], (phase(event.get("frames", [])), where(event.get("frames", []))))
+                     for event in live.values())
     last = trace[peak_at] if peak_at >= 0 else {}
     return {"peak_gib": round(peak / GIB, 3), "events": len(trace), "peak_event": peak_at,
             "peak_reached_by": [phase(last.get("frames", [])), where(last.get("frames", []), 6)],

@@ -2,10 +2,10 @@
 within 1e-2 normwise of its torch twin (fp32 on the dequantized operands) and within 0.05 of fp32 on the
 unquantized inputs, dense and grouped (uneven groups, empty ones, rows past the last offset left unwritten), in
 both orientations of one weight copy, at Mixtral-like sizes; blockwise_mm runs it on CUDA, and the dense a @ w^T
-on cuBLAS's blockwise GEMM (within the twin's tolerance; what cuBLAS does not take stays on the kernel); replayed from a CUDA
-graph it equals the eager call, also after the group offsets changed in place on the device. The quantize kernels
-(tiles through the rows kernel, blocks as they are and transposed) equal their twins bit for bit. Times nothing: see
-benchmarks/step_kernels.py --sections fp8_blockwise.
+on cuBLAS's blockwise GEMM (within the twin's tolerance; what cuBLAS does not take stays on the kernel); replayed
+from a CUDA graph it equals the eager call, also after the group offsets changed in place on the device. The
+quantize kernels (tiles through the rows kernel, blocks as they are and transposed) equal their twins bit for bit.
+Times nothing: see benchmarks/step_kernels.py --sections fp8_blockwise.
 
     CUDA_VISIBLE_DEVICES=0 python -m pytest -m gpu tests/test_gpu_fp8_blockwise.py
 """

@@ -7,9 +7,9 @@ out=main_grad)`` for dense weights on CUDA, the grouped kernel of kernels/groupe
 instead of returning a bf16 gradient that a hook adds in a second pass over every weight, every
 micro-batch. Such a parameter is marked at construction (:func:`mark_own_grad`) and the optimizers' hook
 (:func:`take_grad`) does not add it again. Autograd still receives a gradient-shaped placeholder (an
-uninitialised tensor, as Megatron's, here one per shape: :func:`placeholder`), so the hooks the distributed optimizer counts on still fire. A
-parameter without ``main_grad`` (a model without an optimizer) gets
-its gradient returned the ordinary way.
+uninitialised tensor, as Megatron's, here one per shape: :func:`placeholder`), so the hooks the distributed
+optimizer counts on still fire. A parameter without ``main_grad`` (a model without an optimizer) gets its gradient
+returned the ordinary way.
 """
 
 from __future__ import annotations
@@ -49,20 +49,20 @@ _PLACEHOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def placeholder(param: torch.Tensor) -> torch.Tensor:
     """What a layer returns to autograd for a gradient it added into ``main_grad``: shaped and laid out like
-    ``param`` (so autograd keeps it instead of copying), never read (autograd may add two of them in place, a
-    tied weight's: garbage into garbage); the hook drops it at once. One tensor per shape, shared by every parameter and call, each given a fresh alias (which autograd takes as
-    it is): a graphed layer's backward keeps what it returns as its graph's static output, so a placeholder of
-    its own would hold every graphed expert weight's size for the whole run (6 GiB in the fine bench model's 8
-    MoE layers at EP=1, one set of graphs)."""
+    ``param`` (so autograd keeps it instead of copying), never read (autograd may add two of them in place, a tied
+    weight's: garbage into garbage); the hook drops it at once. One tensor per shape, shared by every parameter and
+    call, each given a fresh alias (which autograd takes as it is): a graphed layer's backward keeps what it returns
+    as its graph's static output, so a placeholder of its own would hold every graphed expert weight's size for the
+    whole run (6 GiB in the fine bench model's 8 MoE layers at EP=1, one set of graphs)."""
     info = param_info(param)
+    key = (tuple(param.shape), param.dtype, param.device)
     held = info.grad_placeholder
-    if held is None or (held.shape, held.dtype, held.device) != (param.shape, param.dtype, param.device):
-        key = (tuple(param.shape), param.dtype, param.device)
-        shared = _PLACEHOLDERS.get(key)
-        if shared is None:
-            shared = _PLACEHOLDERS[key] = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        info.grad_placeholder = shared
-    return info.grad_placeholder.detach()
+    if held is None or (tuple(held.shape), held.dtype, held.device) != key:
+        held = _PLACEHOLDERS.get(key)
+        if held is None:
+            held = _PLACEHOLDERS[key] = torch.empty(key[0], dtype=param.dtype, device=param.device)
+        info.grad_placeholder = held
+    return held.detach()
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:
