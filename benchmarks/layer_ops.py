@@ -48,7 +48,7 @@ class OneRankPush:
     def __init__(self):
         self.made = None
 
-    def count_overflow(self, rows: torch.Tensor) -> None:
+    def count_overflow(self, rows: torch.Tensor, unplaced: torch.Tensor | None = None) -> None:
         pass
 
     def transport(self, nbytes: int) -> PushTransport:

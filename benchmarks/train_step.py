@@ -205,10 +205,12 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "routing": {"data_path": cfg.data.path or "bundled byte-level corpus",
                     "force_load_balancing": cfg.model.moe_router_force_load_balancing},
         "loss_first": losses[0], "loss_last": losses[1],
-        # the device-planned exchange's bound (overlap.moe_expert_rank_capacity_factor): steps run again, and rows
-        # past the bound, over the timed steps (their step_time_s counts the wasted attempt)
+        # the device-planned exchange's bound (overlap.moe_expert_rank_capacity_factor): steps run again, rows past
+        # the chunks' bounds, and of those the ones no overflow chunk took, over the timed steps (a step run again:
+        # its step_time_s counts the wasted attempt)
         "moe_overflow_reruns": sum(m.get("moe_overflow_reruns", 0) for m in timed),
         "moe_overflow_rows": sum(m.get("moe_overflow_rows", 0) for m in timed),
+        "moe_rerun_rows": sum(m.get("moe_rerun_rows", 0) for m in timed),
         # the pipelined exchange's bytes to other ranks per step, the most any rank sent (median over the timed steps)
         "moe_exchange_gib": (median_of(timed, "moe_exchange_gib") if "moe_exchange_gib" in timed[0] else None),
     }

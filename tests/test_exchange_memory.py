@@ -25,19 +25,19 @@ FINE = str(Path(__file__).resolve().parents[1] / "configs" / "bench_fine_8l.yaml
 E, K, T, H, F = 16, 2, 12, 64, 8
 
 
-def allocated_sizes(settings: list[tuple[float | None, int]]) -> list[dict]:
-    """Per (factor, chunks): one device-planned layer call on this rank (the gloo twin of sm_push), what it
-    allocated, and what exchange_memory says it allocates."""
+def allocated_sizes(settings: list[tuple[float | None, int, float | None]]) -> list[dict]:
+    """Per (factor, chunks, overflow chunk's factor): one device-planned layer call on this rank (the gloo twin of
+    sm_push), what it allocated, and what exchange_memory says it allocates."""
     world = dist.get_world_size()
     mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60)
     out = []
     try:
-        for factor, chunks in settings:
-            selector = TransportSelector("device", "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), chunks,
-                                         60)
+        for factor, chunks, overflow in settings:
+            selector = TransportSelector("device", "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
+                                         chunks + (overflow is not None), 60)
             overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False, moe_pipeline_chunks=chunks,
                                     moe_planning="device", delay_wgrad_compute=False,
-                                    moe_expert_rank_capacity_factor=factor)
+                                    moe_expert_rank_capacity_factor=factor, moe_overflow_capacity_factor=overflow)
             layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K),
                              overlap, mesh.ep, selector, etp=mesh.etp, expert_mp=mesh.expert_mp)
             x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -47,7 +47,7 @@ def allocated_sizes(settings: list[tuple[float | None, int]]) -> list[dict]:
             layer.finish_combine(x_TH, token, routing.probs_TK, state, shared_TH)
             regions = selector.transport(0).regions  # the twin's regions: a private buffer of REGIONS regions
             want = exchange_memory(world, routing.experts_TK.numel(), chunk_bounds(E // world, chunks), factor, H, F,
-                                   x_TH.element_size())
+                                   x_TH.element_size(), overflow_factor=overflow)
             out.append({"chunk_rows": [rows for rows, _ in stash], "stash_bytes": sum(b for _, b in stash),
                         "receive_rows": state.plan.routes.recv_rows, "regions_bytes": regions.local.buffer.nbytes,
                         "want": want})
@@ -57,9 +57,9 @@ def allocated_sizes(settings: list[tuple[float | None, int]]) -> list[dict]:
 
 
 def test_info_exchange_memory_is_what_a_layer_call_allocates(rank_pool):
-    settings = [(None, 1), (None, 2), (1.5, 1), (1.5, 2)]
+    settings = [(None, 1, None), (None, 2, None), (1.5, 1, None), (1.5, 2, None), (1.25, 2, 0.5)]
     for rank_sizes in rank_pool(8).run(allocated_sizes, settings):
-        for (factor, chunks), got in zip(settings, rank_sizes):
+        for (factor, chunks, overflow), got in zip(settings, rank_sizes):
             want = got["want"]
             assert got["chunk_rows"] == want.chunk_rows and sum(want.chunk_rows) * H * 4 == want.chunk_bytes
             assert got["stash_bytes"] == want.stash_bytes
@@ -67,6 +67,9 @@ def test_info_exchange_memory_is_what_a_layer_call_allocates(rank_pool):
             assert got["regions_bytes"] == REGIONS * want.region_bytes
             if factor is None:  # the worst case: every rank's copies per chunk
                 assert want.chunk_rows == [8 * T * K] * chunks
+            elif overflow is not None:  # and the overflow chunk's 0.5 x R rows, in the receive buffer too
+                assert want.chunk_rows[-1] == 0.5 * T * K and len(want.chunk_rows) == chunks + 1
+                assert sum(want.chunk_rows) == 1.75 * T * K and want.receive_rows == 1.75 * T * K + 1
             else:  # factor x the balanced share, split by the chunks' experts
                 assert sum(want.chunk_rows) == 1.5 * T * K and want.receive_rows == 1.5 * T * K + 1
 

@@ -8,7 +8,9 @@ step without one host sync
 (``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it, their reserved
 memory at least their allocated peak). The paged
 stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a pool of the worst case (never past) and of the
-balanced rows (past on the most loaded rank, run again); its pages in the sync check too.
+balanced rows (past on the most loaded rank, run again); its pages in the sync check too. The overflow chunk
+(``overlap.moe_overflow_capacity_factor`` = EP, never past): the same overflow taken inside the step, graphed and eager
+with 2 chunks, no step run again, the same bf16 rule.
 
 The per-rank work is `gpu_case`, launched once under torchrun; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it
 runs on CPU gloo ranks, skipping the graphed layout and the sync check, which only CUDA runs.
@@ -29,6 +31,7 @@ from tests.gpu_launch import (bf16_rule, cpu_skip_reason, dry_run, launch_ranks,
 STEPS = 3
 FACTOR = "overlap.moe_expert_rank_capacity_factor"
 PAGED = "overlap.moe_paged_stash_factor"
+OVERFLOW = "overlap.moe_overflow_capacity_factor"
 
 
 def gpu_case(output_dir: str) -> dict:
@@ -54,7 +57,12 @@ def gpu_case(output_dir: str) -> dict:
                                           "overlap.delay_wgrad_compute": "true"},
                # the paged stash: a pool of the worst case never overflows; of the balanced rows it does
                "paged_graphed": {**device_planned, PAGED: float(world), "train.moe_cuda_graph": "true"},
-               "paged_overflow_graphed": {**device_planned, PAGED: 1.0, "train.moe_cuda_graph": "true"}}
+               "paged_overflow_graphed": {**device_planned, PAGED: 1.0, "train.moe_cuda_graph": "true"},
+               # the overflow chunk takes it inside the step
+               "in_graph_graphed": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
+                                    "train.moe_cuda_graph": "true"},
+               "in_graph_eager_chunks2": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
+                                          "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"}}
     mesh, device = init_distributed(small_config(output_dir, world, global_batch, **bf16))
     runs, skipped = {}, {}
     for name, extra in layouts.items():
@@ -66,6 +74,7 @@ def gpu_case(output_dir: str) -> dict:
     runs["single_bf16"] = Trainer(small_config(output_dir, 1, global_batch, **bf16), Mesh.single(), device)
     runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **fp32), Mesh.single(), device)
     losses, grads, reruns = {name: [] for name in runs}, {}, {name: 0 for name in layouts}
+    overflow_rows = dict.fromkeys(layouts, 0)
     for step in range(STEPS):
         for name, trainer in runs.items():
             captured = {}  # a step run again reports its gradients again: the re-run's are kept
@@ -73,10 +82,12 @@ def gpu_case(output_dir: str) -> dict:
             losses[name].append(metrics["loss"])
             if name in reruns:
                 reruns[name] += metrics["moe_overflow_reruns"]
+                overflow_rows[name] += metrics["moe_overflow_rows"]
             if step == 0:
                 grads[name] = captured
     tensors, violations = bf16_rule(layouts, grads, losses)
     report = {"rank": mesh.rank, "world": world, "violations": violations, "tensors": tensors, "reruns": reruns,
+              "overflow_rows": overflow_rows,
               "skipped": {name: why for name, why in skipped.items() if why}, "syncs_checked": False}
     if not dry_run():  # a bound never passed: the graphed step queues without a host sync
         bounded = Trainer(small_config(output_dir, world, global_batch, **bf16, **device_planned,
@@ -102,8 +113,9 @@ def test_overflow_runs_again_and_equals_single_process_bf16_on_every_gpu(tmp_pat
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
         assert not report["skipped"] and set(report["reruns"]) == {
             "overflow_graphed", "overflow_graphed_streams", "overflow_eager_chunks2", "paged_graphed",
-            "paged_overflow_graphed"}
+            "paged_overflow_graphed", "in_graph_graphed", "in_graph_eager_chunks2"}
         assert all((reruns > 0) == ("overflow" in name) for name, reruns in report["reruns"].items()), report
+        assert all(report["overflow_rows"][name] > 0 for name in ("in_graph_graphed", "in_graph_eager_chunks2"))
         assert report["syncs_checked"], report
         symmetric, peak, reserved = report["memory_gib"]
         assert 0 < symmetric < peak <= reserved, report["memory_gib"]
@@ -115,7 +127,7 @@ def test_overflow_dry_run_on_cpu_gloo(tmp_path):
     for report in launch_ranks(__file__, tmp_path, timeout_s=600, world=2, dry_run=True):
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
         assert set(report["skipped"]) == {"overflow_graphed", "overflow_graphed_streams", "paged_graphed",
-                                          "paged_overflow_graphed"}
+                                          "paged_overflow_graphed", "in_graph_graphed"}
         assert report["reruns"]["overflow_eager_chunks2"] > 0
 
 

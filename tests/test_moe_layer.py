@@ -356,7 +356,7 @@ class OneRankTransports:
         self.kind = PushTransport if name == "sm_push" else CopyEngineTransport
         self.made = None
 
-    def count_overflow(self, rows: torch.Tensor) -> None:
+    def count_overflow(self, rows: torch.Tensor, unplaced: torch.Tensor | None = None) -> None:
         assert int(rows) == 0  # the worst-case bound (moe_expert_rank_capacity_factor=None) is never exceeded
 
     def transport(self, nbytes: int):

@@ -24,6 +24,7 @@ from moe_overlap.training.trainer import Trainer
 from tests.test_master import CPU, TOL, rel_err, small_config, world_and_mesh
 
 FACTOR = "overlap.moe_expert_rank_capacity_factor"
+OVERFLOW = "overlap.moe_overflow_capacity_factor"
 
 
 # ------------------------------------------------------------------------------------------ the sizes
@@ -63,6 +64,22 @@ def test_overflow_factor_rules_are_one_line():
         is None
 
 
+def test_overflow_chunk_rules_are_one_line():
+    pipe = ["overlap.moe_pipeline=true", "model.num_moe_experts=8", "model.moe_router_topk=4",
+            "parallel.expert_model_parallel_size=2"]
+    for overrides, fragment in (([f"{OVERFLOW}=0"], "must be > 0"),
+                                ([f"{OVERFLOW}=1.0"], f"needs {FACTOR}"),
+                                ([f"{OVERFLOW}=1.0", f"{FACTOR}=1.0", "overlap.moe_dispatch_once_per_rank=true"],
+                                 "not implemented yet")):
+        with pytest.raises(ConfigError, match=fragment) as err:
+            load_config(None, pipe + overrides)
+        assert "\n" not in str(err.value)
+    # auto leaves each token once per rank off where the overflow chunk is asked for (top-4 turns it on otherwise)
+    assert load_config(None, pipe + [f"{FACTOR}=1.0"]).overlap.moe_dispatch_once_per_rank is True
+    cfg = load_config(None, pipe + [f"{FACTOR}=1.0", f"{OVERFLOW}=0.5"])
+    assert cfg.overlap.moe_dispatch_once_per_rank is False and cfg.overlap.moe_overflow_capacity_factor == 0.5
+
+
 def test_overflow_route_limit_kernel_matches_twin(monkeypatch):
     """fill_routes with a limit per block: rows at or past it go to the spare row, interpreted Triton and twin alike
     (a block longer than the kernel's step, one wholly past its limit, one empty)."""
@@ -94,7 +111,8 @@ class _Counts:
     """The transport's part the planner reads: every rank's counts (fixed here) and the overflow counter."""
 
     def __init__(self, counts_SE: torch.Tensor):
-        self.counts_SE, self.overflow_rows, self.asked_bytes = counts_SE, torch.zeros((), dtype=torch.int64), []
+        self.counts_SE, self.asked_bytes = counts_SE, []
+        self.overflow_rows, self.unplaced_rows = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
 
     def transport(self, nbytes: int):
         self.asked_bytes.append(nbytes)
@@ -103,17 +121,18 @@ class _Counts:
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         return self.counts_SE
 
-    def count_overflow(self, rows: torch.Tensor) -> None:
+    def count_overflow(self, rows: torch.Tensor, unplaced: torch.Tensor | None = None) -> None:
         self.overflow_rows += rows
+        self.unplaced_rows += rows if unplaced is None else unplaced
 
 
-def _plans(experts_STK: torch.Tensor, factor: float | None, chunks: int):
+def _plans(experts_STK: torch.Tensor, factor: float | None, chunks: int, overflow: float | None = None):
     counts_SE = torch.stack([torch.bincount(e.flatten(), minlength=E) for e in experts_STK])
     plans, selectors = [], []
     for rank in range(RANKS):
         selector = _Counts(counts_SE)
         planner = DevicePlanner(E, GroupHandle(ranks=list(range(RANKS)), group=None, rank=rank, size=RANKS), chunks,
-                                False, selector, CPU, H * 4, factor)
+                                False, selector, CPU, H * 4, factor, overflow_factor=overflow)
         routing = SimpleNamespace(experts_TK=experts_STK[rank], keep_TK=None, capacity=None,
                                   tokens_per_expert_E=counts_SE[rank])
         plans.append(planner.plan(routing))
@@ -173,6 +192,48 @@ def test_overflow_free_bounded_routes_equal_the_worst_case_routes(chunks):
         assert all(torch.equal(x, y) for x, y in zip(b.offsets, w.offsets))
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("overflow", [2.0, 0.25], ids=["all_fit", "some_past"])
+def test_overflow_chunk_routes_take_the_rows_past_the_bound(chunks, overflow):
+    """With the overflow chunk, the rows past their chunk's bound on rank 0 (as in the test above) land in its
+    overflow chunk, after the chunks' kept rows, in (local expert, source) order, up to its bound (2.0 x R: all of
+    them; 0.25 x R: some land in the spare row and are counted as the ones that make the step run again); every
+    kept row's combine route inverts its dispatch route, the overflow chunk's too; the overflow chunk's offsets
+    count its rows per local expert; its rows are sent with their chunks (it sends none of its own)."""
+    experts_STK = torch.tensor([[0, 1], [0, 2]]).unsqueeze(1).repeat(1, T, 1)
+    R = T * K
+    plans, selectors, counts_SE = _plans(experts_STK, 1.0, chunks, overflow)
+    chunk_experts = [(c * L // chunks, (c + 1) * L // chunks) for c in range(chunks)]
+    bounds = chunk_bounds_rows(RANKS, R, chunk_experts, 1.0)
+    spare_room = min(RANKS * R, int(overflow * R))
+    W = plans[0].routes.recv_rows
+    assert W == min(RANKS * R, R + spare_room) + 1
+    for rank, plan in enumerate(plans):
+        r = plan.routes
+        assert plan.overflow_chunk and plan.chunk_experts == chunk_experts + [(0, L)]
+        assert r.chunk_rows == bounds + [spare_room] and int(r.send_rows_C[-1]) == 0
+        arrived = [int(counts_SE[:, rank * L + a:rank * L + b].sum()) for a, b in chunk_experts]
+        past = sum(max(0, a - b) for a, b in zip(arrived, bounds))
+        assert int(plan.overflow_rows) == past == int(selectors[rank].overflow_rows)
+        assert int(selectors[rank].unplaced_rows) == max(0, past - spare_room)
+        kept = r.recv_rows_C.tolist()
+        assert kept == [min(a, b) for a, b in zip(arrived, bounds)] + [min(past, spare_room)]
+        assert r.recv_start_C.tolist()[-1] == sum(kept[:-1])
+        per_expert = counts_SE[:, rank * L:(rank + 1) * L].sum(0)  # this rank's copies per local expert
+        over_L = torch.zeros(L, dtype=torch.int64)
+        for c, (a, b) in enumerate(chunk_experts):  # a chunk's rows past its bound: the last ones in its order
+            ends = torch.cumsum(per_expert[a:b], 0)
+            over_L[a:b] = ends.clamp(min=bounds[c]) - torch.cat((ends.new_zeros(1), ends[:-1])).clamp(min=bounds[c])
+        assert plan.offsets[-1].tolist() == torch.cumsum(over_L, 0).clamp(max=spare_room).tolist()
+        assert (r.dst_row_R >= 0).all() and (r.dst_row_R < W).all()
+        for q in range(sum(kept)):  # the overflow chunk's rows follow the chunks' (compact)
+            source, row = int(r.back_rank_W[q]), int(r.back_row_W[q])
+            assert (int(plans[source].routes.dst_rank_R[row]), int(plans[source].routes.dst_row_R[row])) == (rank, q)
+    spare = sum(int((p.routes.dst_row_R == W - 1).sum()) for p in plans)
+    assert spare == sum(int(s.unplaced_rows) for s in selectors)
+    assert (spare > 0) == (overflow < 1) and sum(int(p.overflow_rows) for p in plans) > 0
+
+
 # ------------------------------------------------------------------ training steps, gloo ranks
 def _grads_and_metrics(trainer: Trainer, steps: int) -> list[tuple[dict, dict]]:
     out = []
@@ -184,12 +245,13 @@ def _grads_and_metrics(trainer: Trainer, steps: int) -> list[tuple[dict, dict]]:
 
 
 def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dict | None = None,
-                  fit: bool = False, fake_overflow_at: int | None = None, fp8: bool = False) -> dict:
+                  fit: bool = False, fake_overflow_at: int | None = None, fp8: bool = False,
+                  fp8_wgrad: bool = True) -> dict:
     """The bounded device-planned run against the host-planned run of the same layout, step by step: the worst
     relative error of losses, gradient norms and every gradient (or, with ``fit``, of every step's losses and the
     weights fit ends with), and the overflow metrics of the bounded run. ``fake_overflow_at``: the bounded run's
     forward-backward of that launch (1-based, re-runs counted) reports one overflowing row per rank. ``fp8``: both
-    runs' GEMMs in emulated FP8 (rowwise, the weight gradients too)."""
+    runs' GEMMs in emulated FP8 (rowwise; the weight gradients too unless not ``fp8_wgrad``)."""
     both = {"overlap.moe_pipeline": "true", **(both or {})}
     runs = []
     for extra in ({"overlap.moe_planning": "host"}, {"overlap.moe_planning": "device", **bounded}):
@@ -198,7 +260,7 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
         try:
             trainer = Trainer(cfg, mesh, CPU)
             if fp8:
-                trainer.model.use_fp8(Fp8(emulate=True, wgrad=True))
+                trainer.model.use_fp8(Fp8(emulate=True, wgrad=fp8_wgrad))
             if fake_overflow_at is not None and runs:
                 _fake_overflow(trainer, fake_overflow_at)
             if fit:
@@ -228,6 +290,7 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
         metrics = [m for m, _ in got]
     return {"worst": worst, "losses": [m["loss"] for m in metrics],
             "overflow_rows": [m["moe_overflow_rows"] for m in metrics],
+            "rerun_rows": [m["moe_rerun_rows"] for m in metrics],
             "reruns": [m["moe_overflow_reruns"] for m in metrics], "skipped": [m["skipped"] for m in metrics]}
 
 
@@ -238,18 +301,24 @@ def _fake_overflow(trainer: Trainer, launch: int) -> None:
         losses = forward_backward(step)
         launches.append(step)
         if len(launches) == launch:
-            trainer._exchange.overflow_rows.add_(1)
+            trainer._exchange.count_overflow(torch.ones((), dtype=torch.int64))
         return losses
 
     trainer.forward_backward = counting
 
 
-def _check(results: list[dict], overflow: bool) -> None:
+def _check(results: list[dict], overflow: bool, in_graph: bool = False) -> None:
+    """``overflow``: every step overflowed somewhere, and ran again (``in_graph``: the overflow chunk took every
+    such row, and none ran again)."""
     for result in results:
         assert result["worst"] < TOL, result
         assert not any(result["skipped"])
-        if overflow:  # every step overflowed somewhere, and ran again
+        if in_graph:
+            assert all(rows > 0 for rows in result["overflow_rows"]) and not any(result["reruns"]), result
+            assert not any(result["rerun_rows"]), result
+        elif overflow:
             assert all(rows > 0 for rows in result["overflow_rows"]) and all(result["reruns"]), result
+            assert result["rerun_rows"] == result["overflow_rows"], result  # no overflow chunk: every row
         else:
             assert result["overflow_rows"] == [0] * len(result["overflow_rows"]) and not any(result["reruns"])
     assert len({str(r["overflow_rows"]) for r in results}) == 1  # every rank saw the same world-wide count
@@ -316,6 +385,62 @@ def test_a_step_queued_behind_an_overflowed_one_runs_again_in_fit(rank_pool, tmp
     for result in rank_pool(2).run(overflow_case, str(tmp_path), 2, 0, {FACTOR: 2.0}, both, True, 1):
         assert result["worst"] < TOL and not any(result["skipped"]), result
         assert result["overflow_rows"] == [2, 0, 0] and result["reruns"] == [1, 0, 0], result
+
+
+# -------------------------------------------------------- the overflow chunk (moe_overflow_capacity_factor)
+@pytest.mark.parametrize("world,chunks,extra", [
+    (2, 1, {}), (2, 2, {"overlap.delay_wgrad_compute": "true"}),
+    (4, 2, {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
+            "overlap.overlap_param_sync": "true"}),
+    (8, 1, {}),
+], ids=["ep2", "ep2_chunks2_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
+def test_overflow_chunk_takes_the_overflow_in_the_step(rank_pool, tmp_path, world, chunks, extra):
+    """Factor 1.0 with learned routing overflows every step, as above; an overflow chunk of EP x R rows (never
+    exceeded) takes every such row inside the layer call: no step runs again, and its losses and gradients are the
+    host-planned run's."""
+    both = {"overlap.moe_pipeline_chunks": chunks, **extra}
+    bounded = {FACTOR: 1.0, OVERFLOW: float(world)}
+    _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, bounded, both), True, in_graph=True)
+
+
+@pytest.mark.parametrize("both,bounded", [
+    ({"overlap.moe_token_slices": 2}, {}),
+    ({"overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2}, {}),
+    ({"overlap.moe_pipeline_chunks": 2}, {"overlap.moe_paged_stash_factor": 2.0}),
+    ({"train.pipeline_schedule": "zb_h1", "parallel.pipeline_model_parallel_size": 2, "model.num_layers": 4,
+      "model.moe_layer_freq": "[0,1,1,1]"}, {}),
+], ids=["token_slices", "paired", "paged_stash", "zb_h1_deferred_wgrad"])
+def test_overflow_chunk_with_every_schedule_equals_host_planned(rank_pool, tmp_path, both, bounded):
+    """The overflow chunk under token slices, paired micro-batches, the paged stash (its stash in pages too) and
+    ZB-H1's deferred weight gradients (PP=2 x EP=2): no re-run, the host-planned run's steps."""
+    world = 4 if "parallel.pipeline_model_parallel_size" in both else 2
+    results = rank_pool(world).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0, OVERFLOW: 2.0, **bounded}, both)
+    _check(results, True, in_graph=True)
+
+
+def test_overflow_chunk_with_fp8_equals_host_planned(rank_pool, tmp_path):
+    """Emulated FP8 GEMMs: the overflow chunk's quantize the same weights and rows (rowwise: a scale per row), so
+    with bf16 weight gradients the steps are the host-planned FP8 run's. FP8 weight gradients quantize an expert's
+    rows along the tokens per run of rows, and an overflowing expert's rows are two runs: the first step's loss is
+    the same (the forward is), its gradients within FP8's rounding, not bit for bit (this tiny model, a few rows an
+    expert: 5.8e-2 relative at worst over every gradient and step, on one rank)."""
+    bounded = {FACTOR: 1.0, OVERFLOW: 2.0}
+    _check(rank_pool(2).run(overflow_case, str(tmp_path / "bf16"), 2, 2, bounded, fp8=True, fp8_wgrad=False), True,
+           in_graph=True)
+    want = rank_pool(2).run(overflow_case, str(tmp_path / "want"), 2, 2, {FACTOR: 1.0}, fp8=True)  # re-run: exact
+    for result, rerun in zip(rank_pool(2).run(overflow_case, str(tmp_path / "fp8"), 2, 2, bounded, fp8=True), want):
+        assert 0 < result["worst"] < 1e-1 and not any(result["reruns"]), result
+        assert abs(result["losses"][0] - rerun["losses"][0]) < TOL * abs(rerun["losses"][0])
+
+
+def test_overflow_past_the_overflow_chunk_runs_again(rank_pool, tmp_path):
+    """An overflow chunk too small for the overflow (0.05 x R): the rows past it too make the step run again, as
+    without one, and its steps are still the host-planned run's; moe_rerun_rows counts those rows only."""
+    both = {"overlap.moe_pipeline_chunks": 2}
+    for result in rank_pool(2).run(overflow_case, str(tmp_path), 2, 3, {FACTOR: 1.0, OVERFLOW: 0.05}, both):
+        assert result["worst"] < TOL and not any(result["skipped"]), result
+        assert all(0 < rerun < rows for rerun, rows in zip(result["rerun_rows"], result["overflow_rows"])), result
+        assert all(result["reruns"]), result
 
 
 def recompute_case(output_dir: str, both: dict) -> dict:

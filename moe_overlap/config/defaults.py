@@ -63,8 +63,8 @@ SHARED = "model.moe_shared_expert_overlap"
 
 # The fields only the pipeline reads: setting one asks for it.
 PIPELINE_FIELDS = ("moe_pipeline_chunks", "moe_token_slices", "delay_wgrad_compute", "moe_planning", "moe_transport",
-                   "moe_compute_only", "moe_expert_rank_capacity_factor", "moe_paged_stash_factor",
-                   "moe_dispatch_once_per_rank", "moe_dispatch_dtype")
+                   "moe_compute_only", "moe_expert_rank_capacity_factor", "moe_overflow_capacity_factor",
+                   "moe_paged_stash_factor", "moe_dispatch_once_per_rank", "moe_dispatch_dtype")
 
 
 def pipeline_fields_set(o: OverlapConfig) -> list[str]:
@@ -75,12 +75,14 @@ def pipeline_fields_set(o: OverlapConfig) -> list[str]:
             and getattr(o, name) is not False]
 
 
-def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
+def once_per_rank_gap(m: ModelConfig, p: ParallelConfig, o: OverlapConfig) -> str | None:
     """What overlap.moe_dispatch_once_per_rank is not implemented with in this config, or None."""
     if m.moe_pad_expert_input_to_capacity:
         return "model.moe_pad_expert_input_to_capacity=true"
     if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
         return "expert_tensor_parallel_size > 1"
+    if o.moe_overflow_capacity_factor is not None:
+        return "overlap.moe_overflow_capacity_factor (its chunk takes token copies, not wire rows)"
     return None
 
 
@@ -238,8 +240,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if o.moe_dispatch_once_per_rank == "auto":
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"
-        elif once_per_rank_gap(m, cfg.parallel):
-            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(m, cfg.parallel)}"
+        elif once_per_rank_gap(m, cfg.parallel, o):
+            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(m, cfg.parallel, o)}"
         elif m.moe_router_topk < ONCE_PER_RANK_MIN_TOPK:
             o.moe_dispatch_once_per_rank, why = False, (f"top-{m.moe_router_topk}: few copies share a rank (on from "
                                                         f"top-{ONCE_PER_RANK_MIN_TOPK}, tuning.py)")

@@ -118,14 +118,20 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                     f"must be >= 1.0 ({least} at least) or null ({null})")
             require(o.moe_planning != "host", f"overlap.{name}", factor,
                     f"{sizes} (use overlap.moe_planning=device or auto)")
+    overflow = o.moe_overflow_capacity_factor
+    if overflow is not None:
+        require(math.isfinite(overflow) and overflow > 0, "overlap.moe_overflow_capacity_factor", overflow,
+                "must be > 0 (rows of the overflow chunk, a factor of the balanced share) or null (no overflow chunk)")
+        require(o.moe_expert_rank_capacity_factor is not None, "overlap.moe_overflow_capacity_factor", overflow,
+                "needs overlap.moe_expert_rank_capacity_factor (without a bound no row overflows)")
     if o.moe_compute_only:
         require(p.expert_model_parallel_size > 1, "overlap.moe_compute_only", True,
                  "needs parallel.expert_model_parallel_size > 1 (one EP rank exchanges nothing)")
         if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
             raise not_implemented("overlap.moe_compute_only", True, False,
                                    "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
-    if o.moe_dispatch_once_per_rank and once_per_rank_gap(m, p):
-        raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(m, p)}")
+    if o.moe_dispatch_once_per_rank and once_per_rank_gap(m, p, o):
+        raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(m, p, o)}")
     if o.moe_dispatch_dtype == "fp8":
         if o.moe_dispatch_once_per_rank is not True:
             raise not_implemented("overlap.moe_dispatch_dtype", "fp8", "bf16", "without each token once per rank: "

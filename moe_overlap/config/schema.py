@@ -205,6 +205,13 @@ class OverlapConfig:
     # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (benchmarks/RESULTS.md). Host
     # planning is exact and needs no bound (with auto planning there, it has no effect).
     moe_expert_rank_capacity_factor: Optional[float] = None
+    # The in-graph overflow chunk (needs the bound above): a rank's rows past their chunk's bound go to one more
+    # chunk over all its local experts, of ceil(factor x T x K) rows, exchanged with the chunks and computed after
+    # the last one inside the same layer call (and CUDA graph), so such a step costs one more grouped GEMM instead
+    # of a re-run; only rows past this chunk's bound too make the step run again planned on the host. > 0; null
+    # (the default): no overflow chunk, every overflow runs the step again. Token copies only: not with
+    # moe_dispatch_once_per_rank (auto turns that off where this is set).
+    moe_overflow_capacity_factor: Optional[float] = None
     # The device-planned exchange's backward stash in pages (layers/paged_stash.py): each chunk's tensors the backward
     # needs (its rows and their fc1 output) are copied after its GEMMs into one pool per rank, as many pages as the
     # rows actually received, and back out by the backward, so that a layer call in flight holds its rows, not its

@@ -2,7 +2,8 @@
 ``overlap.moe_transport``, auto resolved by the rules of exchange_rules.py), and the one transport every MoE layer
 of the model shares, its symmetric regions grown to the largest exchange seen (device-planned: the bounded receive
 buffer of layers/device_plan.py). It also holds what the device-planned layers report, the rows past their bound
-(``overflow_rows``), and the host-planned transport a step that overflowed runs again on (``host_planned``).
+(``overflow_rows``) and those that fit no bound, not even the overflow chunk's (``unplaced_rows``: the step runs
+again), and the host-planned transport a step that overflowed runs again on (``host_planned``).
 
 The exchange itself: its interface and streams in a2a_exchange.py, where rows go in a2a_routes.py, the host-sized
 transports (nccl, gloo, copy_engine) in a2a_host.py, the device-sized one (sm_push, and its gloo twin) in
@@ -71,6 +72,7 @@ class TransportSelector:
         # rows the device-planned layers could not receive within their bound since the trainer last zeroed it:
         # made before any CUDA graph is captured, so that the replays add into this very tensor
         self.overflow_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self.unplaced_rows = torch.zeros_like(self.overflow_rows)  # of those, the ones no overflow chunk took
         # bytes the exchanges sent from this rank to other ranks since the trainer last zeroed it (every layer call
         # and both directions, the backward's too; the host-planned re-run's selector adds into it as well)
         self.bytes_sent = torch.zeros((), dtype=torch.int64, device=device)
@@ -87,24 +89,28 @@ class TransportSelector:
         region is free or filled, not for which exchange. Its counters add into :meth:`counters`."""
         twin = copy.copy(self)
         twin._transport, twin._retired, twin._host_planned, twin.twins = None, [], None, []
-        twin.overflow_rows, twin.bytes_sent = torch.zeros_like(self.overflow_rows), torch.zeros_like(self.bytes_sent)
+        twin.overflow_rows, twin.unplaced_rows, twin.bytes_sent = (torch.zeros_like(self.overflow_rows),
+                                                                   torch.zeros_like(self.overflow_rows),
+                                                                   torch.zeros_like(self.bytes_sent))
         self.twins.append(twin)
         return twin
 
-    def counters(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows past the bound, bytes sent) since :meth:`zero_counters`, this selector's and its twins', on the
-        device."""
-        return (sum((t.overflow_rows for t in self.twins), self.overflow_rows),
-                sum((t.bytes_sent for t in self.twins), self.bytes_sent))
+    def counters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows past their chunks' bounds, those no overflow chunk took, bytes sent) since :meth:`zero_counters`,
+        this selector's and its twins', on the device."""
+        return tuple(sum((getattr(t, name) for t in self.twins), getattr(self, name))
+                     for name in ("overflow_rows", "unplaced_rows", "bytes_sent"))
 
     def zero_counters(self) -> None:
         for selector in (self, *self.twins):
-            selector.overflow_rows.zero_()
-            selector.bytes_sent.zero_()
+            for counter in (selector.overflow_rows, selector.unplaced_rows, selector.bytes_sent):
+                counter.zero_()
 
-    def count_overflow(self, rows: torch.Tensor) -> None:
-        """A device-planned layer call's rows past its bound (on the device, no host sync)."""
+    def count_overflow(self, rows: torch.Tensor, unplaced: torch.Tensor | None = None) -> None:
+        """A device-planned layer call's rows past its bound, and of those the ones no overflow chunk took (None:
+        all of them), on the device, no host sync."""
         self.overflow_rows.add_(rows)
+        self.unplaced_rows.add_(rows if unplaced is None else unplaced)
 
     def host_planned(self) -> TransportSelector:
         """The selector of the host-planned exchange over the same group (the process group's all-to-all: nccl, or

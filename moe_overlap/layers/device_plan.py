@@ -27,6 +27,14 @@ counter). The step's result is then wrong: the trainer skips its update on the d
 the host (training/trainer.py), so training stays dropless. With no overflow the rows, their order and the math
 are the host plan's: the same rows meet the same weights in the same (local expert, source rank) order.
 
+The overflow chunk (``overlap.moe_overflow_capacity_factor``): the rows past their chunk's bound go instead to one
+more chunk over all the local experts, of ``ceil(overflow factor x R)`` static rows, after the chunks in the compact
+receive buffer and in (local expert, source rank) order too. They travel with their own chunk's rows (only their
+route differs), its grouped GEMMs run after the last chunk's, and its rows go back like a chunk's: a skewed layer
+call stays inside its CUDA graph at the cost of one more GEMM. Only rows past this chunk's bound too go to the spare
+row and make the step run again. Each row meets the same weights; an expert's weight gradient is then summed from
+two runs of its rows.
+
 Letters: E global experts, L local experts, S source rank, D destination rank, B a slot's block (an expert's
 rows in the permuted order), C chunk, R permuted rows, W compact receive rows.
 """
@@ -60,11 +68,12 @@ class DevicePlan:
     routes: DeviceRoutes
     offsets: list[torch.Tensor]  # per chunk: int32 grouped-GEMM end offsets within its tensor
     transport: Transport
-    overflow_rows: torch.Tensor  # int64 scalar: rows this rank would receive past its chunks' bounds (0: exact)
+    overflow_rows: torch.Tensor  # int64 scalar: rows this rank receives past its chunks' bounds (0: exact)
     wire: WireRows | None = None  # moe_dispatch_once_per_rank: the routes move these
     grouped_row_of_copy_TK: torch.Tensor | None = None  # wire: each copy's grouped row at its destination
     grouped_rows: list[int] | None = None  # wire: static rows of each chunk's grouped tensor (its bound)
     grouped_rows_mapped: bool = True  # wire: no bound that rows may overflow (the worst case)
+    overflow_chunk: bool = False  # the last chunk is the overflow chunk (all local experts, after the others)
     expert_tp = None  # device planning with expert-TP > 1 is refused (exchange_rules.expert_tp_refusal)
 
 
@@ -83,6 +92,8 @@ class _Layout:
     start_DC: torch.Tensor
     expert_of_slot: torch.Tensor  # the planner's tables that the routes' fields read
     chunk_of_expert: torch.Tensor
+    bound_C: torch.Tensor  # each chunk's static rows
+    overflow_bound: int = 0  # the overflow chunk's static rows (0: none)
 
     @cached_property
     def blocks_SB(self) -> torch.Tensor:  # every source's permuted blocks, in slot order
@@ -100,6 +111,30 @@ class _Layout:
     def limit_DC(self) -> torch.Tensor:  # a row at or past it does not fit: the spare row takes it
         return self.start_DC + self.kept_DC
 
+    # the overflow chunk's layout (made when first read, with one)
+
+    @cached_property
+    def fit_DLS(self) -> torch.Tensor:  # each block's rows within its chunk's bound (the first ones)
+        bound_DLS = self.bound_C[self.chunk_of_expert][None, :, None]
+        return torch.minimum(self.rows_DLS, (bound_DLS - self.within_DLS).clamp(min=0))
+
+    @cached_property
+    def over_within_DLS(self) -> torch.Tensor:  # each block's first row past its bound within the overflow chunk
+        D, L, S = self.rows_DLS.shape
+        return exclusive_cumsum((self.rows_DLS - self.fit_DLS).reshape(D, L * S)).view(D, L, S)
+
+    @cached_property
+    def over_start_D(self) -> torch.Tensor:  # the overflow chunk's first row: after the chunks' kept rows
+        return self.kept_DC.sum(1)
+
+    @cached_property
+    def over_kept_D(self) -> torch.Tensor:  # the overflow chunk's rows that fit its bound
+        return torch.clamp((self.arrived_DC - self.kept_DC).sum(1), max=self.overflow_bound)
+
+    @cached_property
+    def over_limit_D(self) -> torch.Tensor:
+        return self.over_start_D + self.over_kept_D
+
 
 def chunk_bounds_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None) -> list[int]:
     """Static rows each chunk of a rank's local experts may receive per layer call: ``ceil(factor x rows x its
@@ -112,10 +147,18 @@ def chunk_bounds_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]
     return [min(worst, math.ceil(factor * rows * (stop - start) / local)) for start, stop in chunk_experts]
 
 
-def receive_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None) -> int:
+def overflow_chunk_rows(ranks: int, rows: int, factor: float | None) -> int:
+    """Static rows of the overflow chunk: ``ceil(factor x rows)``, at most every rank's copies; 0 without one."""
+    return 0 if factor is None else min(ranks * rows, math.ceil(factor * rows))
+
+
+def receive_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None,
+                 overflow_factor: float | None = None) -> int:
     """Static rows of the compact receive buffer (and the transport's symmetric regions, in rows): the chunks'
-    bounds summed, at most every rank's copies, plus the spare row that overflowing rows land in."""
-    return min(ranks * rows, sum(chunk_bounds_rows(ranks, rows, chunk_experts, factor))) + 1
+    bounds summed (the overflow chunk's too), at most every rank's copies, plus the spare row that rows past them
+    land in."""
+    bounds = sum(chunk_bounds_rows(ranks, rows, chunk_experts, factor))
+    return min(ranks * rows, bounds + overflow_chunk_rows(ranks, rows, overflow_factor)) + 1
 
 
 def wire_chunk_rows(ranks: int, rows: int, tokens: int, chunk_experts: list[tuple[int, int]],
@@ -138,9 +181,12 @@ class DevicePlanner(Planner):
 
     def __init__(self, num_experts: int, ep: GroupHandle, chunks: int, pad_to_capacity: bool,
                  transports: TransportSelector, device: torch.device, row_bytes: int,
-                 capacity_factor: float | None = None, once_per_rank: bool = False, topk: int = 0):
+                 capacity_factor: float | None = None, once_per_rank: bool = False, topk: int = 0,
+                 overflow_factor: float | None = None):
         super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes, once_per_rank, topk)
         self.capacity_factor = capacity_factor  # overlap.moe_expert_rank_capacity_factor; None: the worst case
+        # overlap.moe_overflow_capacity_factor: None, no overflow chunk (needs a bound; copies only, not wire rows)
+        self.overflow_factor = overflow_factor if capacity_factor is not None and not once_per_rank else None
         ranks, bounds = ep.size, self.chunk_experts
         self.rank_of_slot = (self.expert_of_slot // self.local).to(torch.int32)
         self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(self.local)  # (l, s)
@@ -160,17 +206,21 @@ class DevicePlanner(Planner):
 
     def bounds(self, padded: bool, rows: int) -> tuple[list[int], torch.Tensor, int]:
         """Each chunk's static receive rows (a list, and on the device) and the compact receive buffer's rows, the
-        last of them the spare row (see the module docstring); padded: exact, every rank's capacity per expert."""
+        last of them the spare row (see the module docstring); padded: exact, every rank's capacity per expert.
+        The list ends with the overflow chunk's rows where there is one (not the device tensor)."""
         key = (padded, rows)
         if key not in self._bounds:
             D = self.ep.size
             if padded:  # rows = E x capacity: every rank sends capacity rows to each of a chunk's experts
                 chunk_rows = [D * rows // self.num_experts * (b - a) for a, b in self.chunk_experts]
-                buffer_rows = sum(chunk_rows) + 1
+                bound_C, buffer_rows = torch.tensor(chunk_rows, device=self.device), sum(chunk_rows) + 1
             else:
                 chunk_rows = chunk_bounds_rows(D, rows, self.chunk_experts, self.capacity_factor)
-                buffer_rows = receive_rows(D, rows, self.chunk_experts, self.capacity_factor)
-            self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), buffer_rows)
+                bound_C = torch.tensor(chunk_rows, device=self.device)
+                buffer_rows = receive_rows(D, rows, self.chunk_experts, self.capacity_factor, self.overflow_factor)
+                if self.overflow_factor is not None:
+                    chunk_rows = chunk_rows + [overflow_chunk_rows(D, rows, self.overflow_factor)]
+            self._bounds[key] = (chunk_rows, bound_C, buffer_rows)
         return self._bounds[key]
 
     def wire_bounds(self, rows: int, tokens: int) -> tuple[list[int], torch.Tensor, int]:
@@ -194,10 +244,12 @@ class DevicePlanner(Planner):
                      else transport.gather_counts(routing.tokens_per_expert_E))
         row_of_copy_TK = self.permute_copies(routing)
         self._check_rows(counts_SE, R)
-        layout = self.layout(counts_SE, bound_C)
+        overflow = len(chunk_rows) > len(self.chunk_experts)
+        layout = self.layout(counts_SE, bound_C, chunk_rows[-1] if overflow else 0)
         overflow_rows = self._count_overflow(layout)
-        return DevicePlan(row_of_copy_TK, R, not padded, self.chunk_experts, self.routes(layout, R, W, chunk_rows),
-                          self.offsets(layout), transport, overflow_rows)
+        chunk_experts = self.chunk_experts + [(0, self.local)] * overflow
+        return DevicePlan(row_of_copy_TK, R, not padded, chunk_experts, self.routes(layout, R, W, chunk_rows),
+                          self.offsets(layout), transport, overflow_rows, overflow_chunk=overflow)
 
     def _wire_plan(self, routing: Routing) -> DevicePlan:
         """moe_dispatch_once_per_rank: the copies' layout bounds the grouped tensors, places every copy and counts
@@ -229,20 +281,23 @@ class DevicePlanner(Planner):
                             f"route at most {R} copies (the same micro-batch shape on every rank)")
 
     def _count_overflow(self, layout: _Layout) -> torch.Tensor:
+        """This rank's rows past their chunks' bounds, counted; those past the overflow chunk's too (where there is
+        one; else all of them) are the ones that make the step run again."""
         me = self.ep.rank
         overflow_rows = (layout.arrived_DC[me] - layout.kept_DC[me]).sum()
-        self.transports.count_overflow(overflow_rows)
+        unplaced = overflow_rows - layout.over_kept_D[me] if layout.overflow_bound else overflow_rows
+        self.transports.count_overflow(overflow_rows, unplaced)
         return overflow_rows
 
-    def layout(self, counts_SE: torch.Tensor, bound_C: torch.Tensor) -> _Layout:
+    def layout(self, counts_SE: torch.Tensor, bound_C: torch.Tensor, overflow_bound: int = 0) -> _Layout:
         """Every destination's compact layout: its chunks follow each other, each holding its rows up to its
-        bound."""
+        bound, then the overflow chunk (``overflow_bound`` rows; 0: none)."""
         rows_DLS, within_DLS, first_row_DC = self.grouped_blocks(counts_SE)
         end_DL = torch.cumsum(rows_DLS.sum(2), 1)
         arrived_DC = end_DL[:, self.last_expert] - first_row_DC
         kept_DC = torch.minimum(arrived_DC, bound_C)
         return _Layout(counts_SE, rows_DLS, within_DLS, end_DL, first_row_DC, arrived_DC, kept_DC,
-                       exclusive_cumsum(kept_DC), self.expert_of_slot, self.chunk_of_expert)
+                       exclusive_cumsum(kept_DC), self.expert_of_slot, self.chunk_of_expert, bound_C, overflow_bound)
 
     def routes(self, lay: _Layout, R: int, W: int, chunk_rows: list[int]) -> DeviceRoutes:
         E, me, L = self.num_experts, self.ep.rank, self.local
@@ -250,29 +305,67 @@ class DevicePlanner(Planner):
         # Dispatch: my block of slot b goes to rank d = its expert's owner, at that rank's block (l, me).
         dst_start_B = lay.recv_start_DLS[:, :, me].reshape(E)[self.expert_of_slot]
         dst_limit_B = lay.limit_DC[self.rank_of_slot.long(), self.chunk_of_slot]
-        dst_rank_R = torch.empty(R, dtype=torch.int32, device=device)
-        dst_row_R = torch.empty(R, dtype=torch.int64, device=device)
-        fill_routes(lay.send_start_SB[me], lay.blocks_SB[me], self.rank_of_slot, dst_start_B, dst_rank_R, dst_row_R,
-                    dst_limit_B, W - 1)
+        block_B = (lay.send_start_SB[me], lay.blocks_SB[me], self.rank_of_slot, dst_start_B, dst_limit_B)
         # Combine: my received block (l, s) goes back to source s, where its block of slot (me, l) starts; only
         # the rows that fit came.
         back_start_LS = lay.send_start_SB[:, self.slot_of_expert[me * L:(me + 1) * L]].T
         limit_L1 = lay.limit_DC[me, self.chunk_of_expert, None]
         recv_start_LS = torch.minimum(lay.recv_start_DLS[me], limit_L1)  # blocks past the limit: empty, in order
         fitting_LS = torch.minimum(lay.recv_start_DLS[me] + lay.rows_DLS[me], limit_L1) - recv_start_LS
-        back_rank_W = torch.empty(W, dtype=torch.int32, device=device)
-        back_row_W = torch.empty(W, dtype=torch.int64, device=device)
-        fill_routes(recv_start_LS.reshape(-1), fitting_LS.reshape(-1), self.source_of_block,
-                    back_start_LS.reshape(-1), back_rank_W, back_row_W)
-        # Chunks: contiguous runs of my slots on the send side, of my local experts on the receive side.
+        back_LS = (recv_start_LS.reshape(-1), fitting_LS.reshape(-1), self.source_of_block, back_start_LS.reshape(-1))
         send_start_C = lay.send_start_SB[me][self.first_slot]
         send_rows_C = torch.cumsum(lay.blocks_SB[me], 0)[self.last_slot] - send_start_C
-        return DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, lay.start_DC[me], lay.kept_DC[me],
+        recv_start_C, recv_rows_C = lay.start_DC[me], lay.kept_DC[me]
+        if lay.overflow_bound:
+            block_B, back_LS = self._overflow_segments(lay, block_B, back_LS)
+            # the overflow chunk: nothing more to send (its rows went with their chunks' rows), its rows after theirs
+            send_start_C = torch.cat((send_start_C, (send_start_C[-1:] + send_rows_C[-1:])))
+            send_rows_C = torch.cat((send_rows_C, send_rows_C.new_zeros(1)))
+            recv_start_C = torch.cat((recv_start_C, lay.over_start_D[me:me + 1]))
+            recv_rows_C = torch.cat((recv_rows_C, lay.over_kept_D[me:me + 1]))
+        dst_rank_R = torch.empty(R, dtype=torch.int32, device=device)
+        dst_row_R = torch.empty(R, dtype=torch.int64, device=device)
+        fill_routes(*block_B[:4], dst_rank_R, dst_row_R, block_B[4], W - 1)
+        back_rank_W = torch.empty(W, dtype=torch.int32, device=device)
+        back_row_W = torch.empty(W, dtype=torch.int64, device=device)
+        fill_routes(*back_LS, back_rank_W, back_row_W)
+        # Chunks: contiguous runs of my slots on the send side, of my local experts on the receive side.
+        return DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, recv_start_C, recv_rows_C,
                             back_rank_W, back_row_W, R, W, chunk_rows)
 
+    def _overflow_segments(self, lay: _Layout, block_B: tuple, back_LS: tuple) -> tuple[tuple, tuple]:
+        """The routes' block tables with the overflow chunk: each of my send blocks cut in two, its rows within the
+        bound (to their chunk, as without) and the rest (to the destination's overflow chunk, at the block's place
+        in its (local expert, source) order; past its bound: the spare row); and my overflow chunk's received blocks
+        after the chunks' ones, back to where their rows sit in their source's block (after the rows that fit)."""
+        E, me = self.num_experts, self.ep.rank
+        send_start_B, rows_B, rank_B, dst_start_B, dst_limit_B = block_B
+        dst_rank_B = rank_B.long()
+        fit_B = lay.fit_DLS[:, :, me].reshape(E)[self.expert_of_slot]
+        over_start_B = lay.over_start_D[dst_rank_B] + lay.over_within_DLS[:, :, me].reshape(E)[self.expert_of_slot]
+
+        def interleave(first: torch.Tensor, then: torch.Tensor) -> torch.Tensor:  # each block's two runs in order
+            return torch.stack((first, then), 1).reshape(-1)
+
+        block_B = (interleave(send_start_B, send_start_B + fit_B), interleave(fit_B, rows_B - fit_B),
+                   interleave(rank_B, rank_B), interleave(dst_start_B, over_start_B),
+                   interleave(dst_limit_B, lay.over_limit_D[dst_rank_B]))
+        recv_start_LS, fitting_LS, source_LS, back_start_LS = back_LS
+        limit = lay.over_limit_D[me]
+        over_start_LS = torch.minimum(lay.over_start_D[me] + lay.over_within_DLS[me].reshape(-1), limit)
+        over_LS = torch.minimum(over_start_LS + (lay.rows_DLS[me] - lay.fit_DLS[me]).reshape(-1), limit) \
+            - over_start_LS
+        back_LS = (torch.cat((recv_start_LS, over_start_LS)), torch.cat((fitting_LS, over_LS)),
+                   source_LS.repeat(2), torch.cat((back_start_LS, back_start_LS + fitting_LS)))
+        return block_B, back_LS
+
     def offsets(self, lay: _Layout) -> list[torch.Tensor]:
-        """Each chunk's grouped-GEMM end offsets, stopping at its bound."""
+        """Each chunk's grouped-GEMM end offsets, stopping at its bound (the overflow chunk's last)."""
         me = self.ep.rank
         offsets_L = torch.minimum(lay.end_DL[me] - lay.first_row_DC[me, self.chunk_of_expert],
                                   lay.kept_DC[me, self.chunk_of_expert]).to(torch.int32)
-        return [offsets_L[start:stop] for start, stop in self.chunk_experts]
+        offsets = [offsets_L[start:stop] for start, stop in self.chunk_experts]
+        if lay.overflow_bound:
+            over_L = (lay.rows_DLS[me] - lay.fit_DLS[me]).sum(1)
+            offsets.append(torch.minimum(torch.cumsum(over_L, 0), lay.over_kept_D[me]).to(torch.int32))
+        return offsets

@@ -55,6 +55,7 @@ from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.streams import Event, gemm_sm_carveout
 from moe_overlap.kernels.permute import permute, permute_backward, unpermute, unpermute_backward
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
+from moe_overlap.layers.wgrad import main_grad_of
 from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.fp8 import Fp8, Fp8Rows
@@ -127,7 +128,7 @@ class PipelineState:
     def carveout(self):
         """The carve-out around a GEMM: whenever rows move (and are made ready) beside it, i.e. with more than
         one chunk or token slice."""
-        moving = len(self.plan.chunk_experts) > 1 or self.after_gemm is not None
+        moving = len(self.plan.chunk_experts) - self.plan.overflow_chunk > 1 or self.after_gemm is not None
         return gemm_sm_carveout(self.sms) if moving and self.sms else contextlib.nullcontext()
 
 
@@ -331,13 +332,12 @@ class Experts(torch.autograd.Function):
         _run_chunks(state, grad_dispatch, grad_combine, compute,
                     last_alone=not (deferred or state.delay_wgrad or state.paired), after_first=state.after_dgrad)
         if deferred:
-            grad_w13, grad_w2 = weight_grads(_deferred_weight_grads, (w13_EHF2, w2_EFH, jobs, plan.chunk_experts),
-                                             ctx.weights)
+            grad_w13, grad_w2 = weight_grads(_deferred_weight_grads, (w13_EHF2, w2_EFH, jobs, plan), ctx.weights)
         else:
             for chunk in range(len(jobs)):
                 if state.delay_wgrad and jobs[chunk] is not None:
                     wgrad(chunk)
-            grad_w13, grad_w2 = _weight_grads(w13_EHF2, w2_EFH, wgrads, jobs, plan.chunk_experts)
+            grad_w13, grad_w2 = _weight_grads(w13_EHF2, w2_EFH, wgrads, jobs, plan)
         grad_dispatch.finish()
         state.saved = []
         state.grad_combine = grad_combine
@@ -386,17 +386,26 @@ class Combine(torch.autograd.Function):
 
 
 def _weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, wgrads: list, jobs: list,
-                  chunk_experts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                  plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Every chunk's weight gradients as autograd takes them (see weight_grad_for_autograd); a chunk no rows
-    reached contributes zeros."""
-    grads = [(torch.zeros_like(w13_EHF2[first:last]), torch.zeros_like(w2_EFH[first:last])) if job is None
-             else grad for grad, job, (first, last) in zip(wgrads, jobs, chunk_experts)]
-    return (weight_grad_for_autograd(w13_EHF2, [g for g, _ in grads]),
-            weight_grad_for_autograd(w2_EFH, [g for _, g in grads]))
+    reached contributes zeros. The overflow chunk's (all the local experts) add to the chunks' runs."""
+    def grads(chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first, last = plan.chunk_experts[chunk]
+        if jobs[chunk] is None:
+            return torch.zeros_like(w13_EHF2[first:last]), torch.zeros_like(w2_EFH[first:last])
+        return wgrads[chunk]
+
+    runs = [grads(chunk) for chunk in range(len(jobs) - plan.overflow_chunk)]
+    grad_w13 = weight_grad_for_autograd(w13_EHF2, [g for g, _ in runs])
+    grad_w2 = weight_grad_for_autograd(w2_EFH, [g for _, g in runs])
+    if plan.overflow_chunk and jobs[-1] is not None and main_grad_of(w13_EHF2) is None:  # else in main_grad too
+        over_w13, over_w2 = wgrads[-1]
+        grad_w13, grad_w2 = grad_w13 + over_w13, grad_w2 + over_w2
+    return grad_w13, grad_w2
 
 
 def _deferred_weight_grads(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, jobs: list,
-                           chunk_experts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                           plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """A zero-bubble W: every chunk's weight gradients from the inputs its I kept."""
     wgrads = [None if job is None else experts_wgrad(*job) for job in jobs]
-    return _weight_grads(w13_EHF2, w2_EFH, wgrads, jobs, chunk_experts)
+    return _weight_grads(w13_EHF2, w2_EFH, wgrads, jobs, plan)

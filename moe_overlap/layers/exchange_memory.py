@@ -3,7 +3,8 @@ sizes from the functions its planner allocates with (device_plan.py: ``chunk_bou
 ``region_rows``; the transport's ``REGIONS``), for a bound (``overlap.moe_expert_rank_capacity_factor``) or the
 worst case (null). Per layer call (one micro-batch): each chunk's receive tensor, the compact receive buffer they
 are copied out of (inside a symmetric region), and the stash the backward keeps (each chunk's tensor and its fc1
-output); per model: the transport's symmetric regions, which every MoE layer shares. A host-planned exchange sizes
+output; with ``overlap.moe_overflow_capacity_factor`` the overflow chunk is one more such tensor); per model: the
+transport's symmetric regions, which every MoE layer shares. A host-planned exchange sizes
 its buffers exactly per call: no bound to print. With ``overlap.moe_dispatch_once_per_rank`` the regions hold wire
 rows (a token once per chunk and rank, its copies' grouped rows and probs beside it: layers/wire_rows.py).
 """
@@ -17,7 +18,8 @@ from moe_overlap.config import Config
 from moe_overlap.config.defaults import pairs_on_streams
 from moe_overlap.distributed.a2a import REGIONS
 from moe_overlap.exchange_rules import choose_exchange
-from moe_overlap.layers.device_plan import chunk_bounds_rows, receive_rows, region_rows, wire_chunk_rows
+from moe_overlap.layers.device_plan import (chunk_bounds_rows, overflow_chunk_rows, receive_rows, region_rows,
+                                            wire_chunk_rows)
 from moe_overlap.layers.exchange_plan import chunk_bounds
 from moe_overlap.layers.paged_stash import aligned_bytes, page_rows_for, stash_pages
 from moe_overlap.layers.wire_rows import copies_per_wire_row, wire_row_bytes
@@ -30,7 +32,7 @@ class ExchangeMemory:
     EP ranks; ``factor`` None: the worst case."""
 
     factor: float | None
-    chunk_rows: list[int]  # each chunk's receive tensor (and stashed rows)
+    chunk_rows: list[int]  # each chunk's receive tensor (and stashed rows), the overflow chunk's last if any
     receive_rows: int  # the compact receive buffer, its spare row included
     region_bytes: int  # each of the REGIONS symmetric regions
     row_bytes: int  # a row that moves: hidden x element size
@@ -48,14 +50,19 @@ class ExchangeMemory:
 
 
 def exchange_memory(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], factor: float | None,
-                    hidden: int, expert_ffn: int, element_bytes: int, outputs: bool = False) -> ExchangeMemory:
+                    hidden: int, expert_ffn: int, element_bytes: int, outputs: bool = False,
+                    overflow_factor: float | None = None) -> ExchangeMemory:
     """The sizes the device planner allocates for a layer call (dropless: ``rows`` = T x k permuted rows);
-    ``outputs``: the stash keeps the expert outputs too (each token once per rank)."""
+    ``outputs``: the stash keeps the expert outputs too (each token once per rank); ``overflow_factor``: the
+    overflow chunk's (with a bound)."""
+    overflow_factor = overflow_factor if factor is not None else None
     row_bytes = hidden * element_bytes
-    received = receive_rows(ranks, rows, chunk_experts, factor)
+    received = receive_rows(ranks, rows, chunk_experts, factor, overflow_factor)
     stash_row = (hidden * (2 if outputs else 1) + 2 * expert_ffn) * element_bytes
-    return ExchangeMemory(factor, chunk_bounds_rows(ranks, rows, chunk_experts, factor), received,
-                          region_rows(received, rows) * row_bytes, row_bytes, stash_row)
+    chunk_rows = chunk_bounds_rows(ranks, rows, chunk_experts, factor)
+    if overflow_factor is not None:
+        chunk_rows.append(overflow_chunk_rows(ranks, rows, overflow_factor))
+    return ExchangeMemory(factor, chunk_rows, received, region_rows(received, rows) * row_bytes, row_bytes, stash_row)
 
 
 def wire_region_bytes(ranks: int, tokens: int, topk: int, chunk_experts: list[tuple[int, int]],
@@ -87,14 +94,14 @@ def rows_per_call(cfg: Config) -> int:
 def paged_stash_size(cfg: Config, calls: int) -> tuple[int, int, int, int]:
     """``overlap.moe_paged_stash_factor``'s pool for ``calls`` MoE layer calls in flight on a rank, as
     (rows, stashes, row bytes, page rows) for layers/paged_stash.PagedStash: factor x T x k rows a call; a stash per
-    chunk and token slice; a row of the chunk's rows, their fc1 output and (each token once per rank) their outputs,
-    in the training precision (FP8 rows are narrower)."""
+    chunk (the overflow chunk too) and token slice; a row of the chunk's rows, their fc1 output and (each token once
+    per rank) their outputs, in the training precision (FP8 rows are narrower)."""
     m, o = cfg.model, cfg.overlap
     chunks = len(chunk_bounds(m.num_moe_experts // cfg.parallel.expert_model_parallel_size, o.moe_pipeline_chunks))
     element = DTYPES[cfg.train.precision].itemsize
     widths = [m.hidden_size, 2 * m.expert_ffn_hidden_size] + ([m.hidden_size] if o.moe_dispatch_once_per_rank else [])
     rows = math.ceil(o.moe_paged_stash_factor * rows_per_call(cfg) * calls)
-    stashes = calls * chunks * o.moe_token_slices
+    stashes = calls * (chunks + (o.moe_overflow_capacity_factor is not None)) * o.moe_token_slices  # overflow's
     return (rows, stashes, sum(aligned_bytes(w * element) for w in widths),
             page_rows_for(rows_per_call(cfg) // (chunks * o.moe_token_slices)))
 
@@ -124,7 +131,8 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
     factors = [None] + ([o.moe_expert_rank_capacity_factor] if o.moe_expert_rank_capacity_factor else [])
     outputs = bool(o.moe_dispatch_once_per_rank)
     sizes = [exchange_memory(ep, rows, chunk_experts, factor, m.hidden_size, m.expert_ffn_hidden_size,
-                             DTYPES[cfg.train.precision].itemsize, outputs) for factor in factors]
+                             DTYPES[cfg.train.precision].itemsize, outputs, o.moe_overflow_capacity_factor)
+             for factor in factors]
     layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     chunks = len(chunk_experts)
     lines = [f"MoE exchange per rank (device-planned, EP {ep}, {chunks} chunk{'s' * (chunks > 1)}): per layer call "
@@ -136,6 +144,10 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
         lines.append(f"  {name:<27}{f'{sum(size.chunk_rows):,} rows {_size(size.chunk_bytes)}':<26}"
                      f"{f'{size.receive_rows:,} rows':<17}{_size(size.stash_bytes):<21}"
                      f"{REGIONS} x {_size(size.region_bytes)}")
+    if o.moe_overflow_capacity_factor is not None and o.moe_expert_rank_capacity_factor is not None:
+        lines.append(f"  overlap.moe_overflow_capacity_factor={o.moe_overflow_capacity_factor:g}: the "
+                     f"{o.moe_expert_rank_capacity_factor:g} row holds the overflow chunk's "
+                     f"{sizes[-1].chunk_rows[-1]:,} rows too")
     if o.moe_dispatch_once_per_rank:  # the chunk tensors and the stash stay the copies'
         regions = [_size(wire_region_bytes(ep, rows // m.moe_router_topk, m.moe_router_topk, chunk_experts, factor,
                                            m.hidden_size, DTYPES[cfg.train.precision].itemsize)) for factor in factors]

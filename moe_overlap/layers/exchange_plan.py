@@ -56,6 +56,7 @@ class Plan(Protocol):
     chunk_experts: list[tuple[int, int]]  # local experts of each chunk
     transport: Transport | None  # what moves the rows (None: the serial reference's process group)
     wire: WireRows | None  # moe_dispatch_once_per_rank: the token side's wire rows (the routes move those)
+    overflow_chunk: bool  # the last chunk is a bounded device plan's overflow chunk (all local experts)
 
     @property
     def num_rows(self) -> int: ...  # rows of the permuted buffer (wire: of the wire send buffer)

@@ -57,6 +57,8 @@ class HostPlan:
     host sync), so work that does not need it, the permutation, is queued first and runs meanwhile.
     """
 
+    overflow_chunk = False  # exact sizes: nothing overflows
+
     def __init__(self, row_of_copy_TK: torch.Tensor, all_rows_mapped: bool, chunk_experts: list[tuple[int, int]],
                  transport: Transport | None, exchange: HostExchange | Callable[[], HostExchange],
                  wire: WireRows | None = None):

@@ -69,6 +69,7 @@ class MoELayer(nn.Module):
         self.pipelined, self.chunks = overlap.moe_pipeline, overlap.moe_pipeline_chunks
         self.token_slices = overlap.moe_token_slices  # the micro-batch's tokens in slices, interleaved (_sliced)
         self.capacity_factor = overlap.moe_expert_rank_capacity_factor  # the device-planned receive bound
+        self.overflow_factor = overlap.moe_overflow_capacity_factor  # and its overflow chunk's
         self.once_per_rank = overlap.moe_dispatch_once_per_rank  # wire rows: a token once per (chunk, rank)
         if self.pipelined and self.once_per_rank == "auto":
             raise ValueError("overlap.moe_dispatch_once_per_rank='auto' is resolved when the config is validated "
@@ -277,7 +278,8 @@ class MoELayer(nn.Module):
                        x_TH.shape[1] * x_TH.element_size())
             wire = dict(once_per_rank=self.once_per_rank and transports is not None, topk=self.topk)
             self._planners[key] = (HostPlanner(*setting, self.etp, self.expert_mp, **wire) if planning == "host"
-                                   else DevicePlanner(*setting, self.capacity_factor, **wire))
+                                   else DevicePlanner(*setting, self.capacity_factor, **wire,
+                                                      overflow_factor=self.overflow_factor))
         return self._planners[key]
 
 

@@ -150,10 +150,10 @@ class MixtralModel(nn.Module):
         self.cp_comm = CPComm(mesh.cp, overlap.cp_comm_overlap)
         transports = None
         if overlap.moe_pipeline and cfg.num_moe_experts and (mesh.ep.size > 1 or mesh.etp.size > 1):
+            chunks = overlap.moe_pipeline_chunks + (overlap.moe_overflow_capacity_factor is not None)  # overflow's
             transports = TransportSelector(overlap.moe_planning, overlap.moe_transport, mesh.ep.group,  # every MoE
                                            mesh.ep.ranks, torch.device(device or "cpu"),  # layer shares one
-                                           overlap.moe_pipeline_chunks, timeout_s, overlap.moe_compute_only,
-                                           mesh.etp.size)
+                                           chunks, timeout_s, overlap.moe_compute_only, mesh.etp.size)
         # With tied weights the last stage keeps its own copy of the table for the output layer (Megatron's).
         self.embedding = (Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
                           if pre_process or (post_process and tied) else None)

@@ -159,7 +159,7 @@ class Trainer:
         update (tests; again for a step run again)."""
         attempt = self.launch_step(inspect_grads)
         metrics = self.finish_step(attempt)
-        if metrics.get("moe_overflow_rows"):
+        if metrics.get("moe_rerun_rows"):
             metrics, _ = self._run_again(attempt, metrics, None,
                                          lambda: self.finish_step(self.launch_step(inspect_grads)))
         return metrics
@@ -184,12 +184,15 @@ class Trainer:
         finally:
             self.model.recompute = recompute
             self.pipeline.one_stream = False
-        again.update(moe_overflow_rows=metrics["moe_overflow_rows"], moe_overflow_reruns=1)
+        again.update(moe_overflow_rows=metrics["moe_overflow_rows"], moe_rerun_rows=metrics["moe_rerun_rows"],
+                     moe_overflow_reruns=1)
         if self.is_logger:
-            log.info("step %d: %d MoE rows overflowed the device-planned exchange's bound "
-                     "(overlap.moe_expert_rank_capacity_factor=%s, moe_paged_stash_factor=%s); the step ran again "
-                     "planned on the host", metrics["step"], metrics["moe_overflow_rows"],
-                     self.cfg.overlap.moe_expert_rank_capacity_factor, self.cfg.overlap.moe_paged_stash_factor)
+            o = self.cfg.overlap
+            log.info("step %d: %d MoE rows overflowed the device-planned exchange's bound, %d of them past every bound "
+                     "(overlap.moe_expert_rank_capacity_factor=%s, moe_overflow_capacity_factor=%s, "
+                     "moe_paged_stash_factor=%s); the step ran again planned on the host", metrics["step"],
+                     metrics["moe_overflow_rows"], metrics["moe_rerun_rows"], o.moe_expert_rank_capacity_factor,
+                     o.moe_overflow_capacity_factor, o.moe_paged_stash_factor)
         return again, None if queued is None else self.launch_step()
 
     def _paged_stash(self, stages: PipelineStages) -> PagedStash | None:
@@ -240,7 +243,7 @@ class Trainer:
             world = self._world_stats()
             skip = None
             if self._bounded:  # the same on every rank: reduced over the world
-                skip = self._rerun_pending | (world[0] > 0)
+                skip = self._rerun_pending | (world[1] > 0)
                 self._rerun_pending.copy_(skip)
             grad_norm, applied = self.optimizer.step(lr, self.step, skip)
         loads = self._step_expert_load()
@@ -264,9 +267,9 @@ class Trainer:
         nonfinite = values[4:4 + len(self.optimizer.norm_names)]
         experts, layers = self.cfg.model.num_moe_experts or 0, len(pending.moe_layers)  # none: a dense model
         loads = values[4 + len(nonfinite):4 + len(nonfinite) + layers * experts]
-        micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-4]  # (mean, max) per layer, or none
-        overflow_rows, peak_bytes, reserved_bytes, exchange_bytes = values[-4:]
-        if not applied and not overflow_rows:  # an overflowed step runs again (train_step, fit)
+        micro_batch_imbalance = values[4 + len(nonfinite) + layers * experts:-5]  # (mean, max) per layer, or none
+        overflow_rows, unplaced_rows, peak_bytes, reserved_bytes, exchange_bytes = values[-5:]
+        if not applied and not unplaced_rows:  # an overflowed step runs again (train_step, fit)
             check_nonfinite(grad_norm, pending.step - 1, self.cfg.train,
                             [name for name, bad in zip(self.optimizer.norm_names, nonfinite) if bad])
         seconds = pending.start.elapsed_ms(pending.end) / 1e3
@@ -286,8 +289,9 @@ class Trainer:
             metrics["symmetric_memory_gib"] = symmetric_memory_bytes() / 2**30  # this rank's
         if self._counted:  # the pipelined exchange's transports count what they send
             metrics["moe_exchange_gib"] = exchange_bytes / 2**30
-        if self._bounded:
-            metrics.update(moe_overflow_rows=int(overflow_rows), moe_overflow_reruns=0)
+        if self._bounded:  # moe_rerun_rows: rows no bound took (the step runs again, moe_overflow_reruns then 1)
+            metrics.update(moe_overflow_rows=int(overflow_rows), moe_rerun_rows=int(unplaced_rows),
+                           moe_overflow_reruns=0)
         if pending.moe_layers:
             metrics["tokens_per_expert"] = {str(layer): [int(c) for c in loads[i * experts:(i + 1) * experts]]
                                             for i, layer in enumerate(pending.moe_layers)}
@@ -299,7 +303,7 @@ class Trainer:
                 metrics["ep_imbalance_micro_batch"] = {
                     str(layer): {"mean": micro_batch_imbalance[2 * i], "max": micro_batch_imbalance[2 * i + 1]}
                     for i, layer in enumerate(pending.moe_layers)}
-            if not overflow_rows:  # an overflowed step counts once, when it runs again
+            if not unplaced_rows:  # a step run again counts once, when it runs again
                 metrics["moe_dead_experts"] = self.dead_experts.update(pending.step, metrics["tokens_per_expert"])
         return metrics
 
@@ -334,24 +338,25 @@ class Trainer:
         }
 
     def _world_stats(self) -> torch.Tensor:
-        """(rows past the device-planned exchange's bound summed over the ranks and MoE layers of this step, the most
-        memory any rank holds: torch's allocator peak plus symmetric memory, which it does not see, then its reserved
-        peak plus symmetric memory, and the most bytes any rank's pipelined MoE exchange sent to other ranks), fp64
-        on the device: one small all-gather over the world where any needs it, no host sync."""
+        """(rows past the device-planned exchange's chunk bounds summed over the ranks and MoE layers of this step,
+        those of them that no overflow chunk took (the step runs again), the most memory any rank holds: torch's
+        allocator peak plus symmetric memory, which it does not see, then its reserved peak plus symmetric memory,
+        and the most bytes any rank's pipelined MoE exchange sent to other ranks), fp64 on the device: one small
+        all-gather over the world where any needs it, no host sync."""
         zero = torch.zeros((), dtype=torch.int64, device=self.device)
         exchange = self._exchange
-        overflow, sent = (zero, zero) if exchange is None else exchange.counters()
+        overflow, unplaced, sent = (zero, zero, zero) if exchange is None else exchange.counters()
         peaks = [0.0, 0.0]
         if self.device.type == "cuda":
             symmetric = symmetric_memory_bytes()
             peaks = [float(torch.cuda.max_memory_allocated(self.device) + symmetric),
                      float(torch.cuda.max_memory_reserved(self.device) + symmetric)]
-        mine = torch.cat([overflow.view(1).double(), to_device_async(torch.tensor(peaks, dtype=torch.float64),
-                                                                     self.device), sent.view(1).double()])
+        peaks_on_device = to_device_async(torch.tensor(peaks, dtype=torch.float64), self.device)
+        mine = torch.cat([overflow.view(1).double(), unplaced.view(1).double(), peaks_on_device, sent.view(1).double()])
         if self.mesh.world_size == 1 or not (self._bounded or self.device.type == "cuda" or self._counted):
             return mine
-        every = all_gather_into(mine.new_empty(self.mesh.world_size * 4), mine, dist.group.WORLD).view(-1, 4)
-        return torch.cat([every[:, 0].sum().view(1), every[:, 1:].amax(dim=0)])
+        every = all_gather_into(mine.new_empty(self.mesh.world_size * 5), mine, dist.group.WORLD).view(-1, 5)
+        return torch.cat([every[:, :2].sum(0), every[:, 2:].amax(dim=0)])
 
     def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
         all_reduce_(values, self.mesh.dp.group)
@@ -483,7 +488,7 @@ class Trainer:
                     first = False
                 if pending is not None:
                     metrics = self._finish_or_save(pending)
-                    if metrics.get("moe_overflow_rows"):
+                    if metrics.get("moe_rerun_rows"):
                         phase(f"train step {metrics['step']} again, planned on the host")
                         metrics, launched = self._run_again(pending, metrics, launched,
                                                             lambda: self._finish_or_save(self.launch_step()))
