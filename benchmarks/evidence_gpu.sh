@@ -56,6 +56,10 @@
 #   bash benchmarks/evidence_gpu.sh blockwise_dense1 OUT # one GPU: cuBLAS's blockwise GEMM for the dense linears,
 #                                                  #   its GPU tests, then both bench models with it and without
 #   bash benchmarks/evidence_gpu.sh blockwise_dense2 OUT # its GPU tests again (999 rows now on the Triton kernel)
+#   bash benchmarks/evidence_gpu.sh overflow_chunk1 OUT # one GPU: the overflow chunk's cost, one layer (fine, Mixtral-
+#                                                  #   like), skewed and balanced; then the one-GPU suite
+#   bash benchmarks/evidence_gpu.sh overflow_chunk2 OUT # the same with the last chunk's transfer back the drain,
+#                                                  #   the fine layer's kernels profiled
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2575,6 +2579,32 @@ PY
       --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --memory-peak \
       --json $res/memory_peak_fine_8l_top40_1x$gpu.json 2>&1 | tee "$out/memory_peak2.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  overflow_chunk1)  # issue 37: what an overflowing MoE layer call costs with the in-graph overflow chunk, against
+    # the same call unbounded and the re-run it replaces (one layer at EP=1, the pipeline over the one-rank group,
+    # graphed; benchmarks/overflow_chunk.py): the fine then the Mixtral-like layer with 4 chunks at factor 1.0 and an
+    # overflow chunk of 1.0 x T x k, skewed and forced balanced; then the one-GPU suite with the time left
+    export CUDA_VISIBLE_DEVICES=0
+    for shape in fine mixtral; do
+      name=overflow_chunk_${shape}_chunks4_1x$gpu
+      timeout -k 10 170 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape $shape \
+        --chunks 4 --factor 1.0 --overflow 1.0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+        | grep -E "^\{|Error|error" | cut -c1-600
+      pack
+    done
+    suite 1x 0 "$(( $(left) - 10 ))"
+    ;;
+  overflow_chunk2)  # overflow_chunk1 found the overflow chunk 4.2% / 2.5% slower where nothing overflowed (fine /
+    # Mixtral-like): now the last chunk's transfer back stays the drain (full width) beside a mostly empty overflow
+    # chunk. The same two runs, the fine one with its kernels profiled (3 calls of each graphed variant)
+    export CUDA_VISIBLE_DEVICES=0
+    for shape in fine mixtral; do
+      name=overflow_chunk_${shape}_chunks4_drain_1x$gpu
+      timeout -k 10 200 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape $shape \
+        --chunks 4 --factor 1.0 --overflow 1.0 $([ $shape = fine ] && echo --profile 3) --json $res/$name.json 2>&1 \
+        | tee "$out/$name.log" | grep -E "^\{|Error|error" | cut -c1-600
+      pack
+    done
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

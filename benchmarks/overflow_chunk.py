@@ -17,7 +17,9 @@ balanced share exactly (model.moe_router_force_load_balancing: nothing overflows
 Each row gives the ratios ``overflow_chunk / unbounded`` and, for skew, the re-run's
 ``(bounded + host + host_fwd) / unbounded``; the rows past the bounds (``overflow_rows``, ``rerun_rows``) of one
 call; and, for skew, how far the overflow chunk's output and input gradient are from the unbounded call's (bf16: the
-same rows meet the same weights; only the grouped GEMMs' row groups differ).
+same rows meet the same weights; only the grouped GEMMs' row groups differ). ``--profile N``: each row also lists
+the GPU kernels of N calls of the unbounded, overflow_chunk and bounded variants (ms per call, from torch.profiler),
+to see what the overflow chunk adds.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skew", type=float, default=0.05, help="router weight added to the first chunk's experts")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, help="calls per variant under torch.profiler (0: none)")
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -137,11 +140,30 @@ def run_routing(bench: Bench, args, routing: str) -> dict:
            "overflow_factor": args.overflow, "ms": {k: round(v, 4) for k, v in ms.items()}, "rows": counts,
            "overflow_chunk_vs_unbounded": ms["overflow_chunk"] / ms["unbounded"],
            "rerun_vs_unbounded": (ms["bounded"] + ms["host"] + ms["host_fwd"]) / ms["unbounded"]}
+    if args.profile and device.type == "cuda":
+        row["kernels_ms"] = {name: kernel_times(variants[name], args.profile)
+                             for name in ("unbounded", "overflow_chunk", "bounded")}
     if routing == "skew":
         (want, want_grad), (got, got_grad) = call(layers["unbounded"])(), call(layers["overflow_chunk"])()
         row["rel_err_out"] = float((got - want).detach().float().norm() / want.detach().float().norm())
         row["rel_err_grad_x"] = float((got_grad - want_grad).float().norm() / want_grad.float().norm())
     return row
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """The GPU kernels of ``calls`` calls of ``fn`` (torch.profiler): ms per call by kernel name, and their sum."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {e.key[:100]: round(e.device_time_total / calls / 1000, 4) for e in prof.key_averages()
+               if e.device_time_total > 0}
+    return {"total": round(sum(kernels.values()), 4), **dict(sorted(kernels.items(), key=lambda k: -k[1]))}
 
 
 if __name__ == "__main__":

@@ -230,7 +230,9 @@ def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_al
     """The schedule both directions share: ``compute(chunk, rows)`` runs a chunk's GEMMs on its rows and returns
     the rows to send back, and work for after them (or None); transfers beside GEMM i are issued after it (see
     the module docstring). ``last_alone``: no GEMM runs beside the last transfer back (the pipeline's drain).
-    Token slices: ``after_first`` is launched after the first GEMM; the last transfer back goes to ``back_to``."""
+    Token slices: ``after_first`` is launched after the first GEMM; the last transfer back goes to ``back_to``.
+    The overflow chunk (last, and mostly empty) leaves the last chunk's transfer back the pipeline's drain: sent as
+    its own is (at full width where that is alone), not narrowed for GEMMs that may have no rows."""
     chunks = len(state.plan.chunk_experts)
     waiting = None  # the previous chunk's rows to send back, and the event after the GEMM that made them
     for chunk in range(chunks):
@@ -241,7 +243,8 @@ def _run_chunks(state: PipelineState, to_experts, from_experts, compute, last_al
         if then is not None:
             then()
         if waiting is not None:
-            from_experts.send(chunk - 1, *waiting)
+            drain = state.plan.overflow_chunk and chunk == chunks - 1
+            from_experts.send(chunk - 1, *waiting, alone=drain and last_alone)
         waiting = back_RH, made
         if chunk + 1 < chunks:
             to_experts.send(chunk + 1)
