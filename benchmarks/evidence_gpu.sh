@@ -60,6 +60,8 @@
 #                                                  #   like), skewed and balanced; then the one-GPU suite
 #   bash benchmarks/evidence_gpu.sh overflow_chunk2 OUT # the same with the last chunk's transfer back the drain,
 #                                                  #   the fine layer's kernels profiled
+#   bash benchmarks/evidence_gpu.sh overflow_chunk3 OUT # the same with its wgrad programs walking the experts, then
+#                                                  #   the one-GPU suite
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2605,6 +2607,20 @@ PY
         | tee "$out/$name.log" | grep -E "^\{|Error|error" | cut -c1-600
       pack
     done
+    ;;
+  overflow_chunk3)  # overflow_chunk2's profile: an empty overflow chunk's weight gradient cost 0.63 ms (86K programs of
+    # the grouped wgrad kernel, one per expert and tile, for experts without rows); now its programs walk the experts
+    # (EXPERT_LOOP). The wgrad GPU tests, the same two runs (fine profiled), then the one-GPU suite with the time left
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 60 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_wgrad.py 2>&1 | tail -n 3
+    for shape in fine mixtral; do
+      name=overflow_chunk_${shape}_chunks4_expert_loop_1x$gpu
+      timeout -k 10 200 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape $shape \
+        --chunks 4 --factor 1.0 --overflow 1.0 $([ $shape = fine ] && echo --profile 3) --json $res/$name.json 2>&1 \
+        | tee "$out/$name.log" | grep -E "^\{|Error|error" | cut -c1-600
+      pack
+    done
+    suite 1x 0 "$(( $(left) - 10 ))"
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

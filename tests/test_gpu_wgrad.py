@@ -21,13 +21,14 @@ ROWS = [[700, 0, 1000, 13, 555], [1, 0, 333, 1024, 64], [9, 0, 0, 500, 3], [128,
 M, N = 1000, 744  # neither a multiple of the 128 x 128 tile
 
 
+@pytest.mark.parametrize("expert_loop", [False, True], ids=["program_per_expert", "expert_loop"])
 @pytest.mark.parametrize("segments", [1, 2, 4])
-def test_grouped_wgrad_kernel_against_fp64(segments):
+def test_grouped_wgrad_kernel_against_fp64(segments, expert_loop):
     parts = [(rows_of(M, 2 * s, rows=ROWS[s]), rows_of(N, 2 * s + 1, rows=ROWS[s]), offsets_of(ROWS[s]))
              for s in range(segments)]
     start = torch.randn(len(ROWS[0]), M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
     got, want = start.clone(), start.clone().double()
-    grouped_wgrad_accumulate_triton(parts, got)
+    grouped_wgrad_accumulate_triton(parts, got, expert_loop=expert_loop)
     for a, b, offsets in parts:
         ends = [0] + offsets.tolist()
         want += torch.stack([a[s:e].double().t() @ b[s:e].double() for s, e in zip(ends, ends[1:])])

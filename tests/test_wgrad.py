@@ -22,8 +22,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("expert_loop", [False, True], ids=["program_per_expert", "expert_loop"])
 @pytest.mark.parametrize("shape", [(100, 48, 40, 3), (64, 32, 64, 4)], ids=["ragged", "even"])
-def test_grouped_wgrad_kernel_matches_twin_and_skips_rows_past_the_last_offset(monkeypatch, shape):
+def test_grouped_wgrad_kernel_matches_twin_and_skips_rows_past_the_last_offset(monkeypatch, shape, expert_loop):
+    """Also with each program walking every expert (an overflow chunk's few rows): the same sums."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rows, m, n, experts = shape
     g = torch.Generator().manual_seed(0)
@@ -34,7 +36,7 @@ def test_grouped_wgrad_kernel_matches_twin_and_skips_rows_past_the_last_offset(m
     offsets = torch.tensor(ends, dtype=torch.int32)
     start = torch.randn(experts, m, n, generator=g)
     got, want = start.clone(), start.clone()
-    grouped_wgrad_accumulate_triton([(a, b, offsets)], got)
+    grouped_wgrad_accumulate_triton([(a, b, offsets)], got, expert_loop=expert_loop)
     grouped_wgrad_accumulate_torch([(a[:rows], b[:rows], offsets)], want)
     assert torch.isfinite(got).all()
     assert torch.equal(got[0], start[0])  # an expert without rows: untouched

@@ -22,19 +22,12 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moe_overlap.kernels.launch import tile_in_groups
+    from moe_overlap.kernels.launch import DeviceFunction, tile_in_groups
 
-    # Per segment (a micro-batch's rows), one element of each tuple: a, b, their end offsets and row strides.
-    def _grouped_wgrad_kernel(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, M, N, stride_oe, stride_om,
-                              SEGMENTS: tl.constexpr,
-                              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        pid = tl.program_id(0)
-        expert = tl.program_id(1)
-        pid_m, pid_n = tile_in_groups(pid, (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
+    def _expert_tile(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, expert, rm, rn, rk, M, N,
+                     stride_oe, stride_om, SEGMENTS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One expert's (rm, rn) tile: its rows of every segment summed, added into ``out``."""
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         rows_seen = 0
         for segment in tl.static_range(SEGMENTS):  # each further segment: another micro-batch's rows, same sum
@@ -62,6 +55,29 @@ if HAVE_TRITON:
             # quarter of the epilogue's cost). One program owns each element, so the sum is deterministic.
             tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
+    expert_tile = DeviceFunction(_expert_tile)
+
+    # Per segment (a micro-batch's rows), one element of each tuple: a, b, their end offsets and row strides.
+    # EXPERT_LOOP: each program walks every expert's tile in turn (few rows, as an overflow chunk's), instead of one
+    # program per (tile, expert): the heavy programs of experts without rows would cost their launch each.
+    def _grouped_wgrad_kernel(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, M, N, stride_oe, stride_om,
+                              experts, SEGMENTS: tl.constexpr,
+                              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                              EXPERT_LOOP: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_m, pid_n = tile_in_groups(pid, (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        if EXPERT_LOOP:
+            for expert in range(0, experts):  # (pid * 0 + expert: a tensor for the interpreter too)
+                expert_tile(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, pid * 0 + expert, rm, rn, rk,
+                            M, N, stride_oe, stride_om, SEGMENTS, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            expert_tile(a_ptrs, b_ptrs, offsets_ptrs, strides_a, strides_b, out_ptr, tl.program_id(1), rm, rn, rk, M,
+                        N, stride_oe, stride_om, SEGMENTS, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+
     _grouped_wgrad = Kernel(_grouped_wgrad_kernel)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of benchmarks/step_kernels.py on an H200.
@@ -79,7 +95,7 @@ def grouped_wgrad_accumulate_torch(segments: list[Segment], out_EMN: torch.Tenso
 
 
 def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tensor,
-                                    config: tuple[int, ...] = _CONFIG) -> None:
+                                    config: tuple[int, ...] = _CONFIG, expert_loop: bool = False) -> None:
     experts, M, N = out_EMN.shape
     if out_EMN.numel() == 0:
         return
@@ -91,20 +107,21 @@ def grouped_wgrad_accumulate_triton(segments: list[Segment], out_EMN: torch.Tens
     block_m, block_n, block_k, warps, stages = config
     if not a.is_cuda or interpreter_requested():  # the interpreter: small tiles keep the CPU tests quick
         block_m, block_n, block_k = min(block_m, 32), min(block_n, 32), min(block_k, 16)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), experts)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), 1 if expert_loop else experts)
     a_all, b_all, offsets_all = zip(*segments)
     _grouped_wgrad[grid, a.device](
         a_all, b_all, offsets_all, tuple(x.stride(0) for x in a_all), tuple(x.stride(0) for x in b_all), out_EMN, M, N,
-        out_EMN.stride(0), out_EMN.stride(1), SEGMENTS=len(segments), EVEN_M=M % block_m == 0,
-        EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
-        num_stages=stages)
+        out_EMN.stride(0), out_EMN.stride(1), experts, SEGMENTS=len(segments), EVEN_M=M % block_m == 0,
+        EVEN_N=N % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        EXPERT_LOOP=expert_loop, num_warps=warps, num_stages=stages)
 
 
-def grouped_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor) -> None:
+def grouped_wgrad_accumulate(segments: list[Segment], out_EMN: torch.Tensor, few_rows: bool = False) -> None:
     """out_EMN[e] += sum over segments of a_TM[rows of e]^T @ b_TN[rows of e], in fp32 (``out_EMN`` fp32; a
     segment's rows of e between its int32 end offsets[e-1] and offsets[e]; one segment, or several: as many
-    micro-batches' rows summed in registers, one add into ``out_EMN``)."""
+    micro-batches' rows summed in registers, one add into ``out_EMN``). ``few_rows``: most experts have none (an
+    overflow chunk's), so each program walks every expert's tile instead of one program per expert and tile."""
     if use_triton(segments[0][0], "grouped_wgrad"):
-        grouped_wgrad_accumulate_triton(segments, out_EMN)
+        grouped_wgrad_accumulate_triton(segments, out_EMN, expert_loop=few_rows)
     else:
         grouped_wgrad_accumulate_torch(segments, out_EMN)

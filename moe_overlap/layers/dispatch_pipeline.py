@@ -324,8 +324,9 @@ class Experts(torch.autograd.Function):
             with state.carveout():
                 grad_x_RH, grad_h_RF2, a_RF = experts_dgrad(grad_y_RH, h_RF2, offsets, w13_EHF2[first:last],
                                                             w2_EFH[first:last], state.fp8)
+            overflow = plan.overflow_chunk and chunk == len(plan.chunk_experts) - 1  # few rows, any expert
             jobs[chunk] = (w13_EHF2, w2_EFH, [WgradInputs(grouped_RH, a_RF, grad_h_RF2, grad_y_RH, offsets)],
-                           slice(first, last), state.fp8)
+                           slice(first, last), state.fp8, overflow)
             later = state.delay_wgrad or deferred  # after the last dgrad, beside the last chunk's transfer back
             back_RH = (_rows_from_experts(grad_x_RH, chunk, state) if not wire else  # a wire row's copies summed
                        dgrad_rows(grad_x_RH, grouped_row_WJ, grad_probs_WJ))

@@ -84,18 +84,18 @@ class WgradInputs:
 
 
 def experts_wgrad(w13_EHF2: torch.Tensor, w2_EFH: torch.Tensor, inputs: list[WgradInputs],
-                  experts: slice = slice(None), fp8: Fp8 | None = None
+                  experts: slice = slice(None), fp8: Fp8 | None = None, few_rows: bool = False
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Weight gradients of the local experts ``experts`` from one or two micro-batches' inputs (separate from
     dgrad so a pipeline can defer them into communication gaps): added into the parameters' fp32 main_grad
     inside the grouped kernel (returns Nones), or returned where the parameters have none. ``fp8``: in FP8 under
-    train.fp8_wgrad."""
+    train.fp8_wgrad. ``few_rows``: most experts have none (an overflow chunk's rows)."""
     def rows(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor) -> torch.Tensor:
         return x_TH.dequantized(offsets_E[-1:]) if isinstance(x_TH, Fp8Rows) else x_TH
 
     return (grouped_wgrad(w13_EHF2, [(rows(i.x_TH, i.offsets_E), i.grad_h_TF2, i.offsets_E) for i in inputs],
-                          experts, fp8),
-            grouped_wgrad(w2_EFH, [(i.a_TF, i.grad_y_TH, i.offsets_E) for i in inputs], experts, fp8))
+                          experts, fp8, few_rows),
+            grouped_wgrad(w2_EFH, [(i.a_TF, i.grad_y_TH, i.offsets_E) for i in inputs], experts, fp8, few_rows))
 
 
 def weight_grad_for_autograd(param: torch.Tensor, chunk_grads: list[torch.Tensor | None]) -> torch.Tensor:

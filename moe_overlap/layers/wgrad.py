@@ -84,12 +84,13 @@ def linear_wgrad(param: torch.Tensor, grad_out_SF: torch.Tensor, x_SH: torch.Ten
 
 
 def grouped_wgrad(param: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                  experts: slice = slice(None), fp8: Fp8 | None = None) -> torch.Tensor | None:
+                  experts: slice = slice(None), fp8: Fp8 | None = None, few_rows: bool = False) -> torch.Tensor | None:
     """The gradient of an expert weight (E, M, N) from one or two micro-batches' rows (``segments``: (x_TM,
     grad_TN, int32 end offsets per expert); rows past the last offset are skipped), per expert the sum of
     x_e^T @ grad_e: accumulated into ``main_grad[experts]`` in fp32 inside the grouped kernel (returns None: the
     caller returns :func:`placeholder` once for the whole parameter), or returned in the parameter's dtype
-    (``experts``: the run of local experts this call covers). ``fp8`` (train.fp8_wgrad): in FP8."""
+    (``experts``: the run of local experts this call covers). ``fp8`` (train.fp8_wgrad): in FP8. ``few_rows``: most
+    experts have none (an overflow chunk's rows: kernels/grouped_wgrad.grouped_wgrad_accumulate)."""
     main_grad = main_grad_of(param)
     if fp8 is not None and fp8.wgrad:
         out = main_grad[experts] if main_grad is not None else torch.zeros(
@@ -98,7 +99,7 @@ def grouped_wgrad(param: torch.Tensor, segments: list[tuple[torch.Tensor, torch.
         return None if main_grad is not None else out.to(param.dtype)
     if main_grad is None:
         return sum(torch._grouped_mm(x.t(), grad, offs=offsets) for x, grad, offsets in segments)
-    grouped_wgrad_accumulate(segments, main_grad[experts])
+    grouped_wgrad_accumulate(segments, main_grad[experts], few_rows)
     return None
 
 
