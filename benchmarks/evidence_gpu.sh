@@ -62,6 +62,7 @@
 #                                                  #   the fine layer's kernels profiled
 #   bash benchmarks/evidence_gpu.sh overflow_chunk3 OUT # the same with its wgrad programs walking the experts, then
 #                                                  #   the one-GPU suite
+#   bash benchmarks/evidence_gpu.sh overflow_chunk4 OUT # the fine layer with overflow chunks of 0.25 and 0.03
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2621,6 +2622,18 @@ PY
       pack
     done
     suite 1x 0 "$(( $(left) - 10 ))"
+    ;;
+  overflow_chunk4)  # overflow_chunk3 left an empty overflow chunk 3-4% of the layer's time (kernels alone: a few
+    # tenths of a ms): whether that scales with its static rows. The fine layer with overflow chunks of 0.25 and 0.03
+    # x T x k (the skewed call's 3,638 rows past the bound fit the first, not the second)
+    export CUDA_VISIBLE_DEVICES=0
+    for overflow in 0.25 0.03; do
+      name=overflow_chunk_fine_chunks4_overflow${overflow}_1x$gpu
+      timeout -k 10 200 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape fine \
+        --chunks 4 --factor 1.0 --overflow $overflow --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+        | grep -E "^\{|Error|error" | cut -c1-600
+      pack
+    done
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
