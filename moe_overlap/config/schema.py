@@ -200,8 +200,8 @@ class OverlapConfig:
     # The device-planned exchange's receive bound (Megatron's name): a rank's chunk of local experts receives at most
     # ceil(factor x T x K x its share of the local experts) rows per layer call (T x K: the copies each rank routes;
     # factor x the balanced share), so its buffers, symmetric regions and stashed activations do not grow with EP.
-    # A step in which rows overflow the bound on any rank is skipped on the device and run again planned on the host:
-    # training stays dropless. >= 1.0; null (the default): the worst case (EP x T x K rows), never exceeded: on
+    # A step in which rows overflow the bound on any rank is skipped on the device and run again planned on the host
+    # (unless the overflow chunk below takes them): training stays dropless. >= 1.0; null (the default): the worst case (EP x T x K rows), never exceeded: on
     # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (benchmarks/RESULTS.md). Host
     # planning is exact and needs no bound (with auto planning there, it has no effect).
     moe_expert_rank_capacity_factor: Optional[float] = None
@@ -209,7 +209,9 @@ class OverlapConfig:
     # chunk over all its local experts, of ceil(factor x T x K) rows, exchanged with the chunks and computed after
     # the last one inside the same layer call (and CUDA graph), so such a step costs one more grouped GEMM instead
     # of a re-run; only rows past this chunk's bound too make the step run again planned on the host. > 0; null
-    # (the default): no overflow chunk, every overflow runs the step again. Token copies only: not with
+    # (the default): no overflow chunk, every overflow runs the step again. Measured on one H200, one layer at 4
+    # chunks (benchmarks/RESULTS.md, "The overflow chunk"): an overflowing call 1.01-1.09x the unbounded one against
+    # 2.3-2.7x for a re-run, a call with nothing to take 0-4% more. Token copies only: not with
     # moe_dispatch_once_per_rank (auto turns that off where this is set).
     moe_overflow_capacity_factor: Optional[float] = None
     # The device-planned exchange's backward stash in pages (layers/paged_stash.py): each chunk's tensors the backward
