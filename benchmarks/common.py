@@ -70,3 +70,19 @@ def round_robin(variants: dict[str, Callable[[], object]], rounds: int, warmup: 
     if distributed:
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return dict(zip(variants, medians.tolist()))
+
+
+def kernel_times(fn: Callable[[], object], calls: int) -> dict[str, tuple[float, int]]:
+    """The GPU kernels of ``calls`` calls of ``fn`` under torch.profiler (after one call unprofiled): per kernel name,
+    (ms per call, launches per call), the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {e.key: (e.device_time_total / calls / 1000, e.count // calls) for e in prof.key_averages()
+               if e.device_time_total > 0}
+    return dict(sorted(kernels.items(), key=lambda kernel: -kernel[1][0]))

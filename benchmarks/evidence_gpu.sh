@@ -309,6 +309,14 @@ suite() {  # name, GPUs, time limit (s)
   cp "$log" "$res/gpu_tests_$1$gpu.txt"
 }
 
+overflow_chunk_run() {  # shape, the result's tag, then benchmarks/overflow_chunk.py arguments: one MoE layer on GPU 0
+  local name=overflow_chunk_${1}_${2}_1x$gpu shape=$1
+  shift 2
+  timeout -k 10 200 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape $shape --chunks 4 \
+    --factor 1.0 "$@" --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E "^\{|Error|error" | cut -c1-600
+  pack
+}
+
 example() {  # GPUs, then overrides: configs/gpu<N>_<EXAMPLE_FAMILY: fine>.yaml, ROUTING=overrides, ROUTING_NAME=name
   local n=$1 family=${EXAMPLE_FAMILY:-fine}
   local name=examples_gpu${1}_${family}_${ROUTING_NAME:-default}_${1}x$gpu
@@ -2588,52 +2596,30 @@ PY
     # graphed; benchmarks/overflow_chunk.py): the fine then the Mixtral-like layer with 4 chunks at factor 1.0 and an
     # overflow chunk of 1.0 x T x k, skewed and forced balanced; then the one-GPU suite with the time left
     export CUDA_VISIBLE_DEVICES=0
-    for shape in fine mixtral; do
-      name=overflow_chunk_${shape}_chunks4_1x$gpu
-      timeout -k 10 170 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape $shape \
-        --chunks 4 --factor 1.0 --overflow 1.0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
-        | grep -E "^\{|Error|error" | cut -c1-600
-      pack
-    done
+    for shape in fine mixtral; do overflow_chunk_run $shape chunks4 --overflow 1.0; done
     suite 1x 0 "$(( $(left) - 10 ))"
     ;;
   overflow_chunk2)  # overflow_chunk1 found the overflow chunk 4.2% / 2.5% slower where nothing overflowed (fine /
     # Mixtral-like): now the last chunk's transfer back stays the drain (full width) beside a mostly empty overflow
     # chunk. The same two runs, the fine one with its kernels profiled (3 calls of each graphed variant)
     export CUDA_VISIBLE_DEVICES=0
-    for shape in fine mixtral; do
-      name=overflow_chunk_${shape}_chunks4_drain_1x$gpu
-      timeout -k 10 200 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape $shape \
-        --chunks 4 --factor 1.0 --overflow 1.0 $([ $shape = fine ] && echo --profile 3) --json $res/$name.json 2>&1 \
-        | tee "$out/$name.log" | grep -E "^\{|Error|error" | cut -c1-600
-      pack
-    done
+    overflow_chunk_run fine chunks4_drain --overflow 1.0 --profile 3
+    overflow_chunk_run mixtral chunks4_drain --overflow 1.0
     ;;
   overflow_chunk3)  # overflow_chunk2's profile: an empty overflow chunk's weight gradient cost 0.63 ms (86K programs of
     # the grouped wgrad kernel, one per expert and tile, for experts without rows); now its programs walk the experts
     # (EXPERT_LOOP). The wgrad GPU tests, the same two runs (fine profiled), then the one-GPU suite with the time left
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 60 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_wgrad.py 2>&1 | tail -n 3
-    for shape in fine mixtral; do
-      name=overflow_chunk_${shape}_chunks4_expert_loop_1x$gpu
-      timeout -k 10 200 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape $shape \
-        --chunks 4 --factor 1.0 --overflow 1.0 $([ $shape = fine ] && echo --profile 3) --json $res/$name.json 2>&1 \
-        | tee "$out/$name.log" | grep -E "^\{|Error|error" | cut -c1-600
-      pack
-    done
+    overflow_chunk_run fine chunks4_expert_loop --overflow 1.0 --profile 3
+    overflow_chunk_run mixtral chunks4_expert_loop --overflow 1.0
     suite 1x 0 "$(( $(left) - 10 ))"
     ;;
   overflow_chunk4)  # overflow_chunk3 left an empty overflow chunk 3-4% of the layer's time (kernels alone: a few
     # tenths of a ms): whether that scales with its static rows. The fine layer with overflow chunks of 0.25 and 0.03
     # x T x k (the skewed call's 3,638 rows past the bound fit the first, not the second)
     export CUDA_VISIBLE_DEVICES=0
-    for overflow in 0.25 0.03; do
-      name=overflow_chunk_fine_chunks4_overflow${overflow}_1x$gpu
-      timeout -k 10 200 torchrun --standalone --nproc-per-node 1 benchmarks/overflow_chunk.py --shape fine \
-        --chunks 4 --factor 1.0 --overflow $overflow --json $res/$name.json 2>&1 | tee "$out/$name.log" \
-        | grep -E "^\{|Error|error" | cut -c1-600
-      pack
-    done
+    for overflow in 0.25 0.03; do overflow_chunk_run fine chunks4_overflow$overflow --overflow $overflow; done
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

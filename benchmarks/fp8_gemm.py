@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import round_robin, run_header, set_run_env, write_json  # noqa: E402
+from benchmarks.common import kernel_times, round_robin, run_header, set_run_env, write_json  # noqa: E402
 from benchmarks.moe_layer import SHAPES  # noqa: E402
 from moe_overlap.distributed.ring import TPComm  # noqa: E402
 from moe_overlap.layers.experts import GroupedExperts, expert_offsets  # noqa: E402
@@ -127,21 +127,11 @@ def dense_case(device) -> Case:
     return Case(linear, linear, x, grad)
 
 
-def kernel_times(name: str, case: Case, calls: int) -> str:
+def kernel_tables(name: str, case: Case, calls: int) -> str:
     """The bf16, fp8 and blockwise variants' GPU kernels, ``calls`` calls each under torch.profiler: time per call."""
-    from torch.profiler import ProfilerActivity, profile
-
     tables = []
     for variant in ("bf16", "fp8", "blockwise"):
-        run = case.variants()[variant]
-        run()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                run()
-            torch.cuda.synchronize()
-        kernels = sorted(((e.key, e.device_time_total / calls / 1000, e.count // calls) for e in prof.key_averages()
-                          if e.device_time_total > 0), key=lambda k: -k[1])
+        kernels = [(key, ms, count) for key, (ms, count) in kernel_times(case.variants()[variant], calls).items()]
         lines = [f"{name} {variant}: {sum(ms for _, ms, _ in kernels):.3f} ms of kernels per call"]
         lines += [f"  {ms:8.3f} ms  x{count:<3d} {key[:110]}" for key, ms, count in kernels[:25]]
         tables.append("\n".join(lines))
@@ -187,7 +177,7 @@ def main(argv=None) -> int:
               + (f"  fp8 vs bf16 {max(row['fp8_vs_bf16'].values()):.3f}" if args.check else ""), flush=True)
         rows.append(row)
         if args.profile:
-            profiles.append(kernel_times(name, case, args.rounds))
+            profiles.append(kernel_tables(name, case, args.rounds))
         del case
         torch.cuda.empty_cache()
     write_json(path, run_header(1), rows)

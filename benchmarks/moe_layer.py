@@ -123,18 +123,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     set_run_env(args.allow_multicast, args.fabric)
 
-    import torch
     import torch.distributed as dist
 
-    from moe_overlap.distributed.mesh import Mesh, MeshLayout
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
-    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=300) if world > 1 else Mesh.single()
-    bench = Bench(mesh, torch.device("cuda") if cuda else torch.device("cpu"), args)
+    bench = Bench.launched(args)
+    mesh, cuda, world = bench.mesh, bench.device.type == "cuda", bench.mesh.world_size
     rows = []
     for name in args.shapes.split(","):
         if not args.probe_only:
@@ -156,6 +148,22 @@ def main(argv=None) -> None:
 
 
 class Bench:
+    @classmethod
+    def launched(cls, args) -> Bench:
+        """The bench of this torchrun process: its GPU (or the CPU), the process group, EP over every rank."""
+        import torch
+        import torch.distributed as dist
+
+        from moe_overlap.distributed.mesh import Mesh, MeshLayout
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        world = dist.get_world_size()
+        mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=300) if world > 1 else Mesh.single()
+        return cls(mesh, torch.device("cuda") if cuda else torch.device("cpu"), args)
+
     def __init__(self, mesh, device, args):
         import torch
 

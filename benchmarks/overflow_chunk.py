@@ -25,13 +25,12 @@ to see what the overflow chunk adds.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
+from benchmarks.common import kernel_times, run_header, set_run_env, write_json  # noqa: E402
 from benchmarks.moe_layer import SHAPES, Bench  # noqa: E402
 
 
@@ -52,25 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     set_run_env()
-    import torch
     import torch.distributed as dist
 
-    from moe_overlap.distributed.mesh import Mesh, MeshLayout
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
-    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=300) if world > 1 else Mesh.single()
-    bench = Bench(mesh, torch.device("cuda") if cuda else torch.device("cpu"),
-                  argparse.Namespace(rounds=args.rounds, warmup=args.warmup, fabric="nvlink"))
+    bench = Bench.launched(argparse.Namespace(rounds=args.rounds, warmup=args.warmup, fabric="nvlink"))
     rows = [run_routing(bench, args, routing) for routing in ("skew", "balanced")]
     if dist.get_rank() == 0:
-        write_json(args.json, run_header(world), rows)
+        write_json(args.json, run_header(bench.mesh.world_size), rows)
         for row in rows:
             print({k: v for k, v in row.items() if not isinstance(v, dict)})
-    mesh.destroy()
+    bench.mesh.destroy()
     dist.destroy_process_group()
 
 
@@ -141,29 +130,16 @@ def run_routing(bench: Bench, args, routing: str) -> dict:
            "overflow_chunk_vs_unbounded": ms["overflow_chunk"] / ms["unbounded"],
            "rerun_vs_unbounded": (ms["bounded"] + ms["host"] + ms["host_fwd"]) / ms["unbounded"]}
     if args.profile and device.type == "cuda":
-        row["kernels_ms"] = {name: kernel_times(variants[name], args.profile)
-                             for name in ("unbounded", "overflow_chunk", "bounded")}
+        row["kernels_ms"] = {}
+        for name in ("unbounded", "overflow_chunk", "bounded"):
+            kernels = kernel_times(variants[name], args.profile)
+            row["kernels_ms"][name] = {"total": round(sum(ms for ms, _ in kernels.values()), 4),
+                                       **{key[:100]: round(ms, 4) for key, (ms, _) in kernels.items()}}
     if routing == "skew":
         (want, want_grad), (got, got_grad) = call(layers["unbounded"])(), call(layers["overflow_chunk"])()
         row["rel_err_out"] = float((got - want).detach().float().norm() / want.detach().float().norm())
         row["rel_err_grad_x"] = float((got_grad - want_grad).float().norm() / want_grad.float().norm())
     return row
-
-
-def kernel_times(fn, calls: int) -> dict[str, float]:
-    """The GPU kernels of ``calls`` calls of ``fn`` (torch.profiler): ms per call by kernel name, and their sum."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = {e.key[:100]: round(e.device_time_total / calls / 1000, 4) for e in prof.key_averages()
-               if e.device_time_total > 0}
-    return {"total": round(sum(kernels.values()), 4), **dict(sorted(kernels.items(), key=lambda k: -k[1]))}
 
 
 if __name__ == "__main__":

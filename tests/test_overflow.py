@@ -325,6 +325,13 @@ def _check(results: list[dict], overflow: bool, in_graph: bool = False) -> None:
 
 
 BALANCED = {"model.moe_router_force_load_balancing": "true"}
+# EP sizes and layouts that overflow every step (factor 1.0, learned routing)
+EVERY_EP = pytest.mark.parametrize("world,chunks,extra", [
+    (2, 1, {}), (2, 2, {"overlap.delay_wgrad_compute": "true"}),
+    (4, 2, {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
+            "overlap.overlap_param_sync": "true"}),
+    (8, 1, {}),
+], ids=["ep2", "ep2_chunks2_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -335,12 +342,7 @@ def test_overflow_free_bounded_run_equals_host_planned(rank_pool, tmp_path, chun
     _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0}, both), False)
 
 
-@pytest.mark.parametrize("world,chunks,extra", [
-    (2, 1, {}), (2, 2, {"overlap.delay_wgrad_compute": "true"}),
-    (4, 2, {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
-            "overlap.overlap_param_sync": "true"}),
-    (8, 1, {}),
-], ids=["ep2", "ep2_chunks2_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
+@EVERY_EP
 def test_overflowing_steps_run_again_and_equal_host_planned(rank_pool, tmp_path, world, chunks, extra):
     """Factor 1.0 with learned routing overflows on the most loaded ranks every step: each step is skipped on
     the device and run again planned on the host, its losses and gradients the host-planned run's."""
@@ -388,12 +390,7 @@ def test_a_step_queued_behind_an_overflowed_one_runs_again_in_fit(rank_pool, tmp
 
 
 # -------------------------------------------------------- the overflow chunk (moe_overflow_capacity_factor)
-@pytest.mark.parametrize("world,chunks,extra", [
-    (2, 1, {}), (2, 2, {"overlap.delay_wgrad_compute": "true"}),
-    (4, 2, {"train.use_distributed_optimizer": "true", "overlap.overlap_grad_sync": "true",
-            "overlap.overlap_param_sync": "true"}),
-    (8, 1, {}),
-], ids=["ep2", "ep2_chunks2_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
+@EVERY_EP
 def test_overflow_chunk_takes_the_overflow_in_the_step(rank_pool, tmp_path, world, chunks, extra):
     """Factor 1.0 with learned routing overflows every step, as above; an overflow chunk of EP x R rows (never
     exceeded) takes every such row inside the layer call: no step runs again, and its losses and gradients are the
