@@ -63,6 +63,7 @@
 #   bash benchmarks/evidence_gpu.sh overflow_chunk3 OUT # the same with its wgrad programs walking the experts, then
 #                                                  #   the one-GPU suite
 #   bash benchmarks/evidence_gpu.sh overflow_chunk4 OUT # the fine layer with overflow chunks of 0.25 and 0.03
+#   bash benchmarks/evidence_gpu.sh memory_peak3 OUT # the FP8 GPU tests, the fine model's peaks (bf16, rowwise)
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2620,6 +2621,17 @@ PY
     # x T x k (the skewed call's 3,638 rows past the bound fit the first, not the second)
     export CUDA_VISIBLE_DEVICES=0
     for overflow in 0.25 0.03; do overflow_chunk_run fine chunks4_overflow$overflow --overflow $overflow; done
+    ;;
+  memory_peak3)  # issue 39 after memory_peak2: fc2's output gradient and grad_y's FP8 rows freed before fc1's dgrad
+    # (layers/experts.experts_dgrad). The FP8 GPU tests, then memory_peak2's run again (predicted: bf16 67.045 ->
+    # ~66.92 GiB, rowwise 67.313 -> ~67.06: 0.125 GiB each of grad_a, and of grad_y's FP8 rows for rowwise)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 100 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_fp8.py 2>&1 | tail -n 3
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 1 --steps 2 \
+      --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --memory-peak \
+      --json $res/memory_peak_fine_8l_dgrad_freed_1x$gpu.json 2>&1 | tee "$out/memory_peak3.log" \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;

@@ -672,6 +672,39 @@ def test_fp8_swiglu_feeds_its_gemms_fp8_rows(monkeypatch, fp8, fed_fp8_rows):
     assert torch.equal(grad_x, grouped_mm(unfused_grad_h, w13, offsets, fp8, transpose_w=True))
 
 
+def test_fp8_experts_dgrad_frees_fc2s_operands_before_fc1s_dgrad(monkeypatch):
+    """The experts' backward peaks in fc1's dgrad (the input gradient): by then grad_y's FP8 rows (handed in a list
+    that fc2's dgrad empties) and fc2's output gradient are freed, not held beside fc1's operands; the input
+    gradient is the one the FP8 GEMM makes quantizing grad_y itself (the same bytes)."""
+    import weakref
+
+    from moe_overlap.layers import experts as X
+
+    torch.manual_seed(8)
+    rows = [3, 0, 5, 8]
+    offsets = expert_offsets(torch.tensor(rows))
+    x, grad_y = torch.randn(sum(rows), 256), torch.randn(sum(rows), 256)
+    w13, w2 = torch.randn(4, 256, 2 * 128) / 16, torch.randn(4, 128, 256) / 16
+    _, h = X.experts_forward(x, offsets, w13, w2, EMULATED)
+    q, scales = quantize_rows(grad_y)
+    handed, grad_y_q = [Fp8Rows(q, scales, torch.float32)], weakref.ref(q)
+    del q, scales
+    made, alive_at_fc1 = [], []
+
+    def gemm(a, *args, **kwargs):
+        if made:  # fc1's dgrad: what of fc2's is still alive
+            alive_at_fc1.extend([grad_y_q() is not None, made[0]() is not None])
+        out = grouped_mm(a, *args, **kwargs)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(X, "grouped_mm", gemm)
+    grad_x = X.experts_dgrad(grad_y, h, offsets, w13, w2, EMULATED, handed)[0]
+    assert handed == [] and alive_at_fc1 == [False, False]
+    monkeypatch.undo()
+    assert torch.equal(grad_x, X.experts_dgrad(grad_y, h, offsets, w13, w2, EMULATED)[0])
+
+
 def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():
     """GroupedSwiGLU and the linears under FP8: outputs and input gradients within the FP8 tolerance of fp32 (a
     chain of two FP8 GEMMs: twice the per-GEMM tolerance); weight gradients into main_grad exactly as the FP8 wgrad

@@ -48,19 +48,23 @@ def experts_forward(x_TH: torch.Tensor | Fp8Rows, offsets_E: torch.Tensor, w13_E
 
 
 def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch.Tensor, w13_EHF2: torch.Tensor,
-                  w2_EFH: torch.Tensor, fp8: Fp8 | None = None, grad_y_fp8: Fp8Rows | None = None
+                  w2_EFH: torch.Tensor, fp8: Fp8 | None = None, grad_y_fp8: list[Fp8Rows] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input gradient; also fc1's output gradient and the SwiGLU activation, which the weight gradients need
     (the fused backward rebuilds the activation in the same pass, so the forward need not keep it). An FP8 fc1
-    dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel; fc2's takes ``grad_y_fp8``, grad_y's
-    rows already in FP8, where given."""
-    grad_a_TF = grouped_mm(grad_y_TH if grad_y_fp8 is None else grad_y_fp8, w2_EFH, offsets_E, fp8, transpose_w=True)
+    dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel; fc2's takes grad_y's rows already in FP8
+    where given: ``grad_y_fp8``, a one-element list that fc2's dgrad empties, so that they are freed before fc1's
+    dgrad, as fc2's output gradient is (the backward's peak: the experts' input gradient)."""
+    grad_a_TF = grouped_mm(grad_y_TH if grad_y_fp8 is None else grad_y_fp8.pop(), w2_EFH, offsets_E, fp8,
+                           transpose_w=True)
     if _fed_fp8(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
         grad_h_TF2, a_TF, *rows = swiglu_backward_fp8(h_TF2, grad_a_TF, offsets_E[-1:],
                                                       tiles=fp8.recipe == "blockwise")
+        del grad_a_TF
         return (grouped_mm(Fp8Rows(*rows, grad_h_TF2.dtype), w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2,
                 a_TF)
     grad_h_TF2, a_TF = swiglu_backward(h_TF2, grad_a_TF, offsets_E[-1:])
+    del grad_a_TF
     return grouped_mm(grad_h_TF2, w13_EHF2, offsets_E, fp8, transpose_w=True, split=True), grad_h_TF2, a_TF
 
 
@@ -168,13 +172,15 @@ class GroupedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_y_TH: torch.Tensor):
         (x_TH, offsets_E, h_TF2), (w13_EHF2, w2_EFH) = ctx.saved_tensors, ctx.weights
         grad_y_rows = ctx.handoff.take_backward(grad_y_TH) if ctx.handoff is not None else None
+        # held by the list alone, which fc2's dgrad empties (experts_dgrad)
+        grad_y_fp8 = None if grad_y_rows is None else [Fp8Rows(*grad_y_rows, grad_y_TH.dtype)]
+        del grad_y_rows
         if x_TH.shape[0] == 0:  # no rows reached these experts: grouped_mm rejects empty gradients' strides
             grad_x_TH, inputs = torch.zeros_like(x_TH), None
         else:
             grad_y_TH = grad_y_TH.contiguous()  # grouped_mm's kernels reject expanded gradients
-            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(
-                grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8,
-                None if grad_y_rows is None else Fp8Rows(*grad_y_rows, grad_y_TH.dtype))
+            grad_x_TH, grad_h_TF2, a_TF = experts_dgrad(grad_y_TH, h_TF2, offsets_E, w13_EHF2, w2_EFH, ctx.fp8,
+                                                        grad_y_fp8)
             inputs = WgradInputs(x_TH, a_TF, grad_h_TF2, grad_y_TH, offsets_E)
         ready = ctx.groups.take(inputs) if ctx.groups is not None else [i for i in (inputs,) if i is not None]
         grad_w13_EHF2, grad_w2_EFH = weight_grads(expert_weight_grads, (w13_EHF2, w2_EFH, ready, ctx.fp8), ctx.weights)
