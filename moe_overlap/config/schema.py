@@ -201,9 +201,10 @@ class OverlapConfig:
     # ceil(factor x T x K x its share of the local experts) rows per layer call (T x K: the copies each rank routes;
     # factor x the balanced share), so its buffers, symmetric regions and stashed activations do not grow with EP.
     # A step in which rows overflow the bound on any rank is skipped on the device and run again planned on the host
-    # (unless the overflow chunk below takes them): training stays dropless. >= 1.0; null (the default): the worst case (EP x T x K rows), never exceeded: on
-    # 2xH100 a bound re-ran every step of the skewed bench corpus with 4 chunks (benchmarks/RESULTS.md). Host
-    # planning is exact and needs no bound (with auto planning there, it has no effect).
+    # (unless the overflow chunk below takes them): training stays dropless. >= 1.0; null (the default): the worst
+    # case (EP x T x K rows), never exceeded: on 2xH100 a bound re-ran every step of the skewed bench corpus with 4
+    # chunks (benchmarks/RESULTS.md). Host planning is exact and needs no bound (with auto planning there, it has no
+    # effect).
     moe_expert_rank_capacity_factor: Optional[float] = None
     # The in-graph overflow chunk (needs the bound above): a rank's rows past their chunk's bound go to one more
     # chunk over all its local experts, of ceil(factor x T x K) rows, exchanged with the chunks and computed after

@@ -112,7 +112,6 @@ class _Layout:
         return self.start_DC + self.kept_DC
 
     # the overflow chunk's layout (made when first read, with one)
-
     @cached_property
     def fit_DLS(self) -> torch.Tensor:  # each block's rows within its chunk's bound (the first ones)
         bound_DLS = self.bound_C[self.chunk_of_expert][None, :, None]
@@ -244,7 +243,7 @@ class DevicePlanner(Planner):
                      else transport.gather_counts(routing.tokens_per_expert_E))
         row_of_copy_TK = self.permute_copies(routing)
         self._check_rows(counts_SE, R)
-        overflow = len(chunk_rows) > len(self.chunk_experts)
+        overflow = not padded and self.overflow_factor is not None  # chunk_rows ends with the overflow chunk's
         layout = self.layout(counts_SE, bound_C, chunk_rows[-1] if overflow else 0)
         overflow_rows = self._count_overflow(layout)
         chunk_experts = self.chunk_experts + [(0, self.local)] * overflow
@@ -313,6 +312,7 @@ class DevicePlanner(Planner):
         recv_start_LS = torch.minimum(lay.recv_start_DLS[me], limit_L1)  # blocks past the limit: empty, in order
         fitting_LS = torch.minimum(lay.recv_start_DLS[me] + lay.rows_DLS[me], limit_L1) - recv_start_LS
         back_LS = (recv_start_LS.reshape(-1), fitting_LS.reshape(-1), self.source_of_block, back_start_LS.reshape(-1))
+        # Chunks: contiguous runs of my slots on the send side, of my local experts on the receive side.
         send_start_C = lay.send_start_SB[me][self.first_slot]
         send_rows_C = torch.cumsum(lay.blocks_SB[me], 0)[self.last_slot] - send_start_C
         recv_start_C, recv_rows_C = lay.start_DC[me], lay.kept_DC[me]
@@ -329,7 +329,6 @@ class DevicePlanner(Planner):
         back_rank_W = torch.empty(W, dtype=torch.int32, device=device)
         back_row_W = torch.empty(W, dtype=torch.int64, device=device)
         fill_routes(*back_LS, back_rank_W, back_row_W)
-        # Chunks: contiguous runs of my slots on the send side, of my local experts on the receive side.
         return DeviceRoutes(send_start_C, send_rows_C, dst_rank_R, dst_row_R, recv_start_C, recv_rows_C,
                             back_rank_W, back_row_W, R, W, chunk_rows)
 

@@ -55,11 +55,11 @@ from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.streams import Event, gemm_sm_carveout
 from moe_overlap.kernels.permute import permute, permute_backward, unpermute, unpermute_backward
 from moe_overlap.layers.deferred_wgrad import is_deferring, weight_grads
-from moe_overlap.layers.wgrad import main_grad_of
 from moe_overlap.layers.dispatcher import gather_from_expert_tp, sum_to_expert_tp_owners
 from moe_overlap.layers.exchange_plan import Plan
 from moe_overlap.layers.fp8 import Fp8, Fp8Rows
 from moe_overlap.layers.paged_stash import PagedStash, Stashed
+from moe_overlap.layers.wgrad import main_grad_of
 from moe_overlap.layers.experts import (WgradInputs, experts_dgrad, experts_forward, experts_wgrad,
                                         weight_grad_for_autograd)
 from moe_overlap.layers.wire_rows import (ArrivedRows, arrived_rows, copies_rows, dgrad_rows, dispatch_rows,
