@@ -64,6 +64,8 @@
 #                                                  #   the one-GPU suite
 #   bash benchmarks/evidence_gpu.sh overflow_chunk4 OUT # the fine layer with overflow chunks of 0.25 and 0.03
 #   bash benchmarks/evidence_gpu.sh memory_peak3 OUT # the FP8 GPU tests, the fine model's peaks (bf16, rowwise)
+#   bash benchmarks/evidence_gpu.sh overflow_chunk_ep2 OUT # (not run yet) the overflow chunk in a training step at
+#                                                  #   EP=2 (overflow_chunk_ep4: EP=4): GPU test, corpus, balanced
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2632,6 +2634,29 @@ PY
       --json $res/memory_peak_fine_8l_dgrad_freed_1x$gpu.json 2>&1 | tee "$out/memory_peak3.log" \
       | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
+    # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,
+    # token copies in every row (each token once per rank off, as the overflow chunk needs; the wire row: the default
+    # unbounded with them, what turning them off costs). The GPU test first, then on the bench corpus (its routing
+    # collapses: factor 1.0 overflows every step) and forced balanced (nothing overflows): unbounded (config), factor
+    # 1.0 running each overflowing step again (rerun), factor 1.0 with an overflow chunk of 0.5 (chunk: 1.5 x R in
+    # all, where null holds EP x R)
+    n=${phase##*ep}
+    timeout -k 10 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_overflow.py 2>&1 | tail -n 4 \
+      | tee "$out/gpu_tests_overflow_${n}x$gpu.txt"
+    F=overlap.moe_expert_rank_capacity_factor O=overlap.moe_overflow_capacity_factor
+    fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=$n $DISTOPT $GRAPHED"
+    for run in "corpus" "balanced $BAL"; do
+      set -- $run
+      name=overflow_chunk_ep${n}_$1_${n}x$gpu
+      timeout -k 10 $(( $(left) < 180 ? $(left) : 180 )) torchrun --standalone --nproc-per-node $n \
+        benchmarks/train_step.py $fine ${2:-} overlap.moe_dispatch_once_per_rank=false --variant rerun:$F=1.0 \
+        --variant chunk:$F=1.0,$O=0.5 --variant wire:overlap.moe_dispatch_once_per_rank=true --warmup 2 --steps 6 \
+        --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
+        | cut -c1-500
+      pack
+    done
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
