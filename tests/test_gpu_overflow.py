@@ -129,6 +129,7 @@ def test_overflow_dry_run_on_cpu_gloo(tmp_path):
         assert set(report["skipped"]) == {"overflow_graphed", "overflow_graphed_streams", "paged_graphed",
                                           "paged_overflow_graphed", "in_graph_graphed"}
         assert report["reruns"]["overflow_eager_chunks2"] > 0
+        assert report["reruns"]["in_graph_eager_chunks2"] == 0 and report["overflow_rows"]["in_graph_eager_chunks2"] > 0
 
 
 if __name__ == "__main__":
