@@ -19,12 +19,14 @@ from tests.test_master import small_config, world_and_mesh
 from tests.test_moe_layer import E, F, FixedRouter, H, OneRankTransports, full_expert_weights, moe_case, rank_inputs
 
 
-def compute_only_case(planning: str, chunks: int, once: bool = False) -> dict:
+def compute_only_case(planning: str, chunks: int, once: bool = False, overflow: bool = False) -> dict:
     """The same layer and inputs with the exchange real and compute-only: the grouped GEMMs' row counts per
     chunk, the outputs and gradients. The receive regions start as NaN bytes, and compute-only runs again from
     bytes of 0.75: a compute-only reference must write every row it reads, so both give the same numbers (before it
     made its rows from its own, it read rows no rank wrote: fp32 words of earlier exchanges read as bf16, NaN
-    losses on 2 and 4 H100s). ``once``: each token once per rank."""
+    losses on 2 and 4 H100s). ``once``: each token once per rank. ``overflow``: the tightest bound (1.0) and an
+    overflow chunk that takes every row past it, every copy routed to rank 0's first experts (the overflow chunk's
+    landing rows are made from none of this rank's own: zeros)."""
     from moe_overlap.distributed import symm
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -41,19 +43,20 @@ def compute_only_case(planning: str, chunks: int, once: bool = False) -> dict:
                 return real_forward(x_RH, offsets, *weights)
 
             dispatch_pipeline.experts_forward = recording_forward
-            selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), chunks,
-                                         60, compute_only=compute_only)
+            selector = TransportSelector(planning, "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
+                                         chunks + overflow, 60, compute_only=compute_only)
+            bound = dict(moe_expert_rank_capacity_factor=1.0, moe_overflow_capacity_factor=2.0) if overflow else {}
             cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=2)
             layer = MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once,
                                                  moe_pipeline_chunks=chunks, moe_planning=planning,
-                                                 delay_wgrad_compute=False),
+                                                 delay_wgrad_compute=False, **bound),
                              mesh.ep, selector)
             w13, w2 = full_expert_weights()
             mine = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
             with torch.no_grad():
                 layer.experts.w13.copy_(w13[mine])
                 layer.experts.w2.copy_(w2[mine])
-            x, upstream, probs, experts = rank_inputs(rank, "sparse", 2)
+            x, upstream, probs, experts = rank_inputs(rank, "first_rank_only" if overflow else "sparse", 2)
             x.requires_grad_(True)
             layer.router = FixedRouter(probs, experts, None)
             with measuring_exposed_comm(torch.device("cpu")) as tally:
@@ -65,17 +68,20 @@ def compute_only_case(planning: str, chunks: int, once: bool = False) -> dict:
         dispatch_pipeline.experts_forward, symm.fill_finite = real_forward, real_fill
         mesh.destroy()
     nan_start, other_start = outputs[True, 255], outputs[True, 63]
-    return {"counts": counts, "finite": all(torch.isfinite(t).all() for t in nan_start),
+    return {"rank": rank, "counts": counts, "finite": all(torch.isfinite(t).all() for t in nan_start),
             "whatever_the_regions_held": all(torch.equal(a, b) for a, b in zip(nan_start, other_start)),
             "same_output": torch.equal(nan_start[0], outputs[False, 255][0]), "exposed": exposed}
 
 
-@pytest.mark.parametrize("planning,chunks,once", [("host", 1, False), ("host", 2, False), ("device", 2, False),
-                                                 ("device", 1, True), ("device", 2, True),
-                                                 ("host", 2, True)])
-def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_pool, planning, chunks, once):
-    for result in rank_pool(2).run(compute_only_case, planning, chunks, once):
-        assert result["counts"][True] == result["counts"][False] and sum(result["counts"][True]) > 0
+@pytest.mark.parametrize("planning,chunks,once,overflow", [
+    ("host", 1, False, False), ("host", 2, False, False), ("device", 2, False, False), ("device", 1, True, False),
+    ("device", 2, True, False), ("host", 2, True, False), ("device", 2, False, True)])
+def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_pool, planning, chunks, once, overflow):
+    for result in rank_pool(2).run(compute_only_case, planning, chunks, once, overflow):
+        assert result["counts"][True] == result["counts"][False]
+        assert (sum(result["counts"][True]) > 0) == (not overflow or result["rank"] == 0)  # overflow: rank 0 only
+        if overflow:  # rank 0's overflow chunk ran its GEMMs on rows (the counts: per chunk, then its)
+            assert len(result["counts"][True]) == 3 and (result["counts"][True][-1] > 0) == (result["rank"] == 0)
         assert result["finite"] and result["whatever_the_regions_held"]
         assert not result["same_output"]  # rows from peers never arrived
         assert result["exposed"][True] > 0  # the sizes and the per-chunk messages still wait for the peer
