@@ -415,6 +415,15 @@ def test_overflow_chunk_with_every_schedule_equals_host_planned(rank_pool, tmp_p
     _check(results, True, in_graph=True)
 
 
+def test_overflow_chunk_factor_with_padded_capacity_equals_host_planned(rank_pool, tmp_path):
+    """Padded capacity plans exact static sizes (every (rank, expert) block its capacity): nothing overflows, and
+    with the overflow chunk's factor set (the planner makes no such chunk there) the steps equal the host-planned
+    ones."""
+    both = {"model.moe_expert_capacity_factor": 1.0, "model.moe_pad_expert_input_to_capacity": "true",
+            "overlap.moe_pipeline_chunks": 2}
+    _check(rank_pool(2).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0, OVERFLOW: 2.0}, both), False)
+
+
 def test_overflow_chunk_with_fp8_equals_host_planned(rank_pool, tmp_path):
     """Emulated FP8 GEMMs: the overflow chunk's quantize the same weights and rows (rowwise: a scale per row), so
     with bf16 weight gradients the steps are the host-planned FP8 run's. FP8 weight gradients quantize an expert's
