@@ -64,6 +64,7 @@
 #                                                  #   the one-GPU suite
 #   bash benchmarks/evidence_gpu.sh overflow_chunk4 OUT # the fine layer with overflow chunks of 0.25 and 0.03
 #   bash benchmarks/evidence_gpu.sh memory_peak3 OUT # the FP8 GPU tests, the fine model's peaks (bf16, rowwise)
+#   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_chunk_ep2 OUT # (not run yet) the overflow chunk in a training step at
 #                                                  #   EP=2 (overflow_chunk_ep4: EP=4): GPU test, corpus, balanced
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
@@ -2635,13 +2636,19 @@ PY
       | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
+  overflow_wire1)  # issue 37: the overflow chunk with each token once per rank (wire rows: the copies past the
+    # bound cross again as rows of their own), one fine layer on one GPU, 4 chunks, factor 1.0, overflow chunks of 1.0
+    # and 0.25 x T x k (the second with kernel times), every variant with wire rows (the fine model's default)
+    export CUDA_VISIBLE_DEVICES=0
+    overflow_chunk_run fine chunks4_wire --overflow 1.0 --once-per-rank
+    overflow_chunk_run fine chunks4_wire_overflow0.25 --overflow 0.25 --once-per-rank --profile 3
+    ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,
-    # token copies in every row (each token once per rank off, as the overflow chunk needs; the wire row: the default
-    # unbounded with them, what turning them off costs). The GPU test first, then on the bench corpus (its routing
-    # collapses: factor 1.0 overflows every step) and forced balanced (nothing overflows): unbounded (config), factor
-    # 1.0 running each overflowing step again (rerun), factor 1.0 with an overflow chunk of 0.5 (chunk: 1.5 x R in
-    # all, where null holds EP x R)
+    # each token once per rank (its default; copies: the overflow chunk over token copies instead). The GPU test
+    # first, then on the bench corpus (its routing collapses: factor 1.0 overflows every step) and forced balanced
+    # (nothing overflows): unbounded (config), factor 1.0 running each overflowing step again (rerun), factor 1.0
+    # with an overflow chunk of 0.5 (chunk: 1.5 x R in all, where null holds EP x R)
     n=${phase##*ep}
     timeout -k 10 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_overflow.py 2>&1 | tail -n 4 \
       | tee "$out/gpu_tests_overflow_${n}x$gpu.txt"
@@ -2651,8 +2658,8 @@ PY
       set -- $run
       name=overflow_chunk_ep${n}_$1_${n}x$gpu
       timeout -k 10 $(( $(left) < 180 ? $(left) : 180 )) torchrun --standalone --nproc-per-node $n \
-        benchmarks/train_step.py $fine ${2:-} overlap.moe_dispatch_once_per_rank=false --variant rerun:$F=1.0 \
-        --variant chunk:$F=1.0,$O=0.5 --variant wire:overlap.moe_dispatch_once_per_rank=true --warmup 2 --steps 6 \
+        benchmarks/train_step.py $fine ${2:-} --variant rerun:$F=1.0 --variant chunk:$F=1.0,$O=0.5 \
+        --variant copies:$F=1.0,$O=0.5,overlap.moe_dispatch_once_per_rank=false --warmup 2 --steps 6 \
         --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
         | cut -c1-500
       pack

@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--factor", type=float, default=1.0, help="overlap.moe_expert_rank_capacity_factor")
     parser.add_argument("--overflow", type=float, default=1.0, help="overlap.moe_overflow_capacity_factor")
+    parser.add_argument("--once-per-rank", action="store_true",
+                        help="overlap.moe_dispatch_once_per_rank (wire rows) in every variant")
     parser.add_argument("--skew", type=float, default=0.05, help="router weight added to the first chunk's experts")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
@@ -87,7 +89,7 @@ def run_routing(bench: Bench, args, routing: str) -> dict:
                           moe_router_topk=shape.topk, moe_aux_loss_coeff=0.0,
                           moe_router_force_load_balancing=routing == "balanced")
         overlap = OverlapConfig(moe_pipeline=True, moe_pipeline_chunks=chunks, moe_planning=planning,
-                                moe_dispatch_once_per_rank=False, delay_wgrad_compute=False,
+                                moe_dispatch_once_per_rank=args.once_per_rank, delay_wgrad_compute=False,
                                 moe_expert_rank_capacity_factor=factor, moe_overflow_capacity_factor=overflow)
         made = MoELayer(cfg, overlap, mesh.ep, selector if planning == "device" else host_selector, device,
                         bench.dtype)
@@ -125,7 +127,8 @@ def run_routing(bench: Bench, args, routing: str) -> dict:
     variants = {name: call(made) for name, made in layers.items()}
     variants["host_fwd"] = call(layers["host"], backward=False)
     ms = bench.round_robin(variants)
-    row = {"shape": args.shape, "routing": routing, "ep": mesh.ep.size, "chunks": chunks, "factor": args.factor,
+    row = {"shape": args.shape, "routing": routing, "ep": mesh.ep.size, "chunks": chunks,
+           "once_per_rank": args.once_per_rank, "factor": args.factor,
            "overflow_factor": args.overflow, "ms": {k: round(v, 4) for k, v in ms.items()}, "rows": counts,
            "overflow_chunk_vs_unbounded": ms["overflow_chunk"] / ms["unbounded"],
            "rerun_vs_unbounded": (ms["bounded"] + ms["host"] + ms["host_fwd"]) / ms["unbounded"]}

@@ -16,7 +16,7 @@ from moe_overlap.cli import main
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.distributed.a2a import REGIONS, TransportSelector
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
-from moe_overlap.layers.exchange_memory import exchange_memory
+from moe_overlap.layers.exchange_memory import exchange_memory, wire_region_bytes
 from moe_overlap.layers.exchange_plan import chunk_bounds
 from moe_overlap.layers.moe import MoELayer
 
@@ -25,17 +25,18 @@ FINE = str(Path(__file__).resolve().parents[1] / "configs" / "bench_fine_8l.yaml
 E, K, T, H, F = 16, 2, 12, 64, 8
 
 
-def allocated_sizes(settings: list[tuple[float | None, int, float | None]]) -> list[dict]:
-    """Per (factor, chunks, overflow chunk's factor): one device-planned layer call on this rank (the gloo twin of
-    sm_push), what it allocated, and what exchange_memory says it allocates."""
+def allocated_sizes(settings: list[tuple[float | None, int, float | None, bool]]) -> list[dict]:
+    """Per (factor, chunks, overflow chunk's factor, each token once per rank): one device-planned layer call on this
+    rank (the gloo twin of sm_push), what it allocated, and what exchange_memory says it allocates (with wire rows,
+    the regions: wire_region_bytes)."""
     world = dist.get_world_size()
     mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60)
     out = []
     try:
-        for factor, chunks, overflow in settings:
+        for factor, chunks, overflow, once in settings:
             selector = TransportSelector("device", "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"),
                                          chunks + (overflow is not None), 60)
-            overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=False, moe_pipeline_chunks=chunks,
+            overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once, moe_pipeline_chunks=chunks,
                                     moe_planning="device", delay_wgrad_compute=False,
                                     moe_expert_rank_capacity_factor=factor, moe_overflow_capacity_factor=overflow)
             layer = MoELayer(ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K),
@@ -43,26 +44,33 @@ def allocated_sizes(settings: list[tuple[float | None, int, float | None]]) -> l
             x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(dist.get_rank()))
             routing, token, state = layer.start_dispatch(x_TH)
             token, shared_TH = layer.run_experts(x_TH, token, state)
-            stash = [(rows.shape[0], rows.nbytes + fc1.nbytes) for (rows, fc1, _), _ in state.saved]
+            stash = [(rows.shape[0], rows.nbytes + fc1.nbytes + (0 if y is None else y.nbytes))
+                     for (rows, fc1, y), _ in state.saved]
             layer.finish_combine(x_TH, token, routing.probs_TK, state, shared_TH)
             regions = selector.transport(0).regions  # the twin's regions: a private buffer of REGIONS regions
             want = exchange_memory(world, routing.experts_TK.numel(), chunk_bounds(E // world, chunks), factor, H, F,
-                                   x_TH.element_size(), overflow_factor=overflow)
+                                   x_TH.element_size(), once, overflow)
+            wire = wire_region_bytes(world, T, K, chunk_bounds(E // world, chunks), factor, H, x_TH.element_size(),
+                                     overflow)
             out.append({"chunk_rows": [rows for rows, _ in stash], "stash_bytes": sum(b for _, b in stash),
                         "receive_rows": state.plan.routes.recv_rows, "regions_bytes": regions.local.buffer.nbytes,
-                        "want": want})
+                        "want": want, "wire_region_bytes": wire})
     finally:
         mesh.destroy()
     return out
 
 
 def test_info_exchange_memory_is_what_a_layer_call_allocates(rank_pool):
-    settings = [(None, 1, None), (None, 2, None), (1.5, 1, None), (1.5, 2, None), (1.25, 2, 0.5)]
+    settings = [(None, 1, None, False), (None, 2, None, False), (1.5, 1, None, False), (1.5, 2, None, False),
+                (1.25, 2, 0.5, False), (1.25, 2, 0.5, True)]
     for rank_sizes in rank_pool(8).run(allocated_sizes, settings):
-        for (factor, chunks, overflow), got in zip(settings, rank_sizes):
+        for (factor, chunks, overflow, once), got in zip(settings, rank_sizes):
             want = got["want"]
             assert got["chunk_rows"] == want.chunk_rows and sum(want.chunk_rows) * H * 4 == want.chunk_bytes
             assert got["stash_bytes"] == want.stash_bytes
+            if once:  # the regions hold wire rows (a token once per chunk and rank, its copies' places beside)
+                assert got["regions_bytes"] == REGIONS * (-(-got["wire_region_bytes"] // 256) * 256)  # aligned
+                continue
             assert got["receive_rows"] == want.receive_rows
             assert got["regions_bytes"] == REGIONS * want.region_bytes
             if factor is None:  # the worst case: every rank's copies per chunk

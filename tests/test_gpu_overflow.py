@@ -10,7 +10,8 @@ memory at least their allocated peak). The paged
 stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a pool of the worst case (never past) and of the
 balanced rows (past on the most loaded rank, run again); its pages in the sync check too. The overflow chunk
 (``overlap.moe_overflow_capacity_factor`` = EP, never past): the same overflow taken inside the step, graphed and eager
-with 2 chunks, no step run again, the same bf16 rule.
+with 2 chunks, and graphed with each token once per rank (its copies past the bound as rows of their own), no step
+run again, the same bf16 rule.
 
 The per-rank work is `gpu_case`, launched once under torchrun; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it
 runs on CPU gloo ranks, skipping the graphed layout and the sync check, which only CUDA runs.
@@ -62,7 +63,10 @@ def gpu_case(output_dir: str) -> dict:
                "in_graph_graphed": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
                                     "train.moe_cuda_graph": "true"},
                "in_graph_eager_chunks2": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
-                                          "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"}}
+                                          "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"},
+               # each token once per rank: the copies past the bound cross again as rows of their own
+               "in_graph_wire_graphed": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
+                                         "overlap.moe_dispatch_once_per_rank": "true", "train.moe_cuda_graph": "true"}}
     mesh, device = init_distributed(small_config(output_dir, world, global_batch, **bf16))
     runs, skipped = {}, {}
     for name, extra in layouts.items():
@@ -113,9 +117,9 @@ def test_overflow_runs_again_and_equals_single_process_bf16_on_every_gpu(tmp_pat
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
         assert not report["skipped"] and set(report["reruns"]) == {
             "overflow_graphed", "overflow_graphed_streams", "overflow_eager_chunks2", "paged_graphed",
-            "paged_overflow_graphed", "in_graph_graphed", "in_graph_eager_chunks2"}
+            "paged_overflow_graphed", "in_graph_graphed", "in_graph_eager_chunks2", "in_graph_wire_graphed"}
         assert all((reruns > 0) == ("overflow" in name) for name, reruns in report["reruns"].items()), report
-        assert all(report["overflow_rows"][name] > 0 for name in ("in_graph_graphed", "in_graph_eager_chunks2"))
+        assert all(report["overflow_rows"][name] > 0 for name in report["overflow_rows"] if name.startswith("in_graph"))
         assert report["syncs_checked"], report
         symmetric, peak, reserved = report["memory_gib"]
         assert 0 < symmetric < peak <= reserved, report["memory_gib"]
@@ -127,7 +131,7 @@ def test_overflow_dry_run_on_cpu_gloo(tmp_path):
     for report in launch_ranks(__file__, tmp_path, timeout_s=600, world=2, dry_run=True):
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
         assert set(report["skipped"]) == {"overflow_graphed", "overflow_graphed_streams", "paged_graphed",
-                                          "paged_overflow_graphed", "in_graph_graphed"}
+                                          "paged_overflow_graphed", "in_graph_graphed", "in_graph_wire_graphed"}
         assert report["reruns"]["overflow_eager_chunks2"] > 0
         assert report["reruns"]["in_graph_eager_chunks2"] == 0 and report["overflow_rows"]["in_graph_eager_chunks2"] > 0
 

@@ -144,7 +144,8 @@ def moe_cases(routing: str, topk: int, settings: list[dict], etp: int = 1,
 def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, planning: str = "auto",
                capacity: int | None = None, pad: bool = False, shared: str = "off", delay_wgrad: bool = False,
                etp: int = 1, force_pipeline: bool = False, once_per_rank: bool = False,
-               dispatch_dtype: str = "bf16", slices: int = 1) -> float:
+               dispatch_dtype: str = "bf16", slices: int = 1, bound: float | None = None,
+               overflow: float | None = None) -> float:
     """chunks 0 is the serial path; >= 1 the pipeline with that many chunks, its sizes planned by ``planning``
     (host, or device: on CPU the gloo twin of the SM push). shared: off, serial (shared expert outside the
     pipeline), overlap (beside the combine's transfers). ``force_pipeline``: run the pipeline at EP=1 too (a one-rank
@@ -152,7 +153,9 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
     planning mode, made over ``mesh``'s EP group for a mode it lacks. ``once_per_rank``:
     overlap.moe_dispatch_once_per_rank (the pipeline's wire rows). ``dispatch_dtype``: overlap.moe_dispatch_dtype;
     with fp8 the formula takes what crossed, each token's hidden state and output gradient dequantized from FP8
-    (no shared expert: it sees the rows as they are). ``slices``: overlap.moe_token_slices."""
+    (no shared expert: it sees the rows as they are). ``slices``: overlap.moe_token_slices. ``bound``, ``overflow``:
+    overlap.moe_expert_rank_capacity_factor and moe_overflow_capacity_factor (device planning; the overflow chunk
+    must take every row past the bound: no trainer here runs a step again)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=topk,
                       moe_pad_expert_input_to_capacity=pad,
@@ -161,8 +164,8 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
     overlap = OverlapConfig(moe_pipeline=chunks > 0, moe_pipeline_chunks=max(chunks, 1),
                             delay_wgrad_compute=delay_wgrad, moe_planning=planning,
                             moe_dispatch_once_per_rank=once_per_rank, moe_dispatch_dtype=dispatch_dtype,
-                            moe_token_slices=slices,
-                            moe_expert_rank_capacity_factor=None)  # exact here: no trainer runs an overflow again
+                            moe_token_slices=slices, moe_expert_rank_capacity_factor=bound,
+                            moe_overflow_capacity_factor=overflow)
     transports = None
     if chunks:
         if planning not in selectors:

@@ -68,16 +68,13 @@ def test_overflow_chunk_rules_are_one_line():
     pipe = ["overlap.moe_pipeline=true", "model.num_moe_experts=8", "model.moe_router_topk=4",
             "parallel.expert_model_parallel_size=2"]
     for overrides, fragment in (([f"{OVERFLOW}=0"], "must be > 0"),
-                                ([f"{OVERFLOW}=1.0"], f"needs {FACTOR}"),
-                                ([f"{OVERFLOW}=1.0", f"{FACTOR}=1.0", "overlap.moe_dispatch_once_per_rank=true"],
-                                 "not implemented yet")):
+                                ([f"{OVERFLOW}=1.0"], f"needs {FACTOR}")):
         with pytest.raises(ConfigError, match=fragment) as err:
             load_config(None, pipe + overrides)
         assert "\n" not in str(err.value)
-    # auto leaves each token once per rank off where the overflow chunk is asked for (top-4 turns it on otherwise)
-    assert load_config(None, pipe + [f"{FACTOR}=1.0"]).overlap.moe_dispatch_once_per_rank is True
+    # auto keeps each token once per rank (top-4 turns it on) where the overflow chunk is asked for: it takes wire rows
     cfg = load_config(None, pipe + [f"{FACTOR}=1.0", f"{OVERFLOW}=0.5"])
-    assert cfg.overlap.moe_dispatch_once_per_rank is False and cfg.overlap.moe_overflow_capacity_factor == 0.5
+    assert cfg.overlap.moe_dispatch_once_per_rank is True and cfg.overlap.moe_overflow_capacity_factor == 0.5
 
 
 def test_overflow_route_limit_kernel_matches_twin(monkeypatch):
@@ -234,6 +231,107 @@ def test_overflow_chunk_routes_take_the_rows_past_the_bound(chunks, overflow):
     assert (spare > 0) == (overflow < 1) and sum(int(p.overflow_rows) for p in plans) > 0
 
 
+def _wire_exchange(ranks: int, chunks: int, experts_STK: torch.Tensor, overflow: float) -> tuple[list, list, list]:
+    """Each token once per rank, factor 1.0 and an overflow chunk: every rank's device plan (each from every rank's
+    counts), its wire rows moved along the plans' routes in one process (to the experts, each chunk's copies
+    expanded, scaled by their expert's number and weighted by their probs, and back), and each rank's combined output
+    against the formula: the worst absolute error per rank, its overflow counters and whether any row of its went to
+    the spare row."""
+    from moe_overlap.kernels.permute import permute_backward, unpermute
+    from moe_overlap.layers.wire_rows import arrived_rows, copies_rows, dispatch_rows
+
+    experts, (tokens, topk) = 8, experts_STK.shape[1:]
+    group = [GroupHandle(ranks=list(range(ranks)), group=None, rank=rank, size=ranks) for rank in range(ranks)]
+    routings = [SimpleNamespace(experts_TK=experts_STK[r], keep_TK=None, capacity=None,
+                                tokens_per_expert_E=torch.bincount(experts_STK[r].flatten(), minlength=experts))
+                for r in range(ranks)]
+
+    def plan(rank: int, counts: _Counts):
+        return DevicePlanner(experts, group[rank], chunks, False, counts, CPU, H * 4, 1.0, once_per_rank=True,
+                             topk=topk, overflow_factor=overflow).plan(routings[rank])
+
+    gathered = []  # each rank's own counts first (what it gives the gather), then every plan from all of them
+    for rank in range(ranks):
+        own = _Counts(None)
+        own.gather_counts = lambda counts_X: gathered.append(counts_X) or counts_X.expand(ranks, -1)
+        plan(rank, own)
+    counts = [_Counts(torch.stack(gathered)) for _ in range(ranks)]
+    plans = [plan(rank, counts[rank]) for rank in range(ranks)]
+    g = torch.Generator().manual_seed(0)
+    x_STH, probs_STK = torch.randn(ranks, tokens, H, generator=g), torch.rand(ranks, tokens, topk, generator=g)
+    send = [dispatch_rows(x_STH[r], probs_STK[r], p.wire, lambda p=p: p.grouped_row_of_copy_TK).write()
+            for r, p in enumerate(plans)]
+    received = [send[0].new_zeros((p.routes.recv_rows, send[0].shape[1])) for p in plans]
+    spare = [False] * ranks
+    for r, p in enumerate(plans):
+        for start, rows in zip(p.routes.send_start_C.tolist(), p.routes.send_rows_C.tolist()):
+            for q in range(start, start + rows):
+                received[int(p.routes.dst_rank_R[q])][int(p.routes.dst_row_R[q])] = send[r][q]
+                spare[r] |= int(p.routes.dst_row_R[q]) == p.routes.recv_rows - 1
+    combined = [torch.zeros(p.routes.send_rows, H) for p in plans]
+    for d, p in enumerate(plans):
+        r = p.routes
+        for c, (first, last) in enumerate(p.chunk_experts):
+            start, count = int(r.recv_start_C[c]), r.recv_rows_C[c]
+            rows_WX = received[d].new_zeros((r.chunk_rows[c], received[d].shape[1]))
+            rows_WX[:int(count)] = received[d][start:start + int(count)]
+            arrived = arrived_rows(rows_WX, H, p.wire.copies, p.offsets[c], count)
+            y_RH = copies_rows(arrived.x_WH, arrived.grouped_row_WJ, p.grouped_rows[c], False, p.offsets[c][-1:])
+            ends = [0] + p.offsets[c].tolist()
+            for e in range(first, last):
+                y_RH[ends[e - first]:ends[e - first + 1]] *= d * experts // ranks + e + 1
+            back_WH = unpermute(y_RH, arrived.grouped_row_WJ, arrived.probs_WJ)
+            for q in range(int(count)):
+                combined[int(r.back_rank_W[start + q])][int(r.back_row_W[start + q])] = back_WH[q]
+    errors = []
+    for r, p in enumerate(plans):
+        want_TH = (probs_STK[r, :, :, None] * x_STH[r, :, None] * (experts_STK[r, :, :, None] + 1)).sum(1)
+        errors.append(float((permute_backward(combined[r], p.wire.row_TC) - want_TH).abs().max()))
+    return errors, [(int(c.overflow_rows), int(c.unplaced_rows)) for c in counts], spare
+
+
+@pytest.mark.parametrize("ranks,chunks,topk", [(2, 1, 2), (2, 2, 3), (2, 4, 2), (4, 1, 2), (4, 2, 4)])
+def test_overflow_chunk_wire_routes_deliver_every_copy(ranks, chunks, topk):
+    """Each token once per rank, skewed routing, factor 1.0: the copies past their chunk's bound cross again as rows
+    of their own to the overflow chunk, and every token's output, summed from its wire rows and those rows, is the
+    formula's, on every rank, once the overflow chunk takes them all (EP x R rows). With a small overflow chunk
+    (0.1 x R) the rows it cannot take are counted, and a wire row past its bound (in the spare row: it never comes
+    back) is only ever seen where some copy was counted too, so that the step runs again."""
+    g = torch.Generator().manual_seed(ranks * 10 + chunks)
+    weights = torch.tensor([1.0, 1, 3, 1, 5, 1, 2, 1])
+    experts_STK = torch.stack([torch.stack([torch.multinomial(weights, topk, generator=g) for _ in range(16)])
+                               for _ in range(ranks)])
+    errors, counters, spare = _wire_exchange(ranks, chunks, experts_STK, float(ranks))
+    assert max(errors) < 1e-5 and not any(spare), (errors, spare)
+    assert all(unplaced == 0 for _, unplaced in counters) and sum(rows for rows, _ in counters) > 0, counters
+    errors, counters, spare = _wire_exchange(ranks, chunks, experts_STK, 0.1)
+    unplaced = sum(u for _, u in counters)
+    assert unplaced > 0 or (max(errors) < 1e-5 and not any(spare)), (errors, counters, spare)
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["copies", "wire_rows"])
+def test_overflow_chunk_layer_through_the_push_kernel_equals_the_formula(monkeypatch, once):
+    """One rank, the pipeline forced on, the SM push kernel and copy-out interpreted, factor 1.0 on random routing:
+    the overflow chunk (1.0 x R) takes every row past the bound, and the layer's output, input, prob and weight
+    gradients are the formula's (1e-5), at 2 and 4 chunks, each token once per rank or not (then also with FP8
+    dispatch: the formula takes the dequantized rows)."""
+    from tests.test_moe_layer import OneRankTransports, moe_case
+
+    class Counting(OneRankTransports):
+        rows = unplaced = 0
+
+        def count_overflow(self, rows: torch.Tensor, unplaced: torch.Tensor | None = None) -> None:
+            self.rows, self.unplaced = self.rows + int(rows), self.unplaced + int(unplaced)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    selector = Counting("sm_push")
+    settings = [dict(chunks=2), dict(chunks=4)] + ([dict(chunks=4, dispatch_dtype="fp8")] if once else [])
+    for setting in settings:
+        assert moe_case("random", 2, planning="device", force_pipeline=True, selectors={"device": selector},
+                        once_per_rank=once, bound=1.0, overflow=1.0, **setting) < 1e-5, setting
+    assert selector.rows > 0 and selector.unplaced == 0
+
+
 # ------------------------------------------------------------------ training steps, gloo ranks
 def _grads_and_metrics(trainer: Trainer, steps: int) -> list[tuple[dict, dict]]:
     out = []
@@ -283,7 +381,7 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
     else:
         want, got = runs
         for (m, grads), (r, want_grads) in zip(got, want):
-            assert m["step"] == r["step"] and m["tokens_per_expert"] == r["tokens_per_expert"]
+            assert m["step"] == r["step"] and m["tokens_per_expert"] == r["tokens_per_expert"], (m, r)
             worst = max(worst, abs(m["loss"] - r["loss"]) / abs(r["loss"]),
                         abs(m["grad_norm"] - r["grad_norm"]) / r["grad_norm"],
                         *(rel_err(grads[k], want_grads[k]) for k in want_grads))
@@ -400,16 +498,37 @@ def test_overflow_chunk_takes_the_overflow_in_the_step(rank_pool, tmp_path, worl
     _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, bounded, both), True, in_graph=True)
 
 
+ONCE = {"overlap.moe_dispatch_once_per_rank": "true"}
+
+
+@pytest.mark.parametrize("world,both", [
+    (2, {}), (2, {"model.moe_router_topk": 4, "overlap.delay_wgrad_compute": "true"}),
+    (4, {"overlap.moe_pipeline_chunks": 2, "train.use_distributed_optimizer": "true"}),
+    (8, {}),
+], ids=["ep2", "ep2_top4_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
+def test_overflow_chunk_takes_wire_rows_overflow_in_the_step(rank_pool, tmp_path, world, both):
+    """Each token once per rank: the copies past their chunk's bound leave their wire rows and cross again as rows
+    of their own to the overflow chunk (EP x R rows: never exceeded); no step runs again, and the losses and every
+    gradient are the host-planned run's."""
+    bounded = {FACTOR: 1.0, OVERFLOW: float(world)}
+    _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, bounded, {**ONCE, **both}), True,
+           in_graph=True)
+
+
 @pytest.mark.parametrize("both,bounded", [
     ({"overlap.moe_token_slices": 2}, {}),
     ({"overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2}, {}),
     ({"overlap.moe_pipeline_chunks": 2}, {"overlap.moe_paged_stash_factor": 2.0}),
     ({"train.pipeline_schedule": "zb_h1", "parallel.pipeline_model_parallel_size": 2, "model.num_layers": 4,
       "model.moe_layer_freq": "[0,1,1,1]"}, {}),
-], ids=["token_slices", "paired", "paged_stash", "zb_h1_deferred_wgrad"])
+    ({**ONCE, "overlap.moe_token_slices": 2}, {}),
+    ({**ONCE, "overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2},
+     {"overlap.moe_paged_stash_factor": 2.0}),
+], ids=["token_slices", "paired", "paged_stash", "zb_h1_deferred_wgrad", "wire_token_slices", "wire_paired_paged"])
 def test_overflow_chunk_with_every_schedule_equals_host_planned(rank_pool, tmp_path, both, bounded):
     """The overflow chunk under token slices, paired micro-batches, the paged stash (its stash in pages too) and
-    ZB-H1's deferred weight gradients (PP=2 x EP=2): no re-run, the host-planned run's steps."""
+    ZB-H1's deferred weight gradients (PP=2 x EP=2), and with each token once per rank: no re-run, the host-planned
+    run's steps."""
     world = 4 if "parallel.pipeline_model_parallel_size" in both else 2
     results = rank_pool(world).run(overflow_case, str(tmp_path), 2, 2, {FACTOR: 1.0, OVERFLOW: 2.0, **bounded}, both)
     _check(results, True, in_graph=True)

@@ -81,8 +81,6 @@ def once_per_rank_gap(m: ModelConfig, p: ParallelConfig, o: OverlapConfig) -> st
         return "model.moe_pad_expert_input_to_capacity=true"
     if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
         return "expert_tensor_parallel_size > 1"
-    if o.moe_overflow_capacity_factor is not None:
-        return "overlap.moe_overflow_capacity_factor (its chunk takes token copies, not wire rows)"
     return None
 
 

@@ -35,6 +35,14 @@ call stays inside its CUDA graph at the cost of one more GEMM. Only rows past th
 row and make the step run again. Each row meets the same weights; an expert's weight gradient is then summed from
 two runs of its rows.
 
+With wire rows (each token once per rank, wire_rows.py) a copy past its chunk's bound leaves its wire row (which still
+carries the token's other copies) and crosses again as a row of its own, one copy, after this rank's wire rows (at
+most the overflow chunk's rows a rank sends; the first ones of each block in slot order); the output comes back to
+that row and the token sums it with its wire rows'. A chunk's wire rows may then pass their own bound (they follow
+the copies past it): they share the overflow chunk's room in the receive buffer, so that the buffer does not grow,
+and every wire row fits wherever every copy found a place (a wire row that does not, never comes back: a copy there
+was counted, and the step runs again).
+
 Letters: E global experts, L local experts, S source rank, D destination rank, B a slot's block (an expert's
 rows in the permuted order), C chunk, R permuted rows, W compact receive rows.
 """
@@ -42,7 +50,7 @@ rows in the permuted order), C chunk, R permuted rows, W compact receive rows.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -94,6 +102,12 @@ class _Layout:
     chunk_of_expert: torch.Tensor
     bound_C: torch.Tensor  # each chunk's static rows
     overflow_bound: int = 0  # the overflow chunk's static rows (0: none)
+    # wire rows: each source sends at most this many overflow rows, as their own rows after its wire rows (0: the
+    # overflow rows travel with their chunks' rows, no cap)
+    send_cap: int = 0
+    slot_of_expert: torch.Tensor | None = None  # (with send_cap) the planner's table
+    receive_start_D: torch.Tensor | None = None  # (wire rows) the overflow chunk's first row: after the wire rows
+    room_D: torch.Tensor | None = None  # (wire rows) the receive buffer's rows the wire rows left the overflow chunk
 
     @cached_property
     def blocks_SB(self) -> torch.Tensor:  # every source's permuted blocks, in slot order
@@ -118,17 +132,37 @@ class _Layout:
         return torch.minimum(self.rows_DLS, (bound_DLS - self.within_DLS).clamp(min=0))
 
     @cached_property
+    def over_SB(self) -> torch.Tensor:  # every source's rows past the bound that it sends, per block in slot order
+        D, L, S = self.rows_DLS.shape
+        over_SB = (self.rows_DLS - self.fit_DLS).permute(2, 0, 1).reshape(S, D * L)[:, self.expert_of_slot]
+        if not self.send_cap:
+            return over_SB
+        return torch.minimum(over_SB, (self.send_cap - exclusive_cumsum(over_SB)).clamp(min=0))  # the first ones
+
+    @cached_property
+    def over_send_start_SB(self) -> torch.Tensor:  # (send_cap) each block's first overflow row in its source's run
+        return exclusive_cumsum(self.over_SB)
+
+    @cached_property
+    def over_DLS(self) -> torch.Tensor:  # each block's rows that its source sends past the bound
+        if not self.send_cap:
+            return self.rows_DLS - self.fit_DLS
+        D, L, S = self.rows_DLS.shape
+        return self.over_SB[:, self.slot_of_expert].view(S, D, L).permute(1, 2, 0)
+
+    @cached_property
     def over_within_DLS(self) -> torch.Tensor:  # each block's first row past its bound within the overflow chunk
         D, L, S = self.rows_DLS.shape
-        return exclusive_cumsum((self.rows_DLS - self.fit_DLS).reshape(D, L * S)).view(D, L, S)
+        return exclusive_cumsum(self.over_DLS.reshape(D, L * S)).view(D, L, S)
 
     @cached_property
     def over_start_D(self) -> torch.Tensor:  # the overflow chunk's first row: after the chunks' kept rows
-        return self.kept_DC.sum(1)
+        return self.kept_DC.sum(1) if self.receive_start_D is None else self.receive_start_D
 
     @cached_property
-    def over_kept_D(self) -> torch.Tensor:  # the overflow chunk's rows that fit its bound
-        return torch.clamp((self.arrived_DC - self.kept_DC).sum(1), max=self.overflow_bound)
+    def over_kept_D(self) -> torch.Tensor:  # the overflow chunk's rows that fit its bound (and room)
+        kept_D = torch.clamp(self.over_DLS.sum((1, 2)), max=self.overflow_bound)
+        return kept_D if self.room_D is None else torch.minimum(kept_D, self.room_D)
 
     @cached_property
     def over_limit_D(self) -> torch.Tensor:
@@ -168,6 +202,14 @@ def wire_chunk_rows(ranks: int, rows: int, tokens: int, chunk_experts: list[tupl
     return [min(bound, ranks * tokens) for bound in chunk_bounds_rows(ranks, rows, chunk_experts, factor)]
 
 
+def wire_receive_rows(ranks: int, rows: int, tokens: int, chunk_experts: list[tuple[int, int]],
+                      factor: float | None, overflow_factor: float | None = None) -> int:
+    """moe_dispatch_once_per_rank: static rows of the compact receive buffer of wire rows: the chunks' wire rows
+    (:func:`wire_chunk_rows`), the overflow chunk's rows (one copy each), the spare row."""
+    return (sum(wire_chunk_rows(ranks, rows, tokens, chunk_experts, factor))
+            + overflow_chunk_rows(ranks, rows, overflow_factor) + 1)
+
+
 def region_rows(receive_rows: int, permuted_rows: int) -> int:
     """Rows each of the transport's symmetric regions holds for a layer call: the compact receive buffer
     (dispatch) or a permuted buffer (combine: every row back at its source), whichever is larger."""
@@ -184,8 +226,8 @@ class DevicePlanner(Planner):
                  overflow_factor: float | None = None):
         super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes, once_per_rank, topk)
         self.capacity_factor = capacity_factor  # overlap.moe_expert_rank_capacity_factor; None: the worst case
-        # overlap.moe_overflow_capacity_factor: None, no overflow chunk (needs a bound; copies only, not wire rows)
-        self.overflow_factor = overflow_factor if capacity_factor is not None and not once_per_rank else None
+        # overlap.moe_overflow_capacity_factor: None, no overflow chunk (it needs a bound)
+        self.overflow_factor = overflow_factor if capacity_factor is not None else None
         ranks, bounds = ep.size, self.chunk_experts
         self.rank_of_slot = (self.expert_of_slot // self.local).to(torch.int32)
         self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(self.local)  # (l, s)
@@ -224,11 +266,16 @@ class DevicePlanner(Planner):
 
     def wire_bounds(self, rows: int, tokens: int) -> tuple[list[int], torch.Tensor, int]:
         """moe_dispatch_once_per_rank: each chunk's static wire rows (:func:`wire_chunk_rows`), and the compact
-        receive buffer's rows, the spare last."""
+        receive buffer's rows: theirs, the overflow chunk's (if any), the spare last."""
         key = (False, rows, tokens)
         if key not in self._bounds:
-            chunk_rows = wire_chunk_rows(self.ep.size, rows, tokens, self.chunk_experts, self.capacity_factor)
-            self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), sum(chunk_rows) + 1)
+            W = wire_receive_rows(self.ep.size, rows, tokens, self.chunk_experts, self.capacity_factor,
+                                  self.overflow_factor)
+            # with the overflow chunk a chunk's wire rows may pass their bound by its rows: they share its room
+            over = overflow_chunk_rows(self.ep.size, rows, self.overflow_factor)
+            chunk_rows = [min(self.ep.size * tokens, bound + over) for bound in
+                          wire_chunk_rows(self.ep.size, rows, tokens, self.chunk_experts, self.capacity_factor)]
+            self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), W)
         return self._bounds[key]
 
     def plan(self, routing: Routing) -> DevicePlan:
@@ -252,27 +299,101 @@ class DevicePlanner(Planner):
 
     def _wire_plan(self, routing: Routing) -> DevicePlan:
         """moe_dispatch_once_per_rank: the copies' layout bounds the grouped tensors, places every copy and counts
-        the overflow; the routes move wire rows within their own bounds (:func:`wire_chunk_rows`)."""
+        the overflow; the routes move wire rows within their own bounds (:func:`wire_chunk_rows`). With the
+        overflow chunk, the copies past their chunk's bound cross again as rows of their own (:meth:`_wire_overflow`)."""
         E, T = self.num_experts, routing.experts_TK.shape[0]
         R = self.permuted_rows(routing)
-        chunk_rows, bound_C, _ = self.bounds(False, R)
+        chunk_rows, bound_C, _ = self.bounds(False, R)  # ends with the overflow chunk's rows where there is one
+        over = chunk_rows[-1] if self.overflow_factor is not None else 0
         wire = self.wire_rows(routing)
         wire_chunk_rows, wire_bound_C, W = self.wire_bounds(R, T)
-        transport = self.transports.transport(region_rows(W, wire.num_rows) * self.wire_bytes)
+        transport = self.transports.transport(region_rows(W, wire.num_rows + over) * self.wire_bytes)
         counts_SX = transport.gather_counts(torch.cat((routing.tokens_per_expert_E, wire.counts_V)))
         counts_SE, wire_SV = counts_SX[:, :E].contiguous(), counts_SX[:, E:].contiguous()
         row_of_copy_TK = self.permute_copies(routing)
         self._check_rows(counts_SE, R)
-        layout = self.layout(counts_SE, bound_C)
-        kept_E = layout.kept_DC[:, self.chunk_of_expert].reshape(E)
-        grouped_TK = self.grouped_row_of_copies(counts_SE, row_of_copy_TK, routing.experts_TK, kept_E,
-                                                layout.within_DLS)
         targets = self.targets
-        wire_layout = targets.layout(wire_SV, wire_bound_C)
-        routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
-        return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
-                          transport, self._count_overflow(layout), wire, grouped_TK, chunk_rows,
-                          self.capacity_factor is None)
+        wire_layout = targets.layout(wire_SV, wire_bound_C, total_rows=W - 1)
+        if not over:
+            layout = self.layout(counts_SE, bound_C)
+            kept_E = layout.kept_DC[:, self.chunk_of_expert].reshape(E)
+            grouped_TK = self.grouped_row_of_copies(counts_SE, row_of_copy_TK, routing.experts_TK, kept_E,
+                                                    layout.within_DLS)
+            routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
+            return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
+                              transport, self._count_overflow(layout), wire, grouped_TK, chunk_rows,
+                              self.capacity_factor is None)
+        wire_rows_D = wire_layout.kept_DC.sum(1)  # a destination's overflow chunk: after its wire rows, in the room
+        layout = self.layout(counts_SE, bound_C, over, send_cap=over, receive_start_D=wire_rows_D,  # they left
+                             room_D=W - 1 - wire_rows_D)
+        grouped_TK, sent = self._wire_overflow(layout, wire, row_of_copy_TK, routing.experts_TK, counts_SE)
+        routes = self._wire_overflow_routes(layout, targets.routes(wire_layout, sent.num_rows, W, wire_chunk_rows),
+                                            wire.num_rows)
+        return DevicePlan(row_of_copy_TK, sent.num_rows, True, self.chunk_experts + [(0, self.local)], routes,
+                          self.offsets(layout), transport, self._count_overflow(layout), sent, grouped_TK,
+                          chunk_rows, False, overflow_chunk=True)
+
+    def _wire_overflow(self, lay: _Layout, wire: WireRows, row_of_copy_TK: torch.Tensor, experts_TK: torch.Tensor,
+                       counts_SE: torch.Tensor) -> tuple[torch.Tensor, WireRows]:
+        """Wire rows with the overflow chunk: a copy past its chunk's bound leaves its wire row (which may still
+        carry the token's other copies) and crosses as a row of its own, one copy each, after the wire rows (at
+        most ``lay.send_cap`` a rank: each block's first ones), to the destination's overflow chunk in (local
+        expert, source) order. Returns each copy's grouped row (in its chunk's tensor, or in the overflow chunk's;
+        -1: dropped, or placed by no bound), and the wire rows with the overflow rows after them (a token's rows and
+        its copies' rows and slots now name them)."""
+        E, me, base, cap = self.num_experts, self.ep.rank, wire.num_rows, lay.send_cap
+        T, K = experts_TK.shape
+        grouped_TK = self.grouped_row_of_copies(counts_SE, row_of_copy_TK, experts_TK, None, lay.within_DLS).long()
+        expert_TK = experts_TK.long().clamp(0, E - 1)
+
+        def mine(table_DLS: torch.Tensor) -> torch.Tensor:  # each copy's block's value (this rank the source)
+            return table_DLS[:, :, me].reshape(E)[expert_TK]
+
+        past_TK = grouped_TK - mine(lay.within_DLS) - mine(lay.fit_DLS)  # its place past the bound (< 0: fits)
+        kept_TK = grouped_TK >= 0
+        fits_TK = kept_TK & (past_TK < 0)
+        sent_TK = kept_TK & (past_TK >= 0) & (past_TK < mine(lay.over_DLS))
+        over_row_TK = mine(lay.over_within_DLS) + past_TK
+        placed_TK = sent_TK & (over_row_TK < lay.over_kept_D[expert_TK // self.local])  # within its room there
+        grouped_TK = torch.where(fits_TK, grouped_TK, torch.where(placed_TK, over_row_TK, -1)).to(torch.int32)
+        send_row_TK = base + lay.over_send_start_SB[me][self.slot_of_expert[expert_TK]] + past_TK
+        row_TK = torch.where(sent_TK, send_row_TK, base + cap)  # not sent: the spare
+        token_of_row_R = torch.zeros(base + cap + 1, dtype=wire.token_of_row_R.dtype, device=self.device)
+        token_of_row_R[:base] = wire.token_of_row_R
+        token_of_row_R.scatter_(0, row_TK.reshape(-1), torch.arange(T, dtype=token_of_row_R.dtype,
+                                                                    device=self.device).repeat_interleave(K))
+        row_of_copy = torch.where(wire.row_of_copy_TK < base, wire.row_of_copy_TK, base + cap)  # dropped: the spare
+        sent = replace(wire, row_TC=torch.cat((wire.row_TC, torch.where(sent_TK, row_TK, -1).to(wire.row_TC.dtype)), 1),
+                       token_of_row_R=token_of_row_R[:base + cap], row_of_copy_TK=torch.where(sent_TK, row_TK, row_of_copy),
+                       slot_TK=torch.where(sent_TK, 0, wire.slot_TK), num_rows=base + cap)
+        return grouped_TK, sent
+
+    def _wire_overflow_routes(self, lay: _Layout, routes: DeviceRoutes, base: int) -> DeviceRoutes:
+        """The wire rows' routes with the overflow chunk's after them: this rank's overflow rows (send rows from
+        ``base``, block by block in slot order) to their destinations' overflow chunks (past its bound: the spare
+        row), and its own overflow chunk's rows back to their sources' overflow rows."""
+        E, me, L, W = self.num_experts, self.ep.rank, self.local, routes.recv_rows
+        rows_B = lay.over_SB[me]
+        send_start_B = base + lay.over_send_start_SB[me]
+        dst_rank_B = self.rank_of_slot.long()
+        dst_start_B = lay.over_start_D[dst_rank_B] + lay.over_within_DLS[:, :, me].reshape(E)[self.expert_of_slot]
+        fill_routes(send_start_B, rows_B, self.rank_of_slot, dst_start_B, routes.dst_rank_R, routes.dst_row_R,
+                    lay.over_limit_D[dst_rank_B], W - 1)
+        limit = lay.over_limit_D[me]
+        recv_start_LS = torch.minimum(lay.over_start_D[me] + lay.over_within_DLS[me].reshape(-1), limit)
+        recv_rows_LS = torch.minimum(recv_start_LS + lay.over_DLS[me].reshape(-1), limit) - recv_start_LS
+        back_start_LS = base + lay.over_send_start_SB[:, self.slot_of_expert[me * L:(me + 1) * L]].T.reshape(-1)
+        fill_routes(recv_start_LS, recv_rows_LS, self.source_of_block, back_start_LS, routes.back_rank_W,
+                    routes.back_row_W)
+
+        def then(values_C: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            return torch.cat((values_C, value.reshape(1).to(values_C.dtype)))
+
+        return replace(routes, send_start_C=then(routes.send_start_C, routes.send_start_C.new_full((1,), base)),
+                       send_rows_C=then(routes.send_rows_C, rows_B.sum()),
+                       recv_start_C=then(routes.recv_start_C, lay.over_start_D[me]),
+                       recv_rows_C=then(routes.recv_rows_C, lay.over_kept_D[me]),
+                       chunk_rows=routes.chunk_rows + [lay.overflow_bound])
 
     def _check_rows(self, counts_SE: torch.Tensor, R: int) -> None:
         # Static sizes assume one micro-batch shape on every EP rank; checked on the device.
@@ -288,15 +409,20 @@ class DevicePlanner(Planner):
         self.transports.count_overflow(overflow_rows, unplaced)
         return overflow_rows
 
-    def layout(self, counts_SE: torch.Tensor, bound_C: torch.Tensor, overflow_bound: int = 0) -> _Layout:
+    def layout(self, counts_SE: torch.Tensor, bound_C: torch.Tensor, overflow_bound: int = 0,
+               total_rows: int | None = None, **wire) -> _Layout:
         """Every destination's compact layout: its chunks follow each other, each holding its rows up to its
-        bound, then the overflow chunk (``overflow_bound`` rows; 0: none)."""
+        bound (and all of them up to ``total_rows``, if given), then the overflow chunk (``overflow_bound`` rows; 0:
+        none; ``wire``: its fields under wire rows, see _Layout)."""
         rows_DLS, within_DLS, first_row_DC = self.grouped_blocks(counts_SE)
         end_DL = torch.cumsum(rows_DLS.sum(2), 1)
         arrived_DC = end_DL[:, self.last_expert] - first_row_DC
         kept_DC = torch.minimum(arrived_DC, bound_C)
+        if total_rows is not None:  # the chunks' rows before the total's
+            kept_DC = torch.minimum(kept_DC, (total_rows - exclusive_cumsum(kept_DC)).clamp(min=0))
         return _Layout(counts_SE, rows_DLS, within_DLS, end_DL, first_row_DC, arrived_DC, kept_DC,
-                       exclusive_cumsum(kept_DC), self.expert_of_slot, self.chunk_of_expert, bound_C, overflow_bound)
+                       exclusive_cumsum(kept_DC), self.expert_of_slot, self.chunk_of_expert, bound_C, overflow_bound,
+                       slot_of_expert=self.slot_of_expert, **wire)
 
     def routes(self, lay: _Layout, R: int, W: int, chunk_rows: list[int]) -> DeviceRoutes:
         E, me, L = self.num_experts, self.ep.rank, self.local
@@ -352,8 +478,7 @@ class DevicePlanner(Planner):
         recv_start_LS, fitting_LS, source_LS, back_start_LS = back_LS
         limit = lay.over_limit_D[me]
         over_start_LS = torch.minimum(lay.over_start_D[me] + lay.over_within_DLS[me].reshape(-1), limit)
-        over_LS = torch.minimum(over_start_LS + (lay.rows_DLS[me] - lay.fit_DLS[me]).reshape(-1), limit) \
-            - over_start_LS
+        over_LS = torch.minimum(over_start_LS + lay.over_DLS[me].reshape(-1), limit) - over_start_LS
         back_LS = (torch.cat((recv_start_LS, over_start_LS)), torch.cat((fitting_LS, over_LS)),
                    source_LS.repeat(2), torch.cat((back_start_LS, back_start_LS + fitting_LS)))
         return block_B, back_LS
@@ -365,6 +490,6 @@ class DevicePlanner(Planner):
                                   lay.kept_DC[me, self.chunk_of_expert]).to(torch.int32)
         offsets = [offsets_L[start:stop] for start, stop in self.chunk_experts]
         if lay.overflow_bound:
-            over_L = (lay.rows_DLS[me] - lay.fit_DLS[me]).sum(1)
+            over_L = lay.over_DLS[me].sum(1)
             offsets.append(torch.minimum(torch.cumsum(over_L, 0), lay.over_kept_D[me]).to(torch.int32))
         return offsets

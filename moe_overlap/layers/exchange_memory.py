@@ -19,7 +19,7 @@ from moe_overlap.config.defaults import pairs_on_streams
 from moe_overlap.distributed.a2a import REGIONS
 from moe_overlap.exchange_rules import choose_exchange
 from moe_overlap.layers.device_plan import (chunk_bounds_rows, overflow_chunk_rows, receive_rows, region_rows,
-                                            wire_chunk_rows)
+                                            wire_receive_rows)
 from moe_overlap.layers.exchange_plan import chunk_bounds
 from moe_overlap.layers.paged_stash import aligned_bytes, page_rows_for, stash_pages
 from moe_overlap.layers.wire_rows import copies_per_wire_row, wire_row_bytes
@@ -66,11 +66,14 @@ def exchange_memory(ranks: int, rows: int, chunk_experts: list[tuple[int, int]],
 
 
 def wire_region_bytes(ranks: int, tokens: int, topk: int, chunk_experts: list[tuple[int, int]],
-                      factor: float | None, hidden: int, element_bytes: int) -> int:
+                      factor: float | None, hidden: int, element_bytes: int,
+                      overflow_factor: float | None = None) -> int:
     """moe_dispatch_once_per_rank: each symmetric region of the device-planned exchange, in bytes: its compact
-    receive buffer of wire rows, or a rank's T x min(k, chunks x EP) wire rows back, of the widest wire row."""
-    received = sum(wire_chunk_rows(ranks, tokens * topk, tokens, chunk_experts, factor)) + 1
-    sent = tokens * min(topk, len(chunk_experts) * ranks)
+    receive buffer of wire rows, or a rank's T x min(k, chunks x EP) wire rows back (and its overflow rows, with the
+    overflow chunk), of the widest wire row."""
+    overflow_factor = overflow_factor if factor is not None else None
+    received = wire_receive_rows(ranks, tokens * topk, tokens, chunk_experts, factor, overflow_factor)
+    sent = tokens * min(topk, len(chunk_experts) * ranks) + overflow_chunk_rows(ranks, tokens * topk, overflow_factor)
     return region_rows(received, sent) * wire_row_bytes(hidden * element_bytes,
                                                         copies_per_wire_row(topk, chunk_experts))
 
@@ -150,7 +153,8 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
                      f"{sizes[-1].chunk_rows[-1]:,} rows too")
     if o.moe_dispatch_once_per_rank:  # the chunk tensors and the stash stay the copies'
         regions = [_size(wire_region_bytes(ep, rows // m.moe_router_topk, m.moe_router_topk, chunk_experts, factor,
-                                           m.hidden_size, DTYPES[cfg.train.precision].itemsize)) for factor in factors]
+                                           m.hidden_size, DTYPES[cfg.train.precision].itemsize,
+                                           o.moe_overflow_capacity_factor)) for factor in factors]
         lines.append(f"  overlap.moe_dispatch_once_per_rank: symmetric regions of wire rows {REGIONS} x "
                      + " / ".join(regions))
     lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs"
