@@ -65,6 +65,7 @@
 #   bash benchmarks/evidence_gpu.sh overflow_chunk4 OUT # the fine layer with overflow chunks of 0.25 and 0.03
 #   bash benchmarks/evidence_gpu.sh memory_peak3 OUT # the FP8 GPU tests, the fine model's peaks (bf16, rowwise)
 #   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
+#   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_chunk_ep2 OUT # (not run yet) the overflow chunk in a training step at
 #                                                  #   EP=2 (overflow_chunk_ep4: EP=4): GPU test, corpus, balanced
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
@@ -2642,6 +2643,17 @@ PY
     export CUDA_VISIBLE_DEVICES=0
     overflow_chunk_run fine chunks4_wire --overflow 1.0 --once-per-rank
     overflow_chunk_run fine chunks4_wire_overflow0.25 --overflow 0.25 --once-per-rank --profile 3
+    ;;
+  overflow_wire2)  # overflow_wire1: an empty overflow chunk cost 8% (0.25) and 16% (1.0) of the wire-row layer,
+    # growing with its static rows: the row kernels passed over every static row (the scatter read each source row,
+    # the gather-sum ran its copies' loop) where no copy was; now a row without a copy is skipped. The row kernels'
+    # and the MoE layers' GPU tests, then overflow_wire1's runs again (predicted: most of the growth gone)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_gpu_moe.py \
+      tests/test_gpu_dispatch_once_per_rank.py 2>&1 | tail -n 3 | tee "$out/gpu_tests_overflow_wire2_1x$gpu.txt"
+    cp "$out/gpu_tests_overflow_wire2_1x$gpu.txt" $res/
+    overflow_chunk_run fine chunks4_wire_skip --overflow 1.0 --once-per-rank
+    overflow_chunk_run fine chunks4_wire_skip_overflow0.25 --overflow 0.25 --once-per-rank --profile 3
     ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,

@@ -89,6 +89,7 @@ if HAVE_TRITON:
         # scale (kernels/fp8_quant.quantize_rows of the written row, bit for bit), from the token row's amax (a first
         # pass; the second reads the row from L2): a copy row is probs[t, k] * src[t] rounded to out's dtype, and
         # both roundings are monotone, so its amax is that of the token's amax times probs[t, k], rounded alike.
+        # A token without a valid copy reads nothing (a static buffer's rows past the ones received: wire rows).
         t = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, K_PAD)
         rows = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
@@ -98,9 +99,10 @@ if HAVE_TRITON:
         if DOT:
             dot = tl.full((K_PAD,), 0.0, tl.float32)
         hh0 = tl.arange(0, BLOCK_H)
+        H_live = tl.where(tl.reduce(valid.to(tl.int32), 0, max_combine) > 0, H, 0)  # no copy: no pass over the row
         if QUANT:
             amax_H = tl.full((BLOCK_H,), 0.0, tl.float32)
-            for h0 in range(0, H, BLOCK_H):
+            for h0 in range(0, H_live, BLOCK_H):
                 v = tl.load(src_ptr + t * stride_src + h0 + hh0, mask=h0 + hh0 < H, other=0.0)
                 amax_H = tl.maximum(amax_H, tl.abs(v.to(tl.float32)))
             amax_K = tl.full((K_PAD,), 0.0, tl.float32) + tl.reduce(amax_H, 0, max_combine)
@@ -109,7 +111,7 @@ if HAVE_TRITON:
             amax_K = tl.maximum(amax_K, _AMAX_FLOOR)
             tl.store(scale_ptr + rows, tl.math.div_rn(amax_K, _FP8_MAX), mask=valid)
             inverse_K = tl.math.div_rn(_FP8_MAX, amax_K)
-        for h0 in range(0, H, BLOCK_H):
+        for h0 in range(0, H_live, BLOCK_H):
             hh = h0 + hh0
             hm = hh < H
             m = valid[:, None] & hm[None, :]
@@ -136,23 +138,28 @@ if HAVE_TRITON:
         # The copies one row at a time, unrolled (every load in flight at once, no reduction across warps): at the
         # copy's speed where a (K_PAD, BLOCK_H) tile reduced over K ran 1.7x (all K valid) to 4.2x (2 of 8 valid,
         # each token once per rank) slower (1xH100, benchmarks/results/step_kernels_rows_1xh100.json).
+        # A token without a valid copy only writes its zeros (a static buffer's rows past the ones received).
         t = tl.program_id(0).to(tl.int64)
         hh0 = tl.arange(0, BLOCK_H)
+        kk = tl.arange(0, K_PAD)
+        rows_K = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
+        has_copies = tl.reduce(((rows_K >= 0) & (rows_K < R)).to(tl.int32), 0, max_combine) > 0
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + hh0
             hm = hh < H
             acc = tl.full((BLOCK_H,), 0.0, tl.float32)
-            for k in tl.static_range(K_PAD):
-                row = tl.load(rows_ptr + t * K + k, mask=k < K, other=-1).to(tl.int64)
-                ok = (row >= 0) & (row < R)
-                m = hm & ok
-                raw = tl.load(src_ptr + row * stride_src + hh, mask=m, other=0.0)
-                if COPY:
-                    tl.store(copy_ptr + row * stride_copy + hh, raw, mask=m)
-                v = raw.to(tl.float32)
-                if HAS_PROBS:
-                    v = v * tl.load(probs_ptr + t * K + k, mask=ok, other=0.0).to(tl.float32)
-                acc += v
+            if has_copies:
+                for k in tl.static_range(K_PAD):
+                    row = tl.load(rows_ptr + t * K + k, mask=k < K, other=-1).to(tl.int64)
+                    ok = (row >= 0) & (row < R)
+                    m = hm & ok
+                    raw = tl.load(src_ptr + row * stride_src + hh, mask=m, other=0.0)
+                    if COPY:
+                        tl.store(copy_ptr + row * stride_copy + hh, raw, mask=m)
+                    v = raw.to(tl.float32)
+                    if HAS_PROBS:
+                        v = v * tl.load(probs_ptr + t * K + k, mask=ok, other=0.0).to(tl.float32)
+                    acc += v
             tl.store(out_ptr + t * stride_out + hh, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
     def _zero_rows_kernel(out_ptr, count_ptr, stride_out, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
