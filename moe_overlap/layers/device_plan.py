@@ -80,7 +80,6 @@ class DevicePlan:
     wire: WireRows | None = None  # moe_dispatch_once_per_rank: the routes move these
     grouped_row_of_copy_TK: torch.Tensor | None = None  # wire: each copy's grouped row at its destination
     grouped_rows: list[int] | None = None  # wire: static rows of each chunk's grouped tensor (its bound)
-    grouped_rows_mapped: bool = True  # wire: no bound that rows may overflow (the worst case)
     overflow_chunk: bool = False  # the last chunk is the overflow chunk (all local experts, after the others)
     expert_tp = None  # device planning with expert-TP > 1 is refused (exchange_rules.expert_tp_refusal)
 
@@ -321,8 +320,7 @@ class DevicePlanner(Planner):
                                                     layout.within_DLS)
             routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
             return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
-                              transport, self._count_overflow(layout), wire, grouped_TK, chunk_rows,
-                              self.capacity_factor is None)
+                              transport, self._count_overflow(layout), wire, grouped_TK, chunk_rows)
         wire_rows_D = wire_layout.kept_DC.sum(1)  # a destination's overflow chunk: after its wire rows, in the room
         layout = self.layout(counts_SE, bound_C, over, send_cap=over, receive_start_D=wire_rows_D,  # they left
                              room_D=W - 1 - wire_rows_D)
@@ -331,7 +329,7 @@ class DevicePlanner(Planner):
                                             wire.num_rows)
         return DevicePlan(row_of_copy_TK, sent.num_rows, True, self.chunk_experts + [(0, self.local)], routes,
                           self.offsets(layout), transport, self._count_overflow(layout), sent, grouped_TK,
-                          chunk_rows, False, overflow_chunk=True)
+                          chunk_rows, overflow_chunk=True)
 
     def _wire_overflow(self, lay: _Layout, wire: WireRows, row_of_copy_TK: torch.Tensor, experts_TK: torch.Tensor,
                        counts_SE: torch.Tensor) -> tuple[torch.Tensor, WireRows]:

@@ -68,10 +68,6 @@ class Plan(Protocol):
     def grouped_rows(self) -> list[int]: ...  # wire: rows of each chunk's grouped tensor
 
     @property
-    def grouped_rows_mapped(self) -> bool: ...  # wire: each grouped row within the offsets holds a copy (else: may
-    # not, when a bounded device plan overflowed; such a step runs again: zero filled so that it stays finite)
-
-    @property
     def routes(self) -> HostRoutes | DeviceRoutes: ...
 
     @property

@@ -101,8 +101,6 @@ class HostPlan:
     def grouped_rows(self) -> list[int]:
         return self.exchange.grouped_rows
 
-    grouped_rows_mapped = True  # exact sizes
-
 
 def start_counts_fetch(tokens_per_expert_E: torch.Tensor, group: GroupHandle) -> Callable[[], torch.Tensor]:
     """Start gathering every rank's copies per global expert to the host; the returned function waits for them:
