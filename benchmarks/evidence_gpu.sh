@@ -2664,6 +2664,22 @@ PY
     overflow_chunk_run fine chunks4_wire_nofill --overflow 1.0 --once-per-rank
     overflow_chunk_run fine chunks4_wire_nofill_overflow0.25 --overflow 0.25 --once-per-rank --profile 3
     ;;
+  rows_skip1)  # the row kernels' skip of a row without a copy (overflow_wire2) costs the hot local path nothing?
+    # benchmarks/step_kernels.py's row kernels (permute, unpermute, token sums), the kernels before the change
+    # (benchmarks/old_permute_tmp.py, carried for this run only: `git show e856ea3^:moe_overlap/kernels/permute.py`)
+    # and after, twice each, alternating
+    export CUDA_VISIBLE_DEVICES=0
+    old=/tmp/old_tree here=$PWD/$res && mkdir -p $old && cp -r moe_overlap benchmarks $old/ && cp benchmarks/old_permute_tmp.py \
+      $old/moe_overlap/kernels/permute.py
+    for round in 1 2; do
+      for tree in $old .; do
+        tag=$([ "$tree" = . ] && echo skip || echo before)
+        (cd $tree && PYTHONPATH=. timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
+          --json $here/step_kernels_rows_${tag}${round}_1x$gpu.json 2>&1 | tail -n 2 | cut -c1-300)
+      done
+    done
+    pack
+    ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,
     # each token once per rank (its default; copies: the overflow chunk over token copies instead). The GPU test
