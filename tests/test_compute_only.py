@@ -75,7 +75,7 @@ def compute_only_case(planning: str, chunks: int, once: bool = False, overflow: 
 
 @pytest.mark.parametrize("planning,chunks,once,overflow", [
     ("host", 1, False, False), ("host", 2, False, False), ("device", 2, False, False), ("device", 1, True, False),
-    ("device", 2, True, False), ("host", 2, True, False), ("device", 2, False, True)])
+    ("device", 2, True, False), ("host", 2, True, False), ("device", 2, False, True), ("device", 2, True, True)])
 def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_pool, planning, chunks, once, overflow):
     for result in rank_pool(2).run(compute_only_case, planning, chunks, once, overflow):
         assert result["counts"][True] == result["counts"][False]
@@ -83,7 +83,9 @@ def test_compute_only_runs_the_gemms_on_the_rows_each_rank_would_receive(rank_po
         if overflow:  # rank 0's overflow chunk ran its GEMMs on rows (the counts: per chunk, then its)
             assert len(result["counts"][True]) == 3 and (result["counts"][True][-1] > 0) == (result["rank"] == 0)
         assert result["finite"] and result["whatever_the_regions_held"]
-        assert not result["same_output"]  # rows from peers never arrived
+        # rows from peers never arrived (overflow: rank 0's tokens stay on rank 0, and wire rows carry their copies'
+        # places, so rank 0's own output may be exact; rank 1's rows never came back)
+        assert not result["same_output"] or (once and overflow and result["rank"] == 0)
         assert result["exposed"][True] > 0  # the sizes and the per-chunk messages still wait for the peer
 
 
