@@ -545,16 +545,17 @@ def test_overflow_chunk_factor_with_padded_capacity_equals_host_planned(rank_poo
 
 def test_overflow_chunk_with_fp8_equals_host_planned(rank_pool, tmp_path):
     """Emulated FP8 GEMMs: the overflow chunk's quantize the same weights and rows (rowwise: a scale per row), so
-    with bf16 weight gradients the steps are the host-planned FP8 run's (with each token once per rank too). FP8 weight gradients quantize an expert's
-    rows along the tokens per run of rows, and an overflowing expert's rows are two runs: the first step's loss is
-    the same (the forward is), its gradients within FP8's rounding, not bit for bit (this tiny model, a few rows an
-    expert: 5.8e-2 relative at worst over every gradient and step, on one rank)."""
+    with bf16 weight gradients the steps are the host-planned FP8 run's (with each token once per rank too). FP8
+    weight gradients quantize an expert's rows along the tokens per run of rows, and an overflowing expert's rows
+    are two runs: the first step's loss is the same (the forward is), its gradients within FP8's rounding, not bit
+    for bit (this tiny model, a few rows an expert: 5.8e-2 relative at worst over every gradient and step, on one
+    rank)."""
     bounded = {FACTOR: 1.0, OVERFLOW: 2.0}
     _check(rank_pool(2).run(overflow_case, str(tmp_path / "bf16"), 2, 2, bounded, fp8=True, fp8_wgrad=False), True,
            in_graph=True)
     wire = rank_pool(2).run(overflow_case, str(tmp_path / "wire"), 2, 2, bounded,
                             {**ONCE, "overlap.moe_dispatch_dtype": "fp8"}, fp8=True, fp8_wgrad=False)
-    _check(wire, True, in_graph=True)  # each token once per rank, FP8 dispatch: the overflow rows reach the GEMMs in FP8
+    _check(wire, True, in_graph=True)  # wire rows, FP8 dispatch: the overflow rows reach the GEMMs in FP8
     want = rank_pool(2).run(overflow_case, str(tmp_path / "want"), 2, 2, {FACTOR: 1.0}, fp8=True)  # re-run: exact
     for result, rerun in zip(rank_pool(2).run(overflow_case, str(tmp_path / "fp8"), 2, 2, bounded, fp8=True), want):
         assert 0 < result["worst"] < 1e-1 and not any(result["reruns"]), result

@@ -299,7 +299,8 @@ class DevicePlanner(Planner):
     def _wire_plan(self, routing: Routing) -> DevicePlan:
         """moe_dispatch_once_per_rank: the copies' layout bounds the grouped tensors, places every copy and counts
         the overflow; the routes move wire rows within their own bounds (:func:`wire_chunk_rows`). With the
-        overflow chunk, the copies past their chunk's bound cross again as rows of their own (:meth:`_wire_overflow`)."""
+        overflow chunk, the copies past their chunk's bound cross again as rows of their own
+        (:meth:`_wire_overflow`)."""
         E, T = self.num_experts, routing.experts_TK.shape[0]
         R = self.permuted_rows(routing)
         chunk_rows, bound_C, _ = self.bounds(False, R)  # ends with the overflow chunk's rows where there is one
@@ -321,8 +322,9 @@ class DevicePlanner(Planner):
             routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
             return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
                               transport, self._count_overflow(layout), wire, grouped_TK, chunk_rows)
-        wire_rows_D = wire_layout.kept_DC.sum(1)  # a destination's overflow chunk: after its wire rows, in the room
-        layout = self.layout(counts_SE, bound_C, over, send_cap=over, receive_start_D=wire_rows_D,  # they left
+        # a destination's overflow chunk: after its wire rows, in the room they left
+        wire_rows_D = wire_layout.kept_DC.sum(1)
+        layout = self.layout(counts_SE, bound_C, over, send_cap=over, receive_start_D=wire_rows_D,
                              room_D=W - 1 - wire_rows_D)
         grouped_TK, sent = self._wire_overflow(layout, wire, row_of_copy_TK, routing.experts_TK, counts_SE)
         routes = self._wire_overflow_routes(layout, targets.routes(wire_layout, sent.num_rows, W, wire_chunk_rows),
@@ -360,9 +362,10 @@ class DevicePlanner(Planner):
         token_of_row_R[:base] = wire.token_of_row_R
         token_of_row_R.scatter_(0, row_TK.reshape(-1), torch.arange(T, dtype=token_of_row_R.dtype,
                                                                     device=self.device).repeat_interleave(K))
-        row_of_copy = torch.where(wire.row_of_copy_TK < base, wire.row_of_copy_TK, base + cap)  # dropped: the spare
-        sent = replace(wire, row_TC=torch.cat((wire.row_TC, torch.where(sent_TK, row_TK, -1).to(wire.row_TC.dtype)), 1),
-                       token_of_row_R=token_of_row_R[:base + cap], row_of_copy_TK=torch.where(sent_TK, row_TK, row_of_copy),
+        in_wire_TK = torch.where(wire.row_of_copy_TK < base, wire.row_of_copy_TK, base + cap)  # dropped: the spare
+        own_rows_TK = torch.where(sent_TK, row_TK, -1).to(wire.row_TC.dtype)  # a token's overflow rows
+        sent = replace(wire, row_TC=torch.cat((wire.row_TC, own_rows_TK), 1), token_of_row_R=token_of_row_R[:-1],
+                       row_of_copy_TK=torch.where(sent_TK, row_TK, in_wire_TK),
                        slot_TK=torch.where(sent_TK, 0, wire.slot_TK), num_rows=base + cap)
         return grouped_TK, sent
 
