@@ -67,6 +67,7 @@
 #   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_wire3 OUT # the same without the bounded wire path's zero fill
+#   bash benchmarks/evidence_gpu.sh overflow_gpu1 OUT # one GPU: the MoE layer's GPU tests, the overflow chunk's too
 #   bash benchmarks/evidence_gpu.sh overflow_chunk_ep2 OUT # (not run yet) the overflow chunk in a training step at
 #                                                  #   EP=2 (overflow_chunk_ep4: EP=4): GPU test, corpus, balanced
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
@@ -2663,6 +2664,14 @@ PY
     export CUDA_VISIBLE_DEVICES=0
     overflow_chunk_run fine chunks4_wire_nofill --overflow 1.0 --once-per-rank
     overflow_chunk_run fine chunks4_wire_nofill_overflow0.25 --overflow 0.25 --once-per-rank --profile 3
+    ;;
+  overflow_gpu1)  # issue 37: the GPU test of the overflow chunk on one GPU (tests/test_gpu_moe.py's overflow case:
+    # token copies and wire rows, eager against unbounded in bf16, replayed from a CUDA graph, no host sync), with the
+    # rest of that file
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 200 python -m pytest -q -p no:cacheprovider -m gpu -rfEs tests/test_gpu_moe.py 2>&1 | tail -n 12 \
+      | tee "$out/gpu_tests_overflow_gpu1_1x$gpu.txt"
+    cp "$out/gpu_tests_overflow_gpu1_1x$gpu.txt" $res/
     ;;
   rows_skip1)  # the row kernels' skip of a row without a copy (overflow_wire2) costs the hot local path nothing?
     # benchmarks/step_kernels.py's row kernels (permute, unpermute, token sums), the kernels before the change

@@ -1,7 +1,9 @@
 """The MoE pipeline on every GPU of the machine (`pytest -m gpu`; one rank per GPU: 1, 2, 4 or 8): each planning
 mode and transport in bf16 against the serial path (the bf16 rule: each output and gradient's error against an
 fp32 run at most 2x the serial bf16 path's), CUDA-graph replay of the chunked device-planned pipeline, no host
-sync in it (torch.cuda.set_sync_debug_mode("error")) and at most one in the host-planned one, no NVLink multicast.
+sync in it (torch.cuda.set_sync_debug_mode("error")) and at most one in the host-planned one, no NVLink multicast;
+the overflow chunk taking the rows past a bound (token copies and wire rows) against the unbounded call, eager and
+replayed.
 
 On one GPU (EP=1) the layer runs its local path; the pipeline is run there too, forced over the one-rank group
 (nccl: the group's copy; copy_engine and sm_push: regions in the GPU's own memory, the same kernels and streams
@@ -39,10 +41,11 @@ _SELECTORS: dict = {}
 
 
 def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=False, once=False,
-               dispatch_dtype="bf16", slices=1):
+               dispatch_dtype="bf16", slices=1, bound=None, overflow=None, skew=False):
     """The serial reference (the local path at EP=1) without a variant, routing like ``capacity``, ``padded`` and
     ``shared``; else the pipeline, forced at EP=1 (``once``, ``dispatch_dtype``: its wire rows, and their dtype;
-    ``slices``: overlap.moe_token_slices)."""
+    ``slices``: overlap.moe_token_slices; ``bound``, ``overflow``: moe_expert_rank_capacity_factor and
+    moe_overflow_capacity_factor). ``skew``: the router's expert bias sends every token to experts 0 to K - 1."""
     from moe_overlap.config import ModelConfig, OverlapConfig
     from moe_overlap.distributed.a2a import TransportSelector
     from moe_overlap.layers.init import init_parameters
@@ -55,8 +58,8 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
         overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once, moe_pipeline_chunks=chunks,
                                 delay_wgrad_compute=delay, moe_dispatch_dtype=dispatch_dtype,
                                 moe_planning=planning, moe_transport=transport, gemm_sm_carveout=sms,
-                                moe_token_slices=slices,
-                                moe_expert_rank_capacity_factor=None)  # exact: no trainer runs an overflow again
+                                moe_token_slices=slices, moe_expert_rank_capacity_factor=bound,
+                                moe_overflow_capacity_factor=overflow)  # no trainer here runs an overflow again
         # One selector per transport for the whole run, as a model shares one: freeing a symmetric workspace
         # while a CUDA graph is being captured is illegal.
         if (planning, transport) not in _SELECTORS:
@@ -64,11 +67,15 @@ def make_layer(mesh, dtype, variant=None, capacity=None, padded=False, shared=Fa
                                                                 torch.device("cuda"), num_experts // mesh.ep.size, 60)
     cfg = ModelConfig(hidden_size=H, ffn_hidden_size=F, num_moe_experts=num_experts, moe_router_topk=K,
                       moe_expert_capacity_factor=capacity, moe_pad_expert_input_to_capacity=padded,
-                      moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=shared and variant is not None)
+                      moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=shared and variant is not None,
+                      moe_router_enable_expert_bias=skew, moe_router_score_function="sigmoid" if skew else "softmax")
     layer = MoELayer(cfg, overlap, mesh.ep, _SELECTORS[variant[:2]] if variant else None, "cuda", dtype)
     if variant is not None:
         layer.local = False  # EP=1: the pipeline over the one-rank group instead of the local path
     init_parameters(layer, seed=5, std=0.05, num_layers=1)
+    if skew:
+        with torch.no_grad():
+            layer.router.expert_bias[:K] = 1.0  # above any sigmoid score: every token's top-k
     return layer
 
 
@@ -105,7 +112,7 @@ def gpu_cases(out_dir: str) -> dict:
     write_report(out_dir, report)  # progress, in case a later case takes the process down
     x, grad = x32.bfloat16(), grad32.bfloat16()
     cases = [(sync_case, ("host", "nccl")), (sync_case, ("device", "sm_push")), (graph_case, (0,)),
-             (graph_case, (8,)), (local_case, ()), (fp8_wire_case, ()), (slices_case, ())]
+             (graph_case, (8,)), (local_case, ()), (fp8_wire_case, ()), (slices_case, ()), (overflow_case, ())]
     if world > 1:  # nccl last: its refused capture is the one case that may leave the process in a poor state
         cases += [(multicast_case, ()), (nccl_capture_case, ())]
     for case, args in cases:
@@ -286,6 +293,30 @@ def slices_case(mesh, x, grad, report) -> None:
     report["slices_graph_err"] = replayed_error(graph_layer, eager, x, grad)
 
 
+def overflow_case(mesh, x, grad, report) -> None:
+    """The bounded device-planned pipeline past its bound: factor 1.0, every token routed to experts 0 and 1 (rank
+    0's first chunk: EP x its bound), 2 chunks, token copies and wire rows. The overflow chunk (EP x R rows: never
+    past) takes every row past the bound inside the call: the call equals the unbounded one within bf16's rounding,
+    replays from a CUDA graph, and after a first call runs with no host sync."""
+    variant = ("device", "sm_push", 2, None, False, True, False, 8)
+    bounded = dict(bound=1.0, overflow=float(mesh.ep.size))
+    for once in (False, True):
+        unbounded = make_layer(mesh, torch.bfloat16, variant, once=once, skew=True)
+        eager_layer, graph_layer = (make_layer(mesh, torch.bfloat16, variant, once=once, skew=True, **bounded)
+                                    for _ in range(2))
+        for layer in (eager_layer, graph_layer):
+            layer.load_state_dict(unbounded.state_dict())
+        want = run_layer(unbounded, x, grad)
+        selector = _SELECTORS["device", "sm_push"]
+        selector.zero_counters()
+        eager = run_layer(eager_layer, x, grad)
+        overflow, unplaced, _ = selector.counters()
+        report[f"overflow_rows_{once}"], report[f"overflow_unplaced_{once}"] = int(overflow), int(unplaced)
+        report[f"overflow_err_{once}"] = max(rel(e, w) for e, w in zip(eager, want))
+        report[f"overflow_nosync_{once}"] = runs_without_host_sync(eager_layer, x, grad)
+        report[f"overflow_graph_err_{once}"] = replayed_error(graph_layer, eager, x, grad)
+
+
 def multicast_case(mesh, x, grad, report) -> None:
     """Symmetric memory made without an NVLink multicast object (SymmWorkspace refuses one; this reads it)."""
     report["multicast_ptrs"] = [int(getattr(t.regions.workspace.handle, "multicast_ptr", 0) or 0)
@@ -387,6 +418,16 @@ def test_token_slices_equal_serial_in_bf16_and_replay_from_a_cuda_graph(reports)
         assert not _errors(report, "slices_case"), _errors(report, "slices_case")
         assert not report["slices_violations"], report["slices_violations"]
         assert report["slices_graph_err"] < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("once", [False, True], ids=["copies", "wire_rows"])
+def test_overflow_chunk_takes_the_rows_past_the_bound_in_bf16_and_in_a_cuda_graph(reports, once):
+    assert sum(report[f"overflow_rows_{once}"] for report in reports) > 0  # rank 0's first chunk overflowed
+    for report in reports:
+        assert not _errors(report, "overflow_case"), _errors(report, "overflow_case")
+        assert report[f"overflow_unplaced_{once}"] == 0 and report[f"overflow_nosync_{once}"]
+        assert report[f"overflow_err_{once}"] < 1e-2 and report[f"overflow_graph_err_{once}"] < 1e-2, report
 
 
 @pytest.mark.gpu
