@@ -213,7 +213,8 @@ class OverlapConfig:
     # (the default): no overflow chunk, every overflow runs the step again. Measured on one H200, one layer at 4
     # chunks (benchmarks/RESULTS.md, "The overflow chunk"): an overflowing call 1.01-1.09x the unbounded one against
     # 2.3-2.7x for a re-run, a call with nothing to take 0-4% more. With moe_dispatch_once_per_rank each copy past
-    # its bound crosses again as a row of its own (at most this many rows a rank sends, too).
+    # its bound crosses again as a row of its own (at most this many rows a rank sends, too): 1.08-1.11x overflowing,
+    # 4-7% with nothing to take (the fine layer).
     moe_overflow_capacity_factor: Optional[float] = None
     # The device-planned exchange's backward stash in pages (layers/paged_stash.py): each chunk's tensors the backward
     # needs (its rows and their fc1 output) are copied after its GEMMs into one pool per rank, as many pages as the
