@@ -672,10 +672,11 @@ def test_fp8_swiglu_feeds_its_gemms_fp8_rows(monkeypatch, fp8, fed_fp8_rows):
     assert torch.equal(grad_x, grouped_mm(unfused_grad_h, w13, offsets, fp8, transpose_w=True))
 
 
-def test_fp8_experts_dgrad_frees_fc2s_operands_before_fc1s_dgrad(monkeypatch):
+def test_fp8_experts_dgrad_frees_or_reuses_fc2s_operands_before_fc1s_dgrad(monkeypatch):
     """The experts' backward peaks in fc1's dgrad (the input gradient): by then grad_y's FP8 rows (handed in a list
-    that fc2's dgrad empties) and fc2's output gradient are freed, not held beside fc1's operands; the input
-    gradient is the one the FP8 GEMM makes quantizing grad_y itself (the same bytes)."""
+    that fc2's dgrad empties) are freed, not held beside fc1's operands, and fc2's output gradient holds fc1's FP8
+    operand (SwiGLU wrote its rows over it): no buffer of its own; the input gradient is the one the FP8 GEMM makes
+    quantizing grad_y itself (the same bytes)."""
     import weakref
 
     from moe_overlap.layers import experts as X
@@ -689,18 +690,18 @@ def test_fp8_experts_dgrad_frees_fc2s_operands_before_fc1s_dgrad(monkeypatch):
     q, scales = quantize_rows(grad_y)
     handed, grad_y_q = [Fp8Rows(q, scales, torch.float32)], weakref.ref(q)
     del q, scales
-    made, alive_at_fc1 = [], []
+    made, at_fc1 = [], []
 
     def gemm(a, *args, **kwargs):
-        if made:  # fc1's dgrad: what of fc2's is still alive
-            alive_at_fc1.extend([grad_y_q() is not None, made[0]() is not None])
+        if made:  # fc1's dgrad: whether grad_y's FP8 rows are alive, where its operand lies
+            at_fc1.extend([grad_y_q() is not None, a.q_RK.untyped_storage().data_ptr() == made[0]])
         out = grouped_mm(a, *args, **kwargs)
-        made.append(weakref.ref(out))
+        made.append(out.untyped_storage().data_ptr())
         return out
 
     monkeypatch.setattr(X, "grouped_mm", gemm)
     grad_x = X.experts_dgrad(grad_y, h, offsets, w13, w2, EMULATED, handed)[0]
-    assert handed == [] and alive_at_fc1 == [False, False]
+    assert handed == [] and at_fc1 == [False, True]
     monkeypatch.undo()
     assert torch.equal(grad_x, X.experts_dgrad(grad_y, h, offsets, w13, w2, EMULATED)[0])
 

@@ -7,7 +7,8 @@ h_TF2 holds [gate | up] along its last dimension; a = silu(gate) * up.
 Under the FP8 recipes the forward writes a straight as the FP8 rows fc2 reads (:func:`swiglu_forward_fp8`: E4M3
 values and one scale per row, the values of ``quantize_rows(swiglu_forward(h))``, or with ``tiles`` one per 1x128
 tile, ``quantize_tiles``'s), so a is neither written in bf16 nor read back by a quantize pass; the backward
-rebuilds a itself, and writes fc1's output gradient in FP8 beside its bf16 values (:func:`swiglu_backward_fp8`).
+rebuilds a itself, and writes fc1's output gradient in FP8 beside its bf16 values (:func:`swiglu_backward_fp8`),
+where asked over the bytes of a's gradient, which it has read and nobody reads again.
 """
 
 from __future__ import annotations
@@ -134,9 +135,11 @@ if HAVE_TRITON:
     # backward does, grad_h's amax taken, then grad_h quantized. Rows in one block (ONE_BLOCK: FF <= BLOCK), ROWS a
     # program at a time, are quantized from registers. A longer row, one a program at a time, is read back (from L2;
     # after a barrier: other threads wrote it) in a second pass. TILES: one scale per 1x128 tile (gate's tiles,
-    # then up's), each block's tiles quantized as they are written.
-    def _swiglu_bwd_fp8_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, q_ptr, scale_ptr, rows_ptr, FF,
-                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr):
+    # then up's), each block's tiles quantized as they are written. q's rows are q_stride apart: OVER_GRAD_A, they
+    # lie in grad_a's own rows, so a program writes them only after a barrier behind its reads of those rows.
+    def _swiglu_bwd_fp8_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, q_ptr, scale_ptr, rows_ptr, FF, q_stride,
+                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+                               OVER_GRAD_A: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         out_ty = grad_h_ptr.dtype.element_ty
         q_ty = q_ptr.dtype.element_ty
@@ -166,8 +169,11 @@ if HAVE_TRITON:
                     inverse = tl.math.div_rn(fp8_max, amax)[:, None]
                     q_gate = tl.minimum(tl.maximum(grad_gate * inverse, -_FP8_MAX), _FP8_MAX)
                     q_up = tl.minimum(tl.maximum(grad_up * inverse, -_FP8_MAX), _FP8_MAX)
-                tl.store(q_ptr + at, q_gate.to(q_ty), mask=mask)
-                tl.store(q_ptr + at + FF, q_up.to(q_ty), mask=mask)
+                if OVER_GRAD_A:
+                    tl.debug_barrier()
+                q_at = rows[:, None] * q_stride + cols[None, :]
+                tl.store(q_ptr + q_at, q_gate.to(q_ty), mask=mask)
+                tl.store(q_ptr + q_at + FF, q_up.to(q_ty), mask=mask)
         else:
             for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
                 amax = tl.full((BLOCK,), 0.0, tl.float32)
@@ -187,10 +193,10 @@ if HAVE_TRITON:
                         one_row = tl.arange(0, 1) < 1
                         q, scale = tiles_fp8(tl.reshape(grad_gate.to(tl.float32), (1, BLOCK)))
                         store_tile_scales(scale_ptr + row * (2 * FF // 128), start, scale, one_row, FF)
-                        tl.store(q_ptr + row * 2 * FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty), mask=mask)
+                        tl.store(q_ptr + row * q_stride + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty), mask=mask)
                         q, scale = tiles_fp8(tl.reshape(grad_up.to(tl.float32), (1, BLOCK)))
                         store_tile_scales(scale_ptr + row * (2 * FF // 128) + FF // 128, start, scale, one_row, FF)
-                        tl.store(q_ptr + row * 2 * FF + FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty),
+                        tl.store(q_ptr + row * q_stride + FF + start + cols, tl.reshape(q, (BLOCK,)).to(q_ty),
                                  mask=mask)
                     else:
                         amax = tl.maximum(amax, tl.maximum(tl.abs(grad_gate.to(tl.float32)),
@@ -204,7 +210,7 @@ if HAVE_TRITON:
                         mask = start + cols < 2 * FF
                         v = tl.load(grad_h_ptr + row * 2 * FF + start + cols, mask=mask, other=0.0).to(tl.float32)
                         q = tl.minimum(tl.maximum(v * inverse, -_FP8_MAX), _FP8_MAX)
-                        tl.store(q_ptr + row * 2 * FF + start + cols, q.to(q_ty), mask=mask)
+                        tl.store(q_ptr + row * q_stride + start + cols, q.to(q_ty), mask=mask)
                     tl.debug_barrier()  # the next row's first pass must not overtake this row's reads
 
     _fwd = Kernel(_swiglu_fwd_kernel)
@@ -345,30 +351,49 @@ def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None, r
 
 def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows: torch.Tensor | None = None,
                         programs_per_sm: int | None = None, one_block: bool | None = None,
-                        tile: tuple[int, int] | None = None, tiles: bool = False
+                        tile: tuple[int, int] | None = None, tiles: bool = False, over_grad_a: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, a, q, scale): :func:`swiglu_backward`'s two, and grad_h quantized per row as
     kernels/fp8_quant.quantize_rows does (the FP8 dgrad's operand), or per tile (``tiles``), in one kernel.
-    ``valid_rows``, ``programs_per_sm``, ``one_block`` and ``tile`` as for :func:`swiglu_forward_fp8`."""
+    ``valid_rows``, ``programs_per_sm``, ``one_block`` and ``tile`` as for :func:`swiglu_forward_fp8`.
+    ``over_grad_a``: the caller reads grad_a no more, so q may take its bytes (a 2F-byte FP8 row in a row of F
+    values of two bytes or more) and needs no buffer of its own, where each row is read before its q is written
+    (not per tile over a row longer than a block: a block's tiles would overwrite values not yet read)."""
     if not use_triton(h_TF2, "swiglu"):
         grad_h_TF2, a_TF = swiglu_backward_torch(h_TF2, grad_a_TF)
-        return grad_h_TF2, a_TF, *_quantized_torch(grad_h_TF2, tiles)
+        q_TF2, scale_T = _quantized_torch(grad_h_TF2, tiles)
+        if over_grad_a and _fits_over(grad_a_TF):
+            q_TF2 = _rows_over(grad_a_TF).copy_(q_TF2)
+        return grad_h_TF2, a_TF, q_TF2, scale_T
     h_TF2, grad_a_TF = h_TF2.contiguous(), grad_a_TF.contiguous()
     ffn = h_TF2.shape[-1] // 2
     grad_h_TF2, a_TF = torch.empty_like(h_TF2), h_TF2.new_empty(grad_a_TF.shape)
-    q_TF2 = torch.empty(h_TF2.shape, dtype=FP8, device=h_TF2.device)
+    one = _one_block(ffn, one_block)
+    over = over_grad_a and _fits_over(grad_a_TF) and (one or not tiles)
+    q_TF2 = _rows_over(grad_a_TF) if over else torch.empty(h_TF2.shape, dtype=FP8, device=h_TF2.device)
     if tiles and ffn % TILE:  # a tile must not straddle gate's and up's halves
         raise ValueError(f"SwiGLU's FP8 tiles need the FFN width a multiple of {TILE}, got {ffn}")
     scale_T = _fp8_scales(h_TF2, 2 * ffn, tiles)
     rows = h_TF2.numel() // max(h_TF2.shape[-1], 1)
     if rows and ffn:
-        one = _one_block(ffn, one_block)
         rows_at_once, warps = (tile or _FP8_BACKWARD_TILE) if one else _FP8_LONG_ROW_TILE
         _bwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
             h_TF2, grad_a_TF, grad_h_TF2, a_TF, q_TF2, scale_T, _row_count(valid_rows, h_TF2), ffn,
+            q_TF2.stride(-2),
             BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, TILES=tiles,
-            num_warps=warps)
+            OVER_GRAD_A=over, num_warps=warps)
     return grad_h_TF2, a_TF, q_TF2, scale_T
+
+
+def _fits_over(grad_a_TF: torch.Tensor) -> bool:
+    """Whether grad_a's rows can hold grad_h's FP8 rows: 2F bytes in F values, the rows one after another."""
+    return grad_a_TF.element_size() >= 2 and grad_a_TF.is_contiguous()
+
+
+def _rows_over(grad_a_TF: torch.Tensor) -> torch.Tensor:
+    """grad_h's FP8 rows (…, 2F) in grad_a's bytes: each at the start of its own row of grad_a."""
+    ffn = grad_a_TF.shape[-1]
+    return grad_a_TF.view(FP8)[..., :2 * ffn]
 
 
 def swiglu_backward(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor,
