@@ -64,8 +64,9 @@
 #                                                  #   the one-GPU suite
 #   bash benchmarks/evidence_gpu.sh overflow_chunk4 OUT # the fine layer with overflow chunks of 0.25 and 0.03
 #   bash benchmarks/evidence_gpu.sh memory_peak3 OUT # the FP8 GPU tests, the fine model's peaks (bf16, rowwise)
-#   bash benchmarks/evidence_gpu.sh memory_peak4 OUT # one GPU: SwiGLU's FP8 rows over grad_a: GPU tests, the fine
+#   bash benchmarks/evidence_gpu.sh memory_peak5 OUT # one GPU: SwiGLU's FP8 rows over h: GPU tests, the fine
 #                                                  #   model's peaks (bf16, rowwise, blockwise), bf16 / rowwise twice
+#                                                  #   (memory_peak4, at afd5e00: over grad_a instead)
 #   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_wire3 OUT # the same without the bounded wire path's zero fill
@@ -2691,19 +2692,22 @@ PY
     done
     pack
     ;;
-  memory_peak4)  # issue 39's "no more peak memory" (rowwise 0.143 GiB over bf16 in memory_peak3): SwiGLU's FP8
-    # backward writes fc1's FP8 output-gradient rows over grad_a's bytes (kernels/swiglu.py over_grad_a). The SwiGLU
-    # and FP8 GPU tests, the fine model's peaks (bf16, rowwise, blockwise; predicted rowwise 67.066 -> ~66.94 GiB
-    # against bf16's 66.923: what is left the weights' FP8 scales), then bf16 / rowwise alternated twice for speed
+  memory_peak4|memory_peak5)  # issue 39's "no more peak memory" (rowwise 0.143 GiB over bf16 in memory_peak3):
+    # SwiGLU's FP8 backward writes fc1's FP8 output-gradient rows into a tensor it reads last, so they need no buffer
+    # of their own. memory_peak4 (at afd5e00): over grad_a's bytes (over_grad_a, since replaced); memory_peak5: over
+    # h's (kernels/swiglu.py over_h). The SwiGLU and FP8 GPU tests, the fine model's peaks (bf16, rowwise, blockwise;
+    # predicted rowwise 67.066 -> ~66.94 GiB against bf16's 66.923: what is left the weights' FP8 scales), then bf16 /
+    # rowwise alternated twice for speed
     export CUDA_VISIBLE_DEVICES=0
+    tag=$([ $phase = memory_peak4 ] && echo over_grad_a || echo over_h)
     timeout -k 10 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_swiglu_kernel.py tests/test_gpu_fp8.py \
-      2>&1 | tee $res/gpu_tests_over_grad_a_1x$gpu.txt | tail -n 3
+      2>&1 | tee $res/gpu_tests_${tag}_1x$gpu.txt | tail -n 3
     timeout -k 10 200 python benchmarks/train_step.py configs/bench_fine_8l.yaml --warmup 1 --steps 2 \
       --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --variant blockwise:train.fp8_recipe=blockwise \
-      --memory-peak --json $res/memory_peak_fine_8l_over_grad_a_1x$gpu.json 2>&1 | tee "$out/memory_peak4.log" \
+      --memory-peak --json $res/memory_peak_fine_8l_${tag}_1x$gpu.json 2>&1 | tee "$out/$phase.log" \
       | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
-    name=train_step_fp8_over_grad_a_fine_8l_1x$gpu
+    name=train_step_fp8_${tag}_fine_8l_1x$gpu
     timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_fine_8l.yaml \
       --variant rowwise:train.fp8_recipe=rowwise --variant bf16_b: --variant rowwise_b:train.fp8_recipe=rowwise \
       --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \

@@ -664,7 +664,7 @@ def test_fp8_swiglu_feeds_its_gemms_fp8_rows(monkeypatch, fp8, fed_fp8_rows):
     monkeypatch.setattr(X, "grouped_mm", lambda a, *args, **kwargs: fed.append(isinstance(a, Fp8Rows)) or
                         grouped_mm(a, *args, **kwargs))
     y, h = X.experts_forward(x, offsets, w13, w2, fp8)
-    grad_x, grad_h, a = X.experts_dgrad(grad_y, h, offsets, w13, w2, fp8)
+    grad_x, grad_h, a = X.experts_dgrad(grad_y, h.clone(), offsets, w13, w2, fp8)  # it spends h (FP8: over_h)
     assert fed == fed_fp8_rows  # fc1, fc2 forward; fc2, fc1 dgrad
     unfused_y = grouped_mm(S.swiglu_forward(h), w2, offsets, fp8, fast_accum=True)
     unfused_grad_h, unfused_a = S.swiglu_backward(h, grouped_mm(grad_y, w2, offsets, fp8, transpose_w=True))
@@ -674,9 +674,9 @@ def test_fp8_swiglu_feeds_its_gemms_fp8_rows(monkeypatch, fp8, fed_fp8_rows):
 
 def test_fp8_experts_dgrad_frees_or_reuses_fc2s_operands_before_fc1s_dgrad(monkeypatch):
     """The experts' backward peaks in fc1's dgrad (the input gradient): by then grad_y's FP8 rows (handed in a list
-    that fc2's dgrad empties) are freed, not held beside fc1's operands, and fc2's output gradient holds fc1's FP8
-    operand (SwiGLU wrote its rows over it): no buffer of its own; the input gradient is the one the FP8 GEMM makes
-    quantizing grad_y itself (the same bytes)."""
+    that fc2's dgrad empties) and fc2's output gradient are freed, not held beside fc1's operands, and fc1's FP8
+    operand lies in h's bytes (SwiGLU, h's last reader, wrote its rows there): no buffer of its own; the input
+    gradient is the one the FP8 GEMM makes quantizing grad_y itself (the same bytes)."""
     import weakref
 
     from moe_overlap.layers import experts as X
@@ -693,17 +693,19 @@ def test_fp8_experts_dgrad_frees_or_reuses_fc2s_operands_before_fc1s_dgrad(monke
     made, at_fc1 = [], []
 
     def gemm(a, *args, **kwargs):
-        if made:  # fc1's dgrad: whether grad_y's FP8 rows are alive, where its operand lies
-            at_fc1.extend([grad_y_q() is not None, a.q_RK.untyped_storage().data_ptr() == made[0]])
+        if made:  # fc1's dgrad: what of fc2's is still alive, where its operand lies
+            at_fc1.extend([grad_y_q() is not None, made[0]() is not None,
+                           a.q_RK.untyped_storage().data_ptr() == h_bytes.untyped_storage().data_ptr()])
         out = grouped_mm(a, *args, **kwargs)
-        made.append(out.untyped_storage().data_ptr())
+        made.append(weakref.ref(out))
         return out
 
+    h_bytes, h_before = h, h.clone()
     monkeypatch.setattr(X, "grouped_mm", gemm)
     grad_x = X.experts_dgrad(grad_y, h, offsets, w13, w2, EMULATED, handed)[0]
-    assert handed == [] and at_fc1 == [False, True]
+    assert handed == [] and at_fc1 == [False, False, True]
     monkeypatch.undo()
-    assert torch.equal(grad_x, X.experts_dgrad(grad_y, h, offsets, w13, w2, EMULATED)[0])
+    assert torch.equal(grad_x, X.experts_dgrad(grad_y, h_before, offsets, w13, w2, EMULATED)[0])
 
 
 def test_fp8_emulated_experts_and_linears_forward_backward_into_main_grad():

@@ -180,8 +180,8 @@ def test_fp8_kernels_rows_at_once_give_one_row_at_a_times_bytes(monkeypatch, til
 @pytest.mark.parametrize("tiles", [False, True], ids=["rows", "tiles"])
 def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu(tiles):
     """On the GPU the fused kernels give quantize_rows(swiglu_forward(h)) and swiglu_backward with
-    quantize_rows(grad_h) bit for bit (all Triton, bf16); ``tiles``: quantize_tiles's. The same written over
-    grad_a's bytes (``over_grad_a``, as the experts' backward asks), in one pass and in two."""
+    quantize_rows(grad_h) bit for bit (all Triton, bf16); ``tiles``: quantize_tiles's. The same written over h's
+    bytes (``over_h``, as the experts' backward asks), in one pass and in two."""
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA")
     from moe_overlap.kernels.fp8_blockwise import quantize_tiles
@@ -204,8 +204,8 @@ def test_bf16_fp8_forward_equals_swiglu_then_quantize_rows_on_gpu(tiles):
         assert torch.equal(scale[:n], scale_want[:n])
         assert torch.equal(q[:n].view(torch.uint8), q_want[:n].view(torch.uint8))
         for one_block in (None, False):
-            mine = grad_a.clone()
-            got = S.swiglu_backward_fp8(h, mine, valid, tiles=tiles, one_block=one_block, over_grad_a=True)
+            mine = h.clone()
+            got = S.swiglu_backward_fp8(mine, grad_a, valid, tiles=tiles, one_block=one_block, over_h=True)
             assert got[2].data_ptr() == mine.data_ptr() or (tiles and (ffn > 2048 or one_block is False))
             assert torch.equal(got[0][:n], grad_h_want[:n]) and torch.equal(got[3][:n], scale_want[:n])
             assert torch.equal(got[2][:n].view(torch.uint8), q_want[:n].view(torch.uint8))
@@ -226,20 +226,20 @@ def test_bf16_kernels_match_the_twin_on_gpu(rows, ffn):
 
 @pytest.mark.parametrize("rows,ffn,tiles", [(0, 128, False), (7, 128, False), (5, 2176, False), (7, 256, True),
                                             (5, 2176, True)])
-def test_fp8_backward_writes_its_rows_over_grad_a_in_the_interpreter(monkeypatch, rows, ffn, tiles):
-    """``over_grad_a``: the FP8 rows lie in grad_a's own bytes (no buffer of their own) and equal the ones written
-    apart, in the twin and the kernel, in one pass (a row in a block) or two (a longer row), here with fp32 grad_a
-    (each FP8 row in the first half of its row's bytes); per tile over a row longer than a block the kernel cannot
-    (a block's tiles would overwrite values not yet read): there grad_a is left as it was."""
+def test_fp8_backward_writes_its_rows_over_h_in_the_interpreter(monkeypatch, rows, ffn, tiles):
+    """``over_h``: the FP8 rows lie in h's own bytes (no buffer of their own; here fp32 h, each FP8 row in the first
+    2F bytes of its row) and equal the ones written apart, in the twin and in the kernel, in one pass (a row in a
+    block) or two (a longer row); per tile over a row longer than a block the kernel cannot (a block's tiles would
+    overwrite values not yet read): there h is left as it was."""
     g = torch.Generator().manual_seed(rows + ffn + 3)
     h, grad_a = torch.randn(rows, 2 * ffn, generator=g) * 3, torch.randn(rows, ffn, generator=g)
     for interpret, one_block in (("0", None), ("1", None), ("1", False)):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
         apart = S.swiglu_backward_fp8(h, grad_a, one_block=one_block, tiles=tiles)
-        mine = grad_a.clone()
-        got = S.swiglu_backward_fp8(h, mine, one_block=one_block, tiles=tiles, over_grad_a=True)
+        mine = h.clone()
+        got = S.swiglu_backward_fp8(mine, grad_a, one_block=one_block, tiles=tiles, over_h=True)
         assert all(torch.equal(x.float(), y.float()) for x, y in zip(got, apart))
         in_place = interpret == "0" or not tiles or (ffn <= 2048 and one_block is None)
-        assert torch.equal(mine, grad_a) == (not in_place or rows == 0)
+        assert torch.equal(mine, h) == (not in_place or rows == 0)
         if rows:
             assert (got[2].data_ptr() == mine.data_ptr()) == in_place

@@ -8,7 +8,7 @@ Under the FP8 recipes the forward writes a straight as the FP8 rows fc2 reads (:
 values and one scale per row, the values of ``quantize_rows(swiglu_forward(h))``, or with ``tiles`` one per 1x128
 tile, ``quantize_tiles``'s), so a is neither written in bf16 nor read back by a quantize pass; the backward
 rebuilds a itself, and writes fc1's output gradient in FP8 beside its bf16 values (:func:`swiglu_backward_fp8`),
-where asked over the bytes of a's gradient, which it has read and nobody reads again.
+where asked over h's bytes: it is h's last reader.
 """
 
 from __future__ import annotations
@@ -135,11 +135,11 @@ if HAVE_TRITON:
     # backward does, grad_h's amax taken, then grad_h quantized. Rows in one block (ONE_BLOCK: FF <= BLOCK), ROWS a
     # program at a time, are quantized from registers. A longer row, one a program at a time, is read back (from L2;
     # after a barrier: other threads wrote it) in a second pass. TILES: one scale per 1x128 tile (gate's tiles,
-    # then up's), each block's tiles quantized as they are written. q's rows are q_stride apart: OVER_GRAD_A, they
-    # lie in grad_a's own rows, so a program writes them only after a barrier behind its reads of those rows.
+    # then up's), each block's tiles quantized as they are written. q's rows are q_stride apart: OVER_H, they lie in
+    # h's own rows, so a program writes them only after a barrier behind its reads of those rows.
     def _swiglu_bwd_fp8_kernel(h_ptr, grad_a_ptr, grad_h_ptr, a_ptr, q_ptr, scale_ptr, rows_ptr, FF, q_stride,
                                BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-                               OVER_GRAD_A: tl.constexpr):
+                               OVER_H: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         out_ty = grad_h_ptr.dtype.element_ty
         q_ty = q_ptr.dtype.element_ty
@@ -169,7 +169,7 @@ if HAVE_TRITON:
                     inverse = tl.math.div_rn(fp8_max, amax)[:, None]
                     q_gate = tl.minimum(tl.maximum(grad_gate * inverse, -_FP8_MAX), _FP8_MAX)
                     q_up = tl.minimum(tl.maximum(grad_up * inverse, -_FP8_MAX), _FP8_MAX)
-                if OVER_GRAD_A:
+                if OVER_H:
                     tl.debug_barrier()
                 q_at = rows[:, None] * q_stride + cols[None, :]
                 tl.store(q_ptr + q_at, q_gate.to(q_ty), mask=mask)
@@ -351,26 +351,26 @@ def _fp8_programs(h_TF2: torch.Tensor, rows: int, programs_per_sm: int | None, r
 
 def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows: torch.Tensor | None = None,
                         programs_per_sm: int | None = None, one_block: bool | None = None,
-                        tile: tuple[int, int] | None = None, tiles: bool = False, over_grad_a: bool = False
+                        tile: tuple[int, int] | None = None, tiles: bool = False, over_h: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, a, q, scale): :func:`swiglu_backward`'s two, and grad_h quantized per row as
     kernels/fp8_quant.quantize_rows does (the FP8 dgrad's operand), or per tile (``tiles``), in one kernel.
     ``valid_rows``, ``programs_per_sm``, ``one_block`` and ``tile`` as for :func:`swiglu_forward_fp8`.
-    ``over_grad_a``: the caller reads grad_a no more, so q may take its bytes (a 2F-byte FP8 row in a row of F
-    values of two bytes or more) and needs no buffer of its own, where each row is read before its q is written
-    (not per tile over a row longer than a block: a block's tiles would overwrite values not yet read)."""
+    ``over_h``: the caller reads h no more, so q may take the first 2F bytes of each of h's rows (strided rows, no
+    buffer of their own), where a row is read whole before its q is written: not per tile over a row longer than a
+    block, whose first tiles would overwrite values not yet read."""
     if not use_triton(h_TF2, "swiglu"):
         grad_h_TF2, a_TF = swiglu_backward_torch(h_TF2, grad_a_TF)
         q_TF2, scale_T = _quantized_torch(grad_h_TF2, tiles)
-        if over_grad_a and _fits_over(grad_a_TF):
-            q_TF2 = _rows_over(grad_a_TF).copy_(q_TF2)
+        if over_h and h_TF2.is_contiguous():
+            q_TF2 = _rows_over(h_TF2).copy_(q_TF2)
         return grad_h_TF2, a_TF, q_TF2, scale_T
     h_TF2, grad_a_TF = h_TF2.contiguous(), grad_a_TF.contiguous()
     ffn = h_TF2.shape[-1] // 2
     grad_h_TF2, a_TF = torch.empty_like(h_TF2), h_TF2.new_empty(grad_a_TF.shape)
     one = _one_block(ffn, one_block)
-    over = over_grad_a and _fits_over(grad_a_TF) and (one or not tiles)
-    q_TF2 = _rows_over(grad_a_TF) if over else torch.empty(h_TF2.shape, dtype=FP8, device=h_TF2.device)
+    over = over_h and (one or not tiles)
+    q_TF2 = _rows_over(h_TF2) if over else torch.empty(h_TF2.shape, dtype=FP8, device=h_TF2.device)
     if tiles and ffn % TILE:  # a tile must not straddle gate's and up's halves
         raise ValueError(f"SwiGLU's FP8 tiles need the FFN width a multiple of {TILE}, got {ffn}")
     scale_T = _fp8_scales(h_TF2, 2 * ffn, tiles)
@@ -378,22 +378,15 @@ def swiglu_backward_fp8(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor, valid_rows
     if rows and ffn:
         rows_at_once, warps = (tile or _FP8_BACKWARD_TILE) if one else _FP8_LONG_ROW_TILE
         _bwd_fp8[(_fp8_programs(h_TF2, rows, programs_per_sm, rows_at_once),), h_TF2.device](
-            h_TF2, grad_a_TF, grad_h_TF2, a_TF, q_TF2, scale_T, _row_count(valid_rows, h_TF2), ffn,
-            q_TF2.stride(-2),
+            h_TF2, grad_a_TF, grad_h_TF2, a_TF, q_TF2, scale_T, _row_count(valid_rows, h_TF2), ffn, q_TF2.stride(-2),
             BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(ffn)), ONE_BLOCK=one, ROWS=rows_at_once, TILES=tiles,
-            OVER_GRAD_A=over, num_warps=warps)
+            OVER_H=over, num_warps=warps)
     return grad_h_TF2, a_TF, q_TF2, scale_T
 
 
-def _fits_over(grad_a_TF: torch.Tensor) -> bool:
-    """Whether grad_a's rows can hold grad_h's FP8 rows: 2F bytes in F values, the rows one after another."""
-    return grad_a_TF.element_size() >= 2 and grad_a_TF.is_contiguous()
-
-
-def _rows_over(grad_a_TF: torch.Tensor) -> torch.Tensor:
-    """grad_h's FP8 rows (…, 2F) in grad_a's bytes: each at the start of its own row of grad_a."""
-    ffn = grad_a_TF.shape[-1]
-    return grad_a_TF.view(FP8)[..., :2 * ffn]
+def _rows_over(h_TF2: torch.Tensor) -> torch.Tensor:
+    """grad_h's FP8 rows (..., 2F) in contiguous h's bytes: each in the first 2F bytes of its own row of h."""
+    return h_TF2.view(FP8)[..., :h_TF2.shape[-1]]
 
 
 def swiglu_backward(h_TF2: torch.Tensor, grad_a_TF: torch.Tensor,

@@ -55,12 +55,13 @@ def experts_dgrad(grad_y_TH: torch.Tensor, h_TF2: torch.Tensor, offsets_E: torch
     dgrad gets fc1's output gradient as FP8 rows from the SwiGLU kernel; fc2's takes grad_y's rows already in FP8
     where given: ``grad_y_fp8``, a one-element list that fc2's dgrad empties, so that they are freed before fc1's
     dgrad, as fc2's output gradient is (the backward's peak: the experts' input gradient). The SwiGLU kernel writes
-    fc1's FP8 output-gradient rows over grad_a, whose last reader it is, so FP8 adds no rows to that peak."""
+    fc1's FP8 output-gradient rows over h, whose last reader it is, so FP8 adds no buffer to that peak: the caller
+    reads h no more."""
     grad_a_TF = grouped_mm(grad_y_TH if grad_y_fp8 is None else grad_y_fp8.pop(), w2_EFH, offsets_E, fp8,
                            transpose_w=True)
     if _fed_fp8(fp8, w13_EHF2):  # fc1's output gradient as FP8 rows too, from the same kernel
         grad_h_TF2, a_TF, *rows = swiglu_backward_fp8(h_TF2, grad_a_TF, offsets_E[-1:],
-                                                      tiles=fp8.recipe == "blockwise", over_grad_a=True)
+                                                      tiles=fp8.recipe == "blockwise", over_h=True)
         del grad_a_TF
         return (grouped_mm(Fp8Rows(*rows, grad_h_TF2.dtype), w13_EHF2, offsets_E, fp8, transpose_w=True), grad_h_TF2,
                 a_TF)
