@@ -67,6 +67,8 @@
 #   bash benchmarks/evidence_gpu.sh memory_peak5 OUT # one GPU: SwiGLU's FP8 rows over h: GPU tests, the fine
 #                                                  #   model's peaks (bf16, rowwise, blockwise), bf16 / rowwise twice
 #                                                  #   (memory_peak4, at afd5e00: over grad_a instead)
+#   bash benchmarks/evidence_gpu.sh rows_sparse1 OUT # one GPU: the overflow columns' own loop in the token sum:
+#                                                  #   GPU tests, row kernels before / after, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_wire3 OUT # the same without the bounded wire path's zero fill
@@ -2713,6 +2715,28 @@ PY
       --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
       | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  rows_sparse1)  # issue 37: the overflow chunk's columns of a token's wire rows (8 of the fine layer's 12, empty
+    # unless a copy passed its bound) summed in a loop of their own that only a token with one runs
+    # (kernels/permute.py sparse_from). The row kernels' and MoE layer's GPU tests; the row kernels before the change
+    # (benchmarks/old_{permute,step_kernels}_tmp.py, carried for this run only: `git show fd00586:...`) and after,
+    # twice each, alternating (predicted: the overflow shape's sum from dense's time to about the 4 columns' own, the
+    # other shapes unchanged); then one fine layer with the overflow chunk 0.25 (overflow_wire3's: 1.044x the
+    # unbounded call with nothing to take, predicted about 1.039x)
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_gpu_moe.py \
+      2>&1 | tee $res/gpu_tests_rows_sparse_1x$gpu.txt | tail -n 3
+    old=/tmp/old_tree here=$PWD/$res && mkdir -p $old && cp -r moe_overlap benchmarks $old/ && cp benchmarks/old_permute_tmp.py \
+      $old/moe_overlap/kernels/permute.py && cp benchmarks/old_step_kernels_tmp.py $old/benchmarks/step_kernels.py
+    for round in 1 2; do
+      for tree in $old .; do
+        tag=$([ "$tree" = . ] && echo sparse || echo before)
+        (cd $tree && PYTHONPATH=. timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
+          --json $here/step_kernels_rows_${tag}${round}_1x$gpu.json 2>&1 | tail -n 3 | cut -c1-400)
+      done
+    done
+    pack
+    overflow_chunk_run fine chunks4_wire_overflow0.25_sparse --overflow 0.25 --once-per-rank
     ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,

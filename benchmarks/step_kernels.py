@@ -12,7 +12,9 @@
              device copy of the same bytes (the limit). Its first run (step_kernels_rows_1xh100.json) also timed
              the tile form the gather-sum kernel had before (tile_*): 1.2-4.2x the limit where the loop is 1.0x.
              SwiGLU's forward also as a grid-stride candidate (programs per SM x SMs, each looping over the
-             counted rows), not yet run on a GPU
+             counted rows), not yet run on a GPU. With the overflow chunk's columns (token_sum_overflow: a
+             token's 4 wire rows, then 8 overflow columns, empty) the combine's sum with those columns in the same
+             loop (sum_dense) and in a loop run only for a token with one (sum_sparse)
   fp8_blockwise  the blockwise FP8 recipe's grouped GEMM (kernels/fp8_blockwise.py: a 1x128 and 128x128 scale
              per 128-deep slice) at the wgrad section's expert shapes, forward (a @ w^T) and dgrad (g @ w, the
              same weight copy read N-major), each tile config, against the rowwise recipe's
@@ -388,7 +390,11 @@ def attention_rows(rounds: int) -> list[dict]:
 # 65536 copies in 30000 wire rows of the 32768 static; the grouped rows' buffer 4 x 65536 (unbounded).
 ROW_SHAPES = {"expert_unpermute": (32768, 8, 65536, 30000, 4 * 65536, 2048),
               "token_sum": (8192, 4, 30000, 8192, 32768, 2048),
-              "ep1_unpermute": (8192, 8, 65536, 8192, 65536, 2048)}
+              "ep1_unpermute": (8192, 8, 65536, 8192, 65536, 2048),
+              # the fine layer at EP=1, 4 chunks, wire rows with the overflow chunk (f2 = 0.25) and nothing past the
+              # bound: a token's 4 wire-row columns, then 8 overflow columns, all empty
+              "token_sum_overflow": (8192, 12, 32000, 8192, 32768 + 16384, 2048)}
+SPARSE_FROM = {"token_sum_overflow": 4}  # the overflow columns: permute_backward's sparse_from
 
 
 def _row_index(T: int, K: int, valid: int, filled: int, source_rows: int):
@@ -426,8 +432,12 @@ def row_kernel_rows(rounds: int) -> list[dict]:
                 lambda block_h=block_h, warps=warps: P._launch_gather_sum(src, index, probs, block_h,
                                                                            num_warps=warps))
         fns["torch_twin"] = lambda: P.unpermute_torch(src, index, probs)
-        want = P.unpermute_torch(src, index, probs).float()
-        errors = {k: float((fn().float() - want).abs().max()) for k, fn in fns.items() if k != "copy_limit_same_bytes"}
+        if name in SPARSE_FROM:  # the combine's sum of a token's rows (no probs), the late columns dense or sparse
+            fns["sum_dense"] = lambda: P._launch_gather_sum(src, index, None, None)
+            fns["sum_sparse"] = lambda: P._launch_gather_sum(src, index, None, None, sparse_from=SPARSE_FROM[name])
+        want, summed = P.unpermute_torch(src, index, probs).float(), P.permute_backward_torch(src, index).float()
+        errors = {k: float((fn().float() - (summed if k.startswith("sum_") else want)).abs().max())
+                  for k, fn in fns.items() if k != "copy_limit_same_bytes"}
         x_TH = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)  # the permute: a program's row to its K rows
         fns["permute_scatter"] = lambda: P.permute(x_TH, index, source_rows, all_rows_mapped=True)
         ms = timed(fns, rounds, reps=5)

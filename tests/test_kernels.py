@@ -395,6 +395,24 @@ def test_permute_backward_into_the_first_columns_of_wider_rows(monkeypatch, inte
         P.permute_backward(y, rows, out=wide[:, :H - 1])
 
 
+@pytest.mark.parametrize("late_valid", [0, 1, 3])
+def test_permute_backward_sparse_columns_read_only_where_valid(late_valid):
+    """``sparse_from`` (the overflow chunk's columns of a wire-row plan): the sums equal the twin's whether no token,
+    one or several have a valid copy past it; the columns past it are skipped only for the others."""
+    gen = torch.Generator().manual_seed(late_valid)
+    T, C, K, H, R = 6, 4, 8, 40, 64
+    rows = torch.full((T, C + K), -1, dtype=torch.int32)
+    rows[:, :C] = torch.randperm(R, generator=gen)[:T * C].view(T, C).to(torch.int32)
+    rows[0, 1] = -1  # a missing early copy
+    late = torch.randperm(R, generator=gen)[:late_valid].to(torch.int32)
+    for i, row in enumerate(late):  # distinct tokens, distinct late columns
+        rows[i, C + 2 * i] = row
+    y = torch.randn((R, H), generator=gen)
+    want = P.permute_backward_torch(y, rows)
+    for sparse_from in (None, C, C + K, 1):
+        assert_close_normwise(P.permute_backward(y, rows, sparse_from=sparse_from), want, 1e-6)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Autograd Functions
 # ----------------------------------------------------------------------------------------------------------
@@ -579,6 +597,7 @@ def test_gpu_bf16_kernels_match_twins(T, H, K, E, layout):
     try:
         xp = P.permute_triton(x, rows, R, mapped)
         gx = P.permute_backward_triton(y, rows)
+        gx_sparse = P.permute_backward_triton(y, rows, sparse_from=K // 2)
         out = P.unpermute_triton(y, rows, probs)
         gy, gp = P.unpermute_backward_triton(grad_out, y, rows, probs, mapped)
     finally:
@@ -586,6 +605,7 @@ def test_gpu_bf16_kernels_match_twins(T, H, K, E, layout):
     assert torch.equal(xp, P.permute_torch(x, rows, R))
     # fp32 sums cast to bf16: the order of the k terms may flip a last bit
     assert_close_normwise(gx, P.permute_backward_torch(y, rows), 2e-3)
+    assert torch.equal(gx_sparse, gx)  # the same sums, in the same order, with the late columns in a loop of their own
     assert_close_normwise(out, P.unpermute_torch(y, rows, probs), 2e-3)
     gy_twin, gp_twin = P.unpermute_backward_torch(grad_out, y, rows, probs)
     assert torch.equal(gy, gy_twin)

@@ -46,7 +46,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from moe_overlap.kernels.fp8_quant import TL_AMAX_FLOOR as _AMAX_FLOOR, TL_FP8_MAX as _FP8_MAX
-    from moe_overlap.kernels.launch import max_combine, sum_combine as _sum_combine
+    from moe_overlap.kernels.launch import DeviceFunction, max_combine, sum_combine as _sum_combine
 
 __all__ = [
     "HAVE_TRITON",
@@ -130,36 +130,54 @@ if HAVE_TRITON:
         if DOT:
             tl.store(dot_ptr + t * K + kk, dot, mask=kk < K)
 
+    def _gathered(src_ptr, rows_ptr, probs_ptr, copy_ptr, t, k, in_range, R, K, hh, hm, stride_src, stride_copy,
+                  HAS_PROBS: tl.constexpr, COPY: tl.constexpr):
+        """Copy k's row of token t (zeros where k is out of range or the copy is not valid), weighted by its
+        prob (HAS_PROBS), in fp32; copied into copy's same row too (COPY)."""
+        row = tl.load(rows_ptr + t * K + k, mask=in_range, other=-1).to(tl.int64)
+        ok = (row >= 0) & (row < R)
+        m = hm & ok
+        raw = tl.load(src_ptr + row * stride_src + hh, mask=m, other=0.0)
+        if COPY:
+            tl.store(copy_ptr + row * stride_copy + hh, raw, mask=m)
+        v = raw.to(tl.float32)
+        if HAS_PROBS:
+            v = v * tl.load(probs_ptr + t * K + k, mask=ok, other=0.0).to(tl.float32)
+        return v
+
+    gathered = DeviceFunction(_gathered)
+
     def _gather_sum_kernel(src_ptr, rows_ptr, probs_ptr, out_ptr, copy_ptr, stride_src, stride_out, stride_copy,
-                           H, K, R, HAS_PROBS: tl.constexpr, COPY: tl.constexpr, K_PAD: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
+                           H, K, R, split, HAS_PROBS: tl.constexpr, COPY: tl.constexpr, K_PAD: tl.constexpr,
+                           EARLY_PAD: tl.constexpr, LATE_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
         # One program per token t: out[t] = sum_k (probs[t, k] *) src[row of (t, k)], fp32 accumulation.
         # COPY: every row read is also written to the same row of copy (src is a buffer about to be reused).
         # The copies one row at a time, unrolled (every load in flight at once, no reduction across warps): at the
         # copy's speed where a (K_PAD, BLOCK_H) tile reduced over K ran 1.7x (all K valid) to 4.2x (2 of 8 valid,
         # each token once per rank) slower (1xH100, benchmarks/results/step_kernels_rows_1xh100.json).
         # A token without a valid copy only writes its zeros (a static buffer's rows past the ones received).
+        # Columns from ``split`` on (LATE_PAD of them) are rarely valid: their loop runs only for a token with one.
         t = tl.program_id(0).to(tl.int64)
         hh0 = tl.arange(0, BLOCK_H)
         kk = tl.arange(0, K_PAD)
         rows_K = tl.load(rows_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int64)
-        has_copies = tl.reduce(((rows_K >= 0) & (rows_K < R)).to(tl.int32), 0, max_combine) > 0
+        valid_K = ((rows_K >= 0) & (rows_K < R)).to(tl.int32)
+        has_copies = tl.reduce(valid_K, 0, max_combine) > 0
+        if LATE_PAD > 0:
+            has_late = tl.reduce(tl.where(kk >= split, valid_K, 0), 0, max_combine) > 0
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + hh0
             hm = hh < H
             acc = tl.full((BLOCK_H,), 0.0, tl.float32)
             if has_copies:
-                for k in tl.static_range(K_PAD):
-                    row = tl.load(rows_ptr + t * K + k, mask=k < K, other=-1).to(tl.int64)
-                    ok = (row >= 0) & (row < R)
-                    m = hm & ok
-                    raw = tl.load(src_ptr + row * stride_src + hh, mask=m, other=0.0)
-                    if COPY:
-                        tl.store(copy_ptr + row * stride_copy + hh, raw, mask=m)
-                    v = raw.to(tl.float32)
-                    if HAS_PROBS:
-                        v = v * tl.load(probs_ptr + t * K + k, mask=ok, other=0.0).to(tl.float32)
-                    acc += v
+                for k in tl.static_range(EARLY_PAD):
+                    acc += gathered(src_ptr, rows_ptr, probs_ptr, copy_ptr, t, k, k < split, R, K, hh, hm,
+                                     stride_src, stride_copy, HAS_PROBS, COPY)
+                if LATE_PAD > 0:
+                    if has_late:
+                        for k in tl.static_range(LATE_PAD):
+                            acc += gathered(src_ptr, rows_ptr, probs_ptr, copy_ptr, t, split + k, split + k < K,
+                                             R, K, hh, hm, stride_src, stride_copy, HAS_PROBS, COPY)
             tl.store(out_ptr + t * stride_out + hh, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
     def _zero_rows_kernel(out_ptr, count_ptr, stride_out, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -353,8 +371,10 @@ def permute_backward_torch(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor) 
 
 def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
                        block_h: Optional[int], copy_out: Optional[torch.Tensor] = None, *,
-                       num_warps: int = 4, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """out[t] = sum_k (probs[t, k] *) src[row of (t, k)]: the one kernel behind permute_backward and unpermute."""
+                       num_warps: int = 4, out: Optional[torch.Tensor] = None,
+                       sparse_from: Optional[int] = None) -> torch.Tensor:
+    """out[t] = sum_k (probs[t, k] *) src[row of (t, k)]: the one kernel behind permute_backward and unpermute.
+    ``sparse_from``: the columns from it on are rarely valid (read only for a token with one valid there)."""
     T, K = row_of_copy_TK.shape
     R, H = src_RH.shape
     if T == 0 or H == 0 or K == 0 or R == 0:
@@ -364,31 +384,38 @@ def _launch_gather_sum(src_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, probs
     probs = src if probs_TK is None else probs_TK.contiguous()  # an unused pointer without probs
     copy = src if copy_out is None else copy_out
     bh = min(_next_pow2(H), 1024) if block_h is None else _power_of_two("block_h", block_h)
+    split = K if sparse_from is None else min(max(sparse_from, 0), K)
     _gather_sum[(T,), src.device](src, row_of_copy_TK.contiguous(), probs, out, copy, src.stride(0), out.stride(0),
-                                  copy.stride(0), H, K, R, HAS_PROBS=probs_TK is not None, COPY=copy_out is not None,
-                                  K_PAD=max(2, _next_pow2(K)), BLOCK_H=max(16, bh), num_warps=num_warps)
+                                  copy.stride(0), H, K, R, split, HAS_PROBS=probs_TK is not None,
+                                  COPY=copy_out is not None, K_PAD=max(2, _next_pow2(K)),
+                                  EARLY_PAD=_next_pow2(split) if split else 0,
+                                  LATE_PAD=_next_pow2(K - split) if K > split else 0, BLOCK_H=max(16, bh),
+                                  num_warps=num_warps)
     return out
 
 
 def permute_backward_triton(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor, *,
-                            block_h: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            block_h: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                            sparse_from: Optional[int] = None) -> torch.Tensor:
     """Triton `permute_backward`: one program per token, its K rows summed in fp32 BLOCK_H at a time."""
     require_triton("the *_triton permute kernels")
     check_2d("grad_RH", grad_RH)
     _check_copies(row_of_copy_TK, row_of_copy_TK.shape[0])
-    return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h, out=out)
+    return _launch_gather_sum(grad_RH, row_of_copy_TK, None, block_h, out=out, sparse_from=sparse_from)
 
 
 def permute_backward(grad_RH: torch.Tensor, row_of_copy_TK: torch.Tensor,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, sparse_from: Optional[int] = None) -> torch.Tensor:
     """grad_TH[t] = sum_k grad_RH[row_of_copy_TK[t, k]] (fp32 accumulation, grad's dtype); -1 copies add nothing.
-    ``out``: a (T, H) tensor with contiguous rows to write into (the first columns of wider rows: no copy after)."""
+    ``out``: a (T, H) tensor with contiguous rows to write into (the first columns of wider rows: no copy after).
+    ``sparse_from``: the columns from it on are rarely valid (the kernel reads them only for a token with one
+    valid there; the overflow chunk's rows of a wire-row plan)."""
     T, H = row_of_copy_TK.shape[0], grad_RH.shape[1]
     if out is not None and (out.shape != (T, H) or out.dtype != grad_RH.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be a ({T}, {H}) {grad_RH.dtype} tensor with contiguous rows, got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if use_triton(grad_RH, "permute"):
-        return permute_backward_triton(grad_RH, row_of_copy_TK, out=out)
+        return permute_backward_triton(grad_RH, row_of_copy_TK, out=out, sparse_from=sparse_from)
     grad_TH = permute_backward_torch(grad_RH, row_of_copy_TK)
     return grad_TH if out is None else out.copy_(grad_TH)
 

@@ -364,7 +364,8 @@ class DevicePlanner(Planner):
                                                                     device=self.device).repeat_interleave(K))
         in_wire_TK = torch.where(wire.row_of_copy_TK < base, wire.row_of_copy_TK, base + cap)  # dropped: the spare
         own_rows_TK = torch.where(sent_TK, row_TK, -1).to(wire.row_TC.dtype)  # a token's overflow rows
-        sent = replace(wire, row_TC=torch.cat((wire.row_TC, own_rows_TK), 1), token_of_row_R=token_of_row_R[:-1],
+        sent = replace(wire, row_TC=torch.cat((wire.row_TC, own_rows_TK), 1), overflow_from=wire.row_TC.shape[1],
+                       token_of_row_R=token_of_row_R[:-1],
                        row_of_copy_TK=torch.where(sent_TK, row_TK, in_wire_TK),
                        slot_TK=torch.where(sent_TK, 0, wire.slot_TK), num_rows=base + cap)
         return grouped_TK, sent

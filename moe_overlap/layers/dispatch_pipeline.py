@@ -361,7 +361,7 @@ class Combine(torch.autograd.Function):
         combined_RH = combine.result()
         ctx.state = state
         if plan.wire is not None:  # the rows came back weighted: a token's rows summed
-            out_TH = permute_backward(combined_RH, plan.wire.row_TC)
+            out_TH = permute_backward(combined_RH, plan.wire.row_TC, sparse_from=plan.wire.overflow_from)
             combine.finish()
             return out_TH
         keep = ctx.needs_input_grad[1]  # the probs' gradient reads the combined rows

@@ -132,6 +132,8 @@ class WireRows:
     counts_V: torch.Tensor  # int64 this rank's wire rows per target (rank x chunks + chunk)
     num_rows: int  # static rows of the send buffer, T x C; the wire rows come first, in (chunk, rank) order
     copies: int  # J
+    overflow_from: int | None = None  # row_TC's columns from it on: copies past their chunk's bound, on rows of
+    #                                   their own (the overflow chunk's), which few tokens have
 
 
 def token_wire_rows(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, target_of_expert_E: torch.Tensor,
@@ -231,7 +233,7 @@ def token_grads(grad_RX: torch.Tensor, hidden: int, wire: WireRows, probs_dtype:
     """The dispatch's backward on the token side: each token's wire rows' gradients summed, and (with
     ``probs_dtype``: the probs' gradient is wanted) each copy's prob gradient taken from its wire row's extra
     columns."""
-    grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC)
+    grad_TH = permute_backward(grad_RX[:, :hidden], wire.row_TC, sparse_from=wire.overflow_from)
     if probs_dtype is None:
         return grad_TH, None
     grads_RM = grad_RX[:, hidden:].view(torch.float32)
