@@ -2730,7 +2730,7 @@ PY
       $old/moe_overlap/kernels/permute.py && cp benchmarks/old_step_kernels_tmp.py $old/benchmarks/step_kernels.py
     for round in 1 2; do
       for tree in $old .; do
-        tag=$([ "$tree" = . ] && echo sparse || echo before)
+        tag=$([ "$tree" = . ] && echo sparse || echo sparse_before)
         (cd $tree && PYTHONPATH=. timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
           --json $here/step_kernels_rows_${tag}${round}_1x$gpu.json 2>&1 | tail -n 3 | cut -c1-400)
       done
