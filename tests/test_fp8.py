@@ -292,9 +292,10 @@ def test_fp8_weights_quantized_once_per_step_refreshed_in_place():
         w.add_(1)  # a write through the parameter bumps its version
     assert torch.equal(weight_operand(w, False)[1], quantize_columns_torch(w.detach())[1])
 
-    run = w[1:3]  # a run of experts (the pipeline's chunk): its own copy, of its own values
+    run = w[1:3]  # a run of experts (the pipeline's chunk): a slice of the whole weight's copy, of its values
     q_run, scale_run = weight_operand(run, contract_last=True)
     assert torch.equal(scale_run, quantize_rows_torch(run.detach())[1])
+    assert q_run.data_ptr() == weight_operand(w, True)[0][1].data_ptr() and len(w.fp8_cache) == 2
 
     layer = torch.nn.Module()
     layer.w = w
@@ -304,7 +305,8 @@ def test_fp8_weights_quantized_once_per_step_refreshed_in_place():
     refresh_weights(layer)  # what a graphed layer's pre-hook does: every cached copy made current, in place
     for entry in w.fp8_cache.values():
         assert entry.state[0] > 0
-    assert weight_operand(run, True)[0] is q_run and torch.equal(scale_run, quantize_rows_torch(run.detach())[1])
+    assert weight_operand(run, True)[0].data_ptr() == q_run.data_ptr()
+    assert torch.equal(scale_run, quantize_rows_torch(run.detach())[1])
 
 
 def test_fp8_weight_copies_of_a_view_refreshed_together_in_one_call(monkeypatch):
@@ -351,13 +353,18 @@ def test_fp8_weight_copies_of_a_view_refreshed_together_in_one_call(monkeypatch)
     current(w)
     assert calls == {"rows": 1, "columns": 1, "rows_and_columns": 2}
 
-    run = w[1:3]  # a view: its own pair
-    weight_operand(run, contract_last=True)
+    run = w[1:3]  # a run of experts: slices of the whole weight's pair, no call of its own, current or made so
+    current(run)
     weights_updated()
-    weight_operand(run, contract_last=False)  # the first columns copy of the run: alone; its rows copy stays stale
-    assert calls == {"rows": 2, "columns": 2, "rows_and_columns": 2}
-    weight_operand(run, contract_last=True)  # stale, its partner current: alone
-    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 2}
+    current(run)
+    assert calls == {"rows": 1, "columns": 1, "rows_and_columns": 3}
+    part = w[:, :16]  # a view that is no run of whole matrices: its own pair
+    weight_operand(part, contract_last=True)
+    weights_updated()
+    weight_operand(part, contract_last=False)  # the first columns copy of the view: alone; its rows copy stays stale
+    assert calls == {"rows": 2, "columns": 2, "rows_and_columns": 3}
+    weight_operand(part, contract_last=True)  # stale, its partner current: alone
+    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 3}
 
     layer = torch.nn.Module()
     layer.w = w
@@ -365,11 +372,12 @@ def test_fp8_weight_copies_of_a_view_refreshed_together_in_one_call(monkeypatch)
     with torch.no_grad():
         w.data.mul_(0.5)
     refresh_weights(layer)  # a graphed layer's pre-hook: one call per view
-    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 4}
+    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 5}
     assert all(entry.state == fp8_layers._state(w) for entry in w.fp8_cache.values())
     current(w)
     current(run)
-    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 4}
+    current(part)
+    assert calls == {"rows": 3, "columns": 2, "rows_and_columns": 5}
 
 
 def test_fp8_blockwise_weight_copies_are_one_quantization_in_both_orientations():

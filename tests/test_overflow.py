@@ -349,9 +349,10 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
     relative error of losses, gradient norms and every gradient (or, with ``fit``, of every step's losses and the
     weights fit ends with), and the overflow metrics of the bounded run. ``fake_overflow_at``: the bounded run's
     forward-backward of that launch (1-based, re-runs counted) reports one overflowing row per rank. ``fp8``: both
-    runs' GEMMs in emulated FP8 (rowwise; the weight gradients too unless not ``fp8_wgrad``)."""
+    runs' GEMMs in emulated FP8 (rowwise; the weight gradients too unless not ``fp8_wgrad``); then ``fp8_copies``:
+    the most FP8 copies any expert weight of the bounded run cached."""
     both = {"overlap.moe_pipeline": "true", **(both or {})}
-    runs = []
+    runs, fp8_copies = [], 0
     for extra in ({"overlap.moe_planning": "host"}, {"overlap.moe_planning": "device", **bounded}):
         cfg = small_config(f"{output_dir}/{len(runs)}", ep, 4 * (torch.distributed.get_world_size()), **both, **extra)
         _, mesh = world_and_mesh(cfg)
@@ -367,6 +368,8 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
                 runs.append((history, state))
             else:
                 runs.append(_grads_and_metrics(trainer, steps))
+            fp8_copies = max([len(getattr(p, "fp8_cache", {})) for n, p in trainer.model.named_parameters()
+                              if ".experts." in n] + [0])
         finally:
             mesh.destroy()
     worst = 0.0
@@ -386,7 +389,7 @@ def overflow_case(output_dir: str, ep: int, steps: int, bounded: dict, both: dic
                         abs(m["grad_norm"] - r["grad_norm"]) / r["grad_norm"],
                         *(rel_err(grads[k], want_grads[k]) for k in want_grads))
         metrics = [m for m, _ in got]
-    return {"worst": worst, "losses": [m["loss"] for m in metrics],
+    return {"worst": worst, "losses": [m["loss"] for m in metrics], "fp8_copies": fp8_copies,
             "overflow_rows": [m["moe_overflow_rows"] for m in metrics],
             "rerun_rows": [m["moe_rerun_rows"] for m in metrics],
             "reruns": [m["moe_overflow_reruns"] for m in metrics], "skipped": [m["skipped"] for m in metrics]}
@@ -549,10 +552,15 @@ def test_overflow_chunk_with_fp8_equals_host_planned(rank_pool, tmp_path):
     weight gradients quantize an expert's rows along the tokens per run of rows, and an overflowing expert's rows
     are two runs: the first step's loss is the same (the forward is), its gradients within FP8's rounding, not bit
     for bit (this tiny model, a few rows an expert: 5.8e-2 relative at worst over every gradient and step, on one
-    rank)."""
+    rank). With two chunks the overflow chunk's GEMMs read all the local experts and each chunk's a run of them:
+    each is a slice of the whole weight's copy, so an expert weight caches one copy per orientation, not three."""
     bounded = {FACTOR: 1.0, OVERFLOW: 2.0}
     _check(rank_pool(2).run(overflow_case, str(tmp_path / "bf16"), 2, 2, bounded, fp8=True, fp8_wgrad=False), True,
            in_graph=True)
+    chunks = rank_pool(2).run(overflow_case, str(tmp_path / "chunks"), 2, 2, bounded,
+                              {"overlap.moe_pipeline_chunks": 2}, fp8=True, fp8_wgrad=False)
+    _check(chunks, True, in_graph=True)
+    assert all(result["fp8_copies"] == 2 for result in chunks), chunks
     wire = rank_pool(2).run(overflow_case, str(tmp_path / "wire"), 2, 2, bounded,
                             {**ONCE, "overlap.moe_dispatch_dtype": "fp8"}, fp8=True, fp8_wgrad=False)
     _check(wire, True, in_graph=True)  # wire rows, FP8 dispatch: the overflow rows reach the GEMMs in FP8

@@ -25,7 +25,9 @@ Weights are quantized once per optimizer step, not per micro-batch: each weight'
 the forward's and the dgrad's) is cached on the parameter and refreshed in place when stale: after an optimizer
 step (the optimizers call :func:`weights_updated`; they write through ``param.data`` or flat buffers, which leave
 ``param._version`` alone), after an in-place write through the parameter (its ``_version``) or a move of its
-storage. A view of a parameter (a run of experts) caches its own copy on the parameter. A stale rowwise copy whose
+storage. A run of a parameter's matrices (the MoE pipeline's chunk of experts) is served as a slice of the whole
+parameter's copy (every scale is per matrix), so a weight has one copy per orientation, quantized once a step,
+however the chunks split it; another view caches its own copy on the parameter. A stale rowwise copy whose
 other orientation is cached and stale too is refreshed with it by one kernel, which reads the weight twice, not
 four times (:func:`quantize_rows_and_columns`; not where TP shares the scales). Graphed MoE layers: the
 capture reads the cached copies that the eager warm-up made (no quantize kernel in the graph: the weights are
@@ -37,8 +39,7 @@ its bf16 values, which nothing reads any more (both its GEMMs are FP8: :meth:`Fp
 orientation in the first half of its bytes, the dgrad's in the second, 1 byte an element each. The copies are
 quantized from the optimizer's fp32 master, rounded to bf16 by the quantize kernels as they read it: bit for bit
 the copies of the bf16 weight the optimizer no longer writes (``ParamInfo.fp8_master``; the optimizer sets it and
-reads ``ParamInfo.holds_fp8``). A run of experts' copies are slices of the whole weight's (the scales are per
-matrix), so they share its place. Rowwise, the optimizer's step leaves the new weights' row and column maxima
+reads ``ParamInfo.holds_fp8``). Rowwise, the optimizer's step leaves the new weights' row and column maxima
 (:func:`step_maxima`, kernels/adamw.py) while it has them in hand, so the refresh of the two copies reads the fp32
 master once (the second pass), where the bf16 weight was read twice.
 
@@ -108,7 +109,7 @@ class Fp8Rows:
     tile (the blockwise recipe's from SwiGLU). ``dtype``: the activations' (the GEMM's output, and what the weight
     gradient reads them as: :meth:`dequantized`)."""
 
-    q_RK: torch.Tensor  # contiguous where a GEMM takes them (the received rows' views are strided)
+    q_RK: torch.Tensor  # unit column stride; the received rows' views and SwiGLU's rows over h are strided
     scales: torch.Tensor  # (R,) a row, or (R, K / 128) a tile
     dtype: torch.dtype
 
@@ -308,6 +309,24 @@ def _refresh(w: torch.Tensor, param: torch.Tensor, layout: Layout, entry: _Cache
     entry.state = state
 
 
+def _view_of(w: torch.Tensor, param: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], int]:
+    """The cache's key for a view of ``param``: its shape, strides and element offset in the parameter."""
+    return w.shape, w.stride(), w.storage_offset() - param.storage_offset()
+
+
+def _matrices_run(w: torch.Tensor, param: torch.Tensor) -> slice | None:
+    """Which of a batched parameter's matrices ``w`` is, where it is a run of them along the first dimension (the
+    MoE pipeline's chunk of experts, the overflow chunk's all of them) and not the parameter itself; else None.
+    Every scale is per matrix, so such a run's copy is the same slice of the whole parameter's."""
+    if w is param or param.dim() < 3 or w.dim() != param.dim() or w.shape[1:] != param.shape[1:]:
+        return None
+    _, stride, offset = _view_of(w, param)
+    if not _whole_matrices(param, w.shape, stride, offset):
+        return None
+    first = offset // param.shape[1:].numel()
+    return slice(first, first + w.shape[0])
+
+
 def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle | None = None,
                    recipe: str = "rowwise") -> tuple[torch.Tensor, torch.Tensor]:
     """A weight (or a view of one: a run of experts) as the right operand B (K, N) of ``a @ B``, per matrix:
@@ -318,18 +337,23 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
     (a tensor-parallel weight): the rowwise scales are the whole dimension's."""
     param = w if w._base is None else w._base
     cache: dict = param.__dict__.setdefault("fp8_cache", {})
-    view = (w.shape, w.stride(), w.storage_offset() - param.storage_offset())
     layout = _layout(contract_last, recipe)
-    slot = (layout, view)
-    entry = cache.get(slot)
+    entry = cache.get((layout, _view_of(w, param)))
+    capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+    run = _matrices_run(w, param)
+    if run is not None:  # a run of whole matrices: a slice of the whole weight's copy, current or made so
+        whole = cache.get((layout, _view_of(param, param)))
+        if not capturing or (whole is not None and whole.state == _state(param)):
+            q, scale = weight_operand(param, contract_last, split_over, recipe)
+            return q[run], scale[run]
     if entry is not None and entry.state == _state(param):
         return entry.q, entry.scale
-    if w.is_cuda and torch.cuda.is_current_stream_capturing():  # stale at capture: quantize inside the graph
+    if capturing:  # stale at capture: quantize inside the graph
         return _quantize_weight(_Source.of(w, param), layout, split_over=split_over)
     if entry is None:  # the first use: this orientation alone
         q, scale = _quantize_weight(_Source.of(w, param), layout, (_place_in_param(param, layout, w), None),
                                     split_over)
-        cache[slot] = _CachedWeight(_state(param), view, q, scale, split_over)
+        cache[(layout, _view_of(w, param))] = _CachedWeight(_state(param), _view_of(w, param), q, scale, split_over)
         return q, scale
     _refresh(w, param, layout, entry, split_over)
     return entry.q, entry.scale
