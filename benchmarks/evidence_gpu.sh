@@ -69,6 +69,7 @@
 #                                                  #   (memory_peak4, at afd5e00: over grad_a instead)
 #   bash benchmarks/evidence_gpu.sh rows_sparse1 OUT # one GPU: the overflow columns' own loop in the token sum:
 #                                                  #   GPU tests, row kernels before / after, one fine layer
+#   bash benchmarks/evidence_gpu.sh session1130 OUT # one GPU: the whole GPU suite, the Mixtral-like model's peaks
 #   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_wire3 OUT # the same without the bounded wire path's zero fill
@@ -2737,6 +2738,18 @@ PY
     done
     pack
     overflow_chunk_run fine chunks4_wire_overflow0.25_sparse --overflow 0.25 --once-per-rank
+    ;;
+  session1130)  # one GPU, the 2026-11-30 session's tree: the whole GPU suite on GPU 0 (SwiGLU's FP8 rows over h,
+    # the token sums' sparse columns, the FP8 copies of runs of experts as slices of the whole weight's), then the
+    # Mixtral-like model's peaks, bf16 and rowwise (its rows are longer than a block: SwiGLU's two-pass FP8 backward
+    # writes over h too; predicted rowwise 8192 x 28672 bytes = 0.22 GiB lower than before, under bf16's)
+    suite session1130_1x 0 250
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 1 --steps 2 \
+      --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --memory-peak \
+      --json $res/memory_peak_mixtral_2l_over_h_1x$gpu.json 2>&1 | tee "$out/$phase.log" \
+      | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
     ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,
