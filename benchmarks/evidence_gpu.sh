@@ -70,6 +70,7 @@
 #   bash benchmarks/evidence_gpu.sh rows_sparse1 OUT # one GPU: the overflow columns' own loop in the token sum:
 #                                                  #   GPU tests, row kernels before / after, one fine layer
 #   bash benchmarks/evidence_gpu.sh session1130 OUT # one GPU: the whole GPU suite, the Mixtral-like model's peaks
+#   bash benchmarks/evidence_gpu.sh session1130b OUT # one GPU: the Mixtral-like model timed, bf16 then rowwise
 #   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_wire3 OUT # the same without the bounded wire path's zero fill
@@ -2749,6 +2750,16 @@ PY
       --profile-steps 0 --variant rowwise:train.fp8_recipe=rowwise --memory-peak \
       --json $res/memory_peak_mixtral_2l_over_h_1x$gpu.json 2>&1 | tee "$out/$phase.log" \
       | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
+  session1130b)  # session1130's Mixtral-like peaks with --memory-peak (1 + 2 steps: bf16 63.19, rowwise 64.21 GiB, at
+    # the FP8 weight gradient's quantized operands) do not compare with the timed runs' (62.71 / 62.75 on 2026-11-29):
+    # the timed run on this tree, bf16 then rowwise, 3 warm-up + 8 steps
+    export CUDA_VISIBLE_DEVICES=0
+    name=train_step_session1130_mixtral_2l_1x$gpu
+    timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml \
+      --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json \
+      2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
     ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
