@@ -71,6 +71,8 @@
 #                                                  #   GPU tests, row kernels before / after, one fine layer
 #   bash benchmarks/evidence_gpu.sh session1130 OUT # one GPU: the whole GPU suite, the Mixtral-like model's peaks
 #   bash benchmarks/evidence_gpu.sh session1130b OUT # one GPU: the Mixtral-like model timed, bf16 then rowwise
+#   bash benchmarks/evidence_gpu.sh placeholder3 OUT # one GPU: placeholders shared only under capture: GPU tests,
+#                                                  #   both bench models timed, bf16 then rowwise (their peaks)
 #   bash benchmarks/evidence_gpu.sh overflow_wire1 OUT # one GPU: the overflow chunk with wire rows, one fine layer
 #   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_wire3 OUT # the same without the bounded wire path's zero fill
@@ -2761,6 +2763,22 @@ PY
       --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json \
       2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     pack
+    ;;
+  placeholder3)  # session1130b: the Mixtral-like model's peaks rose since 2026-11-29 (bf16 62.71 -> 63.19 GiB,
+    # rowwise 62.75 -> 64.21): the shared placeholder (85a2051) stays allocated in eager layers (2.6 GiB for the
+    # Mixtral-like experts' two shapes). Now shared only under a graph's capture (layers/wgrad.placeholder). The
+    # placeholder's and the MoE layer's GPU tests, then the Mixtral-like model and the fine one (graphed: unchanged
+    # predicted), bf16 then rowwise, 3 warm-up + 8 steps
+    export CUDA_VISIBLE_DEVICES=0
+    timeout -k 10 100 python -m pytest -q -p no:cacheprovider -m gpu tests/test_wgrad.py tests/test_gpu_moe.py \
+      2>&1 | tee $res/gpu_tests_placeholder3_1x$gpu.txt | tail -n 2
+    for model in mixtral_2l fine_8l; do
+      name=train_step_placeholder3_${model}_1x$gpu
+      timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_$model.yaml \
+        --variant rowwise:train.fp8_recipe=rowwise --warmup 3 --steps 8 --profile-steps 0 --json $res/$name.json \
+        2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+      pack
+    done
     ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,

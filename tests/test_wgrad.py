@@ -106,10 +106,12 @@ def test_main_grad_holds_the_autograd_gradients_summed_over_micro_batches(group,
         assert rel_err(fused[name], grad) < 1e-6, name
 
 
-def test_placeholders_are_one_shared_tensor_that_autograd_keeps_without_a_copy():
-    """Two weights of one shape whose layers add their gradients into main_grad: autograd's gradient of each is an
-    alias of the one shared placeholder (taken as it is, not copied: a copy would be a fresh allocation, and a
-    graphed layer's static output), and main_grad still gets the gradient."""
+def test_placeholders_autograd_keeps_without_a_copy_shared_only_under_capture(monkeypatch):
+    """Two weights of one shape whose layers add their gradients into main_grad: autograd's gradient of each is the
+    placeholder taken as it is (not copied: a copy would be a fresh allocation, and a graphed layer's static
+    output), and main_grad still gets the gradient. Eager, each call's placeholder is its own (dropped with the
+    hook: nothing stays allocated); under a graph's capture (simulated here) both are aliases of the one
+    placeholder of their shape, which goes with the last parameter of that shape."""
 
     class Linear(torch.autograd.Function):
         @staticmethod
@@ -128,13 +130,20 @@ def test_placeholders_are_one_shared_tensor_that_autograd_keeps_without_a_copy()
         param_info(w).main_grad = torch.zeros(5, 3)
         mark_own_grad(w)
     x = torch.randn(4, 3, generator=g)
-    (Linear.apply(x, weights[0]) * 2 + Linear.apply(x, weights[1])).sum().backward()
-    storage = {w.grad.untyped_storage().data_ptr() for w in weights}
-    assert storage == {placeholder(weights[0]).untyped_storage().data_ptr()}
-    for w, scale in zip(weights, (2.0, 1.0)):
-        assert torch.allclose(param_info(w).main_grad, scale * torch.ones(4, 5).t() @ x)
     key = ((5, 3), torch.float32, torch.device("cpu"))
-    assert key in wgrad._PLACEHOLDERS
+    for captured in (False, True):
+        monkeypatch.setattr(wgrad, "_capturing", lambda param: captured)
+        for w in weights:
+            w.grad = None
+        (Linear.apply(x, weights[0]) * 2 + Linear.apply(x, weights[1])).sum().backward()
+        storage = {w.grad.untyped_storage().data_ptr() for w in weights}
+        if captured:
+            assert storage == {placeholder(weights[0]).untyped_storage().data_ptr()} and key in wgrad._PLACEHOLDERS
+        else:
+            assert len(storage) == 2 and key not in wgrad._PLACEHOLDERS
+            assert param_info(weights[0]).grad_placeholder is None
+    for w, scale in zip(weights, (2.0, 1.0)):
+        assert torch.allclose(param_info(w).main_grad, 2 * scale * torch.ones(4, 5).t() @ x)  # both backwards
     del weights, w  # the last parameters of that shape: their placeholder goes with them
     gc.collect()
     assert key not in wgrad._PLACEHOLDERS

@@ -7,8 +7,8 @@ out=main_grad)`` for dense weights on CUDA, the grouped kernel of kernels/groupe
 instead of returning a bf16 gradient that a hook adds in a second pass over every weight, every
 micro-batch. Such a parameter is marked at construction (:func:`mark_own_grad`) and the optimizers' hook
 (:func:`take_grad`) does not add it again. Autograd still receives a gradient-shaped placeholder (an
-uninitialised tensor, as Megatron's, here one per shape: :func:`placeholder`), so the hooks the distributed
-optimizer counts on still fire. A parameter without ``main_grad`` (a model without an optimizer) gets its gradient
+uninitialised tensor, as Megatron's; under a graph's capture one per shape: :func:`placeholder`), so the hooks the
+distributed optimizer counts on still fire. A parameter without ``main_grad`` (a model without an optimizer) gets its gradient
 returned the ordinary way.
 """
 
@@ -50,10 +50,14 @@ _PLACEHOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def placeholder(param: torch.Tensor) -> torch.Tensor:
     """What a layer returns to autograd for a gradient it added into ``main_grad``: shaped and laid out like
     ``param`` (so autograd keeps it instead of copying), never read (autograd may add two of them in place, a tied
-    weight's: garbage into garbage); the hook drops it at once. One tensor per shape, shared by every parameter and
-    call, each given a fresh alias (which autograd takes as it is): a graphed layer's backward keeps what it returns
-    as its graph's static output, so a placeholder of its own would hold every graphed expert weight's size for the
-    whole run (6 GiB in the fine bench model's 8 MoE layers at EP=1, one set of graphs)."""
+    weight's: garbage into garbage); the hook drops it at once. Eager, a fresh tensor per call, gone with the hook.
+    Under a CUDA graph's capture, one tensor per shape, shared by every parameter and capture, each given a fresh
+    alias (which autograd takes as it is): a graphed layer's backward keeps what it returns as its graph's static
+    output, so a placeholder of its own would hold every graphed expert weight's size for the whole run (6 GiB in
+    the fine bench model's 8 MoE layers at EP=1, one set of graphs). Only there: shared by eager layers too, it stayed
+    allocated for the whole run (2.6 GiB in the Mixtral-like bench model, its experts' two shapes)."""
+    if not _capturing(param):
+        return torch.empty(param.shape, dtype=param.dtype, device=param.device)
     info = param_info(param)
     key = (tuple(param.shape), param.dtype, param.device)
     held = info.grad_placeholder
@@ -63,6 +67,10 @@ def placeholder(param: torch.Tensor) -> torch.Tensor:
             held = _PLACEHOLDERS[key] = torch.empty(key[0], dtype=param.dtype, device=param.device)
         info.grad_placeholder = held
     return held.detach()
+
+
+def _capturing(param: torch.Tensor) -> bool:
+    return param.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:
