@@ -333,6 +333,22 @@ overflow_chunk_run() {  # shape, the result's tag, then benchmarks/overflow_chun
   pack
 }
 
+rows_before_after() {  # the tags of this tree's and the old tree's results: benchmarks/step_kernels.py's row kernels on
+  # GPU 0 from a copy of the tree with the files of before (benchmarks/old_permute_tmp.py, and where carried
+  # old_step_kernels_tmp.py: `git show REV:...`, carried for one run) and from this tree, twice each, alternating
+  local old=/tmp/old_tree here=$PWD/$res tag
+  mkdir -p $old && cp -r moe_overlap benchmarks $old/ && cp benchmarks/old_permute_tmp.py $old/moe_overlap/kernels/permute.py
+  if [ -f benchmarks/old_step_kernels_tmp.py ]; then cp benchmarks/old_step_kernels_tmp.py $old/benchmarks/step_kernels.py; fi
+  for round in 1 2; do
+    for tree in $old .; do
+      tag=$([ "$tree" = . ] && echo $1 || echo $2)
+      (cd $tree && PYTHONPATH=. timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
+        --json $here/step_kernels_rows_${tag}${round}_1x$gpu.json 2>&1 | tail -n 3 | cut -c1-400)
+    done
+  done
+  pack
+}
+
 example() {  # GPUs, then overrides: configs/gpu<N>_<EXAMPLE_FAMILY: fine>.yaml, ROUTING=overrides, ROUTING_NAME=name
   local n=$1 family=${EXAMPLE_FAMILY:-fine}
   local name=examples_gpu${1}_${family}_${ROUTING_NAME:-default}_${1}x$gpu
@@ -2687,16 +2703,7 @@ PY
     # (benchmarks/old_permute_tmp.py, carried for this run only: `git show e856ea3^:moe_overlap/kernels/permute.py`)
     # and after, twice each, alternating
     export CUDA_VISIBLE_DEVICES=0
-    old=/tmp/old_tree here=$PWD/$res && mkdir -p $old && cp -r moe_overlap benchmarks $old/ && cp benchmarks/old_permute_tmp.py \
-      $old/moe_overlap/kernels/permute.py
-    for round in 1 2; do
-      for tree in $old .; do
-        tag=$([ "$tree" = . ] && echo skip || echo before)
-        (cd $tree && PYTHONPATH=. timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
-          --json $here/step_kernels_rows_${tag}${round}_1x$gpu.json 2>&1 | tail -n 2 | cut -c1-300)
-      done
-    done
-    pack
+    rows_before_after skip before
     ;;
   memory_peak4|memory_peak5)  # issue 39's "no more peak memory" (rowwise 0.143 GiB over bf16 in memory_peak3):
     # SwiGLU's FP8 backward writes fc1's FP8 output-gradient rows into a tensor it reads last, so they need no buffer
@@ -2730,22 +2737,14 @@ PY
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_gpu_moe.py \
       2>&1 | tee $res/gpu_tests_rows_sparse_1x$gpu.txt | tail -n 3
-    old=/tmp/old_tree here=$PWD/$res && mkdir -p $old && cp -r moe_overlap benchmarks $old/ && cp benchmarks/old_permute_tmp.py \
-      $old/moe_overlap/kernels/permute.py && cp benchmarks/old_step_kernels_tmp.py $old/benchmarks/step_kernels.py
-    for round in 1 2; do
-      for tree in $old .; do
-        tag=$([ "$tree" = . ] && echo sparse || echo sparse_before)
-        (cd $tree && PYTHONPATH=. timeout -k 10 120 python benchmarks/step_kernels.py --sections rows --rounds 10 \
-          --json $here/step_kernels_rows_${tag}${round}_1x$gpu.json 2>&1 | tail -n 3 | cut -c1-400)
-      done
-    done
-    pack
+    rows_before_after sparse sparse_before
     overflow_chunk_run fine chunks4_wire_overflow0.25_sparse --overflow 0.25 --once-per-rank
     ;;
-  session1130)  # one GPU, the 2026-11-30 session's tree: the whole GPU suite on GPU 0 (SwiGLU's FP8 rows over h,
-    # the token sums' sparse columns, the FP8 copies of runs of experts as slices of the whole weight's), then the
-    # Mixtral-like model's peaks, bf16 and rowwise (its rows are longer than a block: SwiGLU's two-pass FP8 backward
-    # writes over h too; predicted rowwise 8192 x 28672 bytes = 0.22 GiB lower than before, under bf16's)
+  session1130)  # one GPU, this session's tree (2026-11-29 afternoon; the name is not a date): the whole GPU suite on
+    # GPU 0 (SwiGLU's FP8 rows over h, the token sums' sparse columns, the FP8 copies of runs of experts as slices of
+    # the whole weight's), then the Mixtral-like model's peaks, bf16 and rowwise (its rows are longer than a block:
+    # SwiGLU's two-pass FP8 backward writes over h too; predicted rowwise 8192 x 28672 bytes = 0.22 GiB lower than
+    # before, under bf16's)
     suite session1130_1x 0 250
     export CUDA_VISIBLE_DEVICES=0
     timeout -k 10 "$(left)" python benchmarks/train_step.py configs/bench_mixtral_2l.yaml --warmup 1 --steps 2 \
