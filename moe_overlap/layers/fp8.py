@@ -337,8 +337,7 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
     (a tensor-parallel weight): the rowwise scales are the whole dimension's."""
     param = w if w._base is None else w._base
     cache: dict = param.__dict__.setdefault("fp8_cache", {})
-    layout = _layout(contract_last, recipe)
-    entry = cache.get((layout, _view_of(w, param)))
+    layout, view = _layout(contract_last, recipe), _view_of(w, param)
     capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
     run = _matrices_run(w, param)
     if run is not None:  # a run of whole matrices: a slice of the whole weight's copy, current or made so
@@ -346,6 +345,7 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
         if not capturing or (whole is not None and whole.state == _state(param)):
             q, scale = weight_operand(param, contract_last, split_over, recipe)
             return q[run], scale[run]
+    entry = cache.get((layout, view))
     if entry is not None and entry.state == _state(param):
         return entry.q, entry.scale
     if capturing:  # stale at capture: quantize inside the graph
@@ -353,7 +353,7 @@ def weight_operand(w: torch.Tensor, contract_last: bool, split_over: GroupHandle
     if entry is None:  # the first use: this orientation alone
         q, scale = _quantize_weight(_Source.of(w, param), layout, (_place_in_param(param, layout, w), None),
                                     split_over)
-        cache[(layout, _view_of(w, param))] = _CachedWeight(_state(param), _view_of(w, param), q, scale, split_over)
+        cache[(layout, view)] = _CachedWeight(_state(param), view, q, scale, split_over)
         return q, scale
     _refresh(w, param, layout, entry, split_over)
     return entry.q, entry.scale
