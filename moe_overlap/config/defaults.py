@@ -75,7 +75,7 @@ def pipeline_fields_set(o: OverlapConfig) -> list[str]:
             and getattr(o, name) is not False]
 
 
-def once_per_rank_gap(m: ModelConfig, p: ParallelConfig, o: OverlapConfig) -> str | None:
+def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
     """What overlap.moe_dispatch_once_per_rank is not implemented with in this config, or None."""
     if m.moe_pad_expert_input_to_capacity:
         return "model.moe_pad_expert_input_to_capacity=true"
@@ -238,8 +238,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if o.moe_dispatch_once_per_rank == "auto":
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"
-        elif once_per_rank_gap(m, cfg.parallel, o):
-            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(m, cfg.parallel, o)}"
+        elif once_per_rank_gap(m, cfg.parallel):
+            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(m, cfg.parallel)}"
         elif m.moe_router_topk < ONCE_PER_RANK_MIN_TOPK:
             o.moe_dispatch_once_per_rank, why = False, (f"top-{m.moe_router_topk}: few copies share a rank (on from "
                                                         f"top-{ONCE_PER_RANK_MIN_TOPK}, tuning.py)")

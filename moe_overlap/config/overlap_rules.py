@@ -130,8 +130,8 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
         if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
             raise not_implemented("overlap.moe_compute_only", True, False,
                                    "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
-    if o.moe_dispatch_once_per_rank and once_per_rank_gap(m, p, o):
-        raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(m, p, o)}")
+    if o.moe_dispatch_once_per_rank and once_per_rank_gap(m, p):
+        raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(m, p)}")
     if o.moe_dispatch_dtype == "fp8":
         if o.moe_dispatch_once_per_rank is not True:
             raise not_implemented("overlap.moe_dispatch_dtype", "fp8", "bf16", "without each token once per rank: "
