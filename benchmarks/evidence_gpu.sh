@@ -77,6 +77,7 @@
 #   bash benchmarks/evidence_gpu.sh overflow_wire2 OUT # the same with the row kernels skipping rows without a copy
 #   bash benchmarks/evidence_gpu.sh overflow_wire3 OUT # the same without the bounded wire path's zero fill
 #   bash benchmarks/evidence_gpu.sh overflow_gpu1 OUT # one GPU: the MoE layer's GPU tests, the overflow chunk's too
+#   bash benchmarks/evidence_gpu.sh suite_final1 OUT # one GPU: the whole GPU suite on the late session's tree
 #   bash benchmarks/evidence_gpu.sh overflow_chunk_ep2 OUT # (not run yet) the overflow chunk in a training step at
 #                                                  #   EP=2 (overflow_chunk_ep4: EP=4): GPU test, corpus, balanced
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
@@ -2778,6 +2779,10 @@ PY
         2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
       pack
     done
+    ;;
+  suite_final1)  # one GPU, the tree this late session (2026-11-29, 14:18 UTC on) leaves: the whole GPU suite on GPU 0
+    # (since session1130: placeholders shared only under capture, weight_operand's key computed once)
+    suite suite_final_1x 0 300
     ;;
   overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,
