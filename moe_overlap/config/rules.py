@@ -364,6 +364,7 @@ def validate_for_world(cfg: Config, world_size: int, device_type: str) -> None:
         require(value in anywhere or device_type == "cuda", f"overlap.{name}", value,
                  f"sets NCCL communicators and cuBLAS GEMMs: needs train.device=cuda; the device is {device_type!r}")
     refuse(device_refusal(cfg.overlap.moe_transport, device_type))
-    backend, wanted = cfg.overlap.tp_comm_backend, {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")}[device_type]
+    backend = cfg.overlap.tp_comm_backend
+    wanted = {"cpu": ("auto", "p2p"), "cuda": ("auto", "p2p", "symm")}[device_type]
     require(backend in wanted, "overlap.tp_comm_backend", backend,
             f"'{backend}' cannot run on device {device_type!r}; use one of {', '.join(wanted)}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+
 @dataclass
 class ExchangeLayout:
     """Rows per (chunk, peer) and their first row on each side; all lists are [chunk][peer]."""

@@ -180,7 +180,8 @@ def _adamw_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 def adamw_update_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         model_copy: torch.Tensor | None, control: torch.Tensor, hyper: AdamWHyper,
-                        block: int = _BLOCK, warps: int = _WARPS, programs_per_sm: int | None = _PROGRAMS_PER_SM) -> None:
+                        block: int = _BLOCK, warps: int = _WARPS,
+                        programs_per_sm: int | None = _PROGRAMS_PER_SM) -> None:
     n = master.numel()
     if n == 0:
         return

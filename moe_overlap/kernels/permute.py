@@ -57,6 +57,7 @@ __all__ = [
     "Fp8Handoff", "Permute", "Unpermute",
 ]
 
+
 def _check_copies(row_of_copy_TK: torch.Tensor, num_tokens: int, name: str = "row_of_copy_TK") -> None:
     check_2d(name, row_of_copy_TK)
     if row_of_copy_TK.shape[0] != num_tokens:
@@ -275,7 +276,8 @@ def _check_fp8_out(fp8_out: Optional[Fp8Out], num_rows: int, H: int, all_rows_ma
     if q.shape != (num_rows, H) or q.dtype != FP8 or q.stride(1) != 1 or scale.shape != (num_rows,) \
             or scale.dtype != torch.float32 or scale.stride(0) != 1:
         raise ValueError(f"fp8_out must be a ({num_rows}, {H}) E4M3 tensor with contiguous rows and ({num_rows},) "
-                         f"contiguous float32 scales, got {tuple(q.shape)} {q.dtype}, {tuple(scale.shape)} {scale.dtype}")
+                         f"contiguous float32 scales, got {tuple(q.shape)} {q.dtype}, "
+                         f"{tuple(scale.shape)} {scale.dtype}")
 
 
 def _copy_index(row_of_copy_TK: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,6 +119,7 @@ if HAVE_TRITON:
     _copy_rows_out = Kernel(_move_rows_kernel, name="_copy_rows_out_kernel")
     _repeat_rows = Kernel(_repeat_rows_kernel)
 
+
 def full_width(device: torch.device) -> int:
     """CTAs of a push or copy with no carve-out to respect: two per SM, enough to keep HBM busy (32 already reach
     NVLink speed, measured on 2xH200); a few for the interpreter."""

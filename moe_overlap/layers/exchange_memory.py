@@ -167,7 +167,7 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
     if o.moe_paged_stash_factor is not None:
         pooled, stashes, row_bytes, page_rows = paged_stash_size(cfg, calls)
         pool_bytes = (stash_pages(pooled, stashes, page_rows) + 1) * page_rows * row_bytes
-        lines.append(f"  overlap.moe_paged_stash_factor={o.moe_paged_stash_factor:g}: no stash per layer call; one pool "
-                     f"of {_size(pool_bytes)} per rank instead ({pooled:,} rows of {_size(row_bytes)} for the "
+        lines.append(f"  overlap.moe_paged_stash_factor={o.moe_paged_stash_factor:g}: no stash per layer call; one "
+                     f"pool of {_size(pool_bytes)} per rank instead ({pooled:,} rows of {_size(row_bytes)} for the "
                      f"{calls} MoE layer calls in flight, and a page of {page_rows} rows per stash)")
     return lines

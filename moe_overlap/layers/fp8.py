@@ -496,6 +496,7 @@ def _emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
         start = end
     return out
 
+
 def grouped_mm(a_TK: torch.Tensor | Fp8Rows, w: torch.Tensor, offsets_E: torch.Tensor, fp8: Fp8 | None,
                transpose_w: bool = False, fast_accum: bool = False, split: bool = False) -> torch.Tensor:
     """Each group's rows times w[e] (or w[e]^T): torch._grouped_mm, or in FP8 under ``fp8`` (which takes

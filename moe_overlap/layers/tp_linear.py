@@ -37,6 +37,7 @@ from moe_overlap.layers.deferred_wgrad import weight_grads
 from moe_overlap.layers.fp8 import Fp8, Fp8Rows, fp8_gemm, start_split_contraction_rows
 from moe_overlap.layers.wgrad import linear_wgrad, mark_own_grad
 
+
 def _contraction_split(comm: TPComm) -> GroupHandle | None:
     """The ranks that each hold part of a GEMM's contraction when the weight is split along it (FP8 shares its
     scales over them), or None with one rank."""

@@ -8,8 +8,8 @@ instead of returning a bf16 gradient that a hook adds in a second pass over ever
 micro-batch. Such a parameter is marked at construction (:func:`mark_own_grad`) and the optimizers' hook
 (:func:`take_grad`) does not add it again. Autograd still receives a gradient-shaped placeholder (an
 uninitialised tensor, as Megatron's; under a graph's capture one per shape: :func:`placeholder`), so the hooks the
-distributed optimizer counts on still fire. A parameter without ``main_grad`` (a model without an optimizer) gets its gradient
-returned the ordinary way.
+distributed optimizer counts on still fire. A parameter without ``main_grad`` (a model without an optimizer) gets its
+gradient returned the ordinary way.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from moe_overlap.kernels.grouped_wgrad import grouped_wgrad_accumulate
 from moe_overlap.layers.fp8 import Fp8, fp8_wgrad
 from moe_overlap.layers.param_info import param_info
+
 
 def mark_own_grad(*params: torch.Tensor) -> None:
     """These parameters' layers add their gradients into ``main_grad`` themselves."""

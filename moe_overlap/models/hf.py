@@ -344,4 +344,3 @@ def unmapped_tensor_hint(name: str) -> str:
              "shared_expert": "a shared expert the config does not describe"}
     return next((hint for part, hint in hints.items() if part in name),
                 "no counterpart in this model (its config.json describes no such tensor)")
-

@@ -249,7 +249,8 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tensor], per
         _write_atomically(tmp / MANIFEST, json.dumps({"step": step, "files": files}, sort_keys=True))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _write_atomically(root / LATEST, json.dumps({"step": step} | ({"stopped_by": stopped_by} if stopped_by else {})))
+        latest = {"step": step} | ({"stopped_by": stopped_by} if stopped_by else {})
+        _write_atomically(root / LATEST, json.dumps(latest))
         for old in sorted(complete_steps(root))[:-keep_last]:  # the new one is complete: prune the oldest
             shutil.rmtree(step_dir(root, old), ignore_errors=True)
 

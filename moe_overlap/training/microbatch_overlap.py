@@ -6,10 +6,10 @@ A chunk's forward is a list of segments (models/pipeline_stages.ModelChunk): one
 the embedding | per layer the pieces of TransformerLayer.stages (a MoE layer whose exchange runs: attention +
 router + permute with the dispatch started | expert GEMMs with the combine started + shared expert | combine
 waited + unpermute; a dense or one-rank layer: attention | MLP) | the head or the PP stage's output. A
-:class:`ChunkRun` hands each segment's outputs that need gradients on as detached leaves (the autograd graph cut
-between segments), so that one segment's backward runs on its own. :func:`run_pair` runs a pair of the schedule (one micro-batch's
-forward, another's backward) alternating segments: the backward's last, the forward's first, the backward's
-next, ...
+:class:`ChunkRun` hands each segment's outputs that need gradients on as detached leaves (the autograd graph cut between
+segments), so that one segment's backward runs on its own. :func:`run_pair` runs a pair of the schedule (one
+micro-batch's forward, another's backward) alternating segments: the backward's last, the forward's first, the
+backward's next, ...
 
 Backward walks the layers down while forward walks them up, and each exchange started at the end of one segment
 is waited for at the start of the same micro-batch's next segment, so one segment of the other micro-batch is

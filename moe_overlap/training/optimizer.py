@@ -137,7 +137,8 @@ def logical_grad_copies(name: str, param: torch.Tensor, grad: torch.Tensor, tp: 
         shard = tp_shard(param)
         if not is_expert_param(param):
             return {name: shard.assemble(blocks)}
-        return {expert_key(name, param_info(param).first_expert + local): shard.assemble([block[local] for block in blocks])
+        first = param_info(param).first_expert
+        return {expert_key(name, first + local): shard.assemble([block[local] for block in blocks])
                 for local in range(param.shape[0])}
     flat = grad.view(-1)
     return {key: flat[offset:offset + shape.numel()].view(shape).clone()

@@ -1,12 +1,12 @@
 """Stopping a run cleanly: SIGTERM / SIGINT and ``train.exit_duration_min``.
 
-A signal only records a request; the training loop asks :meth:`StopRequests.agreed` before it queues a step,
-and the ranks agree on it (a max all-reduce over a CPU group of the world), so every rank finishes the same
-step, saves the same checkpoint and exits 0, whichever rank the signal reached. A second signal ends the process at once (exit
-code 128 + the signal's number) unless it comes within ``DUPLICATE_WINDOW_S`` of the first: launchers relay
-a signal (torchrun forwards the one it gets; a scheduler may signal the launcher and the ranks alike), so one
-request can arrive twice. The signals are read from Python's signal wakeup fd by a thread, which sees the
-second one even while the main thread is blocked in a collective or a device wait.
+A signal only records a request; the training loop asks :meth:`StopRequests.agreed` before it queues a step, and the
+ranks agree on it (a max all-reduce over a CPU group of the world), so every rank finishes the same step, saves the same
+checkpoint and exits 0, whichever rank the signal reached. A second signal ends the process at once (exit code 128 + the
+signal's number) unless it comes within ``DUPLICATE_WINDOW_S`` of the first: launchers relay a signal (torchrun forwards
+the one it gets; a scheduler may signal the launcher and the ranks alike), so one request can arrive twice. The signals
+are read from Python's signal wakeup fd by a thread, which sees the second one even while the main thread is blocked in
+a collective or a device wait.
 """
 
 from __future__ import annotations

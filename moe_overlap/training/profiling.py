@@ -180,8 +180,8 @@ def host_late_idle(trace: dict, steps: int, listed: int = 10) -> dict:
     per_step = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
     return {"compute_idle_ms": per_step(idle), "host_late_ms": per_step(late),
             "launches_joined": sum(corr in calls for *_, corr in kernels), "kernels": len(kernels),
-            "host_late_before": [{"next": name, "ms": per_step(us), "gaps": count // steps}
-                                 for name, (us, count) in sorted(late_by_next.items(), key=lambda kv: -kv[1][0])[:listed]]}
+            "host_late_before": [{"next": name, "ms": per_step(us), "gaps": count // steps} for name, (us, count)
+                                 in sorted(late_by_next.items(), key=lambda kv: -kv[1][0])[:listed]]}
 
 
 def step_breakdown(spans, steps: int, top_kernels: int = 45) -> dict:

@@ -49,8 +49,8 @@ def init_distributed(cfg: Config) -> tuple[Mesh, torch.device]:
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.train.distributed_timeout_s)
         store = rendezvous_store(timeout)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
-                                **({} if store is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}))
+        ranked = {} if store is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store, **ranked)
         if store is not None:
             store.set_timeout(timeout)  # joined: from now on a missing rank is noticed within the collective timeout
     return Mesh.create(mesh_layout(cfg, world_size), timeout_s=cfg.train.distributed_timeout_s,

@@ -545,8 +545,8 @@ class Trainer:
 
 def bounded_exchange(cfg: Config) -> bool:
     """Whether the MoE layers may plan a bounded exchange on the device (overlap.moe_expert_rank_capacity_factor, or
-    the pool of overlap.moe_paged_stash_factor    with the pipeline over more than one expert rank, planned on the device or by auto): then every step reduces
-    the overflow over the world and may run again."""
+    the pool of overlap.moe_paged_stash_factor, with the pipeline over more than one expert rank, planned on the
+    device or by auto): then every step reduces the overflow over the world and may run again."""
     o, p = cfg.overlap, cfg.parallel
     return (cfg.model.num_moe_experts is not None and o.moe_pipeline and o.moe_planning != "host"
             and (o.moe_expert_rank_capacity_factor is not None or o.moe_paged_stash_factor is not None)
