@@ -2784,12 +2784,13 @@ PY
     # (since session1130: placeholders shared only under capture, weight_operand's key computed once)
     suite suite_final_1x 0 300
     ;;
-  overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (written 2026-11-29, not run: no multi-GPU kind was lent) the
+  overflow_chunk_ep2|overflow_chunk_ep4)  # issue 37 (ep2 run 2026-11-29 evening on 2xH200; ep4 not yet) the
     # overflow chunk in a training step at EP=2 or 4: the fine model graphed (1 chunk) with the distributed optimizer,
     # each token once per rank (its default; copies: the overflow chunk over token copies instead). The GPU test
     # first, then on the bench corpus (its routing collapses: factor 1.0 overflows every step) and forced balanced
     # (nothing overflows): unbounded (config), factor 1.0 running each overflowing step again (rerun), factor 1.0
-    # with an overflow chunk of 0.5 (chunk: 1.5 x R in all, where null holds EP x R)
+    # with an overflow chunk of 0.5 (chunk: 1.5 x R in all, where null holds EP x R). A launch gets 220 s: at 180 the
+    # ep2 corpus launch's last row (copies) was stopped after 4 of its 8 steps
     n=${phase##*ep}
     timeout -k 10 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_overflow.py 2>&1 | tail -n 4 \
       | tee "$out/gpu_tests_overflow_${n}x$gpu.txt"
@@ -2798,7 +2799,7 @@ PY
     for run in "corpus" "balanced $BAL"; do
       set -- $run
       name=overflow_chunk_ep${n}_$1_${n}x$gpu
-      timeout -k 10 $(( $(left) < 180 ? $(left) : 180 )) torchrun --standalone --nproc-per-node $n \
+      timeout -k 10 $(( $(left) < 220 ? $(left) : 220 )) torchrun --standalone --nproc-per-node $n \
         benchmarks/train_step.py $fine ${2:-} --variant rerun:$F=1.0 --variant chunk:$F=1.0,$O=0.5 \
         --variant copies:$F=1.0,$O=0.5,overlap.moe_dispatch_once_per_rank=false --warmup 2 --steps 6 \
         --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
