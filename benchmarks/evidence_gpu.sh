@@ -80,6 +80,8 @@
 #   bash benchmarks/evidence_gpu.sh suite_final1 OUT # one GPU: the whole GPU suite on the late session's tree
 #   bash benchmarks/evidence_gpu.sh overflow_chunk_ep2 OUT # (not run yet) the overflow chunk in a training step at
 #                                                  #   EP=2 (overflow_chunk_ep4: EP=4): GPU test, corpus, balanced
+#   bash benchmarks/evidence_gpu.sh overflow_room2 OUT # 2 GPUs: one chunk with the overflow room in its bound
+#                                                  #   (overflow_room4: EP=4): GPU test, balanced, corpus
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2804,6 +2806,28 @@ PY
         --variant copies:$F=1.0,$O=0.5,overlap.moe_dispatch_once_per_rank=false --warmup 2 --steps 6 \
         --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' \
         | cut -c1-500
+      pack
+    done
+    ;;
+  overflow_room2|overflow_room4)  # issue 37 after overflow_chunk_ep2 (the overflow chunk of 0.5 with one chunk: 1.029x
+    # the unbounded step with nothing to take): with one chunk its room is now the chunk's bound (1.0 + 0.5, the same
+    # static rows, no second exchange). The GPU test, then forced balanced (nothing past 1.0): unbounded (config),
+    # factor 1.0 alone (rerun), 1.0 with the room (room); then the bench corpus (past 1.0 on every step): unbounded
+    # and room. Predicted: room within 0.5% of rerun balanced, and on the corpus the steps within 1.5 at unbounded's time
+    n=${phase##*room}
+    timeout -k 10 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_overflow.py 2>&1 | tail -n 4 \
+      | tee "$out/gpu_tests_overflow_room_${n}x$gpu.txt"
+    cp "$out/gpu_tests_overflow_room_${n}x$gpu.txt" $res/
+    F=overlap.moe_expert_rank_capacity_factor O=overlap.moe_overflow_capacity_factor
+    fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=$n $DISTOPT $GRAPHED"
+    for run in "balanced $BAL" "corpus"; do
+      set -- $run
+      rows="--variant room:$F=1.0,$O=0.5"
+      [ "$1" = balanced ] && rows="--variant rerun:$F=1.0 $rows"
+      name=overflow_room_ep${n}_$1_${n}x$gpu
+      timeout -k 10 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone --nproc-per-node $n \
+        benchmarks/train_step.py $fine ${2:-} $rows --warmup 2 --steps 6 --profile-steps 0 --json $res/$name.json \
+        2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-500
       pack
     done
     ;;

@@ -62,7 +62,7 @@ def allocated_sizes(settings: list[tuple[float | None, int, float | None, bool]]
 
 def test_info_exchange_memory_is_what_a_layer_call_allocates(rank_pool):
     settings = [(None, 1, None, False), (None, 2, None, False), (1.5, 1, None, False), (1.5, 2, None, False),
-                (1.25, 2, 0.5, False), (1.25, 2, 0.5, True)]
+                (1.25, 2, 0.5, False), (1.25, 2, 0.5, True), (1.25, 1, 0.5, False)]
     for rank_sizes in rank_pool(8).run(allocated_sizes, settings):
         for (factor, chunks, overflow, once), got in zip(settings, rank_sizes):
             want = got["want"]
@@ -76,7 +76,10 @@ def test_info_exchange_memory_is_what_a_layer_call_allocates(rank_pool):
             if factor is None:  # the worst case: every rank's copies per chunk
                 assert want.chunk_rows == [8 * T * K] * chunks
             elif overflow is not None:  # and the overflow chunk's 0.5 x R rows, in the receive buffer too
-                assert want.chunk_rows[-1] == 0.5 * T * K and len(want.chunk_rows) == chunks + 1
+                if chunks == 1:  # no overflow chunk: its room in the chunk's bound
+                    assert want.chunk_rows == [1.75 * T * K] and want.factor == factor
+                else:
+                    assert want.chunk_rows[-1] == 0.5 * T * K and len(want.chunk_rows) == chunks + 1
                 assert sum(want.chunk_rows) == 1.75 * T * K and want.receive_rows == 1.75 * T * K + 1
             else:  # factor x the balanced share, split by the chunks' experts
                 assert sum(want.chunk_rows) == 1.5 * T * K and want.receive_rows == 1.5 * T * K + 1

@@ -9,9 +9,9 @@ step without one host sync
 memory at least their allocated peak). The paged
 stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a pool of the worst case (never past) and of the
 balanced rows (past on the most loaded rank, run again); its pages in the sync check too. The overflow chunk
-(``overlap.moe_overflow_capacity_factor`` = EP, never past): the same overflow taken inside the step, graphed and eager
-with 2 chunks, and graphed with each token once per rank (its copies past the bound as rows of their own), no step
-run again, the same bf16 rule.
+(``overlap.moe_overflow_capacity_factor`` = EP, never past): the same overflow taken inside the step, graphed (one
+chunk: its room in the chunk's bound) and eager with 2 chunks, and graphed with 2 chunks and each token once per rank
+(its copies past the bound as rows of their own), no step run again, the same bf16 rule.
 
 The per-rank work is `gpu_case`, launched once under torchrun; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it
 runs on CPU gloo ranks, skipping the graphed layout and the sync check, which only CUDA runs.
@@ -59,14 +59,15 @@ def gpu_case(output_dir: str) -> dict:
                # the paged stash: a pool of the worst case never overflows; of the balanced rows it does
                "paged_graphed": {**device_planned, PAGED: float(world), "train.moe_cuda_graph": "true"},
                "paged_overflow_graphed": {**device_planned, PAGED: 1.0, "train.moe_cuda_graph": "true"},
-               # the overflow chunk takes it inside the step
+               # the overflow chunk takes it inside the step (one chunk: its room in the chunk's bound)
                "in_graph_graphed": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
                                     "train.moe_cuda_graph": "true"},
                "in_graph_eager_chunks2": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
                                           "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"},
                # each token once per rank: the copies past the bound cross again as rows of their own
                "in_graph_wire_graphed": {**device_planned, FACTOR: 1.0, OVERFLOW: float(world),
-                                         "overlap.moe_dispatch_once_per_rank": "true", "train.moe_cuda_graph": "true"}}
+                                         "overlap.moe_dispatch_once_per_rank": "true", "train.moe_cuda_graph": "true",
+                                         "overlap.moe_pipeline_chunks": 2}}
     mesh, device = init_distributed(small_config(output_dir, world, global_batch, **bf16))
     runs, skipped = {}, {}
     for name, extra in layouts.items():

@@ -11,6 +11,7 @@ never overflows there.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -189,7 +190,7 @@ def test_overflow_free_bounded_routes_equal_the_worst_case_routes(chunks):
         assert all(torch.equal(x, y) for x, y in zip(b.offsets, w.offsets))
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("chunks", [2, 4])
 @pytest.mark.parametrize("overflow", [2.0, 0.25], ids=["all_fit", "some_past"])
 def test_overflow_chunk_routes_take_the_rows_past_the_bound(chunks, overflow):
     """With the overflow chunk, the rows past their chunk's bound on rank 0 (as in the test above) land in its
@@ -229,6 +230,43 @@ def test_overflow_chunk_routes_take_the_rows_past_the_bound(chunks, overflow):
     spare = sum(int((p.routes.dst_row_R == W - 1).sum()) for p in plans)
     assert spare == sum(int(s.unplaced_rows) for s in selectors)
     assert (spare > 0) == (overflow < 1) and sum(int(p.overflow_rows) for p in plans) > 0
+
+
+@pytest.mark.parametrize("overflow", [2.0, 0.25], ids=["all_fit", "some_past"])
+def test_one_chunk_takes_the_overflow_room_in_its_bound(overflow):
+    """One chunk has no overflow chunk: its room joins the chunk's bound, so the plan is factor 1.0 + overflow's
+    (the same routes, offsets and buffers, no second exchange) while the rows past 1.0 are still counted as overflow
+    and only those past both as the ones that make the step run again. (Wire rows: the one-chunk cases of the wire
+    tests below, against the formula.)"""
+    experts_STK = torch.tensor([[0, 1], [0, 2]]).unsqueeze(1).repeat(1, T, 1)
+    R = T * K
+
+    def plans(factor: float, overflow_factor: float | None):
+        counts_SE = torch.stack([torch.bincount(e.flatten(), minlength=E) for e in experts_STK])
+        out = []
+        for rank in range(RANKS):
+            selector = _Counts(counts_SE)
+            group = GroupHandle(ranks=list(range(RANKS)), group=None, rank=rank, size=RANKS)
+            routing = SimpleNamespace(experts_TK=experts_STK[rank], keep_TK=None, capacity=None,
+                                      tokens_per_expert_E=counts_SE[rank])
+            out.append((DevicePlanner(E, group, 1, False, selector, CPU, H * 4, factor,
+                                      overflow_factor=overflow_factor).plan(routing), selector, counts_SE))
+        return out
+
+    for (room, _, _), (plain, _, _) in zip(plans(1.0, overflow), plans(1.0 + overflow, None)):
+        assert not room.overflow_chunk and room.chunk_experts == [(0, L)]
+        kept = int(plain.routes.recv_rows_C.sum())  # the combine routes past the kept rows are never read
+        for name in ("send_start_C", "send_rows_C", "dst_rank_R", "dst_row_R", "recv_start_C", "recv_rows_C"):
+            assert torch.equal(getattr(room.routes, name), getattr(plain.routes, name)), name
+        for name in ("back_rank_W", "back_row_W"):
+            assert torch.equal(getattr(room.routes, name)[:kept], getattr(plain.routes, name)[:kept]), name
+        assert room.routes.chunk_rows == plain.routes.chunk_rows and torch.equal(room.offsets[0], plain.offsets[0])
+    for rank, (room, counted, counts_SE) in enumerate(plans(1.0, overflow)):
+        arrived = int(counts_SE[:, rank * L:(rank + 1) * L].sum())
+        assert int(counted.overflow_rows) == max(0, arrived - R) == int(room.overflow_rows)
+        assert int(counted.unplaced_rows) == max(0, arrived - math.ceil((1.0 + overflow) * R))
+    assert sum(int(c.overflow_rows) for _, c, _ in plans(1.0, overflow)) > 0
+    assert (sum(int(c.unplaced_rows) for _, c, _ in plans(1.0, overflow)) > 0) == (overflow < 1)
 
 
 def _wire_exchange(ranks: int, chunks: int, experts_STK: torch.Tensor, overflow: float) -> tuple[list, list, list]:
@@ -494,8 +532,8 @@ def test_a_step_queued_behind_an_overflowed_one_runs_again_in_fit(rank_pool, tmp
 @EVERY_EP
 def test_overflow_chunk_takes_the_overflow_in_the_step(rank_pool, tmp_path, world, chunks, extra):
     """Factor 1.0 with learned routing overflows every step, as above; an overflow chunk of EP x R rows (never
-    exceeded) takes every such row inside the layer call: no step runs again, and its losses and gradients are the
-    host-planned run's."""
+    exceeded; with one chunk, that room in the chunk's bound) takes every such row inside the layer call: no step
+    runs again, and its losses and gradients are the host-planned run's."""
     both = {"overlap.moe_pipeline_chunks": chunks, **extra}
     bounded = {FACTOR: 1.0, OVERFLOW: float(world)}
     _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, bounded, both), True, in_graph=True)
@@ -505,26 +543,26 @@ ONCE = {"overlap.moe_dispatch_once_per_rank": "true"}
 
 
 @pytest.mark.parametrize("world,both", [
-    (2, {}), (2, {"model.moe_router_topk": 4, "overlap.delay_wgrad_compute": "true"}),
+    (2, {}), (2, {"model.moe_router_topk": 4, "overlap.delay_wgrad_compute": "true", "overlap.moe_pipeline_chunks": 2}),
     (4, {"overlap.moe_pipeline_chunks": 2, "train.use_distributed_optimizer": "true"}),
     (8, {}),
-], ids=["ep2", "ep2_top4_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
+], ids=["ep2", "ep2_top4_chunks2_delay_wgrad", "ep4_chunks2_dist_opt", "ep8"])
 def test_overflow_chunk_takes_wire_rows_overflow_in_the_step(rank_pool, tmp_path, world, both):
     """Each token once per rank: the copies past their chunk's bound leave their wire rows and cross again as rows
-    of their own to the overflow chunk (EP x R rows: never exceeded); no step runs again, and the losses and every
-    gradient are the host-planned run's."""
+    of their own to the overflow chunk (EP x R rows: never exceeded; with one chunk there is none, its room is in
+    the chunk's bound); no step runs again, and the losses and every gradient are the host-planned run's."""
     bounded = {FACTOR: 1.0, OVERFLOW: float(world)}
     _check(rank_pool(world).run(overflow_case, str(tmp_path), world, 2, bounded, {**ONCE, **both}), True,
            in_graph=True)
 
 
 @pytest.mark.parametrize("both,bounded", [
-    ({"overlap.moe_token_slices": 2}, {}),
+    ({"overlap.moe_token_slices": 2, "overlap.moe_pipeline_chunks": 2}, {}),
     ({"overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2}, {}),
     ({"overlap.moe_pipeline_chunks": 2}, {"overlap.moe_paged_stash_factor": 2.0}),
     ({"train.pipeline_schedule": "zb_h1", "parallel.pipeline_model_parallel_size": 2, "model.num_layers": 4,
-      "model.moe_layer_freq": "[0,1,1,1]"}, {}),
-    ({**ONCE, "overlap.moe_token_slices": 2}, {}),
+      "model.moe_layer_freq": "[0,1,1,1]", "overlap.moe_pipeline_chunks": 2}, {}),
+    ({**ONCE, "overlap.moe_token_slices": 2, "overlap.moe_pipeline_chunks": 2}, {}),
     ({**ONCE, "overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2},
      {"overlap.moe_paged_stash_factor": 2.0}),
 ], ids=["token_slices", "paired", "paged_stash", "zb_h1_deferred_wgrad", "wire_token_slices", "wire_paired_paged"])
@@ -550,10 +588,11 @@ def test_overflow_chunk_with_fp8_equals_host_planned(rank_pool, tmp_path):
     """Emulated FP8 GEMMs: the overflow chunk's quantize the same weights and rows (rowwise: a scale per row), so
     with bf16 weight gradients the steps are the host-planned FP8 run's (with each token once per rank too). FP8
     weight gradients quantize an expert's rows along the tokens per run of rows, and an overflowing expert's rows
-    are two runs: the first step's loss is the same (the forward is), its gradients within FP8's rounding, not bit
-    for bit (this tiny model, a few rows an expert: 5.8e-2 relative at worst over every gradient and step, on one
-    rank). With two chunks the overflow chunk's GEMMs read all the local experts and each chunk's a run of them:
-    each is a slice of the whole weight's copy, so an expert weight caches one copy per orientation, not three."""
+    are two runs (two chunks: with one, the overflow room is in the chunk's bound): the first step's loss is the
+    same (the forward is), its gradients within FP8's rounding, not bit for bit (this tiny model, a few rows an
+    expert: 5.8e-2 relative at worst over every gradient and step, on one rank). With two chunks the overflow
+    chunk's GEMMs read all the local experts and each chunk's a run of them: each is a slice of the whole weight's
+    copy, so an expert weight caches one copy per orientation, not three."""
     bounded = {FACTOR: 1.0, OVERFLOW: 2.0}
     _check(rank_pool(2).run(overflow_case, str(tmp_path / "bf16"), 2, 2, bounded, fp8=True, fp8_wgrad=False), True,
            in_graph=True)
@@ -562,10 +601,12 @@ def test_overflow_chunk_with_fp8_equals_host_planned(rank_pool, tmp_path):
     _check(chunks, True, in_graph=True)
     assert all(result["fp8_copies"] == 2 for result in chunks), chunks
     wire = rank_pool(2).run(overflow_case, str(tmp_path / "wire"), 2, 2, bounded,
-                            {**ONCE, "overlap.moe_dispatch_dtype": "fp8"}, fp8=True, fp8_wgrad=False)
+                            {**ONCE, "overlap.moe_dispatch_dtype": "fp8", "overlap.moe_pipeline_chunks": 2}, fp8=True,
+                            fp8_wgrad=False)
     _check(wire, True, in_graph=True)  # wire rows, FP8 dispatch: the overflow rows reach the GEMMs in FP8
     want = rank_pool(2).run(overflow_case, str(tmp_path / "want"), 2, 2, {FACTOR: 1.0}, fp8=True)  # re-run: exact
-    for result, rerun in zip(rank_pool(2).run(overflow_case, str(tmp_path / "fp8"), 2, 2, bounded, fp8=True), want):
+    for result, rerun in zip(rank_pool(2).run(overflow_case, str(tmp_path / "fp8"), 2, 2, bounded,
+                                              {"overlap.moe_pipeline_chunks": 2}, fp8=True), want):
         assert 0 < result["worst"] < 1e-1 and not any(result["reruns"]), result
         assert abs(result["losses"][0] - rerun["losses"][0]) < TOL * abs(rerun["losses"][0])
 

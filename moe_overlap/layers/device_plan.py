@@ -31,7 +31,8 @@ The overflow chunk (``overlap.moe_overflow_capacity_factor``): the rows past the
 more chunk over all the local experts, of ``ceil(overflow factor x R)`` static rows, after the chunks in the compact
 receive buffer and in (local expert, source rank) order too. They travel with their own chunk's rows (only their
 route differs), its grouped GEMMs run after the last chunk's, and its rows go back like a chunk's: a skewed layer
-call stays inside its CUDA graph at the cost of one more GEMM. Only rows past this chunk's bound too go to the spare
+call stays inside its CUDA graph at the cost of one more GEMM. With one chunk there is no overflow chunk: its room
+joins the chunk's bound (:func:`planned_factors`). Only rows past this chunk's bound too go to the spare
 row and make the step run again. Each row meets the same weights; an expert's weight gradient is then summed from
 two runs of its rows.
 
@@ -179,6 +180,18 @@ def chunk_bounds_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]
     return [min(worst, math.ceil(factor * rows * (stop - start) / local)) for start, stop in chunk_experts]
 
 
+def planned_factors(chunks: int, factor: float | None, overflow: float | None) -> tuple[float | None, float | None]:
+    """(the chunks' bound, the overflow chunk's) as planned from ``overlap.moe_expert_rank_capacity_factor`` and
+    ``moe_overflow_capacity_factor``: no overflow chunk without a bound, and none with one chunk either. There its
+    room joins the chunk's bound (factor + overflow): the same static rows (fewer with wire rows, which then need no
+    room of their own) without a second exchange in every layer call (at EP=2 the overflow chunk with nothing to take
+    cost 1.029x the unbounded step, the bound alone 1.002x). Rows past ``factor`` still count as overflow
+    (``moe_overflow_rows``); only rows past both make the step run again, as with the overflow chunk."""
+    if factor is None or overflow is None:
+        return factor, None
+    return (factor + overflow, None) if chunks == 1 else (factor, overflow)
+
+
 def overflow_chunk_rows(ranks: int, rows: int, factor: float | None) -> int:
     """Static rows of the overflow chunk: ``ceil(factor x rows)``, at most every rank's copies; 0 without one."""
     return 0 if factor is None else min(ranks * rows, math.ceil(factor * rows))
@@ -224,9 +237,12 @@ class DevicePlanner(Planner):
                  capacity_factor: float | None = None, once_per_rank: bool = False, topk: int = 0,
                  overflow_factor: float | None = None):
         super().__init__(num_experts, ep, chunks, pad_to_capacity, transports, device, row_bytes, once_per_rank, topk)
-        self.capacity_factor = capacity_factor  # overlap.moe_expert_rank_capacity_factor; None: the worst case
-        # overlap.moe_overflow_capacity_factor: None, no overflow chunk (it needs a bound)
-        self.overflow_factor = overflow_factor if capacity_factor is not None else None
+        # overlap.moe_expert_rank_capacity_factor (None: the worst case) and moe_overflow_capacity_factor (None: no
+        # overflow chunk), as planned; with one chunk the overflow room is in the bound and rows past the
+        # configured factor are counted against ``counted_factor``
+        self.capacity_factor, self.overflow_factor = planned_factors(len(self.chunk_experts), capacity_factor,
+                                                                     overflow_factor)
+        self.counted_factor = capacity_factor if self.capacity_factor != capacity_factor else None
         ranks, bounds = ep.size, self.chunk_experts
         self.rank_of_slot = (self.expert_of_slot // self.local).to(torch.int32)
         self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(self.local)  # (l, s)
@@ -236,6 +252,7 @@ class DevicePlanner(Planner):
         self.chunk_of_slot = self.chunk_of_expert[self.expert_of_slot % self.local]
         self._static_counts: dict[int, torch.Tensor] = {}
         self._bounds: dict[tuple, tuple[list[int], torch.Tensor, int]] = {}
+        self._counted: dict[int, torch.Tensor] = {}  # counted_factor's bound of each chunk, per R
 
     def static_counts(self, capacity: int) -> torch.Tensor:
         """Padded capacity: every rank sends ``capacity`` rows to every expert."""
@@ -291,7 +308,7 @@ class DevicePlanner(Planner):
         self._check_rows(counts_SE, R)
         overflow = not padded and self.overflow_factor is not None  # chunk_rows ends with the overflow chunk's
         layout = self.layout(counts_SE, bound_C, chunk_rows[-1] if overflow else 0)
-        overflow_rows = self._count_overflow(layout)
+        overflow_rows = self._count_overflow(layout, None if padded else R)
         chunk_experts = self.chunk_experts + [(0, self.local)] * overflow
         return DevicePlan(row_of_copy_TK, R, not padded, chunk_experts, self.routes(layout, R, W, chunk_rows),
                           self.offsets(layout), transport, overflow_rows, overflow_chunk=overflow)
@@ -321,7 +338,7 @@ class DevicePlanner(Planner):
                                                     layout.within_DLS)
             routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
             return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
-                              transport, self._count_overflow(layout), wire, grouped_TK, chunk_rows)
+                              transport, self._count_overflow(layout, R), wire, grouped_TK, chunk_rows)
         # a destination's overflow chunk: after its wire rows, in the room they left
         wire_rows_D = wire_layout.kept_DC.sum(1)
         layout = self.layout(counts_SE, bound_C, over, send_cap=over, receive_start_D=wire_rows_D,
@@ -402,12 +419,22 @@ class DevicePlanner(Planner):
         torch._assert_async(torch.all(counts_SE.sum(1) <= R), f"overlap.moe_planning=device: every EP rank must "
                             f"route at most {R} copies (the same micro-batch shape on every rank)")
 
-    def _count_overflow(self, layout: _Layout) -> torch.Tensor:
+    def _count_overflow(self, layout: _Layout, rows: int | None = None) -> torch.Tensor:
         """This rank's rows past their chunks' bounds, counted; those past the overflow chunk's too (where there is
-        one; else all of them) are the ones that make the step run again."""
+        one; else all of them) are the ones that make the step run again. With the overflow room in one chunk's
+        bound (``counted_factor``) the rows past the configured factor are counted (``rows``: the copies each rank
+        routes, R; None: padded capacity, exact)."""
         me = self.ep.rank
-        overflow_rows = (layout.arrived_DC[me] - layout.kept_DC[me]).sum()
-        unplaced = overflow_rows - layout.over_kept_D[me] if layout.overflow_bound else overflow_rows
+        arrived_C = layout.arrived_DC[me]
+        unplaced = (arrived_C - layout.kept_DC[me]).sum()
+        overflow_rows = unplaced
+        if layout.overflow_bound:
+            unplaced = overflow_rows - layout.over_kept_D[me]
+        elif self.counted_factor is not None and rows is not None:
+            if rows not in self._counted:
+                self._counted[rows] = torch.tensor(chunk_bounds_rows(self.ep.size, rows, self.chunk_experts,
+                                                                     self.counted_factor), device=self.device)
+            overflow_rows = (arrived_C - torch.minimum(arrived_C, self._counted[rows])).sum()
         self.transports.count_overflow(overflow_rows, unplaced)
         return overflow_rows
 

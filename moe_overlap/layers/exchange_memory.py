@@ -18,8 +18,8 @@ from moe_overlap.config import Config
 from moe_overlap.config.defaults import pairs_on_streams
 from moe_overlap.distributed.a2a import REGIONS
 from moe_overlap.exchange_rules import choose_exchange
-from moe_overlap.layers.device_plan import (chunk_bounds_rows, overflow_chunk_rows, receive_rows, region_rows,
-                                            wire_receive_rows)
+from moe_overlap.layers.device_plan import (chunk_bounds_rows, overflow_chunk_rows, planned_factors, receive_rows,
+                                            region_rows, wire_receive_rows)
 from moe_overlap.layers.exchange_plan import chunk_bounds
 from moe_overlap.layers.paged_stash import aligned_bytes, page_rows_for, stash_pages
 from moe_overlap.layers.wire_rows import copies_per_wire_row, wire_row_bytes
@@ -54,15 +54,16 @@ def exchange_memory(ranks: int, rows: int, chunk_experts: list[tuple[int, int]],
                     overflow_factor: float | None = None) -> ExchangeMemory:
     """The sizes the device planner allocates for a layer call (dropless: ``rows`` = T x k permuted rows);
     ``outputs``: the stash keeps the expert outputs too (each token once per rank); ``overflow_factor``: the
-    overflow chunk's (with a bound)."""
-    overflow_factor = overflow_factor if factor is not None else None
+    overflow chunk's (as planned: none without a bound or with one chunk, where its room is the chunk's)."""
+    configured, (factor, overflow_factor) = factor, planned_factors(len(chunk_experts), factor, overflow_factor)
     row_bytes = hidden * element_bytes
     received = receive_rows(ranks, rows, chunk_experts, factor, overflow_factor)
     stash_row = (hidden * (2 if outputs else 1) + 2 * expert_ffn) * element_bytes
     chunk_rows = chunk_bounds_rows(ranks, rows, chunk_experts, factor)
     if overflow_factor is not None:
         chunk_rows.append(overflow_chunk_rows(ranks, rows, overflow_factor))
-    return ExchangeMemory(factor, chunk_rows, received, region_rows(received, rows) * row_bytes, row_bytes, stash_row)
+    return ExchangeMemory(configured, chunk_rows, received, region_rows(received, rows) * row_bytes, row_bytes,
+                          stash_row)
 
 
 def wire_region_bytes(ranks: int, tokens: int, topk: int, chunk_experts: list[tuple[int, int]],
@@ -71,7 +72,7 @@ def wire_region_bytes(ranks: int, tokens: int, topk: int, chunk_experts: list[tu
     """moe_dispatch_once_per_rank: each symmetric region of the device-planned exchange, in bytes: its compact
     receive buffer of wire rows, or a rank's T x min(k, chunks x EP) wire rows back (and its overflow rows, with the
     overflow chunk), of the widest wire row."""
-    overflow_factor = overflow_factor if factor is not None else None
+    factor, overflow_factor = planned_factors(len(chunk_experts), factor, overflow_factor)
     received = wire_receive_rows(ranks, tokens * topk, tokens, chunk_experts, factor, overflow_factor)
     sent = tokens * min(topk, len(chunk_experts) * ranks) + overflow_chunk_rows(ranks, tokens * topk, overflow_factor)
     return region_rows(received, sent) * wire_row_bytes(hidden * element_bytes,
@@ -104,7 +105,8 @@ def paged_stash_size(cfg: Config, calls: int) -> tuple[int, int, int, int]:
     element = DTYPES[cfg.train.precision].itemsize
     widths = [m.hidden_size, 2 * m.expert_ffn_hidden_size] + ([m.hidden_size] if o.moe_dispatch_once_per_rank else [])
     rows = math.ceil(o.moe_paged_stash_factor * rows_per_call(cfg) * calls)
-    stashes = calls * (chunks + (o.moe_overflow_capacity_factor is not None)) * o.moe_token_slices  # overflow's
+    overflow = planned_factors(chunks, o.moe_expert_rank_capacity_factor, o.moe_overflow_capacity_factor)[1]
+    stashes = calls * (chunks + (overflow is not None)) * o.moe_token_slices  # the overflow chunk's too
     return (rows, stashes, sum(aligned_bytes(w * element) for w in widths),
             page_rows_for(rows_per_call(cfg) // (chunks * o.moe_token_slices)))
 
@@ -148,9 +150,10 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
                      f"{f'{size.receive_rows:,} rows':<17}{_size(size.stash_bytes):<21}"
                      f"{REGIONS} x {_size(size.region_bytes)}")
     if o.moe_overflow_capacity_factor is not None and o.moe_expert_rank_capacity_factor is not None:
-        lines.append(f"  overlap.moe_overflow_capacity_factor={o.moe_overflow_capacity_factor:g}: the "
-                     f"{o.moe_expert_rank_capacity_factor:g} row holds the overflow chunk's "
-                     f"{sizes[-1].chunk_rows[-1]:,} rows too")
+        factor, overflow = o.moe_expert_rank_capacity_factor, o.moe_overflow_capacity_factor
+        lines.append(f"  overlap.moe_overflow_capacity_factor={overflow:g}: the {factor:g} row holds "
+                     + (f"the overflow chunk's {sizes[-1].chunk_rows[-1]:,} rows too" if chunks > 1 else
+                        f"its room in the one chunk's bound too ({factor + overflow:g} x R: no overflow chunk)"))
     if o.moe_dispatch_once_per_rank:  # the chunk tensors and the stash stay the copies'
         regions = [_size(wire_region_bytes(ep, rows // m.moe_router_topk, m.moe_router_topk, chunk_experts, factor,
                                            m.hidden_size, DTYPES[cfg.train.precision].itemsize,
