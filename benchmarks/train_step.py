@@ -23,7 +23,7 @@ Weak scaling: unless ``--no-scale-batch``, train.global_batch_size is multiplied
 rank runs the config's micro-batches at any world size (the ep1 row runs the file's own batch).
 
 Each row: tokens/s of the job, per-GPU TFLOP/s and MFU (medians of the timed steps; MFU against
-train.peak_tflops, beside this GPU's measured bf16 GEMM rate), ``vs_ep1`` (per-GPU tokens/s over ep1's) and
+train.peak_tflops, beside this GPU's measured bf16 GEMM rate), every timed step's time and their mean, ``vs_ep1`` (per-GPU tokens/s over ep1's) and
 ``vs_compute_only`` (step time over compute_only's; none where compute_only's loss is not finite, a row then
 marked ``not_a_limit``), the maximum over ranks of peak memory (torch's allocator peak
 plus symmetric-memory regions, which that allocator does not see), exposed communication per kind (every wait of
@@ -181,6 +181,9 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "steps_timed": len(timed), "tokens_per_s": median_of(timed, "tokens_per_s"),
         "tokens_per_s_per_gpu": median_of(timed, "tokens_per_s") / world,
         "step_time_s": median_of(timed, "step_time_s"), "step_time_s_per_rank": [p["step_time_s"] for p in parts],
+        # every timed step, rank 0's: a median hides a step that ran again (moe_overflow_reruns)
+        "step_times_s": [round(m["step_time_s"], 5) for m in timed],
+        "step_time_s_mean": statistics.fmean(m["step_time_s"] for m in timed),
         "tflops_per_gpu": median_of(timed, "tflops_per_gpu"), "mfu": median_of(timed, "mfu"),
         "peak_tflops": cfg.train.peak_tflops,
         "gemm_tflops_measured": gemm_tflops,

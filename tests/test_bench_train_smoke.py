@@ -21,6 +21,8 @@ RESOLVED = {"moe_path", "moe_pipeline", "moe_planning", "moe_transport", "moe_pi
 
 def check_row(row: dict, world: int) -> None:
     assert row["steps_timed"] == 2 and row["world_size"] == world
+    assert len(row["step_times_s"]) == 2 and math.isclose(row["step_time_s_mean"], sum(row["step_times_s"]) / 2,
+                                                          rel_tol=1e-3)
     assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_tflops"] == 788.0
     assert math.isclose(row["tokens_per_s_per_gpu"] * world, row["tokens_per_s"])
     assert set(row["exposed_comm_ms"]) == set(EXPOSED_KINDS) and len(row["exposed_comm_ms_per_rank"]) == world
