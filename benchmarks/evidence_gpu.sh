@@ -82,6 +82,8 @@
 #                                                  #   EP=2 (overflow_chunk_ep4: EP=4): GPU test, corpus, balanced
 #   bash benchmarks/evidence_gpu.sh overflow_room2 OUT # 2 GPUs: one chunk with the overflow room in its bound
 #                                                  #   (overflow_room4: EP=4): GPU test, balanced, corpus
+#   bash benchmarks/evidence_gpu.sh x4_main OUT    # 4 GPUs: the fine model on two streams at EP=4 (with
+#                                                  #   compute_only, ep1), then overflow_room4's rows
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -272,6 +274,22 @@ train_step() {  # nproc, model (fine_8l | mixtral_2l), routing name, routing ove
     --compute-only --ep1 --ep1-overrides "${routes// /,}" --json $res/$name.json --timeline $res/$name.png "$@" \
     2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-400
   pack
+}
+
+overflow_room_rows() {  # EP: the fine model at EP graphed (1 chunk) with the distributed optimizer, forced balanced
+  # (config, factor 1.0 alone, 1.0 with 0.5 of room) and on the bench corpus (config, room); a launch gets 200 s
+  local n=$1 run rows name F=overlap.moe_expert_rank_capacity_factor O=overlap.moe_overflow_capacity_factor
+  local fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=$n $DISTOPT $GRAPHED"
+  for run in "balanced $BAL" "corpus"; do
+    set -- $run
+    rows="--variant room:$F=1.0,$O=0.5"
+    [ "$1" = balanced ] && rows="--variant rerun:$F=1.0 $rows"
+    name=overflow_room_ep${n}_$1_${n}x$gpu
+    timeout -k 10 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone --nproc-per-node $n \
+      benchmarks/train_step.py $fine ${2:-} $rows --warmup 2 --steps 6 --profile-steps 0 --json $res/$name.json \
+      2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-500
+    pack
+  done
 }
 
 tp2_fp8_steps() {  # name tag, expert-TP sizes, then train_step arguments: the Mixtral-like bench model at TP=2 with
@@ -2818,18 +2836,14 @@ PY
     timeout -k 10 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_overflow.py 2>&1 | tail -n 4 \
       | tee "$out/gpu_tests_overflow_room_${n}x$gpu.txt"
     cp "$out/gpu_tests_overflow_room_${n}x$gpu.txt" $res/
-    F=overlap.moe_expert_rank_capacity_factor O=overlap.moe_overflow_capacity_factor
-    fine="configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=$n $DISTOPT $GRAPHED"
-    for run in "balanced $BAL" "corpus"; do
-      set -- $run
-      rows="--variant room:$F=1.0,$O=0.5"
-      [ "$1" = balanced ] && rows="--variant rerun:$F=1.0 $rows"
-      name=overflow_room_ep${n}_$1_${n}x$gpu
-      timeout -k 10 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone --nproc-per-node $n \
-        benchmarks/train_step.py $fine ${2:-} $rows --warmup 2 --steps 6 --profile-steps 0 --json $res/$name.json \
-        2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error|error' | cut -c1-500
-      pack
-    done
+    overflow_room_rows $n
+    ;;
+  x4_main)  # the first 4-GPU call (written 2026-11-29 evening): issue 38's lever at EP=4, the fine bench model's pairs
+    # on two streams beside config, compute_only and ep1 (as streams4, without its GPU tests: the suite runs them);
+    # then issue 37 at EP=4, overflow_room4's rows (its GPU test in the suite too)
+    STEPS="--warmup 3 --steps 6 --profile-steps 0"
+    train_step 4 fine_8l balanced_streams "$BAL" --variant "streams:overlap.overlap_moe_expert_parallel_comm=true"
+    overflow_room_rows 4
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
