@@ -23,9 +23,9 @@ Weak scaling: unless ``--no-scale-batch``, train.global_batch_size is multiplied
 rank runs the config's micro-batches at any world size (the ep1 row runs the file's own batch).
 
 Each row: tokens/s of the job, per-GPU TFLOP/s and MFU (medians of the timed steps; MFU against
-train.peak_tflops, beside this GPU's measured bf16 GEMM rate), every timed step's time and their mean, ``vs_ep1`` (per-GPU tokens/s over ep1's) and
-``vs_compute_only`` (step time over compute_only's; none where compute_only's loss is not finite, a row then
-marked ``not_a_limit``), the maximum over ranks of peak memory (torch's allocator peak
+train.peak_tflops, beside this GPU's measured bf16 GEMM rate), every timed step's time and their mean, ``vs_ep1``
+(per-GPU tokens/s over ep1's) and ``vs_compute_only`` (step time over compute_only's; none where compute_only's loss
+is not finite, a row then marked ``not_a_limit``), the maximum over ranks of peak memory (torch's allocator peak
 plus symmetric-memory regions, which that allocator does not see), exposed communication per kind (every wait of
 the compute stream or host for another rank, CUDA-graph replays included: median over steps, per rank and its
 maximum), the pipelined exchange's bytes to other ranks per step (``moe_exchange_gib``: the most any rank sent), routing
