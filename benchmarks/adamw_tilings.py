@@ -18,7 +18,8 @@ from moe_overlap.kernels.adamw import AdamWHyper, WeightMaxima, adamw_maxima_tri
 SHAPES = [(8, 1024, 4096), (3, 333, 1041), (64, 2048, 2048), (64, 1024, 2048)]  # Mixtral-like, odd, the fine fc1/fc2
 TILINGS = [((1, 1024, 32), 8, 4), ((1, 1024, 16), 8, 4), ((1, 1024, 64), 8, 4), ((1, 1024, 32), 8, 8),
            ((1, 512, 64), 4, 8), ((2, 512, 64), 4, 8), ((4, 1024, 4), 8, 4), ((4, 1024, 4), 4, 8),
-           ((1, 1024, 32), 4, 8), ((2, 1024, 32), 8, 4), ((1, 2048, 32), 8, 4)]  # (BLOCK_M, BLOCK_K, SPAN_M), warps, per SM
+           ((1, 1024, 32), 4, 8), ((2, 1024, 32), 8, 4),
+           ((1, 2048, 32), 8, 4)]  # (BLOCK_M, BLOCK_K, SPAN_M), warps, per SM
 NAMES = ("master", "grad", "exp_avg", "exp_avg_sq")
 
 

@@ -46,8 +46,9 @@ def write_json(path: str | None, header: dict, rows: list[dict]) -> None:
 
 
 def round_robin(variants: dict[str, Callable[[], object]], rounds: int, warmup: int, device) -> dict[str, float]:
-    """Median milliseconds of each variant, timed A B C A B C ... (clocks drift under load: README, "What overlaps on Hopper"), ranks
-    aligned by a barrier before each run; the slowest rank's median (a single process needs no process group)."""
+    """Median milliseconds of each variant, timed A B C A B C ... (clocks drift under load: README, "What overlaps on
+    Hopper"), ranks aligned by a barrier before each run; the slowest rank's median (a single process needs no process
+    group)."""
     import torch.distributed as dist
 
     from moe_overlap.distributed.streams import Event, synchronize

@@ -76,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="more step variants in the same round-robin: TRANSPORT[+carveoutN] runs overlapped "
                              "through TRANSPORT (nccl: as configured; nccl_default: NCCL's choice of CTAs; "
                              "nccl_Nctas, nccl_hp, nccl_hp_Nctas: a CTA cap and/or a high-priority stream) with GEMMs "
-                             "N SMs short (default: overlap.gemm_sm_carveout); compute_only+carveoutN: the no-op run so"),
+                             "N SMs short (default: overlap.gemm_sm_carveout); "
+                             "compute_only+carveoutN: the no-op run so"),
     parser.add_argument("--timeline", default=None, metavar="PNG",
                         help="profile two steps of every step variant; summarise the compute and NCCL streams as "
                              "timeline rows and draw the overlapped steps to PNG")
@@ -345,7 +346,8 @@ class StepBench:
         for index, bucket in enumerate(buckets):
             rows.append({"section": "buckets", "bucket": index, "first_part": bucket.first_unit,
                          "group_size": bucket.group.size, "numel": bucket.numel,
-                         "params": [slot.name for slot in bucket.slots][:4] + (["..."] if len(bucket.slots) > 4 else []),
+                         "params": ([slot.name for slot in bucket.slots][:4]
+                                    + (["..."] if len(bucket.slots) > 4 else [])),
                          "reduce_scatter_ms": round(rs_ms[index], 3), "all_gather_ms": round(ag_ms[index], 3)})
         exposed = step_ms["overlapped"] - step_ms["compute_only"]
         serial_comm = step_ms["serial"] - step_ms["compute_only"]

@@ -22,8 +22,8 @@ blockwise. In both recipes the forward, dgrad
 and (train.fp8_wgrad, the default) wgrad GEMMs run in FP8 (kernels/fp8_wgrad.py for the wgrad).
 ``--check``: each recipe's outputs, input gradients and main_grads against bf16's, normwise (each under 0.1, or
 exit 1).
-``--profile PATH``: after the timing, each case's bf16, fp8 and blockwise variants under torch.profiler, the GPU kernels'
-time per call (where the FP8 path's time goes: its GEMMs, the quantize kernels, the rest), written to PATH.
+``--profile PATH``: after the timing, each case's bf16, fp8 and blockwise variants under torch.profiler, the GPU
+kernels' time per call (where the FP8 path's time goes: its GEMMs, the quantize kernels, the rest), written to PATH.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ BIAS_OFF = "model.moe_router_enable_expert_bias=false"
 CENTERED = "+centered"
 SOFTMAX = "model.moe_router_score_function=softmax"
 
-# name -> (overrides, factor on the routers' initial weights)
+
 def _shipped(*extra: str, aux: str = "1e-2") -> tuple[list[str], float]:
     """The routing configs/gpu*_fine.yaml shipped on 2026-11-27 before softmax (embedding std 1.0, aux loss ``aux``,
     bias rate 1e-2), plus ``extra``."""
@@ -65,6 +65,7 @@ def _shipped(*extra: str, aux: str = "1e-2") -> tuple[list[str], float]:
             *extra], 1.0
 
 
+# name -> (overrides, factor on the routers' initial weights)
 VARIANTS: dict[str, tuple[list[str], float]] = {
     "bias1e-3": ([], 1.0),
     "bias1e-2": (["model.moe_router_bias_update_rate=1e-2"], 1.0),
@@ -250,7 +251,8 @@ def routing_at_init(hidden: int, init_std: float, layers: int = 6, seq: int = 51
             counts_E = torch.bincount(routing.experts_TK.flatten(), minlength=router.num_experts).float()
             cosine = F.cosine_similarity(x_TH, x_TH.mean(0, keepdim=True)).mean()
             rows[index] = {"cos_to_mean": round(float(cosine), 3),
-                           "common_over_token_logit_std": round(float(common_E.std() / (logits_TE - common_E).std()), 2),
+                           "common_over_token_logit_std": round(float(common_E.std() / (logits_TE - common_E).std()),
+                                                                2),
                            "max_share": round(float(counts_E.max() / counts_E.mean()), 2),
                            "dead_experts": int((counts_E == 0).sum())}
         return hook

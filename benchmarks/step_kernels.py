@@ -99,7 +99,6 @@ TOKEN_QUANTIZE_SHAPES = {  # name: (experts, rows per expert, the four operands'
 }
 
 
-
 def timed(fns: dict, rounds: int, reps: int) -> dict[str, float]:
     """Median ms per call of every variant, round-robin. A variant whose calls take the host about as long to
     launch as the GPU to run is named on stderr: its time is the host's (:func:`timed_graphed` times the GPU)."""
@@ -300,7 +299,8 @@ def fp8_wgrad_rows(rounds: int, shapes: list[str], rows_per_expert: list[int] | 
         rows.append({"section": "fp8_wgrad", "shape": name, "experts": experts, "rows_per_expert": per_expert,
                      "segments": segments, "m": m, "n": n, "ms": ms,
                      "tflops": {k: flops / v / 1e9 for k, v in ms.items()}, "rel_err_vs_fp32": errors,
-                     "best": {mode: min((k for k in ms if k.startswith(f"fp8_{mode}_")), key=ms.get) for mode in modes}})
+                     "best": {mode: min((k for k in ms if k.startswith(f"fp8_{mode}_")), key=ms.get)
+                              for mode in modes}})
         print(name, per_expert, segments, {k: round(v, 3) for k, v in ms.items()}, flush=True)
     return rows
 
@@ -379,15 +379,15 @@ def attention_rows(rounds: int) -> list[dict]:
         ms = timed(fns, rounds, reps=3)
         flops = 4 * batch * seq * seq * heads * dim * 3 / 2  # causal: half the full forward+backward
         rows.append({"section": "attention", "shape": name, "batch": batch, "heads": heads, "kv_heads": kv,
-                     "seq": seq, "head_dim": dim, "ms": ms, "tflops_causal": {k: flops / v / 1e9 for k, v in ms.items()},
-                     "unavailable": errors})
+                     "seq": seq, "head_dim": dim, "ms": ms,
+                     "tflops_causal": {k: flops / v / 1e9 for k, v in ms.items()}, "unavailable": errors})
         print(name, {k: round(v, 3) for k, v in ms.items()}, errors, flush=True)
     return rows
 
 
-# name: (programs T, copies K, valid copies, programs with any, source rows, hidden). The fine model at EP=4 with each token once per
-# rank, balanced routing (train_step_fine_8l_ep4_*balanced_4xh100.json): 8192 tokens per micro-batch and rank,
-# 65536 copies in 30000 wire rows of the 32768 static; the grouped rows' buffer 4 x 65536 (unbounded).
+# name: (programs T, copies K, valid copies, programs with any, source rows, hidden). The fine model at EP=4 with each
+# token once per rank, balanced routing (train_step_fine_8l_ep4_*balanced_4xh100.json): 8192 tokens per micro-batch and
+# rank, 65536 copies in 30000 wire rows of the 32768 static; the grouped rows' buffer 4 x 65536 (unbounded).
 ROW_SHAPES = {"expert_unpermute": (32768, 8, 65536, 30000, 4 * 65536, 2048),
               "token_sum": (8192, 4, 30000, 8192, 32768, 2048),
               "ep1_unpermute": (8192, 8, 65536, 8192, 65536, 2048),
@@ -608,9 +608,9 @@ def fp8_row_tiles_rows(rounds: int) -> list[dict]:
 
 def permute_fp8_rows(rounds: int) -> list[dict]:
     """The permutation around rowwise FP8 experts at one EP rank, at the fine-grained shape (8,192 tokens, hidden
-    2,048, top-8 of 64: 65,536 rows) and the Mixtral-like one (8,192 tokens, hidden 4,096, top-2 of 8): the forward's permute and
-    the backward's unpermute_backward writing the rows' FP8 copies in the same pass (``fp8_out``) against each then
-    quantize_rows over the rows written (what the expert GEMMs did), and each alone (bf16)."""
+    2,048, top-8 of 64: 65,536 rows) and the Mixtral-like one (8,192 tokens, hidden 4,096, top-2 of 8): the forward's
+    permute and the backward's unpermute_backward writing the rows' FP8 copies in the same pass (``fp8_out``) against
+    each then quantize_rows over the rows written (what the expert GEMMs did), and each alone (bf16)."""
     import torch
 
     from moe_overlap.kernels import copy_rows as CR
@@ -815,7 +815,8 @@ def main(argv=None) -> None:
                              "fp8_row_tiles, weight_fp8, router_logits, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
-    parser.add_argument("--rows", default=None, help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
+    parser.add_argument("--rows", default=None,
+                        help="fp8_wgrad: rows per expert, comma-separated (default: the shape's)")
     parser.add_argument("--segments", type=int, choices=(1, 2, 4), default=1,
                         help="fp8_wgrad: the rows per expert in that many micro-batches' segments, as "
                              "train.expert_wgrad_micro_batches sums them")

@@ -111,7 +111,8 @@ def run(argv: list[str]) -> list[dict]:
             "collective_ms": times["collective"], "torch_fused_ms": times.get("torch_fused"),
             "transport": best.split("/")[0], "num_splits": int(best.split("/")[1]),
             "overlapped_by_variant_ms": overlapped, **errors,
-            "gemm_chunked_ms": {name.split(":")[1]: ms for name, ms in times.items() if name.startswith("gemm_chunked")},
+            "gemm_chunked_ms": {name.split(":")[1]: ms for name, ms in times.items()
+                                if name.startswith("gemm_chunked")},
         })
     if not args.no_layer:
         rows.append(_layer_row(comms, SMOKE_LAYER if args.smoke else LAYER, rounds, warmup, device, dtype))
@@ -290,7 +291,8 @@ def _print(rows: list[dict]) -> None:
               f"{row['collective_ms']:>10.3f}{fused:>10}{row['overlapped_ms'] / row['limit_ms']:>11.2f}"
               f"  best {row['transport']}/{row['num_splits']}")
     for row in rows:
-        print(f"  {row['shape']}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in row["overlapped_by_variant_ms"].items()))
+        print(f"  {row['shape']}: " + ", ".join(f"{name} {ms:.3f}"
+                                                for name, ms in row["overlapped_by_variant_ms"].items()))
     print("ms, medians of the slowest rank; limit = max(faster communication alone, GEMM alone); torch = "
           "torch.ops.symm_mem fused ops; overlapped = the best transport/splits (all listed below the table)")
 

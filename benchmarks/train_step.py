@@ -194,7 +194,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "symmetric_memory_gib": max(p["symmetric_memory_gib"] for p in parts),
         "left_allocated_gib": round(max(p["left_allocated_gib"] for p in parts), 4),
         **({"memory_peak_per_rank": [p.get("memory_peak") for p in parts]} if args.memory_peak else {}),
-        "exposed_comm_ms": {kind: max(p["exposed_comm_ms"][kind] for p in parts) for kind in parts[0]["exposed_comm_ms"]},
+        "exposed_comm_ms": {kind: max(p["exposed_comm_ms"][kind] for p in parts)
+                            for kind in parts[0]["exposed_comm_ms"]},
         "exposed_comm_ms_per_rank": [p["exposed_comm_ms"] for p in parts],
         "ep_imbalance": per_layer_median(timed, "ep_imbalance") if "ep_imbalance" in timed[0] else {},
         "expert_imbalance": per_layer_median(timed, "expert_imbalance") if "expert_imbalance" in timed[0] else {},

@@ -57,7 +57,8 @@ def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
            "train.global_batch_size=4", "--steps", "2", "--warmup", "1", "--profile-steps", "1",
            "--variant", "pipeline:overlap.moe_pipeline=true,overlap.moe_pipeline_chunks=2",
            "--compute-only", "--ep1", "--ep1-overrides",
-           "parallel.expert_model_parallel_size=1,train.micro_batch_size=2,train.global_batch_size=4", "--json", str(out)]
+           "parallel.expert_model_parallel_size=1,train.micro_batch_size=2,train.global_batch_size=4",
+           "--json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -181,7 +181,8 @@ TP_BOTH = {**BOTH, "model.num_query_groups": 4}  # TP=2 x 2 query groups per ran
      cp_layout(2, overlap=True)),  # experts fold over the CP ranks; capacity drops by position
     (4, 2, TP_BOTH, {**tp_layout(2, "tp_comm_overlap_ag", "tp_comm_overlap_rs"), **cp_layout(2, overlap=True)}),
     (4, 2, BOTH, {**cp_layout(2, overlap=True), **DIST_OPT}),  # x DP=2: gradients reduced over dp_cp
-], ids=["cp2", "cp2_overlap_seq_aux", "cp4", "cp4_overlap", "cp2_ep2_capacity", "cp2_tp2_sp_ep2", "cp2_dp2_ep2_distopt"])
+], ids=["cp2", "cp2_overlap_seq_aux", "cp4", "cp4_overlap", "cp2_ep2_capacity", "cp2_tp2_sp_ep2",
+        "cp2_dp2_ep2_distopt"])
 def test_context_parallel_layouts_match_single_process(rank_pool, tmp_path, world, ep, both, layout):
     worst = rank_pool(world).run(equivalence_case, ep, 2, str(tmp_path), router=both, layout=layout)
     assert all(max(w.values()) < TOL for w in worst)

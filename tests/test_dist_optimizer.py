@@ -133,7 +133,8 @@ def overlap_order_case(output_dir: str, overlap: bool) -> tuple[list, list[int],
         carveout = torch._C._get_sm_carveout_experimental
         trainer.model.register_forward_pre_hook(lambda *_: carveouts.append(("forward", carveout())))
         start = trainer.optimizer.collectives.start_reduce_scatter
-        trainer.optimizer.collectives.start_reduce_scatter = lambda *a: carveouts.append(("sync", carveout())) or start(*a)
+        trainer.optimizer.collectives.start_reduce_scatter = (lambda *a: carveouts.append(("sync", carveout()))
+                                                              or start(*a))
         modules = [module for module, _ in trainer.model.forward_units()]
         for index, module in enumerate(modules):
             module.register_forward_pre_hook(lambda *_, index=index: events.append(("forward", index)))

@@ -85,7 +85,8 @@ def test_exchange_bytes_fp8_on_the_wire(rank_pool):
     """Each token once per rank, bf16 against FP8 rows (forced balance: the same rows either way): the forward
     dispatch and the combine's backward carry hidden_columns(fp8) columns of float32 where bf16 carries hidden ones,
     so the counted bytes differ by exactly that on those two exchanges."""
-    settings = [dict(planning=p, once=True, dtype=d, balanced=True) for p in ("host", "device") for d in ("bf16", "fp8")]
+    settings = [dict(planning=p, once=True, dtype=d, balanced=True)
+                for p in ("host", "device") for d in ("bf16", "fp8")]
     hidden = 64
     for host_bf16, host_fp8, device_bf16, device_fp8 in rank_pool(2).run(layer_bytes, settings, hidden):
         assert host_bf16["counted"] == device_bf16["counted"] and host_fp8["counted"] == device_fp8["counted"]

@@ -50,7 +50,8 @@ MESSAGES = [
                                        "overlap.moe_planning=host (use overlap.moe_planning=device or auto, or "
                                        "overlap.moe_transport=nccl or copy_engine or gloo or auto)"),
     (device_planning_refusal("the ranks span 2 hosts"), "overlap.moe_planning='device': needs "
-     "overlap.moe_transport='sm_push', which cannot run: the ranks span 2 hosts; use overlap.moe_planning=auto or host"),
+     "overlap.moe_transport='sm_push', which cannot run: the ranks span 2 hosts; use overlap.moe_planning=auto "
+     "or host"),
     (expert_tp_refusal("device", 2), "overlap.moe_planning='device': not implemented yet with "
      "parallel.expert_tensor_parallel_size > 1 (the expert-TP gather takes host sizes); use overlap.moe_planning=host "
      "or auto"),
@@ -91,7 +92,8 @@ def test_the_rules_let_every_runnable_setting_through():
     (("auto", "nccl", "cpu", "the device is the CPU"), device_refusal("nccl", "cpu")),
     (("auto", "gloo", "cuda", None), device_refusal("gloo", "cuda")),
     (("auto", "sm_push", "cuda", PEERS), one_host_refusal("sm_push", PEERS)),
-    (("host", "copy_engine", "cuda", "the ranks span 2 hosts"), one_host_refusal("copy_engine", "the ranks span 2 hosts")),
+    (("host", "copy_engine", "cuda", "the ranks span 2 hosts"),
+     one_host_refusal("copy_engine", "the ranks span 2 hosts")),
     (("device", "nccl", "cuda", None), sizes_refusal("device", "nccl")),
     (("host", "sm_push", "cuda", None), sizes_refusal("host", "sm_push")),
     (("device", "auto", "cuda", "the ranks span 2 hosts"), device_planning_refusal("the ranks span 2 hosts")),

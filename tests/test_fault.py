@@ -26,7 +26,8 @@ from tests.long_run import (KILL_TIMEOUT, STEPS, TIMEOUT_S, finish, latest, laun
 def test_killed_rank_is_named_and_the_run_resumes_onto_the_same_curve(rank_pool, tmp_path, fault, phase, last_good):
     reference = uninterrupted_losses(rank_pool, tmp_path / "reference")
     run = tmp_path / "run"
-    codes, outputs, ended = finish(launch_ranks(train_argv(run, KILL_TIMEOUT), tmp_path, fault), tmp_path, timeout_s=120)
+    codes, outputs, ended = finish(launch_ranks(train_argv(run, KILL_TIMEOUT), tmp_path, fault), tmp_path,
+                                   timeout_s=120)
     assert codes == [3, -signal.SIGKILL], outputs[0][-3000:]
     line = next(line for line in outputs[0].splitlines() if "moe-overlap: rank 0" in line)
     assert f"(in {phase})" in line and "rank 1 is gone" in line and f"(it was in {phase})" in line, line

@@ -40,4 +40,3 @@ def test_fp8_past_twice_the_gap_on_either_measure_misses(tmp_path, capsys):
     check = json.loads((tmp_path / "out.json").read_text())["check"]
     assert check["tail_mean_loss"]["met"] and not check["val_loss"]["met"]
     assert "val_loss: FP8 against bf16 0.2500" in capsys.readouterr().out
-

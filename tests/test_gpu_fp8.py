@@ -4,8 +4,8 @@ GEMM (forward, dgrad, and the rowwise dgrad in fast accumulation: train.fp8_dgra
 torch._scaled_mm and torch._scaled_grouped_mm) within 0.05 normwise of fp32 on the same inputs and within 1e-2 of
 the emulated path;
 the weight gradients (FP8 by train.fp8_wgrad, and bf16) into the fp32 main_grad; the experts' layer and a linear
-whole against the emulated path; a small model's training steps with each train.fp8_recipe (eager, and with its MoE layers
-replayed from CUDA graphs; rowwise with fast input gradients too) with finite losses close to bf16's, the graphed
+whole against the emulated path; a small model's training steps with each train.fp8_recipe (eager, and with its MoE
+layers replayed from CUDA graphs; rowwise with fast input gradients too) with finite losses close to bf16's, the graphed
 run equal to the eager one, and every
 replay reading FP8 weights that the pre-hook refreshed after the last optimizer step. The train-step test needs
 train.fp8_recipe wired into the trainer (MixtralModel.use_fp8).

@@ -668,4 +668,3 @@ def test_gpu_copy_positions_match_twin(T, K, E):
             torch.cuda.set_sync_debug_mode(0)
         pos_twin, counts_twin = CR.copy_positions_torch(experts, E, kp)
         assert torch.equal(pos, pos_twin) and torch.equal(counts, counts_twin)
-

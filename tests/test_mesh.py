@@ -125,7 +125,8 @@ HAND_DERIVED = [
 ]
 
 
-@pytest.mark.parametrize(("layout", "expected"), HAND_DERIVED, ids=lambda x: repr(x) if isinstance(x, MeshLayout) else "")
+@pytest.mark.parametrize(("layout", "expected"), HAND_DERIVED,
+                         ids=lambda x: repr(x) if isinstance(x, MeshLayout) else "")
 def test_hand_derived_groups(layout: MeshLayout, expected: dict[str, list[list[int]]]) -> None:
     print(layout.table())
     for kind, groups in expected.items():

@@ -183,7 +183,8 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
         return torch.cat((t13[..., :F][..., ffn_slice], t13[..., F:][..., ffn_slice]), -1), t2[:, ffn_slice]
 
     g = torch.Generator().manual_seed(7)
-    shared_fc1, shared_fc2 = torch.randn(2 * SHARED_F, H, generator=g) * 0.3, torch.randn(H, SHARED_F, generator=g) * 0.3
+    shared_fc1, shared_fc2 = (torch.randn(2 * SHARED_F, H, generator=g) * 0.3,
+                              torch.randn(H, SHARED_F, generator=g) * 0.3)
     local = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
     with torch.no_grad():
         mine13, mine2 = my_slice(w13[local], w2[local])

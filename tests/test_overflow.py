@@ -519,9 +519,9 @@ def test_overflowing_steps_in_fit_equal_host_planned(rank_pool, tmp_path):
 
 
 def test_a_step_queued_behind_an_overflowed_one_runs_again_in_fit(rank_pool, tmp_path):
-    """Only step 1 overflows (one row per rank, reported by the test; factor 2.0 at EP=2 is never exceeded): step 2, queued before step 1 was read, is
-    skipped by the pending flag although it did not overflow, and launched again after step 1's re-run; with it
-    applied instead, the weights would take step 2's update computed before step 1's."""
+    """Only step 1 overflows (one row per rank, reported by the test; factor 2.0 at EP=2 is never exceeded): step 2,
+    queued before step 1 was read, is skipped by the pending flag although it did not overflow, and launched again after
+    step 1's re-run; with it applied instead, the weights would take step 2's update computed before step 1's."""
     both = {"train.max_steps": 3}
     for result in rank_pool(2).run(overflow_case, str(tmp_path), 2, 0, {FACTOR: 2.0}, both, True, 1):
         assert result["worst"] < TOL and not any(result["skipped"]), result

@@ -48,8 +48,8 @@ def test_an_expert_below_the_share_after_step_50_fails_naming_where(tmp_path, ca
     out = tmp_path / "summary.json"
     assert main([str(tmp_path / "run" / "metrics.jsonl"), "--labels", "bias", "--json", str(out)]) == 1
     text = capsys.readouterr().out
-    assert ("bias: 60 steps logged" in text and "FAIL (2 of 11 steps had an expert below, the last at step 57; lowest 10% of the mean: "
-            "layer 2 expert 3 at step 55)" in text)
+    assert ("bias: 60 steps logged" in text and "FAIL (2 of 11 steps had an expert below, the last at step 57; "
+            "lowest 10% of the mean: layer 2 expert 3 at step 55)" in text)
     # where the dips sit, from the first step: step 10's (before the check) and 55's and 57's, all in layer 2
     assert json.loads(out.read_text())["runs"]["bias"]["below_by_layer"] == {"2": 3}
     # the early collapse's end: step 10 starved the expert (0%); 55's 10% is a dip, not starvation

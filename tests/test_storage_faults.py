@@ -20,7 +20,8 @@ def test_full_disk_fails_the_save_clearly_and_keeps_the_only_good_checkpoint(ran
     assert [code for code, _ in results] == [4, 4], results
     line = results[0][1].strip().splitlines()[-1]
     # DCP writes through torch.save, which reports the failed write as a short one ("unexpected pos")
-    assert line.startswith(f"moe-overlap: checkpoint error: checkpoint save of step 4 to {checkpoints / 'step_00000004'} "
+    assert line.startswith("moe-overlap: checkpoint error: checkpoint save of step 4 to "
+                           f"{checkpoints / 'step_00000004'} "
                            "failed on rank 1: RuntimeError: ") and "GiB free there)" in line and line.endswith(
         f"the newest complete checkpoint, {checkpoints / 'step_00000002'}, is kept"), line
     assert results[1][1].strip() == "" or "moe-overlap" not in results[1][1]  # one line, from rank 0

@@ -49,7 +49,8 @@ def test_grouped_wgrad_kernel_sums_micro_batches(monkeypatch, segments):
     add."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(1)
-    first = (torch.randn(50, 24, generator=g), torch.randn(50, 40, generator=g), torch.tensor([0, 20, 50], dtype=torch.int32))
+    first = (torch.randn(50, 24, generator=g), torch.randn(50, 40, generator=g),
+             torch.tensor([0, 20, 50], dtype=torch.int32))
     wide = torch.randn(30, 32, generator=g)  # a strided view: row stride 32, 24 columns
     second = (wide[:, :24], torch.randn(30, 40, generator=g), torch.tensor([10, 10, 30], dtype=torch.int32))
     more = [(torch.randn(20, 24, generator=g), torch.randn(20, 40, generator=g), torch.tensor(ends, dtype=torch.int32))
