@@ -84,6 +84,8 @@
 #                                                  #   (overflow_room4: EP=4): GPU test, balanced, corpus
 #   bash benchmarks/evidence_gpu.sh x4_main OUT    # 4 GPUs: the fine model on two streams at EP=4 (with
 #                                                  #   compute_only, ep1), then overflow_room4's rows
+#   bash benchmarks/evidence_gpu.sh streams_memory2 OUT # 2 GPUs: the fine 2-GPU example's model on streams under
+#                                                  #   expandable segments, and with the overflow room (carry data)
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -514,16 +516,18 @@ two_rank_tests() {  # log name, then test files: pytest -m gpu at 2 ranks, the 4
   pack
 }
 
-streams_example() {  # GPUs, timed steps: configs/gpu<N>_fine.yaml on the corpus's first 5M tokens (carry
-  # data/stdlib_head; steps 4 on from initialisation, so routing is uneven) as shipped (graphed, unpaired) against
-  # paired on two streams, beside compute_only. EXPANDABLE=1: under the allocator's expandable segments (what they
-  # leave of streams' reserved memory beside the symmetric regions; 1xH200 without an exchange: 91.0 -> 83.2 GiB)
-  local n=$1 steps=$2 name=train_step_gpu$1_fine_streams${EXPANDABLE:+_expandable}_$1x$gpu
+streams_example() {  # GPUs, timed steps, then more train_step arguments: configs/gpu<N>_fine.yaml on the corpus's
+  # first 5M tokens (carry data/stdlib_head; steps 4 on from initialisation, so routing is uneven) as shipped
+  # (graphed, unpaired) against paired on two streams, beside compute_only. EXPANDABLE=1: under the allocator's
+  # expandable segments (what they leave of streams' reserved memory beside the symmetric regions; 1xH200 without an
+  # exchange: 91.0 -> 83.2 GiB); TAG: the result's name
+  local n=$1 steps=$2 name=train_step_gpu$1_fine_streams${EXPANDABLE:+_expandable}${TAG:+_$TAG}_$1x$gpu
+  shift 2
   ${EXPANDABLE:+env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True} timeout -k 10 "$(left)" \
     torchrun --standalone --nproc-per-node "$n" benchmarks/train_step.py \
     configs/gpu${n}_fine.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps "$steps" \
     --profile-steps 0 --compute-only \
-    --variant "streams:overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true" \
+    --variant "streams:overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true" "$@" \
     --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
   pack
 }
@@ -2187,6 +2191,13 @@ PY
     ;;
   streams_text2)  # the fine 2-GPU example's model on real text, as shipped against paired on two streams
     streams_example 2 6
+    ;;
+  streams_memory2)  # issue 38 (written 2026-11-29 evening): what pairs on two streams need to be a default on 80 GB
+    # cards. streams_text2 found the fine 2-GPU example's model on streams 3.4% faster than shipped but reserving 99.3
+    # GiB (peak 72.7) against 71.6 (66.1): the same rows under expandable segments, and on streams with 0.5 of
+    # overflow room over a bound of 1.0 (the stash of each graph set at 1.5 x R rows, not EP x R)
+    EXPANDABLE=1 TAG=room streams_example 2 6 --variant "streams_room:overlap.overlap_moe_expert_parallel_comm=true,\
+train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.moe_overflow_capacity_factor=0.5"
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
     # (written 2026-11-28, not run)
