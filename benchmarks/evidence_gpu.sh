@@ -2196,7 +2196,7 @@ PY
     # cards. streams_text2 found the fine 2-GPU example's model on streams 3.4% faster than shipped but reserving 99.3
     # GiB (peak 72.7) against 71.6 (66.1): the same rows under expandable segments, and on streams with 0.5 of
     # overflow room over a bound of 1.0 (the stash of each graph set at 1.5 x R rows, not EP x R)
-    EXPANDABLE=1 TAG=room streams_example 2 6 --variant "streams_room:overlap.overlap_moe_expert_parallel_comm=true,\
+    EXPANDABLE=1 TAG=room streams_example 2 3 --variant "streams_room:overlap.overlap_moe_expert_parallel_comm=true,\
 train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.moe_overflow_capacity_factor=0.5"
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
