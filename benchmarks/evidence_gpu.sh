@@ -242,6 +242,12 @@ pathlib.Path("data/stdlib/stdlib.bin").write_bytes(raw)
 assert hashlib.sha256(raw).hexdigest() == json.load(open("data/stdlib/manifest.json"))["sha256"]
 PY
 fi
+if [ -f data/stdlib_head_xz/stdlib.bin.xz ] && [ ! -f data/stdlib_head/stdlib.bin ]; then  # the head alone carried
+  # (2 MB: the whole corpus no longer fits a call's 64 MiB beside the tree), made here as the head below, then xz'd
+  mkdir -p data/stdlib_head && cp data/stdlib_head_xz/{stdlib.json,manifest.json} data/stdlib_head/
+  python -c 'import lzma, pathlib; pathlib.Path("data/stdlib_head/stdlib.bin").write_bytes(lzma.decompress(
+pathlib.Path("data/stdlib_head_xz/stdlib.bin.xz").read_bytes()))'
+fi
 if [ -f data/stdlib/stdlib.bin ] && [ ! -f data/stdlib_head/stdlib.bin ]; then  # the first 5M tokens, from it
   mkdir -p data/stdlib_head && head -c 10000000 data/stdlib/stdlib.bin > data/stdlib_head/stdlib.bin
   cp data/stdlib/manifest.json data/stdlib_head/
