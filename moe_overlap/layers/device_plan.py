@@ -31,10 +31,10 @@ The overflow chunk (``overlap.moe_overflow_capacity_factor``): the rows past the
 more chunk over all the local experts, of ``ceil(overflow factor x R)`` static rows, after the chunks in the compact
 receive buffer and in (local expert, source rank) order too. They travel with their own chunk's rows (only their
 route differs), its grouped GEMMs run after the last chunk's, and its rows go back like a chunk's: a skewed layer
-call stays inside its CUDA graph at the cost of one more GEMM. With one chunk there is no overflow chunk: its room
-joins the chunk's bound (:func:`planned_factors`). Only rows past this chunk's bound too go to the spare
-row and make the step run again. Each row meets the same weights; an expert's weight gradient is then summed from
-two runs of its rows.
+call stays inside its CUDA graph at the cost of one more GEMM. Only rows past the overflow chunk's bound too go to
+the spare row and make the step run again. Each row meets the same weights; an expert's weight gradient is then
+summed from two runs of its rows. With one chunk there is no overflow chunk: its room joins the chunk's bound
+(:func:`planned_factors`).
 
 With wire rows (each token once per rank, wire_rows.py) a copy past its chunk's bound leaves its wire row (which still
 carries the token's other copies) and crosses again as a row of its own, one copy, after this rank's wire rows (at
