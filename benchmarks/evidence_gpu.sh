@@ -263,7 +263,8 @@ if [ ! -f data/stdlib/stdlib.bin ] && [ -f data/stdlib_head/stdlib.bin ]; then  
   echo "real text: the corpus's first 5M tokens (data/stdlib_head), the whole corpus was not carried" >&2
 fi
 # issue 39's convergence runs: ~0.5B configs/small_gpu.yaml on one GPU, 1,000 steps of 7 sequences of 1,024 tokens
-CONVERGE="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 $TEXT model.vocab_size=32000"
+CONVERGE="configs/small_gpu.yaml parallel.expert_model_parallel_size=1 data.path=data/stdlib/stdlib.bin"  # whole:
+CONVERGE+=" model.vocab_size=32000"  # its 1,000 steps must not repeat data
 CONVERGE+=" train.micro_batch_size=7 train.global_batch_size=7 train.max_steps=${CONVERGE_STEPS:-1000}"
 CONVERGE+=" train.eval_interval=100 train.eval_iters=8 data.validation_fraction=0.05 checkpoint.save_final=false"
 DISTOPT="train.use_distributed_optimizer=true overlap.overlap_grad_sync=true overlap.overlap_param_sync=true"
