@@ -122,6 +122,7 @@ def auto_push_sms(rows: int, hidden: int, ffn: int, chunks: int, element_size: i
     gemm_ms = 6 * chunk_rows * hidden * ffn / GROUPED_GEMM_FLOPS_PER_MS
     return max(1, min(MAX_PUSH_CTAS, math.ceil(moved_bytes / (gemm_ms * PUSH_BYTES_PER_CTA_MS))))
 
+
 # ``train.fp8_wgrad: auto``: where the experts' weight gradients run in FP8 (kernels/fp8_wgrad.py): the rowwise
 # recipe, experts at least FP8_WGRAD_MIN_DIM wide in both dimensions (hidden and expert ffn), at least
 # FP8_WGRAD_MIN_ROWS rows per expert into each read-modify-write of main_grad (balanced routing; N micro-batches'

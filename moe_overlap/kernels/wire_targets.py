@@ -213,7 +213,6 @@ def wire_copies(target_TK: torch.Tensor, row_TC: torch.Tensor, V: int, num_rows:
     return row_of_copy_TK, slot_TK, token_of_row_R
 
 
-
 def grouped_rows_of_copies_torch(row_of_copy_TK: torch.Tensor, experts_TK: torch.Tensor, shift_E: torch.Tensor,
                                  kept_E: torch.Tensor | None) -> torch.Tensor:
     """Twin of :func:`grouped_rows_of_copies`."""

@@ -246,7 +246,6 @@ class Router(nn.Module):
             scores_TE = scores_TGX.masked_fill(~eligible_TG.unsqueeze(-1), float("-inf")).flatten(1)
         return scores_TE.topk(self.topk, dim=-1).indices
 
-
     def _within_capacity(self, probs_TK: torch.Tensor, experts_TK: torch.Tensor, capacity: int) -> torch.Tensor:
         """Which copies fit their expert's capacity: rank the copies of each expert by the drop policy."""
         experts_C = experts_TK.flatten()
