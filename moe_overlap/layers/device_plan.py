@@ -56,6 +56,7 @@ from functools import cached_property
 
 import torch
 
+from moe_overlap.config import OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
@@ -192,6 +193,12 @@ def planned_factors(chunks: int, factor: float | None, overflow: float | None) -
     return (factor + overflow, None) if chunks == 1 else (factor, overflow)
 
 
+def overflow_chunks(overlap: OverlapConfig) -> int:
+    """The chunks the overflow chunk adds to a MoE layer call as ``overlap`` plans it: 1 or 0 (planned_factors)."""
+    return int(planned_factors(overlap.moe_pipeline_chunks, overlap.moe_expert_rank_capacity_factor,
+                               overlap.moe_overflow_capacity_factor)[1] is not None)
+
+
 def overflow_chunk_rows(ranks: int, rows: int, factor: float | None) -> int:
     """Static rows of the overflow chunk: ``ceil(factor x rows)``, at most every rank's copies; 0 without one."""
     return 0 if factor is None else min(ranks * rows, math.ceil(factor * rows))
@@ -242,7 +249,8 @@ class DevicePlanner(Planner):
         # configured factor are counted against ``counted_factor``
         self.capacity_factor, self.overflow_factor = planned_factors(len(self.chunk_experts), capacity_factor,
                                                                      overflow_factor)
-        self.counted_factor = capacity_factor if self.capacity_factor != capacity_factor else None
+        folded = overflow_factor is not None and capacity_factor is not None and self.overflow_factor is None
+        self.counted_factor = capacity_factor if folded else None
         ranks, bounds = ep.size, self.chunk_experts
         self.rank_of_slot = (self.expert_of_slot // self.local).to(torch.int32)
         self.source_of_block = torch.arange(ranks, dtype=torch.int32, device=device).repeat(self.local)  # (l, s)

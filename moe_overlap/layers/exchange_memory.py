@@ -18,8 +18,8 @@ from moe_overlap.config import Config
 from moe_overlap.config.defaults import pairs_on_streams
 from moe_overlap.distributed.a2a import REGIONS
 from moe_overlap.exchange_rules import choose_exchange
-from moe_overlap.layers.device_plan import (chunk_bounds_rows, overflow_chunk_rows, planned_factors, receive_rows,
-                                            region_rows, wire_receive_rows)
+from moe_overlap.layers.device_plan import (chunk_bounds_rows, overflow_chunk_rows, overflow_chunks, planned_factors,
+                                            receive_rows, region_rows, wire_receive_rows)
 from moe_overlap.layers.exchange_plan import chunk_bounds
 from moe_overlap.layers.paged_stash import aligned_bytes, page_rows_for, stash_pages
 from moe_overlap.layers.wire_rows import copies_per_wire_row, wire_row_bytes
@@ -105,8 +105,7 @@ def paged_stash_size(cfg: Config, calls: int) -> tuple[int, int, int, int]:
     element = DTYPES[cfg.train.precision].itemsize
     widths = [m.hidden_size, 2 * m.expert_ffn_hidden_size] + ([m.hidden_size] if o.moe_dispatch_once_per_rank else [])
     rows = math.ceil(o.moe_paged_stash_factor * rows_per_call(cfg) * calls)
-    overflow = planned_factors(chunks, o.moe_expert_rank_capacity_factor, o.moe_overflow_capacity_factor)[1]
-    stashes = calls * (chunks + (overflow is not None)) * o.moe_token_slices  # the overflow chunk's too
+    stashes = calls * (chunks + overflow_chunks(o)) * o.moe_token_slices  # the overflow chunk's too
     return (rows, stashes, sum(aligned_bytes(w * element) for w in widths),
             page_rows_for(rows_per_call(cfg) // (chunks * o.moe_token_slices)))
 

@@ -22,7 +22,7 @@ from moe_overlap.distributed.context_parallel import CPComm
 from moe_overlap.distributed.mesh import Mesh
 from moe_overlap.distributed.ring import TPComm, TPOverlap, make_ring_transport
 from moe_overlap.layers.attention import SelfAttention
-from moe_overlap.layers.device_plan import planned_factors
+from moe_overlap.layers.device_plan import overflow_chunks
 from moe_overlap.layers.embedding import Embedding, lm_cross_entropy
 from moe_overlap.layers.experts import ExpertWgradGroups, GroupedExperts
 from moe_overlap.layers.fp8 import Fp8, check_fp8_device, refresh_weights
@@ -151,9 +151,7 @@ class MixtralModel(nn.Module):
         self.cp_comm = CPComm(mesh.cp, overlap.cp_comm_overlap)
         transports = None
         if overlap.moe_pipeline and cfg.num_moe_experts and (mesh.ep.size > 1 or mesh.etp.size > 1):
-            chunks = overlap.moe_pipeline_chunks + (planned_factors(  # the overflow chunk's
-                overlap.moe_pipeline_chunks, overlap.moe_expert_rank_capacity_factor,
-                overlap.moe_overflow_capacity_factor)[1] is not None)
+            chunks = overlap.moe_pipeline_chunks + overflow_chunks(overlap)
             transports = TransportSelector(overlap.moe_planning, overlap.moe_transport, mesh.ep.group,  # every MoE
                                            mesh.ep.ranks, torch.device(device or "cpu"),  # layer shares one
                                            chunks, timeout_s, overlap.moe_compute_only, mesh.etp.size)
