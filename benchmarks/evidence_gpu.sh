@@ -86,6 +86,8 @@
 #                                                  #   compute_only, ep1), then overflow_room4's rows
 #   bash benchmarks/evidence_gpu.sh streams_memory2 OUT # 2 GPUs: the fine 2-GPU example's model on streams under
 #                                                  #   expandable segments, and with the overflow room (carry data)
+#   bash benchmarks/evidence_gpu.sh streams_cap2 OUT # 2 GPUs: the same on streams, what the allocator holds per pool
+#                                                  #   and stream, then every row capped at 76 GiB (carry data)
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2214,6 +2216,22 @@ PY
     # overflow room over a bound of 1.0 (the stash of each graph set at 1.5 x R rows, not EP x R)
     EXPANDABLE=1 TAG=room streams_example 2 3 --variant "streams_room:overlap.overlap_moe_expert_parallel_comm=true,\
 train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.moe_overflow_capacity_factor=0.5"
+    ;;
+  streams_cap2)  # issue 38 (2026-11-29 night): do pairs on two streams fit an 80 GB card? streams_memory2 found the
+    # fine 2-GPU example's model on streams reserving 97.2 GiB (87.0 with the room) at 68.1 (63.2) allocated; but the
+    # allocator frees what it caches for other streams before it runs out. First uncapped, with what the allocator
+    # holds per pool and stream after the steps; then the same rows with torch's allocator capped at 76 GiB (an
+    # H100's 79.2 less what each row reports outside the allocator), beside compute_only
+    ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 3"
+    on="overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true"
+    room="$on,overlap.moe_expert_rank_capacity_factor=1.0,overlap.moe_overflow_capacity_factor=0.5"
+    for cap in "" 76; do
+      name=train_step_gpu2_fine_streams_${cap:+cap${cap}_}pools_2x$gpu
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex --profile-steps 0 \
+        --memory-pools ${cap:+--memory-cap-gib $cap --compute-only} --variant "streams:$on" --variant "streams_room:$room" \
+        --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
+      pack
+    done
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
     # (written 2026-11-28, not run)

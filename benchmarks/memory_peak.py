@@ -77,6 +77,27 @@ def peak_of(trace: list[dict], top: int = 40) -> dict:
             "live_at_peak": blocks[:top], "live_groups": len(blocks)}
 
 
+def pools_and_streams(device) -> list[list]:
+    """What the allocator holds now on ``device``, per (memory pool, stream): [segment GiB, allocated GiB, segments,
+    pool, stream], largest first. Pool (0, 0) is the allocator's own, where a block freed on one stream serves only
+    that stream's later allocations; a CUDA graph's private pool holds its captured allocations for every replay.
+    Stream ``default`` is the device's default stream; others by handle."""
+    import torch
+
+    default = torch.cuda.default_stream(device).cuda_stream
+    held: dict[tuple, list[int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg["device"] != device.index:
+            continue
+        stream = "default" if seg["stream"] == default else str(seg["stream"])
+        entry = held.setdefault((str(tuple(seg.get("segment_pool_id", (0, 0)))), stream), [0, 0, 0])
+        entry[0] += seg["total_size"]
+        entry[1] += seg["allocated_size"]
+        entry[2] += 1
+    return sorted(([round(total / GIB, 3), round(allocated / GIB, 3), count, *key]
+                   for key, (total, allocated, count) in held.items()), reverse=True)
+
+
 def peak_summary(device, top: int = 40) -> dict:
     """The recorded history's peak on ``device`` (:func:`peak_of`); recording stops."""
     import torch

@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import run_header, set_run_env, write_json  # noqa: E402
-from benchmarks.memory_peak import peak_summary, recording  # noqa: E402
+from benchmarks.memory_peak import peak_summary, pools_and_streams, recording  # noqa: E402
 
 # What torchrun sets for its ranks: the ep1 row's single process must not see them.
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
@@ -77,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-peak", action="store_true",
                         help="record the allocator's history and report what is live at each row's peak "
                              "(benchmarks/memory_peak.py; the row's times then mean nothing)")
+    parser.add_argument("--memory-pools", action="store_true",
+                        help="report what the allocator holds after each row's steps, per memory pool and stream")
+    parser.add_argument("--memory-cap-gib", type=float, default=None,
+                        help="cap torch's allocator at this many GiB per GPU (set_per_process_memory_fraction): "
+                             "a smaller card's memory, for whether a row fits it and what the cap costs")
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeline", default=None, help="PNG of the profiled steps (per row: NAME inserted)")
     return parser.parse_args(argv)
@@ -136,7 +141,11 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
     left_gib = 0.0  # what earlier rows of this process left allocated (counted in this row's peak)
     if device.type == "cuda" and torch.cuda.is_initialized():  # an earlier row's peak is not this one's
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
         left_gib = torch.cuda.memory_allocated(device) / 2**30
+    if device.type == "cuda" and args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
     recorded = args.memory_peak and device.type == "cuda"
     if recorded:
         recording()
@@ -155,6 +164,15 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
     }
     if recorded:
         mine["memory_peak"] = peak_summary(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # the allocator ran out of room and freed its cached blocks to try again (a capped row's cost), and what this
+        # process holds outside the allocator (the CUDA context, NCCL, symmetric regions): with the cap, the card
+        # it needs
+        mine["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        mine["outside_allocator_gib"] = (total - free - torch.cuda.memory_reserved(device)) / 2**30
+        if args.memory_pools:
+            mine["pools_and_streams"] = pools_and_streams(device)
     breakdown = Path(cfg.train.output_dir) / "profile" / f"breakdown_rank{mesh.rank}.json"
     if breakdown.is_file():
         mine["profile"] = json.loads(breakdown.read_text())
@@ -193,6 +211,10 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "reserved_memory_gib": max(p["reserved_memory_gib"] for p in parts),
         "symmetric_memory_gib": max(p["symmetric_memory_gib"] for p in parts),
         "left_allocated_gib": round(max(p["left_allocated_gib"] for p in parts), 4),
+        "memory_cap_gib": args.memory_cap_gib,
+        "alloc_retries_per_rank": [p.get("alloc_retries") for p in parts],
+        "outside_allocator_gib": round(max(p.get("outside_allocator_gib", 0.0) for p in parts), 3),
+        **({"pools_and_streams_per_rank": [p.get("pools_and_streams") for p in parts]} if args.memory_pools else {}),
         **({"memory_peak_per_rank": [p.get("memory_peak") for p in parts]} if args.memory_peak else {}),
         "exposed_comm_ms": {kind: max(p["exposed_comm_ms"][kind] for p in parts)
                             for kind in parts[0]["exposed_comm_ms"]},
