@@ -88,6 +88,7 @@
 #                                                  #   expandable segments, and with the overflow room (carry data)
 #   bash benchmarks/evidence_gpu.sh streams_cap2 OUT # 2 GPUs: the same on streams, what the allocator holds per pool
 #                                                  #   and stream, then every row capped at 76 GiB (carry data)
+#   bash benchmarks/evidence_gpu.sh streams_hang2 OUT # 2 GPUs: streams_cap2's hung rows again, stacks printed on a hang
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2232,6 +2233,19 @@ train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.mo
         --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
       pack
     done
+    ;;
+  streams_hang2)  # streams_cap2's first launch hung in its third row (streams_room, first step: rank 0's signal waits
+    # for rank 1 timed out after 120 s; streams_memory2 had run the same rows under expandable segments): the same
+    # rows, then the room row twice more, each rank printing its Python stacks if a row runs past 100 s
+    ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 2 --steps 2"
+    on="overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true"
+    room="$on,overlap.moe_expert_rank_capacity_factor=1.0,overlap.moe_overflow_capacity_factor=0.5"
+    name=train_step_gpu2_fine_streams_hang_2x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex --profile-steps 0 \
+      --stacks-after-s 100 --variant "streams:$on" --variant "streams_room:$room" --variant "streams_room_b:$room" \
+      --variant "streams_room_c:$room" --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error|FATAL|Thread|File' | cut -c1-300 | head -n 150
+    pack
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
     # (written 2026-11-28, not run)

@@ -38,6 +38,7 @@ profiled steps' compute-stream time by kind of work per rank, and ``resolved``: 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -82,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-cap-gib", type=float, default=None,
                         help="cap torch's allocator at this many GiB per GPU (set_per_process_memory_fraction): "
                              "a smaller card's memory, for whether a row fits it and what the cap costs")
+    parser.add_argument("--stacks-after-s", type=float, default=None,
+                        help="a row still running after this many seconds prints every thread's Python stack on "
+                             "every rank (where each rank's host is when a row hangs)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeline", default=None, help="PNG of the profiled steps (per row: NAME inserted)")
     return parser.parse_args(argv)
@@ -143,6 +147,12 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
         left_gib = torch.cuda.memory_allocated(device) / 2**30
+    used_at_start_gib = 0.0  # on the whole device, this process's CUDA context and earlier rows' leftovers included
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_at_start_gib = (total - free) / 2**30
+    if args.stacks_after_s:
+        faulthandler.dump_traceback_later(args.stacks_after_s)
     if device.type == "cuda" and args.memory_cap_gib:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
@@ -151,6 +161,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         recording()
     trainer = Trainer(cfg, mesh, device)
     history = trainer.fit()
+    faulthandler.cancel_dump_traceback_later()
     timed = history[args.warmup:args.warmup + args.steps]
     mine = {  # this rank's part
         "rank": mesh.rank,
@@ -161,6 +172,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
                             for kind in timed[0]["exposed_comm_ms"]},
         "step_time_s": median_of(timed, "step_time_s"),
         "left_allocated_gib": left_gib,
+        "used_at_start_gib": used_at_start_gib,
     }
     if recorded:
         mine["memory_peak"] = peak_summary(device)
@@ -211,6 +223,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         "reserved_memory_gib": max(p["reserved_memory_gib"] for p in parts),
         "symmetric_memory_gib": max(p["symmetric_memory_gib"] for p in parts),
         "left_allocated_gib": round(max(p["left_allocated_gib"] for p in parts), 4),
+        "device_used_at_start_gib": round(max(p["used_at_start_gib"] for p in parts), 3),
         "memory_cap_gib": args.memory_cap_gib,
         "alloc_retries_per_rank": [p.get("alloc_retries") for p in parts],
         "outside_allocator_gib": round(max(p.get("outside_allocator_gib", 0.0) for p in parts), 3),
