@@ -89,6 +89,7 @@
 #   bash benchmarks/evidence_gpu.sh streams_cap2 OUT # 2 GPUs: the same on streams, what the allocator holds per pool
 #                                                  #   and stream, then every row capped at 76 GiB (carry data)
 #   bash benchmarks/evidence_gpu.sh streams_hang2 OUT # 2 GPUs: streams_cap2's hung rows again, stacks printed on a hang
+#   bash benchmarks/evidence_gpu.sh streams_hang2b OUT # 2 GPUs: the room row first in its process, then bound 1.5
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2245,6 +2246,19 @@ train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.mo
       --stacks-after-s 100 --variant "streams:$on" --variant "streams_room:$room" --variant "streams_room_b:$room" \
       --variant "streams_room_c:$room" --json $res/$name.json 2>&1 | tee "$out/$name.log" \
       | grep -E '^\{"variant"|Error|FATAL|Thread|File' | cut -c1-300 | head -n 150
+    pack
+    ;;
+  streams_hang2b)  # streams_hang2 hung again in the room row, after config and streams rows: here the room row is
+    # the process's first (does a user's run hang?), then streams with a bound of 1.5 and no room (the same bound),
+    # then the room row again
+    ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 2 --steps 2"
+    ex+=" overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true"
+    ex+=" overlap.moe_expert_rank_capacity_factor=1.0 overlap.moe_overflow_capacity_factor=0.5"
+    name=train_step_gpu2_fine_streams_hang_first_2x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex --profile-steps 0 \
+      --stacks-after-s 100 --variant "bound15:overlap.moe_expert_rank_capacity_factor=1.5,\
+overlap.moe_overflow_capacity_factor=null" --variant "room_again:" --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error|FATAL|step ' | cut -c1-300 | head -n 60
     pack
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
