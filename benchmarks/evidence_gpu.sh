@@ -2251,9 +2251,10 @@ train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.mo
   streams_hang2b)  # streams_hang2 hung again in the room row, after config and streams rows: here the room row is
     # the process's first (does a user's run hang?), then streams with a bound of 1.5 and no room (the same bound),
     # then the room row again
-    ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 2 --steps 2"
+    ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin"
     ex+=" overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true"
     ex+=" overlap.moe_expert_rank_capacity_factor=1.0 overlap.moe_overflow_capacity_factor=0.5"
+    ex+=" --no-scale-batch --warmup 2 --steps 2"
     name=train_step_gpu2_fine_streams_hang_first_2x$gpu
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex --profile-steps 0 \
       --stacks-after-s 100 --variant "bound15:overlap.moe_expert_rank_capacity_factor=1.5,\
