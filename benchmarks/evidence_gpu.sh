@@ -90,6 +90,7 @@
 #                                                  #   and stream, then every row capped at 76 GiB (carry data)
 #   bash benchmarks/evidence_gpu.sh streams_hang2 OUT # 2 GPUs: streams_cap2's hung rows again, stacks printed on a hang
 #   bash benchmarks/evidence_gpu.sh streams_hang2b OUT # 2 GPUs: the room row first in its process, then bound 1.5
+#   bash benchmarks/evidence_gpu.sh streams_hang2c OUT # 2 GPUs: bound 1.5 alone, 1.0 alone, room without DP overlaps
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2260,6 +2261,22 @@ train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.mo
       --stacks-after-s 100 --variant "bound15:overlap.moe_expert_rank_capacity_factor=1.5,\
 overlap.moe_overflow_capacity_factor=null" --variant "room_again:" --json $res/$name.json 2>&1 | tee "$out/$name.log" \
       | grep -E '^\{"variant"|Error|FATAL|step ' | cut -c1-300 | head -n 60
+    pack
+    ;;
+  streams_hang2c)  # streams_hang2b: the room row hangs as its process's first too. Which part: each launch's one
+    # row first in its process, a wait timing out after 40 s: a bound of 1.5 with no room; a bound of 1.0 with no
+    # room (the re-run path); the room with the distributed optimizer's overlaps off
+    ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=40"
+    ex+=" overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true"
+    F=overlap.moe_expert_rank_capacity_factor O=overlap.moe_overflow_capacity_factor
+    for row in "bound15:$F=1.5" "bound10:$F=1.0" \
+        "room_no_dp_overlap:$F=1.0 $O=0.5 overlap.overlap_grad_sync=false overlap.overlap_param_sync=false"; do
+      name=train_step_gpu2_fine_streams_hang_${row%%:*}_2x$gpu
+      echo "== ${row%%:*}"
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex ${row#*:} \
+        --no-scale-batch --warmup 2 --steps 2 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+        | grep -E '^\{"variant"|FATAL|step ' | cut -c1-300 | head -n 20
+    done
     pack
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
