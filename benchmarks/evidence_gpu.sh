@@ -91,6 +91,7 @@
 #   bash benchmarks/evidence_gpu.sh streams_hang2 OUT # 2 GPUs: streams_cap2's hung rows again, stacks printed on a hang
 #   bash benchmarks/evidence_gpu.sh streams_hang2b OUT # 2 GPUs: the room row first in its process, then bound 1.5
 #   bash benchmarks/evidence_gpu.sh streams_hang2c OUT # 2 GPUs: bound 1.5 alone, 1.0 alone, room without DP overlaps
+#   bash benchmarks/evidence_gpu.sh streams_hang2d OUT # 2 GPUs: bound 1.5 on streams with copies, unpaired; 1.25
 #   bash benchmarks/evidence_gpu.sh fine_wgrad1 OUT # one GPU: the fine model's experts' weight gradients in FP8
 #   bash benchmarks/evidence_gpu.sh blockwise_handoff1 OUT # one GPU: the suite, then the fine model with the
 #                                                  #   blockwise rows in FP8 tiles from the permutation and SwiGLU
@@ -2275,6 +2276,21 @@ overlap.moe_overflow_capacity_factor=null" --variant "room_again:" --json $res/$
       echo "== ${row%%:*}"
       timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex ${row#*:} \
         --no-scale-batch --warmup 2 --steps 2 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+        | grep -E '^\{"variant"|FATAL|step ' | cut -c1-300 | head -n 20
+    done
+    pack
+    ;;
+  streams_hang2d)  # streams_hang2c: a bound of 1.5 hangs on streams (1.0 does not; nor the DP overlaps): the same
+    # bound on streams with copies instead of wire rows, unpaired (graphed), and a bound of 1.25 on streams
+    ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=40"
+    ex+=" train.moe_cuda_graph=true overlap.moe_expert_rank_capacity_factor=1.5"
+    P=overlap.overlap_moe_expert_parallel_comm
+    for row in "copies:$P=true overlap.moe_dispatch_once_per_rank=false" "unpaired:$P=false" \
+        "bound125:$P=true overlap.moe_expert_rank_capacity_factor=1.25"; do
+      name=train_step_gpu2_fine_streams_hang_${row%%:*}_2x$gpu
+      echo "== ${row%%:*}"
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex ${row#*:} \
+        --no-scale-batch --warmup 1 --steps 1 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
         | grep -E '^\{"variant"|FATAL|step ' | cut -c1-300 | head -n 20
     done
     pack
