@@ -54,7 +54,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 
 from __future__ import annotations
 
-from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig
+from moe_overlap.config.schema import Config, OverlapConfig, TrainConfig
 from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_GEMM_MIN_DIM_FAST, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS,
                                 FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK)
 
@@ -75,12 +75,18 @@ def pipeline_fields_set(o: OverlapConfig) -> list[str]:
             and getattr(o, name) is not False]
 
 
-def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
+def once_per_rank_gap(cfg: Config) -> str | None:
     """What overlap.moe_dispatch_once_per_rank is not implemented with in this config, or None."""
+    m, p = cfg.model, cfg.parallel
     if m.moe_pad_expert_input_to_capacity:
         return "model.moe_pad_expert_input_to_capacity=true"
     if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
         return "expert_tensor_parallel_size > 1"
+    if pairs_on_streams(cfg) and cfg.overlap.moe_expert_rank_capacity_factor is not None:
+        # 2xH200, 2026-11-29 (benchmarks/RESULTS.md, "Pairs on two streams"): configs/gpu2_fine.yaml hung in its
+        # first step at factors 1.25 and 1.5, a peer's data signal never raised; with copies it ran
+        return ("overlap.moe_expert_rank_capacity_factor and paired micro-batches on two streams "
+                f"({PAIRED} with {GRAPH}): their bounded wire rows hung on GPUs")
     return None
 
 
@@ -238,8 +244,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if o.moe_dispatch_once_per_rank == "auto":
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"
-        elif once_per_rank_gap(m, cfg.parallel):
-            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(m, cfg.parallel)}"
+        elif once_per_rank_gap(cfg):
+            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(cfg)}"
         elif m.moe_router_topk < ONCE_PER_RANK_MIN_TOPK:
             o.moe_dispatch_once_per_rank, why = False, (f"top-{m.moe_router_topk}: few copies share a rank (on from "
                                                         f"top-{ONCE_PER_RANK_MIN_TOPK}, tuning.py)")
