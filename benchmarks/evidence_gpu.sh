@@ -2197,7 +2197,8 @@ PY
     train_step 4 fine_8l balanced_streams "$BAL" --variant "streams:$S"
     ;;
   streams_pp4)  # issue 36's target: PP=2 x EP=2 (fine bench, balanced, 1F1B, graphed) unpaired against paired on two
-    # streams, twice each, profiled once
+    # streams, twice each, profiled once. Run once (2026-11-29, 4xH200): the streams row hung in step 5 (the stages'
+    # NCCL transfers); the config refuses it since, so this phase now stops at its streams row
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
       parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2 overlap.moe_pipeline=true \
       overlap.moe_planning=device train.moe_cuda_graph=true $BAL $DISTOPT --warmup 3 --steps 6 --profile-steps 1 \
