@@ -234,8 +234,9 @@ start=${CALL_START:-$(date +%s)}  # when the device call began (phases chained i
 before=$(mktemp)  # the results' checksums before the phase (the copy to this machine gives every file a new mtime)
 md5sum $res/* > "$before"
 
-# The whole corpus travels to a device host xz-compressed (4.3 MB; raw, it and the tree pass a call's 64 MiB, and
-# since 2026-11-29 so does the compressed one, 62 MB of tree beside it: the head below travels instead):
+# The whole corpus travels to a device host xz-compressed (4.3 MB; raw, it and the tree pass a call's 64 MiB; on
+# 2026-11-29 the compressed one did too, beside 62 MB of tree, until the timelines were stored with 256-colour
+# palettes that night: 47 MB of tree now):
 # carry data/stdlib_xz, made here by `mkdir -p data/stdlib_xz && xz -k -c data/stdlib/stdlib.bin >
 # data/stdlib_xz/stdlib.bin.xz && cp data/stdlib/{stdlib.json,manifest.json} data/stdlib_xz/`; unpacked to
 # data/stdlib, its checksum checked, and its first 10 MB (5M tokens) written to data/stdlib_head where no head was
@@ -249,10 +250,9 @@ pathlib.Path("data/stdlib/stdlib.bin").write_bytes(raw)
 assert hashlib.sha256(raw).hexdigest() == json.load(open("data/stdlib/manifest.json"))["sha256"]
 PY
 fi
-# The head alone may travel instead (2.8 MB; since 2026-11-29 the whole corpus no longer fits a call's 64 MiB beside
-# the tree): carry data/stdlib_head_xz, made here by `mkdir -p data/stdlib_head_xz && head -c 10000000
-# data/stdlib/stdlib.bin | xz -c > data/stdlib_head_xz/stdlib.bin.xz && cp data/stdlib/manifest.json
-# data/stdlib_head_xz/` and a copy of data/stdlib/stdlib.json with "tokens": 5000000 (as the head below is made).
+# The head alone may travel instead (2.8 MB; for the phases that read the first 5M tokens): carry
+# data/stdlib_head_xz, made here by `mkdir -p data/stdlib_head_xz && head -c 10000000 data/stdlib/stdlib.bin | xz -c
+# > data/stdlib_head_xz/stdlib.bin.xz && cp data/stdlib/manifest.json data/stdlib_head_xz/` and a copy of data/stdlib/stdlib.json with "tokens": 5000000 (as the head below is made).
 if [ -f data/stdlib_head_xz/stdlib.bin.xz ] && [ ! -f data/stdlib_head/stdlib.bin ]; then
   mkdir -p data/stdlib_head && cp data/stdlib_head_xz/{stdlib.json,manifest.json} data/stdlib_head/
   python -c 'import lzma, pathlib; pathlib.Path("data/stdlib_head/stdlib.bin").write_bytes(lzma.decompress(
