@@ -554,6 +554,20 @@ streams_example() {  # GPUs, timed steps, then more train_step arguments: config
   pack
 }
 
+first_rows() {  # warm-up and timed steps, every row's overrides, then rows "NAME:overrides ...": configs/gpu2_fine.yaml
+  # on 2 GPUs, each row the first of a process of its own, so that a hang ends only its own launch
+  local steps=$1 ex=$2 row name
+  shift 2
+  for row in "$@"; do
+    name=train_step_gpu2_fine_streams_hang_${row%%:*}_2x$gpu
+    echo "== ${row%%:*}"
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex ${row#*:} \
+      --no-scale-batch --warmup "$steps" --steps "$steps" --profile-steps 0 --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL|step ' | cut -c1-300 | head -n 20
+  done
+  pack
+}
+
 case $phase in
   suite)
     suite 4x 0,1,2,3 "$(left)"
@@ -2271,30 +2285,16 @@ overlap.moe_overflow_capacity_factor=null" --variant "room_again:" --json $res/$
     ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=40"
     ex+=" overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true"
     F=overlap.moe_expert_rank_capacity_factor O=overlap.moe_overflow_capacity_factor
-    for row in "bound15:$F=1.5" "bound10:$F=1.0" \
-        "room_no_dp_overlap:$F=1.0 $O=0.5 overlap.overlap_grad_sync=false overlap.overlap_param_sync=false"; do
-      name=train_step_gpu2_fine_streams_hang_${row%%:*}_2x$gpu
-      echo "== ${row%%:*}"
-      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex ${row#*:} \
-        --no-scale-batch --warmup 2 --steps 2 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
-        | grep -E '^\{"variant"|FATAL|step ' | cut -c1-300 | head -n 20
-    done
-    pack
+    first_rows 2 "$ex" "bound15:$F=1.5" "bound10:$F=1.0" \
+      "room_no_dp_overlap:$F=1.0 $O=0.5 overlap.overlap_grad_sync=false overlap.overlap_param_sync=false"
     ;;
   streams_hang2d)  # streams_hang2c: a bound of 1.5 hangs on streams (1.0 does not; nor the DP overlaps): the same
     # bound on streams with copies instead of wire rows, unpaired (graphed), and a bound of 1.25 on streams
     ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=40"
     ex+=" train.moe_cuda_graph=true overlap.moe_expert_rank_capacity_factor=1.5"
     P=overlap.overlap_moe_expert_parallel_comm
-    for row in "copies:$P=true overlap.moe_dispatch_once_per_rank=false" "unpaired:$P=false" \
-        "bound125:$P=true overlap.moe_expert_rank_capacity_factor=1.25"; do
-      name=train_step_gpu2_fine_streams_hang_${row%%:*}_2x$gpu
-      echo "== ${row%%:*}"
-      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py $ex ${row#*:} \
-        --no-scale-batch --warmup 1 --steps 1 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
-        | grep -E '^\{"variant"|FATAL|step ' | cut -c1-300 | head -n 20
-    done
-    pack
+    first_rows 1 "$ex" "copies:$P=true overlap.moe_dispatch_once_per_rank=false" "unpaired:$P=false" \
+      "bound125:$P=true overlap.moe_expert_rank_capacity_factor=1.25"
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
     # (written 2026-11-28, not run)
