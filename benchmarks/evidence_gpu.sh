@@ -2951,10 +2951,17 @@ PY
     ;;
   x4_main)  # the first 4-GPU call (written 2026-11-29 evening): issue 38's lever at EP=4, the fine bench model's pairs
     # on two streams beside config, compute_only and ep1 (as streams4, without its GPU tests: the suite runs them);
-    # then issue 37 at EP=4, overflow_room4's rows (its GPU test in the suite too)
+    # then issue 37 at EP=4, overflow_room4's rows (its GPU test in the suite too). Since two configurations of
+    # streams hung (2026-11-29 night), the streams row runs last, in a launch of its own with a 60 s wait limit, so
+    # that a hang there costs the other rows nothing
     STEPS="--warmup 3 --steps 6 --profile-steps 0"
-    train_step 4 fine_8l balanced_streams "$BAL" --variant "streams:overlap.overlap_moe_expert_parallel_comm=true"
+    train_step 4 fine_8l balanced_x4 "$BAL"
     overflow_room_rows 4
+    name=train_step_fine_8l_ep4_balanced_streams_x4_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.expert_model_parallel_size=4 $BAL $DISTOPT $GRAPHED train.distributed_timeout_s=60 $STEPS \
+      --variant "streams:overlap.overlap_moe_expert_parallel_comm=true" --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL|Error' | cut -c1-400
     ;;
   *) echo "unknown phase $phase: suite | ep4 | ep4_once | recheck4 | suite8 | ep8 | mixtral8x7b8 | ep8_text | moe_layer8 | ep4_fine | ep4_mixtral | ep4_text | ep4_limit | moe_layer4 | ep4_slow | ep4_more | ep4_next | ep4_rows | ep2 | ep2_limit | swiglu | one | ep2_ppcp | suite2 | ep2_text | bound2 | bound4 | paired4 | layer_bound4 | diag4 | layer_sweep4 | example2 | example4 | mb4 | example4_split | spread4 | spread2 | chunks4 | example4_profile | routing2x | examples2x | examples4x | exposed_fine2 | auto_slow4 | examples4b | examples4c | fp8 | once2 | pp2 | fp8_narrow4 | push1 | push4 | push_layer | fp8_profile1 | swiglu_fp8_1 | fp8_fuse1 | fp8_fuse1b | suite_now4 | fp8_tiles1 | fp8_wgrad_pairs1 | fp8_split2 | tma1 | fp8_tp_overlap2 | wgrad_groups1 | wgrad_eights1 (and the others above)" >&2
      exit 2 ;;
