@@ -2240,7 +2240,8 @@ train.moe_cuda_graph=true,overlap.moe_expert_rank_capacity_factor=1.0,overlap.mo
     # fine 2-GPU example's model on streams reserving 97.2 GiB (87.0 with the room) at 68.1 (63.2) allocated; but the
     # allocator frees what it caches for other streams before it runs out. First uncapped, with what the allocator
     # holds per pool and stream after the steps; then the same rows with torch's allocator capped at 76 GiB (an
-    # H100's 79.2 less what each row reports outside the allocator), beside compute_only
+    # H100's 79.2 less what each row reports outside the allocator), beside compute_only. (Its room rows hung with wire
+    # rows; since, a bound on streams sends copies: config/defaults.once_per_rank_gap)
     ex="configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 3"
     on="overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true"
     room="$on,overlap.moe_expert_rank_capacity_factor=1.0,overlap.moe_overflow_capacity_factor=0.5"
