@@ -556,6 +556,59 @@ def test_overflow_chunk_takes_wire_rows_overflow_in_the_step(rank_pool, tmp_path
            in_graph=True)
 
 
+def skewed_wire_overflow_case(once: bool) -> dict:
+    """One MoE layer call at this world's EP, every token's two copies sent to experts 0 and 1 (rank 0's first
+    chunk: every rank's copies arrive there) by the router's expert bias; factor 1.0, 2 chunks, the overflow chunk's
+    factor EP: the worst case. The bounded layer's output and gradients against the unbounded one's, and the rows it
+    counted past the bound and past the overflow chunk's room."""
+    import torch.distributed as dist
+    from moe_overlap.config import ModelConfig, OverlapConfig
+    from moe_overlap.distributed.a2a import TransportSelector
+    from moe_overlap.distributed.mesh import Mesh, MeshLayout
+    from moe_overlap.layers.init import init_parameters
+    from moe_overlap.layers.moe import MoELayer
+
+    world = dist.get_world_size()
+    mesh = Mesh.create(MeshLayout(world, ep=world), timeout_s=60)
+    experts, topk, tokens, hidden = 4 * world, 2, 16, 32
+    cfg = ModelConfig(hidden_size=hidden, ffn_hidden_size=16, num_moe_experts=experts, moe_router_topk=topk,
+                      moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x_TH, grad_TH = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
+    results, counters = [], None
+    try:
+        for factor, overflow in ((None, None), (1.0, float(world))):
+            selector = TransportSelector("device", "auto", mesh.ep.group, mesh.ep.ranks, torch.device("cpu"), 3, 60)
+            overlap = OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=once, moe_pipeline_chunks=2,
+                                    moe_planning="device", delay_wgrad_compute=False,
+                                    moe_expert_rank_capacity_factor=factor, moe_overflow_capacity_factor=overflow)
+            layer = MoELayer(cfg, overlap, mesh.ep, selector, etp=mesh.etp, expert_mp=mesh.expert_mp)
+            init_parameters(layer, seed=5, std=0.05, num_layers=1)
+            with torch.no_grad():
+                layer.router.expert_bias[:topk] = 1.0  # above any sigmoid score: every token's top-k
+            x = x_TH.clone().requires_grad_(True)
+            out = layer(x[None])[0]
+            out.backward(grad_TH[None])
+            results.append([out, x.grad] + [p.grad for p in layer.parameters()])
+            counters = [int(c) for c in selector.counters()[:2]]
+    finally:
+        mesh.destroy()
+    want, got = results
+    return {"worst": max(rel_err(a, b) for a, b in zip(got, want)), "overflow": counters[0], "unplaced": counters[1]}
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["copies", "wire_rows"])
+def test_overflow_chunk_of_ep_times_the_rows_takes_the_worst_skew_at_ep4(rank_pool, once):
+    """The overflow chunk's factor EP takes every copy whatever the routing; with wire rows the rows past their
+    chunk's bound share its room (at EP=4 all on one chunk: 3 ranks' wire rows past the bound, and 7/8 of the copies,
+    needed more room than the overflow chunk's: 512 rows of the GPU test went unplaced before the receive buffer
+    counted both). Nothing runs again: the layer call equals the unbounded one."""
+    results = rank_pool(4).run(skewed_wire_overflow_case, once)
+    assert results[0]["overflow"] > 0, results  # rank 0 received everything past its bound
+    for result in results:
+        assert result["unplaced"] == 0 and result["worst"] < TOL, result
+
+
 @pytest.mark.parametrize("both,bounded", [
     ({"overlap.moe_token_slices": 2, "overlap.moe_pipeline_chunks": 2}, {}),
     ({"overlap.overlap_moe_expert_parallel_comm": "true", "overlap.moe_pipeline_chunks": 2}, {}),

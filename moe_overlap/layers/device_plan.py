@@ -214,19 +214,25 @@ def receive_rows(ranks: int, rows: int, chunk_experts: list[tuple[int, int]], fa
 
 
 def wire_chunk_rows(ranks: int, rows: int, tokens: int, chunk_experts: list[tuple[int, int]],
-                    factor: float | None) -> list[int]:
+                    factor: float | None, overflow_factor: float | None = None) -> list[int]:
     """moe_dispatch_once_per_rank: static wire rows each chunk of a rank's local experts may receive per layer
     call: at most its copies' bound (a wire row carries one copy or more) and every rank's ``tokens`` (a token
-    crosses once per chunk and rank). Wire rows past it only arrive where copies overflowed their bound too."""
-    return [min(bound, ranks * tokens) for bound in chunk_bounds_rows(ranks, rows, chunk_experts, factor)]
+    crosses once per chunk and rank). Wire rows past the bound only arrive where copies overflowed theirs too, so
+    with the overflow chunk a chunk's wire rows may pass it by that chunk's rows."""
+    over = overflow_chunk_rows(ranks, rows, overflow_factor)
+    return [min(ranks * tokens, bound + over) for bound in chunk_bounds_rows(ranks, rows, chunk_experts, factor)]
 
 
 def wire_receive_rows(ranks: int, rows: int, tokens: int, chunk_experts: list[tuple[int, int]],
                       factor: float | None, overflow_factor: float | None = None) -> int:
     """moe_dispatch_once_per_rank: static rows of the compact receive buffer of wire rows: the chunks' wire rows
-    (:func:`wire_chunk_rows`), the overflow chunk's rows (one copy each), the spare row."""
-    return (sum(wire_chunk_rows(ranks, rows, tokens, chunk_experts, factor))
-            + overflow_chunk_rows(ranks, rows, overflow_factor) + 1)
+    (:func:`wire_chunk_rows`), the overflow chunk's rows (one copy each), the spare row. The wire rows past their
+    bounds are at most the copies past theirs, so where the overflow chunk takes every such copy (``over`` rows)
+    they need ``over`` rows more: the room both share is twice the overflow chunk's rows."""
+    over = overflow_chunk_rows(ranks, rows, overflow_factor)
+    bounds = sum(wire_chunk_rows(ranks, rows, tokens, chunk_experts, factor))
+    passing = sum(wire_chunk_rows(ranks, rows, tokens, chunk_experts, factor, overflow_factor))
+    return min(bounds + over, passing) + over + 1
 
 
 def region_rows(receive_rows: int, permuted_rows: int) -> int:
@@ -293,12 +299,9 @@ class DevicePlanner(Planner):
         receive buffer's rows: theirs, the overflow chunk's (if any), the spare last."""
         key = (False, rows, tokens)
         if key not in self._bounds:
-            W = wire_receive_rows(self.ep.size, rows, tokens, self.chunk_experts, self.capacity_factor,
-                                  self.overflow_factor)
-            # with the overflow chunk a chunk's wire rows may pass their bound by its rows: they share its room
-            over = overflow_chunk_rows(self.ep.size, rows, self.overflow_factor)
-            chunk_rows = [min(self.ep.size * tokens, bound + over) for bound in
-                          wire_chunk_rows(self.ep.size, rows, tokens, self.chunk_experts, self.capacity_factor)]
+            ranks, chunks, factor, over = self.ep.size, self.chunk_experts, self.capacity_factor, self.overflow_factor
+            chunk_rows = wire_chunk_rows(ranks, rows, tokens, chunks, factor, over)
+            W = wire_receive_rows(ranks, rows, tokens, chunks, factor, over)
             self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), W)
         return self._bounds[key]
 
