@@ -2960,6 +2960,19 @@ PY
       tar xzf "$out/fp8_mixtral4.tgz" 2>/dev/null
     fi
     ;;
+  streams_unbounded4)  # after x4_fix (copies on two streams at factor 1.75 hung on configs/gpu4_fine.yaml: a peer's
+    # data signal on channel 4 never raised): does the hang follow the bound? The example unbounded (factor null)
+    # and unpaired, with compute_only; then on two streams, the first row of a launch of its own (60 s wait limit)
+    unbounded="configs/gpu4_fine.yaml data.path=data/stdlib_head/stdlib.bin overlap.moe_expert_rank_capacity_factor=null"
+    for row in "unbounded:--compute-only" \
+               "unbounded_streams:overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true train.distributed_timeout_s=60"; do
+      name=train_step_gpu4_fine_${row%%:*}_4x$gpu
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py $unbounded ${row#*:} \
+        --no-scale-batch --warmup 3 --steps 5 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+        | grep -E '^\{"variant"|FATAL|Error' | cut -c1-400 | head -n 12
+      pack
+    done
+    ;;
   x4_main)  # the first 4-GPU call (written 2026-11-29 evening): issue 38's lever at EP=4, the fine bench model's pairs
     # on two streams beside config, compute_only and ep1 (as streams4, without its GPU tests: the suite runs them);
     # then issue 37 at EP=4, overflow_room4's rows (its GPU test in the suite too). Since two configurations of
