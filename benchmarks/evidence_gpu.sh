@@ -2298,7 +2298,7 @@ overlap.moe_overflow_capacity_factor=null" --variant "room_again:" --json $res/$
       "bound125:$P=true overlap.moe_expert_rank_capacity_factor=1.25"
     ;;
   streams_example4)  # issue 41: the fine 4-GPU example's model (bound 1.75, 4 sequences a micro-batch) the same way
-    # (written 2026-11-28, not run)
+    # (run in x4_fix, 2026-11-29: its streams row hung; a bound on streams is refused since)
     streams_example 4 5
     ;;
   streams_rr1)  # pairs on two streams against unpaired, round-robin on one trainer (benchmarks/ep_microbatch_overlap.py,

@@ -502,15 +502,17 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
 @pytest.mark.parametrize("extra, field", [
     (["parallel.pipeline_model_parallel_size=2", "overlap.batch_p2p_comm=true"], "overlap.batch_p2p_comm"),
     (["overlap.moe_paged_stash_factor=1.5"], "overlap.moe_paged_stash_factor"),
-    # both hung on GPUs (benchmarks/RESULTS.md, "Pairs on two streams")
+    # these hung on GPUs (benchmarks/RESULTS.md, "Pairs on two streams")
     (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
     (["overlap.moe_expert_rank_capacity_factor=1.5", "overlap.moe_dispatch_once_per_rank=true"],
-     "overlap.moe_dispatch_once_per_rank"),
+     "overlap.moe_expert_rank_capacity_factor"),
+    (["overlap.moe_expert_rank_capacity_factor=1.75", "overlap.moe_dispatch_once_per_rank=false"],
+     "overlap.moe_expert_rank_capacity_factor"),
 ])
 def test_pairs_on_streams_refuse_what_they_do_not_implement(extra, field):
     """Paired micro-batches with graphed MoE layers run each pair's halves on two streams: batched transfers between
-    pipeline stages, the paged stash, pipeline stages with an exchange between expert ranks and bounded wire rows are
-    not implemented there, each refused in one line naming its field."""
+    pipeline stages, the paged stash, pipeline stages with an exchange between expert ranks and a bounded exchange
+    (wire rows or copies) are not implemented there, each refused in one line naming its field."""
     streams = BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"]
     with pytest.raises(ConfigError, match=f"{field}=.*not implemented yet.*two streams"):
         load_config(TINY, streams + extra)
@@ -638,9 +640,6 @@ TOP4 = ["model.moe_router_topk=4"]
     # set off, it asks for nothing: one expert rank stays serial
     (["parallel.expert_model_parallel_size=1", "overlap.moe_dispatch_once_per_rank=false"], False, False),
     (["overlap.moe_dispatch_once_per_rank=true"], True, True),  # on asks for the pipeline, whatever the top-k
-    # pairs on two streams with a bound: copies (the bounded wire rows hung there on GPUs)
-    (TOP4 + BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true",
-                    "overlap.moe_expert_rank_capacity_factor=1.5"], False, True),
     (TOP4 + BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"], True, True),
 ])
 def test_once_per_rank_auto(overrides, once, pipeline):

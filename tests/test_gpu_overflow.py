@@ -2,8 +2,7 @@
 skipped on one). ``overlap.moe_expert_rank_capacity_factor=1.0`` with learned routing overflows on every step:
 each step's update is skipped on the device and the step runs again planned on the host. The result follows the
 bf16 rule against an fp32 single-process run (the loss curve over STEPS steps, every gradient of the first), with
-the MoE layers replayed from CUDA graphs (one chunk; also with paired micro-batches on two streams) and eager (2
-chunks, delayed weight gradients); and a bound that is never passed (factor = EP: the worst case) queues a graphed
+the MoE layers replayed from CUDA graphs (one chunk) and eager (2 chunks, delayed weight gradients); and a bound that is never passed (factor = EP: the worst case) queues a graphed
 step without one host sync
 (``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it, their reserved
 memory at least their allocated peak). The paged
@@ -51,9 +50,6 @@ def gpu_case(output_dir: str) -> dict:
     global_batch = 8 * world  # 4 micro-batches of 2 per rank
     device_planned = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device"}
     layouts = {"overflow_graphed": {**device_planned, FACTOR: 1.0, "train.moe_cuda_graph": "true"},
-               # paired micro-batches on two streams, graphed: the re-run runs the pairs' halves one after the other
-               "overflow_graphed_streams": {**device_planned, FACTOR: 1.0, "train.moe_cuda_graph": "true",
-                                            "overlap.overlap_moe_expert_parallel_comm": "true"},
                "overflow_eager_chunks2": {**device_planned, FACTOR: 1.0, "overlap.moe_pipeline_chunks": 2,
                                           "overlap.delay_wgrad_compute": "true"},
                # the paged stash: a pool of the worst case never overflows; of the balanced rows it does
@@ -117,7 +113,7 @@ def test_overflow_runs_again_and_equals_single_process_bf16_on_every_gpu(tmp_pat
     for report in launch_ranks(__file__, tmp_path, timeout_s=300, world=world):
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
         assert not report["skipped"] and set(report["reruns"]) == {
-            "overflow_graphed", "overflow_graphed_streams", "overflow_eager_chunks2", "paged_graphed",
+            "overflow_graphed", "overflow_eager_chunks2", "paged_graphed",
             "paged_overflow_graphed", "in_graph_graphed", "in_graph_eager_chunks2", "in_graph_wire_graphed"}
         assert all((reruns > 0) == ("overflow" in name) for name, reruns in report["reruns"].items()), report
         assert all(report["overflow_rows"][name] > 0 for name in report["overflow_rows"] if name.startswith("in_graph"))
@@ -131,7 +127,7 @@ def test_overflow_dry_run_on_cpu_gloo(tmp_path):
     """The eager layout on 2 gloo ranks under the same checks (the graphed one and the sync check are CUDA's)."""
     for report in launch_ranks(__file__, tmp_path, timeout_s=600, world=2, dry_run=True):
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
-        assert set(report["skipped"]) == {"overflow_graphed", "overflow_graphed_streams", "paged_graphed",
+        assert set(report["skipped"]) == {"overflow_graphed", "paged_graphed",
                                           "paged_overflow_graphed", "in_graph_graphed", "in_graph_wire_graphed"}
         assert report["reruns"]["overflow_eager_chunks2"] > 0
         assert report["reruns"]["in_graph_eager_chunks2"] == 0 and report["overflow_rows"]["in_graph_eager_chunks2"] > 0

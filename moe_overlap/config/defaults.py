@@ -82,11 +82,6 @@ def once_per_rank_gap(cfg: Config) -> str | None:
         return "model.moe_pad_expert_input_to_capacity=true"
     if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
         return "expert_tensor_parallel_size > 1"
-    if pairs_on_streams(cfg) and cfg.overlap.moe_expert_rank_capacity_factor is not None:
-        # 2xH200, 2026-11-29 (benchmarks/RESULTS.md, "Pairs on two streams"): configs/gpu2_fine.yaml hung in its
-        # first step at factors 1.25 and 1.5, a peer's data signal never raised; with copies it ran
-        return ("overlap.moe_expert_rank_capacity_factor and paired micro-batches on two streams "
-                f"({PAIRED} with {GRAPH}): their bounded wire rows hung on GPUs")
     return None
 
 

@@ -125,9 +125,6 @@ class PipelineExecutor:
         self._eval_schedules: dict[int, Schedule] = {}
         # paired micro-batches with graphed MoE layers: each pair's halves whole, on their micro-batches' streams
         self.pair_streams = PairStreams(device) if pairs_on_streams(cfg) else None
-        # a step run again (the trainer's overflow re-run: eager, host-planned, recomputed): the halves one after
-        # the other on the current stream, as an unpaired 1F1B would run them
-        self.one_stream = False
 
     def build(self, micro_batches: int, forward_only: bool = False) -> Schedule:
         o = self.cfg.overlap
@@ -161,7 +158,7 @@ class PipelineExecutor:
             raise ValueError(f"the schedule runs {schedule.micro_batches} micro-batches; got {len(batches)}")
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         whole_pairs = schedule.paired and self.pair_streams is not None
-        streams = self.pair_streams if whole_pairs and not self.one_stream else None
+        streams = self.pair_streams if whole_pairs else None
         run = _Run(batches, loss_scale, schedule.paired and not whole_pairs, zero, zero.clone(), streams,
                    trace=[] if measure else None)
         actions = schedule.ranks[self.rank]

@@ -177,13 +177,11 @@ class Trainer:
         self._last_step_end = attempt.start
         recompute = self.model.recompute
         self.model.recompute = recompute or self._rerun_recomputes()
-        self.pipeline.one_stream = True  # eager host-planned layers: no pair side by side on two streams
         try:
             with host_planned_rerun(self._moe_layers):
                 again = finish()
         finally:
             self.model.recompute = recompute
-            self.pipeline.one_stream = False
         again.update(moe_overflow_rows=metrics["moe_overflow_rows"], moe_rerun_rows=metrics["moe_rerun_rows"],
                      moe_overflow_reruns=1)
         if self.is_logger:
