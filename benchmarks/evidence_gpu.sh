@@ -2960,6 +2960,18 @@ PY
       tar xzf "$out/fp8_mixtral4.tgz" 2>/dev/null
     fi
     ;;
+  final_tests4)  # the tree after x4_fix and the streams fence (2026-11-29 night): test_gpu_overflow.py at 4 ranks (its
+    # streams layout gone, the wire rows' room counted twice), then it and test_gpu_moe.py at 2 ranks on GPUs 0-1
+    for run in "4:0,1,2,3:tests/test_gpu_overflow.py" "2:0,1:tests/test_gpu_overflow.py tests/test_gpu_moe.py"; do
+      IFS=: read -r n gpus files <<< "$run"
+      log=$out/gpu_tests_final_overflow_${n}x$gpu.txt
+      echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=$gpus: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $files" > "$log"
+      CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs $files 2>&1 \
+        | tail -n 8 | tee -a "$log"
+      cp "$log" $res/
+      pack
+    done
+    ;;
   streams_unbounded4)  # after x4_fix (copies on two streams at factor 1.75 hung on configs/gpu4_fine.yaml: a peer's
     # data signal on channel 4 never raised): does the hang follow the bound? The example unbounded (factor null)
     # and unpaired, with compute_only; then on two streams, the first row of a launch of its own (60 s wait limit)
