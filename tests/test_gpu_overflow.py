@@ -1,16 +1,16 @@
 """The bounded device-planned exchange past its bound, on GPUs in bf16 (`pytest -m gpu`; EP = every GPU, 2 or 4,
-skipped on one). ``overlap.moe_expert_rank_capacity_factor=1.0`` with learned routing overflows on every step:
-each step's update is skipped on the device and the step runs again planned on the host. The result follows the
-bf16 rule against an fp32 single-process run (the loss curve over STEPS steps, every gradient of the first), with
-the MoE layers replayed from CUDA graphs (one chunk) and eager (2 chunks, delayed weight gradients); and a bound that is never passed (factor = EP: the worst case) queues a graphed
-step without one host sync
+skipped on one). ``overlap.moe_expert_rank_capacity_factor=1.0`` with learned routing overflows on every step: each
+step's update is skipped on the device and the step runs again planned on the host. The result follows the bf16 rule
+against an fp32 single-process run (the loss curve over STEPS steps, every gradient of the first), with the MoE
+layers replayed from CUDA graphs (one chunk) and eager (2 chunks, delayed weight gradients); and a bound that is
+never passed (factor = EP: the worst case) queues a graphed step without one host sync
 (``torch.cuda.set_sync_debug_mode("error")`` around ``launch_step``; the metrics are read after it, their reserved
-memory at least their allocated peak). The paged
-stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a pool of the worst case (never past) and of the
-balanced rows (past on the most loaded rank, run again); its pages in the sync check too. The overflow chunk
-(``overlap.moe_overflow_capacity_factor`` = EP, never past): the same overflow taken inside the step, graphed (one
-chunk: its room in the chunk's bound) and eager with 2 chunks, and graphed with 2 chunks and each token once per rank
-(its copies past the bound as rows of their own), no step run again, the same bf16 rule.
+memory at least their allocated peak). The paged stash (``overlap.moe_paged_stash_factor``) likewise: graphed, a
+pool of the worst case (never past) and of the balanced rows (past on the most loaded rank, run again); its pages in
+the sync check too. The overflow chunk (``overlap.moe_overflow_capacity_factor`` = EP, never past): the same
+overflow taken inside the step, graphed (one chunk: its room in the chunk's bound) and eager with 2 chunks, and
+graphed with 2 chunks and each token once per rank (its copies past the bound as rows of their own), no step run
+again, the same bf16 rule.
 
 The per-rank work is `gpu_case`, launched once under torchrun; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it
 runs on CPU gloo ranks, skipping the graphed layout and the sync check, which only CUDA runs.
