@@ -7,10 +7,10 @@ run without the exchange's transfers (``compute_only``) and the config on one GP
         --variant pipeline2:overlap.moe_pipeline=true,overlap.moe_pipeline_chunks=2 \\
         --compute-only --ep1 --json out.json --timeline out.png
 
-Rows (one launch; ep1 first, the others in this order; each builds its own model, so they run one after
-another, not round-robin: compare rows of one launch, and repeat a launch to see its spread):
+Rows (one launch; ep1 first, the others in this order, the reference rows before the variants, so that a variant
+that hangs or runs out of memory costs them nothing; each builds its own model, so they run one after another, not
+round-robin: compare rows of one launch, and repeat a launch to see its spread):
   config        the config with the command line's overrides
-  NAME          each ``--variant NAME:section.field=value,...``: those overrides on top
   compute_only  (``--compute-only``) the config with ``overlap.moe_compute_only=true`` (and the MoE pipeline on
                 if the config has it off: the serial path has no such mode): every exchange keeps its sizes, signals
                 and small messages, so each layer still waits for the most loaded rank, but rows stay on their
@@ -19,6 +19,7 @@ another, not round-robin: compare rows of one launch, and repeat a launch to see
   ep1           (``--ep1``) the config as the file has it (or with ``--ep1-overrides``) on one GPU of the same
                 machine, rank 0's, first (in a process of its own, while the other ranks wait to join); per-GPU
                 tokens/s over ep1's is the weak-scaling efficiency
+  NAME          each ``--variant NAME:section.field=value,...``: those overrides on top
 Weak scaling: unless ``--no-scale-batch``, train.global_batch_size is multiplied by the data-parallel size, so each
 rank runs the config's micro-batches at any world size (the ep1 row runs the file's own batch).
 
@@ -93,13 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def rows_to_run(args) -> list[tuple[str, list[str]]]:
     out = [("config", [])]
+    if args.compute_only:
+        out.append(("compute_only", ["overlap.moe_pipeline=true", "overlap.moe_compute_only=true"]))
     for spec in args.variant:
         name, _, overrides = spec.partition(":")
         if not name or name in ("config", "compute_only", "ep1") or name in dict(out):
             raise SystemExit(f"--variant {spec!r}: needs a new NAME (not config, compute_only or ep1) before ':'")
         out.append((name, [item for item in overrides.split(",") if item]))
-    if args.compute_only:
-        out.append(("compute_only", ["overlap.moe_pipeline=true", "overlap.moe_compute_only=true"]))
     return out
 
 

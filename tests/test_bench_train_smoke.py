@@ -64,7 +64,8 @@ def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["weak_scaling"]
-    assert result["order"] == ["ep1", "config", "pipeline", "compute_only"]  # ep1 first: rank 0 holds nothing yet
+    # ep1 first (rank 0 holds nothing yet), then the reference rows before the variants
+    assert result["order"] == ["ep1", "config", "compute_only", "pipeline"]
     rows = {row["variant"]: row for row in result["rows"]}
     for name in ("config", "pipeline", "compute_only"):
         check_row(rows[name], 2)
