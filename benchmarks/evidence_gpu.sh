@@ -2960,6 +2960,35 @@ PY
       tar xzf "$out/fp8_mixtral4.tgz" 2>/dev/null
     fi
     ;;
+  streams_conn2)  # the streams hangs (written 2026-11-29 night, not run): CUDA runs two streams' kernels side by side
+    # only if they sit in different hardware queues; with more streams than CUDA_DEVICE_MAX_CONNECTIONS (default 8:
+    # two pair streams, two twins' side streams, NCCL's) two map to one queue, and a spinning wait_signal at its head
+    # can hold the kernel that would release a peer. The first hang's config (configs/gpu2_fine.yaml on streams, bound
+    # 1.5, wire rows; hung as a process's first row in every launch) from a copy of the tree with the refusal lifted,
+    # at 32 connections, then at 1 (where queues are shared for sure): runs at 32 and hangs at 1 supports it
+    rm -rf /tmp/unfenced && mkdir -p /tmp/unfenced && cp -r moe_overlap benchmarks /tmp/unfenced/
+    python - <<'PY' || exit 2
+import pathlib
+p = pathlib.Path("/tmp/unfenced/moe_overlap/config/overlap_rules.py")
+s = p.read_text()
+old = "if o.moe_expert_rank_capacity_factor is not None and exchanging:"
+assert s.count(old) == 1, "the refusal moved: update streams_conn2"
+p.write_text(s.replace(old, "if False:"))
+PY
+    python -c "import sys; sys.path.insert(0, '/tmp/unfenced')  # as train_step.py puts its tree first
+import moe_overlap; assert moe_overlap.__file__.startswith('/tmp/unfenced'), moe_overlap.__file__" || exit 2
+    for conn in 32 1; do
+      name=train_step_gpu2_fine_streams_bound_conn${conn}_2x$gpu
+      echo "== CUDA_DEVICE_MAX_CONNECTIONS=$conn"
+      CUDA_DEVICE_MAX_CONNECTIONS=$conn timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone \
+        --nproc-per-node 2 /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml \
+        data.path=data/stdlib_head/stdlib.bin overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
+        overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=40 --no-scale-batch --warmup 2 \
+        --steps 2 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+        | grep -E '^\{"variant"|FATAL|Error' | cut -c1-300 | head -n 12
+      pack
+    done
+    ;;
   final_tests4)  # the tree after x4_fix and the streams fence (2026-11-29 night): test_gpu_overflow.py at 4 ranks (its
     # streams layout gone, the wire rows' room counted twice), then it and test_gpu_moe.py at 2 ranks on GPUs 0-1
     for run in "4:0,1,2,3:tests/test_gpu_overflow.py" "2:0,1:tests/test_gpu_overflow.py tests/test_gpu_moe.py"; do
