@@ -54,7 +54,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 
 from __future__ import annotations
 
-from moe_overlap.config.schema import Config, OverlapConfig, TrainConfig
+from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig
 from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_GEMM_MIN_DIM_FAST, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS,
                                 FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK)
 
@@ -75,9 +75,8 @@ def pipeline_fields_set(o: OverlapConfig) -> list[str]:
             and getattr(o, name) is not False]
 
 
-def once_per_rank_gap(cfg: Config) -> str | None:
+def once_per_rank_gap(m: ModelConfig, p: ParallelConfig) -> str | None:
     """What overlap.moe_dispatch_once_per_rank is not implemented with in this config, or None."""
-    m, p = cfg.model, cfg.parallel
     if m.moe_pad_expert_input_to_capacity:
         return "model.moe_pad_expert_input_to_capacity=true"
     if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
@@ -239,8 +238,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if o.moe_dispatch_once_per_rank == "auto":
         if not (exchanging and o.moe_pipeline):
             o.moe_dispatch_once_per_rank, why = False, "no pipelined exchange"
-        elif once_per_rank_gap(cfg):
-            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(cfg)}"
+        elif once_per_rank_gap(m, cfg.parallel):
+            o.moe_dispatch_once_per_rank, why = False, f"not implemented with {once_per_rank_gap(m, cfg.parallel)}"
         elif m.moe_router_topk < ONCE_PER_RANK_MIN_TOPK:
             o.moe_dispatch_once_per_rank, why = False, (f"top-{m.moe_router_topk}: few copies share a rank (on from "
                                                         f"top-{ONCE_PER_RANK_MIN_TOPK}, tuning.py)")

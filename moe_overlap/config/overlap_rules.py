@@ -19,7 +19,7 @@ def validate_overlaps(cfg: Config) -> None:
     m, p, o, t = cfg.model, cfg.parallel, cfg.overlap, cfg.train
     _validate_overlap(o, p, m)
     _validate_pipeline(cfg)
-    _validate_moe_overlap(cfg)
+    _validate_moe_overlap(m, o, p)
     _validate_moe_cuda_graph(cfg)
     _validate_expert_wgrad_micro_batches(t, o, m, p)
     _validate_microbatch_overlap(cfg)
@@ -96,10 +96,9 @@ def _validate_tp_overlap(o: OverlapConfig, p: ParallelConfig, m: ModelConfig) ->
              f"parallel.context_parallel_size) = {block}")
 
 
-def _validate_moe_overlap(cfg: Config) -> None:
+def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -> None:
     """The MoE pipeline's fields: each needs the pipeline; planning and transport must agree on where sizes are;
     chunks are runs of local experts."""
-    m, o, p = cfg.model, cfg.overlap, cfg.parallel
     for name in pipeline_fields_set(o):
         require(o.moe_pipeline, f"overlap.{name}", getattr(o, name),
                 "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
@@ -131,8 +130,8 @@ def _validate_moe_overlap(cfg: Config) -> None:
         if (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) != 1:
             raise not_implemented("overlap.moe_compute_only", True, False,
                                    "with expert_tensor_parallel_size > 1 (the expert-TP gather would still move rows)")
-    if o.moe_dispatch_once_per_rank and once_per_rank_gap(cfg):
-        raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(cfg)}")
+    if o.moe_dispatch_once_per_rank and once_per_rank_gap(m, p):
+        raise not_implemented("overlap.moe_dispatch_once_per_rank", True, False, f"with {once_per_rank_gap(m, p)}")
     if o.moe_dispatch_dtype == "fp8":
         if o.moe_dispatch_once_per_rank is not True:
             raise not_implemented("overlap.moe_dispatch_dtype", "fp8", "bf16", "without each token once per rank: "
