@@ -406,6 +406,24 @@ example() {  # GPUs, then overrides: configs/gpu<N>_<EXAMPLE_FAMILY: fine>.yaml,
   gzip -c "$out/$name/metrics.jsonl" > $res/${name}_metrics.jsonl.gz  # gzipped: the tree a device call copies stays small
 }
 
+unfenced() {  # the refusals named (bound, pp) lifted in a copy of the tree at /tmp/unfenced, which train_step.py
+  # run from there puts first on its path: a row the config refuses since it hung, to find why
+  rm -rf /tmp/unfenced && mkdir -p /tmp/unfenced && cp -r moe_overlap benchmarks /tmp/unfenced/
+  python - "$@" <<'PY' || return 2
+import pathlib, sys
+p = pathlib.Path("/tmp/unfenced/moe_overlap/config/overlap_rules.py")
+s = p.read_text()
+refusals = {"bound": "if o.moe_expert_rank_capacity_factor is not None and exchanging:",
+            "pp": "if p.pipeline_model_parallel_size > 1 and exchanging:"}
+for name in sys.argv[1:]:
+    assert s.count(refusals[name]) == 1, f"the {name} refusal moved: update unfenced()"
+    s = s.replace(refusals[name], "if False:")
+p.write_text(s)
+PY
+  python -c "import sys; sys.path.insert(0, '/tmp/unfenced')  # as train_step.py puts its tree first
+import moe_overlap; assert moe_overlap.__file__.startswith('/tmp/unfenced'), moe_overlap.__file__"
+}
+
 converge_fp8() {  # tag, the GPUs of seeds a and b, the machine's words, then overrides: rowwise FP8 at both seeds
   # (1234, 4321) side by side, against converge4's bf16 runs (the same config and seeds, 1xH100: committed)
   local tag=$1 gpus=($2) machine=$3 name index=0
@@ -2960,23 +2978,14 @@ PY
       tar xzf "$out/fp8_mixtral4.tgz" 2>/dev/null
     fi
     ;;
-  streams_conn2)  # the streams hangs (written 2026-11-29 night, not run): CUDA runs two streams' kernels side by side
+  streams_conn2)  # the streams hangs (run 2026-11-29 late night: hung at 32 connections, ran at 1; then conn1_4).
+    # CUDA runs two streams' kernels side by side
     # only if they sit in different hardware queues; with more streams than CUDA_DEVICE_MAX_CONNECTIONS (default 8:
     # two pair streams, two twins' side streams, NCCL's) two map to one queue, and a spinning wait_signal at its head
     # can hold the kernel that would release a peer. The first hang's config (configs/gpu2_fine.yaml on streams, bound
     # 1.5, wire rows; hung as a process's first row in every launch) from a copy of the tree with the refusal lifted,
     # at 32 connections, then at 1 (where queues are shared for sure): runs at 32 and hangs at 1 supports it
-    rm -rf /tmp/unfenced && mkdir -p /tmp/unfenced && cp -r moe_overlap benchmarks /tmp/unfenced/
-    python - <<'PY' || exit 2
-import pathlib
-p = pathlib.Path("/tmp/unfenced/moe_overlap/config/overlap_rules.py")
-s = p.read_text()
-old = "if o.moe_expert_rank_capacity_factor is not None and exchanging:"
-assert s.count(old) == 1, "the refusal moved: update streams_conn2"
-p.write_text(s.replace(old, "if False:"))
-PY
-    python -c "import sys; sys.path.insert(0, '/tmp/unfenced')  # as train_step.py puts its tree first
-import moe_overlap; assert moe_overlap.__file__.startswith('/tmp/unfenced'), moe_overlap.__file__" || exit 2
+    unfenced bound || exit 2
     for conn in 32 1; do
       name=train_step_gpu2_fine_streams_bound_conn${conn}_2x$gpu
       echo "== CUDA_DEVICE_MAX_CONNECTIONS=$conn"
@@ -2986,6 +2995,80 @@ import moe_overlap; assert moe_overlap.__file__.startswith('/tmp/unfenced'), moe
         overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=40 --no-scale-batch --warmup 2 \
         --steps 2 --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" \
         | grep -E '^\{"variant"|FATAL|Error' | cut -c1-300 | head -n 12
+      pack
+    done
+    ;;
+  conn1_4)  # after streams_conn2 (the first hang's config hung at CUDA_DEVICE_MAX_CONNECTIONS=32 and ran at 1): do
+    # the other two hangs run at 1 connection, and what do pairs on streams gain there? From a copy of the tree with
+    # both refusals lifted, each launch at 1 connection with a 40 s wait limit: configs/gpu4_fine.yaml as shipped
+    # (bound 1.75, copies) unpaired, compute_only, on streams; PP=2 x EP=2 (fine bench, balanced, 1F1B, graphed,
+    # distributed optimizer) unpaired against on streams (issue 36's row); the family's ep1 row (GPU 0, real text);
+    # then the example's unpaired row at the default connections (what 1 connection costs the unpaired path)
+    unfenced bound pp || exit 2
+    name=train_step_gpu4_fine_streams_conn1_4x$gpu
+    CUDA_DEVICE_MAX_CONNECTIONS=1 timeout -k 10 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone \
+      --nproc-per-node 4 /tmp/unfenced/benchmarks/train_step.py configs/gpu4_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=40 --no-scale-batch --warmup 3 --steps 5 \
+      --profile-steps 0 --compute-only \
+      --variant "streams:overlap.overlap_moe_expert_parallel_comm=true,train.moe_cuda_graph=true" \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL|Error' | cut -c1-400 | head -n 12
+    pack
+    name=train_step_fine_8l_pp2_ep2_streams_conn1_4x$gpu
+    CUDA_DEVICE_MAX_CONNECTIONS=1 timeout -k 10 $(( $(left) < 170 ? $(left) : 170 )) torchrun --standalone \
+      --nproc-per-node 4 /tmp/unfenced/benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+      train.distributed_timeout_s=40 --warmup 3 --steps 6 --profile-steps 0 \
+      --variant "streams:overlap.overlap_moe_expert_parallel_comm=true" --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL|Error' | cut -c1-400 | head -n 12
+    pack
+    name=train_step_fine_8l_ep1_text_shipped4c_1x$gpu  # (at the default connections)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 $(( $(left) < 100 ? $(left) : 100 )) python benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml $TEXT --warmup 3 --steps 6 --profile-steps 0 --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    name=train_step_gpu4_fine_conn_default_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/gpu4_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 5 --profile-steps 0 \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL|Error' | cut -c1-400
+    pack
+    ;;
+  branches2)  # after conn1_4 (every hung layout ran at CUDA_DEVICE_MAX_CONNECTIONS=1, and streams lost their gain
+    # there): (1) the first hang's config (streams_conn2's) at the default connections with no forked branch inside
+    # the MoE layers' graphs (pushes on the compute stream: gemm_sm_carveout=0; the shared expert after the combine):
+    # runs would point at the graphs' own branches meeting the other set's in one hardware queue; (2) the fine bench
+    # model at EP=2 balanced, unbounded, unpaired against on streams, at 1 connection and then at the default (what one
+    # connection costs the pairs where they gained 1.027x)
+    unfenced bound || exit 2
+    name=train_step_gpu2_fine_streams_bound_nobranch_2x$gpu
+    timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone \
+      --nproc-per-node 2 /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
+      overlap.moe_expert_rank_capacity_factor=1.5 overlap.gemm_sm_carveout=0 model.moe_shared_expert_overlap=false \
+      train.distributed_timeout_s=40 --no-scale-batch --warmup 2 --steps 2 --profile-steps 0 --json $res/$name.json \
+      2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL|Error' | cut -c1-300 | head -n 12
+    pack
+    for conn in 1 default; do
+      name=train_step_fine_8l_ep2_balanced_streams_conn${conn}_2x$gpu
+      env $([ $conn = default ] || echo CUDA_DEVICE_MAX_CONNECTIONS=$conn) timeout -k 10 $(( $(left) < 170 ? $(left) : 170 )) \
+        torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+        parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED train.distributed_timeout_s=40 --warmup 3 \
+        --steps 6 --profile-steps 0 --variant "streams:overlap.overlap_moe_expert_parallel_comm=true" \
+        --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL|Error' | cut -c1-300
+      pack
+    done
+    ;;
+  conn_rr2)  # after branches2 (the unpaired default ran 1.3% faster at one connection at EP=2 and 0.5% at EP=4, one
+    # launch each): one connection against the default for the unpaired default path, launches alternating 1, default,
+    # 1, default (the variable is read when a process starts CUDA), the fine bench model at EP=2 balanced with its
+    # compute_only row; predicted: ~1% faster at one connection (kernels start in launch order, so a push queued
+    # before its GEMM gets its SMs first, as Megatron-Core's CUDA_DEVICE_MAX_CONNECTIONS=1 assumes)
+    for conn in 1 default 1 default; do
+      round=$((${round:-0} + 1))
+      name=train_step_fine_8l_ep2_balanced_conn${conn}_rr${round}_2x$gpu
+      env $([ $conn = default ] || echo CUDA_DEVICE_MAX_CONNECTIONS=$conn) timeout -k 10 $(( $(left) < 130 ? $(left) : 130 )) \
+        torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+        parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED --warmup 3 --steps 6 --profile-steps 0 \
+        --compute-only --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-200
       pack
     done
     ;;
