@@ -3072,6 +3072,52 @@ PY
       pack
     done
     ;;
+  pads2)  # after branches2 (CPU analysis: the two graph sets' regions could share signal slots underneath the Python
+    # objects: torch's symmetric memory allocates from one implicit pool): the first hang's config again at the
+    # default connections, each symmetric workspace's buffer and signal pad addresses printed as it is made, and
+    # every 10 s each workspace's raised slots (channel, source rank, value) read on a stream of their own
+    unfenced bound || exit 2
+    cat > /tmp/pads_probe.py <<'PY'
+import os, runpy, sys, threading, time
+sys.path.insert(0, "/tmp/unfenced")
+import torch
+import moe_overlap.distributed.symm as symm
+made, start = [], time.time()
+rank = int(os.environ.get("RANK", 0))
+init = symm.SymmWorkspace.__init__
+def logged(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    made.append(self)
+    h = self.handle
+    print(f"[pads] rank {rank} workspace {len(made) - 1}: {self.nbytes} bytes, group size {self.size}, buffer "
+          f"{self.buffer.data_ptr():#x}, pad {h.signal_pad_ptrs[self.rank]:#x}, pad bytes {h.signal_pad_size}, "
+          f"implicit pool {os.environ.get('TORCH_SYMMMEM_IMPLICIT_POOL', 'unset')}, t {time.time() - start:.1f}s",
+          flush=True)
+symm.SymmWorkspace.__init__ = logged
+def dump():
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    stream = torch.cuda.Stream()
+    while True:
+        time.sleep(10)
+        for index, ws in enumerate(list(made)):
+            h = ws.handle
+            with torch.cuda.stream(stream):
+                pad = h.get_signal_pad(ws.rank, (h.signal_pad_size // 4,), torch.int32).to("cpu")
+            raised = [(i // ws.size, i % ws.size, int(v)) for i, v in enumerate(pad.tolist()) if v]
+            print(f"[pads] t {time.time() - start:.0f}s rank {rank} workspace {index}: raised {raised}", flush=True)
+threading.Thread(target=dump, daemon=True).start()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+PY
+    name=train_step_gpu2_fine_streams_bound_pads_2x$gpu
+    timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone --nproc-per-node 2 /tmp/pads_probe.py \
+      /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin \
+      overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
+      overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=40 --no-scale-batch --warmup 2 \
+      --steps 2 --profile-steps 0 --json $res/$name.json > "$out/$name.log" 2>&1
+    grep -E '^\[pads\]|FATAL|^\{"variant"' "$out/$name.log" | cut -c1-700 | tee $res/streams_hang_pads_2x$gpu.txt | tail -n 40
+    pack
+    ;;
   final_tests4)  # the tree after x4_fix and the streams fence (2026-11-29 night): test_gpu_overflow.py at 4 ranks (its
     # streams layout gone, the wire rows' room counted twice), then it and test_gpu_moe.py at 2 ranks on GPUs 0-1
     for run in "4:0,1,2,3:tests/test_gpu_overflow.py" "2:0,1:tests/test_gpu_overflow.py tests/test_gpu_moe.py"; do
