@@ -237,7 +237,7 @@ def layer_case(mesh, selectors: dict, routing: str, topk: int, chunks: int = 0, 
 
 def test_for_micro_batch_picks_the_graphed_copies_in_turn():
     """Without graphed copies every micro-batch runs the layer; with n - 1 copies (capture_moe_layers(copies=n),
-    CUDA) micro-batch i runs copy i mod n, the layer itself being copy 0."""
+    CUDA) micro-batch i runs copy i mod n in training, the layer itself being copy 0, and the layer in eval mode."""
     one_rank = GroupHandle(ranks=[0], group=None, rank=0, size=1)
     layer = MoELayer(ModelConfig(hidden_size=16, ffn_hidden_size=16, num_moe_experts=4, moe_router_topk=2),
                      OverlapConfig(moe_pipeline=False), one_rank)
@@ -245,6 +245,10 @@ def test_for_micro_batch_picks_the_graphed_copies_in_turn():
     copies = (torch.nn.Identity(), torch.nn.Identity())
     object.__setattr__(layer, "graph_copies", copies)
     assert [layer.for_micro_batch(i) for i in range(7)] == [layer, *copies, layer, *copies, layer]
+    layer.eval()  # evaluation runs the layer eagerly: the copies' graphs replay training calls
+    assert all(layer.for_micro_batch(i) is layer for i in range(7))
+    layer.train()
+    assert layer.for_micro_batch(1) is copies[0]
 
 
 def test_each_graphed_copy_gets_its_own_static_inputs(monkeypatch):
