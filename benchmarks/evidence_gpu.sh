@@ -3118,6 +3118,30 @@ PY
     grep -E '^\[pads\]|FATAL|^\{"variant"' "$out/$name.log" | cut -c1-700 | tee $res/streams_hang_pads_2x$gpu.txt | tail -n 40
     pack
     ;;
+  native2)  # after pads2 (the rank that stalls first waits for no peer: its host sits in a CUDA call; written
+    # 2026-11-29, not run): the first hang again, and at 70 s every rank's native stacks (py-spy --native, else gdb,
+    # whichever the machine has), to see which CUDA call blocks the stalled rank's host and on what
+    unfenced bound || exit 2
+    name=train_step_gpu2_fine_streams_bound_native_2x$gpu
+    timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone --nproc-per-node 2 \
+      /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin \
+      overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
+      overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=60 --no-scale-batch --warmup 2 \
+      --steps 2 --profile-steps 0 --json $res/$name.json > "$out/$name.log" 2>&1 &
+    sleep 70
+    for pid in $(pgrep -f "unfenced/benchmarks/train_step.py"); do  # the ranks: not timeout, not torchrun
+      cmd=$(tr '\0' ' ' < /proc/$pid/cmdline)
+      case "$cmd" in *torchrun*|timeout*) continue ;; esac
+      echo "== pid $pid: ${cmd:0:120}"
+      if command -v py-spy > /dev/null; then timeout 30 py-spy dump --native --pid "$pid"
+      elif command -v gdb > /dev/null; then timeout 30 gdb -p "$pid" -batch -ex "thread apply all bt 25"
+      else echo "neither py-spy nor gdb on this machine"; fi
+    done 2>&1 | cut -c1-300 > $res/streams_hang_native_stacks_2x$gpu.txt
+    wait
+    grep -E 'FATAL|^\{"variant"' "$out/$name.log" | cut -c1-300
+    grep -cE '^(Thread|#[0-9])' $res/streams_hang_native_stacks_2x$gpu.txt
+    pack
+    ;;
   final_tests4)  # the tree after x4_fix and the streams fence (2026-11-29 night): test_gpu_overflow.py at 4 ranks (its
     # streams layout gone, the wire rows' room counted twice), then it and test_gpu_moe.py at 2 ranks on GPUs 0-1
     for run in "4:0,1,2,3:tests/test_gpu_overflow.py" "2:0,1:tests/test_gpu_overflow.py tests/test_gpu_moe.py"; do
