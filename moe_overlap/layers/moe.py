@@ -121,8 +121,8 @@ class MoELayer(nn.Module):
         """What runs ``micro_batch``: with graphed copies (capture_moe_layers), the copy its index picks in turn (the
         layer itself is the first), so that a copy's next forward comes after its last one's backward; else, and
         in eval mode, the layer. (A copy is not a submodule, so model.eval() does not reach it: it would replay its
-        training graphs, rewriting the static tensors of a training call and adding to the routers' and the
-        exchange's counters; the layer in eval mode runs eagerly.)"""
+        training graphs, rewriting a training call's static tensors and adding into the exchange's device counters;
+        the layer in eval mode runs eagerly.)"""
         if not self.graph_copies or not self.training:
             return self
         return (self, *self.graph_copies)[micro_batch % (1 + len(self.graph_copies))]
