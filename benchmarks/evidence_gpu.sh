@@ -3119,15 +3119,24 @@ PY
     pack
     ;;
   native2)  # after pads2 (the rank that stalls first waits for no peer: its host sits in a CUDA call; written
-    # 2026-11-29, not run): the first hang again, and at 70 s every rank's native stacks (py-spy --native, else gdb,
-    # whichever the machine has), to see which CUDA call blocks the stalled rank's host and on what
+    # 2026-11-29, not run). (1) The first hang with CUDA_MODULE_LOADING=EAGER: CUDA loads a kernel's module at its
+    # first launch (lazy loading, the default since CUDA 12.2), and a load may need the context synchronized, i.e.
+    # every running kernel finished; a launch of a kernel not yet loaded behind a kernel that spins until a peer
+    # signals is the deadlock CUDA's programming guide warns of (Lazy Loading, "Concurrent execution"): runs here
+    # and hangs below points there. (2) The same at the default loading, every rank's native stacks at 70 s (py-spy
+    # --native, else gdb, whichever the machine has): which CUDA call blocks the stalled rank's host
     unfenced bound || exit 2
+    hang="/tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin
+      overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true overlap.moe_expert_rank_capacity_factor=1.5
+      train.distributed_timeout_s=40 --no-scale-batch --warmup 2 --steps 2 --profile-steps 0"
+    name=train_step_gpu2_fine_streams_bound_eager_loading_2x$gpu
+    CUDA_MODULE_LOADING=EAGER timeout -k 10 $(( $(left) < 220 ? $(left) : 220 )) torchrun --standalone \
+      --nproc-per-node 2 $hang --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|FATAL|Error' | cut -c1-300 | head -n 12
+    pack
     name=train_step_gpu2_fine_streams_bound_native_2x$gpu
-    timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone --nproc-per-node 2 \
-      /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin \
-      overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
-      overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=60 --no-scale-batch --warmup 2 \
-      --steps 2 --profile-steps 0 --json $res/$name.json > "$out/$name.log" 2>&1 &
+    timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone --nproc-per-node 2 $hang \
+      --json $res/$name.json > "$out/$name.log" 2>&1 &
     sleep 70
     for pid in $(pgrep -f "unfenced/benchmarks/train_step.py"); do  # the ranks: not timeout, not torchrun
       cmd=$(tr '\0' ' ' < /proc/$pid/cmdline)
