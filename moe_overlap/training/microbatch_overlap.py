@@ -116,19 +116,13 @@ class PairStreams:
     backwards, as on one stream (events): what a forward shares with the next (the routers' counts, the loss sums)
     and a backward with the next (the gradients) stays ordered. A step's streams start after the work queued before
     it and end before the work after it. On the CPU (one stream of execution) the same calls run the halves one
-    after the other: the executor's path with whole pairs, testable there.
-
-    The first step runs each half after the other's last work, still on the two streams (``serial``): the first
-    launches of a process (a kernel's module loaded, a stream's first GEMM making its library workspace, the
-    allocator's pools growing) may wait for the device to drain, which it cannot while the other stream's exchange
-    spins for a peer that is itself waiting so; from the second step on, those calls are behind us."""
+    after the other: the executor's path with whole pairs, testable there."""
 
     def __init__(self, device: torch.device):
         self.device = device
         cuda = device.type == "cuda"
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         self.done: dict[bool, Event | None] = {}
-        self.steps_begun = 0
 
     def _current(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -137,20 +131,13 @@ class PairStreams:
         for stream in self.streams:
             wait_stream(stream, self._current())
         self.done = {True: None, False: None}
-        self.steps_begun += 1
-
-    @property
-    def serial(self) -> bool:
-        return self.steps_begun == 1
 
     @contextlib.contextmanager
     def running(self, micro_batch: int, forward: bool) -> Iterator[None]:
-        """Queue on micro-batch ``micro_batch``'s stream, after the last forward (``forward``) or backward (both in
-        the first step)."""
+        """Queue on micro-batch ``micro_batch``'s stream, after the last forward (``forward``) or backward."""
         stream = self.stream(micro_batch)
-        for kind, event in self.done.items():
-            if event is not None and (kind == forward or self.serial):
-                event.wait(stream)
+        if self.done[forward] is not None:
+            self.done[forward].wait(stream)
         with use_stream(stream):
             yield
         self.done[forward] = Event(self.device).record(stream)
