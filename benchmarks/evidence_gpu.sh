@@ -3151,6 +3151,129 @@ PY
     grep -cE '^(Thread|#[0-9])' $res/streams_hang_native_stacks_2x$gpu.txt
     pack
     ;;
+  warm2)  # (run 2026-11-29 on dfc9c5e, whose PairStreams it tests; reverted in f0f57ab) after native2 (the first hang
+    # hung under CUDA_MODULE_LOADING=EAGER too; the machine has neither py-spy nor gdb). Each hang came in a process's first row and none when an unpaired row ran first: PairStreams now runs its
+    # first step's halves one after the other (on the two streams), so that what a process does once (a Triton
+    # kernel's module loaded, a stream's first GEMM making its cuBLAS workspace, the allocator's growth) waits for
+    # no spinning exchange. The first hang's config from a copy with the bound refusal lifted, on streams as the
+    # launch's first row (GPU use sampled at 60 and 90 s: if it hangs, is the stalled GPU busy or idle?), then
+    # unpaired and compute_only; then the family's ep1 row (bench_fine_8l, real text) in a launch of its own (GPU 0)
+    unfenced bound || exit 2
+    name=train_step_gpu2_fine_streams_bound_warm_2x$gpu
+    (sleep 60; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv; sleep 30
+     nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv) > $res/${name}_smi.txt 2>&1 &
+    timeout -k 10 $(( $(left) < 330 ? $(left) : 330 )) torchrun --standalone --nproc-per-node 2 \
+      /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin \
+      overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true overlap.moe_expert_rank_capacity_factor=1.5 \
+      train.distributed_timeout_s=40 --no-scale-batch --warmup 3 --steps 6 --profile-steps 0 \
+      --variant "unpaired:overlap.overlap_moe_expert_parallel_comm=false" --compute-only --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^step|^\{"variant"|FATAL|Error' | cut -c1-400 | head -n 30
+    pack
+    name=train_step_fine_8l_ep1_text_warm_1x$gpu  # the family's ep1 (gpu2_fine's 5.17B do not fit one GPU)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 $(( $(left) < 120 ? $(left) : 120 )) python benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml $TEXT --warmup 3 --steps 6 --profile-steps 0 --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    pack
+    ;;
+  stacks2)  # (run 2026-11-29 on dfc9c5e: its second launch turns that tree's PairStreams.serial off) after warm2 (with the first step's halves one after the other, the first hang's config hung at once and
+    # for good: no step, no wait timed out in 330 s, both GPUs at 100% at 60 and 90 s; the ranks then ignored SIGTERM).
+    # The machine has neither py-spy nor gdb: a preloaded handler (below, built with the machine's cc) writes every
+    # thread's native stack (glibc backtrace) on a real-time signal. Two launches of the first hang's config, each
+    # dumped (every thread's name, kernel wait channel, native and Python stacks) once hung: (1) as the tree has it
+    # (first step serial), (2) with every step on two streams (as before warm2), with a 120 s wait limit
+    unfenced bound || exit 2
+    cat > /tmp/native_stacks.c <<'C'
+// Every thread's native stack on SIGRTMIN+5 (LD_PRELOAD), appended to /tmp/native_stacks_<pid>.txt
+#define _GNU_SOURCE
+#include <execinfo.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static int out = -1;
+static void dump(int sig) {
+  void *frames[48];
+  char head[96];
+  int n = backtrace(frames, 48), len = snprintf(head, sizeof head, "=== tid %ld\n", (long)syscall(SYS_gettid));
+  if (out >= 0) { write(out, head, len); backtrace_symbols_fd(frames, n, out); }
+}
+__attribute__((constructor)) static void install(void) {
+  char path[64];
+  void *warm[2];
+  snprintf(path, sizeof path, "/tmp/native_stacks_%d.txt", (int)getpid());
+  out = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+  backtrace(warm, 2);  /* loads libgcc's unwinder now, not inside the handler */
+  struct sigaction action;
+  memset(&action, 0, sizeof action);
+  action.sa_handler = dump;
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGRTMIN + 5, &action, NULL);
+}
+C
+    cc -shared -fPIC -O1 -o /tmp/native_stacks.so /tmp/native_stacks.c || { echo "no C compiler"; exit 2; }
+    dump_ranks() {  # every rank's threads: name, kernel wait channel, native stack (then its file's copy)
+      for pid in $(pgrep -f "unfenced/benchmarks/train_step.py"); do
+        cmd=$(tr '\0' ' ' < /proc/$pid/cmdline)
+        case "$cmd" in *torchrun*|timeout*) continue ;; esac
+        echo "== pid $pid, $(tr '\0' '\n' < /proc/$pid/environ | grep -E '^RANK=')"
+        for task in /proc/$pid/task/*; do
+          tid=${task##*/}
+          echo "tid $tid $(cat $task/comm) wchan=$(cat $task/wchan) state=$(awk '/^State/ {print $2}' $task/status)"
+          python -c "import ctypes, sys; ctypes.CDLL(None).syscall(234, int(sys.argv[1]), int(sys.argv[2]), 39)" \
+            $pid $tid  # tgkill(pid, tid, SIGRTMIN+5)
+          sleep 0.05
+        done
+        sleep 1
+        cat /tmp/native_stacks_$pid.txt
+      done
+    }
+    for launch in serial first; do
+      name=streams_hang_native_stacks_${launch}_2x$gpu
+      if [ $launch = first ]; then  # every step on two streams: PairStreams.serial never true
+        grep -q "return self.steps_begun == 1" /tmp/unfenced/moe_overlap/training/microbatch_overlap.py || exit 2
+        sed -i 's/return self.steps_begun == 1/return False/' /tmp/unfenced/moe_overlap/training/microbatch_overlap.py
+      fi
+      rm -f /tmp/native_stacks_*.txt
+      LD_PRELOAD=/tmp/native_stacks.so timeout -k 5 $(( $(left) < 130 ? $(left) : 130 )) torchrun --standalone \
+        --nproc-per-node 2 /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml \
+        data.path=data/stdlib_head/stdlib.bin overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
+        overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=120 --no-scale-batch --warmup 2 \
+        --steps 2 --profile-steps 0 --stacks-after-s 60 > "$out/$name.log" 2>&1 &
+      sleep 75
+      { grep -E '^step|FATAL' "$out/$name.log" | head -n 8; nvidia-smi --query-gpu=index,utilization.gpu --format=csv
+        dump_ranks; } 2>&1 | cut -c1-400 > $res/$name.txt
+      pkill -9 -f "unfenced/benchmarks/train_step.py"; pkill -9 torchrun; wait
+      sed -n '/Thread\|File "/p' "$out/$name.log" | cut -c1-200 >> $res/$name.txt  # the ranks' Python stacks
+      grep -c "^=== tid" $res/$name.txt; grep -E '^step|FATAL|utilization|^[0-9], ' $res/$name.txt | head
+      pack
+    done
+    ;;
+  queues2)  # after stacks2 (both ranks' autograd threads sat in cuLaunchKernel, yielding until the stream's launch
+    # queue has room, at the first launch after a MoE layer's graphed backward, both GPUs busy; so in both launches):
+    # CUDA_SCALE_LAUNCH_QUEUES scales the launch queues. If the hang needs a full queue (the host held at a launch
+    # while a peer waits for work it has not issued yet), 4x queues run the first hang's config. From a copy with the
+    # bound refusal lifted, on streams as the launch's first row, then unpaired and compute_only, all at 4x; then,
+    # if the streams row ran, unpaired at the default queues (what 4x costs the default path)
+    unfenced bound || exit 2
+    name=train_step_gpu2_fine_streams_bound_queues4x_2x$gpu
+    CUDA_SCALE_LAUNCH_QUEUES=4x timeout -k 10 $(( $(left) < 300 ? $(left) : 300 )) torchrun --standalone \
+      --nproc-per-node 2 /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
+      overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=40 --no-scale-batch --warmup 3 \
+      --steps 6 --profile-steps 0 --variant "unpaired:overlap.overlap_moe_expert_parallel_comm=false" --compute-only \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^step|^\{"variant"|FATAL' | cut -c1-400 | head -n 30
+    pkill -9 -f "unfenced/benchmarks/train_step.py"; pack
+    if grep -q '"variant": "config"' $res/$name.json 2>/dev/null; then
+      name=train_step_gpu2_fine_bound_unpaired_queues_default_2x$gpu
+      timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone --nproc-per-node 2 \
+        /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin \
+        train.moe_cuda_graph=true overlap.moe_expert_rank_capacity_factor=1.5 --no-scale-batch --warmup 3 --steps 6 \
+        --profile-steps 0 --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|FATAL' | cut -c1-400
+      pack
+    fi
+    ;;
   final_tests4)  # the tree after x4_fix and the streams fence (2026-11-29 night): test_gpu_overflow.py at 4 ranks (its
     # streams layout gone, the wire rows' room counted twice), then it and test_gpu_moe.py at 2 ranks on GPUs 0-1
     for run in "4:0,1,2,3:tests/test_gpu_overflow.py" "2:0,1:tests/test_gpu_overflow.py tests/test_gpu_moe.py"; do
