@@ -3274,6 +3274,30 @@ C
       pack
     fi
     ;;
+  cudagdb2)  # after queues2 (what holds the stream on the GPU?): the machine's image has cuda-gdb, which can list the
+    # kernels resident on a GPU. The first hang's config (a 120 s wait limit, its launch in the background, its output
+    # in a file: a hung rank must not keep the phase's pipe open), each rank attached at 65 s: the kernels running on
+    # its GPU and their blocks, then every host thread's stack; then every rank killed
+    unfenced bound || exit 2
+    command -v cuda-gdb > /dev/null || { echo "no cuda-gdb on the PATH"; exit 2; }
+    name=streams_hang_cuda_kernels_2x$gpu
+    timeout -k 5 $(( $(left) < 200 ? $(left) : 200 )) torchrun --standalone --nproc-per-node 2 \
+      /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml data.path=data/stdlib_head/stdlib.bin \
+      overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true overlap.moe_expert_rank_capacity_factor=1.5 \
+      train.distributed_timeout_s=120 --no-scale-batch --warmup 2 --steps 2 --profile-steps 0 > "$out/$name.log" 2>&1 &
+    sleep 65
+    { grep -E '^step|FATAL' "$out/$name.log" | head -n 8; nvidia-smi --query-gpu=index,utilization.gpu --format=csv
+      for pid in $(pgrep -f "unfenced/benchmarks/train_step.py"); do
+        cmd=$(tr '\0' ' ' < /proc/$pid/cmdline)
+        case "$cmd" in *torchrun*|timeout*) continue ;; esac
+        echo "== pid $pid, $(tr '\0' '\n' < /proc/$pid/environ | grep -E '^RANK=')"
+        timeout -k 5 70 cuda-gdb -p "$pid" -batch -nx -ex "info cuda kernels" -ex "info cuda blocks" \
+          -ex "thread apply all bt 12" 2>&1 | grep -vE '^\[New Thread|^Reading symbols|^warning:' | head -n 150
+      done; } 2>&1 | cut -c1-300 > $res/$name.txt
+    pkill -9 -f "unfenced/benchmarks/train_step.py"; pkill -9 torchrun; wait
+    grep -A12 "info cuda kernels\|Kernel\|^== pid" $res/$name.txt | head -n 60
+    pack
+    ;;
   final_tests4)  # the tree after x4_fix and the streams fence (2026-11-29 night): test_gpu_overflow.py at 4 ranks (its
     # streams layout gone, the wire rows' room counted twice), then it and test_gpu_moe.py at 2 ranks on GPUs 0-1
     for run in "4:0,1,2,3:tests/test_gpu_overflow.py" "2:0,1:tests/test_gpu_overflow.py tests/test_gpu_moe.py"; do
