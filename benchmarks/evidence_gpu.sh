@@ -3291,7 +3291,7 @@ C
         cmd=$(tr '\0' ' ' < /proc/$pid/cmdline)
         case "$cmd" in *torchrun*|timeout*) continue ;; esac
         echo "== pid $pid, $(tr '\0' '\n' < /proc/$pid/environ | grep -E '^RANK=')"
-        timeout -k 5 70 cuda-gdb -p "$pid" -batch -nx -ex "info cuda kernels" -ex "info cuda blocks" \
+        timeout -k 5 55 cuda-gdb -p "$pid" -batch -nx -ex "info cuda kernels" -ex "info cuda blocks" \
           -ex "thread apply all bt 12" 2>&1 | grep -vE '^\[New Thread|^Reading symbols|^warning:' | head -n 150
       done; } 2>&1 | cut -c1-300 > $res/$name.txt
     pkill -9 -f "unfenced/benchmarks/train_step.py"; pkill -9 torchrun; wait
