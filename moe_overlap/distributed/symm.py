@@ -106,7 +106,10 @@ class SymmWorkspace:
         if getattr(self.handle, "multicast_ptr", 0):
             raise RuntimeError("symmetric memory came with an NVLink multicast pointer; set "
                                "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (multicast must stay off on shared hosts)")
-        # Every rank's signal pad is zeroed before any peer may raise a signal in it.
+        # Every rank's signal pad is zeroed before any peer may raise a signal in it: a pad the allocator hands on
+        # from a freed workspace may still hold the signals its last releases raised, which no claim consumed.
+        pad_words = self.handle.signal_pad_size // 4
+        self.handle.get_signal_pad(self.rank, (pad_words,), torch.int32).zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group)
 
