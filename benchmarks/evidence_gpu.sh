@@ -3298,6 +3298,39 @@ C
     grep -A12 "info cuda kernels\|Kernel\|^== pid" $res/$name.txt | head -n 60
     pack
     ;;
+  cudagdb_run2)  # after cudagdb2 (attached late, cuda-gdb gave no device view; written 2026-11-29, not run: about 300 s
+    # on nvidia-h200-x2, carrying data/stdlib_head_xz): each rank started under cuda-gdb instead (torchrun --no-python
+    # runs a wrapper per rank), the first hang's config with a 120 s wait limit; at 100 s each rank's python gets SIGINT,
+    # which stops it in its debugger, and the batch goes on: the kernels resident on its GPU, their blocks and lanes'
+    # positions, every host thread's stack; then every rank killed. Names the kernel at the head of the stalled stream
+    unfenced bound || exit 2
+    command -v cuda-gdb > /dev/null || { echo "no cuda-gdb on the PATH"; exit 2; }
+    cat > /tmp/under_cuda_gdb.sh <<'SH'
+#!/bin/bash
+# One rank of torchrun --no-python under cuda-gdb: the batch runs it, then reports where a SIGINT stopped it
+exec cuda-gdb -batch -nx -ex "handle SIGINT stop print nopass" -ex run -ex "info cuda kernels" \
+  -ex "info cuda blocks" -ex "info cuda lanes" -ex "thread apply all bt 12" -ex kill --args python "$@" \
+  > "/tmp/under_cuda_gdb_rank$RANK.txt" 2>&1
+SH
+    chmod +x /tmp/under_cuda_gdb.sh
+    name=streams_hang_cuda_kernels_started_2x$gpu
+    timeout -k 5 $(( $(left) < 220 ? $(left) : 220 )) torchrun --standalone --nproc-per-node 2 --no-python \
+      /tmp/under_cuda_gdb.sh /tmp/unfenced/benchmarks/train_step.py configs/gpu2_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin overlap.overlap_moe_expert_parallel_comm=true train.moe_cuda_graph=true \
+      overlap.moe_expert_rank_capacity_factor=1.5 train.distributed_timeout_s=120 --no-scale-batch --warmup 2 \
+      --steps 2 --profile-steps 0 > "$out/$name.log" 2>&1 &
+    sleep 100
+    for pid in $(pgrep -f "/tmp/unfenced/benchmarks/train_step.py"); do  # the ranks: python, not their debuggers
+      case "$(readlink /proc/$pid/exe)" in *python*) kill -INT "$pid" ;; esac
+    done
+    sleep 60
+    { grep -E '^step|FATAL' "$out/$name.log" | head -n 8
+      for rank in 0 1; do echo "== rank $rank"; grep -vE '^\[New Thread|^\[Thread .* exited|^Reading symbols|^warning:' \
+        /tmp/under_cuda_gdb_rank$rank.txt | tail -n 150; done; } | cut -c1-300 > $res/$name.txt
+    pkill -9 -f "unfenced/benchmarks/train_step.py"; pkill -9 cuda-gdb; pkill -9 torchrun; wait
+    grep -A8 "Kernel\|^== rank" $res/$name.txt | head -n 40
+    pack
+    ;;
   final_tests4)  # the tree after x4_fix and the streams fence (2026-11-29 night): test_gpu_overflow.py at 4 ranks (its
     # streams layout gone, the wire rows' room counted twice), then it and test_gpu_moe.py at 2 ranks on GPUs 0-1
     for run in "4:0,1,2,3:tests/test_gpu_overflow.py" "2:0,1:tests/test_gpu_overflow.py tests/test_gpu_moe.py"; do
