@@ -201,18 +201,12 @@ def _validate_microbatch_overlap(cfg: Config) -> None:
         if o.moe_paged_stash_factor is not None:
             raise not_implemented("overlap.moe_paged_stash_factor", o.moe_paged_stash_factor, None,
                                   f"{streams}: both would take and return pages of one pool at once")
-        if o.moe_expert_rank_capacity_factor is not None and exchanging:
-            # 2xH200 and 4xH200, 2026-11-29 (benchmarks/RESULTS.md, "Pairs on two streams"): configs/gpu2_fine.yaml
-            # at factors 1.25 and 1.5 with wire rows and configs/gpu4_fine.yaml at 1.75 with copies hung, a peer's
-            # data signal never raised; both ran with CUDA_DEVICE_MAX_CONNECTIONS=1, where pairs gain nothing
-            raise not_implemented("overlap.moe_expert_rank_capacity_factor", o.moe_expert_rank_capacity_factor, None,
-                                  f"{streams}, with an exchange between expert ranks: bounded exchanges hung on GPUs "
-                                  "(wire rows at EP=2, copies at EP=4; with CUDA_DEVICE_MAX_CONNECTIONS=1 they ran, "
-                                  "no faster than unpaired)")
         if p.pipeline_model_parallel_size > 1 and exchanging:
             # 4xH200, 2026-11-29 (benchmarks/RESULTS.md, "Pairs on two streams"): the fine bench model at PP=2 x EP=2
             # hung in its fifth step, the stages' sends and receives never completing; with
-            # CUDA_DEVICE_MAX_CONNECTIONS=1 it ran, at 0.987x the unpaired step's tokens/s
+            # CUDA_DEVICE_MAX_CONNECTIONS=1 it ran, at 0.987x the unpaired step's tokens/s. The bounded exchange's
+            # hang on streams had its cause in the graphs' shared cuBLAS workspace (layers/moe.py, capture_moe_layers),
+            # likely this one's too, but no 4-GPU machine has run it since
             raise not_implemented("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1,
                                   f"{streams}, with an exchange between expert ranks: the stages' transfers hung on "
                                   "GPUs (with CUDA_DEVICE_MAX_CONNECTIONS=1 they ran, slower than unpaired)")
