@@ -261,12 +261,36 @@ def test_each_graphed_copy_gets_its_own_static_inputs(monkeypatch):
                             OverlapConfig(moe_pipeline=False), one_rank) for _ in range(2))
     calls = []
     monkeypatch.setattr(moe_module, "prepare_device_clock", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())  # each set's capture stream
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda callables, samples: calls.append(samples))
     moe_module.capture_moe_layers(layers, (4, 16), copies=3)
     inputs = [sample[0] for samples in calls for sample in samples]
     assert len(calls) == 3 and len(inputs) == 6
     assert len({t.data_ptr() for t in inputs}) == 6, "two sets of graphs share a static input"
     assert all(len(layer.graph_copies) == 2 for layer in layers)
+
+
+def test_each_graphed_copy_captures_on_its_replay_stream(monkeypatch):
+    """Each set of graphs is captured on the stream it replays on (pairs on two streams: set i on stream i mod 2),
+    else on a stream of its own, never on torch's one default capture stream: cuBLAS's workspace is torch's per
+    (handle, stream) and a graph keeps the one it was captured with, so sets captured on one stream share one, and
+    two replaying side by side hung (2xH200: a GEMM's blocks spinning). Recorded, not captured: the stream each
+    make_graphed_callables call finds torch.cuda.graph bound to, and the capture mode."""
+    one_rank = GroupHandle(ranks=[0], group=None, rank=0, size=1)
+    layers = tuple(MoELayer(ModelConfig(hidden_size=16, ffn_hidden_size=16, num_moe_experts=4, moe_router_topk=2),
+                            OverlapConfig(moe_pipeline=False), one_rank) for _ in range(2))
+    graph, captures = torch.cuda.graph, []
+    monkeypatch.setattr(moe_module, "prepare_device_clock", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables",
+                        lambda callables, samples: captures.append(torch.cuda.graph.keywords))
+    moe_module.capture_moe_layers(layers, (4, 16), copies=3)
+    assert len(captures) == 3 and len({id(keywords["stream"]) for keywords in captures}) == 3
+    pair = ("stream 0", "stream 1")
+    moe_module.capture_moe_layers(layers, (4, 16), copies=4, replay_streams=pair)
+    assert [keywords["stream"] for keywords in captures[3:]] == [*pair, *pair]
+    assert all(keywords["capture_error_mode"] == "thread_local" for keywords in captures)
+    assert torch.cuda.graph is graph, "torch.cuda.graph left patched"
 
 
 @pytest.mark.parametrize("routing", ["random", "first_rank_only", "last_rank_only", "sparse"])

@@ -325,7 +325,7 @@ class _GraphCopy(nn.Module):
 
 
 def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...], copies: int = 1,
-                       own_regions: bool = False) -> None:
+                       replay_streams: tuple[torch.cuda.Stream, ...] | None = None) -> None:
     """Capture each layer's forward and backward in CUDA graphs (torch.cuda.make_graphed_callables, one
     memory pool, forward in order and backward in reverse, as training runs them); from then on a
     training-mode call replays them. Needs layers without a host sync or a collective (the device-planned
@@ -335,9 +335,11 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
     A graph holds one call's activations until its backward replays, so with n micro-batches in flight (paired
     micro-batches, or a pipeline stage's 1F1B) ``copies=n`` captures n - 1 further sets, each in its own pool:
     ``layer.for_micro_batch(i)`` picks set i mod n. Each set still runs its forwards in order and backwards in
-    reverse, as long as micro-batch i's backward comes before micro-batch i + n's forward. ``own_regions``: each
-    further set exchanges through regions of its own (TransportSelector.twin), so that sets may replay on
-    different streams at the same time."""
+    reverse, as long as micro-batch i's backward comes before micro-batch i + n's forward.
+
+    ``replay_streams``: the streams on which the sets replay side by side, set i on stream i mod their count. Each
+    further set then exchanges through regions of its own (TransportSelector.twin), and each set is captured on
+    the stream it replays on. None: the sets replay one after another, each captured on a stream of its own."""
     for layer in moe_layers:
         refusal = graph_refusal(layer.pipelined, layer.planning, exchanging=not layer.local)
         if refusal is not None:
@@ -351,21 +353,25 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
         return tuple((torch.randn(input_shape, device=weight.device, dtype=weight.dtype, requires_grad=True),)
                      for _ in moe_layers)
 
-    # NCCL's watchdog thread queries events during a capture, which the default "global" capture mode
-    # counts as an illegal call from another thread: capture in "thread_local" mode.
+    sets = []
+    for _ in range(copies - 1):
+        twins = {}  # one twin per selector the layers share
+        for layer in moe_layers:
+            if replay_streams and layer.transports is not None and id(layer.transports) not in twins:
+                twins[id(layer.transports)] = layer.transports.twin()
+        sets.append(tuple(_GraphCopy(layer, twins.get(id(layer.transports))) for layer in moe_layers))
+    # NCCL's watchdog thread queries events during a capture, which the default "global" capture mode counts as an
+    # illegal call from another thread: capture in "thread_local" mode. Not on torch's one default capture stream:
+    # torch hands cuBLAS a workspace per (handle, stream) and a graph keeps the one it was captured with, so sets
+    # captured there share one, and two sets replaying side by side then hang (RESULTS.md "Pairs on two streams":
+    # a GEMM's blocks spinning). Captured on its replay stream, a set shares its workspace only with work that
+    # stream runs in turn.
     graph = torch.cuda.graph
-    torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")
     try:
-        sets = []
-        for _ in range(copies - 1):
-            twins = {}  # one twin per selector the layers share
-            for layer in moe_layers:
-                if own_regions and layer.transports is not None and id(layer.transports) not in twins:
-                    twins[id(layer.transports)] = layer.transports.twin()
-            sets.append(tuple(_GraphCopy(layer, twins.get(id(layer.transports))) for layer in moe_layers))
-        torch.cuda.make_graphed_callables(moe_layers, samples())
-        for graph_set in sets:
-            torch.cuda.make_graphed_callables(graph_set, samples())  # its own call: its own memory pool
+        for index, graph_set in enumerate((moe_layers, *sets)):  # a call each: its own memory pool
+            stream = replay_streams[index % len(replay_streams)] if replay_streams else torch.cuda.Stream(weight.device)
+            torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local", stream=stream)
+            torch.cuda.make_graphed_callables(graph_set, samples())
     finally:
         torch.cuda.graph = graph
     for index, layer in enumerate(moe_layers):  # not submodules: the parameters stay the layer's

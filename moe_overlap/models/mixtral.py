@@ -225,18 +225,19 @@ class MixtralModel(nn.Module):
             if layer.is_moe and layer.mlp.experts.wgrad_groups is not None:
                 layer.mlp.experts.wgrad_groups.start_micro_batch(first, last)
 
-    def graph_moe_layers(self, micro_batch_size: int, copies: int = 1, own_regions: bool = False) -> None:
+    def graph_moe_layers(self, micro_batch_size: int, copies: int = 1,
+                         replay_streams: tuple[torch.cuda.Stream, ...] | None = None) -> None:
         """Capture every MoE layer's forward and backward in CUDA graphs (``train.moe_cuda_graph``): from then
         on a training-mode call replays them, and the host issues one launch per layer and direction instead
         of a few hundred small ones. Needs the device-planned pipeline (no host sync, no collective in the layer),
         a fixed micro-batch shape, and the parameters' final storage (call after the optimizer is built). All
         ranks capture together: the warm-up calls exchange rows. Eval-mode calls run the layers eagerly.
         ``copies=n``: a set per micro-batch in flight (paired micro-batches, a pipeline stage's 1F1B);
-        ``own_regions``: each set exchanges through regions of its own (sets replayed side by side on streams)."""
+        ``replay_streams``: the streams the sets replay on side by side (capture_moe_layers)."""
         moe_layers = tuple(layer.mlp for layer in self.layers.values() if layer.is_moe)
         if moe_layers:
             capture_moe_layers(moe_layers, (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards,
-                                            self.cfg.hidden_size), copies, own_regions)
+                                            self.cfg.hidden_size), copies, replay_streams)
         for layer in moe_layers:  # a replay reads the FP8 weight copies the capture read: refresh them before it
             if layer.experts.fp8 is not None:  # (after the layer's wait for its parameters; hooks come after capture)
                 for module in (layer, *layer.graph_copies):

@@ -102,10 +102,10 @@ class Trainer:
             # or a pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
             # (pairs on two streams: each set with its own regions, and an even count of sets, so that a set's
             # micro-batches i, i + n, ... all run on stream i mod 2, one after another: pairs_on_streams)
-            streams = self.pipeline.pair_streams is not None
+            streams = self.pipeline.pair_streams
             copies = graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank])
             self.model.graph_moe_layers(t.micro_batch_size, copies + copies % 2 if streams else copies,
-                                        own_regions=streams)
+                                        replay_streams=streams.streams if streams else None)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
