@@ -17,7 +17,7 @@ from moe_overlap.config import (
     load_config,
     validate_for_world,
 )
-from moe_overlap.config.defaults import pairing_by_transport
+from moe_overlap.config.defaults import pairing_by_transport, pairs_on_streams
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny.yaml"  # MoE: 4 layers, 8 heads / 4 groups, 8 experts top-2, EP=2, micro 8 / global 32
@@ -502,20 +502,26 @@ def test_moe_pipeline_auto(overrides, pipeline, planning, graphed):
 @pytest.mark.parametrize("extra, field", [
     (["parallel.pipeline_model_parallel_size=2", "overlap.batch_p2p_comm=true"], "overlap.batch_p2p_comm"),
     (["overlap.moe_paged_stash_factor=1.5"], "overlap.moe_paged_stash_factor"),
-    # these hung on GPUs (benchmarks/RESULTS.md, "Pairs on two streams")
+    # this hung on GPUs (benchmarks/RESULTS.md, "Pairs on two streams") and has not run since its likely cause went
     (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
-    (["overlap.moe_expert_rank_capacity_factor=1.5", "overlap.moe_dispatch_once_per_rank=true"],
-     "overlap.moe_expert_rank_capacity_factor"),
-    (["overlap.moe_expert_rank_capacity_factor=1.75", "overlap.moe_dispatch_once_per_rank=false"],
-     "overlap.moe_expert_rank_capacity_factor"),
 ])
 def test_pairs_on_streams_refuse_what_they_do_not_implement(extra, field):
     """Paired micro-batches with graphed MoE layers run each pair's halves on two streams: batched transfers between
-    pipeline stages, the paged stash, pipeline stages with an exchange between expert ranks and a bounded exchange
-    (wire rows or copies) are not implemented there, each refused in one line naming its field."""
+    pipeline stages, the paged stash and pipeline stages with an exchange between expert ranks are not implemented
+    there, each refused in one line naming its field."""
     streams = BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"]
     with pytest.raises(ConfigError, match=f"{field}=.*not implemented yet.*two streams"):
         load_config(TINY, streams + extra)
+
+
+@pytest.mark.parametrize("once_per_rank", ["true", "false"])
+def test_pairs_on_streams_take_a_bounded_exchange(once_per_rank):
+    """A bounded exchange (wire rows or copies) on two streams: refused while it hung on GPUs, whose cause was both
+    graph sets sharing one cuBLAS workspace (layers/moe.py, capture_moe_layers); it ran on 2xH200 since."""
+    streams = BF16 + ["train.moe_cuda_graph=true", "overlap.overlap_moe_expert_parallel_comm=true"]
+    cfg = load_config(TINY, streams + ["overlap.moe_expert_rank_capacity_factor=1.5",
+                                       f"overlap.moe_dispatch_once_per_rank={once_per_rank}"])
+    assert cfg.overlap.moe_expert_rank_capacity_factor == 1.5 and pairs_on_streams(cfg)
 
 
 @pytest.mark.parametrize("overrides, delayed", [

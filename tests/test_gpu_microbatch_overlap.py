@@ -4,7 +4,7 @@ step (normwise) and for the loss curve. On one GPU (EP=1: no exchange, each laye
 graphed MoE layers, each pair's halves whole on two streams), and with EP = every GPU (2 or 4; skipped on one: the
 host-planned pipeline over NCCL with its CTA cap and carve-out, and the device-planned one over SM pushes in 2
 chunks, each layer cut at its exchanges; and the device-planned one chunk graphed, the pairs on two streams, each
-copy of the graphs exchanging through its own regions). The per-rank work is `gpu_case`, launched once under
+copy of the graphs exchanging through its own regions, unbounded and with a bound of 1.5 and wire rows). The per-rank work is `gpu_case`, launched once under
 torchrun per test; under MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it runs on CPU gloo ranks, skipping what only
 CUDA runs (`-m slow`: the dry-run tests).
 """
@@ -50,8 +50,11 @@ def gpu_case(output_dir: str) -> dict:
         device_planned = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device",
                           "overlap.moe_pipeline_chunks": 2, "overlap.delay_wgrad_compute": "true"}
         graphed = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "train.moe_cuda_graph": "true"}
+        bounded = {**graphed, "overlap.moe_expert_rank_capacity_factor": 1.5,  # wire rows: on streams, these hung
+                   "overlap.moe_dispatch_once_per_rank": "true"}  # until each graph set had its cuBLAS workspace
         layouts = {"off_host_nccl": host, "on_host_nccl": host, "off_device_push": device_planned,
-                   "on_device_push": device_planned, "off_graphed": graphed, "on_graphed": graphed}
+                   "on_device_push": device_planned, "off_graphed": graphed, "on_graphed": graphed,
+                   "on_graphed_bounded": bounded}
     runs, skipped = {}, {}
     meshes = {(None, None): mesh}  # by the CTA caps (dp_comm_ctas, ep_comm_ctas) its communicators are made with
     for name, extra in layouts.items():
@@ -94,7 +97,7 @@ def check(reports: list[dict], split: bool, skipped: set[str] = frozenset()) -> 
         for name, stages in report["orders"].items():
             # the switch ran the stages (off: none), a MoE layer cut at its exchanges when there are any
             assert bool(stages) == name.startswith("on"), (name, stages)
-            if stages and name == "on_graphed":  # graphed: each half of a pair whole, on its micro-batch's stream
+            if stages and name.startswith("on_graphed"):  # graphed: each half of a pair whole, on its micro-batch's stream
                 assert stages == ["stage0"], stages
                 assert report["sequences"][name] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], report
             elif stages:
@@ -118,7 +121,8 @@ def test_on_equals_off_bf16_ep_over_every_gpu(tmp_path):
 def test_dry_run_on_cpu_gloo(tmp_path, world):
     """What the CPU can run of each world's cases (gloo, bf16), under the same checks; it skips the graphed MoE
     layers on one rank, the host-planned pipeline over NCCL (CTA cap, carve-out) on more."""
-    cuda_only = {"off_graphed", "on_graphed"} | (set() if world == 1 else {"off_host_nccl", "on_host_nccl"})
+    cuda_only = {"off_graphed", "on_graphed"} | (set() if world == 1 else {"off_host_nccl", "on_host_nccl",
+                                                                         "on_graphed_bounded"})
     check(launch_ranks(__file__, tmp_path, timeout_s=600, world=world, dry_run=True), world > 1, cuda_only)
 
 
