@@ -113,10 +113,10 @@ class PairStreams:
     so that a pair's forward (i + 1) and backward (i) run side by side on the GPU; the graphed copy i mod n of
     every MoE layer (MoELayer.for_micro_batch; n even, so each copy's micro-batches share a stream), with its own
     regions and captured on that stream (capture_moe_layers(replay_streams=...)), runs them. Forwards still follow
-    forwards and backwards backwards, as on one stream (events): what a forward shares with the next (the routers' counts, the loss sums)
-    and a backward with the next (the gradients) stays ordered. A step's streams start after the work queued before
-    it and end before the work after it. On the CPU (one stream of execution) the same calls run the halves one
-    after the other: the executor's path with whole pairs, testable there."""
+    forwards and backwards backwards, as on one stream (events): what a forward shares with the next (the routers'
+    counts, the loss sums) and a backward with the next (the gradients) stays ordered. A step's streams start after
+    the work queued before it and end before the work after it. On the CPU (one stream of execution) the same calls
+    run the halves one after the other: the executor's path with whole pairs, testable there."""
 
     def __init__(self, device: torch.device):
         self.device = device
