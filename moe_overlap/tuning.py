@@ -50,8 +50,12 @@ import math
 # train.moe_cuda_graph=true) was faster there since (2xH200, 2026-11-28,
 # train_step_*_ep2_balanced_streams*_2xh200.json):
 # fine-grained EP=2 0.5977 / 0.5816 / 0.5819 against 0.5819 / 0.5656 / 0.5665 unpaired graphed (+2.7%), Mixtral-like
-# 0.6535 against 0.6480 (+0.8%), one GPU +2.2% (train_step_streams_fine_8l_1xh200.json); but at +4.6 to +9.3 GiB peak
-# and +16 to +20 GiB reserved, and EP=4 not measured: auto does not choose it yet.
+# 0.6535 against 0.6480 (+0.8%), one GPU +2.2% (train_step_streams_fine_8l_1xh200.json); fine-grained EP=4 0.5573
+# against 0.5406 (+3.0%, 4xH200, 2026-11-29, train_step_fine_8l_ep4_balanced_streams_x4_4xh200.json); with a bound of
+# 1.25 at EP=2 0.5915 against 0.5745 (+3.0%, 1.040x compute-only; 2xH200, 2026-11-29 night,
+# train_step_fine_8l_ep2_balanced_streams_workspace_2xh200.json). But the reserved memory: 58.7 GiB bounded at EP=2
+# (49.7 unpaired), 84.5 unbounded at EP=4, 88.3 for configs/gpu2_fine.yaml bounded: over an 80 GB card, and a bounded
+# EP=4 row not measured: auto does not choose it yet.
 
 # ``train.moe_cuda_graph: auto`` replays the MoE layers from CUDA graphs where the exchange is planned on the device
 # (sm_push: one host with peer access), unpaired: fine-grained EP=4, forced routing that spreads, 4xH100, 2026-11-27,
