@@ -88,6 +88,8 @@
 #                                                  #   expandable segments, and with the overflow room (carry data)
 #   bash benchmarks/evidence_gpu.sh streams_cap2 OUT # 2 GPUs: the same on streams, what the allocator holds per pool
 #                                                  #   and stream, then every row capped at 76 GiB (carry data)
+#   bash benchmarks/evidence_gpu.sh auto_streams2 OUT # 2 GPUs: auto pairing on two streams where it fits: the fine
+#                                                  #   bench model at EP=2 (and capped at 76 GiB), the 2-GPU example
 #   bash benchmarks/evidence_gpu.sh streams_hang2 OUT # 2 GPUs: streams_cap2's hung rows again, stacks printed on a hang
 #   bash benchmarks/evidence_gpu.sh streams_hang2b OUT # 2 GPUs: the room row first in its process, then bound 1.5
 #   bash benchmarks/evidence_gpu.sh streams_hang2c OUT # 2 GPUs: bound 1.5 alone, 1.0 alone, room without DP overlaps
@@ -3384,6 +3386,29 @@ SH
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs $tests -k "$k" \
       2>&1 | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
     cp "$log" $res/
+    pack
+    ;;
+  auto_streams2)  # (2026-11-30) overlap_moe_expert_parallel_comm auto pairs on two streams (graphed) at EP=2 on one
+    # NVLink host where the rank's estimate fits its GPU (training/streams_memory.py): (1) issue 38 at EP=2, the fine
+    # bench model balanced as a user runs it (the config row: auto), unpaired, auto with a bound of 1.25,
+    # compute_only, ep1; (2) the same capped at 76 GiB (an 80 GB H100: auto unpaired) and the bound (auto on streams,
+    # which must fit the cap); (3) configs/gpu2_fine.yaml as shipped (auto: streams on an H200), unpaired,
+    # compute_only, on the corpus's first 5M tokens (carry data/stdlib_head_xz)
+    unfenced || exit 2
+    U="overlap.overlap_moe_expert_parallel_comm=false" B="overlap.moe_expert_rank_capacity_factor=1.25"
+    limited train_step_fine_8l_ep2_balanced_auto_streams_2x$gpu $(( $(left) < 250 ? $(left) : 250 )) 2 \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+      train.distributed_timeout_s=150 --warmup 3 --steps 6 --variant "unpaired:$U" --variant "auto_bound:$B" \
+      --compute-only --ep1 --ep1-overrides "${BAL// /,}"
+    limited train_step_fine_8l_ep2_balanced_auto_streams_cap76_2x$gpu $(( $(left) < 120 ? $(left) : 120 )) 2 \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+      train.distributed_timeout_s=60 --warmup 2 --steps 3 --variant "auto_bound:$B" --memory-cap-gib 76
+    limited train_step_gpu2_fine_auto_streams_2x$gpu $(( $(left) - 5 )) 2 configs/gpu2_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=60 --no-scale-batch --warmup 3 --steps 4 \
+      --variant "unpaired:$U" --compute-only
+    grep -h "overlap_moe_expert_parallel_comm=auto ->\|moe_cuda_graph=auto ->" "$out"/train_step_*auto_streams*.log \
+      | cut -c1-400 | sort | uniq -c > $res/auto_streams_choices_2x$gpu.txt
+    cat $res/auto_streams_choices_2x$gpu.txt
     pack
     ;;
   after_workspace4a)  # (written 2026-11-29 night, not run: no 4-GPU kind lent; about 480 s on nvidia-h200-x4 or

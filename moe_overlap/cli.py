@@ -377,8 +377,9 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     from moe_overlap.layers.exchange_memory import describe_exchange_memory
     from moe_overlap.models.mixtral import count_parameters
     from moe_overlap.training.data import describe_source
-    from moe_overlap.training.state_memory import describe_state_memory
     from moe_overlap.training.run_setup import mesh_layout
+    from moe_overlap.training.state_memory import describe_state_memory
+    from moe_overlap.training.streams_memory import describe_streams_memory
 
     p = cfg.parallel
     world_size = world_size or (p.tensor_model_parallel_size * p.context_parallel_size
@@ -398,7 +399,8 @@ def _info(cfg: Config, world_size: int | None, schedule: bool = False, costs: st
     print(f"world size {world_size}: data parallel {cfg.data_parallel_size(world_size)}, "
           f"micro-batches per step {cfg.num_micro_batches(world_size)}")
     for line in (describe_state_memory(cfg, mesh_layout(cfg, world_size))
-                 + describe_exchange_memory(cfg, device_type, _moe_calls_in_flight(cfg, world_size))):
+                 + describe_exchange_memory(cfg, device_type, _moe_calls_in_flight(cfg, world_size))
+                 + describe_streams_memory(cfg, mesh_layout(cfg, world_size))):
         print(line)
     print(mesh_layout(cfg, world_size).table())
     if wants_schedule:

@@ -46,16 +46,39 @@ import math
 # compute-only); it lost (0.275 against 0.323) only with the round-robin routing that sent few rows, and auto left
 # it unpaired until then. On one NVLink host the unpaired pipeline (device-planned, graphed) measured fastest for
 # both (fine-grained EP=4: graphed 0.504, eager 0.305, paired eager 0.269, ..._ep4_balanced_spread_eager_4xh100.json),
-# so auto leaves it off there. Paired with graphed layers (each pair's halves on two CUDA streams, explicit
+# so auto leaves eager pairs off there. Paired with graphed layers (each pair's halves on two CUDA streams, explicit
 # train.moe_cuda_graph=true) was faster there since (2xH200, 2026-11-28,
 # train_step_*_ep2_balanced_streams*_2xh200.json):
 # fine-grained EP=2 0.5977 / 0.5816 / 0.5819 against 0.5819 / 0.5656 / 0.5665 unpaired graphed (+2.7%), Mixtral-like
 # 0.6535 against 0.6480 (+0.8%), one GPU +2.2% (train_step_streams_fine_8l_1xh200.json); fine-grained EP=4 0.5573
 # against 0.5406 (+3.0%, 4xH200, 2026-11-29, train_step_fine_8l_ep4_balanced_streams_x4_4xh200.json); with a bound of
 # 1.25 at EP=2 0.5915 against 0.5745 (+3.0%, 1.040x compute-only; 2xH200, 2026-11-29 night,
-# train_step_fine_8l_ep2_balanced_streams_workspace_2xh200.json). But the reserved memory: 58.7 GiB bounded at EP=2
-# (49.7 unpaired), 84.5 unbounded at EP=4, 88.3 for configs/gpu2_fine.yaml bounded: over an 80 GB card, and a bounded
-# EP=4 row not measured: auto does not choose it yet.
+# train_step_fine_8l_ep2_balanced_streams_workspace_2xh200.json). So on one host with peer access, auto pairs on two
+# streams (graphed) at the expert-rank counts in STREAMS_EXPERT_RANKS where they fit the GPU (below); EP=4 ran faster
+# too, but hung on streams with a bound (configs/gpu4_fine.yaml) before the graphs' shared cuBLAS workspace was found
+# (layers/moe.py, capture_moe_layers), and no 4-GPU machine has run it since.
+STREAMS_EXPERT_RANKS = (2,)
+
+# What pairs on two streams reserve (training/streams_memory.py): the model state, and twice (a graph set and one
+# micro-batch's dense activations). A graph set is its MoE layer calls' stashes (layers/exchange_memory.py) and
+# STREAMS_GRAPH_SPARE_CALLS calls' more of temporaries; the dense activations STREAMS_DENSE_WIDTHS hidden-wide tensors
+# a token and layer. Set against the reserved memory measured on streams (2xH200 unless said, GiB, estimate / measured):
+# the fine bench model at EP=2 70.0 / 69.9 (train_step_fine_8l_ep2_balanced_streams_2xh200.json), bounded at 1.25
+# 58.7 / 58.7 (..._streams_workspace_2xh200.json), at EP=4 85.7 / 84.5 (4xH200,
+# ..._ep4_balanced_streams_x4_4xh200.json);
+# configs/gpu2_fine.yaml 101.2 / 99.3 (train_step_gpu2_fine_streams_2xh200.json), bounded at 1.5 90.7 / 88.3
+# (train_step_gpu2_fine_streams_bound_workspace_2xh200.json), one graph set's pool 21.0 / 21.35
+# (train_step_gpu2_fine_streams_pools_2xh200.json); configs/gpu4_fine.yaml 126.5 / 119.3 (4xH200, at one hardware
+# queue: RESULTS.md, "The hardware queues"). tests/test_streams_memory.py holds them.
+# The Mixtral-like bench model (4 layers) at EP=2 reserved more than estimated: 78.8 against 69.1 (peak allocated 67.4;
+# train_step_mixtral_2l_ep2_balanced_streams_2xh200.json), so auto pairs on streams only within STREAMS_MEMORY_MARGIN
+# of the allocator's budget.
+STREAMS_GRAPH_SPARE_CALLS = 2
+STREAMS_DENSE_WIDTHS = 20
+STREAMS_MEMORY_MARGIN = 0.9
+# What a rank holds outside torch's allocator (the CUDA context, NCCL, the symmetric regions): 3.26 GiB unpaired,
+# 3.53 on streams, configs/gpu2_fine.yaml on 2xH200 (train_step_gpu2_fine_streams_cap76_pools_2xh200.json).
+OUTSIDE_ALLOCATOR_BYTES = 4 * 2**30
 
 # ``train.moe_cuda_graph: auto`` replays the MoE layers from CUDA graphs where the exchange is planned on the device
 # (sm_push: one host with peer access), unpaired: fine-grained EP=4, forced routing that spreads, 4xH100, 2026-11-27,

@@ -525,7 +525,10 @@ def test_pairs_on_streams_take_a_bounded_exchange(once_per_rank):
 
 
 @pytest.mark.parametrize("overrides, delayed", [
-    (CUDA + BF16 + ["train.moe_cuda_graph=true", "model.moe_router_topk=4"], True),  # measured faster (tuning.py)
+    # unpaired measured faster (tuning.py); whether auto pairs on two streams is decided when the ranks start
+    (CUDA + BF16 + ["train.moe_cuda_graph=true", "model.moe_router_topk=4"], "auto"),
+    (CUDA + BF16 + ["train.moe_cuda_graph=true", "model.moe_router_topk=4",
+                    "overlap.overlap_moe_expert_parallel_comm=false"], True),
     (CUDA + ["overlap.moe_planning=device", "model.moe_router_topk=4"], True),
     (CUDA + BF16 + ["train.moe_cuda_graph=true"], False),  # top-2: each copy its own row, not measured
     (CUDA + ["model.moe_router_topk=4"], "auto"),  # planning left to the transport: decided when the ranks start
@@ -565,7 +568,10 @@ def test_shared_expert_overlap_auto(overrides, beside):
     (CUDA + ["model.moe_router_topk=4"], "auto"),  # finer models too: over NCCL paired measured faster (tuning.py)
     (CUDA + ["parallel.expert_model_parallel_size=1"], False),  # nothing to exchange
     (CUDA + ["overlap.moe_pipeline=false"], False),  # the serial reference
-    (CUDA + BF16 + ["train.moe_cuda_graph=true"], False),  # one host's graphed pipeline measured fastest
+    # one host's graphed pipeline: on two streams where they fit the GPU (decided when the ranks start)
+    (CUDA + BF16 + ["train.moe_cuda_graph=true"], "auto"),
+    (CUDA + BF16 + ["train.moe_cuda_graph=true", "overlap.moe_pipeline_chunks=2"], False),  # not measured paired
+    (CUDA + BF16 + ["overlap.moe_transport=copy_engine"], False),  # host-planned: no graphs, eager pairs slower
     (CUDA + ["overlap.moe_planning=device"], False),
     (CUDA + ["overlap.moe_transport=sm_push"], False),
     (CUDA + ["overlap.moe_transport=nccl"], "auto"),  # the micro-batches are counted once the world is known
@@ -612,12 +618,14 @@ def test_moe_cuda_graph_auto(overrides, graphed):
     validate_for_world(cfg, 2 * cfg.parallel.pipeline_model_parallel_size, cfg.train.device)  # auto passes the rules
 
 
-@pytest.mark.parametrize("planning, transport, graphed, delayed, paired", [
-    ("device", "sm_push", True, True, False),  # one host with peer access: what measured fastest there
-    ("host", "copy_engine", False, False, False),
-    ("host", "nccl", False, False, True),  # NCCL pairs; a paired layer is stages, eager
+@pytest.mark.parametrize("planning, transport, fits, graphed, delayed, paired", [
+    # one host with peer access: what measured fastest there, pairs on two streams where they fit the GPU
+    ("device", "sm_push", True, True, False, True),
+    ("device", "sm_push", False, True, True, False),
+    ("host", "copy_engine", True, False, False, False),
+    ("host", "nccl", True, False, False, True),  # NCCL pairs; a paired layer is stages, eager
 ])
-def test_graphs_and_delay_auto_follow_the_fabric(monkeypatch, planning, transport, graphed, delayed, paired):
+def test_graphs_and_delay_auto_follow_the_fabric(monkeypatch, planning, transport, fits, graphed, delayed, paired):
     import torch
 
     from moe_overlap.distributed.mesh import Mesh
@@ -626,6 +634,7 @@ def test_graphs_and_delay_auto_follow_the_fabric(monkeypatch, planning, transpor
     cfg = load_config(TINY, CUDA + BF16 + ["model.moe_router_topk=4"])  # top-4: each token once per rank, one chunk
     assert (cfg.train.moe_cuda_graph, cfg.overlap.delay_wgrad_compute) == ("auto", "auto")
     monkeypatch.setattr(run_setup, "exchange_choice", lambda *args: (planning, transport, ""))
+    monkeypatch.setattr(run_setup, "streams_by_memory", lambda *args: (fits, "the estimate"))
     run_setup.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))  # no tensor made: one rank, no agreement
     assert (cfg.train.moe_cuda_graph, cfg.overlap.delay_wgrad_compute) == (graphed, delayed)
     assert cfg.overlap.overlap_moe_expert_parallel_comm is paired

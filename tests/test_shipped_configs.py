@@ -70,16 +70,24 @@ def test_shipped_config_passes_the_checks_before_launch_for_its_gpu_count(path, 
         validate_for_world(cfg, world_size(path), device)
 
 
+H100_BYTES, H200_BYTES = int(79.2 * 2**30), int(139.8 * 2**30)  # what torch reports for an 80 GB H100, an H200
+
+
+@pytest.mark.parametrize("gpu_bytes", [H100_BYTES, H200_BYTES], ids=["h100", "h200"])
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_gpu_example_is_what_the_quick_start_promises(path, monkeypatch):
+def test_gpu_example_is_what_the_quick_start_promises(path, gpu_bytes, monkeypatch):
     """gpuN_FAMILY.yaml: N GPUs in its command, Hopper-sized GEMMs, the real-text corpus and its vocabulary, the
-    fast path (auto's: on one host with peer access a device-planned exchange and graphed MoE layers; the
+    fast path (auto's: on one host with peer access a device-planned exchange and graphed MoE layers, their
+    micro-batches paired on two streams at 2 GPUs where the estimate fits: an H200, not an 80 GB H100; the
     distributed optimizer with both syncs overlapped) and learned balancing (expert bias or the auxiliary loss), and
     a header that says what it measured."""
+    import types
+
     import torch
 
     from moe_overlap.distributed.mesh import Mesh
     from moe_overlap.training import run_setup
+    from moe_overlap.training.run_setup import mesh_layout
 
     cfg = load_config(path)
     m, o, t = cfg.model, cfg.overlap, cfg.train
@@ -90,8 +98,14 @@ def test_gpu_example_is_what_the_quick_start_promises(path, monkeypatch):
     assert (cfg.data.path, cfg.data.dtype, m.vocab_size) == (CORPUS, "uint16", 32000)
     assert o.moe_pipeline and (o.moe_planning, t.moe_cuda_graph) == ("auto", "auto")  # the fabric decides
     monkeypatch.setattr(run_setup, "exchange_choice", lambda *args: ("device", "sm_push", ""))  # one NVLink host
-    run_setup.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))
-    assert (o.moe_planning, t.moe_cuda_graph, o.overlap_moe_expert_parallel_comm) == ("device", True, False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        total_memory=gpu_bytes))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    run_setup.resolve_by_fabric(cfg, Mesh.planned(mesh_layout(cfg, world_size(path)), 0), torch.device("cuda"))
+    on_streams = world_size(path) == 2 and gpu_bytes == H200_BYTES
+    assert (o.moe_planning, t.moe_cuda_graph, o.overlap_moe_expert_parallel_comm) == ("device", True, on_streams)
+    # unpaired with each token once per rank (the fine ones), the backward's transfer back beside the wgrads
+    assert o.delay_wgrad_compute is (not on_streams and o.moe_dispatch_once_per_rank)
     assert t.use_distributed_optimizer and o.overlap_grad_sync and o.overlap_param_sync
     assert not m.moe_router_force_load_balancing
     assert m.moe_router_enable_expert_bias or m.moe_aux_loss_coeff > 0

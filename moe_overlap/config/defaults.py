@@ -8,9 +8,11 @@ a switch the user set needs to run.
                                 serial exchange
     overlap_moe_expert_parallel_comm=auto
                                 off where the config alone rules pairing out or measured it slower (one expert
-                                rank, one host's peer copies asked for, PP > 1, ...); otherwise the fabric decides
-                                when the ranks start (training/run_setup.py, :func:`pairing_by_transport`): paired
-                                where the exchange runs over NCCL, with at least 2 micro-batches
+                                rank, PP > 1, ...); otherwise the fabric decides when the ranks start
+                                (training/run_setup.py, :func:`pairing_by_transport`): paired where the exchange runs
+                                over NCCL, with at least 2 micro-batches; on one host with peer access (sm_push),
+                                paired on two CUDA streams with graphed MoE layers where :func:`streams_off_reason`
+                                allows it and the rank's estimate fits its GPU (training/streams_memory.py)
     overlap_moe_expert_parallel_comm with an exchange
                                 turns the pipeline on (auto), leaves moe_planning auto to the transport (device
                                 planning where sm_push runs, its pushes on the side stream beside the other
@@ -56,7 +58,7 @@ from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig
 from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_GEMM_MIN_DIM_FAST, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS,
-                                FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK)
+                                FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK, STREAMS_EXPERT_RANKS)
 
 PAIRED, GRAPH, DELAY = "overlap.overlap_moe_expert_parallel_comm", "train.moe_cuda_graph", "overlap.delay_wgrad_compute"
 SHARED = "model.moe_shared_expert_overlap"
@@ -95,8 +97,12 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
     if o.moe_pipeline is False:
         return "overlap.moe_pipeline=false: the serial exchange"
     if t.moe_cuda_graph is True or o.moe_planning == "device" or o.moe_transport in ("sm_push", "copy_engine"):
-        return ("the exchange through one host's peer memory (device planning, CUDA graphs or the transport asked "
-                "for), where one micro-batch at a time measured fastest (tuning.py)")
+        off = ("overlap.moe_transport=copy_engine: host-planned sizes, which a graph cannot hold"
+               if o.moe_transport == "copy_engine" else streams_off_reason(cfg))
+        if off is not None:
+            return ("the exchange through one host's peer memory (device planning, CUDA graphs or the transport asked "
+                    f"for), where eager pairs measured slower and pairs on two streams are not chosen: {off} "
+                    "(tuning.py)")
     if p.pipeline_model_parallel_size > 1:
         return "pipeline parallelism: paired measured there only eager and slower (tuning.py)"
     if o.moe_pipeline_chunks > 1 or o.delay_wgrad_compute is True:
@@ -110,12 +116,40 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
     return None
 
 
+def streams_off_reason(cfg: Config) -> str | None:
+    """Why ``overlap_moe_expert_parallel_comm: auto`` does not pair on two CUDA streams with graphed MoE layers where
+    one host's peer memory runs the exchange, whatever the memory; or None: the ranks then pair there where their
+    estimate fits the GPU (training/streams_memory.py)."""
+    p, o, t = cfg.parallel, cfg.overlap, cfg.train
+    if p.expert_model_parallel_size not in STREAMS_EXPERT_RANKS:
+        return (f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}: auto pairs on streams at "
+                f"{' or '.join(map(str, STREAMS_EXPERT_RANKS))} expert ranks, where they were measured and run")
+    if cfg.expert_tensor_parallel_size > 1:
+        return "expert-TP > 1: the device-planned exchange that graphs replay is not implemented with it"
+    if t.moe_cuda_graph is False:
+        return "train.moe_cuda_graph=false: eager pairs measured slower there"
+    if p.pipeline_model_parallel_size > 1:
+        return "PP > 1 with an exchange: refused on streams (it hung on GPUs)"
+    gap = graph_gap(cfg)
+    if gap is not None:
+        return f"not implemented: {gap}"
+    if o.moe_planning == "host" or o.moe_transport in ("nccl", "copy_engine", "gloo"):
+        return "host-planned sizes, which a graph cannot hold"
+    if t.expert_wgrad_micro_batches > 1:
+        return f"train.expert_wgrad_micro_batches={t.expert_wgrad_micro_batches}: a graph replays one backward"
+    if o.moe_pipeline_chunks > 1 or o.moe_token_slices > 1 or o.delay_wgrad_compute is True:
+        return "chunks, token slices or delayed weight gradients: not measured on streams"
+    if o.moe_paged_stash_factor is not None:
+        return "overlap.moe_paged_stash_factor: not implemented on streams"
+    return None
+
+
 def pairing_by_transport(transport: str, micro_batches: int) -> tuple[bool, str]:
     """``overlap_moe_expert_parallel_comm: auto`` once the exchange's transport is known (the fabric: NCCL without
     peer copies): paired over NCCL with micro-batches to pair; and why."""
     if transport != "nccl":
-        return False, (f"the exchange runs over {transport}, where one micro-batch at a time measured fastest "
-                       "(tuning.py)")
+        return False, (f"the exchange runs over {transport}, where eager pairs measured slower than one micro-batch "
+                       "at a time (tuning.py)")
     if micro_batches < 2:
         return False, f"{micro_batches} micro-batch per step: nothing to pair"
     return True, "the exchange runs over NCCL, where another micro-batch's compute hid it best (tuning.py)"
@@ -208,7 +242,10 @@ def resolve_defaults(cfg: Config) -> list[str]:
             if exchanging:
                 choices.append(f"{PAIRED}=auto -> false: {off}")
         else:  # the trainer decides once the ranks see the fabric and the micro-batches (pairing_by_transport)
-            choices.append(f"{PAIRED}=auto: paired if the exchange runs over NCCL (decided when the ranks start)")
+            streams = ("" if streams_off_reason(cfg) else ", or on two streams through one host's peer memory where "
+                       "they fit the GPU")
+            choices.append(f"{PAIRED}=auto: paired if the exchange runs over NCCL{streams} (decided when the ranks "
+                           "start)")
     paired = o.overlap_moe_expert_parallel_comm is True and exchanging
     if o.moe_pipeline == "auto":
         asked = [f"overlap.{name}" for name in pipeline_fields_set(o)]
@@ -264,8 +301,11 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if o.delay_wgrad_compute == "auto":
         candidate = (exchanging and o.moe_pipeline and not paired and o.moe_pipeline_chunks == 1
                      and o.moe_dispatch_once_per_rank is True)
-        if candidate and o.moe_planning == "auto" and t.device != "cpu":  # the fabric decides (delay_by_planning)
-            choices.append(f"{DELAY}=auto: on if the exchange is planned on the device (decided when the ranks start)")
+        # the fabric decides (delay_by_planning), and whether auto pairs
+        if candidate and (o.moe_planning == "auto" or o.overlap_moe_expert_parallel_comm == "auto") and \
+                t.device != "cpu":
+            choices.append(f"{DELAY}=auto: on if the exchange is planned on the device, unpaired (decided when the "
+                           "ranks start)")
         else:
             o.delay_wgrad_compute = bool(candidate and o.moe_planning == "device")
             if exchanging and o.moe_pipeline:

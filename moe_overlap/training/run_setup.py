@@ -14,13 +14,14 @@ import torch.distributed as dist
 from moe_overlap import tuning
 from moe_overlap.config import Config, ConfigError, validate_for_world
 from moe_overlap.config.defaults import (DELAY, GRAPH, PAIRED, delay_by_planning, graphs_by_planning,
-                                          pairing_by_transport)
+                                          pairing_by_transport, streams_off_reason)
 from moe_overlap.distributed.a2a import exchange_choice
 from moe_overlap.distributed.collectives import nccl_cta_options, rendezvous_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.streams import carveout_for
 from moe_overlap.training.checkpoint import complete_steps
 from moe_overlap.training.data import load_data
+from moe_overlap.training.streams_memory import allocator_budget, streams_bytes, streams_fit
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ def check_inputs(cfg: Config) -> None:
 def resolve_by_fabric(cfg: Config, mesh: Mesh, device: torch.device) -> None:
     """The ``auto`` switches config/defaults.py left to the fabric, the same on every rank, each logged once:
     pairing (``overlap.overlap_moe_expert_parallel_comm``: paired where this rank's exchange runs over NCCL with
-    micro-batches to pair), then graphed MoE layers (``train.moe_cuda_graph``) and delayed weight gradients
+    micro-batches to pair, or through one host's peer memory on two streams with graphed MoE layers where they fit
+    every rank's GPU), then graphed MoE layers (``train.moe_cuda_graph``) and delayed weight gradients
     (``overlap.delay_wgrad_compute``), each on where the exchange is planned on the device, unpaired."""
     o, t = cfg.overlap, cfg.train
     if "auto" not in (o.overlap_moe_expert_parallel_comm, t.moe_cuda_graph, o.delay_wgrad_compute):
@@ -119,8 +121,19 @@ def resolve_by_fabric(cfg: Config, mesh: Mesh, device: torch.device) -> None:
     planning, transport, _ = exchange_choice(o.moe_planning, o.moe_transport, mesh.ep.group, mesh.ep.ranks, device,
                                              mesh.etp.size)
     if o.overlap_moe_expert_parallel_comm == "auto":
-        pairing = pairing_by_transport(transport, cfg.num_micro_batches(mesh.world_size))
+        micro_batches = cfg.num_micro_batches(mesh.world_size)
+        pairing = pairing_by_transport(transport, micro_batches)
+        off = streams_off_reason(cfg) if transport == "sm_push" else None
+        on_streams = transport == "sm_push" and micro_batches >= 2 and off is None
+        if on_streams:
+            pairing = streams_by_memory(cfg, mesh, device)
+        elif off is not None:
+            pairing = (False, f"{pairing[1]}; not on two streams: {off}")
         o.overlap_moe_expert_parallel_comm = _agreed(mesh, device, {PAIRED: pairing})[PAIRED][0]
+        if on_streams and o.overlap_moe_expert_parallel_comm and t.moe_cuda_graph == "auto":
+            t.moe_cuda_graph = True
+            if mesh.rank == 0:
+                log.info("%s=auto -> true: pairs on two streams replay their MoE layers from graphs", GRAPH)
     paired = o.overlap_moe_expert_parallel_comm is True
     choices = {}
     if t.moe_cuda_graph == "auto":
@@ -132,6 +145,13 @@ def resolve_by_fabric(cfg: Config, mesh: Mesh, device: torch.device) -> None:
     o.delay_wgrad_compute = agreed.get(DELAY, (o.delay_wgrad_compute,))[0]
     if t.moe_cuda_graph is True and o.moe_planning == "auto":
         o.moe_planning = "device"  # what the transport plans anyway; the rules and the trainer's record read it
+
+
+def streams_by_memory(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[bool, str]:
+    """Pairs on two streams where this rank's estimate (training/streams_memory.py) fits its GPU's allocator."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    return streams_fit(streams_bytes(cfg, Mesh.planned(mesh.layout, mesh.rank)), allocator_budget(total, fraction))
 
 
 def _agreed(mesh: Mesh, device: torch.device, choices: dict[str, tuple[bool, str]]) -> dict[str, tuple[bool, str]]:
