@@ -83,10 +83,11 @@ LAYOUTS = {
         **{"overlap.tp_comm_backend": "p2p"})),
     "layout_bf16_device_planned_pipeline_cuda_graph": Layout(2, 2, GRAPHED_DEVICE_PIPELINE),
     # graphed sync-free MoE layers beside the distributed optimizer, its communicators at 2 CTAs (the EP one at 4)
-    # and the GEMMs 8 SMs short (captured so too)
+    # and the GEMMs 8 SMs short (captured so too); unpaired (auto would pair them on two streams at EP=2)
     "layout_bf16_distributed_optimizer_overlap_cuda_graph_dp_2_ctas_gemm_carveout_8": Layout(2, 2, {
         **DIST_OPT, "overlap.dp_comm_ctas": 2, "overlap.ep_comm_ctas": 4, "overlap.gemm_sm_carveout": 8,
-        "overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "train.moe_cuda_graph": "true"}),
+        "overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "train.moe_cuda_graph": "true",
+        "overlap.overlap_moe_expert_parallel_comm": "false"}),
     "layout_bf16_pp2_1f1b_batched_p2p": Layout(2, 1, {**pp2(1), "overlap.batch_p2p_comm": "true"}),
     # paired micro-batches with graphed (one-rank) MoE layers under PP: each pair's halves on two streams, the
     # transfers between the stages on their micro-batches' streams
