@@ -3406,9 +3406,14 @@ SH
     limited train_step_gpu2_fine_auto_streams_2x$gpu $(( $(left) - 5 )) 2 configs/gpu2_fine.yaml \
       data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=60 --no-scale-batch --warmup 3 --steps 4 \
       --variant "unpaired:$U" --compute-only
-    grep -h "overlap_moe_expert_parallel_comm=auto ->\|moe_cuda_graph=auto ->" "$out"/train_step_*auto_streams*.log \
-      | cut -c1-400 | sort | uniq -c > $res/auto_streams_choices_2x$gpu.txt
-    cat $res/auto_streams_choices_2x$gpu.txt
+    python - $res/train_step_*auto_streams*_2x$gpu.json <<'PY'  # what auto chose in each row (train_step.py logs no INFO)
+import json, sys
+for path in sys.argv[1:]:
+    for row in json.load(open(path))["rows"]:
+        z = row["resolved"]
+        print(path.split("/")[-1], row["variant"], "paired", z["overlap_moe_expert_parallel_comm"], "graphed",
+              z["moe_cuda_graph"], f"MFU {row['mfu']:.4f} reserved {row['reserved_memory_gib']:.1f} GiB")
+PY
     pack
     ;;
   after_workspace4a)  # (written 2026-11-29 night, not run: no 4-GPU kind lent; about 480 s on nvidia-h200-x4 or
