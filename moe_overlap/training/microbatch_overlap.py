@@ -26,6 +26,7 @@ each whole, so the GPU runs one micro-batch's kernels while the other's exchange
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
 import torch
@@ -123,6 +124,11 @@ class PairStreams:
         cuda = device.type == "cuda"
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         self.done: dict[bool, Event | None] = {}
+        # A parameter's AccumulateGrad node, kept alive by the optimizers' post-accumulate hooks, has one stream, and
+        # both pair streams produce its gradients: autograd orders each accumulation after its producer's stream (an
+        # event wait), as a pair needs, and warns that the streams differ. Expected here: not shown.
+        warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match",
+                                category=UserWarning)
 
     def _current(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
