@@ -117,31 +117,24 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
 
 
 def streams_off_reason(cfg: Config) -> str | None:
-    """Why ``overlap_moe_expert_parallel_comm: auto`` does not pair on two CUDA streams with graphed MoE layers where
-    one host's peer memory runs the exchange, whatever the memory; or None: the ranks then pair there where their
-    estimate fits the GPU (training/streams_memory.py)."""
-    p, o, t = cfg.parallel, cfg.overlap, cfg.train
-    if p.expert_model_parallel_size not in STREAMS_EXPERT_RANKS:
-        return (f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}: auto pairs on streams at "
-                f"{' or '.join(map(str, STREAMS_EXPERT_RANKS))} expert ranks, where they were measured and run")
-    if cfg.expert_tensor_parallel_size > 1:
-        return "expert-TP > 1: the device-planned exchange that graphs replay is not implemented with it"
-    if t.moe_cuda_graph is False:
-        return "train.moe_cuda_graph=false: eager pairs measured slower there"
-    if p.pipeline_model_parallel_size > 1:
-        return "PP > 1 with an exchange: refused on streams (it hung on GPUs)"
-    gap = graph_gap(cfg)
-    if gap is not None:
-        return f"not implemented: {gap}"
-    if o.moe_planning == "host" or o.moe_transport in ("nccl", "copy_engine", "gloo"):
-        return "host-planned sizes, which a graph cannot hold"
-    if t.expert_wgrad_micro_batches > 1:
-        return f"train.expert_wgrad_micro_batches={t.expert_wgrad_micro_batches}: a graph replays one backward"
-    if o.moe_pipeline_chunks > 1 or o.moe_token_slices > 1 or o.delay_wgrad_compute is True:
-        return "chunks, token slices or delayed weight gradients: not measured on streams"
-    if o.moe_paged_stash_factor is not None:
-        return "overlap.moe_paged_stash_factor: not implemented on streams"
-    return None
+    """Why ``overlap_moe_expert_parallel_comm: auto`` does not pair on two CUDA streams with graphed MoE layers
+    through one host's peer memory, whatever the memory; None: it does where the rank's estimate fits its GPU
+    (training/streams_memory.py)."""
+    p, o, t, gap = cfg.parallel, cfg.overlap, cfg.train, graph_gap(cfg)
+    ep, ranks = p.expert_model_parallel_size, " or ".join(map(str, STREAMS_EXPERT_RANKS))
+    return next((why for off, why in (
+        (ep not in STREAMS_EXPERT_RANKS, f"parallel.expert_model_parallel_size={ep}: measured and run at {ranks}"),
+        (cfg.expert_tensor_parallel_size > 1, "expert-TP > 1: no device-planned exchange for graphs to replay"),
+        (t.moe_cuda_graph is False, "train.moe_cuda_graph=false: eager pairs measured slower there"),
+        (p.pipeline_model_parallel_size > 1, "PP > 1 with an exchange: refused on streams (it hung on GPUs)"),
+        (gap is not None, f"not implemented: {gap}"),
+        (o.moe_planning == "host" or o.moe_transport in ("nccl", "copy_engine", "gloo"),
+         "host-planned sizes, which a graph cannot hold"),
+        (t.expert_wgrad_micro_batches > 1, "train.expert_wgrad_micro_batches > 1: a graph replays one backward"),
+        (o.moe_pipeline_chunks > 1 or o.moe_token_slices > 1 or o.delay_wgrad_compute is True,
+         "chunks, token slices or delayed weight gradients: not measured on streams"),
+        (o.moe_paged_stash_factor is not None, "overlap.moe_paged_stash_factor: not implemented on streams"),
+    ) if off), None)
 
 
 def pairing_by_transport(transport: str, micro_batches: int) -> tuple[bool, str]:
@@ -242,10 +235,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
             if exchanging:
                 choices.append(f"{PAIRED}=auto -> false: {off}")
         else:  # the trainer decides once the ranks see the fabric and the micro-batches (pairing_by_transport)
-            streams = ("" if streams_off_reason(cfg) else ", or on two streams through one host's peer memory where "
-                       "they fit the GPU")
-            choices.append(f"{PAIRED}=auto: paired if the exchange runs over NCCL{streams} (decided when the ranks "
-                           "start)")
+            streams = "" if streams_off_reason(cfg) else ", or on two streams through peer memory if they fit the GPU"
+            choices.append(f"{PAIRED}=auto: paired if the exchange runs over NCCL{streams} (decided at start)")
     paired = o.overlap_moe_expert_parallel_comm is True and exchanging
     if o.moe_pipeline == "auto":
         asked = [f"overlap.{name}" for name in pipeline_fields_set(o)]
@@ -301,9 +292,8 @@ def resolve_defaults(cfg: Config) -> list[str]:
     if o.delay_wgrad_compute == "auto":
         candidate = (exchanging and o.moe_pipeline and not paired and o.moe_pipeline_chunks == 1
                      and o.moe_dispatch_once_per_rank is True)
-        # the fabric decides (delay_by_planning), and whether auto pairs
-        if candidate and (o.moe_planning == "auto" or o.overlap_moe_expert_parallel_comm == "auto") and \
-                t.device != "cpu":
+        undecided = o.moe_planning == "auto" or o.overlap_moe_expert_parallel_comm == "auto"  # by the fabric
+        if candidate and undecided and t.device != "cpu":  # delay_by_planning
             choices.append(f"{DELAY}=auto: on if the exchange is planned on the device, unpaired (decided when the "
                            "ranks start)")
         else:

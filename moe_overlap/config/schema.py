@@ -170,10 +170,9 @@ class OverlapConfig:
     cp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     batch_p2p_comm: bool = False
-    # One micro-batch's MoE exchange beside another's compute (forwards paired with backwards). auto: paired where the
-    # exchange runs over NCCL (no peer copies), as measured fastest there; on one NVLink host at EP=2, paired on two
-    # CUDA streams with graphed MoE layers where the rank's estimate fits its GPU (training/streams_memory.py), else
-    # one micro-batch at a time (config/defaults.py, tuning.py).
+    # One micro-batch's MoE exchange beside another's compute (forwards paired with backwards). auto: paired over NCCL
+    # (no peer copies); on one NVLink host at EP=2 on two CUDA streams, graphed, where the rank's estimate fits its GPU
+    # (training/streams_memory.py); else one micro-batch at a time: the fastest measured (defaults.py, tuning.py).
     overlap_moe_expert_parallel_comm: Union[bool, Literal["auto"]] = "auto"
     # The MoE experts' weight gradients after their dgrad rows have started back, beside that transfer. auto: on
     # where measured faster, one device-planned chunk with each token once per rank (config/defaults.py, tuning.py).
