@@ -90,6 +90,7 @@
 #                                                  #   and stream, then every row capped at 76 GiB (carry data)
 #   bash benchmarks/evidence_gpu.sh auto_streams2 OUT # 2 GPUs: auto pairing on two streams where it fits: the fine
 #                                                  #   bench model at EP=2 (and capped at 76 GiB), the 2-GPU example
+#   bash benchmarks/evidence_gpu.sh auto_streams_fp82 OUT # 2 GPUs: rowwise FP8 at EP=2 as auto runs it (streams)
 #   bash benchmarks/evidence_gpu.sh streams_hang2 OUT # 2 GPUs: streams_cap2's hung rows again, stacks printed on a hang
 #   bash benchmarks/evidence_gpu.sh streams_hang2b OUT # 2 GPUs: the room row first in its process, then bound 1.5
 #   bash benchmarks/evidence_gpu.sh streams_hang2c OUT # 2 GPUs: bound 1.5 alone, 1.0 alone, room without DP overlaps
@@ -3415,6 +3416,15 @@ for path in sys.argv[1:]:
               z["moe_cuda_graph"], f"MFU {row['mfu']:.4f} reserved {row['reserved_memory_gib']:.1f} GiB")
 PY
     pack
+    ;;
+  auto_streams_fp82)  # (2026-11-30) after auto_streams2: FP8 (rowwise) at EP=2 as auto runs it (on two streams),
+    # beside unpaired, FP8 on the wire, and bf16 (auto: on streams too), the fine bench model balanced
+    unfenced || exit 2
+    limited train_step_fine_8l_ep2_balanced_auto_streams_fp8_2x$gpu $(( $(left) - 5 )) 2 configs/bench_fine_8l.yaml \
+      parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED train.fp8_recipe=rowwise \
+      train.distributed_timeout_s=60 --warmup 3 --steps 6 \
+      --variant "unpaired:overlap.overlap_moe_expert_parallel_comm=false" \
+      --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8" --variant "bf16:train.fp8_recipe=null"
     ;;
   after_workspace4a)  # (written 2026-11-29 night, not run: no 4-GPU kind lent; about 480 s on nvidia-h200-x4 or
     # h100-x4, carrying data/stdlib_head_xz.) After workspace2 fixed the streams hang at 2 GPUs (each graph set captured
