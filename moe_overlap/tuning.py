@@ -59,7 +59,8 @@ import math
 # (layers/moe.py, capture_moe_layers), and no 4-GPU machine has run it since. As auto chose it (2xH200, 2026-11-30,
 # train_step_*_auto_streams*_2xh200.json): the fine bench model at EP=2 0.5988 against 0.5813 unpaired (+3.0%),
 # configs/gpu2_fine.yaml +3.7%, configs/gpu2_mixtral.yaml +1.5%; capped at 76 GiB (an 80 GB H100) it chose unpaired
-# for the fine bench model and streams with a bound of 1.25, which ran within the cap.
+# for the fine bench model and streams with a bound of 1.25, which ran within the cap; in rowwise FP8 0.6658 against
+# 0.6315 (+5.4%, ..._auto_streams_fp8_2xh200.json).
 STREAMS_EXPERT_RANKS = (2,)
 
 # What pairs on two streams reserve (training/streams_memory.py): the model state, and twice (a graph set and one
