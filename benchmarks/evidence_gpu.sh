@@ -91,6 +91,8 @@
 #   bash benchmarks/evidence_gpu.sh auto_streams2 OUT # 2 GPUs: auto pairing on two streams where it fits: the fine
 #                                                  #   bench model at EP=2 (and capped at 76 GiB), the 2-GPU example
 #   bash benchmarks/evidence_gpu.sh auto_streams_fp82 OUT # 2 GPUs: rowwise FP8 at EP=2 as auto runs it (streams)
+#   bash benchmarks/evidence_gpu.sh auto_streams1 OUT # one GPU: the fine bench model as auto runs it (streams),
+#                                                  #   bf16 and rowwise, beside unpaired; then capped at 76 GiB
 #   bash benchmarks/evidence_gpu.sh streams_hang2 OUT # 2 GPUs: streams_cap2's hung rows again, stacks printed on a hang
 #   bash benchmarks/evidence_gpu.sh streams_hang2b OUT # 2 GPUs: the room row first in its process, then bound 1.5
 #   bash benchmarks/evidence_gpu.sh streams_hang2c OUT # 2 GPUs: bound 1.5 alone, 1.0 alone, room without DP overlaps
@@ -3425,6 +3427,17 @@ PY
       train.distributed_timeout_s=60 --warmup 3 --steps 6 \
       --variant "unpaired:overlap.overlap_moe_expert_parallel_comm=false" \
       --variant "fp8_wire:overlap.moe_dispatch_dtype=fp8" --variant "bf16:train.fp8_recipe=null"
+    ;;
+  auto_streams1)  # (2026-11-30) one GPU: auto pairs graphed MoE layers on two streams where they fit (the fine
+    # bench model sets train.moe_cuda_graph): as shipped (auto), unpaired, rowwise FP8 (auto) and unpaired; then the
+    # config capped at 76 GiB (an 80 GB H100: auto unpaired)
+    unfenced || exit 2
+    U="overlap.overlap_moe_expert_parallel_comm=false"
+    limited train_step_fine_8l_auto_streams_1x$gpu $(( $(left) < 330 ? $(left) : 330 )) 1 configs/bench_fine_8l.yaml \
+      --warmup 3 --steps 6 --variant "unpaired:$U" --variant "rowwise:train.fp8_recipe=rowwise" \
+      --variant "rowwise_unpaired:train.fp8_recipe=rowwise,$U"
+    limited train_step_fine_8l_auto_streams_cap76_1x$gpu $(( $(left) - 5 )) 1 configs/bench_fine_8l.yaml \
+      --warmup 2 --steps 3 --memory-cap-gib 76
     ;;
   after_workspace4a)  # (written 2026-11-29 night, not run: no 4-GPU kind lent; about 480 s on nvidia-h200-x4 or
     # h100-x4, carrying data/stdlib_head_xz.) After workspace2 fixed the streams hang at 2 GPUs (each graph set captured

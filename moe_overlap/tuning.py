@@ -60,8 +60,11 @@ import math
 # train_step_*_auto_streams*_2xh200.json): the fine bench model at EP=2 0.5988 against 0.5813 unpaired (+3.0%),
 # configs/gpu2_fine.yaml +3.7%, configs/gpu2_mixtral.yaml +1.5%; capped at 76 GiB (an 80 GB H100) it chose unpaired
 # for the fine bench model and streams with a bound of 1.25, which ran within the cap; in rowwise FP8 0.6658 against
-# 0.6315 (+5.4%, ..._auto_streams_fp8_2xh200.json).
-STREAMS_EXPERT_RANKS = (2,)
+# 0.6315 (+5.4%, ..._auto_streams_fp8_2xh200.json). One GPU with train.moe_cuda_graph=true too (auto graphs only
+# with an exchange), where nothing is exchanged but the second stream fills the gaps between kernels: the fine bench
+# model +2.2% bf16 and +2.3% rowwise (1xH200, 2026-11-28, train_step_streams_fine_8l_1xh200.json), +1.6% on the
+# tree with one gradient placeholder (2026-11-29, train_step_placeholder_streams_fine_8l_1xh200.json).
+STREAMS_EXPERT_RANKS = (1, 2)
 
 # What pairs on two streams reserve (training/streams_memory.py): the model state, and twice (a graph set and one
 # micro-batch's dense activations). A graph set is its MoE layer calls' stashes (layers/exchange_memory.py) and

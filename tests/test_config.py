@@ -567,6 +567,8 @@ def test_shared_expert_overlap_auto(overrides, beside):
     ([], False),  # measured on CUDA over NCCL only
     (CUDA + ["model.moe_router_topk=4"], "auto"),  # finer models too: over NCCL paired measured faster (tuning.py)
     (CUDA + ["parallel.expert_model_parallel_size=1"], False),  # nothing to exchange
+    # one GPU's graphed MoE layers: on two streams where they fit the GPU (decided when the ranks start)
+    (CUDA + BF16 + ["parallel.expert_model_parallel_size=1", "train.moe_cuda_graph=true"], "auto"),
     (CUDA + ["overlap.moe_pipeline=false"], False),  # the serial reference
     # one host's graphed pipeline: on two streams where they fit the GPU (decided when the ranks start)
     (CUDA + BF16 + ["train.moe_cuda_graph=true"], "auto"),

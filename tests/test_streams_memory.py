@@ -126,8 +126,11 @@ def test_what_rules_pairs_on_streams_out_whatever_the_memory(overrides, reason, 
 
 
 @pytest.mark.parametrize("config, world, shown", [
-    ("gpu2_fine.yaml", 2, "pairs on two streams (auto: where one host with peer access runs the exchange and this "
-                          "fits): 101.2 GiB estimated per rank = state 44.2 + 2 x (graph set 21.0 + activations 7.5)"),
+    ("gpu2_fine.yaml", 2, "pairs on two streams (auto: where one host with peer access runs the exchange, or one GPU, "
+                          "and this fits): 101.2 GiB estimated per rank = state 44.2 + 2 x (graph set 21.0 + "
+                          "activations 7.5)"),
+    ("bench_fine_8l.yaml", 1, "pairs on two streams (auto: where one host with peer access runs the exchange, or one "
+                              "GPU, and this fits): 78.5 GiB estimated per rank"),  # one GPU, train.moe_cuda_graph
     ("gpu4_fine.yaml", 4, None),  # EP=4: auto does not pair on streams there
     ("tiny.yaml", 2, None),  # the CPU
 ])
@@ -137,3 +140,25 @@ def test_info_prints_the_estimate_where_auto_may_pair_on_streams(config, world, 
     cfg = load_config(ROOT / "configs" / config)
     lines = describe_streams_memory(cfg, mesh_layout(cfg, world))
     assert lines == [] if shown is None else lines[0].startswith(shown) and "an 80 GB H100 67.7" in lines[0]
+
+
+def test_one_gpu_with_graphed_moe_layers_pairs_on_streams_where_they_fit(monkeypatch):
+    """One expert rank: nothing is exchanged, but the second stream fills the gaps between kernels (tuning.py). Only
+    with train.moe_cuda_graph=true (auto graphs only with an exchange). The estimate lies between what the fine
+    bench model on streams peaked at and reserved on one H200; it fits an H200, not an 80 GB H100."""
+    import torch
+
+    from moe_overlap.training import run_setup
+
+    row = streams_row("train_step_placeholder_streams_fine_8l_1xh200.json", PAIRED)
+    need = estimate("bench_fine_8l.yaml", 1, [])
+    assert row["peak_memory_gib"] < need.total / GIB < row["reserved_memory_gib"]
+    assert [streams_fit(need, allocator_budget(total, 1.0))[0] for total in (H100, H200)] == [False, True]
+    assert load_config(ROOT / "configs" / "bench_fine_8l.yaml",
+                       ["train.moe_cuda_graph=false"]).overlap.overlap_moe_expert_parallel_comm is False
+    for fits in (True, False):
+        cfg = load_config(ROOT / "configs" / "bench_fine_8l.yaml")
+        assert cfg.overlap.overlap_moe_expert_parallel_comm == "auto" and cfg.train.moe_cuda_graph is True
+        monkeypatch.setattr(run_setup, "streams_by_memory", lambda *args, fits=fits: (fits, "the estimate"))
+        run_setup.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))
+        assert cfg.overlap.overlap_moe_expert_parallel_comm is fits and cfg.train.moe_cuda_graph is True

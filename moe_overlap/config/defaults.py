@@ -10,9 +10,9 @@ a switch the user set needs to run.
                                 off where the config alone rules pairing out or measured it slower (one expert
                                 rank, PP > 1, ...); otherwise the fabric decides when the ranks start
                                 (training/run_setup.py, :func:`pairing_by_transport`): paired where the exchange runs
-                                over NCCL, with at least 2 micro-batches; on one host with peer access (sm_push),
-                                paired on two CUDA streams with graphed MoE layers where :func:`streams_off_reason`
-                                allows it and the rank's estimate fits its GPU (training/streams_memory.py)
+                                over NCCL, with at least 2 micro-batches; through one host's peer memory (sm_push),
+                                or on one GPU with train.moe_cuda_graph=true, on two streams with graphed MoE layers
+                                where :func:`streams_off_reason` allows and the estimate fits (streams_memory.py)
     overlap_moe_expert_parallel_comm with an exchange
                                 turns the pipeline on (auto), leaves moe_planning auto to the transport (device
                                 planning where sm_push runs, its pushes on the side stream beside the other
@@ -90,8 +90,9 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
     """Why ``overlap_moe_expert_parallel_comm: auto`` stays off whatever the fabric, or None (it pairs where the
     exchange runs over NCCL: measured faster there, tuning.py)."""
     p, o, t = cfg.parallel, cfg.overlap, cfg.train
-    if not exchanging:
-        return "one expert rank: nothing to exchange"
+    if not exchanging:  # graphed MoE layers asked for on one expert rank pair on two streams where they fit
+        streams = t.device == "cuda" and t.moe_cuda_graph is True and streams_off_reason(cfg) is None
+        return None if streams else "one expert rank: nothing to exchange"
     if t.device != "cuda":
         return f"measured on CUDA over NCCL only; the device is {t.device!r}"
     if o.moe_pipeline is False:
@@ -235,8 +236,9 @@ def resolve_defaults(cfg: Config) -> list[str]:
             if exchanging:
                 choices.append(f"{PAIRED}=auto -> false: {off}")
         else:  # the trainer decides once the ranks see the fabric and the micro-batches (pairing_by_transport)
-            streams = "" if streams_off_reason(cfg) else ", or on two streams through peer memory if they fit the GPU"
-            choices.append(f"{PAIRED}=auto: paired if the exchange runs over NCCL{streams} (decided at start)")
+            streams = "" if streams_off_reason(cfg) else "on two streams if they fit the GPU"
+            choices.append(f"{PAIRED}=auto: paired " + (f"if the exchange runs over NCCL, or {streams}" if exchanging
+                                                        else streams) + " (decided at start)")
     paired = o.overlap_moe_expert_parallel_comm is True and exchanging
     if o.moe_pipeline == "auto":
         asked = [f"overlap.{name}" for name in pipeline_fields_set(o)]

@@ -123,8 +123,10 @@ def resolve_by_fabric(cfg: Config, mesh: Mesh, device: torch.device) -> None:
     if o.overlap_moe_expert_parallel_comm == "auto":
         micro_batches = cfg.num_micro_batches(mesh.world_size)
         pairing = pairing_by_transport(transport, micro_batches)
-        off = streams_off_reason(cfg) if transport == "sm_push" else None
-        on_streams = transport == "sm_push" and micro_batches >= 2 and off is None
+        one_rank = cfg.parallel.expert_model_parallel_size * cfg.expert_tensor_parallel_size == 1
+        local = transport == "sm_push" or one_rank  # through peer memory, or nothing exchanged
+        off = streams_off_reason(cfg) if local else None
+        on_streams = local and micro_batches >= 2 and off is None
         if on_streams:
             pairing = streams_by_memory(cfg, mesh, device)
         elif off is not None:

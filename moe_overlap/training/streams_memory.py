@@ -73,17 +73,17 @@ def streams_fit(need: StreamsBytes, budget: int) -> tuple[bool, str]:
 
 def describe_streams_memory(cfg: Config, layout: MeshLayout) -> list[str]:
     """``info``'s line on pairs on two streams where auto may choose them (or they are asked for): the estimate on
-    the first rank, and the room auto would want on an 80 GB H100 and a 141 GB H200."""
+    the first rank, and the room auto wants on an 80 GB H100 and a 141 GB H200."""
     o = cfg.overlap
     auto = o.overlap_moe_expert_parallel_comm == "auto" and streams_off_reason(cfg) is None
-    if cfg.model.num_moe_experts is None or not (auto or pairs_on_streams(cfg)) or \
-            layout.pp > 1 or layout.ep * layout.etp == 1:
+    if cfg.model.num_moe_experts is None or not (auto or pairs_on_streams(cfg)) or layout.pp > 1:
         return []
     need = streams_bytes(cfg, Mesh.planned(layout, 0))
     gib = 2**30
     rooms = ", ".join(f"{name} {tuning.STREAMS_MEMORY_MARGIN * allocator_budget(total, 1.0) / gib:.1f}"
                       for name, total in (("an 80 GB H100", int(79.2 * gib)), ("an H200", int(139.8 * gib))))
-    why = "auto: where one host with peer access runs the exchange and this fits" if auto else "asked for"
+    why = ("auto: where one host with peer access runs the exchange, or one GPU, and this fits" if auto
+           else "asked for")
     return [f"pairs on two streams ({why}): {need.total / gib:.1f} GiB estimated per rank = state "
             f"{need.state / gib:.1f} + 2 x (graph set {need.graph_set / gib:.1f} + activations "
             f"{need.dense / gib:.1f}) (training/streams_memory.py); room: {rooms} GiB"]
