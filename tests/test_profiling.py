@@ -186,3 +186,19 @@ def test_annotations_are_told_from_kernels_without_torch_2_13s_fields():
 
     assert _is_annotation(_Event("nccl:all_to_all")) and not _is_annotation(_Event("ncclDevKernel_SendRecv"))
     assert not _is_annotation(_Event("c10d::symmetric_memory::wait_signal_kernel"))
+
+
+def test_gradients_from_other_streams_are_expected_without_the_autograd_warning():
+    """Graph captures and pairs on two streams hand parameters gradients made on another stream: autograd's warning
+    about it is filtered, other warnings are not."""
+    import warnings
+
+    from moe_overlap.distributed.streams import expect_gradients_from_other_streams
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        expect_gradients_from_other_streams()
+        warnings.warn("The AccumulateGrad node's stream does not match the stream of the node that produced the "
+                      "incoming gradient.", UserWarning)
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]

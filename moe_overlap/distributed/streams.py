@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -205,6 +206,14 @@ def _clock_key(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.current_device() if device.index is None else device.index
+
+
+def expect_gradients_from_other_streams() -> None:
+    """Autograd warns when a parameter's AccumulateGrad node (one per parameter, kept alive by the optimizers'
+    post-accumulate hooks, with the stream it was made on) receives a gradient made on another stream. A graph
+    capture's warm-up on its capture stream and pairs on two streams do that by design; autograd then orders the
+    accumulation after the producing stream (an event wait), which is what they need. Not shown from then on."""
+    warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match", category=UserWarning)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.distributed.streams import carveout_for, prepare_device_clock
+from moe_overlap.distributed.streams import carveout_for, expect_gradients_from_other_streams, prepare_device_clock
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.permute import Permute, Unpermute
@@ -346,6 +346,7 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
             raise ValueError(str(refusal))
     weight = moe_layers[0].experts.w13
     prepare_device_clock(weight.device)  # the graphs time their waits for peers on it (streams.exposed_wait)
+    expect_gradients_from_other_streams()  # the warm-up's backward runs on the capture stream
 
     def samples() -> tuple[tuple[torch.Tensor], ...]:
         """Each set's own static inputs: a replay copies its input there, and a layer may save its input for the

@@ -26,12 +26,12 @@ each whole, so the GPU runs one micro-batch's kernels while the other's exchange
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Iterator
 
 import torch
 
-from moe_overlap.distributed.streams import Event, stage_label, use_stream, wait_stream
+from moe_overlap.distributed.streams import (Event, expect_gradients_from_other_streams, stage_label, use_stream,
+                                             wait_stream)
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.pipeline_stages import ChunkOutput, Segment
 
@@ -124,11 +124,7 @@ class PairStreams:
         cuda = device.type == "cuda"
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         self.done: dict[bool, Event | None] = {}
-        # A parameter's AccumulateGrad node, kept alive by the optimizers' post-accumulate hooks, has one stream, and
-        # both pair streams produce its gradients: autograd orders each accumulation after its producer's stream (an
-        # event wait), as a pair needs, and warns that the streams differ. Expected here: not shown.
-        warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match",
-                                category=UserWarning)
+        expect_gradients_from_other_streams()  # both pair streams produce every parameter's gradients
 
     def _current(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
