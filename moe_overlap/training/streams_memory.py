@@ -1,5 +1,5 @@
 """Whether pairs of micro-batches on two CUDA streams fit a GPU, which ``overlap_moe_expert_parallel_comm: auto``
-asks on one host with peer access (training/run_setup.py). On two streams each half of a pair replays its own graphed
+asks on one host with peer access, or one GPU (training/run_setup.py). On two streams each half of a pair replays its own graphed
 copy of the MoE layers, so a rank holds two graph sets and two micro-batches' other activations where unpaired it
 holds one of each. Estimated from the config, as the allocator reserves it:
 
@@ -36,8 +36,8 @@ class StreamsBytes:
 
 
 def streams_bytes(cfg: Config, mesh: Mesh) -> StreamsBytes:
-    """This rank's estimate on two streams (``mesh`` may be ``Mesh.planned``), for a device-planned exchange at
-    PP=1 (where auto pairs on streams)."""
+    """This rank's estimate on two streams (``mesh`` may be ``Mesh.planned``), at PP=1 with a device-planned exchange
+    or none (where auto pairs on streams)."""
     m, o = cfg.model, cfg.overlap
     element = DTYPES[cfg.train.precision].itemsize
     rows = rows_per_call(cfg)
@@ -68,7 +68,7 @@ def streams_fit(need: StreamsBytes, budget: int) -> tuple[bool, str]:
         return False, (f"pairs on two streams would not fit: {shown}; one micro-batch at a time (set "
                        "overlap.overlap_moe_expert_parallel_comm=true with train.moe_cuda_graph=true to pair anyway)")
     return True, (f"each pair's halves side by side on two CUDA streams, their MoE layers from graphs: measured "
-                  f"fastest on one host with peer access (tuning.py); {shown}")
+                  f"fastest there (tuning.py); {shown}")
 
 
 def describe_streams_memory(cfg: Config, layout: MeshLayout) -> list[str]:
