@@ -1,7 +1,7 @@
 """Whether pairs of micro-batches on two CUDA streams fit a GPU, which ``overlap_moe_expert_parallel_comm: auto``
-asks on one host with peer access, or one GPU (training/run_setup.py). On two streams each half of a pair replays its own graphed
-copy of the MoE layers, so a rank holds two graph sets and two micro-batches' other activations where unpaired it
-holds one of each. Estimated from the config, as the allocator reserves it:
+asks on one host with peer access, or one GPU (training/run_setup.py). On two streams each half of a pair replays
+its own graphed copy of the MoE layers, so a rank holds two graph sets and two micro-batches' other activations
+where unpaired it holds one of each. Estimated from the config, as the allocator reserves it:
 
     model state (state_memory.py) + 2 x (a graph set + a micro-batch's dense activations)
 
