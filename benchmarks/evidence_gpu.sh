@@ -3457,7 +3457,9 @@ PY
     ;;
   after_workspace4b)  # (written 2026-11-29 night, not run; about 500 s on a 4-GPU kind.) Issue 38 at EP=4 with the
     # bound on streams: the fine bench model balanced, config (unpaired), streams, streams with a bound of 1.25,
-    # compute_only and ep1 in one launch; then the pairing GPU test at 4 ranks (its bounded case on streams new)
+    # compute_only and ep1 in one launch; then the pairing GPU test at 4 ranks (its bounded case on streams new).
+    # (Since 2026-11-30 the ep1 row pairs on two streams where it fits, as auto does on one GPU. If the streams rows
+    # run, tuning.STREAMS_EXPERT_RANKS may take 4, which auto_streams2's rows then check at EP=4.)
     unfenced || exit 2
     S="overlap.overlap_moe_expert_parallel_comm=true"  # a wait limit past the ep1 row (rank 0 alone runs it first)
     limited train_step_fine_8l_ep4_balanced_streams_workspace_4x$gpu $(( $(left) < 330 ? $(left) : 330 )) 4 \
