@@ -162,3 +162,17 @@ def test_one_gpu_with_graphed_moe_layers_pairs_on_streams_where_they_fit(monkeyp
         monkeypatch.setattr(run_setup, "streams_by_memory", lambda *args, fits=fits: (fits, "the estimate"))
         run_setup.resolve_by_fabric(cfg, Mesh.single(), torch.device("cuda"))
         assert cfg.overlap.overlap_moe_expert_parallel_comm is fits and cfg.train.moe_cuda_graph is True
+
+
+def test_out_of_memory_on_streams_names_them_and_the_switch():
+    import torch
+
+    from moe_overlap.training.streams_memory import naming_streams_on_oom
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"^out of memory with pairs on two streams .*"
+                                                      r"overlap.overlap_moe_expert_parallel_comm=false .* CUDA said"):
+        with naming_streams_on_oom(True):
+            raise torch.OutOfMemoryError("CUDA said so")
+    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA said so$"):  # unpaired: the error as it was
+        with naming_streams_on_oom(False):
+            raise torch.OutOfMemoryError("CUDA said so")

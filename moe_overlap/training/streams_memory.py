@@ -12,7 +12,11 @@ on streams that those constants were set against."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
+
+import torch
 
 from moe_overlap import tuning
 from moe_overlap.config import Config
@@ -87,3 +91,18 @@ def describe_streams_memory(cfg: Config, layout: MeshLayout) -> list[str]:
     return [f"pairs on two streams ({why}): {need.total / gib:.1f} GiB estimated per rank = state "
             f"{need.state / gib:.1f} + 2 x (graph set {need.graph_set / gib:.1f} + activations "
             f"{need.dense / gib:.1f}) (training/streams_memory.py); room: {rooms} GiB"]
+
+
+@contextlib.contextmanager
+def naming_streams_on_oom(on_streams: bool) -> Iterator[None]:
+    """Out of memory with pairs on two streams (their second graph set is what an estimate can miss): the error
+    says so first, and how to run one micro-batch at a time."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        if not on_streams:
+            raise
+        raise torch.OutOfMemoryError(
+            "out of memory with pairs on two streams (two sets of MoE-layer graphs; auto chooses them where "
+            "training/streams_memory.py's estimate fits the GPU): set overlap.overlap_moe_expert_parallel_comm=false "
+            f"to run one micro-batch at a time. {err}") from err

@@ -45,6 +45,7 @@ from moe_overlap.training.profiling import StepProfiler, measured_gemm_tflops
 from moe_overlap.training.run_setup import check_resume_setting, dp_gemm_sms, paired_gemm_sms, resolve_by_fabric
 from moe_overlap.training.schedules import graph_copies, in_flight
 from moe_overlap.training.state_memory import check_state_fits, state_bytes
+from moe_overlap.training.streams_memory import naming_streams_on_oom
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,9 @@ class Trainer:
             # micro-batches i, i + n, ... all run on stream i mod 2, one after another: pairs_on_streams)
             streams = self.pipeline.pair_streams
             copies = graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank])
-            self.model.graph_moe_layers(t.micro_batch_size, copies + copies % 2 if streams else copies,
-                                        replay_streams=streams.streams if streams else None)
+            with naming_streams_on_oom(streams is not None):
+                self.model.graph_moe_layers(t.micro_batch_size, copies + copies % 2 if streams else copies,
+                                            replay_streams=streams.streams if streams else None)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
             if streams and mesh.rank == 0 and mesh.ep.size * mesh.etp.size > 1:
                 log.info("pairs on two streams: exposed_comm_ms.ep sums both streams' waits for their peers, most of "
