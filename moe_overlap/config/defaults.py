@@ -98,8 +98,7 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
     if o.moe_pipeline is False:
         return "overlap.moe_pipeline=false: the serial exchange"
     if t.moe_cuda_graph is True or o.moe_planning == "device" or o.moe_transport in ("sm_push", "copy_engine"):
-        off = ("overlap.moe_transport=copy_engine: host-planned sizes, which a graph cannot hold"
-               if o.moe_transport == "copy_engine" else streams_off_reason(cfg))
+        off = streams_off_reason(cfg)  # copy_engine's host-planned sizes among its reasons
         if off is not None:
             return ("the exchange through one host's peer memory (device planning, CUDA graphs or the transport asked "
                     f"for), where eager pairs measured slower and pairs on two streams are not chosen: {off} "
