@@ -3439,6 +3439,26 @@ PY
     limited train_step_fine_8l_auto_streams_cap76_1x$gpu $(( $(left) - 5 )) 1 configs/bench_fine_8l.yaml \
       --warmup 2 --steps 3 --memory-cap-gib 76
     ;;
+  push_ctas2)  # (2026-11-30) issue 38 at EP=2: on two streams a one-chunk push runs at full width (nothing of its own
+    # micro-batch beside it) and takes the SMs from the other stream's GEMMs: 39 ms of a 615 ms step over compute_only
+    # (auto_streams2). overlap.ep_comm_ctas holds those pushes to fewer CTAs, with no carve-out (they take SMs as the
+    # other stream's GEMM CTAs retire) or with every paired GEMM carved out by as many SMs; the fine bench model
+    # balanced, then configs/gpu2_fine.yaml on the corpus's first 5M tokens (carry data/stdlib_head_xz)
+    unfenced || exit 2
+    C0="overlap.gemm_sm_carveout=0"
+    limited train_step_fine_8l_ep2_balanced_push_ctas_2x$gpu $(( $(left) < 330 ? $(left) : 330 )) 2 \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+      train.distributed_timeout_s=150 --warmup 2 --steps 6 --variant "ctas8:overlap.ep_comm_ctas=8,$C0" \
+      --variant "ctas16:overlap.ep_comm_ctas=16,$C0" --variant "ctas32:overlap.ep_comm_ctas=32,$C0" \
+      --variant "carve16:overlap.ep_comm_ctas=16,overlap.gemm_sm_carveout=16" --compute-only
+    limited train_step_gpu2_fine_push_ctas_2x$gpu $(( $(left) - 5 )) 2 configs/gpu2_fine.yaml \
+      data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=60 --no-scale-batch --warmup 3 --steps 4 \
+      --variant "ctas8:overlap.ep_comm_ctas=8,$C0" --variant "ctas16:overlap.ep_comm_ctas=16,$C0" --compute-only
+    ;;
+  suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
+    # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
+    suite 1x 0 "$(( $(left) - 10 ))"
+    ;;
   after_workspace4a)  # (written 2026-11-29 night, not run: no 4-GPU kind lent; about 480 s on nvidia-h200-x4 or
     # h100-x4, carrying data/stdlib_head_xz.) After workspace2 fixed the streams hang at 2 GPUs (each graph set captured
     # on its replay stream): the two 4-GPU hangs again, each the first row of a launch of its own in the background:

@@ -380,12 +380,13 @@ class OneRankTransports:
     """A one-rank group's symmetric transport on CPU, its regions in this process's memory: the copy engine's
     copies and (interpreted) the SM push kernel, with the same routes and flow as on GPUs."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, push_ctas: int | None = None):
         from moe_overlap.distributed.a2a_host import CopyEngineTransport
         from moe_overlap.distributed.a2a_push import PushTransport
 
         self.name, self.planning = name, "device" if name == "sm_push" else "host"
         self.kind = PushTransport if name == "sm_push" else CopyEngineTransport
+        self.extra = dict(push_ctas=push_ctas) if name == "sm_push" else {}
         self.made = None
 
     def count_overflow(self, rows: torch.Tensor, unplaced: torch.Tensor | None = None) -> None:
@@ -395,7 +396,7 @@ class OneRankTransports:
         from moe_overlap.distributed.symm import LocalRegions
 
         if self.made is None or self.made.regions.region_bytes < nbytes:
-            self.made = self.kind(LocalRegions(nbytes, 4, 8, torch.device("cpu")), torch.device("cpu"))
+            self.made = self.kind(LocalRegions(nbytes, 4, 8, torch.device("cpu")), torch.device("cpu"), **self.extra)
         return self.made
 
 
@@ -417,6 +418,28 @@ def test_pipeline_over_one_rank_for_every_transport(monkeypatch, transport):
         selectors = {planning: OneRankTransports(transport)}
         assert moe_case("random", 4, planning=planning, force_pipeline=True, selectors=selectors, chunks=1,
                         once_per_rank=True) < 1e-5
+
+
+def test_ep_comm_ctas_holds_the_pushes_no_carveout_sizes(monkeypatch):
+    """``overlap.ep_comm_ctas`` with SM pushes: a push that no carve-out sizes (one chunk, where only another
+    stream's GEMMs may run beside it) takes that many CTAs instead of the full chip; the same result."""
+    import moe_overlap.distributed.a2a_push as a2a_push
+    from moe_overlap.kernels.push_rows import full_width
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    push_rows, ctas = a2a_push.push_rows, []
+
+    def counted(*args, **kwargs):
+        if "ctas" not in kwargs:  # rows, not gather_counts' one-CTA push of the counts
+            ctas.append(args[7])
+        return push_rows(*args, **kwargs)
+
+    monkeypatch.setattr(a2a_push, "push_rows", counted)
+    for push_ctas, want in ((None, full_width(torch.device("cpu"))), (3, 3)):
+        ctas.clear()
+        selectors = {"device": OneRankTransports("sm_push", push_ctas)}
+        assert moe_case("sparse", 2, planning="device", force_pipeline=True, selectors=selectors, chunks=1) < 1e-5
+        assert ctas and set(ctas) == {want}
 
 
 @pytest.mark.parametrize("once_per_rank,chunks,copies", [(True, 1, 0), (True, 4, 3), (False, 1, 1)])

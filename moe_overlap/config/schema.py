@@ -148,7 +148,7 @@ class OverlapConfig:
     # CTAs (NCCL channels) of the data-parallel communicators that reduce gradients and gather parameters
     # (mesh groups dp, dp_cp, edp); null: NCCL's choice. Few CTAs leave the SMs to the GEMMs they hide under.
     dp_comm_ctas: Optional[int] = None
-    # The same for the expert-parallel communicator (mesh group ep: the MoE all-to-all over nccl).
+    # The same for the EP communicator (group ep: nccl's all-to-all); also an SM push's CTAs where no carve-out does.
     ep_comm_ctas: Optional[int] = None
     # SMs a GEMM with communication beside it leaves free (torch's SM carve-out), so that a communication kernel
     # starts at once instead of queueing behind the GEMM's full-chip grid: the MoE pipeline's grouped GEMMs while

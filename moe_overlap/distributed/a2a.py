@@ -55,14 +55,16 @@ class TransportSelector:
     regions lazily: for the largest exchange of the first call (host-planned: every rank's copies landing on one
     rank; device-planned: the bounded receive buffer); all EP ranks see the same micro-batch shape, so they grow
     them together. A group of one rank (a one-GPU measurement of the pipeline) keeps its regions in ordinary
-    memory. ``expert_tp``: the expert-TP size of the layers it serves (auto plans on the host there)."""
+    memory. ``expert_tp``: the expert-TP size of the layers it serves (auto plans on the host there). ``push_ctas``:
+    an SM push's CTAs where no carve-out sizes it (``overlap.ep_comm_ctas``; None: full width)."""
 
     def __init__(self, planning: str, transport: str, group: ProcessGroup, group_ranks: list[int],
                  device: torch.device, max_chunks: int, timeout_s: float, compute_only: bool = False,
-                 expert_tp: int = 1):
+                 expert_tp: int = 1, push_ctas: int | None = None):
         self.planning, self.name, why = exchange_choice(planning, transport, group, group_ranks, device, expert_tp)
         self.group, self.group_ranks, self.device, self.max_chunks = group, group_ranks, device, max(max_chunks, 1)
         self.timeout_s, self.timeout_ms = timeout_s, int(timeout_s * 1000)
+        self.push_ctas = push_ctas
         # overlap.moe_compute_only (a benchmark may switch it between steps of eager layers)
         self.compute_only = compute_only
         self._transport: Transport | None = None
@@ -141,8 +143,9 @@ class TransportSelector:
             return CollectiveTransport(self.name, self.group, self.device)
         if self.name == "gloo":
             return PushTransport(TwinRegions(nbytes, REGIONS, self.group, self.device), self.device, twin=True,
-                                 twin_group=self.group)
+                                 twin_group=self.group, push_ctas=self.push_ctas)
         regions = (LocalRegions(nbytes, REGIONS, self.max_chunks, self.device) if self.group is None else
                    SymmRegions(self.group, nbytes, REGIONS, self.max_chunks, self.device, self.timeout_ms))
-        return CopyEngineTransport(regions, self.device) if self.name == "copy_engine" else PushTransport(regions,
-                                                                                                          self.device)
+        if self.name == "copy_engine":
+            return CopyEngineTransport(regions, self.device)
+        return PushTransport(regions, self.device, push_ctas=self.push_ctas)

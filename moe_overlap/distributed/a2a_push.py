@@ -25,7 +25,7 @@ class _PushExchange:
     def _open(self, transport: PushTransport, device: torch.device, sms: int) -> None:
         self.transport, self.regions = transport, transport.regions
         self.streams = ExchangeStreams(device, transport.stream if sms else None)
-        self.ctas = sms or full_width(device)
+        self.ctas = sms or transport.alone_ctas
         with self._exposed():
             self.region = self.regions.claim(self.streams.side or self.streams.compute)
 
@@ -43,7 +43,7 @@ class _PushExchange:
         ``landing``: the (start, count) of this rank's own rows that this chunk's peers write, which a compute-only
         reference makes from the rank's own rows instead. ``gather``: the rows' first columns are read from their
         source rows (GatheredRows)."""
-        ctas = full_width(src_RH.device) if alone else self.ctas
+        ctas = self.transport.alone_ctas if alone else self.ctas
         with self._exposed():
             if self.transport.compute_only:
                 self.transport.land_own(src_RH, src_start, count, self.own_RH, *landing, ctas, gather)
@@ -133,12 +133,15 @@ class PushFromExperts(_PushExchange, FromExperts):
 class PushTransport(Transport):
     """``sm_push``: device sizes, rows stored by a Triton kernel into every rank's region of symmetric memory
     (:class:`LocalRegions` on a group of one rank). With ``twin`` it is the CPU twin instead: the same
-    routes, the rows moved by ``twin_group`` (gloo), one host sync per move."""
+    routes, the rows moved by ``twin_group`` (gloo), one host sync per move. ``push_ctas``: the CTAs of a push with
+    no carve-out beside it (``overlap.ep_comm_ctas``; None: full width)."""
 
     to_class, from_class = PushToExperts, PushFromExperts
 
-    def __init__(self, regions, device: torch.device, twin: bool = False, twin_group: ProcessGroup = None):
+    def __init__(self, regions, device: torch.device, twin: bool = False, twin_group: ProcessGroup = None,
+                 push_ctas: int | None = None):
         self.regions, self.device, self.twin_group = regions, device, twin_group
+        self.alone_ctas = push_ctas or full_width(device)
         self.symmetric, self.compute_only = not twin, False
         self.needs_sms = self.gathers = self.symmetric
         if self.symmetric:

@@ -154,7 +154,8 @@ class MixtralModel(nn.Module):
             chunks = overlap.moe_pipeline_chunks + overflow_chunks(overlap)
             transports = TransportSelector(overlap.moe_planning, overlap.moe_transport, mesh.ep.group,  # every MoE
                                            mesh.ep.ranks, torch.device(device or "cpu"),  # layer shares one
-                                           chunks, timeout_s, overlap.moe_compute_only, mesh.etp.size)
+                                           chunks, timeout_s, overlap.moe_compute_only, mesh.etp.size,
+                                           push_ctas=overlap.ep_comm_ctas)
         # With tied weights the last stage keeps its own copy of the table for the output layer (Megatron's).
         self.embedding = (Embedding(cfg.vocab_size, cfg.hidden_size, self.tp_comm, device, dtype)
                           if pre_process or (post_process and tied) else None)
