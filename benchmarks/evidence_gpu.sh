@@ -3455,6 +3455,12 @@ PY
       data.path=data/stdlib_head/stdlib.bin train.distributed_timeout_s=60 --no-scale-batch --warmup 3 --steps 4 \
       --variant "ctas8:overlap.ep_comm_ctas=8,$C0" --variant "ctas16:overlap.ep_comm_ctas=16,$C0" --compute-only
     ;;
+  split_example2)  # (2026-11-30) issue 38's EP=2 miss split: the fine bench model balanced as auto runs it (pairs on two
+    # streams), compute_only and ep1 (one GPU: on streams too), one profiled step each with its timeline; then issue
+    # 41's fine 2-GPU example as shipped (auto: streams on an H200), 200 steps on the whole corpus (carry data/stdlib_xz)
+    STEPS="--warmup 2 --steps 4 --profile-steps 1" train_step 2 fine_8l balanced_split "$BAL"
+    ROUTING_NAME=streams example 2
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
