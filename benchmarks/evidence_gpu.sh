@@ -3461,6 +3461,12 @@ PY
     STEPS="--warmup 2 --steps 4 --profile-steps 1" train_step 2 fine_8l balanced_split "$BAL"
     ROUTING_NAME=streams example 2
     ;;
+  mixtral_streams2)  # (2026-11-30) after split_example2: the 2-rank GPU tests whose layouts set overlap.ep_comm_ctas
+    # beside SM pushes (which it now holds where no carve-out sizes them); then issue 41's Mixtral-like 2-GPU example as
+    # shipped (auto: streams on an H200), 200 steps on the whole corpus (carry data/stdlib_xz)
+    two_rank_tests push_ctas tests/test_gpu_microbatch_overlap.py tests/test_gpu_master.py
+    EXAMPLE_FAMILY=mixtral ROUTING_NAME=streams example 2
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
