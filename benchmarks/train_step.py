@@ -340,6 +340,31 @@ def relate(rows: list[dict]) -> None:
             row["vs_ep1"] = round(row["tokens_per_s_per_gpu"] / ep1["tokens_per_s_per_gpu"], 4)
         if compute_only is not None:
             row["vs_compute_only"] = round(row["step_time_s"] / compute_only["step_time_s"], 4)
+            if row is not compute_only and row.get("profile_per_rank") and compute_only.get("profile_per_rank"):
+                row["split_vs_compute_only"] = [split_against(mine, limit) for mine, limit in
+                                                zip(row["profile_per_rank"], compute_only["profile_per_rank"])]
+
+
+def kernel_ms(profile: dict) -> dict[str, float]:
+    """A rank's profiled step: kernel ms by kind, summed over every stream (with pairs on two streams a kind's
+    kernels run on both), and the window and the time no stream ran anything."""
+    breakdown, streams = profile["breakdown"], profile["streams"]
+    by_kind: dict[str, float] = {}
+    for part in (breakdown["compute_stream_ms"], breakdown["other_streams_ms"]):
+        for kind, ms in part.items():
+            if kind != "idle":
+                by_kind[kind] = by_kind.get(kind, 0.0) + ms
+    return dict(by_kind, window=streams["window_ms"], no_stream_running=streams["device_idle_ms"])
+
+
+def split_against(profile: dict | None, limit: dict | None) -> dict[str, float] | None:
+    """Where a rank's profiled step differs from compute_only's (ms, this row's minus the limit's): kernel time by
+    kind over every stream, the window and the GPU's idle time. The split a missed step-vs-compute_only target asks
+    for: more kernel time (the exchange's own kernels, others slowed beside them) or more idle (waits, the host)."""
+    if not profile or not limit:
+        return None
+    mine, theirs = kernel_ms(profile), kernel_ms(limit)
+    return {kind: round(mine.get(kind, 0.0) - theirs.get(kind, 0.0), 1) for kind in sorted({*mine, *theirs})}
 
 
 def main(argv=None) -> list[dict]:

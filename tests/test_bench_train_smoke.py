@@ -95,3 +95,26 @@ def test_a_compute_only_row_with_a_nan_loss_is_no_limit():
     broken = [row("config", 1.1, 4.0), row("compute_only", 0.9, float("nan"))]
     relate(broken)
     assert "vs_compute_only" not in broken[0] and "not finite" in broken[1]["not_a_limit"]
+
+
+def test_a_profiled_row_is_split_against_compute_only_over_every_stream():
+    """With profiles, each row's kernel time by kind (both micro-batch streams summed), window and GPU idle time are
+    set against compute_only's per rank: the split of a step that misses its ratio to the limit."""
+    from benchmarks.train_step import relate
+
+    def profile(comm, copies, window, idle):
+        return {"breakdown": {"compute_stream_ms": {"GEMM": 100.0, "communication": comm, "idle": 50.0},
+                              "other_streams_ms": {"GEMM": 90.0, "copies": copies}},
+                "streams": {"window_ms": window, "device_idle_ms": idle}}
+
+    def row(variant, step, profiles):
+        return {"variant": variant, "step_time_s": step, "tokens_per_s_per_gpu": 1 / step, "loss_first": 10.0,
+                "loss_last": 9.0, "profile_per_rank": profiles}
+    rows = [row("config", 0.62, [profile(30.0, 50.0, 605.0, 8.0), None]),
+            row("compute_only", 0.59, [profile(10.0, 75.0, 593.0, 10.5), profile(12.0, 70.0, 593.0, 9.0)])]
+    relate(rows)
+    split = rows[0]["split_vs_compute_only"]
+    assert split[1] is None  # rank 1 of the row has no profile
+    assert split[0] == {"GEMM": 0.0, "communication": 20.0, "copies": -25.0, "window": 12.0,
+                        "no_stream_running": -2.5}
+    assert "split_vs_compute_only" not in rows[1]
