@@ -3467,6 +3467,17 @@ PY
     two_rank_tests push_ctas tests/test_gpu_microbatch_overlap.py tests/test_gpu_master.py
     EXAMPLE_FAMILY=mixtral ROUTING_NAME=streams example 2
     ;;
+  streams_more2)  # (2026-11-30, the session's last ~250 s) issue 38 at EP=2 on two streams, what auto has not measured
+    # there: delayed weight gradients (the backward's transfer back on the side stream beside them), 2 chunks (pushes
+    # beside the GEMMs of the same micro-batch), the shared expert after the combine; each against the config (auto:
+    # streams) in one launch, the fine bench model balanced, 2 warm-up + 3 steps
+    unfenced || exit 2
+    P="overlap.overlap_moe_expert_parallel_comm=true"
+    limited train_step_fine_8l_ep2_balanced_streams_more_2x$gpu $(( $(left) < 215 ? $(left) : 215 )) 2 \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+      train.distributed_timeout_s=60 --warmup 2 --steps 3 --variant "wgrad:overlap.delay_wgrad_compute=true,$P" \
+      --variant "chunks2:overlap.moe_pipeline_chunks=2,$P" --variant "shared_after:model.moe_shared_expert_overlap=false"
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
