@@ -361,8 +361,8 @@ def split_against(profile: dict | None, limit: dict | None) -> dict[str, float] 
     """Where a rank's profiled step differs from compute_only's (ms, this row's minus the limit's): kernel time by
     kind over every stream, the window and the GPU's idle time. The split a missed step-vs-compute_only target asks
     for: more kernel time (the exchange's own kernels, others slowed beside them) or more idle (waits, the host)."""
-    if not profile or not limit:
-        return None
+    if not profile or not limit or "skipped" in profile["breakdown"] or "skipped" in limit["breakdown"]:
+        return None  # no device events (the CPU)
     mine, theirs = kernel_ms(profile), kernel_ms(limit)
     return {kind: round(mine.get(kind, 0.0) - theirs.get(kind, 0.0), 1) for kind in sorted({*mine, *theirs})}
 

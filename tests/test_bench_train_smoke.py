@@ -110,11 +110,13 @@ def test_a_profiled_row_is_split_against_compute_only_over_every_stream():
     def row(variant, step, profiles):
         return {"variant": variant, "step_time_s": step, "tokens_per_s_per_gpu": 1 / step, "loss_first": 10.0,
                 "loss_last": 9.0, "profile_per_rank": profiles}
-    rows = [row("config", 0.62, [profile(30.0, 50.0, 605.0, 8.0), None]),
-            row("compute_only", 0.59, [profile(10.0, 75.0, 593.0, 10.5), profile(12.0, 70.0, 593.0, 9.0)])]
+    skipped = {"breakdown": {"skipped": "the profiler recorded no device events"}, "streams": {"skipped": "..."}}
+    rows = [row("config", 0.62, [profile(30.0, 50.0, 605.0, 8.0), None, skipped]),
+            row("compute_only", 0.59, [profile(10.0, 75.0, 593.0, 10.5), profile(12.0, 70.0, 593.0, 9.0),
+                                       profile(12.0, 70.0, 593.0, 9.0)])]
     relate(rows)
     split = rows[0]["split_vs_compute_only"]
-    assert split[1] is None  # rank 1 of the row has no profile
+    assert split[1] is None and split[2] is None  # rank 1 of the row has no profile, rank 2 no device events (CPU)
     assert split[0] == {"GEMM": 0.0, "communication": 20.0, "copies": -25.0, "window": 12.0,
                         "no_stream_running": -2.5}
     assert "split_vs_compute_only" not in rows[1]
