@@ -442,6 +442,13 @@ limited() {  # name, limit in s, ranks, then train_step.py's arguments: a launch
   pack
 }
 
+fine_ep2() {  # tag, limit in s, then train_step.py's arguments: the fine bench model at EP=2, balanced, graphed, the
+  # distributed optimizer's overlaps, as auto runs it otherwise (limited: from /tmp/unfenced, unfenced first)
+  local tag=$1 limit=$2; shift 2
+  limited train_step_fine_8l_ep2_balanced_${tag}_2x$gpu "$limit" 2 configs/bench_fine_8l.yaml \
+    parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED "$@"
+}
+
 converge_fp8() {  # tag, the GPUs of seeds a and b, the machine's words, then overrides: rowwise FP8 at both seeds
   # (1234, 4321) side by side, against converge4's bf16 runs (the same config and seeds, 1xH100: committed)
   local tag=$1 gpus=($2) machine=$3 name index=0
@@ -3446,8 +3453,7 @@ PY
     # balanced, then configs/gpu2_fine.yaml on the corpus's first 5M tokens (carry data/stdlib_head_xz)
     unfenced || exit 2
     C0="overlap.gemm_sm_carveout=0"
-    limited train_step_fine_8l_ep2_balanced_push_ctas_2x$gpu $(( $(left) < 330 ? $(left) : 330 )) 2 \
-      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+    fine_ep2 push_ctas $(( $(left) < 330 ? $(left) : 330 )) \
       train.distributed_timeout_s=150 --warmup 2 --steps 6 --variant "ctas8:overlap.ep_comm_ctas=8,$C0" \
       --variant "ctas16:overlap.ep_comm_ctas=16,$C0" --variant "ctas32:overlap.ep_comm_ctas=32,$C0" \
       --variant "carve16:overlap.ep_comm_ctas=16,overlap.gemm_sm_carveout=16" --compute-only
@@ -3473,8 +3479,7 @@ PY
     # streams) in one launch, the fine bench model balanced, 2 warm-up + 3 steps
     unfenced || exit 2
     P="overlap.overlap_moe_expert_parallel_comm=true"
-    limited train_step_fine_8l_ep2_balanced_streams_more_2x$gpu $(( $(left) < 215 ? $(left) : 215 )) 2 \
-      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+    fine_ep2 streams_more $(( $(left) < 215 ? $(left) : 215 )) \
       train.distributed_timeout_s=60 --warmup 2 --steps 3 --variant "wgrad:overlap.delay_wgrad_compute=true,$P" \
       --variant "chunks2:overlap.moe_pipeline_chunks=2,$P" --variant "shared_after:model.moe_shared_expert_overlap=false" \
       --variant "config_again:$BAL"  # the config once more, last: the launch's own spread
