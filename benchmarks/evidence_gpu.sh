@@ -3484,6 +3484,21 @@ PY
       --variant "chunks2:overlap.moe_pipeline_chunks=2,$P" --variant "shared_after:model.moe_shared_expert_overlap=false" \
       --variant "config_again:$BAL"  # the config once more, last: the launch's own spread
     ;;
+  triple2)  # (2026-11-30 night) issue 38 at EP=2 with a serial row again (the last serial / overlapped / limit triple
+    # in one launch was 2026-11-27's, 2xH100): each bench model balanced, config (auto: pairs on two streams),
+    # serial (every overlap off), compute_only and ep1, one profiled step each
+    STEPS="--warmup 2 --steps 5 --profile-steps 1" train_step 2 fine_8l balanced_triple "$BAL" --variant "$SERIAL"
+    STEPS="--warmup 2 --steps 5 --profile-steps 1" train_step 2 mixtral_2l balanced_triple "$BAL" --variant "$SERIAL"
+    ;;
+  layer2)  # (2026-11-30 night) one MoE layer at EP=2 on today's code (the 2-GPU table of 2026-11-23 predates the
+    # exchange as one pipeline, each token once per rank and the bound): NVLink (at most 330 s), then the slow fabric
+    timeout -k 10 $(( $(left) < 330 ? $(left) : 330 )) torchrun --standalone --nproc-per-node 2 benchmarks/moe_layer.py \
+      --shapes mixtral,fine,fine_small --fabric nvlink --rounds 8 --graph-chunks 1 \
+      --json $res/moe_layer_2x${gpu}_nvlink.json > "$out/moe_layer2_nvlink.log" 2>&1
+    tail -n 12 "$out/moe_layer2_nvlink.log"
+    pack
+    moe_layer 2 slow --graph-chunks 1
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
