@@ -3499,6 +3499,17 @@ PY
     pack
     moe_layer 2 slow --graph-chunks 1
     ;;
+  layer2b)  # (2026-11-30 night) after layer2 (at EP=2 the graphed 1-chunk layer is best: fine 1.374x its limit,
+    # fine_small 1.865x, Mixtral 1.052x; every eager chunk count slower): chunks replayed from graphs, bounded at 1.25
+    # (as at EP=4, where 4 graphed chunks gained 6% over 1), each chunk count with carve-out 0 and auto
+    for shapes in fine,fine_small mixtral; do
+      timeout -k 10 $(( $(left) < 240 ? $(left) : 240 )) torchrun --standalone --nproc-per-node 2 benchmarks/moe_layer.py \
+        --shapes $shapes --fabric nvlink --rounds 8 --chunks 1,2,4 --graph-chunks 1,2,4 --capacity-factor 1.25 \
+        --json $res/moe_layer_2x${gpu}_nvlink_bound_chunks_${shapes/,/_}.json > "$out/moe_layer2b_${shapes/,/_}.log" 2>&1
+      grep -A8 "^fwdbwd" "$out/moe_layer2b_${shapes/,/_}.log"
+      pack
+    done
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
