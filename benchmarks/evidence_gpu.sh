@@ -3510,6 +3510,24 @@ PY
       pack
     done
     ;;
+  peer_push2)  # (2026-11-30 night) issue 38 at EP=2: would copy-engine transfers slow the GEMMs beside them less than
+    # the SM pushes do? The same bytes both ways, by the copy engines (1, 2 streams) and by the push kernel (full
+    # width, 64, 32, 16 CTAs; fine bench wire rows of 4,160 bytes), alone and beside a bf16 GEMM launched after or
+    # before them: an 8192^3 one, then one of about a push's length (16384 x 4096 x 2048); then one MoE layer at EP=1
+    # on GPU 0 (the 2026-11-23 table predates the exchange as one pipeline)
+    for shape in 8192,8192,8192 16384,4096,2048; do
+      timeout -k 10 $(( $(left) < 120 ? $(left) : 120 )) torchrun --standalone --nproc-per-node 2 benchmarks/peer_copy.py \
+        --sizes-mb 8,32 --streams 1,2 --sm-push-ctas 0,64,32,16 --rounds 30 --gemm $shape \
+        --json $res/peer_push_${shape//,/x}_2x$gpu.json > "$out/peer_push_${shape//,/x}.log" 2>&1
+      grep -v Warning "$out/peer_push_${shape//,/x}.log" | tail -n 14
+      pack
+    done
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 $(( $(left) - 10 )) torchrun --standalone --nproc-per-node 1 \
+      benchmarks/moe_layer.py --shapes mixtral,fine,fine_small --chunks 1,4 --carveouts 0,auto --rounds 10 --warmup 3 \
+      --json $res/moe_layer_1x${gpu}_ep1.json > "$out/moe_layer1.log" 2>&1
+    grep -A8 "^fwdbwd" "$out/moe_layer1.log"
+    pack
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
