@@ -83,9 +83,9 @@ STREAMS_EXPERT_RANKS = (1, 2)
 # (train_step_gpu2_fine_streams_bound_workspace_2xh200.json), one graph set's pool 21.0 / 21.35
 # (train_step_gpu2_fine_streams_pools_2xh200.json); configs/gpu4_fine.yaml 126.5 / 119.3 (4xH200, at one hardware
 # queue: RESULTS.md, "The hardware queues"). tests/test_streams_memory.py holds them.
-# The Mixtral-like bench model (4 layers) at EP=2 reserved more than estimated: 78.8 against 69.1 (peak allocated 67.4;
-# train_step_mixtral_2l_ep2_balanced_streams_2xh200.json), so auto pairs on streams only within STREAMS_MEMORY_MARGIN
-# of the allocator's budget.
+# The Mixtral-like bench model at EP=2 reserved more than estimated: 4 layers 78.8 against 69.1 (peak allocated 67.4;
+# train_step_mixtral_2l_ep2_balanced_streams_2xh200.json), 2 layers 46.0 against 38.0 (peak 35.5;
+# ..._triple_2xh200.json), so auto pairs on streams only within STREAMS_MEMORY_MARGIN of the allocator's budget.
 STREAMS_GRAPH_SPARE_CALLS = 2
 STREAMS_DENSE_WIDTHS = 20
 STREAMS_MEMORY_MARGIN = 0.9

@@ -61,13 +61,21 @@ def test_the_estimate_follows_what_streams_reserved_on_gpus(config, world, overr
     assert need > row["peak_memory_gib"]
 
 
-def test_the_mixtral_like_model_reserved_more_than_its_estimate_on_streams():
+MIXTRAL_EP2 = ["parallel.expert_model_parallel_size=2", "train.global_batch_size=16",
+               "train.use_distributed_optimizer=true", "overlap.moe_pipeline=true",
+               "train.expert_wgrad_micro_batches=1"]
+GRAPHED_ROW = ["train.moe_cuda_graph=true", "train.expert_wgrad_micro_batches=1"]
+
+
+@pytest.mark.parametrize("layers, name, variant", [
+    (4, "train_step_mixtral_2l_ep2_balanced_streams_2xh200.json", [*GRAPHED_ROW, *PAIRED]),  # 69.1 / 78.8 GiB
+    (2, "train_step_mixtral_2l_ep2_balanced_triple_2xh200.json", GRAPHED_ROW),  # 38.0 / 46.0, auto on streams
+])
+def test_the_mixtral_like_model_reserved_more_than_its_estimate_on_streams(layers, name, variant):
     """Its reserved memory is above the estimate (tuning.STREAMS_MEMORY_MARGIN is for it), its peak below."""
-    row = streams_row("train_step_mixtral_2l_ep2_balanced_streams_2xh200.json",
-                      ["train.moe_cuda_graph=true", "train.expert_wgrad_micro_batches=1", *PAIRED])
-    need = estimate("bench_mixtral_2l.yaml", 2, ["parallel.expert_model_parallel_size=2", "model.num_layers=4",
-                                                 "train.use_distributed_optimizer=true", "overlap.moe_pipeline=true",
-                                                 "train.expert_wgrad_micro_batches=1"]).total / GIB
+    row = streams_row(name, variant)
+    assert row["resolved"]["overlap_moe_expert_parallel_comm"] and row["resolved"]["moe_cuda_graph"]
+    need = estimate("bench_mixtral_2l.yaml", 2, [*MIXTRAL_EP2, f"model.num_layers={layers}"]).total / GIB
     assert row["peak_memory_gib"] < need < row["reserved_memory_gib"]
 
 
