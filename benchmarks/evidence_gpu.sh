@@ -3528,6 +3528,20 @@ PY
     grep -A8 "^fwdbwd" "$out/moe_layer1.log"
     pack
     ;;
+  ce_shadow2)  # (2026-11-30 night) after peer_push2 (copy engines beside a GEMM cost it 0.02-0.10 ms less than SM
+    # pushes per 32 MiB): the step a copy-engine exchange of fixed slots could reach, measured before it is built.
+    # The fine bench model balanced at EP=2 as auto runs it (pairs on two streams), compute_only, and compute_only with
+    # the copy engines carrying a slot of T tokens to the peer at every transfer (benchmarks/ce_shadow.py), each twice
+    name=train_step_fine_8l_ep2_balanced_ce_shadow_2x$gpu
+    C="overlap.moe_pipeline=true,overlap.moe_compute_only=true"
+    timeout -k 10 $(( $(left) - 5 )) torchrun --standalone --nproc-per-node 2 benchmarks/ce_shadow.py \
+      configs/bench_fine_8l.yaml parallel.expert_model_parallel_size=2 $BAL $DISTOPT $GRAPHED \
+      --warmup 2 --steps 5 --profile-steps 1 --compute-only --variant "compute_only_ce:$C" \
+      --variant "config_again:$BAL" --variant "compute_only_again:$C" --variant "compute_only_again_ce:$C" \
+      --json $res/$name.json --timeline $res/$name.png 2>&1 | tee "$out/$name.log" \
+      | grep -E '^\{"variant"|Error|error' | cut -c1-300
+    pack
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
