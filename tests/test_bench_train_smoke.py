@@ -120,3 +120,52 @@ def test_a_profiled_row_is_split_against_compute_only_over_every_stream():
     assert split[0] == {"GEMM": 0.0, "communication": 20.0, "copies": -25.0, "window": 12.0,
                         "no_stream_running": -2.5}
     assert "split_vs_compute_only" not in rows[1]
+
+
+CE_SHADOW_RUN = """
+import json, os, sys
+import torch
+import moe_overlap.distributed.symm as symm
+
+copies = []
+
+
+class HostScratch:  # symmetric memory's stand-in on gloo ranks: every rank's scratch is a host buffer here
+    def __init__(self, group, nbytes, device):
+        self.nbytes = nbytes
+
+    def view(self, rank, shape, dtype):
+        copies.append([rank, shape[0]])
+        return torch.zeros(shape, dtype=dtype)
+
+
+symm.SymmWorkspace = HostScratch
+import benchmarks.ce_shadow as ce_shadow
+
+ce_shadow.main(sys.argv[2:])
+with open(sys.argv[1] + os.environ["RANK"], "w") as f:
+    json.dump(copies, f)
+"""
+
+
+def test_the_copy_engine_shadow_rows_copy_a_slot_to_the_peer_at_every_transfer(tmp_path):
+    """benchmarks/ce_shadow.py at 2 gloo ranks: only the ``_ce`` row copies, a micro-batch's tokens at each
+    transfer's row width, to the other rank; the rows are train_step.py's."""
+    script, out = tmp_path / "run.py", tmp_path / "shadow.json"
+    script.write_text(CE_SHADOW_RUN)
+    compute_only = "overlap.moe_pipeline=true,overlap.moe_compute_only=true"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tmp_path / "copies"), "configs/tiny.yaml", "overlap.moe_planning=device", "train.micro_batch_size=2",
+           "train.global_batch_size=4", "--steps", "1", "--warmup", "1", "--profile-steps", "0", "--compute-only",
+           "--variant", f"compute_only_ce:{compute_only}", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text())["order"] == ["config", "compute_only", "compute_only_ce"]
+    tokens = 2 * 128  # tiny.yaml: a micro-batch of 2 sequences of 128 tokens
+    for rank in (0, 1):
+        copies = json.loads((tmp_path / f"copies{rank}").read_text())
+        # 2 steps x 2 micro-batches a rank x 3 MoE layers x the dispatch and combine, forward and backward
+        assert len(copies) == 2 * 2 * 3 * 4
+        assert {peer for peer, _ in copies} == {1 - rank}
+        assert {nbytes for _, nbytes in copies} == {tokens * 128 * 4}  # rows 128 wide (the hidden), fp32
