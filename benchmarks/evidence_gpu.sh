@@ -3542,6 +3542,12 @@ PY
       | grep -E '^\{"variant"|Error|error' | cut -c1-300
     pack
     ;;
+  text2)  # (2026-11-30 night, the session's last ~330 s; carry data/stdlib_head_xz) issue 38's real-text rows at EP=2
+    # on today's code: each bench model on the corpus's first 5M tokens, config (auto), compute_only, serial and ep1
+    # (the same text), 2 warm-up + 4 steps, no profile
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 mixtral_2l text "$TEXT" --variant "$SERIAL"
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
