@@ -28,7 +28,7 @@ class TransportNeeds:
 
 NEEDS: dict[str, TransportNeeds] = {
     "nccl": TransportNeeds(("host",), "cuda", False, "the group's copy"),
-    "copy_engine": TransportNeeds(("host",), "cuda", True, "its own memory"),
+    "copy_engine": TransportNeeds(("host", "device"), "cuda", True, "its own memory"),  # device: wire rows in slots
     "sm_push": TransportNeeds(("device",), "cuda", True, "its own memory"),
     "gloo": TransportNeeds(("host", "device"), "cpu", False, "the group's copy"),  # device: the twin of sm_push
 }
@@ -94,6 +94,29 @@ def sizes_refusal(planning: str, transport: str) -> Refusal | None:
     return Refusal(TRANSPORT, transport, f"takes {takes} sizes: it cannot run with {PLANNING}={planning} (use "
                    f"{PLANNING}={takes} or auto, or {TRANSPORT}={' or '.join(fitting)} or auto)",
                    f"refused: takes {takes} sizes")
+
+
+def host_sized(planning: str, transport: str) -> bool:
+    """The exchange takes sizes fetched to the host, whose sync a CUDA graph cannot hold: host planning, or with
+    ``planning`` auto a transport whose first sizes are the host's (choose_exchange picks them)."""
+    if planning == "host" or transport == "auto":
+        return planning == "host"
+    return NEEDS[transport].sizes[0] == "host" if planning == "auto" else "device" not in NEEDS[transport].sizes
+
+
+def slots_refusal(planning: str, transport: str, once_per_rank: bool, overflow_chunk: bool) -> Refusal | None:
+    """copy_engine with device planning moves each token's wire rows in slots of a micro-batch's tokens per (rank,
+    chunk) target, whose ranges do not depend on the routing (layers/device_plan.py): it needs each token once per
+    rank, and has no overflow chunk."""
+    if planning != "device" or transport != "copy_engine":
+        return None
+    if not once_per_rank:
+        return Refusal(TRANSPORT, transport, f"with {PLANNING}=device needs overlap.moe_dispatch_once_per_rank=true "
+                       "(the copy engines move each token's wire rows in slots)", "needs once per rank")
+    if overflow_chunk:
+        return Refusal(TRANSPORT, transport, f"with {PLANNING}=device: not implemented yet with the overflow chunk "
+                       "(overlap.moe_overflow_capacity_factor and more than one chunk)", "refused: not implemented yet")
+    return None
 
 
 def device_planning_refusal(symm_reason: str | None) -> Refusal | None:

@@ -224,7 +224,7 @@ BAD: list[tuple] = [
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "overlap.moe_transport=nccl"],
      "overlap.moe_transport", "'nccl'", "takes host sizes", "moe_planning=device"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "overlap.moe_transport=copy_engine"],
-     "overlap.moe_transport", "'copy_engine'", "takes host sizes"),
+     "overlap.moe_transport", "'copy_engine'", "needs overlap.moe_dispatch_once_per_rank=true"),  # top-2: off
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=host", "overlap.moe_transport=sm_push"],
      "overlap.moe_transport", "'sm_push'", "takes device sizes"),
     (TINY, ["overlap.moe_pipeline=true", "overlap.moe_planning=device", "parallel.expert_tensor_parallel_size=2"],

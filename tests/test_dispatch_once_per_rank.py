@@ -23,7 +23,7 @@ from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
 from moe_overlap.layers.exchange_memory import wire_region_bytes
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.wire_rows import token_wire_rows
-from tests.test_moe_layer import CAPACITIES, SHARED, OneRankTransports, moe_case, moe_cases
+from tests.test_moe_layer import CAPACITIES, SHARED, TOKENS, OneRankTransports, moe_case, moe_cases
 
 ONCE = dict(once_per_rank=True)
 
@@ -75,16 +75,18 @@ def test_once_per_rank_host_planned_with_a_rank_without_tokens(rank_pool):
     assert max(max(e) for e in rank_pool(2).run(moe_cases, "random", 2, settings)) < 1e-5
 
 
-@pytest.mark.parametrize("transport", ["copy_engine", "sm_push"])
-def test_once_per_rank_over_one_rank_through_symmetric_regions(monkeypatch, transport):
+@pytest.mark.parametrize("transport,planning", [("copy_engine", "host"), ("copy_engine", "device"),
+                                                ("sm_push", "device")])
+def test_once_per_rank_over_one_rank_through_symmetric_regions(monkeypatch, transport, planning):
     """The rows' extra columns (grouped rows, probs and their gradients as raw bits) through the copy engine's
-    region and the Triton push kernel and copy-out (interpreted): bit-exact, or the math would be off."""
+    region (host sizes, or device-planned: the wire rows in slots, the counts copied through a region too) and the
+    Triton push kernel and copy-out (interpreted): bit-exact, or the math would be off."""
     if transport == "sm_push":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    planning = "device" if transport == "sm_push" else "host"
     for setting in (dict(chunks=1), dict(chunks=4, capacity=3, **SHARED[1])):
         assert moe_case("sparse", 2, planning=planning, force_pipeline=True,
-                        selectors={planning: OneRankTransports(transport)}, **setting, **ONCE) < 1e-5
+                        selectors={planning: OneRankTransports(transport, planning=planning)}, **setting,
+                        **ONCE) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------ fewer rows
@@ -224,3 +226,48 @@ def test_the_layer_refuses_padded_capacity():
     with pytest.raises(ValueError, match="not implemented yet with model.moe_pad_expert_input_to_capacity"):
         MoELayer(cfg, OverlapConfig(moe_pipeline=True, moe_dispatch_once_per_rank=True, delay_wgrad_compute=False),
                  two_ranks, SimpleNamespace(planning="host"))
+
+
+# ------------------------------------------------------------------------------------------ wire rows in slots
+def slotted_cases(routing: str, topk: int, settings: list[dict]) -> list[float]:
+    """Runs on every rank of the pool: :func:`moe_cases` with the device planner's wire rows in slots of T rows per
+    (source, target), as it lays them out for the copy engines, and its static host-sized routes moved by the CPU's
+    transport of host sizes (gloo's all-to-all standing in for the copy engines' peer copies)."""
+    from moe_overlap.distributed.a2a_host import CollectiveTransport
+    from moe_overlap.layers import device_plan
+
+    init, plan, make = device_plan.DevicePlanner.__init__, device_plan.DevicePlanner.plan, TransportSelector._make
+    slot_rows = []
+
+    def slotted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.slots = self.targets is not None
+
+    def planned(self, routing):
+        made = plan(self, routing)
+        slot_rows.append(sorted({rows for chunk in made.routes.layout.send_rows for rows in chunk}))
+        return made
+
+    def host_sized(self, nbytes):
+        return CollectiveTransport("gloo", self.group, self.device)
+
+    device_plan.DevicePlanner.__init__, device_plan.DevicePlanner.plan = slotted, planned
+    TransportSelector._make = host_sized
+    try:
+        errors = moe_cases(routing, topk, settings)
+    finally:
+        device_plan.DevicePlanner.__init__, device_plan.DevicePlanner.plan = init, plan
+        TransportSelector._make = make
+    assert slot_rows and all(rows == [TOKENS] for rows in slot_rows), slot_rows  # a slot of T to every target
+    return errors
+
+
+@pytest.mark.parametrize("world,routing", [(2, "sparse"), (2, "first_rank_only"), (4, "sparse")])
+def test_wire_rows_in_slots_are_the_same_math(rank_pool, world, routing):
+    """Every target's rows in a slot of T (rows no token takes cross too, carrying no copy): outputs and every
+    gradient as the formula's, one chunk and two, the shared expert beside the combine, delayed weight gradients,
+    FP8 on the wire (the rows no token takes are dequantized too, and read by nothing)."""
+    settings = [dict(planning="device", chunks=c, **sh, **ONCE) for c in (1, 2) for sh in SHARED[:2]]
+    settings.append(dict(planning="device", chunks=1, dispatch_dtype="fp8", **ONCE))
+    errors = rank_pool(world).run(slotted_cases, routing, 2, settings)
+    assert max(max(e) for e in errors) < 1e-5

@@ -22,8 +22,10 @@ from moe_overlap.exchange_rules import (
     expert_tp_refusal,
     graph_device_refusal,
     graph_refusal,
+    host_sized,
     one_host_refusal,
     sizes_refusal,
+    slots_refusal,
     value_refusal,
     what_runs_where,
     world_refusal,
@@ -45,7 +47,13 @@ MESSAGES = [
                                          f"'sm_push' cannot run: {PEERS}; use 'auto' or 'nccl'"),
     (sizes_refusal("device", "nccl"), "overlap.moe_transport='nccl': takes host sizes: it cannot run with "
                                       "overlap.moe_planning=device (use overlap.moe_planning=host or auto, or "
-                                      "overlap.moe_transport=sm_push or gloo or auto)"),
+                                      "overlap.moe_transport=copy_engine or sm_push or gloo or auto)"),
+    (slots_refusal("device", "copy_engine", once_per_rank=False, overflow_chunk=False),
+     "overlap.moe_transport='copy_engine': with overlap.moe_planning=device needs "
+     "overlap.moe_dispatch_once_per_rank=true (the copy engines move each token's wire rows in slots)"),
+    (slots_refusal("device", "copy_engine", once_per_rank=True, overflow_chunk=True),
+     "overlap.moe_transport='copy_engine': with overlap.moe_planning=device: not implemented yet with the overflow "
+     "chunk (overlap.moe_overflow_capacity_factor and more than one chunk)"),
     (sizes_refusal("host", "sm_push"), "overlap.moe_transport='sm_push': takes device sizes: it cannot run with "
                                        "overlap.moe_planning=host (use overlap.moe_planning=device or auto, or "
                                        "overlap.moe_transport=nccl or copy_engine or gloo or auto)"),
@@ -76,7 +84,13 @@ def test_the_rules_let_every_runnable_setting_through():
     assert one_host_refusal("copy_engine", None) is None and one_host_refusal("auto", PEERS) is None
     assert one_host_refusal("copy_engine", PEERS) is not None
     assert [(p, t) for p in PLANNINGS[1:] for t in TRANSPORTS[1:] if sizes_refusal(p, t) is not None] == [
-        ("host", "sm_push"), ("device", "nccl"), ("device", "copy_engine")]  # gloo takes both
+        ("host", "sm_push"), ("device", "nccl")]  # gloo and copy_engine (wire rows in slots) take both
+    assert slots_refusal("device", "copy_engine", once_per_rank=True, overflow_chunk=False) is None
+    assert slots_refusal("device", "sm_push", once_per_rank=False, overflow_chunk=True) is None
+    assert slots_refusal("host", "copy_engine", once_per_rank=False, overflow_chunk=True) is None
+    assert host_sized("auto", "copy_engine") and host_sized("host", "auto") and host_sized("auto", "nccl")
+    assert not host_sized("device", "copy_engine") and not host_sized("auto", "sm_push")
+    assert not host_sized("auto", "auto")  # the fabric decides when the ranks start
     assert sizes_refusal("auto", "nccl") is None and sizes_refusal("device", "auto") is None
     assert device_planning_refusal(None) is None
     assert expert_tp_refusal("device", 1) is None and expert_tp_refusal("host", 2) is None
@@ -135,8 +149,6 @@ def test_config_rules_in_order_and_the_world_rules():
 CONFIG_CASES = [
     (config_refusal(True, "device", "nccl", 1, True, False), "overlap.moe_transport", "'nccl'", "takes host sizes",
      "moe_planning=device"),
-    (config_refusal(True, "device", "copy_engine", 1, True, False), "overlap.moe_transport", "'copy_engine'",
-     "takes host sizes"),
     (config_refusal(True, "host", "sm_push", 1, True, False), "overlap.moe_transport", "'sm_push'",
      "takes device sizes"),
     (config_refusal(True, "device", "auto", 2, True, False), "overlap.moe_planning", "'device'", "not implemented yet",
@@ -158,6 +170,23 @@ def test_the_table_carries_what_config_validation_promises(case):
     message = str(refusal)
     assert message.startswith(f"{field}=") and value in message
     assert all(fragment in message for fragment in fragments), message
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["overlap.moe_dispatch_once_per_rank=false"], "needs overlap.moe_dispatch_once_per_rank=true"),
+    (["overlap.moe_dispatch_once_per_rank=true", "overlap.moe_pipeline_chunks=2",
+      "overlap.moe_expert_rank_capacity_factor=1.25", "overlap.moe_overflow_capacity_factor=0.5"],
+     "not implemented yet with the overflow chunk"),
+])
+def test_config_refuses_copy_engines_with_device_planning_it_cannot_slot(overrides, fragment):
+    from moe_overlap.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "tiny.yaml", ["overlap.moe_pipeline=true", "overlap.moe_planning=device",
+                                                     "overlap.moe_transport=copy_engine", *overrides])
+    message = str(err.value)
+    assert message.startswith("overlap.moe_transport='copy_engine': with overlap.moe_planning=device")
+    assert fragment in message and "\n" not in message
 
 
 def test_graph_capture_and_the_layer_refuse_with_the_rules_message():

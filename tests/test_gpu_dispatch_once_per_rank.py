@@ -3,7 +3,8 @@
 bf16: each layout runs with the switch off and on, and both follow the bf16 rule against an fp32 single-process run
 (the loss curve over STEPS steps, every gradient of the first): SM pushes device-planned and replayed from CUDA
 graphs (one chunk), SM pushes eager (2 chunks, delayed weight gradients), the copy engine and NCCL host-planned (2
-chunks), and paired micro-batches over NCCL. Routing is forced there (model.moe_router_force_load_balancing): with
+chunks), the copy engine device-planned and graphed (wire rows in slots: the switch on only), and paired
+micro-batches over NCCL. Routing is forced there (model.moe_router_force_load_balancing): with
 the switch on, the expert side sums a token's copies before they cross, one bf16 rounding at another place than the
 single run's. With the router choosing, on 2 and 4 H100s one or two experts' weight gradients then missed the
 rule by 2.5-5x while the other tensors passed and fp32 matched: the signature of a near-tied top-4 choice flipped
@@ -38,10 +39,19 @@ LAYOUTS = {
     "sm_push_graphed_delay_wgrad": {**DEVICE, "train.moe_cuda_graph": "true", "overlap.delay_wgrad_compute": "true"},
     "sm_push_chunks2_delay_wgrad": {**DEVICE, **CHUNKS2, "overlap.delay_wgrad_compute": "true"},
     "copy_engine_chunks2": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "copy_engine", **CHUNKS2},
+    # device-planned copy engines: each token's wire rows in slots (layers/device_plan.py), replayed from graphs
+    "copy_engine_slots_graphed": {**DEVICE, "overlap.moe_transport": "copy_engine", "train.moe_cuda_graph": "true",
+                                  "overlap.delay_wgrad_compute": "false"},
     "nccl_chunks2": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "nccl", **CHUNKS2},
     "nccl_paired": {"overlap.moe_pipeline": "true", "overlap.moe_transport": "nccl",
                     "overlap.overlap_moe_expert_parallel_comm": "true"},
 }
+
+
+def switches(layout: str) -> tuple[str, ...]:
+    """The copy engines with device planning need each token once per rank: that layout runs with the switch on."""
+    return ("on",) if LAYOUTS[layout].get("overlap.moe_transport") == "copy_engine" and "overlap.moe_planning" in \
+        LAYOUTS[layout] else ("off", "on")
 
 
 def gpu_case(output_dir: str) -> dict:
@@ -67,7 +77,7 @@ def gpu_case(output_dir: str) -> dict:
     # bf16: routing forced (token t's copies to experts 4t..4t+3 mod 8: all on one rank at EP=2, pairs at EP=4),
     # so that a rounding difference cannot flip a near-tied top-4 choice and move a token between experts
     layouts = {f"{name}_{switch}": {**extra, ONCE: str(switch == "on").lower()}
-               for name, extra in LAYOUTS.items() for switch in ("off", "on")}
+               for name, extra in LAYOUTS.items() for switch in switches(name)}
     mesh, device = init_distributed(config(world, forced, "bf16", {}))
     runs, skipped = {}, {}
     for name, extra in layouts.items():
@@ -97,7 +107,7 @@ def gpu_case(output_dir: str) -> dict:
                 grads[name], loads[name] = captured, metrics.get("tokens_per_expert")
     tensors, violations = bf16_rule(layouts, grads, losses)
     on_vs_off = {name: max(rel_err(grads[f"{name}_on"][k], grads[f"{name}_off"][k]) for k in grads[f"{name}_off"])
-                 for name in LAYOUTS if f"{name}_on" in grads}
+                 for name in LAYOUTS if f"{name}_on" in grads and f"{name}_off" in grads}
     fp32_worst = {name: max((rel_err(grads[name][k], grads["single_fp32_routed"][k]), k) for k in grads[name])
                   for name in grads if name.endswith("_fp32") and not name.startswith("single")}
     routed_bf16 = {"loads_differ_from_single": loads["nccl_paired_on_routed"] != loads["single_bf16_routed"],
@@ -108,8 +118,9 @@ def gpu_case(output_dir: str) -> dict:
               "fp32_worst_grad": fp32_worst, "routed_bf16": routed_bf16,
               "on_vs_off_worst_grad": on_vs_off, "skipped": {name: why for name, why in skipped.items() if why},
               "syncs_checked": False}
-    if not dry_run():  # the graphed layer with the switch on: no host sync in a step
+    if not dry_run():  # the graphed layers with the switch on: no host sync in a step
         step_queued_without_host_sync(runs["sm_push_graphed_on"])
+        step_queued_without_host_sync(runs["copy_engine_slots_graphed_on"])
         report["syncs_checked"] = True
     mesh.destroy()
     if dist.is_initialized():
@@ -131,7 +142,7 @@ def test_once_per_rank_dry_run_on_cpu_gloo(tmp_path):
     """Every layout but the graphed ones on 2 gloo ranks, each transport replaced by gloo (host-planned, or the
     device-planned twin of the push)."""
     graphed = {f"{name}_{switch}" for name, extra in LAYOUTS.items() if extra.get("train.moe_cuda_graph") == "true"
-               for switch in ("off", "on")}
+               for switch in switches(name)}
     for report in launch_ranks(__file__, tmp_path, timeout_s=900, world=2, dry_run=True):
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
         assert set(report["skipped"]) == graphed, report["skipped"]

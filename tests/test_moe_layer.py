@@ -380,11 +380,12 @@ class OneRankTransports:
     """A one-rank group's symmetric transport on CPU, its regions in this process's memory: the copy engine's
     copies and (interpreted) the SM push kernel, with the same routes and flow as on GPUs."""
 
-    def __init__(self, name: str, push_ctas: int | None = None):
+    def __init__(self, name: str, push_ctas: int | None = None, planning: str | None = None):
         from moe_overlap.distributed.a2a_host import CopyEngineTransport
         from moe_overlap.distributed.a2a_push import PushTransport
 
-        self.name, self.planning = name, "device" if name == "sm_push" else "host"
+        # the copy engine takes host sizes, or with device planning each token's wire rows in slots
+        self.name, self.planning = name, planning or ("device" if name == "sm_push" else "host")
         self.kind = PushTransport if name == "sm_push" else CopyEngineTransport
         self.extra = dict(push_ctas=push_ctas) if name == "sm_push" else {}
         self.made = None

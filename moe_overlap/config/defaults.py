@@ -57,6 +57,7 @@ The transport's ``auto`` follows the fabric, which only the ranks see (distribut
 from __future__ import annotations
 
 from moe_overlap.config.schema import Config, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig
+from moe_overlap.exchange_rules import host_sized
 from moe_overlap.tuning import (FP8_GEMM_MIN_DIM, FP8_GEMM_MIN_DIM_FAST, FP8_WGRAD_MIN_DIM, FP8_WGRAD_MIN_ROWS,
                                 FP8_WGRAD_RECIPES, ONCE_PER_RANK_MIN_TOPK, STREAMS_EXPERT_RANKS)
 
@@ -98,7 +99,7 @@ def pairing_off_reason(cfg: Config, exchanging: bool) -> str | None:
     if o.moe_pipeline is False:
         return "overlap.moe_pipeline=false: the serial exchange"
     if t.moe_cuda_graph is True or o.moe_planning == "device" or o.moe_transport in ("sm_push", "copy_engine"):
-        off = streams_off_reason(cfg)  # copy_engine's host-planned sizes among its reasons
+        off = streams_off_reason(cfg)  # host-planned sizes among its reasons
         if off is not None:
             return ("the exchange through one host's peer memory (device planning, CUDA graphs or the transport asked "
                     f"for), where eager pairs measured slower and pairs on two streams are not chosen: {off} "
@@ -128,8 +129,7 @@ def streams_off_reason(cfg: Config) -> str | None:
         (t.moe_cuda_graph is False, "train.moe_cuda_graph=false: eager pairs measured slower there"),
         (p.pipeline_model_parallel_size > 1, "PP > 1 with an exchange: refused on streams (it hung on GPUs)"),
         (gap is not None, f"not implemented: {gap}"),
-        (o.moe_planning == "host" or o.moe_transport in ("nccl", "copy_engine", "gloo"),
-         "host-planned sizes, which a graph cannot hold"),
+        (host_sized(o.moe_planning, o.moe_transport), "host-planned sizes, which a graph cannot hold"),
         (t.expert_wgrad_micro_batches > 1, "train.expert_wgrad_micro_batches > 1: a graph replays one backward"),
         (o.moe_pipeline_chunks > 1 or o.delay_wgrad_compute is True,
          "chunks or delayed weight gradients: slower on streams (tuning.py)"),
@@ -184,7 +184,7 @@ def graphs_off_reason(cfg: Config, exchanging: bool, paired: bool) -> str | None
         return "overlap_moe_expert_parallel_comm runs each MoE layer as stages, which a graph cannot hold"
     if not o.moe_pipeline:
         return "overlap.moe_pipeline=false: the serial exchange's host sync, which a graph cannot hold"
-    if o.moe_planning == "host" or o.moe_transport in ("nccl", "copy_engine", "gloo"):
+    if host_sized(o.moe_planning, o.moe_transport):
         return "host-planned sizes, whose host sync a graph cannot hold"
     if t.expert_wgrad_micro_batches > 1:
         return (f"train.expert_wgrad_micro_batches={t.expert_wgrad_micro_batches}: a graph replays one backward, "

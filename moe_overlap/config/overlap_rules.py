@@ -10,7 +10,7 @@ import math
 from moe_overlap.config.defaults import graph_gap, once_per_rank_gap, pairs_on_streams, pipeline_fields_set
 from moe_overlap.config.schema import (Config, ConfigError, ModelConfig, OverlapConfig, ParallelConfig, TrainConfig,
                                        not_implemented, refuse, require)
-from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal
+from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, sizes_refusal, slots_refusal
 
 MAX_NCCL_CTAS = 64  # NCCL's MAXCHANNELS
 
@@ -104,7 +104,9 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                 "needs overlap.moe_pipeline=true (the serial reference has one chunk, no deferred wgrad, host "
                 "sizes and the process group's own all-to-all)")
     refuse(sizes_refusal(o.moe_planning, o.moe_transport)
-           or expert_tp_refusal(o.moe_planning, p.expert_tensor_parallel_size or p.tensor_model_parallel_size))
+           or expert_tp_refusal(o.moe_planning, p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
+           or slots_refusal(o.moe_planning, o.moe_transport, o.moe_dispatch_once_per_rank is True,
+                            o.moe_overflow_capacity_factor is not None and o.moe_pipeline_chunks > 1))
     # the device-planned exchange's factors of the balanced rows: what each holds at least, what null means, and what
     # it sizes (host planning sizes that exactly)
     for name, least, null, sizes in (

@@ -193,9 +193,9 @@ class OverlapConfig:
     # buffers), device (no host sync, worst-case buffers, CUDA-graph capturable), auto (device when the
     # transport takes device sizes).
     moe_planning: Literal["auto", "host", "device"] = "auto"
-    # What moves the rows: nccl, copy_engine (symmetric memory, host sizes), sm_push (Triton stores into
-    # symmetric memory, device sizes), gloo (CPU); auto: sm_push or copy_engine on one host with peer access
-    # (by moe_planning), else nccl; gloo on CPU.
+    # What moves the rows: nccl, copy_engine (symmetric memory; host sizes, or device-planned wire rows in slots),
+    # sm_push (Triton stores into symmetric memory, device sizes), gloo (CPU); auto: sm_push or copy_engine on one host
+    # with peer access (by moe_planning), else nccl; gloo on CPU.
     moe_transport: Literal["auto", "nccl", "copy_engine", "sm_push", "gloo"] = "auto"
     # The device-planned exchange's receive bound (Megatron's name): a rank's chunk of local experts receives at most
     # ceil(factor x T x K x its share of the local experts) rows per layer call (T x K: the copies each rank routes;

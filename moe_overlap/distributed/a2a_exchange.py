@@ -141,6 +141,25 @@ class FromExperts(ABC):
         """After everything that reads result() was queued: the buffers go back."""
 
 
+def gather_through_regions(regions, counts_E: torch.Tensor, put: Callable[[torch.Tensor, int], None]
+                           ) -> torch.Tensor:
+    """Every EP rank's counts, [source rank, expert], on the device, through a claimed region of symmetric memory
+    instead of a collective (a CUDA graph of the layer holds none): ``put(counts_SE, region)`` writes this rank's
+    row of the table (``counts_E`` repeated) into every rank's region, then one signal per peer announces it."""
+    ranks = regions.size
+    region = regions.claim(torch.cuda.current_stream() if counts_E.is_cuda else None)
+    counts_SE = counts_E.view(1, -1).expand(ranks, -1).contiguous()
+    put(counts_SE, region)
+    for peer in regions.peers:
+        regions.signal(peer, region, 0)
+    with exposed_wait("ep"):
+        for peer in regions.peers:
+            regions.wait(peer, region, 0)
+    gathered_SE = regions.view(regions.rank, region, counts_SE.shape, counts_SE.dtype).clone()
+    regions.release(region)
+    return gathered_SE
+
+
 class Transport:
     """A way of moving rows (``overlap.moe_transport``): opens one exchange per direction and layer call (the
     classes it names). ``needs_sms``: its transfers run on SMs, so a GEMM beside them leaves some free."""

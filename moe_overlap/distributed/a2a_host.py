@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_overlap.distributed.a2a_exchange import ExchangeStreams, FromExperts, ToExperts, Transport
+from moe_overlap.distributed.a2a_exchange import (ExchangeStreams, FromExperts, ToExperts, Transport,
+                                                   gather_through_regions)
 from moe_overlap.distributed.a2a_routes import HostRoutes
-from moe_overlap.distributed.collectives import ProcessGroup
+from moe_overlap.distributed.collectives import ProcessGroup, all_gather_counts
 from moe_overlap.distributed.streams import Event, exposed_wait
 from moe_overlap.exchange_rules import graph_refusal
 from moe_overlap.kernels.push_rows import repeat_rows_host
@@ -132,6 +133,11 @@ class CollectiveTransport(Transport):
         self.needs_sms = name == "nccl"
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
+    def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Every EP rank's copies per global expert, [source rank, expert]: a device-planned plan's counts, where its
+        routes take host sizes (wire rows in slots, device_plan.py), on the CPU."""
+        return all_gather_counts(counts_E, self.group)
+
 
 class _CopyEngineExchange:
     """Pushes a chunk's (peer) blocks into the peers' claimed region with copy-engine copies on the copy stream,
@@ -224,3 +230,14 @@ class CopyEngineTransport(Transport):
     def __init__(self, regions, device: torch.device):
         self.regions, self.compute_only = regions, False
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Every EP rank's copies per global expert, [source rank, expert], on the device, copied through the
+        regions: a device-planned plan's counts (wire rows in slots, device_plan.py), no host sync and no
+        collective (a CUDA graph of the layer replays the copies)."""
+        def put(counts_SE: torch.Tensor, region: int) -> None:  # this rank's row into every rank's table
+            regions = self.regions
+            for rank in range(regions.size):
+                regions.view(rank, region, counts_SE.shape, counts_SE.dtype)[regions.rank].copy_(
+                    counts_SE[rank], non_blocking=True)
+        return gather_through_regions(self.regions, counts_E, put)

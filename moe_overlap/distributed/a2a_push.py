@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_overlap.distributed.a2a_exchange import ExchangeStreams, FromExperts, GatheredRows, ToExperts, Transport
+from moe_overlap.distributed.a2a_exchange import (ExchangeStreams, FromExperts, GatheredRows, ToExperts, Transport,
+                                                   gather_through_regions)
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
-from moe_overlap.distributed.collectives import ProcessGroup, all_gather_into, all_to_all_equal, all_to_all_rows
+from moe_overlap.distributed.collectives import ProcessGroup, all_gather_counts, all_to_all_equal, all_to_all_rows
 from moe_overlap.distributed.streams import Event, exposed_wait
 from moe_overlap.distributed.symm import LocalRegions
 from moe_overlap.kernels.push_rows import Gather, copy_rows_out, full_width, push_rows, repeat_rows, whole_rows
@@ -187,23 +188,13 @@ class PushTransport(Transport):
         """Every EP rank's copies per global expert, [source rank, expert], on the device: by the process group
         for the twin; else pushed like rows (one row to every rank), so a CUDA graph of the layer holds no
         collective."""
-        ranks = self.regions.size
         if not self.symmetric:
-            return all_gather_into(counts_E.new_empty(ranks * counts_E.numel()), counts_E.contiguous(),
-                                   self.twin_group).view(ranks, -1)
-        regions = self.regions
-        region = regions.claim(torch.cuda.current_stream() if counts_E.is_cuda else None)
-        counts_SE = counts_E.view(1, -1).expand(ranks, -1).contiguous()
-        push_rows(counts_SE, self._zero, self._ranks, self._every_rank, self._at_my_row, self._zero,
-                  self._bases[region], ctas=1)
-        for peer in regions.peers:
-            regions.signal(peer, region, 0)
-        with exposed_wait("ep"):
-            for peer in regions.peers:
-                regions.wait(peer, region, 0)
-        gathered_SE = regions.view(regions.rank, region, counts_SE.shape, counts_SE.dtype).clone()
-        regions.release(region)
-        return gathered_SE
+            return all_gather_counts(counts_E, self.twin_group)
+
+        def put(counts_SE: torch.Tensor, region: int) -> None:  # row r of the table to rank r, at this rank's row
+            push_rows(counts_SE, self._zero, self._ranks, self._every_rank, self._at_my_row, self._zero,
+                      self._bases[region], ctas=1)
+        return gather_through_regions(self.regions, counts_E, put)
 
 
 class TwinRegions:

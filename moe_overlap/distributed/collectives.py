@@ -95,6 +95,13 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGr
     return output
 
 
+def all_gather_counts(counts_E: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's counts, [rank, expert] (blocking): what a device-planned exchange gathers through symmetric
+    regions on GPUs, over the process group (gloo)."""
+    ranks = 1 if group is None else dist.get_world_size(group)
+    return all_gather_into(counts_E.new_empty(ranks * counts_E.numel()), counts_E.contiguous(), group).view(ranks, -1)
+
+
 def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-to-all of equal dim-0 slices, no autograd (used for the per-expert token counts)."""
     if group is None:

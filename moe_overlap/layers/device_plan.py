@@ -44,6 +44,13 @@ the copies past it): they share the overflow chunk's room in the receive buffer,
 and every wire row fits wherever every copy found a place (a wire row that does not, never comes back: a copy there
 was counted, and the step runs again).
 
+Wire rows in slots (``overlap.moe_transport: copy_engine``). The copy engines take host sizes, so with device
+planning each rank lays its wire rows for each (rank, chunk) target in a slot of the micro-batch's T rows: its tokens
+for that target first, then rows that carry no copy. Every rank receives a slot from every rank. The routes are then
+the same on every call of one micro-batch shape (host routes made once, :meth:`DevicePlanner.slot_routes`), and a
+slot never overflows; the copies' grouped rows are planned as above. The rows no token takes cross too, but no SM
+moves any row.
+
 Letters: E global experts, L local experts, S source rank, D destination rank, B a slot's block (an expert's
 rows in the permuted order), C chunk, R permuted rows, W compact receive rows.
 """
@@ -54,12 +61,13 @@ import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from moe_overlap.config import OverlapConfig
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.a2a_exchange import Transport
-from moe_overlap.distributed.a2a_routes import DeviceRoutes
+from moe_overlap.distributed.a2a_routes import DeviceRoutes, HostRoutes, exchange_layout
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.kernels.routes import fill_routes
 from moe_overlap.layers.exchange_plan import Planner, exclusive_cumsum
@@ -267,6 +275,10 @@ class DevicePlanner(Planner):
         self._static_counts: dict[int, torch.Tensor] = {}
         self._bounds: dict[tuple, tuple[list[int], torch.Tensor, int]] = {}
         self._counted: dict[int, torch.Tensor] = {}  # counted_factor's bound of each chunk, per R
+        self._slot_routes: dict[int, HostRoutes] = {}  # per T
+        # wire rows in slots: the copy engines move rows of host sizes only (transports.name: the choice made once;
+        # MoELayer refuses them without wire rows)
+        self.slots = self.targets is not None and transports is not None and transports.name == "copy_engine"
 
     def static_counts(self, capacity: int) -> torch.Tensor:
         """Padded capacity: every rank sends ``capacity`` rows to every expert."""
@@ -305,6 +317,18 @@ class DevicePlanner(Planner):
             self._bounds[key] = (chunk_rows, torch.tensor(chunk_rows, device=self.device), W)
         return self._bounds[key]
 
+    def slot_routes(self, tokens: int) -> HostRoutes:
+        """Wire rows in slots (the copy engines' exchange): every rank sends every (rank, chunk) target a slot of
+        ``tokens`` rows, its wire rows for that target first, then rows that carry no copy. The layout is then the
+        same on every call of that micro-batch shape: made on the host once, taken by a transport of host sizes, and
+        replayed from a CUDA graph. A chunk's slots arrive in source order, which is the order its one target asks."""
+        if tokens not in self._slot_routes:
+            P, C = self.ep.size, len(self.chunk_experts)
+            in_order = [torch.arange(P * tokens, device=self.device)] * C
+            self._slot_routes[tokens] = HostRoutes(exchange_layout(np.full((P, P, C), tokens), self.ep.rank),
+                                                   in_order, in_order)
+        return self._slot_routes[tokens]
+
     def plan(self, routing: Routing) -> DevicePlan:
         if self.targets is not None:
             return self._wire_plan(routing)
@@ -334,22 +358,29 @@ class DevicePlanner(Planner):
         chunk_rows, bound_C, _ = self.bounds(False, R)  # ends with the overflow chunk's rows where there is one
         over = chunk_rows[-1] if self.overflow_factor is not None else 0
         wire = self.wire_rows(routing)
-        wire_chunk_rows, wire_bound_C, W = self.wire_bounds(R, T)
+        if self.slots:  # every rank sends every (rank, chunk) target a slot of T rows
+            W = self.ep.size * len(self.chunk_experts) * T + 1
+        else:
+            wire_chunk_rows, wire_bound_C, W = self.wire_bounds(R, T)
         transport = self.transports.transport(region_rows(W, wire.num_rows + over) * self.wire_bytes)
         counts_SX = transport.gather_counts(torch.cat((routing.tokens_per_expert_E, wire.counts_V)))
         counts_SE, wire_SV = counts_SX[:, :E].contiguous(), counts_SX[:, E:].contiguous()
         row_of_copy_TK = self.permute_copies(routing)
         self._check_rows(counts_SE, R)
         targets = self.targets
-        wire_layout = targets.layout(wire_SV, wire_bound_C, total_rows=W - 1)
+        wire_layout = None if self.slots else targets.layout(wire_SV, wire_bound_C, total_rows=W - 1)
         if not over:
             layout = self.layout(counts_SE, bound_C)
             kept_E = layout.kept_DC[:, self.chunk_of_expert].reshape(E)
             grouped_TK = self.grouped_row_of_copies(counts_SE, row_of_copy_TK, routing.experts_TK, kept_E,
                                                     layout.within_DLS)
-            routes = targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows)
+            routes = (self.slot_routes(T) if self.slots
+                      else targets.routes(wire_layout, wire.num_rows, W, wire_chunk_rows))
             return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
                               transport, self._count_overflow(layout, R), wire, grouped_TK, chunk_rows)
+        if self.slots:
+            raise ValueError("wire rows in slots (the copy-engine exchange): not implemented yet with the overflow "
+                             "chunk (overlap.moe_overflow_capacity_factor) and more than one chunk")
         # a destination's overflow chunk: after its wire rows, in the room they left
         wire_rows_D = wire_layout.kept_DC.sum(1)
         layout = self.layout(counts_SE, bound_C, over, send_cap=over, receive_start_D=wire_rows_D,

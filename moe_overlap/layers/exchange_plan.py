@@ -116,6 +116,7 @@ class Planner:
         self.first_expert = torch.tensor([start for start, _ in bounds], device=device)
         self.chunk_of_expert = torch.tensor([c for c, (a, b) in enumerate(bounds) for _ in range(a, b)], device=device)
         self.targets: Planner | None = None
+        self.slots = False  # wire rows in slots of T rows per (chunk, rank) target (DevicePlanner: copy engines)
         if once_per_rank:  # not with padded capacity nor expert-TP > 1 (MoELayer refuses them)
             self.copies = copies_per_wire_row(topk, bounds)
             self.targets = type(self)(ep.size * chunks, ep, chunks, False, transports, device, row_bytes)
@@ -142,7 +143,7 @@ class Planner:
     def wire_rows(self, routing: Routing) -> WireRows:
         """The token side's wire rows (moe_dispatch_once_per_rank)."""
         return token_wire_rows(routing.experts_TK, routing.keep_TK, self.target_of_expert,
-                               self.targets.slot_of_expert, self.copies)
+                               self.targets.slot_of_expert, self.copies, self.slots)
 
     def grouped_blocks(self, counts_SE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every destination's grouped order of its received copies, each chunk in (local expert, source rank)

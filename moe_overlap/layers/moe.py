@@ -33,7 +33,7 @@ from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.mesh import GroupHandle
 from moe_overlap.distributed.streams import carveout_for, expect_gradients_from_other_streams, prepare_device_clock
-from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal
+from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, slots_refusal
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.permute import Permute, Unpermute
 from moe_overlap.layers.device_plan import DevicePlanner
@@ -97,8 +97,10 @@ class MoELayer(nn.Module):
         elif self.pipelined and transports is None:
             raise ValueError("overlap.moe_pipeline needs the model's TransportSelector")
         self.planning = transports.planning if self.pipelined and transports is not None else "host"
-        refusal = expert_tp_refusal(self.planning, 1 if self.etp is None else self.etp.size)
-        if refusal is not None:  # a selector made for another expert-TP size
+        refusal = (expert_tp_refusal(self.planning, 1 if self.etp is None else self.etp.size)
+                   or slots_refusal(self.planning, getattr(transports, "name", None), self.once_per_rank,
+                                    self.overflow_factor is not None and self.chunks > 1))
+        if refusal is not None:  # a selector made for another expert-TP size, or wire rows the copy engines need
             raise ValueError(str(refusal))
         if self.once_per_rank and (self.etp is not None or self.pad_to_capacity):
             raise ValueError("overlap.moe_dispatch_once_per_rank=True: not implemented yet with "

@@ -137,16 +137,20 @@ class WireRows:
 
 
 def token_wire_rows(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, target_of_expert_E: torch.Tensor,
-                    slot_of_target_V: torch.Tensor, copies: int) -> WireRows:
+                    slot_of_target_V: torch.Tensor, copies: int, slots: bool = False) -> WireRows:
     """A token's distinct (chunk, rank) targets and their rows in the (chunk, rank, token) order; static shapes,
-    no host sync. ``slot_of_target_V``: each target's place in the (chunk, rank) order."""
+    no host sync. ``slot_of_target_V``: each target's place in the (chunk, rank) order. ``slots``: each target's
+    rows in a slot of T rows of its own (its tokens first, in order; the rest unused), so that where a target's
+    rows start and end does not depend on the routing (the copy-engine exchange: device_plan.py)."""
     T, K = experts_TK.shape
     V = slot_of_target_V.numel()
     C = min(K, V)
     target_TK, slots_TC = distinct_targets(experts_TK, keep_TK, target_of_expert_E, slot_of_target_V, C)
-    row_TC, counts_slot_V, _ = copy_rows(slots_TC, V)  # tokens packed by slot: the (chunk, rank, token) order
-    row_of_copy_TK, slot_TK, token_of_row_R = wire_copies(target_TK, row_TC, V, T * C)
-    return WireRows(row_TC, token_of_row_R, row_of_copy_TK, slot_TK, counts_slot_V[slot_of_target_V], T * C, copies)
+    # tokens packed by slot: the (chunk, rank, token) order; a token takes a target once, so a slot of T never drops
+    row_TC, counts_slot_V, _ = copy_rows(slots_TC, V, T if slots else None)
+    R = V * T if slots else T * C
+    row_of_copy_TK, slot_TK, token_of_row_R = wire_copies(target_TK, row_TC, V, R)
+    return WireRows(row_TC, token_of_row_R, row_of_copy_TK, slot_TK, counts_slot_V[slot_of_target_V], R, copies)
 
 
 def token_rows(hidden_TX: torch.Tensor, wire: WireRows, rest_RM: torch.Tensor | None = None) -> GatheredRows:
