@@ -3548,6 +3548,16 @@ PY
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text "$TEXT" --variant "$SERIAL"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 mixtral_2l text "$TEXT" --variant "$SERIAL"
     ;;
+  slots2)  # (written 2026-11-30 night, not run: the session's device time was spent) after ce_shadow2 (copy engines
+    # carrying slots of T tokens measured 1.026-1.033x compute_only against SM pushes' 1.063x): the copy-engine
+    # exchange itself (overlap.moe_transport=copy_engine with device planning: wire rows in slots, graphed). First its
+    # GPU test at 2 ranks (the new layout beside every other), then the fine bench model balanced: the config (auto:
+    # SM pushes on two streams), the copy engines, compute_only, ep1; about 330 s on nvidia-h200-x2
+    two_rank_tests slots tests/test_gpu_dispatch_once_per_rank.py
+    STEPS="--warmup 2 --steps 5 --profile-steps 1" train_step 2 fine_8l balanced_slots "$BAL" \
+      --variant "copy_engine:overlap.moe_transport=copy_engine,overlap.moe_dispatch_once_per_rank=true" \
+      --variant "config_again:$BAL"
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"

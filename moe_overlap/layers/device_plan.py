@@ -278,7 +278,7 @@ class DevicePlanner(Planner):
         self._slot_routes: dict[int, HostRoutes] = {}  # per T
         # wire rows in slots: the copy engines move rows of host sizes only (transports.name: the choice made once;
         # MoELayer refuses them without wire rows)
-        self.slots = self.targets is not None and transports is not None and transports.name == "copy_engine"
+        self.slots = self.targets is not None and getattr(transports, "name", None) == "copy_engine"
 
     def static_counts(self, capacity: int) -> torch.Tensor:
         """Padded capacity: every rank sends ``capacity`` rows to every expert."""
