@@ -179,6 +179,7 @@ def test_the_table_carries_what_config_validation_promises(case):
      "not implemented yet with the overflow chunk"),
 ])
 def test_config_refuses_copy_engines_with_device_planning_it_cannot_slot(overrides, fragment):
+    """Also: the paged stash, which follows the SM pushes' device routes, is refused with the copy engines."""
     from moe_overlap.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:
@@ -187,6 +188,11 @@ def test_config_refuses_copy_engines_with_device_planning_it_cannot_slot(overrid
     message = str(err.value)
     assert message.startswith("overlap.moe_transport='copy_engine': with overlap.moe_planning=device")
     assert fragment in message and "\n" not in message
+    with pytest.raises(ConfigError, match=r"^overlap.moe_paged_stash_factor=1.5: not implemented yet \(with "
+                                          "overlap.moe_transport=copy_engine: the pages follow"):
+        load_config(REPO / "configs" / "tiny.yaml", ["overlap.moe_pipeline=true", "overlap.moe_planning=device",
+                                                     "overlap.moe_transport=copy_engine", "model.moe_router_topk=4",
+                                                     "overlap.moe_paged_stash_factor=1.5"])
 
 
 def test_graph_capture_and_the_layer_refuse_with_the_rules_message():

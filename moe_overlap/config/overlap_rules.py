@@ -120,6 +120,9 @@ def _validate_moe_overlap(m: ModelConfig, o: OverlapConfig, p: ParallelConfig) -
                     f"must be >= 1.0 ({least} at least) or null ({null})")
             require(o.moe_planning != "host", f"overlap.{name}", factor,
                     f"{sizes} (use overlap.moe_planning=device or auto)")
+    if o.moe_paged_stash_factor is not None and o.moe_transport == "copy_engine":
+        raise not_implemented("overlap.moe_paged_stash_factor", o.moe_paged_stash_factor, None, "with "
+                              "overlap.moe_transport=copy_engine: the pages follow the SM pushes' device routes")
     overflow = o.moe_overflow_capacity_factor
     if overflow is not None:
         require(math.isfinite(overflow) and overflow > 0, "overlap.moe_overflow_capacity_factor", overflow,
