@@ -25,40 +25,52 @@ from moe_overlap.kernels.push_rows import repeat_rows_host
 
 class _HostToExperts(ToExperts):
     """Rows arrive in (source, local expert) blocks; ``recv`` regroups them into a private tensor (the copy-out
-    of a symmetric region, when they landed in one)."""
+    of a symmetric region, when they landed in one). Rows that arrive in the order their consumer takes (no
+    ``regroup``: wire rows in slots) are handed over where they landed if read once, else copied out of a region."""
+
+    lands_in_region = False  # the rows land in a symmetric region that finish() releases
 
     def __init__(self, streams: ExchangeStreams, routes: HostRoutes, width: int):
         self.streams, self.routes, self.layout, self.width = streams, routes, routes.layout, width
 
     def recv(self, chunk: int, read_once: bool = False) -> torch.Tensor:
-        return self._arrived(chunk).index_select(0, self.routes.regroup[chunk])
+        rows_RH = self._arrived(chunk)
+        if self.routes.regroup is not None:
+            return rows_RH.index_select(0, self.routes.regroup[chunk])
+        return rows_RH if read_once or not self.lands_in_region else rows_RH.clone()
 
 
 class _HostFromExperts(FromExperts):
-    """A chunk's grouped rows are ungrouped into (destination, local expert) blocks of a send buffer, then sent."""
+    """A chunk's grouped rows are ungrouped into (destination, local expert) blocks of a send buffer, then sent;
+    rows already in the order they leave in (no ``ungroup``: wire rows in slots) are sent from where they are."""
 
     def __init__(self, streams: ExchangeStreams, routes: HostRoutes, width: int, like: torch.Tensor):
         self.streams, self.routes, self.layout = streams, routes, routes.layout.reversed()
-        self.send_RH = like.new_empty((self.layout.send_total, width))
-        streams.lend(self.send_RH)
+        self.width, self.dtype, self.send_RH = width, like.dtype, None
+        if routes.ungroup is not None:
+            self.send_RH = like.new_empty((self.layout.send_total, width))
+            streams.lend(self.send_RH)
 
     def send(self, chunk: int, grouped_RH: torch.Tensor, ready: Event, alone: bool = False) -> None:
         start, stop = self.layout.send_range(chunk)
         self.streams.lend(grouped_RH)
         with self.streams.on_side():
             self.streams.side_waits(ready)
-            torch.index_select(grouped_RH, 0, self.routes.ungroup[chunk], out=self.send_RH[start:stop])
-            self._start(chunk)
+            rows_RH = grouped_RH
+            if self.routes.ungroup is not None:
+                rows_RH = torch.index_select(grouped_RH, 0, self.routes.ungroup[chunk],
+                                             out=self.send_RH[start:stop])
+            self._start(chunk, rows_RH)
 
 
 class _CollectiveExchange:
     """One asynchronous all_to_all_single per chunk over the process group (NCCL on its own stream, ordered
     after the side stream; gloo's thread), or a copy on a group of one rank."""
 
-    def _all_to_all(self, chunk: int) -> None:
-        send_start, send_stop = self.layout.send_range(chunk)
+    def _all_to_all(self, chunk: int, send_RH: torch.Tensor) -> None:
+        """``send_RH``: the chunk's rows to send, in the layout's order."""
         recv_start, recv_stop = self.layout.recv_range(chunk)
-        recv_RH, send_RH = self.recv_RH[recv_start:recv_stop], self.send_RH[send_start:send_stop]
+        recv_RH = self.recv_RH[recv_start:recv_stop]
         if self.group is None:
             recv_RH.copy_(send_RH)
             return
@@ -89,8 +101,9 @@ class CollectiveToExperts(_CollectiveExchange, _HostToExperts):
         self.streams.lend(send_RH, self.recv_RH)
 
     def send(self, chunk: int, alone: bool = False) -> None:
+        start, stop = self.layout.send_range(chunk)
         with self.streams.on_side():
-            self._all_to_all(chunk)
+            self._all_to_all(chunk, self.send_RH[start:stop])
 
     def _arrived(self, chunk: int) -> torch.Tensor:
         self._wait(chunk)
@@ -109,8 +122,8 @@ class CollectiveFromExperts(_CollectiveExchange, _HostFromExperts):
         self.group, self.works, self.compute_only = transport.group, {}, transport.compute_only
         self.recv_RH = like.new_empty((self.layout.recv_total, width))
 
-    def _start(self, chunk: int) -> None:
-        self._all_to_all(chunk)
+    def _start(self, chunk: int, rows_RH: torch.Tensor) -> None:
+        self._all_to_all(chunk, rows_RH)
 
     def result(self) -> torch.Tensor:
         for chunk in list(self.works):
@@ -148,20 +161,22 @@ class _CopyEngineExchange:
         self.row_bytes = width * like.element_size()
         self.region = self.regions.claim(self.streams.side)
 
-    def _copy_chunk(self, chunk: int, send_RH: torch.Tensor) -> None:
+    def _copy_chunk(self, chunk: int, rows_RH: torch.Tensor) -> None:
+        """``rows_RH``: the chunk's rows to send, in the layout's order."""
         layout, regions = self.layout, self.regions
         if self.compute_only:  # the rows that would land here, made from this rank's own
-            (send_start, send_stop), (recv_start, recv_stop) = layout.send_range(chunk), layout.recv_range(chunk)
-            own_RH = regions.view(regions.rank, self.region, (layout.recv_total, send_RH.shape[1]), send_RH.dtype)
-            repeat_rows_host(send_RH[send_start:send_stop], own_RH[recv_start:recv_stop])
+            recv_start, recv_stop = layout.recv_range(chunk)
+            own_RH = regions.view(regions.rank, self.region, (layout.recv_total, rows_RH.shape[1]), rows_RH.dtype)
+            repeat_rows_host(rows_RH, own_RH[recv_start:recv_stop])
         else:
+            first = layout.send_offsets[chunk][0]
             for peer in range(regions.size):
                 rows = layout.send_rows[chunk][peer]
                 if rows:
-                    start = layout.send_offsets[chunk][peer]
-                    dest = regions.view(peer, self.region, (rows, send_RH.shape[1]), send_RH.dtype,
+                    start = layout.send_offsets[chunk][peer] - first
+                    dest = regions.view(peer, self.region, (rows, rows_RH.shape[1]), rows_RH.dtype,
                                         layout.remote_recv_offsets[chunk][peer] * self.row_bytes)
-                    dest.copy_(send_RH[start:start + rows], non_blocking=True)
+                    dest.copy_(rows_RH[start:start + rows], non_blocking=True)
         for peer in regions.peers:
             regions.signal(peer, self.region, chunk)
 
@@ -171,6 +186,8 @@ class _CopyEngineExchange:
 
 
 class CopyEngineToExperts(_CopyEngineExchange, _HostToExperts):
+    lands_in_region = True
+
     def __init__(self, transport: CopyEngineTransport, send_RH: torch.Tensor, routes: HostRoutes, sms: int):
         _HostToExperts.__init__(self, ExchangeStreams(send_RH.device, transport.stream), routes, send_RH.shape[1])
         self._claim(transport, send_RH, self.width)
@@ -180,8 +197,9 @@ class CopyEngineToExperts(_CopyEngineExchange, _HostToExperts):
                                         send_RH.dtype)
 
     def send(self, chunk: int, alone: bool = False) -> None:
+        start, stop = self.layout.send_range(chunk)
         with self.streams.on_side():
-            self._copy_chunk(chunk, self.send_RH)
+            self._copy_chunk(chunk, self.send_RH[start:stop])
             self.sent[chunk] = self.streams.mark()  # covers the local block, which no signal announces
 
     def _arrived(self, chunk: int) -> torch.Tensor:
@@ -205,8 +223,8 @@ class CopyEngineFromExperts(_CopyEngineExchange, _HostFromExperts):
         self._claim(transport, like, width)
         self.chunks = 0
 
-    def _start(self, chunk: int) -> None:
-        self._copy_chunk(chunk, self.send_RH)
+    def _start(self, chunk: int, rows_RH: torch.Tensor) -> None:
+        self._copy_chunk(chunk, rows_RH)
         self.chunks += 1
 
     def result(self) -> torch.Tensor:
@@ -214,8 +232,7 @@ class CopyEngineFromExperts(_CopyEngineExchange, _HostFromExperts):
         with exposed_wait("ep"):
             for chunk in range(self.chunks):
                 self._wait_peers(chunk)
-        return self.regions.view(self.regions.rank, self.region, (self.layout.recv_total, self.send_RH.shape[1]),
-                                 self.send_RH.dtype)
+        return self.regions.view(self.regions.rank, self.region, (self.layout.recv_total, self.width), self.dtype)
 
     def finish(self) -> None:
         with exposed_wait("ep"):

@@ -75,11 +75,12 @@ def exchange_layout(rows_SDC: np.ndarray, rank: int) -> ExchangeLayout:
 @dataclass
 class HostRoutes:
     """Host-planned: the layout, and per chunk the gather from arrival order (source, local expert) to the
-    grouped order (local expert, source) and back."""
+    grouped order (local expert, source) and back; None where the rows arrive in the order they are taken (wire
+    rows in slots: one target per chunk, layers/device_plan.py)."""
 
     layout: ExchangeLayout
-    regroup: list[torch.Tensor]
-    ungroup: list[torch.Tensor]
+    regroup: list[torch.Tensor] | None
+    ungroup: list[torch.Tensor] | None
 
     def remote_rows(self, rank: int) -> tuple[int, int]:
         return self.layout.remote_rows(rank)

@@ -321,12 +321,12 @@ class DevicePlanner(Planner):
         """Wire rows in slots (the copy engines' exchange): every rank sends every (rank, chunk) target a slot of
         ``tokens`` rows, its wire rows for that target first, then rows that carry no copy. The layout is then the
         same on every call of that micro-batch shape: made on the host once, taken by a transport of host sizes, and
-        replayed from a CUDA graph. A chunk's slots arrive in source order, which is the order its one target asks."""
+        replayed from a CUDA graph. A chunk's slots arrive in source order, which is the order its one target asks:
+        no regrouping either way."""
         if tokens not in self._slot_routes:
             P, C = self.ep.size, len(self.chunk_experts)
-            in_order = [torch.arange(P * tokens, device=self.device)] * C
             self._slot_routes[tokens] = HostRoutes(exchange_layout(np.full((P, P, C), tokens), self.ep.rank),
-                                                   in_order, in_order)
+                                                   None, None)
         return self._slot_routes[tokens]
 
     def plan(self, routing: Routing) -> DevicePlan:
