@@ -21,9 +21,10 @@ from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig, load_con
 from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.mesh import GroupHandle, Mesh, MeshLayout
 from moe_overlap.layers.exchange_memory import wire_region_bytes
+from moe_overlap.layers.exchange_plan import chunk_bounds
 from moe_overlap.layers.moe import MoELayer
 from moe_overlap.layers.wire_rows import token_wire_rows
-from tests.test_moe_layer import CAPACITIES, SHARED, TOKENS, OneRankTransports, moe_case, moe_cases
+from tests.test_moe_layer import CAPACITIES, SHARED, TOKENS, E, H, OneRankTransports, moe_case, moe_cases
 
 ONCE = dict(once_per_rank=True)
 
@@ -83,10 +84,13 @@ def test_once_per_rank_over_one_rank_through_symmetric_regions(monkeypatch, tran
     Triton push kernel and copy-out (interpreted): bit-exact, or the math would be off."""
     if transport == "sm_push":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    selector = OneRankTransports(transport, planning=planning)
     for setting in (dict(chunks=1), dict(chunks=4, capacity=3, **SHARED[1])):
-        assert moe_case("sparse", 2, planning=planning, force_pipeline=True,
-                        selectors={planning: OneRankTransports(transport, planning=planning)}, **setting,
-                        **ONCE) < 1e-5
+        assert moe_case("sparse", 2, planning=planning, force_pipeline=True, selectors={planning: selector},
+                        **setting, **ONCE) < 1e-5
+    if (transport, planning) == ("copy_engine", "device"):  # info's estimate of the slots' regions, aligned
+        predicted = wire_region_bytes(1, TOKENS, 2, chunk_bounds(E, 4), None, H, 4, slots=True)
+        assert selector.made.regions.region_bytes == -(-predicted // 256) * 256
 
 
 # ------------------------------------------------------------------------------------------ fewer rows

@@ -68,13 +68,16 @@ def exchange_memory(ranks: int, rows: int, chunk_experts: list[tuple[int, int]],
 
 def wire_region_bytes(ranks: int, tokens: int, topk: int, chunk_experts: list[tuple[int, int]],
                       factor: float | None, hidden: int, element_bytes: int,
-                      overflow_factor: float | None = None) -> int:
+                      overflow_factor: float | None = None, slots: bool = False) -> int:
     """moe_dispatch_once_per_rank: each symmetric region of the device-planned exchange, in bytes: its compact
     receive buffer of wire rows, or a rank's T x min(k, chunks x EP) wire rows back (and its overflow rows, with the
-    overflow chunk), of the widest wire row."""
+    overflow chunk), of the widest wire row. ``slots`` (the copy engines, layers/device_plan.py): a slot of T rows
+    from and to every (rank, chunk), whatever the bound, and the spare row."""
     factor, overflow_factor = planned_factors(len(chunk_experts), factor, overflow_factor)
     received = wire_receive_rows(ranks, tokens * topk, tokens, chunk_experts, factor, overflow_factor)
     sent = tokens * min(topk, len(chunk_experts) * ranks) + overflow_chunk_rows(ranks, tokens * topk, overflow_factor)
+    if slots:
+        received, sent = ranks * len(chunk_experts) * tokens + 1, ranks * len(chunk_experts) * tokens
     return region_rows(received, sent) * wire_row_bytes(hidden * element_bytes,
                                                         copies_per_wire_row(topk, chunk_experts))
 
@@ -154,11 +157,12 @@ def describe_exchange_memory(cfg: Config, device_type: str, calls: int = 1) -> l
                      + (f"the overflow chunk's {sizes[-1].chunk_rows[-1]:,} rows too" if chunks > 1 else
                         f"its room in the one chunk's bound too ({factor + overflow:g} x R: no overflow chunk)"))
     if o.moe_dispatch_once_per_rank:  # the chunk tensors and the stash stay the copies'
+        slots = transport == "copy_engine"  # device-planned: wire rows in slots of T, whatever the bound
         regions = [_size(wire_region_bytes(ep, rows // m.moe_router_topk, m.moe_router_topk, chunk_experts, factor,
                                            m.hidden_size, DTYPES[cfg.train.precision].itemsize,
-                                           o.moe_overflow_capacity_factor)) for factor in factors]
+                                           o.moe_overflow_capacity_factor, slots)) for factor in factors]
         lines.append(f"  overlap.moe_dispatch_once_per_rank: symmetric regions of wire rows {REGIONS} x "
-                     + " / ".join(regions))
+                     + " / ".join(regions) + (" (the copy engines' slots of T rows per rank and chunk)" * slots))
     lines += [f"  per layer call and micro-batch (the stash: the chunk tensors and their fc1 outputs"
               f"{', and their outputs' if outputs else ''}, {_size(sizes[0].stash_row_bytes)} a row;",
               "  the receive buffer lies in a region); the regions are shared by "
