@@ -11,7 +11,9 @@ The wire carries fewer rows: at most one per token, chunk and destination rank. 
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
 import torch
@@ -233,15 +235,15 @@ def test_the_layer_refuses_padded_capacity():
 
 
 # ------------------------------------------------------------------------------------------ wire rows in slots
-def slotted_cases(routing: str, topk: int, settings: list[dict]) -> list[float]:
-    """Runs on every rank of the pool: :func:`moe_cases` with the device planner's wire rows in slots of T rows per
-    (source, target), as it lays them out for the copy engines, and its static host-sized routes moved by the CPU's
-    transport of host sizes (gloo's all-to-all standing in for the copy engines' peer copies)."""
+@contextlib.contextmanager
+def in_slots(slot_rows: list) -> Iterator[None]:
+    """Inside: the device planner lays its wire rows in slots of T rows per (source, target), as it does for the
+    copy engines, and its static host-sized routes are moved by the CPU's transport of host sizes (gloo's all-to-all
+    standing in for the copy engines' peer copies); each plan's slot sizes are appended to ``slot_rows``."""
     from moe_overlap.distributed.a2a_host import CollectiveTransport
     from moe_overlap.layers import device_plan
 
     init, plan, make = device_plan.DevicePlanner.__init__, device_plan.DevicePlanner.plan, TransportSelector._make
-    slot_rows = []
 
     def slotted(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -249,7 +251,8 @@ def slotted_cases(routing: str, topk: int, settings: list[dict]) -> list[float]:
 
     def planned(self, routing):
         made = plan(self, routing)
-        slot_rows.append(sorted({rows for chunk in made.routes.layout.send_rows for rows in chunk}))
+        if self.slots:
+            slot_rows.append(sorted({rows for chunk in made.routes.layout.send_rows for rows in chunk}))
         return made
 
     def host_sized(self, nbytes):
@@ -258,10 +261,17 @@ def slotted_cases(routing: str, topk: int, settings: list[dict]) -> list[float]:
     device_plan.DevicePlanner.__init__, device_plan.DevicePlanner.plan = slotted, planned
     TransportSelector._make = host_sized
     try:
-        errors = moe_cases(routing, topk, settings)
+        yield
     finally:
         device_plan.DevicePlanner.__init__, device_plan.DevicePlanner.plan = init, plan
         TransportSelector._make = make
+
+
+def slotted_cases(routing: str, topk: int, settings: list[dict]) -> list[float]:
+    """Runs on every rank of the pool: :func:`moe_cases` with the wire rows in slots (:func:`in_slots`)."""
+    slot_rows = []
+    with in_slots(slot_rows):
+        errors = moe_cases(routing, topk, settings)
     assert slot_rows and all(rows == [TOKENS] for rows in slot_rows), slot_rows  # a slot of T to every target
     return errors
 
@@ -275,3 +285,23 @@ def test_wire_rows_in_slots_are_the_same_math(rank_pool, world, routing):
     settings.append(dict(planning="device", chunks=1, dispatch_dtype="fp8", **ONCE))
     errors = rank_pool(world).run(slotted_cases, routing, 2, settings)
     assert max(max(e) for e in errors) < 1e-5
+
+
+def slotted_overflow_case(output_dir: str) -> dict:
+    """Runs on every rank: the bounded run of :func:`tests.test_overflow.overflow_case` with its wire rows in slots."""
+    from tests.test_overflow import FACTOR, overflow_case
+
+    slot_rows = []
+    with in_slots(slot_rows):
+        result = overflow_case(output_dir, 2, 2, {FACTOR: 1.0, "overlap.moe_dispatch_once_per_rank": "true"},
+                               {"overlap.moe_pipeline_chunks": 2})
+    assert slot_rows, "no plan in slots"
+    return result
+
+
+def test_wire_rows_in_slots_overflow_their_copies_bound_and_run_again(rank_pool, tmp_path):
+    """Training steps: a slot never overflows, but the copies it carries are bounded as before. Factor 1.0 with
+    learned routing overflows every step; the step runs again planned on the host and equals the host-planned run."""
+    from tests.test_overflow import _check
+
+    _check(rank_pool(2).run(slotted_overflow_case, str(tmp_path)), True)
