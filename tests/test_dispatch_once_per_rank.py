@@ -299,6 +299,20 @@ def slotted_overflow_case(output_dir: str) -> dict:
     return result
 
 
+def test_copy_engines_with_device_planning_refuse_copies_without_wire_rows():
+    """A layer whose selector is swapped for the copy engines' (as benchmarks do) without wire rows refuses in one
+    line when it plans, instead of handing device routes to a transport of host sizes."""
+    from moe_overlap.exchange_rules import slots_refusal
+    from moe_overlap.layers.device_plan import DevicePlanner
+
+    one = GroupHandle([0], None, 0, 1)
+    planner = DevicePlanner(8, one, 1, False, SimpleNamespace(name="copy_engine"), torch.device("cpu"), 64)
+    routing = SimpleNamespace(experts_TK=torch.zeros((4, 2), dtype=torch.long), capacity=None)
+    with pytest.raises(ValueError) as err:
+        planner.plan(routing)
+    assert str(err.value) == str(slots_refusal("device", "copy_engine", once_per_rank=False, overflow_chunk=False))
+
+
 def test_wire_rows_in_slots_overflow_their_copies_bound_and_run_again(rank_pool, tmp_path):
     """Training steps: a slot never overflows, but the copies it carries are bounded as before. Factor 1.0 with
     learned routing overflows every step; the step runs again planned on the host and equals the host-planned run."""

@@ -69,6 +69,7 @@ from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes, HostRoutes, exchange_layout
 from moe_overlap.distributed.mesh import GroupHandle
+from moe_overlap.exchange_rules import slots_refusal
 from moe_overlap.kernels.routes import fill_routes
 from moe_overlap.layers.exchange_plan import Planner, exclusive_cumsum
 from moe_overlap.layers.router import Routing
@@ -332,6 +333,8 @@ class DevicePlanner(Planner):
     def plan(self, routing: Routing) -> DevicePlan:
         if self.targets is not None:
             return self._wire_plan(routing)
+        if getattr(self.transports, "name", None) == "copy_engine":  # a layer whose transport was swapped (benchmarks)
+            raise ValueError(str(slots_refusal("device", "copy_engine", once_per_rank=False, overflow_chunk=False)))
         padded = self.padded(routing)
         R = self.permuted_rows(routing)
         chunk_rows, bound_C, W = self.bounds(padded, R)  # W: the compact receive rows, the spare one last
