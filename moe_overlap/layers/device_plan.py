@@ -366,7 +366,9 @@ class DevicePlanner(Planner):
         else:
             wire_chunk_rows, wire_bound_C, W = self.wire_bounds(R, T)
         transport = self.transports.transport(region_rows(W, wire.num_rows + over) * self.wire_bytes)
-        counts_SX = transport.gather_counts(torch.cat((routing.tokens_per_expert_E, wire.counts_V)))
+        # every rank's copies per expert, and (compact wire rows only: slots are static) its wire rows per target
+        counts_SX = transport.gather_counts(routing.tokens_per_expert_E if self.slots
+                                            else torch.cat((routing.tokens_per_expert_E, wire.counts_V)))
         counts_SE, wire_SV = counts_SX[:, :E].contiguous(), counts_SX[:, E:].contiguous()
         row_of_copy_TK = self.permute_copies(routing)
         self._check_rows(counts_SE, R)
@@ -382,8 +384,7 @@ class DevicePlanner(Planner):
             return DevicePlan(row_of_copy_TK, wire.num_rows, True, self.chunk_experts, routes, self.offsets(layout),
                               transport, self._count_overflow(layout, R), wire, grouped_TK, chunk_rows)
         if self.slots:
-            raise ValueError("wire rows in slots (the copy-engine exchange): not implemented yet with the overflow "
-                             "chunk (overlap.moe_overflow_capacity_factor) and more than one chunk")
+            raise ValueError(str(slots_refusal("device", "copy_engine", once_per_rank=True, overflow_chunk=True)))
         # a destination's overflow chunk: after its wire rows, in the room they left
         wire_rows_D = wire_layout.kept_DC.sum(1)
         layout = self.layout(counts_SE, bound_C, over, send_cap=over, receive_start_D=wire_rows_D,

@@ -130,7 +130,7 @@ class WireRows:
     row_of_copy_TK: torch.Tensor  # int64 wire row carrying each copy; num_rows (a spare) if dropped
     slot_TK: torch.Tensor  # int64 the copy's place among its wire row's J
     counts_V: torch.Tensor  # int64 this rank's wire rows per target (rank x chunks + chunk)
-    num_rows: int  # static rows of the send buffer, T x C; the wire rows come first, in (chunk, rank) order
+    num_rows: int  # static rows of the send buffer, T x C (in slots: T x V); in (chunk, rank) order
     copies: int  # J
     overflow_from: int | None = None  # row_TC's columns from it on: copies past their chunk's bound, on rows of
     #                                   their own (the overflow chunk's), which few tokens have
