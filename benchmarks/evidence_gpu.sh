@@ -3558,6 +3558,18 @@ PY
       --variant "copy_engine:overlap.moe_transport=copy_engine,overlap.moe_dispatch_once_per_rank=true" \
       --variant "config_again:$BAL"
     ;;
+  slots2b)  # (2026-11-30) slots2 ran the copy engines unpaired (auto paired on two streams only over sm_push):
+    # 1.072x compute_only against the SM pushes' 1.060x on two streams. Now that auto pairs on two streams over either
+    # one-host transport: first the pairing GPU test at 2 ranks (its copy-engine layout on streams new), then the fine
+    # bench model balanced and on the corpus's first 5M tokens (carry data/stdlib_head_xz): config (SM pushes on two
+    # streams), the copy engines on two streams, compute_only, ep1; about 480 s on nvidia-h200-x2
+    CE="copy_engine:overlap.moe_transport=copy_engine,overlap.moe_dispatch_once_per_rank=true"
+    two_rank_tests streams_ce tests/test_gpu_microbatch_overlap.py
+    STEPS="--warmup 2 --steps 5 --profile-steps 1" train_step 2 fine_8l balanced_ce_streams \
+      "$BAL train.distributed_timeout_s=90" --variant "$CE" --variant "config_again:$BAL"
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_ce_streams \
+      "$TEXT train.distributed_timeout_s=90" --variant "$CE"
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"

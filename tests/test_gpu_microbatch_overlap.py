@@ -4,7 +4,8 @@ step (normwise) and for the loss curve. On one GPU (EP=1: no exchange, each laye
 graphed MoE layers, each pair's halves whole on two streams), and with EP = every GPU (2 or 4; skipped on one: the
 host-planned pipeline over NCCL with its CTA cap and carve-out, and the device-planned one over SM pushes in 2
 chunks, each layer cut at its exchanges; and the device-planned one chunk graphed, the pairs on two streams, each
-copy of the graphs exchanging through its own regions, unbounded and with a bound of 1.5 and wire rows). The
+copy of the graphs exchanging through its own regions, unbounded, with a bound of 1.5 and wire rows, and moved by
+the copy engines in slots). The
 per-rank work is `gpu_case`, launched once under torchrun per test; under MOE_GPU_TEST_DRYRUN=1
 (tests/gpu_launch.py) it runs on CPU gloo ranks, skipping what only CUDA runs (`-m slow`: the dry-run tests).
 """
@@ -52,9 +53,11 @@ def gpu_case(output_dir: str) -> dict:
         graphed = {"overlap.moe_pipeline": "true", "overlap.moe_planning": "device", "train.moe_cuda_graph": "true"}
         bounded = {**graphed, "overlap.moe_expert_rank_capacity_factor": 1.5,  # wire rows: on streams, these hung
                    "overlap.moe_dispatch_once_per_rank": "true"}  # until each graph set had its cuBLAS workspace
+        copies = {**graphed, "overlap.moe_transport": "copy_engine",  # each token's wire rows in slots
+                  "overlap.moe_dispatch_once_per_rank": "true"}
         layouts = {"off_host_nccl": host, "on_host_nccl": host, "off_device_push": device_planned,
                    "on_device_push": device_planned, "off_graphed": graphed, "on_graphed": graphed,
-                   "on_graphed_bounded": bounded}
+                   "on_graphed_bounded": bounded, "on_graphed_copy_engine": copies}
     runs, skipped = {}, {}
     meshes = {(None, None): mesh}  # by the CTA caps (dp_comm_ctas, ep_comm_ctas) its communicators are made with
     for name, extra in layouts.items():
@@ -122,7 +125,8 @@ def test_dry_run_on_cpu_gloo(tmp_path, world):
     """What the CPU can run of each world's cases (gloo, bf16), under the same checks; it skips the graphed MoE
     layers on one rank, the host-planned pipeline over NCCL (CTA cap, carve-out) on more."""
     cuda_only = {"off_graphed", "on_graphed"} | (set() if world == 1 else {"off_host_nccl", "on_host_nccl",
-                                                                         "on_graphed_bounded"})
+                                                                         "on_graphed_bounded",
+                                                                         "on_graphed_copy_engine"})
     check(launch_ranks(__file__, tmp_path, timeout_s=600, world=world, dry_run=True), world > 1, cuda_only)
 
 

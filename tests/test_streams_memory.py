@@ -134,6 +134,26 @@ def test_what_rules_pairs_on_streams_out_whatever_the_memory(overrides, reason, 
         assert reason in caplog.text
 
 
+@pytest.mark.parametrize("planning, transport, paired, graphed", [
+    ("device", "sm_push", True, True), ("device", "copy_engine", True, True), ("host", "copy_engine", False, False),
+    ("host", "nccl", True, False)])
+def test_pairs_on_streams_wherever_one_hosts_peer_memory_runs_a_device_planned_exchange(planning, transport, paired,
+                                                                                       graphed, monkeypatch):
+    """Both one-host transports pair on two streams, replayed from graphs, when planned on the device (the copy
+    engines moving slots of wire rows); host-planned copy engines do not pair; NCCL pairs eagerly."""
+    import torch
+
+    from moe_overlap.training import run_setup
+
+    monkeypatch.setattr(run_setup, "exchange_choice", lambda *args: (planning, transport, ""))
+    monkeypatch.setattr(run_setup, "streams_by_memory", lambda *args: (True, "fits"))
+    cfg = load_config(ROOT / "configs" / "bench_fine_8l.yaml",
+                      FINE_EP2 + [f"overlap.moe_planning={planning}", f"overlap.moe_transport={transport}",
+                                  "overlap.moe_dispatch_once_per_rank=true", "train.moe_cuda_graph=auto"])
+    run_setup.resolve_by_fabric(cfg, Mesh.planned(mesh_layout(cfg, 2), 0), torch.device("cuda"))
+    assert (cfg.overlap.overlap_moe_expert_parallel_comm, cfg.train.moe_cuda_graph) == (paired, graphed)
+
+
 @pytest.mark.parametrize("config, world, shown", [
     ("gpu2_fine.yaml", 2, "pairs on two streams (auto: where one host with peer access runs the exchange, or one GPU, "
                           "and this fits): 101.2 GiB estimated per rank = state 44.2 + 2 x (graph set 21.0 + "

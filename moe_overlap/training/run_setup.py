@@ -19,6 +19,7 @@ from moe_overlap.distributed.a2a import exchange_choice
 from moe_overlap.distributed.collectives import nccl_cta_options, rendezvous_store
 from moe_overlap.distributed.mesh import Mesh, MeshLayout
 from moe_overlap.distributed.streams import carveout_for
+from moe_overlap.exchange_rules import NEEDS
 from moe_overlap.training.checkpoint import complete_steps
 from moe_overlap.training.data import load_data
 from moe_overlap.training.streams_memory import allocator_budget, streams_bytes, streams_fit
@@ -124,7 +125,7 @@ def resolve_by_fabric(cfg: Config, mesh: Mesh, device: torch.device) -> None:
         micro_batches = cfg.num_micro_batches(mesh.world_size)
         pairing = pairing_by_transport(transport, micro_batches)
         one_rank = cfg.parallel.expert_model_parallel_size * cfg.expert_tensor_parallel_size == 1
-        local = transport == "sm_push" or one_rank  # through peer memory, or nothing exchanged
+        local = NEEDS[transport].one_host or one_rank  # through one host's peer memory, or nothing exchanged
         off = streams_off_reason(cfg) if local else None
         on_streams = local and micro_batches >= 2 and off is None
         if on_streams:
