@@ -108,6 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="overlap.moe_expert_rank_capacity_factor of the device-planned layers (default null, the "
                              "worst case); the rows record what overflowed, which this benchmark does not run again")
+    parser.add_argument("--once-per-rank", choices=("true", "false"), default="true",
+                        help="overlap.moe_dispatch_once_per_rank of the pipelined layers and the exchange probes: "
+                             "each token's wire rows cross to a rank once (true, what training resolves auto to), "
+                             "or one row per (token, expert) copy")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--transport-probe", action="store_true",
@@ -176,6 +180,7 @@ class Bench:
         else:  # one host (or one GPU: regions in its own memory)
             self.transports = {"host": ["copy_engine", "nccl"], "device": ["sm_push"]}
         self.local = mesh.ep.size == 1
+        self.once_per_rank = args.once_per_rank == "true"
         self._selectors = {}
 
     # ---------------------------------------------------------------------------------------- timing
@@ -236,7 +241,8 @@ class Bench:
 
         cfg = ModelConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
                           moe_router_topk=shape.topk, moe_aux_loss_coeff=0.0)
-        overlap = OverlapConfig(moe_pipeline=False, moe_expert_rank_capacity_factor=self.args.capacity_factor)
+        overlap = OverlapConfig(moe_pipeline=False, moe_expert_rank_capacity_factor=self.args.capacity_factor,
+                                moe_dispatch_once_per_rank=self.once_per_rank)
         layer = MoELayer(cfg, overlap, self.mesh.ep, None, self.device, self.dtype)
         init_parameters(layer, seed=1234, std=0.02, num_layers=1)
         for param in layer.parameters():  # as the optimizer attaches them: weight gradients land as in training
@@ -342,7 +348,7 @@ class Bench:
                     row["best"], row["backend"] = best, setting.transport if setting.planning else best
                     row["chunks"], row["delay_wgrad"], row["carveout"] = setting.chunks, setting.delay, setting.sms
             row.update(probe.tokens_per_rank())
-            row["capacity_factor"] = self.args.capacity_factor
+            row["capacity_factor"], row["once_per_rank"] = self.args.capacity_factor, self.once_per_rank
             row["overflow_rows"] = sum(int(sel.overflow_rows) for sel in self._selectors.values())  # 0: every row
             rows.append(row)
         return rows
@@ -477,7 +483,8 @@ class Bench:
 
 
 class Probe:
-    """The limit's two halves for the same routing: the transports alone and the expert GEMMs alone."""
+    """The limit's two halves for the same routing: the transports alone (moving wire rows where each token
+    crosses once per rank, as the layers do) and the expert GEMMs alone (over every copy's row)."""
 
     def __init__(self, bench: Bench, layer, shape: Shape, x, chunks: int = 1):
         torch = bench.torch
@@ -490,15 +497,20 @@ class Probe:
             x_TH = x.detach().reshape(-1, shape.hidden)
             routing = layer.router(x_TH)
             row_bytes = shape.hidden * x.element_size()
-            host = HostPlanner(shape.experts, ep, chunks, False, None, x.device, row_bytes)
+            setting = (shape.experts, ep, chunks, False)
+            self.experts_plan = HostPlanner(*setting, None, x.device, row_bytes).plan(routing)  # the GEMMs' rows
+            wire = dict(once_per_rank=bench.once_per_rank, topk=shape.topk)
+            host = HostPlanner(*setting, None, x.device, row_bytes, **wire)
             self.plans = {"host": host.plan(routing)}
-            self.worst_bytes = ep.size * shape.tokens * shape.topk * row_bytes
+            sent_bytes = host.wire_bytes if bench.once_per_rank else row_bytes
+            self.worst_bytes = ep.size * shape.tokens * shape.topk * sent_bytes
             for transport in bench.transports["device"]:  # the plan's counts gathered by that transport
-                self.plans["device"] = DevicePlanner(shape.experts, ep, chunks, False,
-                                                     bench.selector("device", transport, local), x.device,
-                                                     row_bytes, bench.args.capacity_factor).plan(routing)
-        layout = self.plans["host"].exchange.layout
-        self.send_RH = torch.randn(shape.tokens * shape.topk, shape.hidden, device=x.device, dtype=x.dtype)
+                self.plans["device"] = DevicePlanner(*setting, bench.selector("device", transport, local), x.device,
+                                                     row_bytes, bench.args.capacity_factor, **wire).plan(routing)
+        layout = self.experts_plan.exchange.layout
+        self.send_RH = torch.randn(shape.tokens * shape.topk, sent_bytes // x.element_size(), device=x.device,
+                                   dtype=x.dtype)  # wire rows: the hidden columns and each copy's weight and slot
+        self.back_RH = {}  # the combine's hidden-wide rows, by the rows a rank received
         self.grouped_RH = torch.randn(layout.recv_total, shape.hidden, device=x.device, dtype=x.dtype)
         self.grad_y_RH = torch.randn_like(self.grouped_RH)
 
@@ -506,10 +518,16 @@ class Probe:
         from moe_overlap.distributed.collectives import all_gather_into
 
         torch = self.bench.torch
-        received = torch.tensor([float(self.plans["host"].exchange.layout.recv_total)], device=self.bench.device)
+        received = torch.tensor([float(self.experts_plan.exchange.layout.recv_total)], device=self.bench.device)
         every = all_gather_into(torch.zeros(self.bench.mesh.ep.size, device=self.bench.device), received,
                                 self.bench.mesh.ep.group)
         return {"tokens_per_rank_max": int(every.max()), "tokens_per_rank_mean": float(every.mean())}
+
+    def _back(self, rows: int):
+        if rows not in self.back_RH:
+            self.back_RH[rows] = self.bench.torch.randn(rows, self.shape.hidden, device=self.bench.device,
+                                                        dtype=self.send_RH.dtype)
+        return self.back_RH[rows]
 
     def _exchanges(self):
         """(name, transport, plan) of every transport the bench runs, its regions sized as the plan sized them (the
@@ -539,7 +557,7 @@ class Probe:
         """One dispatch exchange per transport, alone and beside the GEMMs; and the GEMMs alone."""
         from moe_overlap.layers.experts import experts_forward
 
-        host, chunk_experts = self.plans["host"].exchange, self.plans["host"].chunk_experts
+        host, chunk_experts = self.experts_plan.exchange, self.experts_plan.chunk_experts
         w13, w2 = self.layer.experts.w13.detach(), self.layer.experts.w2.detach()
         chunks = len(chunk_experts)
 
@@ -557,16 +575,16 @@ class Probe:
     def variants(self, backward: bool) -> dict:
         from moe_overlap.layers.experts import WgradInputs, experts_dgrad, experts_forward, experts_wgrad
 
-        host = self.plans["host"].exchange
-        offsets = host.offsets[0]
+        offsets = self.experts_plan.exchange.offsets[0]
         w13, w2 = self.layer.experts.w13.detach(), self.layer.experts.w2.detach()
         out = {}
         for name, transport, plan in self._exchanges():
             def comm(transport=transport, plan=plan):
                 for _ in range(2 if backward else 1):  # dispatch and combine (, their gradients)
                     (rows,), made = self._move(transport, plan, 1)
-                    back = transport.from_experts(plan.routes, rows.shape[1], rows, 0)
-                    back.send(0, rows, made)
+                    back_rows = self._back(rows.shape[0])  # the combine sends hidden-wide rows back
+                    back = transport.from_experts(plan.routes, back_rows.shape[1], back_rows, 0)
+                    back.send(0, back_rows, made)
                     back.result()
                     back.finish()
             out[f"comm:{name}"] = comm

@@ -1,5 +1,6 @@
 """The MoE layer benchmark runs end to end on CPU with gloo (the `tiny` shape) at world size 1 and 2, and writes
-the JSON the GPU runs commit: a row per planning mode with every field the issue names, limit = max(comm, gemm)."""
+the JSON the GPU runs commit: a row per planning mode with every field the issue names, limit = max(comm, gemm);
+with each token once per rank (wire rows, the default) and without."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_moe_layer_benchmark_smoke(tmp_path, world):
+@pytest.mark.parametrize("world, once_per_rank", [(1, "true"), (2, "true"), (2, "false")])
+def test_moe_layer_benchmark_smoke(tmp_path, world, once_per_rank):
     out = tmp_path / "moe.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(REPO / "benchmarks" / "moe_layer.py"), "--shapes", "tiny", "--rounds", "2", "--warmup", "1",
-           "--chunks", "1,2", "--skew", "--json", str(out)]
+           "--chunks", "1,2", "--skew", "--once-per-rank", once_per_rank, "--json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -38,3 +39,4 @@ def test_moe_layer_benchmark_smoke(tmp_path, world):
             assert row["backend"] == "gloo" and row["chunks"] in (1, 2)
             assert row["best"].startswith(row["planning"] + ":gloo:")
         assert row["tokens_per_rank_max"] >= row["tokens_per_rank_mean"] > 0
+        assert row["once_per_rank"] is (once_per_rank == "true")
