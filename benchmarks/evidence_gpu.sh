@@ -3570,13 +3570,25 @@ PY
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_ce_streams \
       "$TEXT train.distributed_timeout_s=90" --variant "$CE"
     ;;
-  layer2c)  # (2026-11-30) layer2 again, now that benchmarks/moe_layer.py sends each token once per rank (wire rows,
-    # --once-per-rank true, what training resolves auto to) in its layers and its exchange probes: NVLink, about 330 s
+  layer2c)  # (2026-11-30, 88 s) layer2 again, now that benchmarks/moe_layer.py can send each token once per rank
+    # (wire rows) in its layers and its exchange probes, every shape (the flag's default was true when this ran; its
+    # default is now auto, as training: top-4 and up); NVLink
     timeout -k 10 $(( $(left) < 420 ? $(left) : 420 )) torchrun --standalone --nproc-per-node 2 benchmarks/moe_layer.py \
-      --shapes mixtral,fine,fine_small --fabric nvlink --rounds 8 --graph-chunks 1 \
+      --shapes mixtral,fine,fine_small --fabric nvlink --rounds 8 --graph-chunks 1 --once-per-rank true \
       --json $res/moe_layer_2x${gpu}_nvlink_once_per_rank.json > "$out/moe_layer2c_nvlink.log" 2>&1
     tail -n 12 "$out/moe_layer2c_nvlink.log"
     pack
+    ;;
+  layer2d)  # (2026-11-30, 91 s) after layer2c: the same launch with a row per (token, expert) copy, for a same-day
+    # comparison, then the slow fabric with each token once per rank
+    for run in "nvlink false copies" "slow true once_per_rank"; do
+      set -- $run
+      timeout -k 10 $(( $(left) < 150 ? $(left) : 150 )) torchrun --standalone --nproc-per-node 2 \
+        benchmarks/moe_layer.py --shapes mixtral,fine,fine_small --fabric $1 --rounds 8 --graph-chunks 1 \
+        --once-per-rank $2 --json $res/moe_layer_2x${gpu}_$1_$3.json > "$out/moe_layer2d_$1_$3.log" 2>&1
+      grep -A4 "^fwdbwd" "$out/moe_layer2d_$1_$3.log"
+      pack
+    done
     ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt

@@ -16,7 +16,8 @@ At EP=1 the host and device rows run the pipeline over the one-rank group (its r
 memory): the pipeline's own cost, which a two-GPU run adds to its communication.
   serial      the serial reference path (pipeline off; the local path at EP=1)
   comm        the fastest transport moving the full, unchunked dispatch and combine (forward), and their
-              gradients too (forward+backward), for the same routing
+              gradients too (forward+backward), for the same routing; the rows the layers move: each token once
+              per rank (wire rows) where ``--once-per-rank`` (auto: as training, from top-4) has it
   gemm        the unchunked expert GEMMs alone on the same per-expert counts: fc1, SwiGLU, fc2 (forward),
               plus dgrad and wgrad (forward+backward; into the fp32 main_grad that the layer's parameters carry,
               as a training step has them)
@@ -108,10 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="overlap.moe_expert_rank_capacity_factor of the device-planned layers (default null, the "
                              "worst case); the rows record what overflowed, which this benchmark does not run again")
-    parser.add_argument("--once-per-rank", choices=("true", "false"), default="true",
+    parser.add_argument("--once-per-rank", choices=("auto", "true", "false"), default="auto",
                         help="overlap.moe_dispatch_once_per_rank of the pipelined layers and the exchange probes: "
-                             "each token's wire rows cross to a rank once (true, what training resolves auto to), "
-                             "or one row per (token, expert) copy")
+                             "each token's wire rows cross to a rank once, or one row per (token, expert) copy; auto "
+                             "as training resolves it, on from top-k tuning.ONCE_PER_RANK_MIN_TOPK")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--transport-probe", action="store_true",
@@ -180,8 +181,15 @@ class Bench:
         else:  # one host (or one GPU: regions in its own memory)
             self.transports = {"host": ["copy_engine", "nccl"], "device": ["sm_push"]}
         self.local = mesh.ep.size == 1
-        self.once_per_rank = args.once_per_rank == "true"
         self._selectors = {}
+
+    def once_per_rank(self, shape: Shape) -> bool:
+        """Whether the shape's layers and probes send each token once per rank (``--once-per-rank``)."""
+        from moe_overlap.tuning import ONCE_PER_RANK_MIN_TOPK
+
+        if self.args.once_per_rank == "auto":
+            return shape.topk >= ONCE_PER_RANK_MIN_TOPK
+        return self.args.once_per_rank == "true"
 
     # ---------------------------------------------------------------------------------------- timing
     def _timer(self):
@@ -242,7 +250,7 @@ class Bench:
         cfg = ModelConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
                           moe_router_topk=shape.topk, moe_aux_loss_coeff=0.0)
         overlap = OverlapConfig(moe_pipeline=False, moe_expert_rank_capacity_factor=self.args.capacity_factor,
-                                moe_dispatch_once_per_rank=self.once_per_rank)
+                                moe_dispatch_once_per_rank=self.once_per_rank(shape))
         layer = MoELayer(cfg, overlap, self.mesh.ep, None, self.device, self.dtype)
         init_parameters(layer, seed=1234, std=0.02, num_layers=1)
         for param in layer.parameters():  # as the optimizer attaches them: weight gradients land as in training
@@ -348,7 +356,7 @@ class Bench:
                     row["best"], row["backend"] = best, setting.transport if setting.planning else best
                     row["chunks"], row["delay_wgrad"], row["carveout"] = setting.chunks, setting.delay, setting.sms
             row.update(probe.tokens_per_rank())
-            row["capacity_factor"], row["once_per_rank"] = self.args.capacity_factor, self.once_per_rank
+            row["capacity_factor"], row["once_per_rank"] = self.args.capacity_factor, self.once_per_rank(shape)
             row["overflow_rows"] = sum(int(sel.overflow_rows) for sel in self._selectors.values())  # 0: every row
             rows.append(row)
         return rows
@@ -499,10 +507,11 @@ class Probe:
             row_bytes = shape.hidden * x.element_size()
             setting = (shape.experts, ep, chunks, False)
             self.experts_plan = HostPlanner(*setting, None, x.device, row_bytes).plan(routing)  # the GEMMs' rows
-            wire = dict(once_per_rank=bench.once_per_rank, topk=shape.topk)
+            once = bench.once_per_rank(shape)
+            wire = dict(once_per_rank=once, topk=shape.topk)
             host = HostPlanner(*setting, None, x.device, row_bytes, **wire)
             self.plans = {"host": host.plan(routing)}
-            sent_bytes = host.wire_bytes if bench.once_per_rank else row_bytes
+            sent_bytes = host.wire_bytes if once else row_bytes
             self.worst_bytes = ep.size * shape.tokens * shape.topk * sent_bytes
             for transport in bench.transports["device"]:  # the plan's counts gathered by that transport
                 self.plans["device"] = DevicePlanner(*setting, bench.selector("device", transport, local), x.device,
