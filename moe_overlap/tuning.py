@@ -10,7 +10,10 @@ import math
 
 # What ``overlap.moe_pipeline: auto`` runs where there is an exchange (EP x expert-TP > 1), by how the micro-batches
 # run. The transport follows the fabric (distributed/a2a.py): on one host with peer access, sm_push for device sizes
-# and copy_engine for host sizes; elsewhere nccl (host sizes).
+# and copy_engine for host sizes; elsewhere nccl (host sizes). copy_engine with device sizes (wire rows in slots of a
+# micro-batch's tokens, graphed) tied with sm_push where both pair on two streams, so auto keeps sm_push: the fine
+# bench model at EP=2 208,368 tokens/s against 209,026 / 209,689 balanced, 195,710 against 197,741 on real text
+# (2xH200, 2026-11-30, train_step_fine_8l_ep2_{balanced,text}_ce_streams_2xh200.json).
 #   plain: the pipeline, one chunk, planned where the fabric allows (device: sm_push, graph-replayable; else host).
 #     Per-GPU MFU, pipeline vs serial exchange: 2xH100 EP=2, 2026-11-26 (benchmarks/results/train_step_*_ep2_*):
 #     fine-grained 0.473 vs 0.420 balanced, 0.419 vs 0.374 real text; Mixtral-like 0.625 vs 0.596 balanced, 0.483
