@@ -125,7 +125,8 @@ def resolve_by_fabric(cfg: Config, mesh: Mesh, device: torch.device) -> None:
         micro_batches = cfg.num_micro_batches(mesh.world_size)
         pairing = pairing_by_transport(transport, micro_batches)
         one_rank = cfg.parallel.expert_model_parallel_size * cfg.expert_tensor_parallel_size == 1
-        local = NEEDS[transport].one_host or one_rank  # through one host's peer memory, or nothing exchanged
+        # through one host's peer memory with device-planned sizes (graph-replayable), or nothing exchanged
+        local = (NEEDS[transport].one_host and planning == "device") or one_rank
         off = streams_off_reason(cfg) if local else None
         on_streams = local and micro_batches >= 2 and off is None
         if on_streams:
