@@ -3590,6 +3590,16 @@ PY
       pack
     done
     ;;
+  layer2e)  # (2026-11-30) the slow fabric with and without wire rows back to back (layer2d's slow rows with them ran
+    # 20% slower for Mixtral and fine_small than layer2's without, in another launch); about 150 s on nvidia-h200-x2
+    for once in false true; do
+      timeout -k 10 $(( $(left) < 110 ? $(left) : 110 )) torchrun --standalone --nproc-per-node 2 \
+        benchmarks/moe_layer.py --shapes mixtral,fine,fine_small --fabric slow --rounds 8 --graph-chunks 1 \
+        --once-per-rank $once --json $res/moe_layer_2x${gpu}_slow_pair_once_$once.json > "$out/moe_layer2e_$once.log" 2>&1
+      grep -A4 "^fwdbwd" "$out/moe_layer2e_$once.log"
+      pack
+    done
+    ;;
   suite1_all)  # (2026-11-30) the one-GPU suite whole (suite1's 240 s cut it at 82% on 2026-11-30, before the FP8
     # graphed-vs-eager test's pinned fix ran), its log as gpu_tests_1xh200.txt
     suite 1x 0 "$(( $(left) - 10 ))"
