@@ -509,8 +509,8 @@ class Probe:
             self.experts_plan = HostPlanner(*setting, None, x.device, row_bytes).plan(routing)  # the GEMMs' rows
             once = bench.once_per_rank(shape)
             wire = dict(once_per_rank=once, topk=shape.topk)
-            host = HostPlanner(*setting, None, x.device, row_bytes, **wire)
-            self.plans = {"host": host.plan(routing)}
+            host = HostPlanner(*setting, None, x.device, row_bytes, **wire)  # the rows moved: wire rows, or the same
+            self.plans = {"host": host.plan(routing) if once else self.experts_plan}
             sent_bytes = host.wire_bytes if once else row_bytes
             self.worst_bytes = ep.size * shape.tokens * shape.topk * sent_bytes
             for transport in bench.transports["device"]:  # the plan's counts gathered by that transport
