@@ -24,6 +24,8 @@
              CTA count and bytes a program loads per step (``in_flight``), alone and beside a grouped bf16 GEMM
              carved out by as many SMs (the GEMM launched first, the push on a side stream), with twice the CTAs
              (two programs per free SM) at 16 KiB too; the GEMM alone at each carve-out; MB per CTA per ms
+  waiters    a grouped GEMM, a dense GEMM and causal attention alone and with 1 or 2 one-CTA spin kernels resident
+             on other streams (a signal wait's footprint): what a micro-batch's wait costs the other's kernels
   swiglu_fp8 SwiGLU under the rowwise FP8 recipe at the Mixtral-like (8,192 rows, ffn 14,336) and fine (65,536
              rows, ffn 1,024) expert shapes: the fused kernels writing FP8 rows (kernels/swiglu.py swiglu_forward_fp8,
              swiglu_backward_fp8: fc1's output gradient) against SwiGLU then quantize_rows (two passes), and
@@ -65,7 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import run_header, write_json  # noqa: E402
+from benchmarks.common import round_robin, run_header, write_json  # noqa: E402
 
 WGRAD_SHAPES = {  # name: (experts, rows per expert, M, N) -- M x N per expert, summed over its rows
     "mixtral_fc1": (8, 1024, 4096, 2 * 14336), "mixtral_fc2": (8, 1024, 14336, 4096),
@@ -525,6 +527,45 @@ def push_rows_rows(rounds: int) -> list[dict]:
     return out
 
 
+def waiters_rows(rounds: int) -> list[dict]:
+    """Each kernel alone and with 1 or 2 one-CTA spin kernels resident beside it on other streams
+    (torch.cuda._sleep, standing in for a symmetric-memory signal wait, a spinning <<<1, 32>>> kernel): what one
+    micro-batch's wait for its rows costs the other micro-batch's kernels on two streams."""
+    import torch
+    import torch.nn.functional as F
+
+    sleepers = [torch.cuda.Stream() for _ in range(2)]
+    x_grouped = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16)  # fine fc1 at EP=2: 32 experts
+    w_grouped = torch.randn(32, 2048, 2048, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.arange(1, 33, device="cuda", dtype=torch.int32) * 2048
+    a, b = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16), torch.randn(
+        2048, 6144, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kernels = {"grouped_fc1": lambda: torch._grouped_mm(x_grouped, w_grouped, offs=offsets),
+               "mm_16384x2048x6144": lambda: torch.mm(a, b),
+               "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    alone = timed(kernels, rounds, reps=3)
+    fns = {}
+    for name, fn in kernels.items():
+        cycles = int(alone[name] * 3 * 1.5 * 2.0e6)  # past the three timed calls at up to 2 GHz
+
+        def beside(fn=fn, n=0, cycles=cycles) -> None:
+            for stream in sleepers[:n]:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(cycles)
+            for _ in range(3):
+                fn()
+
+        for n in (0, 1, 2):
+            fns[f"{name}+{n}_spinning"] = lambda beside=beside, n=n: beside(n=n)
+    # the device drained before each timing (round_robin): no spin kernel outlives its variant's
+    ms = {k: val / 3 for k, val in round_robin(fns, rounds, 2, torch.device("cuda")).items()}
+    print("waiters", {k: round(val, 4) for k, val in ms.items()}, flush=True)
+    return [{"section": "waiters", "ms": ms,
+             "slowdown": {k: ms[k] / ms[k.rsplit("+", 1)[0] + "+0_spinning"] for k in ms}}]
+
+
 def swiglu_fp8_rows(rounds: int) -> list[dict]:
     import torch
 
@@ -811,7 +852,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
-                        help="comma-separated, of wgrad, adamw, attention, rows, push, swiglu_fp8, permute_fp8, "
+                        help="comma-separated, of wgrad, adamw, attention, rows, push, waiters, swiglu_fp8, permute_fp8, "
                              "fp8_row_tiles, weight_fp8, router_logits, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
@@ -828,6 +869,7 @@ def main(argv=None) -> None:
         attention_rows(args.rounds) if "attention" in sections else []) + (
         row_kernel_rows(args.rounds) if "rows" in sections else []) + (
         push_rows_rows(args.rounds) if "push" in sections else []) + (
+        waiters_rows(args.rounds) if "waiters" in sections else []) + (
         swiglu_fp8_rows(args.rounds) if "swiglu_fp8" in sections else []) + (
         permute_fp8_rows(args.rounds) if "permute_fp8" in sections else []) + (
         fp8_row_tiles_rows(args.rounds) if "fp8_row_tiles" in sections else []) + (
