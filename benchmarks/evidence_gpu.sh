@@ -136,6 +136,8 @@
 #                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
 #   bash benchmarks/evidence_gpu.sh chunks4  OUT   # EP=4 fine, spread forcing: 1 chunk beside its shared expert
 #                                                  #   overlapped, 2 and 4 graphed chunks bounded, paired
+#   bash benchmarks/evidence_gpu.sh push_tiling2 OUT # 2 GPUs: the push kernel's spans: GPU tests, its tiling over
+#                                                  #   NVLink, spinning waits beside kernels, EP=2 fine balanced
 #   bash benchmarks/evidence_gpu.sh wgrad1   OUT   # EP=4 fine: 1 chunk with delayed wgrad at auto / 16 / 64 push
 #                                                  #   CTAs (ep1, compute_only), then the GPU tests it touches
 #   bash benchmarks/evidence_gpu.sh wgrad1b  OUT   # the same delayed beside its shared expert overlapped, 32 CTAs
@@ -3569,6 +3571,23 @@ PY
       "$BAL train.distributed_timeout_s=90" --variant "$CE" --variant "config_again:$BAL"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_ce_streams \
       "$TEXT train.distributed_timeout_s=90" --variant "$CE"
+    ;;
+  push_tiling2)  # (2026-12-01) the push kernel's spans (a 2,080-column wire row as 2,048 + 32 columns, not one
+    # 4,096-column block half past its end): its GPU tests (bf16 on one GPU, the wire-row exchange at 2 ranks), its
+    # tiling swept over NVLink against the copy engines (benchmarks/push_tiling.py), a spinning one-CTA wait beside
+    # the step's kernels (step_kernels.py waiters), then the fine bench model balanced at EP=2: config (auto: SM
+    # pushes on two streams, the new spans), compute_only, ep1; about 450 s on nvidia-h200-x2
+    gpu0_tests push_spans tests/test_push_rows.py
+    two_rank_tests push_spans tests/test_gpu_dispatch_once_per_rank.py
+    timeout -k 10 120 torchrun --standalone --nproc-per-node 2 benchmarks/push_tiling.py \
+      --json $res/push_tiling_2x${gpu}.json > "$out/push_tiling.log" 2>&1
+    head -n 30 "$out/push_tiling.log"
+    timeout -k 10 90 python benchmarks/step_kernels.py --sections waiters --rounds 20 \
+      --json $res/step_kernels_waiters_1x${gpu}.json > "$out/waiters.log" 2>&1
+    tail -n 3 "$out/waiters.log"
+    pack
+    STEPS="--warmup 2 --steps 5 --profile-steps 1" train_step 2 fine_8l balanced_spans "$BAL" \
+      --variant "config_again:$BAL"
     ;;
   layer2c)  # (2026-11-30, 88 s) layer2 again, now that benchmarks/moe_layer.py can send each token once per rank
     # (wire rows) in its layers and its exchange probes, every shape (the flag's default was true when this ran; its
