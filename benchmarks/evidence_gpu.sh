@@ -136,7 +136,7 @@
 #                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
 #   bash benchmarks/evidence_gpu.sh chunks4  OUT   # EP=4 fine, spread forcing: 1 chunk beside its shared expert
 #                                                  #   overlapped, 2 and 4 graphed chunks bounded, paired
-#   bash benchmarks/evidence_gpu.sh push_tiling2 OUT # 2 GPUs: the push kernel's spans: GPU tests, its tiling over
+#   bash benchmarks/evidence_gpu.sh push_tiling2 OUT # (at 175e5ad, reverted) 2 GPUs: the push kernel's spans: GPU tests, its tiling over
 #                                                  #   NVLink, spinning waits beside kernels, EP=2 fine balanced
 #   bash benchmarks/evidence_gpu.sh wgrad1   OUT   # EP=4 fine: 1 chunk with delayed wgrad at auto / 16 / 64 push
 #                                                  #   CTAs (ep1, compute_only), then the GPU tests it touches
@@ -3572,7 +3572,7 @@ PY
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_ce_streams \
       "$TEXT train.distributed_timeout_s=90" --variant "$CE"
     ;;
-  push_tiling2)  # (2026-12-01) the push kernel's spans (a 2,080-column wire row as 2,048 + 32 columns, not one
+  push_tiling2)  # (at 175e5ad, reverted: no faster; 2026-11-30, 286 s) the push kernel's spans (a 2,080-column wire row as 2,048 + 32 columns, not one
     # 4,096-column block half past its end): its GPU tests (bf16 on one GPU, the wire-row exchange at 2 ranks), its
     # tiling swept over NVLink against the copy engines (benchmarks/push_tiling.py), a spinning one-CTA wait beside
     # the step's kernels (step_kernels.py waiters), then the fine bench model balanced at EP=2: config (auto: SM

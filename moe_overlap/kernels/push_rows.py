@@ -43,35 +43,17 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moe_overlap.kernels.launch import DeviceFunction
-
-    def _copy_span(src, dst, width, main, read, write, BLOCK: tl.constexpr, TAIL: tl.constexpr):
-        # Columns [0, width) of a step's rows, ``src`` and ``dst`` (ROWS, 1) pointers at each row's first column:
-        # whole blocks of BLOCK columns up to ``main`` (a multiple of BLOCK), masked by row only, then one block of
-        # TAIL columns for the rest (none if TAIL is 0), so that no block is mostly past the row's end. ``read``: the
-        # rows to load (the others read as 0), ``write``: the rows to store.
-        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
-        for c0 in range(0, main, BLOCK):
-            c = c0 + cols
-            tl.store(dst + c[None, :], tl.load(src + c[None, :], mask=read[:, None], other=0.0), mask=write[:, None])
-        if TAIL > 0:
-            c = main + tl.arange(0, TAIL)
-            inside = (c < width)[None, :]
-            tl.store(dst + c[None, :], tl.load(src + c[None, :], mask=read[:, None] & inside, other=0.0),
-                     mask=write[:, None] & inside)
-
-    copy_span = DeviceFunction(_copy_span)
-
     def _move_rows_kernel(src_ptr, src_start_ptr, count_ptr, route_start_ptr, dst_rank_ptr, dst_row_ptr, dst_ptr,
-                          gather_ptr, gather_row_ptr, X, X_MAIN, W, W_MAIN, stride_src, stride_dst, stride_gather,
-                          ROUTED: tl.constexpr, GATHER: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCK_X: tl.constexpr, TAIL_X: tl.constexpr, BLOCK_W: tl.constexpr, TAIL_W: tl.constexpr):
+                          gather_ptr, gather_row_ptr, H, X, stride_src, stride_dst, stride_gather,
+                          ROUTED: tl.constexpr, GATHER: tl.constexpr, ALIGNED: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         # ROUTED: dst_ptr holds every rank's buffer address, and row i goes to (dst_rank, dst_row)[route_start + i];
-        # else dst_ptr is the buffer and row i goes to its row i. A row is X columns from row gather_row[r] of
-        # gather_ptr (GATHER; else X is 0), then W from row r of src_ptr; each span in its own blocks (_copy_span).
+        # else dst_ptr is the buffer and row i goes to its row i. GATHER: a row's first X columns come from row
+        # gather_row[r] of gather_ptr, its other H - X from row r of src_ptr (H - X columns wide).
         count = tl.load(count_ptr)
         src_start = tl.load(src_start_ptr)
         rr = tl.arange(0, ROWS)
+        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
         for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
             i = first + rr
             valid = i < count
@@ -87,32 +69,50 @@ if HAVE_TRITON:
                 dst = base[:, None] + dst_rows[:, None] * stride_dst
             else:
                 dst = dst_ptr + i.to(tl.int64)[:, None] * stride_dst
+            src = src_ptr + src_rows[:, None] * stride_src
             if GATHER:
                 gathered = tl.load(gather_row_ptr + src_rows, mask=valid, other=0).to(tl.int64)
-                copy_span(gather_ptr + gathered[:, None] * stride_gather, dst, X, X_MAIN, valid, valid, BLOCK_X,
-                          TAIL_X)
-            copy_span(src_ptr + src_rows[:, None] * stride_src, dst + X, W, W_MAIN, valid, valid, BLOCK_W, TAIL_W)
+                src_gathered = gather_ptr + gathered[:, None] * stride_gather
+            for h0 in range(0, H, BLOCK_H):
+                c = h0 + cols
+                mask = valid[:, None] & (c < H)[None, :]
+                if GATHER:
+                    mine = (c < X)[None, :]
+                    v = tl.where(mine, tl.load(src_gathered + c[None, :], mask=mask & mine),
+                                 tl.load(src + (c - X)[None, :], mask=mask & ~mine))
+                else:
+                    v = tl.load(src + c[None, :], mask=mask)
+                tl.store(dst + c[None, :], v, mask=mask)
 
     def _repeat_rows_kernel(src_ptr, src_start_ptr, src_count_ptr, dst_ptr, dst_start_ptr, count_ptr, gather_ptr,
-                            gather_row_ptr, X, X_MAIN, W, W_MAIN, stride_src, stride_dst, stride_gather,
-                            GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_X: tl.constexpr, TAIL_X: tl.constexpr,
-                            BLOCK_W: tl.constexpr, TAIL_W: tl.constexpr):
+                            gather_row_ptr, H, X, stride_src, stride_dst, stride_gather, GATHER: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         # dst row dst_start + i = src row src_start + i % src_count, for i < count; zeros when src_count is 0;
-        # the spans as in _move_rows_kernel
+        # GATHER as in _move_rows_kernel
         count, src_count = tl.load(count_ptr), tl.load(src_count_ptr)
         src_start, dst_start = tl.load(src_start_ptr), tl.load(dst_start_ptr)
         rr = tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_H)
         for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
             i = first + rr
             valid = i < count
-            read = valid & (src_count > 0)
             src_rows = (src_start + i % tl.maximum(src_count, 1)).to(tl.int64)
+            src = src_ptr + src_rows[:, None] * stride_src
             dst = dst_ptr + (dst_start + i).to(tl.int64)[:, None] * stride_dst
             if GATHER:
-                gathered = tl.load(gather_row_ptr + src_rows, mask=read, other=0).to(tl.int64)
-                copy_span(gather_ptr + gathered[:, None] * stride_gather, dst, X, X_MAIN, read, valid, BLOCK_X,
-                          TAIL_X)
-            copy_span(src_ptr + src_rows[:, None] * stride_src, dst + X, W, W_MAIN, read, valid, BLOCK_W, TAIL_W)
+                gathered = tl.load(gather_row_ptr + src_rows, mask=valid & (src_count > 0), other=0).to(tl.int64)
+                src_gathered = gather_ptr + gathered[:, None] * stride_gather
+            for h0 in range(0, H, BLOCK_H):
+                c = h0 + cols
+                mask = valid[:, None] & (c < H)[None, :]
+                if GATHER:
+                    mine = (c < X)[None, :]
+                    v = tl.where(mine, tl.load(src_gathered + c[None, :], mask=mask & mine & (src_count > 0),
+                                               other=0.0),
+                                 tl.load(src + (c - X)[None, :], mask=mask & ~mine & (src_count > 0), other=0.0))
+                else:
+                    v = tl.load(src + c[None, :], mask=mask & (src_count > 0), other=0.0)
+                tl.store(dst + c[None, :], v, mask=mask)
 
     # One kernel under two names, so that a profile tells a transfer to peers from a local copy.
     _push_rows = Kernel(_move_rows_kernel, name="_push_rows_kernel")
@@ -175,12 +175,11 @@ def push_rows_torch(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Te
 
 def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, dst_row_Q: torch.Tensor,
               route_start, dst_bases: torch.Tensor, ctas: int | None = None, gather: Gather | None = None,
-              in_flight: int = IN_FLIGHT_BYTES, dst_row_stride: int | None = None, block: int | None = None) -> None:
+              in_flight: int = IN_FLIGHT_BYTES, dst_row_stride: int | None = None) -> None:
     """Triton kernel (CUDA, or interpreted under TRITON_INTERPRET=1): each rank's destination buffer holds
     rows of the rows' width (``gather``: its columns and src_RH's) of ``src_RH.dtype`` from the address in
     ``dst_bases``, ``dst_row_stride`` elements apart (default: contiguous rows). ``in_flight``: bytes a program loads
-    per step; ``block``: columns of a whole block (a power of two; default :func:`_column_blocks`'s) (a benchmark's
-    sweeps)."""
+    per step (a benchmark's sweep)."""
     _check_gather(src_RH, gather)
     if dst_rank_Q.shape != dst_row_Q.shape or dst_rank_Q.dim() != 1:
         raise ValueError(f"dst_rank_Q {tuple(dst_rank_Q.shape)} and dst_row_Q {tuple(dst_row_Q.shape)} must be one "
@@ -191,7 +190,7 @@ def push_rows(src_RH: torch.Tensor, src_start, count, dst_rank_Q: torch.Tensor, 
     if _width(src_RH, gather):
         _launch(src_RH, _scalar(src_start, src_RH), _scalar(count, src_RH), _scalar(route_start, src_RH),
                 dst_rank_Q, dst_row_Q, dst_bases, dst_row_stride or _width(src_RH, gather), ctas, routed=True,
-                gather=gather, in_flight=in_flight, block=block)
+                gather=gather, in_flight=in_flight)
 
 
 def copy_rows_out(src_RH: torch.Tensor, src_start, count, out_RH: torch.Tensor,
@@ -229,12 +228,13 @@ def repeat_rows(src_RH: torch.Tensor, src_start, src_count, dst_RH: torch.Tensor
         repeat_rows_host(whole_rows(src_RH, gather, first, n_src), dst_RH[at:at + n])
         return
     if H:
+        block_h, rows = _row_steps(H, src_RH.element_size())
         source_TX, source_row_R = gather if gather is not None else (src_RH, src_RH)
-        spans, constants = _steps(H - src_RH.shape[1], src_RH.shape[1], src_RH.element_size())
         _repeat_rows[(ctas or full_width(src_RH.device),), src_RH.device](
             src_RH, _scalar(src_start, src_RH), _scalar(src_count, src_RH), dst_RH, _scalar(dst_start, src_RH),
-            _scalar(count, src_RH), source_TX, source_row_R, *spans, _row_stride(src_RH), dst_RH.stride(0),
-            source_TX.stride(0), GATHER=gather is not None, **constants, num_warps=8)
+            _scalar(count, src_RH), source_TX, source_row_R, H, H - src_RH.shape[1], _row_stride(src_RH),
+            dst_RH.stride(0), source_TX.stride(0), GATHER=gather is not None, ROWS=rows, BLOCK_H=block_h,
+            num_warps=8)
 
 
 def repeat_rows_host(src_RH: torch.Tensor, dst_RH: torch.Tensor) -> None:
@@ -251,29 +251,11 @@ def repeat_rows_host(src_RH: torch.Tensor, dst_RH: torch.Tensor) -> None:
         done += rows
 
 
-def _steps(X: int, W: int, element_size: int, in_flight: int = IN_FLIGHT_BYTES,
-           block: int | None = None) -> tuple[tuple[int, int, int, int], dict]:
-    """How a program walks a row of two spans, X columns (gathered; 0 without) then W: the kernel's (X, X_MAIN, W,
-    W_MAIN) and constants, each span's blocks (:func:`_column_blocks`) and the rows a step moves (``in_flight``
-    bytes by the widest block, a power of two; narrow rows: one per 4 KiB of it)."""
-    (block_x, tail_x, x_main), (block_w, tail_w, w_main) = (_column_blocks(n, element_size, block) for n in (X, W))
-    widest = max(block_x, tail_x, block_w, tail_w) * element_size
-    rows = max(1, min(in_flight // 4096, in_flight // widest))
-    return (X, x_main, W, w_main), dict(ROWS=rows, BLOCK_X=block_x, TAIL_X=tail_x, BLOCK_W=block_w, TAIL_W=tail_w)
-
-
-def _column_blocks(width: int, element_size: int, block: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK, TAIL, main) for a span ``width`` columns wide: whole blocks of BLOCK columns up to ``main``, then one
-    of TAIL (a power of two; 0: none). BLOCK (unless given) is the largest power of two dividing the width, up to 8
-    KiB, or where that is small, the largest below the width: a fine wire row of 2,080 columns moves as 2,048 + 32,
-    not as a 4,096-column block half past its end."""
-    if width == 0:
-        return 16, 0, 0  # nothing to move: the span's loop runs no step
-    if block is None:
-        cap, divisor = 8192 // element_size, width & -width
-        block = min(cap, divisor if divisor >= min(width, 512) else 1 << (width.bit_length() - 1))
-    main = width - width % block
-    return block, (triton.next_power_of_2(width - main) if width > main else 0), main
+def _row_steps(width: int, element_size: int, in_flight: int = IN_FLIGHT_BYTES) -> tuple[int, int]:
+    """Columns a program moves per step (up to 8 KiB of a row) and rows per step (``in_flight`` bytes, a power of
+    two; narrow rows: one per 4 KiB of it)."""
+    block_h = min(8192 // element_size, triton.next_power_of_2(width))
+    return block_h, max(1, min(in_flight // 4096, in_flight // (block_h * element_size)))
 
 
 def _row_stride(t_RH: torch.Tensor) -> int:
@@ -281,19 +263,18 @@ def _row_stride(t_RH: torch.Tensor) -> int:
 
 
 def _launch(src_RH, src_start, count, route_start, dst_rank, dst_row, dst, stride_dst: int, ctas: int | None,
-            routed: bool, gather: Gather | None = None, in_flight: int = IN_FLIGHT_BYTES,
-            block: int | None = None) -> None:
+            routed: bool, gather: Gather | None = None, in_flight: int = IN_FLIGHT_BYTES) -> None:
     ctas = full_width(src_RH.device) if ctas is None else ctas
     if not ctas >= 1:
         raise ValueError(f"ctas={ctas}: a push needs at least one CTA")
     H = _width(src_RH, gather)
+    block_h, rows = _row_steps(H, src_RH.element_size(), in_flight)
     source_TX, source_row_R = gather if gather is not None else (src_RH, src_start)
     X = H - src_RH.shape[1]
-    spans, constants = _steps(X, src_RH.shape[1], src_RH.element_size(), in_flight, block)
     aligned = all(n * src_RH.element_size() % 16 == 0
                   for n in (H, X, _row_stride(src_RH), stride_dst, _row_stride(source_TX)))
     kernel = _push_rows if routed else _copy_rows_out
     kernel[(ctas,), src_RH.device](src_RH, src_start, count, route_start, dst_rank, dst_row, dst, source_TX,
-                                   source_row_R, *spans, _row_stride(src_RH), stride_dst, source_TX.stride(0),
-                                   ROUTED=routed, GATHER=gather is not None, ALIGNED=aligned, **constants,
-                                   num_warps=8)
+                                   source_row_R, H, X, _row_stride(src_RH), stride_dst, source_TX.stride(0),
+                                   ROUTED=routed, GATHER=gather is not None, ALIGNED=aligned, ROWS=rows,
+                                   BLOCK_H=block_h, num_warps=8)
