@@ -136,6 +136,8 @@
 #                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
 #   bash benchmarks/evidence_gpu.sh chunks4  OUT   # EP=4 fine, spread forcing: 1 chunk beside its shared expert
 #                                                  #   overlapped, 2 and 4 graphed chunks bounded, paired
+#   bash benchmarks/evidence_gpu.sh pair_exposed2 OUT # 2 GPUs: exposed waits on two streams where neither computes:
+#                                                  #   GPU tests, EP=2 fine balanced (config, compute_only, ep1)
 #   bash benchmarks/evidence_gpu.sh push_tiling2 OUT # (at 175e5ad, reverted) 2 GPUs: the push kernel's spans: GPU tests, its tiling over
 #                                                  #   NVLink, spinning waits beside kernels, EP=2 fine balanced
 #   bash benchmarks/evidence_gpu.sh wgrad1   OUT   # EP=4 fine: 1 chunk with delayed wgrad at auto / 16 / 64 push
@@ -3571,6 +3573,15 @@ PY
       "$BAL train.distributed_timeout_s=90" --variant "$CE" --variant "config_again:$BAL"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_ce_streams \
       "$TEXT train.distributed_timeout_s=90" --variant "$CE"
+    ;;
+  pair_exposed2)  # (2026-11-30) exposed communication on a pair's two streams counted where neither stream computes
+    # (streams.pair_stream_work), not as both streams' waits summed: its one-GPU test, the held-back peer at 2 ranks
+    # (every case), the pairing tests at 2 ranks, then the fine bench model balanced at EP=2 (config on streams,
+    # compute_only, ep1); about 420 s on nvidia-h200-x2
+    gpu0_tests pair_exposed tests/test_gpu_exposed_comm.py -k pairs_wait
+    two_rank_tests pair_exposed tests/test_gpu_exposed_comm.py
+    two_rank_tests pair_exposed_streams tests/test_gpu_microbatch_overlap.py
+    STEPS="--warmup 2 --steps 5 --profile-steps 1" train_step 2 fine_8l balanced_pair_exposed "$BAL"
     ;;
   push_tiling2)  # (at 175e5ad, reverted: no faster; 2026-11-30, 286 s) the push kernel's spans (a 2,080-column wire row as 2,048 + 32 columns, not one
     # 4,096-column block half past its end): its GPU tests (bf16 on one GPU, the wire-row exchange at 2 ranks), its

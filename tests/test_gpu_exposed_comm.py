@@ -131,3 +131,31 @@ def test_a_held_back_peer_shows_as_exposed_ep_time(reports, case):
 if __name__ == "__main__":  # one rank under torchrun
     sys.path.insert(0, str(REPO))
     write_report(sys.argv[1], exposed_cases(sys.argv[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait_ms,compute_ms", [(20.0, 8.0), (5.0, 20.0)])
+def test_a_pairs_wait_counts_only_where_neither_stream_computes(wait_ms, compute_ms):
+    """One GPU, two streams as a pair runs them (streams.pair_stream_work): stream B computes for ``compute_ms`` in
+    its block while stream A, in its own, waits ``wait_ms`` (a spin standing in for a peer's signal). The wait is
+    exposed only once B is done: wait - compute, not the wait's own length, which the waits' sum would give."""
+    from moe_overlap.distributed.streams import exposed_wait, measuring_exposed_comm, pair_stream_work, use_stream
+
+    if not torch.cuda.is_available():
+        pytest.fail("needs CUDA")
+    device, cycles_per_ms = torch.device("cuda"), sleep_cycles_per_ms()
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    got = []
+    for _ in range(3):  # the first pays for loading the kernels
+        with measuring_exposed_comm(device) as tally:
+            for stream in (first, second):
+                stream.wait_stream(torch.cuda.current_stream())
+            with use_stream(second), pair_stream_work(device):
+                torch.cuda._sleep(int(compute_ms * cycles_per_ms))
+            with use_stream(first), pair_stream_work(device), exposed_wait("ep"):
+                torch.cuda._sleep(int(wait_ms * cycles_per_ms))
+            for stream in (first, second):
+                torch.cuda.current_stream().wait_stream(stream)
+        got.append(tally.totals_ms()["ep"])
+    want = max(0.0, wait_ms - compute_ms)
+    assert abs(got[-1] - want) < 0.1 * wait_ms, (got, want)

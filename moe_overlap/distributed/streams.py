@@ -13,10 +13,14 @@ from typing import Iterator, Optional
 
 import torch
 
-from moe_overlap.kernels.device_clock import add_clock
+from moe_overlap.kernels.device_clock import BIG, BLOCK, WAIT, add_clock, edge
 from moe_overlap.tuning import MAX_AUTO_CARVEOUT_SMS
 
 EXPOSED_KINDS = ("ep", "tp", "dp", "pp", "cp")
+PAIR_STREAMS = 2  # streams side by side (training/microbatch_overlap.PairStreams)
+# The device clock's slots: waits inside CUDA graphs per kind, those of waits on a pair's streams per kind, then the
+# time the pair's streams were all held with a wait open, then the pair's state (kernels/device_clock.py).
+_PAIR_WAITS, _PAIR_EXPOSED, _PAIR_STATE = len(EXPOSED_KINDS), 2 * len(EXPOSED_KINDS), 2 * len(EXPOSED_KINDS) + 1
 
 
 def check_gemm_sm_carveout(sms: int | str, device: torch.device) -> None:
@@ -134,7 +138,9 @@ class ExposedComm:
     """The time one training step's compute stream (on CPU: the host) spent waiting for communication, per
     kind: an event pair around every wait that blocks it (host waits included: the compute stream idles once its
     queue drains), plus what the device clock added up inside CUDA-graph replays during the step; summed once the
-    step's work is done."""
+    step's work is done. On a pair's two CUDA streams (:func:`pair_stream_work`), where one stream's wait is hidden
+    while the other computes, the time both were held with a wait open instead, shared among the kinds as the
+    pair's waits were."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -154,8 +160,12 @@ class ExposedComm:
         for kind, _, start, end in self.spans:
             totals[kind] += start.elapsed_ms(end)
         if self._graph_waits_ns is not None:
-            for kind, ns in zip(EXPOSED_KINDS, self._graph_waits_ns.wait().tolist()):
-                totals[kind] += ns / 1e6
+            clock_ns = self._graph_waits_ns.wait().tolist()
+            paired_ns = clock_ns[_PAIR_WAITS:_PAIR_EXPOSED]
+            for index, kind in enumerate(EXPOSED_KINDS):
+                totals[kind] += clock_ns[index] / 1e6
+                if sum(paired_ns) > 0:
+                    totals[kind] += clock_ns[_PAIR_EXPOSED] * paired_ns[index] / sum(paired_ns) / 1e6
         return totals
 
     def by_stage_ms(self) -> dict[str, float]:
@@ -166,10 +176,10 @@ class ExposedComm:
                 totals[f"{kind} {label}"] = totals.get(f"{kind} {label}", 0.0) + start.elapsed_ms(end)
         return totals
 
-
 _MEASURING: list[ExposedComm] = []  # the tally of the step in flight, if the trainer measures one
 _STAGE: list[str] = []  # the label of the stage running (overlap_moe_expert_parallel_comm)
 _OPEN: list[str] = []  # the exposed wait being timed: a wait inside it is part of it, not counted again
+_PAIRED: list[bool] = []  # work queued now runs on one of a pair's streams (pair_stream_work)
 # Per CUDA device, nanoseconds of waits inside CUDA graphs, one int64 per EXPOSED_KINDS entry, ever growing.
 _DEVICE_CLOCKS: dict[int, torch.Tensor] = {}  # by CUDA device index
 # Process group -> the kind of exposed communication its collectives are (Mesh.create names them).
@@ -196,10 +206,38 @@ def prepare_device_clock(device: torch.device) -> None:
     """Make the device's wait clock before a CUDA-graph capture (a tensor made inside one would live in the
     graph's pool, and its zero fill would replay)."""
     if device.type == "cuda" and _clock_key(device) not in _DEVICE_CLOCKS:
-        clock = _DEVICE_CLOCKS[_clock_key(device)] = torch.zeros(len(EXPOSED_KINDS), dtype=torch.int64,
-                                                                 device=device)
+        clock = _DEVICE_CLOCKS[_clock_key(device)] = torch.zeros(_PAIR_STATE + 1, dtype=torch.int64, device=device)
+        clock[_PAIR_STATE] = PAIR_STREAMS * BIG  # no stream of the pair computing, no wait open
         add_clock(clock, 0, -1)  # compiled and loaded now, not inside the capture; adds a few microseconds
         add_clock(clock, 0, +1)
+        for delta, sign in ((-BLOCK, 0), (WAIT, -1), (-WAIT, 1), (BLOCK, 0)):  # likewise, the state as it was
+            _pair_edge(clock, delta, 0, sign)
+
+
+def _pair_edge(clock: torch.Tensor, delta: int, kind: int = 0, sign: int = 0) -> None:
+    edge(clock, _PAIR_STATE, _PAIR_EXPOSED, PAIR_STREAMS, delta, _PAIR_WAITS + kind, sign)
+
+
+@contextlib.contextmanager
+def pair_stream_work(device: torch.device, block: bool = True) -> Iterator[None]:
+    """Work queued inside runs on one of a pair's CUDA streams side by side: its exposed waits count where no stream
+    of the pair computes (:class:`ExposedComm`). ``block``: the work is one block of that stream's (the stream computes
+    from its start to its end, but in its waits); else only its waits are marked (a capture for such a stream). A
+    no-op off CUDA, where a pair runs one half after the other."""
+    if device.type != "cuda":
+        yield
+        return
+    prepare_device_clock(device)
+    clock = _DEVICE_CLOCKS[_clock_key(device)]
+    if block:
+        _pair_edge(clock, -BLOCK)
+    _PAIRED.append(True)
+    try:
+        yield
+    finally:
+        _PAIRED.pop()
+        if block:
+            _pair_edge(clock, BLOCK)
 
 
 def _clock_key(device: torch.device) -> int | None:
@@ -243,10 +281,21 @@ def exposed_wait(kind: str | None) -> Iterator[None]:
     """Wrap anything that holds the compute stream (or the host) up for another rank: a stream's wait for a
     transfer, a host wait for a fetch, a device-side signal wait, a transfer kernel on the compute stream. Timed
     by events while a step measures; inside a CUDA-graph capture by the device clock, which every replay then
-    advances (measured or not: a step's tally takes the difference). ``kind`` None: not timed (a group no mesh
-    named); a wait inside another is part of the outer one."""
+    advances (measured or not: a step's tally takes the difference); on a pair's stream (:func:`pair_stream_work`)
+    by the device clock's pair slots, eager or captured. ``kind`` None: not timed (a group no mesh named); a wait
+    inside another is part of the outer one."""
     if kind is None or _OPEN:
         yield
+        return
+    if _PAIRED:  # on a pair's stream: the device clock's pair slots, eager or captured alike
+        clock, slot = _DEVICE_CLOCKS[torch.cuda.current_device()], EXPOSED_KINDS.index(kind)
+        _pair_edge(clock, WAIT, slot, -1)
+        _OPEN.append(kind)
+        try:
+            yield
+        finally:
+            _OPEN.pop()
+        _pair_edge(clock, -WAIT, slot, 1)
         return
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if capturing:

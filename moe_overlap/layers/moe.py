@@ -32,7 +32,8 @@ from moe_overlap.distributed.a2a import TransportSelector
 from moe_overlap.distributed.a2a_exchange import Transport
 from moe_overlap.distributed.a2a_routes import DeviceRoutes
 from moe_overlap.distributed.mesh import GroupHandle
-from moe_overlap.distributed.streams import carveout_for, expect_gradients_from_other_streams, prepare_device_clock
+from moe_overlap.distributed.streams import (carveout_for, expect_gradients_from_other_streams, pair_stream_work,
+                                             prepare_device_clock)
 from moe_overlap.exchange_rules import expert_tp_refusal, graph_refusal, slots_refusal
 from moe_overlap.kernels.copy_rows import copy_rows
 from moe_overlap.kernels.permute import Permute, Unpermute
@@ -370,11 +371,15 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
     # a GEMM's blocks spinning). Captured on its replay stream, a set shares its workspace only with work that
     # stream runs in turn.
     graph = torch.cuda.graph
+    # captured for a pair's streams: their waits count where neither stream computes (streams.pair_stream_work)
+    paired = pair_stream_work(weight.device, block=False) if replay_streams else contextlib.nullcontext()
     try:
-        for index, graph_set in enumerate((moe_layers, *sets)):  # a call each: its own memory pool
-            stream = replay_streams[index % len(replay_streams)] if replay_streams else torch.cuda.Stream(weight.device)
-            torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local", stream=stream)
-            torch.cuda.make_graphed_callables(graph_set, samples())
+        with paired:
+            for index, graph_set in enumerate((moe_layers, *sets)):  # a call each: its own memory pool
+                stream = (replay_streams[index % len(replay_streams)] if replay_streams
+                          else torch.cuda.Stream(weight.device))
+                torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local", stream=stream)
+                torch.cuda.make_graphed_callables(graph_set, samples())
     finally:
         torch.cuda.graph = graph
     for index, layer in enumerate(moe_layers):  # not submodules: the parameters stay the layer's

@@ -30,8 +30,8 @@ from typing import Iterator
 
 import torch
 
-from moe_overlap.distributed.streams import (Event, expect_gradients_from_other_streams, stage_label, use_stream,
-                                             wait_stream)
+from moe_overlap.distributed.streams import (Event, expect_gradients_from_other_streams, pair_stream_work, stage_label,
+                                             use_stream, wait_stream)
 from moe_overlap.layers.deferred_wgrad import WeightGradStore
 from moe_overlap.models.pipeline_stages import ChunkOutput, Segment
 
@@ -140,7 +140,7 @@ class PairStreams:
         stream = self.stream(micro_batch)
         if self.done[forward] is not None:
             self.done[forward].wait(stream)
-        with use_stream(stream):
+        with use_stream(stream), pair_stream_work(self.device):  # its waits exposed only where neither computes
             yield
         self.done[forward] = Event(self.device).record(stream)
 

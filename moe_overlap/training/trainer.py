@@ -109,9 +109,6 @@ class Trainer:
                 self.model.graph_moe_layers(t.micro_batch_size, copies + copies % 2 if streams else copies,
                                             replay_streams=streams.streams if streams else None)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
-            if streams and mesh.rank == 0 and mesh.ep.size * mesh.etp.size > 1:
-                log.info("pairs on two streams: exposed_comm_ms.ep sums both streams' waits for their peers, most of "
-                         "which the other stream's work hides: an upper bound, not the exposed time")
         dp = mesh.dp
         self.sampler = BatchSampler(train_tokens, cfg.model.seq_length, t.global_batch_size, t.micro_batch_size,
                                     dp.rank, dp.size, t.seed, mesh.cp.rank, mesh.cp.size)
