@@ -852,8 +852,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--sections", default="wgrad,adamw,attention,rows",
-                        help="comma-separated, of wgrad, adamw, attention, rows, push, waiters, swiglu_fp8, permute_fp8, "
-                             "fp8_row_tiles, weight_fp8, router_logits, "
+                        help="comma-separated, of wgrad, adamw, attention, rows, push, waiters, swiglu_fp8, "
+                             "permute_fp8, fp8_row_tiles, weight_fp8, router_logits, "
                              "fp8_tokens, fp8_param, fp8_blockwise, fp8_wgrad")
     parser.add_argument("--shapes", default=",".join(WGRAD_SHAPES), help="wgrad, fp8_blockwise, fp8_wgrad shapes")
     parser.add_argument("--rows", default=None,

@@ -176,6 +176,7 @@ class ExposedComm:
                 totals[f"{kind} {label}"] = totals.get(f"{kind} {label}", 0.0) + start.elapsed_ms(end)
         return totals
 
+
 _MEASURING: list[ExposedComm] = []  # the tally of the step in flight, if the trainer measures one
 _STAGE: list[str] = []  # the label of the stage running (overlap_moe_expert_parallel_comm)
 _OPEN: list[str] = []  # the exposed wait being timed: a wait inside it is part of it, not counted again
