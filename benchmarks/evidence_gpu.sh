@@ -136,6 +136,7 @@
 #                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
 #   bash benchmarks/evidence_gpu.sh chunks4  OUT   # EP=4 fine, spread forcing: 1 chunk beside its shared expert
 #                                                  #   overlapped, 2 and 4 graphed chunks bounded, paired
+#   bash benchmarks/evidence_gpu.sh text_exposed2 OUT # 2 GPUs: real text at EP=2, exposed time counted on two streams
 #   bash benchmarks/evidence_gpu.sh pair_exposed2 OUT # 2 GPUs: exposed waits on two streams where neither computes:
 #                                                  #   GPU tests, EP=2 fine balanced (config, compute_only, ep1)
 #   bash benchmarks/evidence_gpu.sh push_tiling2 OUT # (at 175e5ad, reverted) 2 GPUs: the push kernel's spans: GPU tests, its tiling over
@@ -3573,6 +3574,12 @@ PY
       "$BAL train.distributed_timeout_s=90" --variant "$CE" --variant "config_again:$BAL"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_ce_streams \
       "$TEXT train.distributed_timeout_s=90" --variant "$CE"
+    ;;
+  text_exposed2)  # (2026-11-30; carry data/stdlib_head_xz) issue 38's real-text rows at EP=2 again, now that exposed
+    # time on two streams is the time neither stream computes: what the waits for the most loaded rank cost. Each bench
+    # model on the corpus's first 5M tokens: config (auto), compute_only, ep1; about 280 s on nvidia-h200-x2
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_exposed "$TEXT"
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 mixtral_2l text_exposed "$TEXT"
     ;;
   pair_exposed2)  # (2026-11-30) exposed communication on a pair's two streams counted where neither stream computes
     # (streams.pair_stream_work), not as both streams' waits summed: its one-GPU test, the held-back peer at 2 ranks
