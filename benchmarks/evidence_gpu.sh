@@ -136,6 +136,7 @@
 #                                                  #   EP=4 fine balanced (ep1, default, serial, compute_only)
 #   bash benchmarks/evidence_gpu.sh chunks4  OUT   # EP=4 fine, spread forcing: 1 chunk beside its shared expert
 #                                                  #   overlapped, 2 and 4 graphed chunks bounded, paired
+#   bash benchmarks/evidence_gpu.sh ctas_exposed2 OUT # 2 GPUs: 32 push CTAs on two streams, exposed time counted
 #   bash benchmarks/evidence_gpu.sh text_exposed2 OUT # 2 GPUs: real text at EP=2, exposed time counted on two streams
 #   bash benchmarks/evidence_gpu.sh pair_exposed2 OUT # 2 GPUs: exposed waits on two streams where neither computes:
 #                                                  #   GPU tests, EP=2 fine balanced (config, compute_only, ep1)
@@ -3574,6 +3575,13 @@ PY
       "$BAL train.distributed_timeout_s=90" --variant "$CE" --variant "config_again:$BAL"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_ce_streams \
       "$TEXT train.distributed_timeout_s=90" --variant "$CE"
+    ;;
+  ctas_exposed2)  # (2026-11-30) the push held to 32 CTAs on two streams again (2026-11-30 earlier: slower, 0.5759 against
+    # 0.5813), now that exposed time there is the time neither stream computes: does the smaller push leave the other
+    # stream SMs but wait longer? The fine bench model balanced at EP=2: config, 32 push CTAs, compute_only, ep1;
+    # about 250 s on nvidia-h200-x2
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l balanced_ctas_exposed "$BAL" \
+      --variant "push_ctas32:$BAL,overlap.ep_comm_ctas=32"
     ;;
   text_exposed2)  # (2026-11-30; carry data/stdlib_head_xz) issue 38's real-text rows at EP=2 again, now that exposed
     # time on two streams is the time neither stream computes: what the waits for the most loaded rank cost. Each bench
