@@ -128,11 +128,6 @@ def test_a_held_back_peer_shows_as_exposed_ep_time(reports, case):
         assert waiting["resolved"]["moe_cuda_graph"] is True
 
 
-if __name__ == "__main__":  # one rank under torchrun
-    sys.path.insert(0, str(REPO))
-    write_report(sys.argv[1], exposed_cases(sys.argv[1]))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("wait_ms,compute_ms", [(20.0, 8.0), (5.0, 20.0)])
 def test_a_pairs_wait_counts_only_where_neither_stream_computes(wait_ms, compute_ms):
@@ -159,3 +154,8 @@ def test_a_pairs_wait_counts_only_where_neither_stream_computes(wait_ms, compute
         got.append(tally.totals_ms()["ep"])
     want = max(0.0, wait_ms - compute_ms)
     assert abs(got[-1] - want) < 0.1 * wait_ms, (got, want)
+
+
+if __name__ == "__main__":  # one rank under torchrun
+    sys.path.insert(0, str(REPO))
+    write_report(sys.argv[1], exposed_cases(sys.argv[1]))

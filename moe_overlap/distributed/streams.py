@@ -181,7 +181,7 @@ _MEASURING: list[ExposedComm] = []  # the tally of the step in flight, if the tr
 _STAGE: list[str] = []  # the label of the stage running (overlap_moe_expert_parallel_comm)
 _OPEN: list[str] = []  # the exposed wait being timed: a wait inside it is part of it, not counted again
 _PAIRED: list[bool] = []  # work queued now runs on one of a pair's streams (pair_stream_work)
-# Per CUDA device, nanoseconds of waits inside CUDA graphs, one int64 per EXPOSED_KINDS entry, ever growing.
+# Per CUDA device, the device clock: nanoseconds of waits, ever growing, and the pair's state (slots above).
 _DEVICE_CLOCKS: dict[int, torch.Tensor] = {}  # by CUDA device index
 # Process group -> the kind of exposed communication its collectives are (Mesh.create names them).
 _GROUP_KINDS: dict[object, str] = {}
