@@ -9,7 +9,7 @@ import torch
 
 from moe_overlap.config import load_config
 from moe_overlap.distributed.mesh import Mesh
-from moe_overlap.distributed.streams import EXPOSED_KINDS
+from moe_overlap.distributed.streams import EXPOSED_KINDS, HostCopy
 from moe_overlap.training.profiling import host_late_idle, kernel_kind, step_breakdown, stream_summary
 from moe_overlap.training.trainer import Trainer
 
@@ -169,6 +169,21 @@ def test_a_wait_inside_another_counts_once_and_groups_carry_their_kind():
     assert exposed_kind(group) is None
     with pytest.raises(ValueError, match="allowed ep, tp, dp, pp, cp"):
         set_exposed_kind(group, "moe")
+
+
+def test_a_pairs_exposed_time_is_shared_among_the_kinds_as_its_waits_were():
+    """The device clock's step difference (streams.ExposedComm): waits inside graphs off a pair's streams count whole
+    per kind; on a pair's streams only the time both were held counts, shared as the pair's own waits were."""
+    from moe_overlap.distributed.streams import _PAIR_EXPOSED, _PAIR_STATE, _PAIR_WAITS, ExposedComm
+
+    clock_ns = torch.zeros(_PAIR_STATE + 1, dtype=torch.int64)
+    clock_ns[EXPOSED_KINDS.index("dp")] = 3_000_000  # a graph's wait off the pair's streams
+    clock_ns[_PAIR_WAITS + EXPOSED_KINDS.index("ep")] = 30_000_000  # the pair's waits, mostly hidden
+    clock_ns[_PAIR_WAITS + EXPOSED_KINDS.index("pp")] = 10_000_000
+    clock_ns[_PAIR_EXPOSED] = 8_000_000  # both streams held with a wait open
+    tally = ExposedComm(torch.device("cpu"))
+    tally._graph_waits_ns = HostCopy(clock_ns)
+    assert tally.totals_ms() == pytest.approx({"ep": 6.0, "tp": 0.0, "dp": 3.0, "pp": 2.0, "cp": 0.0})
 
 
 class _Event:
