@@ -42,7 +42,7 @@ def _copying(land_own):
 
 
 def _allocating(init):
-    def init_with_scratch(self, cfg, mesh, device):
+    def init_with_scratch(self, cfg, mesh, device, routing_replay=None):
         if _scratch.get("wanted"):  # before the trainer captures its graphs: they capture the copies
             import torch
 
@@ -52,16 +52,16 @@ def _allocating(init):
             nbytes = tokens * (cfg.model.hidden_size + SLOT_EXTRA_COLUMNS) * 4  # fp32 or bf16 rows
             _scratch.update(workspace=SymmWorkspace(mesh.ep.group, nbytes, device), tokens=tokens,
                             source=torch.zeros(nbytes, dtype=torch.uint8, device=device))
-        init(self, cfg, mesh, device)
+        init(self, cfg, mesh, device, routing_replay)
     return init_with_scratch
 
 
 def _rows_with_copies(run_row):
-    def run(name, overrides, args, out_dir):
+    def run(name, overrides, args, out_dir, replay=None):
         _scratch.clear()
         _scratch["wanted"] = name.endswith("_ce")
         try:
-            return run_row(name, overrides, args, out_dir)
+            return run_row(name, overrides, args, out_dir, replay)
         finally:
             _scratch.clear()
             train_step.release_memory()

@@ -3589,6 +3589,23 @@ PY
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_exposed "$TEXT"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 mixtral_2l text_exposed "$TEXT"
     ;;
+  replay_tests2)  # (2026-11-30, new session) the compute-only rows route as the config row did (routing replay,
+    # layers/routing_replay.py): its GPU test at 2 ranks (graphed, unpaired and paired on two streams), then the tests
+    # of what the change touched (every graphed copy routes through its slot): the pairing and exposed-time tests at 2
+    # ranks, the MoE layer's and the compute-only ones; about 330 s on nvidia-h200-x2
+    two_rank_tests replay tests/test_gpu_routing_replay.py
+    two_rank_tests replay_streams tests/test_gpu_microbatch_overlap.py
+    two_rank_tests replay_exposed tests/test_gpu_exposed_comm.py
+    two_rank_tests replay_moe tests/test_gpu_moe.py
+    ;;
+  replay_text2)  # (2026-11-30, new session; carry data/stdlib_head_xz) issue 38's real-text rows at EP=2 with
+    # compute_only routed as the config row did (before, it routed by its own MoE outputs: 1.03x the mean rank load in
+    # the Mixtral-like model's layer against the config's 1.92x); config, compute_only, ep1, and the config again
+    # without recording (what recording costs the config row); about 330 s on nvidia-h200-x2
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 fine_8l text_replay "$TEXT" \
+      --variant "config_again:"
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 mixtral_2l text_replay "$TEXT"
+    ;;
   pair_exposed2)  # (2026-11-30) exposed communication on a pair's two streams counted where neither stream computes
     # (streams.pair_stream_work), not as both streams' waits summed: its one-GPU test, the held-back peer at 2 ranks
     # (every case), the pairing tests at 2 ranks, then the fine bench model balanced at EP=2 (config on streams,

@@ -15,7 +15,11 @@ round-robin: compare rows of one launch, and repeat a launch to see its spread):
                 if the config has it off: the serial path has no such mode): every exchange keeps its sizes, signals
                 and small messages, so each layer still waits for the most loaded rank, but rows stay on their
                 rank; each rank's expert GEMMs run on exactly the rows it would have received. The limit of
-                hiding the transfers. Its loss means nothing.
+                hiding the transfers. Its loss means nothing. It routes every token as the config row did
+                (layers/routing_replay.py: its MoE outputs, which later layers route on, are not the config
+                row's), so that both wait for the same most loaded rank; where that is not implemented (SP, CP,
+                full recomputation) or with ``--compute-only-routing own``, by its own routing (its row's
+                ``routing`` says which). So does every variant that sets overlap.moe_compute_only=true.
   ep1           (``--ep1``) the config as the file has it (or with ``--ep1-overrides``) on one GPU of the same
                 machine, rank 0's, first (in a process of its own, while the other ranks wait to join); per-GPU
                 tokens/s over ep1's is the weak-scaling efficiency
@@ -70,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=2, help="steps profiled after the timed ones (0: none)")
     parser.add_argument("--variant", action="append", default=[], help="NAME:section.field=value,...")
     parser.add_argument("--compute-only", action="store_true", help="add the compute_only row")
+    parser.add_argument("--compute-only-routing", choices=("replayed", "own"), default="replayed",
+                        help="how the compute-only rows route: as the config row did (default), or by their own "
+                             "routing (as before 2026-11-30: real text then routes otherwise)")
     parser.add_argument("--ep1", action="store_true", help="add the ep1 row (the config on one GPU)")
     parser.add_argument("--ep1-overrides", default="", help="section.field=value,... for the ep1 row only")
     parser.add_argument("--no-scale-batch", action="store_true",
@@ -129,8 +136,9 @@ def per_layer_median(steps: list[dict], key: str) -> dict[str, float]:
     return {layer: round(statistics.median(m[key][layer] for m in steps), 4) for layer in layers}
 
 
-def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None:
-    """Train the row's steps on every rank; rank 0 returns the row (every rank's part gathered), others None."""
+def run_row(name: str, overrides: list[str], args, out_dir: Path, replay=None) -> dict | None:
+    """Train the row's steps on every rank; rank 0 returns the row (every rank's part gathered), others None.
+    ``replay``: the RoutingReplay the row records its routing into, or replays (layers/routing_replay.py)."""
     import torch
     import torch.distributed as dist
 
@@ -160,7 +168,7 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
     recorded = args.memory_peak and device.type == "cuda"
     if recorded:
         recording()
-    trainer = Trainer(cfg, mesh, device)
+    trainer = Trainer(cfg, mesh, device, routing_replay=replay)
     history = trainer.fit()
     faulthandler.cancel_dump_traceback_later()
     timed = history[args.warmup:args.warmup + args.steps]
@@ -243,7 +251,8 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
             for layer in timed[0].get("ep_imbalance_micro_batch", {})},
         "resolved": resolved,
         "routing": {"data_path": cfg.data.path or "bundled byte-level corpus",
-                    "force_load_balancing": cfg.model.moe_router_force_load_balancing},
+                    "force_load_balancing": cfg.model.moe_router_force_load_balancing,
+                    "replayed_from_config": replay is not None and replay.replaying},
         "loss_first": losses[0], "loss_last": losses[1],
         # the device-planned exchange's bound (overlap.moe_expert_rank_capacity_factor): steps run again, rows past
         # the chunks' bounds, and of those the ones no overflow chunk took, over the timed steps (a step run again:
@@ -258,6 +267,23 @@ def run_row(name: str, overrides: list[str], args, out_dir: Path) -> dict | None
         row["profile_per_rank"] = [p.get("profile") for p in parts]
     copy_timeline(args, name, Path(cfg.train.output_dir) / "profile" / "timeline_rank0.png")
     return row
+
+
+def routing_replays(args, world: int, rows: list[tuple[str, list[str]]]) -> dict:
+    """By row name: the config row records its routing, and each compute-only row (``compute_only``, or a variant
+    with overlap.moe_compute_only=true) replays it, where the layout can replay routing (else they route by their
+    own)."""
+    from moe_overlap.layers.routing_replay import RoutingReplay, replay_refusal
+
+    replaying = [name for name, overrides in rows if "overlap.moe_compute_only=true" in args.overrides + overrides]
+    if not replaying or "config" in replaying or args.compute_only_routing == "own":
+        return {}
+    refusal = replay_refusal(load_row_config(args, args.overrides, Path(tempfile.gettempdir()), world))
+    if refusal is not None:
+        print(f"train_step: the compute-only rows route by their own routing ({refusal})", file=sys.stderr)
+        return {}
+    recording = RoutingReplay()
+    return {"config": recording, **{name: RoutingReplay(recording.recorded) for name in replaying}}
 
 
 def rank_peak_gib(device, reserved: bool = False) -> float:
@@ -386,8 +412,9 @@ def main(argv=None) -> list[dict]:
             rows.append(run_ep1(args, Path(tmp)))
             save()
             print(json.dumps({k: rows[-1].get(k) for k in ("variant", "tokens_per_s", "mfu", "error")}), flush=True)
+        replays = routing_replays(args, world, rows_to_run(args))
         for name, overrides in rows_to_run(args):
-            row = run_row(name, overrides, args, Path(tmp))
+            row = run_row(name, overrides, args, Path(tmp), replays.get(name))
             if row is not None:
                 rows.append(row)
                 save()

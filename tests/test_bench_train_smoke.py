@@ -78,6 +78,12 @@ def test_train_step_benchmark_two_ranks_with_reference_rows(tmp_path):
     assert rows["config"]["resolved"]["moe_path"] == "pipeline" and rows["config"]["exposed_comm_ms"]["ep"] > 0
     assert rows["pipeline"]["resolved"]["moe_pipeline_chunks"] == 2
     assert rows["compute_only"]["resolved"]["moe_compute_only"] is True
+    # compute_only routed as the config row did (its own MoE outputs would route otherwise), so it waited for the
+    # same most loaded rank
+    assert rows["compute_only"]["routing"]["replayed_from_config"] and not rows["config"]["routing"][
+        "replayed_from_config"]
+    for key in ("ep_imbalance", "expert_imbalance", "ep_imbalance_micro_batch"):
+        assert rows["compute_only"][key] == rows["config"][key], key
     check_row(rows["ep1"], 1)
     assert rows["ep1"]["global_batch_size"] == 4 and rows["ep1"]["vs_ep1"] == 1.0
 

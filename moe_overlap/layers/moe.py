@@ -45,6 +45,7 @@ from moe_overlap.layers.host_plan import HostPlanner
 from moe_overlap.layers.mlp import GatedSharedExpert, SwiGLUMLP
 from moe_overlap.layers.paged_stash import PagedStash
 from moe_overlap.layers.router import Router, Routing
+from moe_overlap.layers.routing_replay import RoutingReplay
 from moe_overlap.tuning import EP_NCCL_SMS_PER_CTA, auto_push_sms
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ class MoELayer(nn.Module):
         # overlap.moe_paged_stash_factor: the pool every MoE layer's device-planned calls keep their backward's
         # tensors in (layers/paged_stash.py; the trainer makes it, knowing the calls in flight)
         self.stash: PagedStash | None = None
+        # a routing replay (routing_replay.py, attach_replay): its slot per graphed copy, the one this call routes by
+        self.replay: RoutingReplay | None = None
+        self.replay_slots: tuple[torch.Tensor, ...] = ()
+        self.replay_slot, self.layer_index = 0, -1
 
     def for_micro_batch(self, micro_batch: int) -> nn.Module:
         """What runs ``micro_batch``: with graphed copies (capture_moe_layers), the copy its index picks in turn (the
@@ -126,9 +131,47 @@ class MoELayer(nn.Module):
         in eval mode, the layer. (A copy is not a submodule, so model.eval() does not reach it: it would replay its
         training graphs, rewriting a training call's static tensors and adding into the exchange's device counters;
         the layer in eval mode runs eagerly.)"""
-        if not self.graph_copies or not self.training:
-            return self
-        return (self, *self.graph_copies)[micro_batch % (1 + len(self.graph_copies))]
+        return (self, *self.graph_copies)[self._copy_of(micro_batch)]
+
+    def _copy_of(self, micro_batch: int) -> int:
+        return micro_batch % (1 + len(self.graph_copies)) if self.training else 0
+
+    def attach_replay(self, replay: RoutingReplay, layer_index: int, tokens: int, copies: int) -> None:
+        """Route every training call through ``replay`` (before graphs capture the layer: ``copies`` graphed
+        copies, each with its slot of ``tokens`` x top-k experts)."""
+        if type(self.router) is not Router:
+            raise ValueError("routing replay: not implemented under sequence or context parallelism")
+        self.replay, self.layer_index = replay, layer_index
+        self.replay_slots = replay.slots(copies, tokens, self.topk, self.num_experts, self.router.weight.device)
+
+    @contextlib.contextmanager
+    def routing_slot(self, micro_batch: int) -> Iterator[None]:
+        """Around a training call that routes ``micro_batch`` (with a routing replay): its copy's slot filled before
+        (replay) or kept after (record), on the current stream, the micro-batch's."""
+        if self.replay is None or not self.training:
+            yield
+            return
+        slot_TK = self.replay_slots[self._copy_of(micro_batch)]
+        self.replay.fill(slot_TK, micro_batch, self.layer_index)
+        yield
+        self.replay.keep(slot_TK, micro_batch, self.layer_index)
+
+    def run_micro_batch(self, micro_batch: int, x_BSH: torch.Tensor):
+        """:meth:`forward` of ``micro_batch`` by the copy that runs it (:meth:`for_micro_batch`)."""
+        with self.routing_slot(micro_batch):
+            return self.for_micro_batch(micro_batch)(x_BSH)
+
+    def _route(self, x_TH: torch.Tensor) -> Routing:
+        """The router's choice; with a routing replay, in a training call, the slot's experts (a copy: the backward
+        reads them after the slot is refilled) or the choice kept in the slot."""
+        if self.replay is None or not self.training:
+            return self.router(x_TH)
+        slot_TK = self.replay_slots[self.replay_slot]
+        if self.replay.replaying:
+            return self.router(x_TH, slot_TK.clone())
+        routing = self.router(x_TH)
+        slot_TK.copy_(routing.experts_TK)
+        return routing
 
     @property
     def stepped(self) -> bool:
@@ -147,7 +190,7 @@ class MoELayer(nn.Module):
             token, shared_TH = self.run_experts(x_TH, token, state)
             out_TH = self.finish_combine(x_TH, token, routing.probs_TK, state, shared_TH)
         else:
-            routing = self.router(x_TH)
+            routing = self._route(x_TH)
             out_TH = self._with_shared(x_TH, self._local(x_TH, routing) if self.local else self._serial(x_TH, routing))
         return out_TH.view_as(x_BSH), routing.aux_loss + routing.z_loss, routing.tokens_per_expert_E
 
@@ -185,7 +228,7 @@ class MoELayer(nn.Module):
         """Route, plan the exchange, permute, and start the first chunk to the experts: the routing (its probs go
         to :meth:`finish_combine`), the token that orders the next step, the state the steps share. ``paired``:
         another micro-batch's compute runs beside the first and last transfers."""
-        routing = self.router(x_TH)
+        routing = self._route(x_TH)
         return (routing, *self._dispatch(x_TH, routing, paired=paired))
 
     def _dispatch(self, x_TH: torch.Tensor, routing: Routing, paired: bool = False,
@@ -210,7 +253,7 @@ class MoELayer(nn.Module):
         of slice i + 1; in the backward, its output gradient's rows beside the dgrad of slice i + 1. So only the first
         slice's dispatch and the last slice's combine and output-gradient rows cross with no GEMM beside. The same
         math: each token meets the same experts. Returns the output rows and the routing."""
-        routing = self.router(x_TH)
+        routing = self._route(x_TH)
         n = self.token_slices
         edges = [x_TH.shape[0] * i // n for i in range(n + 1)]
         after_gemm, after_dgrad = [Handoff() for _ in range(n)], [Handoff() for _ in range(n)]
@@ -310,21 +353,25 @@ def host_planned_rerun(moe_layers: list[MoELayer]) -> Iterator[None]:
 
 class _GraphCopy(nn.Module):
     """A further graphed copy of a MoE layer (its own static buffers, the same parameters), for a further
-    micro-batch in flight: capture_moe_layers(copies=n). ``transports``: its exchange's own regions (copies that
-    run side by side on streams of their own), else the layer's."""
+    micro-batch in flight: capture_moe_layers(copies=n). ``index``: its set (1 to n - 1), whose routing slot it
+    routes by (routing_replay.py); ``transports``: its exchange's own regions (copies that run side by side on
+    streams of their own), else the layer's."""
 
-    def __init__(self, layer: MoELayer, transports: TransportSelector | None = None):
+    def __init__(self, layer: MoELayer, index: int, transports: TransportSelector | None = None):
         super().__init__()
-        self.layer, self.transports = layer, transports
+        self.layer, self.index, self.transports = layer, index, transports
 
     def forward(self, x_BSH: torch.Tensor):
-        if self.transports is None:
-            return MoELayer.forward(self.layer, x_BSH)  # the eager forward: the layer's own is the first copy's replay
-        shared, self.layer.transports = self.layer.transports, self.transports  # its planners key on it (_planner)
+        """The eager forward (the layer's own is the first copy's replay), through the copy's regions (its planners
+        key on them: _planner) and routing slot."""
+        layer, shared = self.layer, (self.layer.transports, self.layer.replay_slot)
+        layer.replay_slot = self.index
+        if self.transports is not None:
+            layer.transports = self.transports
         try:
-            return MoELayer.forward(self.layer, x_BSH)
+            return MoELayer.forward(layer, x_BSH)
         finally:
-            self.layer.transports = shared
+            layer.transports, layer.replay_slot = shared
 
 
 def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int, ...], copies: int = 1,
@@ -358,12 +405,12 @@ def capture_moe_layers(moe_layers: tuple[MoELayer, ...], input_shape: tuple[int,
                      for _ in moe_layers)
 
     sets = []
-    for _ in range(copies - 1):
+    for index in range(1, copies):
         twins = {}  # one twin per selector the layers share
         for layer in moe_layers:
             if replay_streams and layer.transports is not None and id(layer.transports) not in twins:
                 twins[id(layer.transports)] = layer.transports.twin()
-        sets.append(tuple(_GraphCopy(layer, twins.get(id(layer.transports))) for layer in moe_layers))
+        sets.append(tuple(_GraphCopy(layer, index, twins.get(id(layer.transports))) for layer in moe_layers))
     # NCCL's watchdog thread queries events during a capture, which the default "global" capture mode counts as an
     # illegal call from another thread: capture in "thread_local" mode. Not on torch's one default capture stream:
     # torch hands cuBLAS a workspace per (handle, stream) and a graph keeps the one it was captured with, so sets

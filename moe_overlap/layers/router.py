@@ -157,9 +157,11 @@ class Router(nn.Module):
                    force_load_balancing=cfg.moe_router_force_load_balancing, lr_scale=cfg.moe_router_lr_scale,
                    loss_detach_input=cfg.moe_router_loss_detach_input)
 
-    def forward(self, x_TH: torch.Tensor) -> Routing:
-        """Route the tokens of one micro-batch; ``x_TH`` is (batch, seq) flattened sequence-major."""
-        return self.route(self.logits(x_TH), self.loss_logits(x_TH))
+    def forward(self, x_TH: torch.Tensor, experts_TK: torch.Tensor | None = None) -> Routing:
+        """Route the tokens of one micro-batch; ``x_TH`` is (batch, seq) flattened sequence-major. ``experts_TK``:
+        each token's experts chosen elsewhere (a routing replay: layers/routing_replay.py), weighted as forced
+        balancing weights its assigned ones."""
+        return self.route(self.logits(x_TH), self.loss_logits(x_TH), experts_TK)
 
     def loss_logits(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         """model.moe_router_loss_detach_input: the logits the auxiliary and z losses see, of the tokens detached, so
@@ -173,11 +175,13 @@ class Router(nn.Module):
         compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
         return F.linear(x_TH.to(compute_dtype), self.weight.to(compute_dtype))
 
-    def route(self, logits_TE: torch.Tensor, loss_logits_TE: torch.Tensor | None = None) -> Routing:
+    def route(self, logits_TE: torch.Tensor, loss_logits_TE: torch.Tensor | None = None,
+              experts_TK: torch.Tensor | None = None) -> Routing:
         """Routing from the logits of one micro-batch's tokens (a separate step so that, under sequence
         parallelism, the logits of the whole micro-batch can be gathered first: layers/sp_router.py); the auxiliary
-        and z losses from ``loss_logits_TE`` where given (:meth:`loss_logits`)."""
-        probs_TK, experts_TK, copies_E = self._choose(logits_TE)
+        and z losses from ``loss_logits_TE`` where given (:meth:`loss_logits`); ``experts_TK``: assigned (forward)."""
+        assigned = experts_TK is not None or self.force_load_balancing
+        probs_TK, experts_TK, copies_E = self._choose(logits_TE, experts_TK)
         keep_TK = capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(logits_TE.shape[0] * self.topk / self.num_experts * self.capacity_factor)
@@ -190,7 +194,7 @@ class Router(nn.Module):
         zero = logits_TE.new_zeros(())
         if loss_logits_TE is None:
             loss_logits_TE = logits_TE
-        aux_loss = (self._aux_loss(loss_logits_TE, experts_TK if self.force_load_balancing else None)
+        aux_loss = (self._aux_loss(loss_logits_TE, experts_TK if assigned else None)
                     if self.aux_loss_coeff > 0 else zero)
         z_loss = (self.z_loss_coeff * torch.logsumexp(loss_logits_TE, dim=-1).square().mean()
                   if self.z_loss_coeff > 0 else zero)
@@ -214,19 +218,21 @@ class Router(nn.Module):
                                           torch.where(keep, fractions_E, self.previous_step_load))
 
     # ------------------------------------------------------------------------------------------ internals
-    def _choose(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Routing weights and global expert indices of each token's k experts, and the copies per expert (None:
-        counted later). The softmax router without groups runs as one kernel (kernels/router.py)."""
-        if self.score_function == "softmax" and self.num_groups is None:
+    def _choose(self, logits_TE: torch.Tensor, experts_TK: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Routing weights and global expert indices of each token's k experts (``experts_TK`` where given), and the
+        copies per expert (None: counted later). The softmax router without groups chooses in one kernel
+        (kernels/router.py)."""
+        if experts_TK is None and self.score_function == "softmax" and self.num_groups is None:
             return topk_route(logits_TE, self.topk, self.pre_softmax, self.forced_orders_ME)
         # What the experts are chosen by; Mixtral's: the logits, the k largest renormalised by a softmax over them.
         if self.score_function == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
         else:
             scores_TE = torch.softmax(logits_TE, dim=-1) if self.pre_softmax else logits_TE
-        if self.force_load_balancing:
+        if experts_TK is None and self.force_load_balancing:
             experts_TK = forced_experts(logits_TE.shape[0], self.topk, self.forced_orders_ME)
-        else:
+        elif experts_TK is None:
             experts_TK = self._top_k(scores_TE if self.expert_bias is None else scores_TE + self.expert_bias)
         probs_TK = scores_TE.gather(1, experts_TK)
         if self.score_function == "sigmoid" and self.topk > 1:

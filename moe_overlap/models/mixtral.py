@@ -32,6 +32,7 @@ from moe_overlap.layers.mlp import SwiGLUMLP
 from moe_overlap.layers.moe import MoELayer, capture_moe_layers
 from moe_overlap.layers.norm import RMSNorm
 from moe_overlap.layers.router import Router
+from moe_overlap.layers.routing_replay import RoutingReplay
 from moe_overlap.layers.sp_router import SequenceParallelRouter
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
 
@@ -65,7 +66,7 @@ class TransformerLayer(nn.Module):
         if attention_only:
             return x_BSH, mlp_in
         if self.is_moe:
-            mlp_out, aux_loss, tokens_per_expert = self.mlp.for_micro_batch(micro_batch)(mlp_in)
+            mlp_out, aux_loss, tokens_per_expert = self.mlp.run_micro_batch(micro_batch, mlp_in)
             return x_BSH + mlp_out, aux_loss, tokens_per_expert
         return x_BSH + self.mlp(mlp_in), None, None
 
@@ -88,7 +89,7 @@ class TransformerLayer(nn.Module):
             if not self.is_moe:
                 return {"x": carry["h"] + mlp(carry["m"])}
             # graphed layers: each micro-batch in flight replays its own copy
-            out_BSH, aux_loss, carry["tokens"][index] = mlp.for_micro_batch(carry["micro_batch"])(carry["m"])
+            out_BSH, aux_loss, carry["tokens"][index] = mlp.run_micro_batch(carry["micro_batch"], carry["m"])
             return {"x": carry["h"] + out_BSH, "aux": carry["aux"] + aux_loss}
 
         if not (self.is_moe and mlp.stepped):
@@ -96,7 +97,8 @@ class TransformerLayer(nn.Module):
 
         def attention_dispatch(carry: dict) -> dict:
             out = attention(carry)
-            routing, token, state = mlp.start_dispatch(out["m"].flatten(0, -2), paired=True)
+            with mlp.routing_slot(carry["micro_batch"]):
+                routing, token, state = mlp.start_dispatch(out["m"].flatten(0, -2), paired=True)
             carry["tokens"][index] = routing.tokens_per_expert_E
             return dict(out, token=token, probs=routing.probs_TK, state=state,
                         aux=carry["aux"] + routing.aux_loss + routing.z_loss)
@@ -201,6 +203,15 @@ class MixtralModel(nn.Module):
         for layer in self.layers.values():
             if layer.is_moe:
                 layer.mlp.experts.wgrad_groups = ExpertWgradGroups(micro_batches)
+
+    def replay_routing(self, replay: RoutingReplay, micro_batch_size: int, copies: int = 1) -> None:
+        """Every MoE layer's training calls route through ``replay`` (layers/routing_replay.py): call before
+        graph_moe_layers, with the ``copies`` it will capture."""
+        if self.recompute:
+            raise ValueError("routing replay: not implemented with train.recompute_granularity='full'")
+        for index, layer in self.layers.items():
+            if layer.is_moe:
+                layer.mlp.attach_replay(replay, int(index), micro_batch_size * self.cfg.seq_length, copies)
 
     def fp8_modules(self, bf16_at_start: int = 0, bf16_at_end: int = 0) -> Iterable[nn.Module]:
         """The modules whose GEMMs ``train.fp8_recipe`` runs in FP8: the experts and the linears of every layer of

@@ -28,6 +28,7 @@ from moe_overlap.layers.exchange_memory import paged_stash_size
 from moe_overlap.layers.moe import host_planned_rerun
 from moe_overlap.layers.paged_stash import PagedStash
 from moe_overlap.layers.param_info import param_info
+from moe_overlap.layers.routing_replay import RoutingReplay
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.models.pipeline_stages import PipelineStages
@@ -53,7 +54,9 @@ Optimizer = MixedPrecisionAdamW | DistributedOptimizer  # train.use_distributed_
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, routing_replay: RoutingReplay | None = None):
+        """``routing_replay``: every MoE layer's routing recorded into it, or replayed from it
+        (layers/routing_replay.py: a benchmark's reference routed as the run it is the limit of)."""
         validate_for_world(cfg, mesh.world_size, device.type)
         resolve_by_fabric(cfg, mesh, device)
         self.cfg, self.mesh, self.device = cfg, mesh, device
@@ -98,15 +101,19 @@ class Trainer:
         self._moe_layers = [layer.mlp for layer in self.model.layers.values() if layer.is_moe]
         self._exchange = next((m.transports for m in self._moe_layers if m.transports is not None), None)
         self._stash = self._paged_stash(stages)  # before the graphs capture the MoE layers' stash
+        # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired, or a
+        # pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
+        # (pairs on two streams: each set with its own regions, and an even count of sets, so that a set's
+        # micro-batches i, i + n, ... all run on stream i mod 2, one after another: pairs_on_streams)
+        streams = self.pipeline.pair_streams
+        copies = graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank]) if t.moe_cuda_graph else 1
+        copies += copies % 2 if t.moe_cuda_graph and streams else 0
+        self.routing_replay = routing_replay
+        if routing_replay is not None:  # before the graphs capture each set's routing slot
+            self.model.replay_routing(routing_replay, t.micro_batch_size, copies)
         if t.moe_cuda_graph:  # after the optimizer: it may move the parameters into its buffers
-            # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired,
-            # or a pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
-            # (pairs on two streams: each set with its own regions, and an even count of sets, so that a set's
-            # micro-batches i, i + n, ... all run on stream i mod 2, one after another: pairs_on_streams)
-            streams = self.pipeline.pair_streams
-            copies = graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank])
             with naming_streams_on_oom(streams is not None):
-                self.model.graph_moe_layers(t.micro_batch_size, copies + copies % 2 if streams else copies,
+                self.model.graph_moe_layers(t.micro_batch_size, copies,
                                             replay_streams=streams.streams if streams else None)
             self.optimizer.zero_grad()  # the capture's warm-up backward passes added into main_grad
         dp = mesh.dp
@@ -144,6 +151,8 @@ class Trainer:
         # Each micro-batch's loss is a mean over its tokens; dividing by every micro-batch of every
         # data-parallel rank makes the summed gradients those of the global-batch mean.
         loss_scale = 1.0 / (self.num_micro_batches * self.mesh.dp.size)
+        if self.routing_replay is not None:
+            self.routing_replay.step = step
         result = self.pipeline.run(list(self.sampler.micro_batches(step)), loss_scale, carveouts=self._carveouts())
         self.tokens_per_micro_batch, self.stage_order = result.tokens_per_micro_batch, result.order
         return result.losses
