@@ -3606,6 +3606,22 @@ PY
       --variant "config_again:"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 mixtral_2l text_replay "$TEXT"
     ;;
+  ce4)  # (written 2026-11-30, not run: no 4-GPU kind lent; about 420 s on nvidia-h200-x4.) Issue 38 at EP=4: the
+    # full-chip pushes move about 2.7x EP=2's bytes a step (a fine token's copies reach 2.7 of 3 peers), each holding
+    # every SM while it crosses NVLink, which is where EP=2's last 6-7% went; the copy engines hold none. Predicted: the
+    # copy-engine slots near 1.08-1.10x compute_only against the pushes' 1.14x (x4_main). The fine bench model
+    # balanced: config (auto: pushes, unpaired at EP=4), copy engines, compute_only, ep1; then the copy engines paired
+    # on two streams, last (streams at EP=4 hung before the graphs' cuBLAS workspace fix), with a 60 s wait limit
+    CE="overlap.moe_transport=copy_engine"
+    STEPS="--warmup 3 --steps 6 --profile-steps 1" train_step 4 fine_8l balanced_ce "$BAL" --variant "ce:$CE" \
+      --variant "ce_streams:$CE,overlap.overlap_moe_expert_parallel_comm=true,train.distributed_timeout_s=60"
+    ;;
+  text_replay4)  # (written 2026-11-30, not run: no 4-GPU kind lent; about 330 s on nvidia-h200-x4, carrying
+    # data/stdlib_head_xz.) Issue 38's real-text rows at EP=4 against a limit routed as the step (replay_text2's
+    # rows at 4 ranks): config, compute_only (replayed), ep1, each bench model
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 4 fine_8l text_replay "$TEXT"
+    STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 4 mixtral_2l text_replay "$TEXT"
+    ;;
   pair_exposed2)  # (2026-11-30) exposed communication on a pair's two streams counted where neither stream computes
     # (streams.pair_stream_work), not as both streams' waits summed: its one-GPU test, the held-back peer at 2 ranks
     # (every case), the pairing tests at 2 ranks, then the fine bench model balanced at EP=2 (config on streams,
