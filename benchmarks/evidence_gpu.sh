@@ -745,6 +745,16 @@ case $phase in
   suite2)
     suite 2x 0,1 "$(left)"
     ;;
+  suite_rest2)  # (2026-11-30, new session) the 2-GPU suite on the tree after the routing replay, but for the four files
+    # replay_tests2 ran on it (the whole suite no longer fits one call's 600 s); about 420 s on nvidia-h200-x2
+    log=$out/gpu_tests_suite_rest_2x$gpu.txt
+    rest="--ignore=tests/test_gpu_routing_replay.py --ignore=tests/test_gpu_microbatch_overlap.py"
+    rest="$rest --ignore=tests/test_gpu_exposed_comm.py --ignore=tests/test_gpu_moe.py"
+    echo "# $(date -u '+%F %H:%M UTC'); $(git rev-parse --short HEAD 2>/dev/null); CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $rest tests/" > "$log"
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=15 \
+      $rest --basetemp=/tmp/gpu_tests_rest tests/ 2>&1 | tee -a "$log" | tail -n 30
+    cp "$log" $res/
+    ;;
   suite1)
     suite 1x 0 240  # 120 s cut the 2026-11-27 run at 71%
     ;;
