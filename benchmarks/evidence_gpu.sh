@@ -750,7 +750,7 @@ case $phase in
     log=$out/gpu_tests_suite_rest_2x$gpu.txt
     rest="--ignore=tests/test_gpu_routing_replay.py --ignore=tests/test_gpu_microbatch_overlap.py"
     rest="$rest --ignore=tests/test_gpu_exposed_comm.py --ignore=tests/test_gpu_moe.py"
-    echo "# $(date -u '+%F %H:%M UTC'); $(git rev-parse --short HEAD 2>/dev/null); CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $rest tests/" > "$log"
+    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $rest tests/" > "$log"
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=15 \
       $rest --basetemp=/tmp/gpu_tests_rest tests/ 2>&1 | tee -a "$log" | tail -n 30
     cp "$log" $res/
