@@ -120,9 +120,8 @@ class MoELayer(nn.Module):
         # overlap.moe_paged_stash_factor: the pool every MoE layer's device-planned calls keep their backward's
         # tensors in (layers/paged_stash.py; the trainer makes it, knowing the calls in flight)
         self.stash: PagedStash | None = None
-        # a routing replay (routing_replay.py, attach_replay): its slot per graphed copy, the one this call routes by
+        # a routing replay (routing_replay.py, attach_replay), and the graphed copy whose slot this call routes by
         self.replay: RoutingReplay | None = None
-        self.replay_slots: tuple[torch.Tensor, ...] = ()
         self.replay_slot, self.layer_index = 0, -1
 
     def for_micro_batch(self, micro_batch: int) -> nn.Module:
@@ -137,24 +136,17 @@ class MoELayer(nn.Module):
         return micro_batch % (1 + len(self.graph_copies)) if self.training else 0
 
     def attach_replay(self, replay: RoutingReplay, layer_index: int, tokens: int, copies: int) -> None:
-        """Route every training call through ``replay`` (before graphs capture the layer: ``copies`` graphed
-        copies, each with its slot of ``tokens`` x top-k experts)."""
-        if type(self.router) is not Router:
-            raise ValueError("routing replay: not implemented under sequence or context parallelism")
+        """Route every training call through ``replay`` (layers/routing_replay.py; before graphs capture the layer's
+        ``copies`` sets, each routing ``tokens``)."""
+        replay.attach(self.router, layer_index, tokens, copies)
         self.replay, self.layer_index = replay, layer_index
-        self.replay_slots = replay.slots(copies, tokens, self.topk, self.num_experts, self.router.weight.device)
 
-    @contextlib.contextmanager
-    def routing_slot(self, micro_batch: int) -> Iterator[None]:
-        """Around a training call that routes ``micro_batch`` (with a routing replay): its copy's slot filled before
-        (replay) or kept after (record), on the current stream, the micro-batch's."""
+    def routing_slot(self, micro_batch: int):
+        """Around a training call that routes ``micro_batch``: with a routing replay, its copy's slot filled before
+        or kept after, on the current stream, the micro-batch's."""
         if self.replay is None or not self.training:
-            yield
-            return
-        slot_TK = self.replay_slots[self._copy_of(micro_batch)]
-        self.replay.fill(slot_TK, micro_batch, self.layer_index)
-        yield
-        self.replay.keep(slot_TK, micro_batch, self.layer_index)
+            return contextlib.nullcontext()
+        return self.replay.around(micro_batch, self.layer_index, self._copy_of(micro_batch))
 
     def run_micro_batch(self, micro_batch: int, x_BSH: torch.Tensor):
         """:meth:`forward` of ``micro_batch`` by the copy that runs it (:meth:`for_micro_batch`)."""
@@ -162,16 +154,9 @@ class MoELayer(nn.Module):
             return self.for_micro_batch(micro_batch)(x_BSH)
 
     def _route(self, x_TH: torch.Tensor) -> Routing:
-        """The router's choice; with a routing replay, in a training call, the slot's experts (a copy: the backward
-        reads them after the slot is refilled) or the choice kept in the slot."""
         if self.replay is None or not self.training:
             return self.router(x_TH)
-        slot_TK = self.replay_slots[self.replay_slot]
-        if self.replay.replaying:
-            return self.router(x_TH, slot_TK.clone())
-        routing = self.router(x_TH)
-        slot_TK.copy_(routing.experts_TK)
-        return routing
+        return self.replay.route(self.router, x_TH, self.layer_index, self.replay_slot)
 
     @property
     def stepped(self) -> bool:
