@@ -3616,6 +3616,20 @@ PY
       --variant "config_again:"
     STEPS="--warmup 2 --steps 4 --profile-steps 0" train_step 2 mixtral_2l text_replay "$TEXT"
     ;;
+  replay_examples2)  # (2026-11-30, new session; carry data/stdlib_head_xz) the routing replay's GPU test again (its
+    # slots moved into layers/routing_replay.py), then issue 41's 2-GPU examples as shipped (auto: pairs on two streams
+    # on an H200) on the corpus's first 5M tokens against their limit routed as they route; about 330 s on
+    # nvidia-h200-x2
+    two_rank_tests replay_again tests/test_gpu_routing_replay.py
+    for family in fine mixtral; do
+      name=train_step_gpu2_${family}_text_replay_2x$gpu
+      timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+        configs/gpu2_$family.yaml data.path=data/stdlib_head/stdlib.bin --no-scale-batch --warmup 3 --steps 4 \
+        --profile-steps 0 --compute-only --json $res/$name.json 2>&1 | tee "$out/$name.log" \
+        | grep -E '^\{"variant"|Error' | cut -c1-400
+      pack
+    done
+    ;;
   ce4)  # (written 2026-11-30, not run: no 4-GPU kind lent; about 420 s on nvidia-h200-x4.) Issue 38 at EP=4: the
     # full-chip pushes move about 2.7x EP=2's bytes a step (a fine token's copies reach 2.7 of 3 peers), each holding
     # every SM while it crosses NVLink, which is where EP=2's last 6-7% went; the copy engines hold none. Predicted: the
