@@ -2,7 +2,7 @@
 replay), for a benchmark's reference. ``benchmarks/train_step.py``'s compute_only row replays its config row's
 routing: the reference never computes the MoE outputs that later layers route on, so on real text it would route
 otherwise and wait for another most loaded rank than the run it is the limit of (2xH200, 2026-11-30: the Mixtral-like
-bench model's second layer at 1.18x the mean rank load against the config row's 1.92x).
+bench model's second layer at 1.03x the mean rank load against the config row's 1.92x).
 
 ``RoutingReplay()`` records each MoE layer's chosen experts per (step, micro-batch, layer) as a run trains;
 ``RoutingReplay(recorded)`` makes a later run with the same steps and micro-batches choose them. Its routing weights
