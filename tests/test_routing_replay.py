@@ -33,15 +33,18 @@ def test_a_router_given_the_experts_weights_them_by_its_own_scores(score_functio
 
 
 def replay_case(output_dir: str, paired: bool) -> dict:
-    """EP=2: a run records its routing; a compute-only run from other weights replays it, and another does not.
-    Each step's copies per expert and micro-batch (what every exchange and GEMM is sized by), per run."""
+    """EP = the ranks: a run records its routing; a compute-only run from other weights replays it, and another does
+    not. Each step's copies per expert and micro-batch (what every exchange and GEMM is sized by), per run."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
     extra = {"overlap.moe_pipeline": "true", "overlap.overlap_moe_expert_parallel_comm": str(paired).lower()}
     other = {**extra, "overlap.moe_compute_only": "true", "train.seed": "7"}
     runs = {}
     recording = RoutingReplay()
     for name, overrides, replay in (("recorded", extra, recording), ("replayed", other, RoutingReplay(
             recording.recorded)), ("own", other, None)):
-        cfg = small_config(output_dir, 2, 8, **overrides)
+        cfg = small_config(output_dir, world, 4 * world, **overrides)  # two micro-batches a rank
         _, mesh = world_and_mesh(cfg)
         try:
             trainer = Trainer(cfg, mesh, torch.device("cpu"), routing_replay=replay)
@@ -56,13 +59,12 @@ def replay_case(output_dir: str, paired: bool) -> dict:
     return {"same": same, "keys": sorted(recording.recorded), "layers": sorted(runs["recorded"][0])}
 
 
-@pytest.mark.parametrize("paired", [False, True])
-def test_a_compute_only_run_replays_the_recorded_routing(rank_pool, tmp_path, paired):
+@pytest.mark.parametrize("world,paired", [(2, False), (2, True), (4, False)])
+def test_a_compute_only_run_replays_the_recorded_routing(rank_pool, tmp_path, world, paired):
     """Paired: the layer's steps run apart (MoELayer.start_dispatch under the slot), not its forward."""
-    for result in rank_pool(2).run(replay_case, str(tmp_path), paired):
+    for result in rank_pool(world).run(replay_case, str(tmp_path), paired):
         assert result["same"] == {"replayed": True, "own": False}, result
-        micro_batches = 8 // (2 * 2)  # global batch 8, micro-batch 2, 2 data-parallel ranks
-        assert result["keys"] == [(step, mb, layer) for step in range(STEPS) for mb in range(micro_batches)
+        assert result["keys"] == [(step, mb, layer) for step in range(STEPS) for mb in range(2)
                                   for layer in result["layers"]]
 
 
