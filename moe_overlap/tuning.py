@@ -70,7 +70,8 @@ import math
 STREAMS_EXPERT_RANKS = (1, 2)
 # On streams a one-chunk SM push runs at the full chip. Held to fewer CTAs (overlap.ep_comm_ctas, no carve-out) it
 # only slowed the step, monotonically: the fine bench model at EP=2 0.5315 / 0.5631 / 0.5759 at 8 / 16 / 32 CTAs
-# against 0.5813 at the full chip, 0.5631 with every paired GEMM carved out by 16 too; configs/gpu2_fine.yaml the same
+# against 0.5813 at the full chip, 0.5631 with the paired GEMMs carved out by 16 too (the eager ones only: the graphed
+# MoE layers' grouped GEMMs, captured with one chunk, carry no carve-out); configs/gpu2_fine.yaml the same
 # way (2xH200, 2026-11-30, train_step_{fine_8l_ep2_balanced,gpu2_fine}_push_ctas_2xh200.json); again at 32 with the
 # time both streams were held counted, 21.6 / 25.5 ms a step against 10.6 / 13.6 at the full chip, 1.074x compute_only
 # against 1.066x (..._balanced_ctas_exposed_2xh200.json): the smaller push's longer transfer. So auto pairs on streams

@@ -47,8 +47,6 @@ class RoutingReplay:
     def attach(self, router: Router, layer: int, tokens: int, copies: int) -> None:
         """``layer``'s slots, one per graphed copy, first holding forced balancing's assignment (what a graph's
         warm-up calls route by before any step fills them)."""
-        if type(router) is not Router:
-            raise ValueError("routing replay: not implemented under sequence or context parallelism")
         experts_TK = forced_experts(tokens, router.topk, forced_expert_orders(router.num_experts,
                                                                                router.weight.device))
         self.slots[layer] = tuple(experts_TK.clone() for _ in range(copies))

@@ -206,9 +206,7 @@ class MixtralModel(nn.Module):
 
     def replay_routing(self, replay: RoutingReplay, micro_batch_size: int, copies: int = 1) -> None:
         """Every MoE layer's training calls route through ``replay`` (layers/routing_replay.py): call before
-        graph_moe_layers, with the ``copies`` it will capture."""
-        if self.recompute:
-            raise ValueError("routing replay: not implemented with train.recompute_granularity='full'")
+        graph_moe_layers, with the ``copies`` it will capture (routing_replay.replay_refusal says where it cannot)."""
         for index, layer in self.layers.items():
             if layer.is_moe:
                 layer.mlp.attach_replay(replay, int(index), micro_batch_size * self.cfg.seq_length, copies)

@@ -28,7 +28,7 @@ from moe_overlap.layers.exchange_memory import paged_stash_size
 from moe_overlap.layers.moe import host_planned_rerun
 from moe_overlap.layers.paged_stash import PagedStash
 from moe_overlap.layers.param_info import param_info
-from moe_overlap.layers.routing_replay import RoutingReplay
+from moe_overlap.layers.routing_replay import RoutingReplay, replay_refusal
 from moe_overlap.models.flops import flops_per_token
 from moe_overlap.models.mixtral import build_model
 from moe_overlap.models.pipeline_stages import PipelineStages
@@ -58,6 +58,8 @@ class Trainer:
         """``routing_replay``: every MoE layer's routing recorded into it, or replayed from it
         (layers/routing_replay.py: a benchmark's reference routed as the run it is the limit of)."""
         validate_for_world(cfg, mesh.world_size, device.type)
+        if routing_replay is not None and (refusal := replay_refusal(cfg)) is not None:
+            raise ValueError(refusal)  # before a model is built
         resolve_by_fabric(cfg, mesh, device)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t = cfg.train
