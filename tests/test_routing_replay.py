@@ -22,6 +22,8 @@ def test_a_router_given_the_experts_weights_them_by_its_own_scores(score_functio
     router gives its own top-k choice when the given experts are that choice."""
     torch.manual_seed(0)
     router = Router(16, 8, 2, pre_softmax, "aux_loss", 0.01, 0.0, dtype=torch.float32, score_function=score_function)
+    with torch.no_grad():  # made uninitialised (a model's init_weights fills it): NaNs were possible
+        router.weight.normal_(0, 0.1)
     x_TH = torch.randn(12, 16)
     own = router(x_TH)
     given = router(x_TH, own.experts_TK.flip(-1))  # the same experts, the other order
