@@ -3608,6 +3608,45 @@ PY
     two_rank_tests replay_exposed tests/test_gpu_exposed_comm.py
     two_rank_tests replay_moe tests/test_gpu_moe.py
     ;;
+  interleaved_graphs2)  # (2026-11-30, second session) graphed MoE layers under interleaved 1F1B (each model chunk's
+    # own copies): the GPU test (bf16 rule; eager, graphed, graphed pairs on two streams); then the fine bench model
+    # at PP=2 x VPP=2 (EP=1) graphed against eager, each twice, beside 1F1B graphed (no virtual stages) and graphed
+    # pairs on two streams; about 500 s on nvidia-h200-x2
+    log=$out/gpu_tests_interleaved_graphs_2x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_pipeline_graphs.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_pipeline_graphs.py 2>&1 \
+      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    name=train_step_fine_8l_pp2_vpp2_graphed_2x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2 $BAL \
+      --warmup 3 --steps 5 --profile-steps 0 --variant eager:train.moe_cuda_graph=false --variant "graphed_again:" \
+      --variant eager_again:train.moe_cuda_graph=false \
+      --variant 1f1b_graphed:parallel.virtual_pipeline_model_parallel_size=null \
+      --variant streams:overlap.overlap_moe_expert_parallel_comm=true --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
+    ;;
+  interleaved_graphs4)  # (written 2026-11-30, second session, not run: no 4-GPU kind lent; about 450 s on
+    # nvidia-h200-x4.) Graphed MoE layers under interleaved 1F1B with an exchange: the GPU test at 4 ranks (PP=2 x
+    # VPP=2 x EP=2, device-planned), then the fine bench model there, balanced, eager against graphed, each twice,
+    # beside 1F1B graphed (at PP=2 x EP=2 on 4xH100, graphed 1F1B ran 0.458 MFU against eager's 0.338-0.404)
+    log=$out/gpu_tests_interleaved_graphs_4x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_pipeline_graphs.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_pipeline_graphs.py 2>&1 \
+      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    name=train_step_fine_8l_pp2_vpp2_ep2_graphed_4x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2 \
+      parallel.expert_model_parallel_size=2 overlap.moe_pipeline=true overlap.moe_planning=device $BAL \
+      overlap.overlap_moe_expert_parallel_comm=false --warmup 3 --steps 5 --profile-steps 0 \
+      --variant eager:train.moe_cuda_graph=false --variant "graphed_again:" \
+      --variant eager_again:train.moe_cuda_graph=false \
+      --variant 1f1b_graphed:parallel.virtual_pipeline_model_parallel_size=null --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
+    ;;
   replay_text2)  # (2026-11-30, new session; carry data/stdlib_head_xz) issue 38's real-text rows at EP=2 with
     # compute_only routed as the config row did (before, it routed by its own MoE outputs: 1.03x the mean rank load in
     # the Mixtral-like model's layer against the config's 1.92x); config, compute_only, ep1, and the config again

@@ -247,13 +247,13 @@ BAD: list[tuple] = [
      "train.moe_cuda_graph", "True", "not implemented yet", "recomputation"),
     (TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, *TP_SP, "parallel.expert_tensor_parallel_size=1"],
      "train.moe_cuda_graph", "True", "not implemented yet", "tensor parallelism"),
-    # under PP, graphed copies per micro-batch in flight: 1f1b only
+    # under PP, graphed copies per micro-batch in flight: 1f1b and interleaved_1f1b only
     (TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, "parallel.pipeline_model_parallel_size=2",
             "train.pipeline_schedule=zb_h1"], "train.moe_cuda_graph", "True", "not implemented yet", "zb_h1",
-     "use 1f1b"),
+     "use 1f1b or interleaved_1f1b"),
     (TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, "parallel.pipeline_model_parallel_size=2",
-            "parallel.virtual_pipeline_model_parallel_size=2"], "train.moe_cuda_graph", "True", "not implemented yet",
-     "interleaved_1f1b"),
+            "train.pipeline_schedule=all_forward_all_backward"], "train.moe_cuda_graph", "True",
+     "not implemented yet", "all_forward_all_backward"),
     (TINY, ["model.moe_pad_expert_input_to_capacity=true"], "model.moe_pad_expert_input_to_capacity", "True",
      "moe_expert_capacity_factor"),
     (TINY, ["model.moe_shared_expert_overlap=true"], "model.moe_shared_expert_overlap", "True",
@@ -729,11 +729,13 @@ def test_gemm_sm_carveout_auto_by_default():
     validate_for_world(load_config(TINY, ["overlap.gemm_sm_carveout=0"]), 2, "cpu")
 
 
-def test_moe_cuda_graph_under_pp_1f1b():
-    """Graphed MoE layers under PP with 1F1B (the default schedule without virtual stages) validate on CUDA."""
-    cfg = load_config(TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, *BF16,
-                             "parallel.pipeline_model_parallel_size=2"])
-    validate_for_world(cfg, 4, "cuda")
+@pytest.mark.parametrize("schedule", [[], ["parallel.virtual_pipeline_model_parallel_size=2"]])
+def test_moe_cuda_graph_under_pp_1f1b_and_interleaved(schedule):
+    """Graphed MoE layers under PP with 1F1B (the default schedule without virtual stages) and interleaved 1F1B
+    (with them) validate on CUDA; auto graphs there too."""
+    pp = ["parallel.pipeline_model_parallel_size=2", *schedule]
+    validate_for_world(load_config(TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, *BF16, *pp]), 4, "cuda")
+    assert load_config(TINY, CUDA + BF16 + pp).train.moe_cuda_graph == "auto"
 
 
 def test_moe_cuda_graph_needs_cuda():

@@ -9,6 +9,8 @@ several layouts against one single-process reference, to keep the pool's per-cal
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch.distributed as dist
 
@@ -444,6 +446,59 @@ def test_graph_copies_one_per_micro_batch_in_flight_under_1f1b(pp, micro_batches
     assert copies == [in_flight(actions) for actions in schedule.ranks]
     if not paired:
         assert copies == [pp - rank for rank in range(pp)]
+
+
+@pytest.mark.parametrize("pp, vpp, micro_batches, paired", [(2, 2, 8, False), (2, 2, 8, True), (4, 2, 8, False),
+                                                              (2, 3, 6, False), (4, 2, 16, True)])
+def test_graph_copies_per_model_chunk_under_interleaved_1f1b(pp, vpp, micro_batches, paired):
+    """Under interleaved 1F1B each model chunk's MoE layers get that chunk's micro-batches in flight (at most
+    the rank's over all its chunks), each copy's next forward after its last backward (graph_copies checks it)."""
+    schedule = build_schedule("interleaved_1f1b", pp, vpp, micro_batches, paired=paired)
+    for actions in schedule.ranks:
+        copies = [graph_copies(actions, chunk) for chunk in range(vpp)]
+        assert copies == [in_flight(actions, chunk) for chunk in range(vpp)]
+        assert max(copies) <= in_flight(actions) <= sum(copies)
+    assert [graph_copies(actions, c) for actions in build_schedule("interleaved_1f1b", 2, 2, 8).ranks
+            for c in range(2)] == [4, 2, 3, 1]
+
+
+def test_each_moe_layer_is_graphed_with_its_model_chunks_copies(monkeypatch):
+    """The trainer gives each model chunk's layers its copies (PP=2 x VPP=2, 8 micro-batches: rank 0 holds
+    layers 0 and 2, 4 and 2 in flight; rank 1 layers 1 and 3, 3 and 1; even on two streams), and the model
+    captures each chunk apart and routes each layer with its count. CUDA graphs are recorded here, not captured."""
+    import torch
+
+    from moe_overlap.layers import moe as moe_module
+    from moe_overlap.layers.routing_replay import RoutingReplay
+    from moe_overlap.models.mixtral import build_model
+    from moe_overlap.models.pipeline_stages import PipelineStages
+
+    cfg = small_config("unused", 1, 16, **LAYERS, **{"parallel.pipeline_model_parallel_size": 2,
+                                                     "parallel.virtual_pipeline_model_parallel_size": 2})
+    stages = PipelineStages.from_config(cfg)
+    schedule = build_schedule("interleaved_1f1b", 2, 2, 8)
+
+    def trainer_copies(rank: int, on_streams: bool) -> dict[int, int]:
+        trainer = SimpleNamespace(mesh=SimpleNamespace(pp=SimpleNamespace(rank=rank)),
+                                  pipeline=SimpleNamespace(schedule=schedule))
+        return Trainer._graph_copies(trainer, stages, on_streams)
+
+    assert [trainer_copies(rank, False) for rank in range(2)] == [[((0,), 4), ((2,), 2)], [((1,), 3), ((3,), 1)]]
+    assert [trainer_copies(rank, True) for rank in range(2)] == [[((0,), 4), ((2,), 2)], [((1,), 4), ((3,), 2)]]
+    captures = []
+    monkeypatch.setattr(moe_module, "prepare_device_clock", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda callables, samples: captures.append(
+        [getattr(c, "layer", c) for c in callables]))
+    model = build_model(cfg.model, Mesh.single(), "cpu", torch.float32, seed=7, **stages.model_kwargs(0))
+    replay = RoutingReplay()
+    model.replay_routing(replay, 2, trainer_copies(0, False))
+    model.graph_moe_layers(2, trainer_copies(0, False))
+    assert {i: 1 + len(model.layers[str(i)].mlp.graph_copies) for i in (0, 2)} == {0: 4, 2: 2}
+    assert {i: len(replay.slots[i]) for i in (0, 2)} == {0: 4, 2: 2}
+    # each chunk captured apart (a capture's graphs share one memory pool, in their call order): never together
+    layer0, layer2 = model.layers["0"].mlp, model.layers["2"].mlp
+    assert captures == [[layer0]] * 4 + [[layer2]] * 2
 
 
 def test_graph_copies_refuse_a_split_backward_and_a_copy_still_held():

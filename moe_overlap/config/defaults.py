@@ -161,10 +161,10 @@ def graph_gap(cfg: Config) -> str | None:
         return "graphs of MoE layers under context parallelism: the router gathers over the CP group"
     schedule = t.pipeline_schedule or ("interleaved_1f1b" if (p.virtual_pipeline_model_parallel_size or 1) > 1
                                        else "1f1b")
-    if p.pipeline_model_parallel_size > 1 and schedule != "1f1b":
+    if p.pipeline_model_parallel_size > 1 and schedule in ("zb_h1", "all_forward_all_backward"):
         return (f"graphed MoE layers under train.pipeline_schedule={schedule} (under PP each micro-batch in flight "
-                "replays its own copy of the graphs: built for 1f1b, where a backward comes before the next forward "
-                "of its copy; zb_h1 splits the backward a graph holds whole); use 1f1b")
+                "replays its own copy of the graphs: zb_h1 splits the backward a graph holds whole, "
+                "all_forward_all_backward holds every micro-batch); use 1f1b or interleaved_1f1b")
     if t.precision != "bf16":  # the capture fails: tiny.yaml at EP=4 on 4xH100, 2026-11-27
         return (f"graphs of MoE layers in {t.precision}: torch._grouped_mm runs {t.precision} through a fallback that "
                 "reads its group offsets on the host (ATen's _grouped_mm_fallback), which a graph cannot hold; use "

@@ -9,7 +9,7 @@ only attention (a ring over the CP group), the router (which sees the whole micr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,10 @@ from moe_overlap.layers.router import Router
 from moe_overlap.layers.routing_replay import RoutingReplay
 from moe_overlap.layers.sp_router import SequenceParallelRouter
 from moe_overlap.layers.tp_linear import ColumnParallelLinear, RowParallelLinear
+
+
+# (layer indices of one model chunk, the graphed copies of its MoE layers), by chunk; an int: one chunk, the model
+CopyGroups = Union[int, Sequence[tuple[Sequence[int], int]]]
 
 
 class TransformerLayer(nn.Module):
@@ -204,12 +208,18 @@ class MixtralModel(nn.Module):
             if layer.is_moe:
                 layer.mlp.experts.wgrad_groups = ExpertWgradGroups(micro_batches)
 
-    def replay_routing(self, replay: RoutingReplay, micro_batch_size: int, copies: int = 1) -> None:
+    def replay_routing(self, replay: RoutingReplay, micro_batch_size: int, copies: CopyGroups = 1) -> None:
         """Every MoE layer's training calls route through ``replay`` (layers/routing_replay.py): call before
         graph_moe_layers, with the ``copies`` it will capture (routing_replay.replay_refusal says where it cannot)."""
-        for index, layer in self.layers.items():
-            if layer.is_moe:
-                layer.mlp.attach_replay(replay, int(index), micro_batch_size * self.cfg.seq_length, copies)
+        for indices, n in self._copy_groups(copies):
+            for index in indices:
+                self.layers[str(index)].mlp.attach_replay(replay, index, micro_batch_size * self.cfg.seq_length, n)
+
+    def _copy_groups(self, copies: CopyGroups) -> list[tuple[list[int], int]]:
+        """Each model chunk's MoE layer indices on this rank, with its copies."""
+        groups = [(map(int, self.layers), copies)] if isinstance(copies, int) else copies
+        return [([i for i in indices if str(i) in self.layers and self.layers[str(i)].is_moe], n)
+                for indices, n in groups]
 
     def fp8_modules(self, bf16_at_start: int = 0, bf16_at_end: int = 0) -> Iterable[nn.Module]:
         """The modules whose GEMMs ``train.fp8_recipe`` runs in FP8: the experts and the linears of every layer of
@@ -235,19 +245,24 @@ class MixtralModel(nn.Module):
             if layer.is_moe and layer.mlp.experts.wgrad_groups is not None:
                 layer.mlp.experts.wgrad_groups.start_micro_batch(first, last)
 
-    def graph_moe_layers(self, micro_batch_size: int, copies: int = 1,
+    def graph_moe_layers(self, micro_batch_size: int, copies: CopyGroups = 1,
                          replay_streams: tuple[torch.cuda.Stream, ...] | None = None) -> None:
         """Capture every MoE layer's forward and backward in CUDA graphs (``train.moe_cuda_graph``): from then
         on a training-mode call replays them, and the host issues one launch per layer and direction instead
         of a few hundred small ones. Needs the device-planned pipeline (no host sync, no collective in the layer),
         a fixed micro-batch shape, and the parameters' final storage (call after the optimizer is built). All
         ranks capture together: the warm-up calls exchange rows. Eval-mode calls run the layers eagerly.
-        ``copies=n``: a set per micro-batch in flight (paired micro-batches, a pipeline stage's 1F1B);
+        ``copies=n``: a set per micro-batch in flight (paired micro-batches, a pipeline stage's 1F1B); by model
+        chunk under interleaved 1F1B, each chunk's own, captured apart: the graphs of one capture share a memory
+        pool, so torch.cuda.make_graphed_callables needs their forwards in order and backwards in reverse, true of
+        one chunk's forward and backward, not of two chunks' (other micro-batches run between them: captured
+        together, a grouped GEMM found its group sizes overwritten, 2xH200);
         ``replay_streams``: the streams the sets replay on side by side (capture_moe_layers)."""
+        shape = (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards, self.cfg.hidden_size)
+        for indices, n in self._copy_groups(copies):
+            if indices:
+                capture_moe_layers(tuple(self.layers[str(i)].mlp for i in indices), shape, n, replay_streams)
         moe_layers = tuple(layer.mlp for layer in self.layers.values() if layer.is_moe)
-        if moe_layers:
-            capture_moe_layers(moe_layers, (micro_batch_size, self.cfg.seq_length // self.tp_comm.sequence_shards,
-                                            self.cfg.hidden_size), copies, replay_streams)
         for layer in moe_layers:  # a replay reads the FP8 weight copies the capture read: refresh them before it
             if layer.experts.fp8 is not None:  # (after the layer's wait for its parameters; hooks come after capture)
                 for module in (layer, *layer.graph_copies):

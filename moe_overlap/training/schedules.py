@@ -333,10 +333,16 @@ def in_flight_bound(name: str, pp: int, vpp: int, micro_batches: int, rank: int,
     return min(total, _warm_up(pp, rank, paired) + 1)  # 1f1b
 
 
-def in_flight(actions: Sequence[Action]) -> int:
-    """Peak units in flight in one rank's list (W, where there is one, ends a unit; else B; a pair's forward
-    counts before its backward)."""
-    units = [part for a in actions if isinstance(a, (Compute, Pair)) for part in a.parts]
+def _units(actions: Sequence[Action], chunk: int | None = None) -> list[Compute]:
+    """One rank's compute units in order (a pair's forward before its backward), of model ``chunk`` only if given."""
+    return [part for a in actions if isinstance(a, (Compute, Pair)) for part in a.parts
+            if chunk is None or part.chunk == chunk]
+
+
+def in_flight(actions: Sequence[Action], chunk: int | None = None) -> int:
+    """Peak units in flight in one rank's list, of model ``chunk`` only if given (W, where there is one, ends a
+    unit; else B; a pair's forward counts before its backward)."""
+    units = _units(actions, chunk)
     split = {(a.micro_batch, a.chunk) for a in units if a.kind == WEIGHT_GRAD}
     live = peak = 0
     for a in units:
@@ -348,15 +354,15 @@ def in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-def graph_copies(actions: Sequence[Action]) -> int:
-    """Graphed copies of each MoE layer that one rank's list needs (train.moe_cuda_graph): its units in flight, n,
-    so that micro-batch i replays copy i mod n (MoELayer.for_micro_batch) and each copy's next forward comes after
-    its last backward (checked: ValueError otherwise). A weight-gradient split (I, W) is not replayable: a graph
-    holds one whole backward."""
-    units = [part for a in actions if isinstance(a, (Compute, Pair)) for part in a.parts]
+def graph_copies(actions: Sequence[Action], chunk: int = 0) -> int:
+    """Graphed copies of each MoE layer of model ``chunk`` that one rank's list needs (train.moe_cuda_graph): the
+    chunk's units in flight, n, so that micro-batch i replays copy i mod n (MoELayer.for_micro_batch) and each
+    copy's next forward comes after its last backward (checked: ValueError otherwise). A weight-gradient split
+    (I, W) is not replayable: a graph holds one whole backward."""
+    units = _units(actions, chunk)
     if any(part.kind == WEIGHT_GRAD for part in units):
         raise ValueError("graphed MoE layers replay a whole backward; this schedule splits it (I, W)")
-    n, done = in_flight(actions), set()
+    n, done = in_flight(actions, chunk), set()
     for part in units:
         key = (part.micro_batch, part.chunk)
         if part.kind == FORWARD and part.micro_batch >= n and (part.micro_batch - n, part.chunk) not in done:

@@ -104,12 +104,10 @@ class Trainer:
         self._exchange = next((m.transports for m in self._moe_layers if m.transports is not None), None)
         self._stash = self._paged_stash(stages)  # before the graphs capture the MoE layers' stash
         # the MoE layers' GEMMs capture their own carve-out; a set of graphs per micro-batch in flight (paired, or a
-        # pipeline stage's 1F1B warm-up), which micro-batch i replays as set i mod n (MoELayer.for_micro_batch)
-        # (pairs on two streams: each set with its own regions, and an even count of sets, so that a set's
-        # micro-batches i, i + n, ... all run on stream i mod 2, one after another: pairs_on_streams)
+        # pipeline stage's 1F1B warm-up; each model chunk's own under interleaved 1F1B), which micro-batch i replays
+        # as set i mod n (MoELayer.for_micro_batch)
         streams = self.pipeline.pair_streams
-        copies = graph_copies(self.pipeline.schedule.ranks[mesh.pp.rank]) if t.moe_cuda_graph else 1
-        copies += copies % 2 if t.moe_cuda_graph and streams else 0
+        copies = self._graph_copies(stages, streams is not None) if t.moe_cuda_graph else 1
         self.routing_replay = routing_replay
         if routing_replay is not None:  # before the graphs capture each set's routing slot
             self.model.replay_routing(routing_replay, t.micro_batch_size, copies)
@@ -205,6 +203,16 @@ class Trainer:
                      metrics["moe_overflow_rows"], metrics["moe_rerun_rows"], o.moe_expert_rank_capacity_factor,
                      o.moe_overflow_capacity_factor, o.moe_paged_stash_factor)
         return again, None if queued is None else self.launch_step()
+
+    def _graph_copies(self, stages: PipelineStages, on_streams: bool) -> list[tuple[tuple[int, ...], int]]:
+        """Each model chunk of this rank, its layers and their graphed copies: its micro-batches in flight
+        (schedules.graph_copies); with pairs on two streams an even count, each set with its own regions, so that a
+        set's micro-batches i, i + n, ... all run on stream i mod 2, one after another."""
+        rank = self.mesh.pp.rank
+        actions = self.pipeline.schedule.ranks[rank]
+        counts = [graph_copies(actions, chunk) for chunk in range(stages.vpp)]
+        return [(stages.layers[stages.stage(rank, chunk)], n + n % 2 if on_streams else n)
+                for chunk, n in enumerate(counts)]
 
     def _paged_stash(self, stages: PipelineStages) -> PagedStash | None:
         """``overlap.moe_paged_stash_factor``: one pool of pages for every device-planned MoE layer call in flight on
