@@ -729,13 +729,14 @@ def test_gemm_sm_carveout_auto_by_default():
     validate_for_world(load_config(TINY, ["overlap.gemm_sm_carveout=0"]), 2, "cpu")
 
 
-@pytest.mark.parametrize("schedule", [[], ["parallel.virtual_pipeline_model_parallel_size=2"]])
-def test_moe_cuda_graph_under_pp_1f1b_and_interleaved(schedule):
+@pytest.mark.parametrize("schedule, auto", [([], "auto"), (["parallel.virtual_pipeline_model_parallel_size=2"], False)])
+def test_moe_cuda_graph_under_pp_1f1b_and_interleaved(schedule, auto):
     """Graphed MoE layers under PP with 1F1B (the default schedule without virtual stages) and interleaved 1F1B
-    (with them) validate on CUDA; auto graphs there too."""
+    (with them) validate on CUDA; auto leaves the fabric to decide under 1F1B, and stays off with virtual stages and
+    an exchange (not measured there yet)."""
     pp = ["parallel.pipeline_model_parallel_size=2", *schedule]
     validate_for_world(load_config(TINY, ["train.moe_cuda_graph=true", *DEVICE_PLANNED, *BF16, *pp]), 4, "cuda")
-    assert load_config(TINY, CUDA + BF16 + pp).train.moe_cuda_graph == "auto"
+    assert load_config(TINY, CUDA + BF16 + pp).train.moe_cuda_graph == auto
 
 
 def test_moe_cuda_graph_needs_cuda():
