@@ -3627,6 +3627,12 @@ PY
       --variant streams:overlap.overlap_moe_expert_parallel_comm=true --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
     ;;
+  chunk_graphs_tests2)  # (2026-11-30, second session) the GPU tests that capture MoE graphs, after the capture moved
+    # to one per model chunk (MixtralModel.graph_moe_layers): interleaved 1F1B, pairs on streams, the routing replay's
+    # slots and the master test's 2-rank layouts; about 400 s on nvidia-h200-x2
+    two_rank_tests chunk_graphs tests/test_gpu_pipeline_graphs.py tests/test_gpu_microbatch_overlap.py \
+      tests/test_gpu_routing_replay.py tests/test_gpu_master.py
+    ;;
   interleaved_graphs4)  # (written 2026-11-30, second session, not run: no 4-GPU kind lent; about 450 s on
     # nvidia-h200-x4.) Graphed MoE layers under interleaved 1F1B with an exchange: the GPU test at 4 ranks (PP=2 x
     # VPP=2 x EP=2, device-planned), then the fine bench model there, balanced, eager against graphed, each twice,
