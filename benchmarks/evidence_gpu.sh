@@ -3633,6 +3633,16 @@ PY
     two_rank_tests chunk_graphs tests/test_gpu_pipeline_graphs.py tests/test_gpu_microbatch_overlap.py \
       tests/test_gpu_routing_replay.py tests/test_gpu_master.py
     ;;
+  suite_chunks2)  # (2026-11-30, second session) the 2-GPU suite on the tree after the capture per model chunk, but
+    # for the four files chunk_graphs_tests2 ran on it; about 450 s on nvidia-h200-x2
+    log=$out/gpu_tests_suite_chunks_2x$gpu.txt
+    rest="--ignore=tests/test_gpu_pipeline_graphs.py --ignore=tests/test_gpu_microbatch_overlap.py"
+    rest="$rest --ignore=tests/test_gpu_routing_replay.py --ignore=tests/test_gpu_master.py"
+    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $rest tests/" > "$log"
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=15 \
+      $rest --basetemp=/tmp/gpu_tests_rest tests/ 2>&1 | tee -a "$log" | tail -n 30
+    cp "$log" $res/
+    ;;
   interleaved_graphs4)  # (written 2026-11-30, second session, not run: no 4-GPU kind lent; about 450 s on
     # nvidia-h200-x4.) Graphed MoE layers under interleaved 1F1B with an exchange: the GPU test at 4 ranks (PP=2 x
     # VPP=2 x EP=2, device-planned), then the fine bench model there, balanced, eager against graphed, each twice,
