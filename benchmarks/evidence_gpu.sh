@@ -3627,6 +3627,24 @@ PY
       --variant streams:overlap.overlap_moe_expert_parallel_comm=true --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
     ;;
+  zb_graphs2)  # (2026-11-30, second session) graphed MoE layers under ZB-H1 (a graph's whole backward in I) and
+    # all-forward-all-backward too: the GPU test at 2 ranks (every PP schedule, eager against graphed, pairs on two
+    # streams); then the fine bench model at PP=2 (EP=1) under ZB-H1 with overlapped P2P, graphed against eager, each
+    # twice, beside 1F1B graphed and ZB-H1 graphed pairs on two streams; about 300 s on nvidia-h200-x2
+    log=$out/gpu_tests_pp_graphs_2x$gpu.txt
+    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_pipeline_graphs.py" > "$log"
+    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_pipeline_graphs.py 2>&1 \
+      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
+    cp "$log" $res/
+    pack
+    name=train_step_fine_8l_pp2_zb_graphed_2x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 train.pipeline_schedule=zb_h1 overlap.overlap_p2p_comm=true $BAL \
+      --warmup 3 --steps 5 --profile-steps 0 --variant eager:train.moe_cuda_graph=false --variant "graphed_again:" \
+      --variant eager_again:train.moe_cuda_graph=false --variant 1f1b_graphed:train.pipeline_schedule=1f1b \
+      --variant streams:overlap.overlap_moe_expert_parallel_comm=true --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
+    ;;
   chunk_graphs_tests2)  # (2026-11-30, second session) the GPU tests that capture MoE graphs, after the capture moved
     # to one per model chunk (MixtralModel.graph_moe_layers): interleaved 1F1B, pairs on streams, the routing replay's
     # slots and the master test's 2-rank layouts; about 400 s on nvidia-h200-x2
@@ -3643,10 +3661,11 @@ PY
       $rest --basetemp=/tmp/gpu_tests_rest tests/ 2>&1 | tee -a "$log" | tail -n 30
     cp "$log" $res/
     ;;
-  interleaved_graphs4)  # (written 2026-11-30, second session, not run: no 4-GPU kind lent; about 450 s on
-    # nvidia-h200-x4.) Graphed MoE layers under interleaved 1F1B with an exchange: the GPU test at 4 ranks (PP=2 x
-    # VPP=2 x EP=2, device-planned), then the fine bench model there, balanced, eager against graphed, each twice,
-    # beside 1F1B graphed (at PP=2 x EP=2 on 4xH100, graphed 1F1B ran 0.458 MFU against eager's 0.338-0.404)
+  interleaved_graphs4)  # (written 2026-11-30, second session, not run: no 4-GPU kind lent; about 550 s on
+    # nvidia-h200-x4.) Graphed MoE layers under every PP schedule with an exchange: the GPU test at 4 ranks (PP=2 x
+    # EP=2, device-planned; interleaved, ZB-H1, all-forward-all-backward), then the fine bench model at PP=2 x VPP=2 x
+    # EP=2, balanced, eager against graphed, each twice, beside 1F1B graphed and ZB-H1 graphed and eager (at PP=2 x
+    # EP=2 on 4xH100, graphed 1F1B ran 0.458 MFU against eager's 0.338-0.404)
     log=$out/gpu_tests_interleaved_graphs_4x$gpu.txt
     echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_pipeline_graphs.py" > "$log"
     timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_pipeline_graphs.py 2>&1 \
@@ -3660,8 +3679,10 @@ PY
       overlap.overlap_moe_expert_parallel_comm=false --warmup 3 --steps 5 --profile-steps 0 \
       --variant eager:train.moe_cuda_graph=false --variant "graphed_again:" \
       --variant eager_again:train.moe_cuda_graph=false \
-      --variant 1f1b_graphed:parallel.virtual_pipeline_model_parallel_size=null --json $res/$name.json 2>&1 \
-      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
+      --variant 1f1b_graphed:parallel.virtual_pipeline_model_parallel_size=null \
+      --variant zb_graphed:parallel.virtual_pipeline_model_parallel_size=null,train.pipeline_schedule=zb_h1,overlap.overlap_p2p_comm=true \
+      --variant zb_eager:parallel.virtual_pipeline_model_parallel_size=null,train.pipeline_schedule=zb_h1,overlap.overlap_p2p_comm=true,train.moe_cuda_graph=false \
+      --json $res/$name.json 2>&1 | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
     ;;
   replay_text2)  # (2026-11-30, new session; carry data/stdlib_head_xz) issue 38's real-text rows at EP=2 with
     # compute_only routed as the config row did (before, it routed by its own MoE outputs: 1.03x the mean rank load in

@@ -1,13 +1,15 @@
-"""Graphed MoE layers under interleaved 1F1B on GPUs in bf16 (`pytest -m gpu`), the bf16 rule: each run's error
-against an fp32 single-process run is at most 2x the single-process bf16 run's own, per gradient of the first step
-(normwise) and for the loss curve. PP=2 x VPP=2 on 2 GPUs (one expert rank) and PP=2 x VPP=2 x EP=2 on 4 (the
-device-planned exchange). Each model chunk's MoE layers replay a copy of their graphs per micro-batch of that chunk
-in flight (schedules.graph_copies), captured apart from the other chunk's (a capture's graphs share one memory
-pool, which needs them called in capture order: captured together, a grouped GEMM found its group sizes
-overwritten); the report's copies are checked against the schedule. Eager, graphed, and (one expert rank: with an
-exchange it is refused under PP) graphed with paired micro-batches on two streams (an even count of copies). The
-per-rank work is `gpu_case`, launched once under torchrun per test; under MOE_GPU_TEST_DRYRUN=1
-(tests/gpu_launch.py) it runs on CPU gloo ranks, skipping the graphed runs (`-m slow`: the dry-run test).
+"""Graphed MoE layers under every pipeline schedule on GPUs in bf16 (`pytest -m gpu`), the bf16 rule: each run's
+error against an fp32 single-process run is at most 2x the single-process bf16 run's own, per gradient of the first
+step (normwise) and for the loss curve. PP=2 on 2 GPUs (one expert rank) and PP=2 x EP=2 on 4 (the device-planned
+exchange): interleaved 1F1B (VPP=2), ZB-H1 and all-forward-all-backward, eager against graphed, and (one expert
+rank: with an exchange it is refused under PP) graphed with paired micro-batches on two streams.
+
+Each model chunk's MoE layers replay a copy of their graphs per micro-batch of that chunk in flight
+(schedules.graph_copies; under ZB-H1 until I, where a graph replays a layer's whole backward), captured apart from
+the other chunk's (a capture's graphs share one memory pool, which needs them called in capture order: captured
+together under interleaving, a grouped GEMM found its group sizes overwritten); the report's copies per layer are
+checked against the schedule. The per-rank work is `gpu_case`, launched once under torchrun per test; under
+MOE_GPU_TEST_DRYRUN=1 (tests/gpu_launch.py) it runs on CPU gloo ranks, skipping the graphed runs (`-m slow`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,20 @@ import torch
 from tests.gpu_launch import bf16_rule, cpu_skip_reason, launch_ranks, worker_device_type, write_report
 
 STEPS = 3
-MICRO_BATCHES = 8  # of 2 sequences: rank 0 keeps 4 of its first chunk in flight and 2 of its second
+MICRO_BATCHES = 8  # of 2 sequences a pipeline
+SCHEDULES = {"interleaved": {"parallel.virtual_pipeline_model_parallel_size": 2},
+             "zb_h1": {"train.pipeline_schedule": "zb_h1"},
+             "afab": {"train.pipeline_schedule": "all_forward_all_backward"}}
+# each pipeline rank's MoE layers' graphed copies (layer -> copies) by layout, from the schedules at PP=2 with 8
+# micro-batches over tests/test_pipeline.LAYERS (MoE at 0, 2 and 3): interleaved, rank 0 holds layers 0 and 2 (its
+# chunks' 4 and 2 micro-batches in flight), rank 1 layer 3 (1; its first chunk, layer 1, is dense); ZB-H1 until I
+# (2 and 1); all-forward-all-backward every micro-batch; pairs on two streams an even count of the paired schedule's
+COPIES = {"interleaved_eager": [{0: 1, 2: 1}, {3: 1}], "interleaved_graphed": [{0: 4, 2: 2}, {3: 1}],
+          "interleaved_graphed_paired_streams": [{0: 4, 2: 2}, {3: 2}],
+          "zb_h1_eager": [{0: 1}, {2: 1, 3: 1}], "zb_h1_graphed": [{0: 2}, {2: 1, 3: 1}],
+          "zb_h1_graphed_paired_streams": [{0: 4}, {2: 2, 3: 2}], "afab_graphed": [{0: 8}, {2: 8, 3: 8}]}
+STREAMS = {name for name in COPIES if name.endswith("paired_streams")}
+EAGER = {name for name in COPIES if name.endswith("eager")}
 
 
 def gpu_case(output_dir: str) -> dict:
@@ -32,28 +47,31 @@ def gpu_case(output_dir: str) -> dict:
     from moe_overlap.training.run_setup import init_distributed
     from moe_overlap.training.trainer import Trainer
     from tests.test_master import small_config
-    from tests.test_pipeline import LAYERS  # 4 layers, MoE at 0, 2 and 3: one per virtual stage but rank 1's first
+    from tests.test_pipeline import LAYERS
 
     torch.backends.cuda.matmul.allow_tf32 = False
     fp32 = {"train.device": worker_device_type(), **LAYERS}
     bf16 = {**fp32, "train.precision": "bf16"}
     world = int(os.environ.get("WORLD_SIZE", 2))
     ep = world // 2
-    interleaved = {**bf16, "parallel.pipeline_model_parallel_size": 2,
-                   "parallel.virtual_pipeline_model_parallel_size": 2,
-                   "overlap.overlap_moe_expert_parallel_comm": "false"}  # auto could pair over NCCL
+    pp2 = {**bf16, "parallel.pipeline_model_parallel_size": 2,
+           "overlap.overlap_moe_expert_parallel_comm": "false"}  # auto could pair over NCCL
     graphed = {"train.moe_cuda_graph": "true"}
     if ep > 1:
         graphed.update({"overlap.moe_pipeline": "true", "overlap.moe_planning": "device"})
-    layouts = {"eager": {}, "graphed": graphed}
-    if ep == 1:
-        layouts["graphed_paired_streams"] = {**graphed, "overlap.overlap_moe_expert_parallel_comm": "true"}
-    global_batch = 2 * MICRO_BATCHES * ep  # 8 micro-batches of 2 per pipeline
-    first = small_config(output_dir, ep, global_batch, **interleaved)
-    mesh, device = init_distributed(first)
+    layouts = {}
+    for name in COPIES:
+        if name in STREAMS and ep > 1:
+            continue
+        schedule = next(overrides for key, overrides in SCHEDULES.items() if name.startswith(key))
+        extra = {} if name in EAGER else graphed
+        paired = {"overlap.overlap_moe_expert_parallel_comm": "true"} if name in STREAMS else {}
+        layouts[name] = {**pp2, **schedule, **extra, **paired}
+    global_batch = 2 * MICRO_BATCHES * ep
+    mesh, device = init_distributed(small_config(output_dir, ep, global_batch, **pp2))
     runs, skipped = {}, {}
-    for name, extra in layouts.items():
-        cfg = small_config(output_dir, ep, global_batch, **{**interleaved, **extra})
+    for name, overrides in layouts.items():
+        cfg = small_config(output_dir, ep, global_batch, **overrides)
         skipped[name] = cpu_skip_reason(cfg, world)
         if not skipped[name]:
             runs[name] = Trainer(cfg, mesh, device)
@@ -81,33 +99,28 @@ def gpu_case(output_dir: str) -> dict:
     return report
 
 
-# each rank's MoE layers' graphed copies (layer -> copies): rank 0 holds layers 0 and 2 (its chunks' 4 and 2
-# micro-batches in flight), rank 1 layer 3 (1; its first chunk, layer 1, is dense); on two streams, even
-COPIES = {"eager": [{0: 1, 2: 1}, {3: 1}], "graphed": [{0: 4, 2: 2}, {3: 1}],
-          "graphed_paired_streams": [{0: 4, 2: 2}, {3: 2}]}
-
-
 def check(reports: list[dict], world: int, skipped: set[str] = frozenset()) -> None:
     assert len(reports) == world
+    expected = set(COPIES) - (STREAMS if world > 2 else set())
     for report in reports:
         assert report["tensors"] > 0 and not report["violations"], report["violations"]
         assert set(report["skipped"]) == skipped, report["skipped"]
-        assert set(report["copies"]) | skipped == set(COPIES) - ({"graphed_paired_streams"} if world > 2 else set())
+        assert set(report["copies"]) | skipped == expected, sorted(report["copies"])
         for name, per_layer in report["copies"].items():
             assert {int(i): n for i, n in per_layer.items()} == COPIES[name][report["pp_rank"]], (name, report)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
-def test_graphed_moe_layers_under_interleaved_1f1b_bf16(tmp_path, world):
-    check(launch_ranks(__file__, tmp_path, timeout_s=300, world=world), world)
+def test_graphed_moe_layers_under_every_pp_schedule_bf16(tmp_path, world):
+    check(launch_ranks(__file__, tmp_path, timeout_s=400, world=world), world)
 
 
 @pytest.mark.slow  # the dry-run, not in CI: the eager runs only
 @pytest.mark.parametrize("world", [2, 4])
 def test_dry_run_on_cpu_gloo(tmp_path, world):
-    graphed = {"graphed", "graphed_paired_streams"} if world == 2 else {"graphed"}
-    check(launch_ranks(__file__, tmp_path, timeout_s=600, world=world, dry_run=True), world, graphed)
+    check(launch_ranks(__file__, tmp_path, timeout_s=600, world=world, dry_run=True), world,
+          set(COPIES) - EAGER - (STREAMS if world > 2 else set()))
 
 
 if __name__ == "__main__":

@@ -501,9 +501,18 @@ def test_each_moe_layer_is_graphed_with_its_model_chunks_copies(monkeypatch):
     assert captures == [[layer0]] * 4 + [[layer2]] * 2
 
 
-def test_graph_copies_refuse_a_split_backward_and_a_copy_still_held():
-    with pytest.raises(ValueError, match="splits it"):
-        graph_copies(build_schedule("zb_h1", 2, 1, 4).ranks[0])
+@pytest.mark.parametrize("paired", [False, True])
+def test_graph_copies_under_zb_h1_are_freed_at_the_input_gradient(paired):
+    """Under ZB-H1 a graphed layer's whole backward replays in I (W holds none of its weight gradients), so a copy
+    is free again after I: fewer copies than the units in flight until W."""
+    schedule = build_schedule("zb_h1", 2, 1, 8, paired=paired)
+    copies = [graph_copies(actions) for actions in schedule.ranks]
+    assert copies == ([4, 2] if paired else [2, 1])
+    assert [in_flight(actions) for actions in schedule.ranks] == ([4, 4] if paired else [2, 2])
+    assert [graph_copies(a) for a in build_schedule("all_forward_all_backward", 2, 1, 8).ranks] == [8, 8]
+
+
+def test_graph_copies_refuse_a_copy_still_held():
     # two in flight, the backwards out of order: micro-batch 2 would replay copy 0 while micro-batch 0 holds it
     order = [Compute(kind, micro_batch, 0) for kind, micro_batch in (("F", 0), ("F", 1), ("B", 1), ("F", 2),
                                                                       ("B", 0), ("B", 2))]

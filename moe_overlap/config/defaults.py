@@ -20,9 +20,10 @@ a switch the user set needs to run.
                                 the MoE layers eager, as stages (train.moe_cuda_graph auto stays off); with
                                 train.moe_cuda_graph=true each pair's halves run whole on two CUDA streams
     train.moe_cuda_graph=auto   off where the config alone rules graphs out (one expert rank, the CPU, pairing,
-                                host sizes, VPP (unmeasured), what graphs are not implemented with); otherwise the
-                                fabric decides when the ranks start (:func:`graphs_by_planning`): graphed where the
-                                exchange is planned on the device (sm_push: one host with peer access), unpaired
+                                host sizes, PP schedules but 1f1b (unmeasured), what graphs are not implemented
+                                with); otherwise the fabric decides when the ranks start (:func:`graphs_by_planning`):
+                                graphed where the exchange is planned on the device (sm_push: one host with peer
+                                access), unpaired
     train.moe_cuda_graph=true with the pipeline
                                 plans on the device (moe_planning auto: the plan a graph can replay)
     overlap.moe_dispatch_once_per_rank=auto
@@ -158,12 +159,6 @@ def graph_gap(cfg: Config) -> str | None:
         return "graphs of MoE layers with recomputation"
     if p.context_parallel_size > 1:
         return "graphs of MoE layers under context parallelism: the router gathers over the CP group"
-    schedule = t.pipeline_schedule or ("interleaved_1f1b" if (p.virtual_pipeline_model_parallel_size or 1) > 1
-                                       else "1f1b")
-    if p.pipeline_model_parallel_size > 1 and schedule in ("zb_h1", "all_forward_all_backward"):
-        return (f"graphed MoE layers under train.pipeline_schedule={schedule} (under PP each micro-batch in flight "
-                "replays its own copy of the graphs: zb_h1 splits the backward a graph holds whole, "
-                "all_forward_all_backward holds every micro-batch); use 1f1b or interleaved_1f1b")
     if t.precision != "bf16":  # the capture fails: tiny.yaml at EP=4 on 4xH100, 2026-11-27
         return (f"graphs of MoE layers in {t.precision}: torch._grouped_mm runs {t.precision} through a fallback that "
                 "reads its group offsets on the host (ATen's _grouped_mm_fallback), which a graph cannot hold; use "
@@ -174,7 +169,7 @@ def graph_gap(cfg: Config) -> str | None:
 def graphs_off_reason(cfg: Config, exchanging: bool, paired: bool) -> str | None:
     """Why ``train.moe_cuda_graph: auto`` stays off whatever the fabric, or None (graphed where the exchange is
     planned on the device: measured fastest there, tuning.py)."""
-    o, t = cfg.overlap, cfg.train
+    o, t, p = cfg.overlap, cfg.train, cfg.parallel
     if not exchanging:
         return "one expert rank: graphs measured faster only with an exchange (tuning.py); true replays them"
     if t.device == "cpu":
@@ -187,8 +182,10 @@ def graphs_off_reason(cfg: Config, exchanging: bool, paired: bool) -> str | None
         return "host-planned sizes, whose host sync a graph cannot hold"
     if t.expert_wgrad_micro_batches > 1:
         return f"train.expert_wgrad_micro_batches={t.expert_wgrad_micro_batches}: a graph replays one backward"
-    if (cfg.parallel.virtual_pipeline_model_parallel_size or 1) > 1:  # GPU-tested at one expert rank only
-        return "virtual pipeline stages with an exchange: graphed not yet measured there; true runs them"
+    schedule = t.pipeline_schedule or ("interleaved_1f1b" if (p.virtual_pipeline_model_parallel_size or 1) > 1
+                                       else "1f1b")
+    if p.pipeline_model_parallel_size > 1 and schedule != "1f1b":  # GPU-tested at one expert rank only
+        return f"train.pipeline_schedule={schedule} with an exchange: graphed not yet measured there; true runs it"
     gap = graph_gap(cfg)
     return None if gap is None else f"not implemented: {gap}"
 

@@ -207,7 +207,8 @@ class PipelineExecutor:
         elif action.kind == WEIGHT_GRAD:
             self._arm_backward(action, schedule)
             key = (action.micro_batch, action.chunk)
-            run.deferred.pop(key).run()
+            with _on_stream(run, action):  # on streams: after the backwards before it, as every gradient
+                run.deferred.pop(key).run()
             _release(ledger, run, ("deferred", key))
         else:
             with _on_stream(run, action):

@@ -357,19 +357,21 @@ def in_flight(actions: Sequence[Action], chunk: int | None = None) -> int:
 def graph_copies(actions: Sequence[Action], chunk: int = 0) -> int:
     """Graphed copies of each MoE layer of model ``chunk`` that one rank's list needs (train.moe_cuda_graph): the
     chunk's units in flight, n, so that micro-batch i replays copy i mod n (MoELayer.for_micro_batch) and each
-    copy's next forward comes after its last backward (checked: ValueError otherwise). A weight-gradient split
-    (I, W) is not replayable: a graph holds one whole backward."""
+    copy's next forward comes after its last backward (checked: ValueError otherwise). A split backward frees the
+    copy at I: a graph replays a layer's whole backward, its weight gradients with it, so W holds none of a graphed
+    layer's (the other layers' W still come later)."""
     units = _units(actions, chunk)
-    if any(part.kind == WEIGHT_GRAD for part in units):
-        raise ValueError("graphed MoE layers replay a whole backward; this schedule splits it (I, W)")
-    n, done = in_flight(actions, chunk), set()
+    live = n = 0
     for part in units:
-        key = (part.micro_batch, part.chunk)
+        live += 1 if part.kind == FORWARD else -1 if part.kind in (BACKWARD, INPUT_GRAD) else 0
+        n = max(n, live)
+    done = set()
+    for part in units:
         if part.kind == FORWARD and part.micro_batch >= n and (part.micro_batch - n, part.chunk) not in done:
             raise ValueError(f"micro-batch {part.micro_batch}'s forward comes before micro-batch "
                              f"{part.micro_batch - n}'s backward, which replays the same graphed copy")
-        if part.kind == BACKWARD:
-            done.add(key)
+        if part.kind in (BACKWARD, INPUT_GRAD):
+            done.add((part.micro_batch, part.chunk))
     return n
 
 
