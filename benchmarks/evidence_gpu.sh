@@ -587,6 +587,26 @@ two_rank_tests() {  # log name, then test files: pytest -m gpu at 2 ranks, the 4
   pack
 }
 
+suite_rest() {  # log name, then the test files another call ran on the tree: the rest of the 2-GPU suite
+  local log=$out/gpu_tests_$1_2x$gpu.txt rest=""
+  shift
+  for file in "$@"; do rest="$rest --ignore=$file"; done
+  echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $rest tests/" > "$log"
+  CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=15 \
+    $rest --basetemp=/tmp/gpu_tests_rest tests/ 2>&1 | tee -a "$log" | tail -n 30
+  cp "$log" $res/
+}
+
+gpu_tests() {  # GPUs, log name, then test files: pytest -m gpu on the visible GPUs (a test needing more skips)
+  local log=$out/gpu_tests_$2_$1x$gpu.txt
+  shift 2
+  echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs $*" > "$log"
+  timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tee "${log%.txt}_full.log" \
+    | tail -n 14 | tee -a "$log"
+  cp "$log" $res/
+  pack
+}
+
 streams_example() {  # GPUs, timed steps, then more train_step arguments: configs/gpu<N>_fine.yaml on the corpus's
   # first 5M tokens (carry data/stdlib_head; steps 4 on from initialisation, so routing is uneven) as shipped
   # (graphed, unpaired) against paired on two streams, beside compute_only. EXPANDABLE=1: under the allocator's
@@ -747,13 +767,8 @@ case $phase in
     ;;
   suite_rest2)  # (2026-11-30, new session) the 2-GPU suite on the tree after the routing replay, but for the four files
     # replay_tests2 ran on it (the whole suite no longer fits one call's 600 s); about 420 s on nvidia-h200-x2
-    log=$out/gpu_tests_suite_rest_2x$gpu.txt
-    rest="--ignore=tests/test_gpu_routing_replay.py --ignore=tests/test_gpu_microbatch_overlap.py"
-    rest="$rest --ignore=tests/test_gpu_exposed_comm.py --ignore=tests/test_gpu_moe.py"
-    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $rest tests/" > "$log"
-    CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=15 \
-      $rest --basetemp=/tmp/gpu_tests_rest tests/ 2>&1 | tee -a "$log" | tail -n 30
-    cp "$log" $res/
+    suite_rest suite_rest tests/test_gpu_routing_replay.py tests/test_gpu_microbatch_overlap.py \
+      tests/test_gpu_exposed_comm.py tests/test_gpu_moe.py
     ;;
   suite1)
     suite 1x 0 240  # 120 s cut the 2026-11-27 run at 71%
@@ -3612,12 +3627,7 @@ PY
     # own copies): the GPU test (bf16 rule; eager, graphed, graphed pairs on two streams); then the fine bench model
     # at PP=2 x VPP=2 (EP=1) graphed against eager, each twice, beside 1F1B graphed (no virtual stages) and graphed
     # pairs on two streams; about 500 s on nvidia-h200-x2
-    log=$out/gpu_tests_interleaved_graphs_2x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_pipeline_graphs.py" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_pipeline_graphs.py 2>&1 \
-      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
-    cp "$log" $res/
-    pack
+    gpu_tests 2 interleaved_graphs tests/test_gpu_pipeline_graphs.py
     name=train_step_fine_8l_pp2_vpp2_graphed_2x$gpu
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/bench_fine_8l.yaml \
       parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2 $BAL \
@@ -3631,12 +3641,7 @@ PY
     # all-forward-all-backward too: the GPU test at 2 ranks (every PP schedule, eager against graphed, pairs on two
     # streams); then the fine bench model at PP=2 (EP=1) under ZB-H1 with overlapped P2P, graphed against eager, each
     # twice, beside 1F1B graphed and ZB-H1 graphed pairs on two streams; about 300 s on nvidia-h200-x2
-    log=$out/gpu_tests_pp_graphs_2x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_pipeline_graphs.py" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_pipeline_graphs.py 2>&1 \
-      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
-    cp "$log" $res/
-    pack
+    gpu_tests 2 pp_graphs tests/test_gpu_pipeline_graphs.py
     name=train_step_fine_8l_pp2_zb_graphed_2x$gpu
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/bench_fine_8l.yaml \
       parallel.pipeline_model_parallel_size=2 train.pipeline_schedule=zb_h1 overlap.overlap_p2p_comm=true $BAL \
@@ -3653,25 +3658,15 @@ PY
     ;;
   suite_chunks2)  # (2026-11-30, second session) the 2-GPU suite on the tree after the capture per model chunk, but
     # for the four files chunk_graphs_tests2 ran on it; about 450 s on nvidia-h200-x2
-    log=$out/gpu_tests_suite_chunks_2x$gpu.txt
-    rest="--ignore=tests/test_gpu_pipeline_graphs.py --ignore=tests/test_gpu_microbatch_overlap.py"
-    rest="$rest --ignore=tests/test_gpu_routing_replay.py --ignore=tests/test_gpu_master.py"
-    echo "# $(date -u '+%F %H:%M UTC'); CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $rest tests/" > "$log"
-    CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs --durations=15 \
-      $rest --basetemp=/tmp/gpu_tests_rest tests/ 2>&1 | tee -a "$log" | tail -n 30
-    cp "$log" $res/
+    suite_rest suite_chunks tests/test_gpu_pipeline_graphs.py tests/test_gpu_microbatch_overlap.py \
+      tests/test_gpu_routing_replay.py tests/test_gpu_master.py
     ;;
   interleaved_graphs4)  # (written 2026-11-30, second session, not run: no 4-GPU kind lent; about 550 s on
     # nvidia-h200-x4.) Graphed MoE layers under every PP schedule with an exchange: the GPU test at 4 ranks (PP=2 x
     # EP=2, device-planned; interleaved, ZB-H1, all-forward-all-backward), then the fine bench model at PP=2 x VPP=2 x
     # EP=2, balanced, eager against graphed, each twice, beside 1F1B graphed and ZB-H1 graphed and eager (at PP=2 x
     # EP=2 on 4xH100, graphed 1F1B ran 0.458 MFU against eager's 0.338-0.404)
-    log=$out/gpu_tests_interleaved_graphs_4x$gpu.txt
-    echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs tests/test_gpu_pipeline_graphs.py" > "$log"
-    timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs tests/test_gpu_pipeline_graphs.py 2>&1 \
-      | tee "${log%.txt}_full.log" | tail -n 14 | tee -a "$log"
-    cp "$log" $res/
-    pack
+    gpu_tests 4 interleaved_graphs tests/test_gpu_pipeline_graphs.py
     name=train_step_fine_8l_pp2_vpp2_ep2_graphed_4x$gpu
     timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 4 benchmarks/train_step.py configs/bench_fine_8l.yaml \
       parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2 \

@@ -114,6 +114,20 @@ def step_queued_without_host_sync(trainer) -> dict:
     return trainer.finish_step(pending)
 
 
+def train_side_by_side(runs: dict, steps: int) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """``steps`` optimizer steps of every trainer in ``runs``, one step of each in turn: each run's losses and its
+    first step's gradients by logical name (what :func:`bf16_rule` compares)."""
+    losses, grads = {name: [] for name in runs}, {}
+    for step in range(steps):
+        for name, trainer in runs.items():
+            captured = {}
+            losses[name].append(trainer.train_step(lambda opt, captured=captured: captured.update(
+                opt.logical_grads()))["loss"])
+            if step == 0:
+                grads[name] = captured
+    return losses, grads
+
+
 def bf16_rule(layouts, grads: dict[str, dict], losses: dict[str, list[float]] | None,
               single: str | dict[str, str] = "single_bf16") -> tuple[int, list[tuple]]:
     """The bf16 rule for each layout run against ``single_fp32``, beside ``single``: every gradient (normwise)

@@ -32,7 +32,8 @@ import sys
 import pytest
 import torch
 
-from tests.gpu_launch import bf16_rule, dry_run, launch_ranks, require_gpus, worker_device_type, write_report
+from tests.gpu_launch import (bf16_rule, dry_run, launch_ranks, require_gpus, train_side_by_side, worker_device_type,
+                              write_report)
 
 STEPS = 3
 LOSS_TOL = 5e-3  # every step's loss against the single FP8 run's: at most 2.0e-3 seen (2 and 4 H100s, 2026-11-27)
@@ -94,14 +95,7 @@ def gpu_case(output_dir: str) -> dict:
     for recipe in RECIPES:
         runs[f"single_{recipe}"] = trainer(1, 1, "bf16", recipe, {})
     runs["single_fp32"] = trainer(1, 1, "fp32", None, {})
-    losses, grads = {name: [] for name in runs}, {}
-    for step in range(STEPS):
-        for name, run in runs.items():
-            captured = {}
-            losses[name].append(run.train_step(lambda opt, captured=captured: captured.update(opt.logical_grads()))
-                                ["loss"])
-            if step == 0:
-                grads[name] = captured
+    losses, grads = train_side_by_side(runs, STEPS)
     tensors, violations = bf16_rule(layouts, grads, None, single)
     for layout in layouts:
         for step, (got, want) in enumerate(zip(losses[layout], losses[single[layout]])):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.gpu_launch import (bf16_rule, cpu_skip_reason, launch_ranks, ranks_for_every_gpu, require_gpus,
-                              worker_device_type, write_report)
+                              train_side_by_side, worker_device_type, write_report)
 
 STEPS = 3
 
@@ -72,15 +72,7 @@ def gpu_case(output_dir: str) -> dict:
     layouts = [name for name in layouts if not skipped[name]]
     runs["single_bf16"] = Trainer(small_config(output_dir, 1, global_batch, **bf16), Mesh.single(), device)
     runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **fp32), Mesh.single(), device)
-    losses = {name: [] for name in runs}
-    grads = {}
-    for step in range(STEPS):
-        for name, trainer in runs.items():
-            captured = {}
-            losses[name].append(trainer.train_step(lambda opt, captured=captured: captured.update(
-                opt.logical_grads()))["loss"])
-            if step == 0:
-                grads[name] = captured
+    losses, grads = train_side_by_side(runs, STEPS)
     tensors, violations = bf16_rule(layouts, grads, losses)
     report = {"rank": mesh.rank, "world": world, "losses": losses, "violations": violations, "tensors": tensors,
               "orders": {name: sorted({name for _, _, name in runs[name].stage_order}) for name in layouts},

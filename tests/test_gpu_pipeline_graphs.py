@@ -19,7 +19,8 @@ import sys
 import pytest
 import torch
 
-from tests.gpu_launch import bf16_rule, cpu_skip_reason, launch_ranks, worker_device_type, write_report
+from tests.gpu_launch import (bf16_rule, cpu_skip_reason, launch_ranks, train_side_by_side, worker_device_type,
+                              write_report)
 
 STEPS = 3
 MICRO_BATCHES = 8  # of 2 sequences a pipeline
@@ -81,15 +82,7 @@ def gpu_case(output_dir: str) -> dict:
               for name in layouts}
     runs["single_bf16"] = Trainer(small_config(output_dir, 1, global_batch, **bf16), Mesh.single(), device)
     runs["single_fp32"] = Trainer(small_config(output_dir, 1, global_batch, **fp32), Mesh.single(), device)
-    losses = {name: [] for name in runs}
-    grads = {}
-    for step in range(STEPS):
-        for name, trainer in runs.items():
-            captured = {}
-            losses[name].append(trainer.train_step(lambda opt, captured=captured: captured.update(
-                opt.logical_grads()))["loss"])
-            if step == 0:
-                grads[name] = captured
+    losses, grads = train_side_by_side(runs, STEPS)
     tensors, violations = bf16_rule(layouts, grads, losses)
     report = {"rank": mesh.rank, "pp_rank": mesh.pp.rank, "losses": losses, "violations": violations,
               "tensors": tensors, "copies": copies, "skipped": {name: why for name, why in skipped.items() if why}}
