@@ -481,7 +481,7 @@ gpu0_tests() {  # log name, then test files: pytest -m gpu on the visible GPU(s)
   local log=$out/gpu_tests_$1_1x$gpu.txt
   shift
   echo "# $(date -u '+%F %H:%M UTC'); 1 GPU: PYTHONPATH=. python -m pytest -m gpu -p no:cacheprovider -rfEs $*" > "$log"
-  timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tee "${log%.txt}_full.log" \
+  timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tee "${log%.txt}_full.log" \
     | tail -n 6 | tee -a "$log"
   cp "$log" $res/
 }
@@ -601,7 +601,7 @@ gpu_tests() {  # GPUs, log name, then test files: pytest -m gpu on the visible G
   local log=$out/gpu_tests_$2_$1x$gpu.txt
   shift 2
   echo "# $(date -u '+%F %H:%M UTC'); PYTHONPATH=. python -m pytest -m gpu -rfEs $*" > "$log"
-  timeout -k 10 200 python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tee "${log%.txt}_full.log" \
+  timeout -k 10 "$(left)" python -m pytest -m gpu -p no:cacheprovider -rfEs "$@" 2>&1 | tee "${log%.txt}_full.log" \
     | tail -n 14 | tee -a "$log"
   cp "$log" $res/
   pack
@@ -3660,6 +3660,11 @@ PY
     # for the four files chunk_graphs_tests2 ran on it; about 450 s on nvidia-h200-x2
     suite_rest suite_chunks tests/test_gpu_pipeline_graphs.py tests/test_gpu_microbatch_overlap.py \
       tests/test_gpu_routing_replay.py tests/test_gpu_master.py
+    ;;
+  side_by_side_tests2)  # (2026-11-30, second session) the GPU tests that now step their runs through
+    # gpu_launch.train_side_by_side: every PP schedule graphed, pairing, FP8 layouts; about 250 s on nvidia-h200-x2
+    gpu_tests 2 side_by_side tests/test_gpu_pipeline_graphs.py tests/test_gpu_microbatch_overlap.py \
+      tests/test_gpu_fp8_layouts.py
     ;;
   interleaved_graphs4)  # (written 2026-11-30, second session, not run: no 4-GPU kind lent; about 550 s on
     # nvidia-h200-x4.) Graphed MoE layers under every PP schedule with an exchange: the GPU test at 4 ranks (PP=2 x
