@@ -2,7 +2,9 @@
 steps of one model with the switch off (plain accumulation, the config's dispatch), on, and compute-only (on, with
 ``overlap.moe_compute_only``: each rank's rows stay in its own memory while sizes and signals still travel, the
 limit; at EP=1 the same as off: nothing is exchanged), round-robin in blocks of steps on ONE trainer, so that every
-variant sees the same weights, memory and clocks. Any world size; EP = the config's.
+variant sees the same weights, memory and clocks. Any world size; EP = the config's. Each block trains on its own
+steps' batches, so compute-only routes by its own routing, not off's or on's (benchmarks/train_step.py's
+compute_only row routes as its config row did: layers/routing_replay.py); compare them with balanced routing.
 
     python benchmarks/ep_microbatch_overlap.py configs/bench_fine_8l.yaml --json out.json --timeline out.png
     torchrun --nproc-per-node 2 benchmarks/ep_microbatch_overlap.py configs/bench_fine_8l.yaml \
