@@ -3650,6 +3650,17 @@ PY
       --variant streams:overlap.overlap_moe_expert_parallel_comm=true --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-400
     ;;
+  p2p_overlap2)  # (2026-11-30, second session) zb_graphs2's 1F1B row with overlap.overlap_p2p_comm=true ran 167.6K
+    # tokens/s against interleaved_graphs2's 1F1B without it, 183.4K (other launches): does overlapping the P2P slow
+    # 1F1B? The fine bench model at PP=2 (EP=1), 1F1B, graphed and eager, each with and without, twice; ~250 s
+    name=train_step_fine_8l_pp2_p2p_overlap_2x$gpu
+    timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py configs/bench_fine_8l.yaml \
+      parallel.pipeline_model_parallel_size=2 $BAL --warmup 3 --steps 5 --profile-steps 0 \
+      --variant p2p_overlap:overlap.overlap_p2p_comm=true --variant eager:train.moe_cuda_graph=false \
+      --variant eager_p2p_overlap:train.moe_cuda_graph=false,overlap.overlap_p2p_comm=true --variant "again:" \
+      --variant p2p_overlap_again:overlap.overlap_p2p_comm=true --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ;;
   chunk_graphs_tests2)  # (2026-11-30, second session) the GPU tests that capture MoE graphs, after the capture moved
     # to one per model chunk (MixtralModel.graph_moe_layers): interleaved 1F1B, pairs on streams, the routing replay's
     # slots and the master test's 2-rank layouts; about 400 s on nvidia-h200-x2
