@@ -3661,6 +3661,16 @@ PY
       --variant p2p_overlap_again:overlap.overlap_p2p_comm=true --json $res/$name.json 2>&1 \
       | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
     ;;
+  p2p_channels2)  # (2026-11-30, second session) after p2p_overlap2 (overlapped P2P 6% slower under 1F1B though it
+    # waits less): NCCL's P2P held to one channel (NCCL_MAX_P2P_NCHANNELS=1), so that a receive posted an action early
+    # holds fewer SMs beside the GEMMs; the same rows, graphed, twice; ~150 s
+    name=train_step_fine_8l_pp2_p2p_one_channel_2x$gpu
+    NCCL_MAX_P2P_NCHANNELS=1 timeout -k 10 "$(left)" torchrun --standalone --nproc-per-node 2 benchmarks/train_step.py \
+      configs/bench_fine_8l.yaml parallel.pipeline_model_parallel_size=2 $BAL --warmup 3 --steps 5 --profile-steps 0 \
+      --variant p2p_overlap:overlap.overlap_p2p_comm=true --variant "again:" \
+      --variant p2p_overlap_again:overlap.overlap_p2p_comm=true --json $res/$name.json 2>&1 \
+      | tee "$out/$name.log" | grep -E '^\{"variant"|Error' | cut -c1-300
+    ;;
   chunk_graphs_tests2)  # (2026-11-30, second session) the GPU tests that capture MoE graphs, after the capture moved
     # to one per model chunk (MixtralModel.graph_moe_layers): interleaved 1F1B, pairs on streams, the routing replay's
     # slots and the master test's 2-rank layouts; about 400 s on nvidia-h200-x2
